@@ -1,0 +1,101 @@
+"""The gateway's camera-trap classifier: a small CNN for 28x28 grayscale crops, split into a feature extractor
+``phi`` and a classification head ``psi``.
+
+The split is the one NIRA needs (DESIGN.md "Seeds"): ``phi`` is shared across clusters, ``psi`` is kept per cluster.
+No batch normalisation: per-example gradients (torch.func) and DP-SGD need every example's gradient to depend on
+that example only (Opacus makes the same rule); GroupNorm would also do but is not needed at this size.
+
+Architecture (105,866 parameters for 10 classes)::
+
+    phi: conv 1->16 3x3 pad 1, ReLU, max-pool 2  ->  conv 16->32 3x3 pad 1, ReLU, max-pool 2
+         -> flatten (32*7*7 = 1568) -> linear 1568->64, ReLU                       (B,1,28,28) -> (B,64)
+    psi: linear 64->num_classes                                                   (B,64) -> (B,num_classes)
+
+Input: float32 (B, 1, 28, 28) in [0, 1] (uint8 pixels / 255). Output: float32 logits.
+torch is imported lazily by :func:`build_model` and friends so that a coordinator or a gateway without torch can
+import this module's constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["IMAGE_SIZE", "FEATURE_DIM", "build_model", "initial_weights", "to_numpy_state", "load_numpy_state",
+           "preprocess"]
+
+IMAGE_SIZE = 28
+FEATURE_DIM = 64
+
+
+def build_model(num_classes: int = 10) -> "torch.nn.Module":
+    """A fresh :class:`CameraCNN` (``torch.nn.Module``) with attributes ``phi`` and ``psi``."""
+    import torch
+    from torch import nn
+
+    class CameraCNN(nn.Module):
+        """phi (features) + psi (head); see the module docstring."""
+
+        def __init__(self, num_classes: int) -> None:
+            super().__init__()
+            self.phi = nn.Sequential(
+                nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Flatten(), nn.Linear(32 * 7 * 7, FEATURE_DIM), nn.ReLU())
+            self.psi = nn.Linear(FEATURE_DIM, num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.psi(self.phi(x))
+
+    if type(num_classes) is not int or num_classes < 2:
+        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    return CameraCNN(num_classes)
+
+
+def to_numpy_state(model: "torch.nn.Module") -> dict[str, np.ndarray]:
+    """``{parameter name: float32 array}`` (copies), names like ``phi.0.weight``, ``psi.bias``."""
+    return {name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in model.named_parameters()}
+
+
+def load_numpy_state(model: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
+    """Copy ``tensors`` into ``model``'s parameters in place.
+
+    Raises:
+        ValueError: names or shapes differ from the model's.
+    """
+    import torch
+
+    params = dict(model.named_parameters())
+    if set(params) != set(tensors):
+        raise ValueError(f"weights do not match the model: missing {sorted(set(params) - set(tensors))}, "
+                         f"unexpected {sorted(set(tensors) - set(params))}")
+    with torch.no_grad():
+        for name, p in params.items():
+            value = np.asarray(tensors[name])
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {value.shape} differs from the model's {tuple(p.shape)}")
+            p.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
+
+
+def initial_weights(num_classes: int = 10, seed: int = 0) -> dict[str, np.ndarray]:
+    """PyTorch's default initialisation of :func:`build_model`, drawn with ``seed``: the round-0 global model."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return to_numpy_state(build_model(num_classes))
+
+
+def preprocess(images: np.ndarray) -> Any:
+    """uint8 (B, 28, 28) pixels -> float32 torch tensor (B, 1, 28, 28) in [0, 1]."""
+    import torch
+
+    images = np.asarray(images)
+    if images.ndim != 3 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE):
+        raise ValueError(f"expected images of shape (B, {IMAGE_SIZE}, {IMAGE_SIZE}), got {images.shape}")
+    return torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
