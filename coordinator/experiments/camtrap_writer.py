@@ -1,0 +1,271 @@
+"""Write one demo site's images as a Camera Trap Data Package (Camtrap DP 1.0).
+
+Standard: Camtrap DP 1.0 (TDWG), profile
+https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/camtrap-dp-profile.json.
+The column order of the three tables is the standard's (and that of the official example package,
+``../shared/data/camtrap-dp-example``). What is written:
+
+- ``datapackage.json``: profile, name, id, created, contributors, project, spatial, temporal, taxonomic, licenses,
+  and the resources ``deployments`` / ``media`` / ``observations`` with their paths and table-schema URLs.
+- ``deployments.csv``: one deployment per site (the site's fictional coordinates, its monitoring period, habitat).
+- ``media.csv``: one PNG per image under ``media/``; ``filePath`` is ``media/<fileName>``, ``fileMediatype``
+  ``image/png``, ``captureMethod`` ``activityDetection``, ``filePublic`` ``false`` (the images never leave the site).
+- ``observations.csv``: one media-level observation per image (``observationLevel`` ``media``,
+  ``observationType`` ``animal``, the class's ``scientificName``, ``count`` 1, ``eventStart`` = ``eventEnd`` = the
+  image timestamp, ``classificationMethod`` ``human``: the dataset's labels were assigned by people).
+
+The package is built in a temporary folder beside ``out_dir`` and renamed into place, so a reader sees either no
+package or a complete one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import WildFedError
+
+from .animal_mnist import PACKAGE_SPEC, SPECIES_TABLE, SpeciesTable
+from .ecology import SiteSpec
+
+__all__ = [
+    "CAMTRAP_DP_PROFILE",
+    "DEPLOYMENTS_COLUMNS",
+    "MEDIA_COLUMNS",
+    "OBSERVATIONS_COLUMNS",
+    "CamtrapWriteError",
+    "write_camtrap_dp",
+]
+
+CAMTRAP_DP_VERSION = "1.0.2"
+CAMTRAP_DP_PROFILE = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/camtrap-dp-profile.json"
+_SCHEMA_URL = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/{{}}-table-schema.json"
+
+DEPLOYMENTS_COLUMNS: tuple[str, ...] = (
+    "deploymentID", "locationID", "locationName", "latitude", "longitude", "coordinateUncertainty",
+    "deploymentStart", "deploymentEnd", "setupBy", "cameraID", "cameraModel", "cameraDelay", "cameraHeight",
+    "cameraDepth", "cameraTilt", "cameraHeading", "detectionDistance", "timestampIssues", "baitUse", "featureType",
+    "habitat", "deploymentGroups", "deploymentTags", "deploymentComments",
+)
+"""Camtrap DP 1.0 ``deployments`` columns, in the standard's order."""
+MEDIA_COLUMNS: tuple[str, ...] = (
+    "mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName", "fileMediatype",
+    "exifData", "favorite", "mediaComments",
+)
+"""Camtrap DP 1.0 ``media`` columns, in the standard's order."""
+OBSERVATIONS_COLUMNS: tuple[str, ...] = (
+    "observationID", "deploymentID", "mediaID", "eventID", "eventStart", "eventEnd", "observationLevel",
+    "observationType", "cameraSetupType", "scientificName", "count", "lifeStage", "sex", "behavior", "individualID",
+    "individualPositionRadius", "individualPositionAngle", "individualSpeed", "bboxX", "bboxY", "bboxWidth",
+    "bboxHeight", "classificationMethod", "classifiedBy", "classificationTimestamp", "classificationProbability",
+    "observationTags", "observationComments",
+)
+"""Camtrap DP 1.0 ``observations`` columns, in the standard's order."""
+
+DAYS_PER_MONTH = 30.4375  # mean Gregorian month
+
+
+class CamtrapWriteError(WildFedError, ValueError):
+    """Bad input to :func:`write_camtrap_dp` (shapes, labels, destination); nothing was written."""
+
+
+def _iso(ts: datetime) -> str:
+    """ISO 8601 with seconds and a UTC offset (``2024-01-31T06:12:00+00:00``), as Camtrap DP requires."""
+    return ts.isoformat(timespec="seconds")
+
+
+def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, object]]) -> None:
+    """UTF-8 CSV, LF line ends, header ``columns``; missing keys are written empty."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(columns), lineterminator="\n", restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _write_pngs(media_dir: Path, names: Sequence[str], images: np.ndarray) -> None:
+    """One 8-bit grayscale (mode ``L``) PNG per image; lossless, so pixels read back exactly."""
+    from PIL import Image  # edge / coordinator extra; imported where it is needed
+
+    media_dir.mkdir()
+    for name, image in zip(names, images, strict=True):
+        Image.fromarray(np.ascontiguousarray(image)).save(media_dir / name, format="PNG")
+
+
+def write_camtrap_dp(
+    out_dir: str | os.PathLike[str],
+    *,
+    site: SiteSpec,
+    images: np.ndarray,
+    labels: np.ndarray,
+    start_time: datetime,
+    species_table: SpeciesTable = SPECIES_TABLE,
+    source_indices: np.ndarray | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``site``'s images as a Camtrap DP 1.0 package at ``out_dir``, atomically.
+
+    Args:
+        out_dir: the package folder to create (its parent must exist or is created).
+        site: the site (deployment ID, coordinates, habitat, monitoring months).
+        images: uint8 array, shape (N, H, W), grey levels 0-255 (Animal-MNIST: H = W = 28).
+        labels: integer array, shape (N,), class index of each image into ``species_table``.
+        start_time: timezone-aware deployment start; the deployment ends ``site.monitoring_months`` months
+            (30.4375 days each) later.
+        species_table: class -> scientific name table (default: the demo's
+            :data:`~coordinator.experiments.animal_mnist.SPECIES_TABLE`).
+        source_indices: int array, shape (N,): each image's index in the published dataset; recorded in
+            ``observationTags`` as ``sourceIndex:<i>`` for traceability. Default ``0..N-1``.
+        seed: seeds the image timestamps (independent uniform draws over the deployment, to the second); the
+            tables list the images in timestamp order.
+        overwrite: replace an existing ``out_dir`` (the old one is removed only after the new one is complete).
+
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        CamtrapWriteError: wrong shapes or dtypes, a label outside the table, a naive ``start_time``, or
+            ``out_dir`` exists and ``overwrite`` is false. Nothing is written in these cases.
+        OSError: the file system failed; the temporary folder is removed and ``out_dir`` is untouched.
+    """
+    out = Path(out_dir)
+    images = np.asarray(images)
+    labels = np.asarray(labels)
+    n = images.shape[0] if images.ndim == 3 else -1
+    if images.dtype != np.uint8 or images.ndim != 3 or n < 1:
+        raise CamtrapWriteError(f"images must be a non-empty uint8 (N, H, W) array, got {images.dtype} {images.shape}")
+    if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
+        raise CamtrapWriteError(f"labels must be an integer ({n},) array, got {labels.dtype} {labels.shape}")
+    if labels.min() < 0 or labels.max() >= len(species_table):
+        raise CamtrapWriteError(
+            f"labels must lie in 0..{len(species_table) - 1} (the species table), got {labels.min()}..{labels.max()}"
+        )
+    if n != site.num_images:
+        raise CamtrapWriteError(f"site {site.site_id} has {site.num_images} images, {n} were given")
+    if source_indices is None:
+        source_indices = np.arange(n, dtype=np.int64)
+    source_indices = np.asarray(source_indices)
+    if source_indices.shape != (n,):
+        raise CamtrapWriteError(f"source_indices must have shape ({n},), got {source_indices.shape}")
+    if np.unique(source_indices).size != n:
+        raise CamtrapWriteError("source_indices must be unique (they name the media files)")
+    if start_time.tzinfo is None or start_time.utcoffset() is None:
+        raise CamtrapWriteError("start_time must be timezone-aware (Camtrap DP timestamps carry an offset); "
+                                "fix: pass e.g. datetime(2024, 1, 1, tzinfo=timezone.utc)")
+    if out.exists() and not overwrite:
+        raise CamtrapWriteError(f"{out} already exists; fix: choose another folder or pass overwrite=True")
+
+    start = start_time.replace(microsecond=0)
+    end = start + timedelta(days=site.monitoring_months * DAYS_PER_MONTH)
+    span_s = int((end - start).total_seconds())
+    rng = np.random.default_rng(seed)
+    offsets = rng.integers(0, span_s, size=n)  # image i was taken offsets[i] seconds after the start
+    order = np.argsort(offsets, kind="stable")  # tables list media chronologically, as camera exports do
+    stamps = [_iso(start + timedelta(seconds=int(offsets[i]))) for i in order]
+    media_ids = [f"{site.site_id}-{int(source_indices[i]):05d}" for i in order]
+    file_names = [f"{m}.png" for m in media_ids]
+    entries = [species_table[int(labels[i])] for i in order]
+    images = images[order]
+    source_indices = source_indices[order]
+
+    deployment = {
+        "deploymentID": site.site_id,
+        "locationID": f"loc-{site.site_id}",
+        "locationName": f"{site.biome} {site.site_id}",
+        "latitude": f"{site.latitude:.3f}",
+        "longitude": f"{site.longitude:.3f}",
+        "coordinateUncertainty": 100,
+        "deploymentStart": _iso(start),
+        "deploymentEnd": _iso(end),
+        "setupBy": "WildFed demo",
+        "cameraID": f"cam-{site.site_id}",
+        "timestampIssues": "false",
+        "baitUse": "false",
+        "habitat": site.habitat,
+        "deploymentGroups": f"biome:{site.biome}",
+        "deploymentComments": "Fictional deployment: Animal-MNIST images placed by WildFed's ecological site design",
+    }
+    media_rows = [
+        {
+            "mediaID": m, "deploymentID": site.site_id, "captureMethod": "activityDetection", "timestamp": ts,
+            "filePath": f"media/{f}", "filePublic": "false", "fileName": f, "fileMediatype": "image/png",
+        }
+        for m, f, ts in zip(media_ids, file_names, stamps, strict=True)
+    ]
+    observation_rows = [
+        {
+            "observationID": f"{m}_1", "deploymentID": site.site_id, "mediaID": m, "eventStart": ts, "eventEnd": ts,
+            "observationLevel": "media", "observationType": "animal", "scientificName": e.scientific_name,
+            "count": 1, "classificationMethod": "human", "classifiedBy": f"{PACKAGE_SPEC} labels",
+            "observationTags": f"datasetClass:{e.class_name} | sourceIndex:{int(i)}",
+        }
+        for m, ts, e, i in zip(media_ids, stamps, entries, source_indices, strict=True)
+    ]
+    present = sorted({int(c) for c in labels})
+    descriptor = {
+        "resources": [
+            {
+                "name": name, "path": f"{name}.csv", "profile": "tabular-data-resource", "format": "csv",
+                "mediatype": "text/csv", "encoding": "utf-8", "schema": _SCHEMA_URL.format(name),
+            }
+            for name in ("deployments", "media", "observations")
+        ],
+        "profile": CAMTRAP_DP_PROFILE,
+        "name": f"wildfed-demo-{site.site_id}",
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"wildfed-demo/{site.site_id}/{_iso(start)}/{seed}")),
+        "created": _iso(datetime.now(timezone.utc)),
+        "title": f"WildFed demo camera-trap site {site.site_id} ({site.biome})",
+        "description": ("Animal-MNIST silhouettes (" + PACKAGE_SPEC + ") arranged as one camera-trap deployment by "
+                        "WildFed's ecological site design. Coordinates and timestamps are fictional."),
+        "version": "1.0",
+        "contributors": [{"title": "WildFed demo", "role": "contact"}],
+        "licenses": [{"name": "MIT", "scope": "data"}, {"name": "MIT", "scope": "media"}],
+        "project": {
+            "title": "WildFed federated-learning demo",
+            "samplingDesign": "targeted",
+            "captureMethod": ["activityDetection"],
+            "individualAnimals": False,
+            "observationLevel": ["media"],
+        },
+        "coordinatePrecision": 0.001,
+        "spatial": {"type": "Point", "coordinates": [round(site.longitude, 3), round(site.latitude, 3)]},
+        "temporal": {"start": start.date().isoformat(), "end": end.date().isoformat()},
+        "taxonomic": [
+            {
+                "scientificName": species_table[c].scientific_name,
+                "taxonRank": "species",
+                "vernacularNames": {"eng": species_table[c].common_name},
+            }
+            for c in present
+        ],
+    }
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_pngs(tmp / "media", file_names, images)
+        _write_csv(tmp / "deployments.csv", DEPLOYMENTS_COLUMNS, [deployment])
+        _write_csv(tmp / "media.csv", MEDIA_COLUMNS, media_rows)
+        _write_csv(tmp / "observations.csv", OBSERVATIONS_COLUMNS, observation_rows)
+        (tmp / "datapackage.json").write_text(json.dumps(descriptor, indent=2) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out.exists():  # overwrite: move the old package aside, put the new one in, then drop the old one
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "pkg")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
