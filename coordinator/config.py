@@ -1,0 +1,167 @@
+"""The coordinator's configuration: one pydantic model, loaded from YAML.
+
+Example (``wildfed-coordinator init`` writes this)::
+
+    federation_id: wildfed-demo
+    data_dir: ./coordinator-data          # blobs/, models/ and the default SQLite database
+    database_url: null                    # null -> sqlite:///<data_dir>/coordinator.db; or postgresql+psycopg2://...
+    signing_key_path: keys/coordinator.key
+    public_key_path: keys/coordinator.pub
+    broker_url: mqtt://127.0.0.1:1883
+    rounds: 10
+    quorum_fraction: 1.0                  # fraction of selected sites whose updates close a round early
+    round_deadline_s: 600
+    local_steps: 20
+    expected_batch_size: 32               # records per step in expectation (q = B / N_k at each site)
+    learning_rate: 0.1                    # local SGD step size
+    server_learning_rate: 1.0             # 1.0 = FedAvg
+    clipping_norm: 1.0                    # L2 norm C of each per-example gradient
+    target_delta: 1.0e-5
+    privacy: ccdp                         # or "none" (no DP; for comparison runs only)
+    budget: {kind: from_anchor, category: VU, epsilon: 1.0, gamma: 1.0}   # or {kind: from_max, eps_max: 2, gamma: 1}
+    num_classes: 10
+    seed: 0                               # model init and site sampling only
+    task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
+
+Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
+value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from shared.config import StrictModel, load_yaml, validation_errors
+from shared.errors import ConfigError
+from shared.iucn import CCDPBudget, IUCNCategory
+
+__all__ = ["BudgetFromMax", "BudgetFromAnchor", "CoordinatorConfig", "load_config", "save_config"]
+
+
+class BudgetFromMax(StrictModel):
+    """CCDP budget in the seed's form: ``eps_c = eps_max * (rank(c)/6) ** gamma`` (shared.iucn.CCDPBudget)."""
+
+    kind: Literal["from_max"] = "from_max"
+    eps_max: float = Field(2.0, gt=0, description="NE budget (total epsilon per record over the federation)")
+    gamma: float = Field(1.0, ge=0)
+
+    def to_budget(self) -> CCDPBudget:
+        """The :class:`shared.iucn.CCDPBudget`."""
+        return CCDPBudget.from_max(eps_max=self.eps_max, gamma=self.gamma)
+
+
+class BudgetFromAnchor(StrictModel):
+    """CCDP budget pinned at one category: ``eps_c = epsilon * (rank(c)/rank(category)) ** gamma``."""
+
+    kind: Literal["from_anchor"] = "from_anchor"
+    category: IUCNCategory = IUCNCategory.VU
+    epsilon: float = Field(1.0, gt=0)
+    gamma: float = Field(2.0, ge=0)
+
+    def to_budget(self) -> CCDPBudget:
+        """The :class:`shared.iucn.CCDPBudget`."""
+        return CCDPBudget.from_anchor(category=self.category, epsilon=self.epsilon, gamma=self.gamma)
+
+
+Budget = Annotated[BudgetFromMax | BudgetFromAnchor, Field(discriminator="kind")]
+
+
+class CoordinatorConfig(StrictModel):
+    """Everything a :class:`coordinator.service.Coordinator` is built from (units in field descriptions).
+
+    Immutable (shared.config.StrictModel: unknown keys are errors). Build with :func:`load_config` (YAML) or
+    :func:`config_from_dict`.
+    """
+
+    federation_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    data_dir: Path = Path("coordinator-data")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; None -> SQLite in data_dir")
+    signing_key_path: Path = Path("keys/coordinator.key")
+    public_key_path: Path = Path("keys/coordinator.pub")
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    rounds: int = Field(10, ge=1)
+    sites_per_round: int | None = Field(None, ge=1, description="None -> every non-halted site")
+    quorum_fraction: float = Field(1.0, gt=0, le=1)
+    round_deadline_s: float = Field(600.0, gt=0, description="seconds a round waits for its quorum")
+    local_steps: int = Field(20, ge=1)
+    expected_batch_size: int = Field(32, ge=1, description="expected records per local step")
+    learning_rate: float = Field(0.1, gt=0, description="local SGD step size")
+    server_learning_rate: float = Field(1.0, gt=0, description="server SGD step; 1.0 = FedAvg")
+    clipping_norm: float = Field(1.0, gt=0, description="L2 clipping norm C of per-example gradients")
+    target_delta: float = Field(1e-5, gt=0, lt=1)
+    privacy: Literal["ccdp", "none"] = "ccdp"
+    budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
+                                                                      gamma=1.0))
+    accountant: Literal["rdp", "pld"] = "rdp"
+    num_classes: int = Field(10, ge=2)
+    seed: int | None = Field(0, description="round-0 model initialisation and site sampling (never privacy noise)")
+    task_seed: int | None = Field(None, description="seed sent to gateways in every task for reproducible local "
+                                  "training INCLUDING privacy noise; tests only (gateways ignore it unless they "
+                                  "allow seeded noise)")
+
+    @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+    # -- derived -------------------------------------------------------------------------------------------------
+    def ccdp_budget(self) -> CCDPBudget:
+        """The per-category budget object (shared.iucn.CCDPBudget)."""
+        return self.budget.to_budget()
+
+    def budgets(self) -> dict[IUCNCategory, float]:
+        """``{category: total epsilon}`` for all six IUCN categories."""
+        return self.ccdp_budget().table()
+
+    def resolved(self, base_dir: str | os.PathLike[str]) -> "CoordinatorConfig":
+        """A copy with relative paths made absolute against ``base_dir`` and ``database_url`` filled in."""
+        base = Path(base_dir)
+
+        def fix(p: Path) -> Path:
+            return p if p.is_absolute() else (base / p).resolve()
+
+        data_dir = fix(self.data_dir)
+        url = self.database_url or f"sqlite:///{data_dir / 'coordinator.db'}"
+        return self.model_copy(update={"data_dir": data_dir, "signing_key_path": fix(self.signing_key_path),
+                                       "public_key_path": fix(self.public_key_path), "database_url": url})
+
+
+def load_config(path: str | os.PathLike[str]) -> CoordinatorConfig:
+    """Read a YAML config (shared.config.load_yaml) and resolve its paths against the file's folder.
+
+    Raises:
+        ConfigError: missing file, bad YAML, or invalid fields (names file, every bad field, and the fix).
+    """
+    path = Path(path)
+    return load_yaml(path, CoordinatorConfig).resolved(path.parent)
+
+
+def config_from_dict(data: dict[str, Any], *, source: object = "<config>") -> CoordinatorConfig:
+    """Validate a dict into a :class:`CoordinatorConfig` (paths left as given).
+
+    Raises:
+        ConfigError: an invalid field.
+    """
+    try:
+        return CoordinatorConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = validation_errors(exc)
+        detail = "; ".join(f"{f}: {m}" for f, m in problems)
+        raise ConfigError(f"{len(problems)} invalid field(s): {detail}", source=source, field=problems[0][0],
+                          fix="correct the listed fields (see coordinator/config.py for units and ranges)") from exc
+
+
+def save_config(config: CoordinatorConfig, path: str | os.PathLike[str]) -> Path:
+    """Write ``config`` as YAML (JSON-mode dump, so enums and paths are plain strings)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path

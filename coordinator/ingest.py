@@ -1,0 +1,433 @@
+"""Ingest: turn one raw MQTT message into an accepted update or a counted, stored rejection.
+
+:meth:`Ingestor.handle` checks, in this order (the first failure decides the reason code):
+
+==== ======================================================================== =====================
+ #    check                                                                    reason on failure
+==== ======================================================================== =====================
+ 1    bytes parse as an envelope (shared.envelope.Envelope.from_bytes)          ``malformed_envelope``
+ 2    topic is a WildFed update topic                                           ``bad_topic``
+ 3    header kind is UPDATE                                                     ``wrong_kind``
+ 4    federation id of header and topic is ours                                 ``wrong_federation``
+ 5    site in the topic == site in the header                                   ``topic_mismatch``
+ 6    site is enrolled                                                          ``unknown_site``
+ 7    Ed25519 signature, payload length and SHA-256 verify (site's key)         ``bad_signature``
+ 8    a round is open and the header's round is it                              ``wrong_round``
+      (an update for a *past* round that selected the site is ``late``: its
+      reported events are charged to the ledger, it is never aggregated)      ``late``
+ 9    the site was selected for this round                                      ``not_selected``
+ 10   base_model_hash == the round's global model hash                          ``stale_model``
+ 11   no update from this site was accepted for this round                      ``duplicate``
+ 12   payload decodes (shared.protocol.decode_update)                           ``malformed_payload``
+ 13   tensors have the model's names, shapes and dtypes                         ``wrong_tensors``
+ 14   every value is finite                                                     ``non_finite``
+ 15   report is sane: num_examples >= 1, 1 <= local_steps <= task's, each       ``bad_report``
+      event's steps <= local_steps, events present when privacy is on
+ 16   no halted category was trained                                            ``halted_category``
+ 17   no event takes its (site, category) spend past the budget                 ``over_budget``
+==== ======================================================================== =====================
+
+Charging refused updates: an update that verified, came from a site selected for its round, and decodes, shows
+that the site *ran* those DP-SGD steps and that the coordinator has seen their output. Such updates refused as
+``late``, ``halted_category`` or ``over_budget`` are therefore charged to the ledger immediately (durably), even
+though nothing derived from them is ever released: the ledger reports what sites spent, never less.
+
+Every rejection is logged with its reason, stored (``rejections`` table), counted per reason, and never reaches
+the aggregate. Only the library's typed errors are caught (``EnvelopeError`` subclasses, ``ConfigError`` from
+identifier checks); anything else is a bug and propagates to the transport, which logs it.
+
+An accepted update is handled in this order: payload stored durably (blob fsync-ed + row committed), THEN a signed
+ACK is published on the site's ack topic, THEN the delta is folded into the round's running sum. A site whose
+signature verified but whose update was refused gets a signed negative ACK with the reason; a re-delivery of an
+already stored update (same payload hash; MQTT QoS 1 is at-least-once) is counted as ``duplicate`` and re-ACKed
+positively so the gateway can drop it from its outbox.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from shared.codec import decode_tensors
+from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError, PayloadError, SignatureError
+from shared.iucn import IUCNCategory
+from shared.privacy.events import DPSGDEvent
+from shared.protocol import Ack, UpdateReport, decode_update, encode_ack
+from shared.topics import ack_topic, parse_topic
+
+from coordinator.ledger import LedgerError, PrivacyLedger
+from coordinator.registry import SiteRegistry, UnknownSiteError
+from coordinator.storage import RoundRow, Store, UpdateRow
+from coordinator.strategies.base import Strategy
+from coordinator.transport import Transport, TransportError
+
+__all__ = ["RejectReason", "Accepted", "Rejected", "RoundContext", "Ingestor"]
+
+log = logging.getLogger(__name__)
+
+
+class RejectReason(str, enum.Enum):
+    """Stable reason codes of rejected messages (stored and counted in ``status``)."""
+
+    MALFORMED_ENVELOPE = "malformed_envelope"
+    BAD_TOPIC = "bad_topic"
+    WRONG_KIND = "wrong_kind"
+    WRONG_FEDERATION = "wrong_federation"
+    TOPIC_MISMATCH = "topic_mismatch"
+    UNKNOWN_SITE = "unknown_site"
+    BAD_SIGNATURE = "bad_signature"
+    WRONG_ROUND = "wrong_round"
+    LATE = "late"
+    NOT_SELECTED = "not_selected"
+    STALE_MODEL = "stale_model"
+    DUPLICATE = "duplicate"
+    MALFORMED_PAYLOAD = "malformed_payload"
+    WRONG_TENSORS = "wrong_tensors"
+    NON_FINITE = "non_finite"
+    BAD_REPORT = "bad_report"
+    HALTED_CATEGORY = "halted_category"
+    OVER_BUDGET = "over_budget"
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """An update that passed every check and is stored durably.
+
+    Attributes:
+        site_id, round, sequence: from the verified header.
+        num_examples: N_k reported by the site (records in its non-halted categories; declared public metadata).
+        weight: the FedAvg weight used (= ``num_examples``).
+        payload_sha256: name of the stored blob.
+        events: ``{category: DPSGDEvent}`` the site ran (charged to the ledger when the round closes).
+    """
+
+    site_id: str
+    round: int
+    sequence: int
+    num_examples: int
+    weight: float
+    payload_sha256: str
+    events: Mapping[IUCNCategory, DPSGDEvent]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A refused message: ``reason`` (code), ``detail`` (human-readable), the typed error's class name, and the
+    site / round when they were known."""
+
+    reason: RejectReason
+    detail: str
+    error_kind: str
+    site_id: str | None = None
+    round: int | None = None
+
+
+@dataclass
+class RoundContext:
+    """What ingest must know about the open round (built by :class:`coordinator.rounds.RoundManager`).
+
+    Attributes:
+        round: round number.
+        model_hash: hash of the global model the round trains from (shared.codec.model_hash).
+        template: the global weights (names, shapes, dtypes are what updates must match).
+        selected: sites offered the round.
+        halted: per site, the categories it must not have trained.
+        budgets: total epsilon per IUCN category.
+        privacy: ``"ccdp"`` or ``"none"``.
+        local_steps: steps the task asked for.
+        strategy: running aggregate (``begin_round`` already called).
+        accepted: filled by ingest, site id -> :class:`Accepted`.
+    """
+
+    round: int
+    model_hash: str
+    template: Mapping[str, np.ndarray]
+    selected: frozenset[str]
+    halted: Mapping[str, frozenset[IUCNCategory]]
+    budgets: Mapping[IUCNCategory, float]
+    privacy: str
+    local_steps: int
+    strategy: Strategy
+    accepted: dict[str, Accepted] = field(default_factory=dict)
+
+
+class _Reject(Exception):
+    """Internal control flow: carries a rejection out of the check chain."""
+
+    def __init__(self, reason: RejectReason, detail: str, error: BaseException | None = None) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.error_kind = type(error).__name__ if error is not None else "check"
+
+
+class Ingestor:
+    """Verifies, stores, acknowledges and aggregates incoming updates (see the module docstring).
+
+    Args:
+        federation_id: our federation.
+        store, registry, ledger: coordinator state.
+        transport: where ACKs are published.
+        signing_key: the coordinator's Ed25519 key (signs ACKs).
+
+    Thread-safe: :meth:`handle` serialises on an internal lock (paho calls it from its network thread). After each
+    message ``changed`` (a ``threading.Condition``) is notified so a waiting round manager can check its quorum.
+    """
+
+    def __init__(self, *, federation_id: str, store: Store, registry: SiteRegistry, ledger: PrivacyLedger,
+                 transport: Transport, signing_key: Ed25519PrivateKey) -> None:
+        self.federation_id = federation_id
+        self._store = store
+        self._registry = registry
+        self._ledger = ledger
+        self._transport = transport
+        self._key = signing_key
+        self._ctx: RoundContext | None = None
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        self.counts: Counter[str] = Counter()
+
+    # ---- round lifecycle ---------------------------------------------------------------------------------------
+    def open_round(self, ctx: RoundContext) -> None:
+        """Start accepting updates for ``ctx.round``."""
+        with self._lock:
+            self._ctx = ctx
+
+    def close_round(self) -> RoundContext | None:
+        """Stop accepting; return the closed round's context (with its accepted updates)."""
+        with self._lock:
+            ctx, self._ctx = self._ctx, None
+            self.changed.notify_all()
+            return ctx
+
+    @property
+    def context(self) -> RoundContext | None:
+        """The open round's context, or None."""
+        return self._ctx
+
+    # ---- the entry point ---------------------------------------------------------------------------------------
+    def handle(self, topic: str, raw: bytes) -> Accepted | Rejected:
+        """Process one message from ``topic``. Never raises for bad input: returns :class:`Rejected` instead."""
+        with self._lock:
+            env: Envelope | None = None
+            verified = False
+            try:
+                env = self._parse(topic, raw)
+                self._verify(env)
+                verified = True
+                result: Accepted | Rejected = self._admit(env)
+            except _Reject as rej:
+                h = env.header if env is not None else None
+                result = Rejected(reason=rej.reason, detail=rej.detail, error_kind=rej.error_kind,
+                                  site_id=h.site_id if h is not None else None,
+                                  round=h.round if h is not None else None)
+                self._record_rejection(topic, result)
+                if verified and env is not None:
+                    self._nack(env, result)
+            self.changed.notify_all()
+            return result
+
+    def __call__(self, topic: str, raw: bytes) -> None:
+        """Transport callback form of :meth:`handle`."""
+        self.handle(topic, raw)
+
+    # ---- checks ------------------------------------------------------------------------------------------------
+    def _parse(self, topic: str, raw: bytes) -> Envelope:
+        try:
+            env = Envelope.from_bytes(raw)
+        except MalformedEnvelopeError as exc:
+            raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+        try:
+            t_fed, t_site, channel = parse_topic(topic)
+        except (MalformedEnvelopeError, ConfigError) as exc:
+            raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
+        h = env.header
+        if channel != "update" or h.kind != MessageKind.UPDATE:
+            raise _Reject(RejectReason.WRONG_KIND, f"expected an UPDATE on an update topic, got kind "
+                          f"{h.kind.value!r} on channel {channel!r}")
+        if h.federation_id != self.federation_id or t_fed != self.federation_id:
+            raise _Reject(RejectReason.WRONG_FEDERATION, f"federation {h.federation_id!r} (topic {t_fed!r}) is not "
+                          f"{self.federation_id!r}")
+        if t_site != h.site_id:
+            raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
+        return env
+
+    def _verify(self, env: Envelope) -> None:
+        h = env.header
+        try:
+            key = self._registry.get_public_key(h.site_id)
+        except UnknownSiteError as exc:
+            raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
+        try:
+            verify(env, key)
+        except SignatureError as exc:
+            raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+
+    def _admit(self, env: Envelope) -> Accepted:
+        h = env.header
+        ctx = self._ctx
+        if ctx is None or h.round != ctx.round:
+            open_r = "none" if ctx is None else str(ctx.round)
+            if self._selected_in_past_round(h.round, h.site_id):
+                self._charge_late(env)
+                raise _Reject(RejectReason.LATE, f"update for closed round {h.round} (open round is {open_r}); "
+                              "its events were charged to the ledger, it is not aggregated")
+            raise _Reject(RejectReason.WRONG_ROUND, f"update for round {h.round}, open round is {open_r}")
+        if h.site_id not in ctx.selected:
+            raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round {ctx.round}")
+        if h.base_model_hash != ctx.model_hash:
+            raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, round "
+                          f"{ctx.round} trains from {ctx.model_hash[:12]}")
+        if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
+            raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
+                          f"{ctx.round}")
+        # Tensors are checked before decode_update, which folds wrong dtypes and non-finite values into one
+        # PayloadError: here they get their own reason codes.
+        try:
+            raw_tensors, _ = decode_tensors(env.payload)
+        except PayloadError as exc:
+            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+        self._check_tensors(ctx, raw_tensors)
+        del raw_tensors
+        try:
+            report, delta = decode_update(env.payload)
+        except PayloadError as exc:
+            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+        events = self._check_report(ctx, h.site_id, report)
+        weight = float(report.num_examples)  # N_k: declared public (shared.protocol.UpdateReport, docs/privacy.md)
+
+        # 1. durable storage first
+        digest = self._store.put_blob(env.payload)
+        try:
+            with self._store.session() as s:
+                s.add(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
+                                num_examples=int(report.num_examples), payload_sha256=digest))
+        except IntegrityError as exc:  # another worker stored one first (unique round+site)
+            raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored for round {ctx.round}",
+                          exc) from exc
+        accepted = Accepted(site_id=h.site_id, round=ctx.round, sequence=h.sequence,
+                            num_examples=int(report.num_examples), weight=weight, payload_sha256=digest,
+                            events=events)
+        ctx.accepted[h.site_id] = accepted
+        # 2. then the ACK
+        self._send_ack(env, Ack(round=ctx.round, accepted=True, reason="stored"))
+        # 3. then the running sum
+        ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight))
+        self.counts["accepted"] += 1
+        log.info("ingest: accepted round %d update from %s (N=%d, %d bytes)", ctx.round, h.site_id,
+                 report.num_examples, len(env.payload))
+        return accepted
+
+    def _stored(self, round: int, site_id: str) -> UpdateRow | None:
+        with self._store.session() as s:
+            return s.scalars(select(UpdateRow).where(UpdateRow.round == round, UpdateRow.site_id == site_id)).first()
+
+    @staticmethod
+    def _check_tensors(ctx: RoundContext, delta: Mapping[str, np.ndarray]) -> None:
+        names, want = set(delta), set(ctx.template)
+        if names != want:
+            raise _Reject(RejectReason.WRONG_TENSORS, f"tensor names differ from the model: missing "
+                          f"{sorted(want - names)[:5]}, unexpected {sorted(names - want)[:5]}")
+        for name, ref in ctx.template.items():
+            d = delta[name]
+            if d.shape != ref.shape or d.dtype != ref.dtype:
+                raise _Reject(RejectReason.WRONG_TENSORS, f"tensor {name!r} is {d.dtype}{list(d.shape)}, the model "
+                              f"has {ref.dtype}{list(ref.shape)}")
+        for name, d in delta.items():
+            if not np.all(np.isfinite(d)):
+                raise _Reject(RejectReason.NON_FINITE, f"tensor {name!r} has NaN or infinite values")
+
+    def _check_report(self, ctx: RoundContext, site_id: str, report: UpdateReport
+                      ) -> dict[IUCNCategory, DPSGDEvent]:
+        n, steps = report.num_examples, report.local_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise _Reject(RejectReason.BAD_REPORT, f"num_examples is {n!r}, must be a positive integer")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= ctx.local_steps:
+            raise _Reject(RejectReason.BAD_REPORT, f"local_steps is {steps!r}, task asked for {ctx.local_steps}")
+        events = {IUCNCategory(c): e for c, e in report.events.items()}
+        if ctx.privacy != "none" and not events:
+            raise _Reject(RejectReason.BAD_REPORT, "privacy is on but the update reports no DP events")
+        for cat, ev in events.items():
+            if not isinstance(ev, DPSGDEvent) or ev.steps > steps:
+                raise _Reject(RejectReason.BAD_REPORT, f"event for {cat.value} ({ev!r}) is not a DP-SGD event of at "
+                              f"most {steps} steps")
+        halted = ctx.halted.get(site_id, frozenset())
+        trained_halted = sorted(c.value for c in events if c in halted and events[c].steps > 0)
+        if trained_halted:
+            self._charge(site_id, ctx.round, events)
+            raise _Reject(RejectReason.HALTED_CATEGORY, f"site trained halted categories {trained_halted}; "
+                          "its events were charged to the ledger")
+        if ctx.privacy != "none":
+            for cat, ev in events.items():
+                budget = ctx.budgets.get(cat)
+                if budget is not None and self._ledger.would_exceed(site_id, cat, ev, budget):
+                    self._charge(site_id, ctx.round, events)
+                    raise _Reject(RejectReason.OVER_BUDGET, f"event for {cat.value} takes site {site_id!r} past its "
+                                  f"budget eps={budget:.4f}; charged to the ledger, not aggregated")
+        return events
+
+    def _selected_in_past_round(self, round: int, site_id: str) -> bool:
+        """True if ``round`` was opened before (and is not the open round) and selected ``site_id``; a round that
+        is being closed right now counts as past."""
+        if self._ctx is not None and self._ctx.round == round:
+            return False
+        with self._store.session() as s:
+            row = s.get(RoundRow, round)
+            return row is not None and site_id in json.loads(row.selected_json)
+
+    def _charge_late(self, env: Envelope) -> None:
+        h = env.header
+        if self._stored(h.round, h.site_id) is not None:
+            raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
+                          f"{h.round}")
+        try:
+            report, _ = decode_update(env.payload)
+        except PayloadError as exc:
+            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+        self._charge(h.site_id, h.round, report.events)
+
+    def _charge(self, site_id: str, round: int, events: Mapping[IUCNCategory, DPSGDEvent]) -> None:
+        """Charge a refused update's events (durably); a second, different report for the same round is a
+        duplicate (ledger rows are immutable)."""
+        try:
+            self._ledger.record_round(site_id, round, events)
+        except LedgerError as exc:
+            raise _Reject(RejectReason.DUPLICATE, f"site {site_id!r} already reported other events for round "
+                          f"{round}", exc) from exc
+
+    # ---- side effects ------------------------------------------------------------------------------------------
+    def _record_rejection(self, topic: str, rej: Rejected) -> None:
+        self.counts[rej.reason.value] += 1
+        log.warning("ingest: rejected message on %s: %s: %s", topic, rej.reason.value, rej.detail)
+        self._store.add_rejection(round=rej.round, site_id=rej.site_id, topic=topic, reason=rej.reason.value,
+                                  error_kind=rej.error_kind, detail=rej.detail)
+
+    def _nack(self, env: Envelope, rej: Rejected) -> None:
+        if rej.reason is RejectReason.DUPLICATE:
+            row = self._stored(env.header.round, env.header.site_id)
+            if row is not None and row.payload_sha256 == env.header.payload_sha256:
+                self._send_ack(env, Ack(round=env.header.round, accepted=True, reason="duplicate: already stored"))
+                return
+        self._send_ack(env, Ack(round=env.header.round, accepted=False, reason=f"{rej.reason.value}: {rej.detail}"))
+
+    def _send_ack(self, env: Envelope, ack: Ack) -> None:
+        h = env.header
+        try:
+            out = seal(private_key=self._key, federation_id=self.federation_id, site_id=h.site_id, round=h.round,
+                       base_model_hash=h.base_model_hash, kind=MessageKind.ACK, sequence=h.sequence,
+                       payload=encode_ack(ack))
+            self._transport.publish(ack_topic(self.federation_id, h.site_id), out.to_bytes(), qos=1)
+        except (TransportError, EnvelopeError) as exc:
+            # The update (if accepted) is already stored; the gateway re-sends and gets a duplicate re-ACK.
+            log.error("ingest: could not send ACK to %s for round %d: %s", h.site_id, h.round, exc)

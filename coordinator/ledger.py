@@ -1,0 +1,228 @@
+"""The privacy ledger: an append-only record of every DP-SGD event charged to each (site, IUCN category).
+
+Semantics (DESIGN.md "Privacy semantics"):
+
+- Unit of privacy: one record at a site, add-or-remove-one neighbours. CCDP noises each category's clipped
+  gradient sum separately, so a record's guarantee is that of its category's mechanism (parallel composition):
+  the ledger therefore keeps one event stream per (site, category) and never composes across categories.
+- Rows are immutable: one :class:`shared.privacy.events.DPSGDEvent` per (site, round, category), committed before
+  :meth:`PrivacyLedger.record_round` returns. Re-recording the *same* event for the same key is a no-op (a
+  coordinator that crashed between "ledger written" and "model stored" replays the round safely); a *different*
+  event for an existing key raises :class:`LedgerError`.
+- Spend is never cached across processes: :meth:`PrivacyLedger.spent` composes *all* recorded events of the
+  (site, category) with a fresh dp-accounting accountant (shared.privacy.accounting.epsilon_spent; RDP by default,
+  Mironov 2017). An event the accountant does not support raises ``dp_accounting.UnsupportedEventError``; it is
+  never skipped.
+- Cost: identical (noise_multiplier, sampling_rate) events are coalesced before composing
+  (``SelfComposed(e, a) o SelfComposed(e, b) = SelfComposed(e, a + b)``, the definition of self-composition), so
+  a site that repeats its calibrated event every round costs one accountant evaluation, not one per round; the
+  pure composition is memoised per process (:func:`composed_epsilon`).
+- Halting: before a round is opened, :meth:`PrivacyLedger.halt_if_needed` dry-runs the site's *next* event of each
+  category (by default the last event it reported for that category, since a site calibrates one noise multiplier
+  for its whole planned schedule) and halts the category if the composed spend would pass its budget. Halts are
+  durable and permanent. A site whose every known category is halted is no longer selected.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+
+from sqlalchemy import select
+
+from shared.errors import PrivacyBudgetError
+from shared.iucn import IUCNCategory, parse_category
+from shared.privacy.accounting import AccountantName, epsilon_spent
+from shared.privacy.events import DPSGDEvent
+
+from coordinator.storage import HaltRow, LedgerRow, Store, dumps
+
+__all__ = ["PrivacyLedger", "LedgerError", "coalesce", "composed_epsilon"]
+
+log = logging.getLogger(__name__)
+
+
+def coalesce(events: Iterable[DPSGDEvent]) -> tuple[DPSGDEvent, ...]:
+    """Merge events with equal (noise_multiplier, sampling_rate) by adding their steps; order of first occurrence.
+
+    Exact: k steps of the same subsampled Gaussian then m more are k + m steps of it.
+    """
+    steps: dict[tuple[float, float], int] = {}
+    for ev in events:
+        key = (float(ev.noise_multiplier), float(ev.sampling_rate))
+        steps[key] = steps.get(key, 0) + int(ev.steps)
+    return tuple(DPSGDEvent(z, q, t) for (z, q), t in steps.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def composed_epsilon(events: tuple[DPSGDEvent, ...], target_delta: float, accountant: AccountantName) -> float:
+    """Epsilon of the composition of ``events`` (after :func:`coalesce`) at ``target_delta``; pure, memoised.
+
+    Raises:
+        dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
+    """
+    return epsilon_spent(list(coalesce(events)), target_delta=target_delta, accountant=accountant)
+
+
+class LedgerError(PrivacyBudgetError):
+    """A ledger write would change history (a different event for an existing (site, round, category))."""
+
+
+class PrivacyLedger:
+    """Append-only per-site, per-IUCN-category ledger of DP-SGD events, composed with dp-accounting.
+
+    Args:
+        store: where rows live (:class:`coordinator.storage.Store`).
+        target_delta: delta at which epsilon is reported (the federation's ``target_delta``), in (0, 1).
+        accountant: default accountant name, ``"rdp"`` or ``"pld"`` (shared.privacy.accounting).
+
+    A new ``PrivacyLedger`` on the same database (e.g. after a restart) reports exactly the same spend: nothing is
+    kept in memory that is not also in the database.
+    """
+
+    def __init__(self, store: Store, *, target_delta: float, accountant: AccountantName = "rdp") -> None:
+        self._store = store
+        self.target_delta = float(target_delta)
+        self.accountant: AccountantName = accountant
+
+    # ---- writes ----------------------------------------------------------------------------------------------
+    def record_round(self, site_id: str, round: int,
+                     events: Mapping[IUCNCategory | str, DPSGDEvent]) -> None:
+        """Append the events a site ran in ``round`` (one per category it trained), durably (committed).
+
+        Args:
+            site_id: the site charged.
+            round: the federated round the events belong to.
+            events: ``{category: DPSGDEvent}`` as reported in the site's :class:`shared.protocol.UpdateReport`.
+
+        Raises:
+            LedgerError: a different event is already recorded for (site, round, category) (history is immutable).
+            ConfigError: a key is not an IUCN category.
+        """
+        parsed = {parse_category(c, field="events"): e for c, e in events.items()}
+        with self._store.session() as s:
+            for cat, ev in parsed.items():
+                existing = s.scalars(select(LedgerRow).where(
+                    LedgerRow.site_id == site_id, LedgerRow.round == round,
+                    LedgerRow.category == cat.value)).first()
+                if existing is not None:
+                    if DPSGDEvent.from_json(json.loads(existing.event_json)) != ev:
+                        raise LedgerError(
+                            f"ledger already holds a different event for site {site_id!r}, round {round}, "
+                            f"category {cat.value}; ledger rows are immutable")
+                    continue
+                s.add(LedgerRow(site_id=site_id, round=round, category=cat.value,
+                                noise_multiplier=float(ev.noise_multiplier), sampling_rate=float(ev.sampling_rate),
+                                steps=int(ev.steps), event_json=dumps(ev.to_json())))
+        log.info("ledger: recorded %d event(s) for site %s round %d", len(parsed), site_id, round)
+
+    def halt(self, site_id: str, category: IUCNCategory | str, *, round: int, reason: str = "") -> None:
+        """Halt ``category`` at ``site_id`` from ``round`` on (durable, idempotent, permanent)."""
+        cat = parse_category(category)
+        with self._store.session() as s:
+            exists = s.scalars(select(HaltRow).where(HaltRow.site_id == site_id,
+                                                     HaltRow.category == cat.value)).first()
+            if exists is None:
+                s.add(HaltRow(site_id=site_id, category=cat.value, round=round, reason=reason))
+                log.warning("ledger: halted %s at site %s from round %d (%s)", cat.value, site_id, round, reason)
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+    def events(self, site_id: str, category: IUCNCategory | str) -> list[DPSGDEvent]:
+        """Every recorded event of (site, category), in round order.
+
+        Raises:
+            PayloadError: a stored row does not parse as a known event type (never skipped).
+        """
+        cat = parse_category(category)
+        with self._store.session() as s:
+            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
+                             .order_by(LedgerRow.round, LedgerRow.id)).all()
+            return [DPSGDEvent.from_json(json.loads(r.event_json)) for r in rows]
+
+    def categories(self, site_id: str) -> set[IUCNCategory]:
+        """Categories for which the site has at least one recorded event."""
+        with self._store.session() as s:
+            cats = s.scalars(select(LedgerRow.category).where(LedgerRow.site_id == site_id).distinct()).all()
+        return {IUCNCategory(c) for c in cats}
+
+    def sites(self) -> list[str]:
+        """Sites with at least one ledger row, sorted."""
+        with self._store.session() as s:
+            return sorted(s.scalars(select(LedgerRow.site_id).distinct()).all())
+
+    def spent(self, site_id: str, category: IUCNCategory | str, accountant: AccountantName | None = None) -> float:
+        """Epsilon spent so far by (site, category) at ``target_delta``: the composition of ALL its events.
+
+        Returns:
+            epsilon (float, >= 0; 0.0 when nothing is recorded).
+
+        Raises:
+            dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
+        """
+        return composed_epsilon(tuple(self.events(site_id, category)), self.target_delta,
+                                accountant or self.accountant)
+
+    def would_exceed(self, site_id: str, category: IUCNCategory | str, next_event: DPSGDEvent, budget: float,
+                     accountant: AccountantName | None = None) -> bool:
+        """Dry run: would recording ``next_event`` make the (site, category) spend pass ``budget`` (epsilon)?
+
+        Nothing is written.
+        """
+        if not (budget > 0 and math.isfinite(budget)):
+            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        eps = composed_epsilon((*self.events(site_id, category), next_event), self.target_delta,
+                               accountant or self.accountant)
+        return eps > budget
+
+    def halted(self, site_id: str) -> frozenset[IUCNCategory]:
+        """Categories halted at ``site_id`` (empty set when none)."""
+        with self._store.session() as s:
+            cats = s.scalars(select(HaltRow.category).where(HaltRow.site_id == site_id)).all()
+        return frozenset(IUCNCategory(c) for c in cats)
+
+    def site_halted(self, site_id: str, known_categories: Iterable[IUCNCategory | str] | None = None) -> bool:
+        """True when every category the site is known to hold is halted.
+
+        ``known_categories`` defaults to the categories with recorded events; a site with no known categories
+        is never halted (it has spent nothing).
+        """
+        known = ({parse_category(c) for c in known_categories} if known_categories is not None
+                 else self.categories(site_id))
+        return bool(known) and known <= self.halted(site_id)
+
+    # ---- policy ----------------------------------------------------------------------------------------------
+    def halt_if_needed(self, site_id: str, budgets: Mapping[IUCNCategory, float], *, round: int,
+                       next_events: Mapping[IUCNCategory, DPSGDEvent] | None = None) -> frozenset[IUCNCategory]:
+        """Halt every category whose next round would pass its budget; return the site's halted categories.
+
+        Args:
+            site_id: the site about to be offered ``round``.
+            budgets: total epsilon budget per category (shared.iucn.CCDPBudget.table()).
+            round: the round about to open (recorded on new halts).
+            next_events: predicted events of the next round; defaults to the last recorded event of each
+                category (a site's calibrated schedule repeats the same event every round).
+
+        Returns:
+            The site's halted categories after this check.
+        """
+        already = self.halted(site_id)
+        for cat in self.categories(site_id) | set(next_events or {}):
+            if cat in already:
+                continue
+            nxt = (next_events or {}).get(cat)
+            if nxt is None:
+                history = self.events(site_id, cat)
+                nxt = history[-1] if history else None
+            if nxt is None:
+                continue
+            budget = budgets.get(cat)
+            if budget is None:
+                continue
+            if self.would_exceed(site_id, cat, nxt, budget):
+                self.halt(site_id, cat, round=round,
+                          reason=f"spent {self.spent(site_id, cat):.4f}, next round would pass budget {budget:.4f}")
+        return self.halted(site_id)
+

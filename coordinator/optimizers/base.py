@@ -1,0 +1,20 @@
+"""The server-optimizer interface (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 1: the server
+treats the negated aggregate delta as a pseudo-gradient)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from coordinator.strategies.base import Tensors
+
+__all__ = ["ServerOptimizer"]
+
+
+class ServerOptimizer(ABC):
+    """Maps (theta_t, aggregate delta) to theta_{t+1}. Pure post-processing of DP outputs: no privacy cost."""
+
+    @abstractmethod
+    def step(self, weights: Tensors, avg_delta: Tensors) -> dict[str, np.ndarray]:
+        """Return the new global weights (same names, shapes and dtypes as ``weights``)."""

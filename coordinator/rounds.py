@@ -1,0 +1,302 @@
+"""The round manager: open a round, publish signed tasks, wait for a quorum or the deadline, close it.
+
+One round ``r`` (DESIGN.md "Data flow"):
+
+1. **Halt check.** For every enrolled site the ledger dry-runs the next round's events of each category
+   (:meth:`coordinator.ledger.PrivacyLedger.halt_if_needed`) and halts categories that would pass their budget.
+2. **Select** the sites that still have a non-halted category (optionally a seeded random subset of
+   ``sites_per_round``); write the round row (status ``open``).
+3. **Publish** to each selected site a TASK envelope signed by the coordinator on
+   ``shared.topics.task_topic``: the global weights plus :class:`shared.protocol.TrainingTask` with that site's
+   halted categories.
+4. **Collect** (ingest runs on the transport's thread) until ``ceil(quorum_fraction * selected)`` updates are
+   accepted or ``round_deadline_s`` passes.
+5. **Close**: stop ingest; write every accepted update's events to the ledger DURABLY; THEN, if the quorum was
+   met, take the aggregate, apply the server optimizer, store the new model version, and mark the round
+   ``closed``; otherwise mark it ``failed`` (model unchanged; the spend is still charged, conservatively, because
+   the coordinator has seen the updates).
+
+Crash recovery (:meth:`RoundManager.recover`): a round left ``open`` is closed from its durably stored updates
+(the running sum is rebuilt from the blobs); ledger writes are idempotent, so a replay never double-charges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+
+from shared.codec import decode_tensors, encode_tensors, model_hash
+from shared.envelope import MessageKind, seal
+from shared.iucn import IUCNCategory, parse_category
+from shared.protocol import TrainingTask, decode_update, encode_task
+from shared.topics import task_topic
+
+from coordinator.config import CoordinatorConfig
+from coordinator.ingest import Accepted, Ingestor, RoundContext
+from coordinator.ledger import PrivacyLedger
+from coordinator.optimizers.base import ServerOptimizer
+from coordinator.registry import Site, SiteRegistry
+from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
+from coordinator.strategies.base import Strategy
+from coordinator.transport import Transport
+
+__all__ = ["RoundResult", "RoundManager", "derive_seed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Outcome of one round.
+
+    Attributes:
+        round: number. status: ``closed`` (new model) / ``failed`` (no quorum) / ``skipped`` (no site selectable).
+        selected: sites offered the round. accepted: sites whose update was aggregated (or charged, if failed).
+        model_hash: the global model after the round. duration_s: wall time.
+        halted: per site, halted categories at the start of the round.
+    """
+
+    round: int
+    status: str
+    selected: tuple[str, ...]
+    accepted: tuple[str, ...]
+    model_hash: str
+    duration_s: float
+    halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
+
+
+def derive_seed(seed: int | None, round: int, label: str) -> int | None:
+    """A seed for (round, label) derived from the federation seed (None stays None): first 4 bytes of
+    SHA-256("seed:round:label"). Used for site sampling; never sent to gateways."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.sha256(f"{seed}:{round}:{label}".encode()).digest()[:4], "big")
+
+
+def _known_categories(site: Site, ledger: PrivacyLedger) -> set[IUCNCategory]:
+    declared = site.metadata.get("categories")
+    if declared:
+        return {parse_category(c, field="metadata.categories") for c in declared}
+    return ledger.categories(site.site_id)
+
+
+class RoundManager:
+    """Runs rounds (see the module docstring). Built by :class:`coordinator.service.Coordinator`.
+
+    Args:
+        config: the coordinator config (rounds, quorum, deadline, hyper-parameters, privacy, budgets, seed).
+        store, registry, ledger, ingestor, transport: coordinator parts.
+        strategy: aggregation (FedAvg). optimizer: server step (ServerSGD).
+        signing_key: the coordinator's Ed25519 key (signs TASKs).
+        clock: monotonic clock in seconds (tests inject one).
+    """
+
+    def __init__(self, *, config: CoordinatorConfig, store: Store, registry: SiteRegistry, ledger: PrivacyLedger,
+                 ingestor: Ingestor, transport: Transport, strategy: Strategy, optimizer: ServerOptimizer,
+                 signing_key: Ed25519PrivateKey, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._store = store
+        self._registry = registry
+        self._ledger = ledger
+        self._ingestor = ingestor
+        self._transport = transport
+        self._strategy = strategy
+        self._optimizer = optimizer
+        self._key = signing_key
+        self._clock = clock
+
+    # ---- model versions ----------------------------------------------------------------------------------------
+    def current_model(self) -> tuple[str, dict[str, np.ndarray]]:
+        """``(hash, weights)`` of the current global model: the new model of the last closed round, else the
+        round-0 model.
+
+        Raises:
+            LookupError: no model stored yet (the service stores the initial one at start).
+        """
+        with self._store.session() as s:
+            h = s.scalars(select(RoundRow.new_model_hash).where(RoundRow.status == "closed")
+                          .order_by(RoundRow.round.desc())).first()
+            if h is None:
+                h = s.scalars(select(ModelVersionRow.model_hash).where(ModelVersionRow.round == 0)
+                              .order_by(ModelVersionRow.created_at)).first()
+        if h is None:
+            raise LookupError("no global model stored yet: start the Coordinator (it stores the initial model)")
+        weights, _ = decode_tensors(self._store.get_model(h))
+        return h, weights
+
+    def next_round(self) -> int:
+        """Number of the next round to open (1 + the highest round recorded, so a restart continues)."""
+        rows = self._store.rounds()
+        return (rows[-1].round + 1) if rows else 1
+
+    # ---- selection ---------------------------------------------------------------------------------------------
+    def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]:
+        """Halt what must be halted, then choose this round's sites.
+
+        Returns:
+            ``(selected site ids, {site: halted categories})`` for every enrolled site.
+        """
+        budgets = self.config.budgets()
+        halted: dict[str, frozenset[IUCNCategory]] = {}
+        eligible: list[str] = []
+        for site in self._registry.list():
+            if self.config.privacy != "none":
+                halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round)
+            else:
+                halted[site.site_id] = frozenset()
+            known = _known_categories(site, self._ledger)
+            if known and known <= halted[site.site_id]:
+                log.warning("rounds: site %s has every category halted; it is no longer selected", site.site_id)
+                continue
+            eligible.append(site.site_id)
+        k = self.config.sites_per_round
+        if k is not None and k < len(eligible):
+            rng = random.Random(derive_seed(self.config.seed, round, "selection"))
+            eligible = sorted(rng.sample(eligible, k))
+        return eligible, halted
+
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def quorum(self, num_selected: int) -> int:
+        """Accepted updates that close a round early: ``max(1, ceil(quorum_fraction * num_selected))``."""
+        return max(1, math.ceil(self.config.quorum_fraction * num_selected - 1e-9))
+
+    def run_round(self) -> RoundResult:
+        """Run the next round to completion (open, publish, collect, close) and return its outcome."""
+        t0 = self._clock()
+        ctx = self.open_round()
+        if ctx is None:
+            return RoundResult(round=self.next_round(), status="skipped", selected=(), accepted=(),
+                               model_hash=self.current_model()[0], duration_s=self._clock() - t0)
+        self.wait_for_quorum(ctx)
+        result = self.close_round(ctx)
+        return RoundResult(round=result.round, status=result.status, selected=result.selected,
+                           accepted=result.accepted, model_hash=result.model_hash, duration_s=self._clock() - t0,
+                           halted=result.halted)
+
+    def open_round(self) -> RoundContext | None:
+        """Halt, select, record the round as ``open``, start ingest, publish the signed tasks.
+
+        Returns:
+            The open round's context, or None when no site can train (nothing is recorded then).
+        """
+        r = self.next_round()
+        base_hash, weights = self.current_model()
+        selected, halted = self.select(r)
+        if not selected:
+            log.warning("rounds: no site can train in round %d (all halted or none enrolled)", r)
+            return None
+        with self._store.session() as s:
+            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected)))
+        self._strategy.begin_round(weights)
+        ctx = RoundContext(round=r, model_hash=base_hash, template=weights, selected=frozenset(selected),
+                           halted=halted, budgets=self.config.budgets(), privacy=self.config.privacy,
+                           local_steps=self.config.local_steps, strategy=self._strategy)
+        self._ingestor.open_round(ctx)
+        log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
+        for site_id in selected:
+            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()))
+        return ctx
+
+    def wait_for_quorum(self, ctx: RoundContext, timeout_s: float | None = None) -> bool:
+        """Block until the quorum of ``ctx`` is accepted or ``timeout_s`` (default ``round_deadline_s``) passes.
+
+        Returns:
+            True if the quorum was reached.
+        """
+        need = self.quorum(len(ctx.selected))
+        deadline = self._clock() + (self.config.round_deadline_s if timeout_s is None else timeout_s)
+        with self._ingestor.changed:
+            while len(ctx.accepted) < need:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                self._ingestor.changed.wait(timeout=min(left, 0.5))
+            return len(ctx.accepted) >= need
+
+    def close_round(self, ctx: RoundContext) -> RoundResult:
+        """Stop ingest, charge the ledger durably, then aggregate, step and store the model (see module doc)."""
+        t0 = self._clock()
+        self._ingestor.close_round()
+        weights = ctx.template
+        status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
+        return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
+                           accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
+                           duration_s=self._clock() - t0,
+                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
+
+    def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
+                      halted: frozenset[IUCNCategory]) -> None:
+        cfg = self.config
+        task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
+                            local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
+                            learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
+                            target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
+                            budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed)
+        env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
+                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
+                   payload=encode_task(task, weights))
+        self._transport.publish(task_topic(cfg.federation_id, site_id), env.to_bytes(), qos=1)
+
+    def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
+        """Ledger first (durable), then aggregate + step + store. Returns ``(status, model hash after)``."""
+        for acc in ctx.accepted.values():
+            if acc.events:
+                self._ledger.record_round(acc.site_id, ctx.round, acc.events)
+        if len(ctx.accepted) >= need and ctx.strategy.count > 0:
+            avg_delta = ctx.strategy.aggregate()
+            new_weights = self._optimizer.step(weights, avg_delta)
+            new_hash = model_hash(new_weights)
+            self._store.put_model(new_hash, encode_tensors(new_weights), round=ctx.round)
+            status = "closed"
+        else:
+            new_hash = ctx.model_hash
+            status = "failed"
+            log.warning("rounds: round %d failed: %d of %d needed updates", ctx.round, len(ctx.accepted), need)
+        with self._store.session() as s:
+            row = s.get(RoundRow, ctx.round)
+            assert row is not None
+            row.status = status
+            row.new_model_hash = new_hash if status == "closed" else None
+            row.num_accepted = len(ctx.accepted)
+            row.closed_at = utcnow()
+        log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
+                 new_hash[:12])
+        return status, new_hash
+
+    # ---- recovery ----------------------------------------------------------------------------------------------
+    def recover(self) -> list[RoundResult]:
+        """Close every round a previous process left ``open``, from its durably stored updates."""
+        results = []
+        with self._store.session() as s:
+            open_rows = list(s.scalars(select(RoundRow).where(RoundRow.status == "open").order_by(RoundRow.round)))
+        for row in open_rows:
+            t0 = self._clock()
+            weights, _ = decode_tensors(self._store.get_model(row.base_model_hash))
+            selected = frozenset(json.loads(row.selected_json))
+            self._strategy.begin_round(weights)
+            ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights, selected=selected,
+                               halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
+                               local_steps=self.config.local_steps, strategy=self._strategy)
+            for upd in self._store.updates_for_round(row.round):
+                report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
+                weight = float(report.num_examples)
+                self._strategy.accumulate(upd.site_id, delta, num_examples=int(weight))
+                ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=row.round, sequence=upd.sequence,
+                                                     num_examples=upd.num_examples, weight=weight,
+                                                     payload_sha256=upd.payload_sha256, events=report.events)
+            status, h = self._close(ctx, weights, self.quorum(len(selected)))
+            log.warning("rounds: recovered round %d left open by a previous run: %s", row.round, status)
+            results.append(RoundResult(round=row.round, status=status, selected=tuple(sorted(selected)),
+                                       accepted=tuple(sorted(ctx.accepted)), model_hash=h,
+                                       duration_s=self._clock() - t0))
+        return results

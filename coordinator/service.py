@@ -1,0 +1,222 @@
+"""The coordinator's front door: one object built from a :class:`coordinator.config.CoordinatorConfig`.
+
+::
+
+    coord = Coordinator(load_config("coordinator.yaml"))        # MQTT transport from broker_url
+    coord.start()                                               # subscribe, store round-0 model, recover
+    for result in coord.run():                                  # the configured rounds
+        print(result.round, result.status, result.accepted)
+    coord.close()
+
+Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
+:class:`~coordinator.registry.SiteRegistry`, :class:`~coordinator.ledger.PrivacyLedger`,
+:class:`~coordinator.ingest.Ingestor` (subscribed to ``shared.topics.updates_filter``),
+:class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
+:class:`~coordinator.optimizers.server_sgd.ServerSGD`. torch is never imported here; the round-0 model comes from
+``shared.models.camera_cnn.initial_weights`` (which imports torch lazily) unless ``initial_weights`` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared.codec import encode_tensors, model_hash
+from shared.iucn import IUCNCategory
+from shared.keys import load_private_key
+from shared.topics import updates_filter
+
+from coordinator.config import CoordinatorConfig
+from coordinator.ingest import Ingestor
+from coordinator.ledger import PrivacyLedger
+from coordinator.optimizers.base import ServerOptimizer
+from coordinator.optimizers.server_sgd import ServerSGD
+from coordinator.registry import Site, SiteRegistry
+from coordinator.rounds import RoundManager, RoundResult
+from coordinator.storage import Store
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.fedavg import FedAvg
+from coordinator.transport import MqttTransport, Transport
+
+__all__ = ["Coordinator", "StatusReport", "BudgetRow"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """What ``wildfed-coordinator status`` prints.
+
+    Attributes:
+        rounds: ``[(round, status, num_accepted, model hash or None)]``, oldest first.
+        accepted: accepted updates over all rounds.
+        rejections: rejected messages counted per reason code.
+        sites: number of enrolled sites. model_hash: newest global model.
+    """
+
+    rounds: list[tuple[int, str, int, str | None]]
+    accepted: int
+    rejections: dict[str, int]
+    sites: int
+    model_hash: str | None
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """One (site, IUCN category) line of the budget table: epsilon spent (at ``target_delta``) vs budget."""
+
+    site_id: str
+    category: IUCNCategory
+    spent: float
+    budget: float
+    halted: bool
+
+
+class Coordinator:
+    """The cloud side of a WildFed federation.
+
+    Args:
+        config: a resolved config (:func:`coordinator.config.load_config` resolves paths).
+        transport: message bus; defaults to :class:`~coordinator.transport.MqttTransport` on ``config.broker_url``
+            (connected in :meth:`start`).
+        signing_key: the coordinator's Ed25519 key; defaults to the one at ``config.signing_key_path``.
+        initial_weights: round-0 global model (float32 arrays); defaults to
+            ``shared.models.camera_cnn.initial_weights(config.num_classes, config.seed or 0)``.
+        strategy, optimizer: aggregation and server step; default FedAvg and ServerSGD(server_learning_rate).
+        schema: PostgreSQL schema for every table (see :class:`~coordinator.storage.Store`).
+
+    Raises:
+        ConfigError: unreachable database, missing/unsafe key file, invalid server learning rate.
+    """
+
+    def __init__(self, config: CoordinatorConfig, *, transport: Transport | None = None,
+                 signing_key: Ed25519PrivateKey | None = None,
+                 initial_weights: Mapping[str, np.ndarray] | None = None, strategy: Strategy | None = None,
+                 optimizer: ServerOptimizer | None = None, schema: str | None = None) -> None:
+        if config.database_url is None:
+            config = config.resolved(".")
+        self.config = config
+        self.store = Store(config.database_url or "", config.data_dir, schema=schema)
+        self.registry = SiteRegistry(self.store)
+        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
+        self._owns_transport = transport is None
+        self.transport: Transport = transport if transport is not None else MqttTransport(
+            config.broker_url, client_id=f"wildfed-coordinator-{config.federation_id}")
+        self._key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)
+        self._initial_weights = initial_weights
+        self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
+                                 ledger=self.ledger, transport=self.transport, signing_key=self._key)
+        self.rounds = RoundManager(config=config, store=self.store, registry=self.registry, ledger=self.ledger,
+                                   ingestor=self.ingestor, transport=self.transport,
+                                   strategy=strategy or FedAvg(),
+                                   optimizer=optimizer or ServerSGD(config.server_learning_rate),
+                                   signing_key=self._key)
+        self._started = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def ensure_initial_model(self) -> str:
+        """Store the round-0 model if none is stored yet; return the current global model hash."""
+        try:
+            return self.rounds.current_model()[0]
+        except LookupError:
+            pass
+        weights = self._initial_weights
+        if weights is None:
+            from shared.models.camera_cnn import initial_weights  # imports torch lazily
+
+            weights = initial_weights(self.config.num_classes, self.config.seed or 0)
+        weights = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+        h = model_hash(weights)
+        self.store.put_model(h, encode_tensors(weights), round=0)
+        log.info("coordinator: stored round-0 model %s", h[:12])
+        return h
+
+    def start(self) -> list[RoundResult]:
+        """Connect (MQTT), subscribe ingest to every site's update topic, store the round-0 model, and close any
+        round a previous run left open. Returns the recovered rounds. Idempotent."""
+        if self._started:
+            return []
+        if isinstance(self.transport, MqttTransport):
+            self.transport.connect()
+        self.transport.subscribe(updates_filter(self.config.federation_id), self.ingestor)
+        self.ensure_initial_model()
+        self._started = True
+        return self.rounds.recover()
+
+    def close(self) -> None:
+        """Disconnect the transport (if the coordinator built it) and release database connections."""
+        if self._owns_transport and isinstance(self.transport, MqttTransport):
+            self.transport.close()
+        self.store.dispose()
+
+    def __enter__(self) -> "Coordinator":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- operations --------------------------------------------------------------------------------------------
+    def enrol(self, site_id: str, public_key_pem: str, metadata: Mapping[str, Any] | None = None) -> Site:
+        """Enrol a site (see :meth:`coordinator.registry.SiteRegistry.enrol`; raises ``EnrolmentError``)."""
+        return self.registry.enrol(site_id, public_key_pem, metadata)
+
+    def run_round(self) -> RoundResult:
+        """Run the next round (starts the coordinator first if needed)."""
+        self.start()
+        return self.rounds.run_round()
+
+    def iter_rounds(self, rounds: int | None = None) -> Iterator[RoundResult]:
+        """Run rounds until ``rounds`` (default ``config.rounds``) rounds exist, yielding each result; stops early
+        when no site can train any more (every site halted)."""
+        self.start()
+        target = self.config.rounds if rounds is None else rounds
+        while self.rounds.next_round() <= target:
+            result = self.rounds.run_round()
+            yield result
+            if result.status == "skipped":
+                break
+
+    def run(self, rounds: int | None = None,
+            on_round: Callable[[RoundResult], None] | None = None) -> list[RoundResult]:
+        """Run the configured rounds; ``on_round`` is called after each (progress bars)."""
+        out = []
+        for result in self.iter_rounds(rounds):
+            out.append(result)
+            if on_round is not None:
+                on_round(result)
+        return out
+
+    # ---- reports -----------------------------------------------------------------------------------------------
+    def status(self) -> StatusReport:
+        """Rounds, accepted updates and rejections counted by reason, read from the database."""
+        return status_report(self.store, self.registry)
+
+    def budget_rows(self) -> list[BudgetRow]:
+        """Epsilon spent vs budget for every enrolled site and every IUCN category."""
+        return budget_rows(self.config, self.registry, self.ledger)
+
+
+def status_report(store: Store, registry: SiteRegistry) -> StatusReport:
+    """Build a :class:`StatusReport` from the database alone (used by the CLI without starting a coordinator)."""
+    rows = store.rounds()
+    return StatusReport(rounds=[(r.round, r.status, r.num_accepted, r.new_model_hash) for r in rows],
+                        accepted=store.count_updates(), rejections=store.rejection_counts(),
+                        sites=len(registry.list()), model_hash=store.latest_model_hash())
+
+
+def budget_rows(config: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger) -> list[BudgetRow]:
+    """Per (site, category): spent epsilon (ledger, all recorded events), budget, halted flag."""
+    budgets = config.budgets()
+    out = []
+    for site in registry.list():
+        halted = ledger.halted(site.site_id)
+        for cat in IUCNCategory:
+            out.append(BudgetRow(site_id=site.site_id, category=cat, spent=ledger.spent(site.site_id, cat),
+                                 budget=budgets[cat], halted=cat in halted))
+    return out

@@ -1,0 +1,332 @@
+"""Durable coordinator state: SQLAlchemy 2.x tables plus a content-addressed blob directory.
+
+One idea: *where the coordinator's state lives*. Every other module (registry, ledger, ingest, rounds) reads and
+writes through :class:`Store`; none of them builds an engine or touches the blob directory itself.
+
+Tables (SQLite by default, PostgreSQL by URL):
+
+============== ===========================================================================================
+``sites``       enrolled gateways: site id, Ed25519 public key (PEM), public metadata (JSON), enrol time
+``rounds``      one row per round: status (``open`` / ``closed`` / ``failed``), base and new model hash,
+                selected sites, accepted count, open/close times
+``updates``     accepted updates: round, site, envelope sequence, ``num_examples``, payload SHA-256 (the
+                payload itself is a file in the blob directory named by that hash); unique per (round, site)
+``rejections``  every rejected message: round (when known), site (when known), reason code, the typed error
+                that caused it, a human-readable detail, time
+``ledger``      immutable privacy-ledger rows: one DP-SGD event per (site, round, IUCN category)
+``model_versions`` model hash -> safetensors file, round that produced it
+``halts``       (site, IUCN category) pairs whose budget is exhausted, with the round that halted them
+============== ===========================================================================================
+
+Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
+name is complete. Rows are committed before :class:`Store` methods return ("durable" in the rest of the package
+means: committed to the database and, for payloads, fsync-ed to disk).
+
+PostgreSQL isolation for tests or shared servers: ``Store(url, schema="wf_x")`` maps every table into that schema
+through SQLAlchemy's ``schema_translate_map`` (the schema must exist).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    func,
+    select,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from shared.errors import ConfigError
+
+__all__ = [
+    "Base",
+    "SiteRow",
+    "RoundRow",
+    "UpdateRow",
+    "RejectionRow",
+    "LedgerRow",
+    "ModelVersionRow",
+    "HaltRow",
+    "Store",
+    "utcnow",
+]
+
+
+def utcnow() -> _dt.datetime:
+    """Current time, timezone-aware UTC (stored as a naive UTC timestamp for SQLite portability)."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the coordinator tables."""
+
+
+class SiteRow(Base):
+    """An enrolled gateway. ``metadata_json`` holds only public metadata (species list, biome, num_examples)."""
+
+    __tablename__ = "sites"
+    site_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    public_key_pem: Mapped[str] = mapped_column(Text)
+    metadata_json: Mapped[str] = mapped_column(Text, default="{}")
+    enrolled_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class RoundRow(Base):
+    """One federated round. ``status`` is ``open``, ``closed`` (new model stored) or ``failed`` (no quorum)."""
+
+    __tablename__ = "rounds"
+    round: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    base_model_hash: Mapped[str] = mapped_column(String(64))
+    new_model_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    selected_json: Mapped[str] = mapped_column(Text, default="[]")
+    num_accepted: Mapped[int] = mapped_column(Integer, default=0)
+    opened_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    closed_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class UpdateRow(Base):
+    """An accepted update; the payload (safetensors bytes) is the blob named ``payload_sha256``."""
+
+    __tablename__ = "updates"
+    __table_args__ = (UniqueConstraint("round", "site_id", name="uq_updates_round_site"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round: Mapped[int] = mapped_column(Integer, index=True)
+    site_id: Mapped[str] = mapped_column(String(128), ForeignKey("sites.site_id"))
+    sequence: Mapped[int] = mapped_column(Integer)
+    num_examples: Mapped[int] = mapped_column(Integer)
+    payload_sha256: Mapped[str] = mapped_column(String(64))
+    received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class RejectionRow(Base):
+    """A rejected message: ``reason`` is a stable code (see ``coordinator.ingest.RejectReason``)."""
+
+    __tablename__ = "rejections"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    site_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    topic: Mapped[str] = mapped_column(String(512), default="")
+    reason: Mapped[str] = mapped_column(String(64), index=True)
+    error_kind: Mapped[str] = mapped_column(String(128))
+    detail: Mapped[str] = mapped_column(Text, default="")
+    received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class LedgerRow(Base):
+    """One immutable DP-SGD event (shared.privacy.events.DPSGDEvent) charged to (site, round, category)."""
+
+    __tablename__ = "ledger"
+    __table_args__ = (UniqueConstraint("site_id", "round", "category", name="uq_ledger_site_round_cat"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    category: Mapped[str] = mapped_column(String(4))
+    noise_multiplier: Mapped[float] = mapped_column(Float)
+    sampling_rate: Mapped[float] = mapped_column(Float)
+    steps: Mapped[int] = mapped_column(Integer)
+    event_json: Mapped[str] = mapped_column(Text)
+    recorded_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class ModelVersionRow(Base):
+    """A global model version: hash (shared.codec.model_hash) -> safetensors file under ``data_dir/models``."""
+
+    __tablename__ = "model_versions"
+    model_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    round: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class HaltRow(Base):
+    """A (site, IUCN category) whose next round would pass its budget; never un-halted."""
+
+    __tablename__ = "halts"
+    __table_args__ = (UniqueConstraint("site_id", "category", name="uq_halts_site_cat"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    category: Mapped[str] = mapped_column(String(4))
+    round: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    halted_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Store:
+    """The coordinator's database and blob directory.
+
+    Args:
+        url: SQLAlchemy URL (``sqlite:///path.db``, ``sqlite://`` for in-memory,
+            ``postgresql+psycopg2://user@host:5432/db``).
+        data_dir: folder for blobs (``blobs/``) and model files (``models/``); created if absent.
+        schema: optional PostgreSQL schema that every table is mapped into (must already exist).
+        create: create missing tables (``create_all``) on construction.
+
+    Raises:
+        ConfigError: the URL does not parse or the database cannot be reached (names ``database_url``).
+    """
+
+    def __init__(self, url: str, data_dir: str | os.PathLike[str], *, schema: str | None = None,
+                 create: bool = True) -> None:
+        self.url = url
+        self.data_dir = Path(data_dir)
+        self.blob_dir = self.data_dir / "blobs"
+        self.model_dir = self.data_dir / "models"
+        kwargs: dict[str, Any] = {"future": True}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False}
+            if url in ("sqlite://", "sqlite:///:memory:"):
+                kwargs["poolclass"] = StaticPool
+        try:
+            engine = create_engine(url, **kwargs)
+        except (ArgumentError, ImportError) as exc:
+            raise ConfigError(f"cannot build a database engine from {url!r}: {exc}", field="database_url",
+                              fix="use sqlite:///path/to/coordinator.db or postgresql+psycopg2://user@host/db"
+                              ) from exc
+        if schema is not None:
+            engine = engine.execution_options(schema_translate_map={None: schema})
+        self.engine: Engine = engine
+        self.schema = schema
+        self._sessions = sessionmaker(bind=self.engine, expire_on_commit=False)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if create:
+            try:
+                Base.metadata.create_all(self.engine)
+            except OperationalError as exc:
+                raise ConfigError(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
+                                  fix="start the database server or correct the URL") from exc
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that commits on success and rolls back on any exception (the exception propagates)."""
+        with self._sessions() as s:
+            try:
+                yield s
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+
+    def dispose(self) -> None:
+        """Close every pooled connection (call before dropping a test schema)."""
+        self.engine.dispose()
+
+    # ---- blobs ---------------------------------------------------------------------------------------------------
+    def blob_path(self, sha256_hex: str) -> Path:
+        """Path of the blob named ``sha256_hex`` (two-character fan-out folder)."""
+        return self.blob_dir / sha256_hex[:2] / f"{sha256_hex}.bin"
+
+    def put_blob(self, data: bytes) -> str:
+        """Store ``data`` durably (fsync + atomic rename) and return its hex SHA-256; idempotent."""
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.blob_path(digest)
+        if not path.exists():
+            _fsync_write(path, data)
+        return digest
+
+    def get_blob(self, sha256_hex: str) -> bytes:
+        """Read a blob back; raises ``FileNotFoundError`` if it was never stored."""
+        return self.blob_path(sha256_hex).read_bytes()
+
+    # ---- model versions ------------------------------------------------------------------------------------------
+    def put_model(self, model_hash: str, data: bytes, *, round: int) -> Path:
+        """Store a global model's safetensors bytes under ``models/<hash>.safetensors`` and record the version.
+
+        Idempotent: storing the same hash twice keeps the first row.
+        """
+        path = self.model_dir / f"{model_hash}.safetensors"
+        if not path.exists():
+            _fsync_write(path, data)
+        with self.session() as s:
+            if s.get(ModelVersionRow, model_hash) is None:
+                s.add(ModelVersionRow(model_hash=model_hash, path=str(path), round=round))
+        return path
+
+    def get_model(self, model_hash: str) -> bytes:
+        """Safetensors bytes of a stored model version; raises ``KeyError`` if the hash is unknown."""
+        with self.session() as s:
+            row = s.get(ModelVersionRow, model_hash)
+            if row is None:
+                raise KeyError(model_hash)
+            return Path(row.path).read_bytes()
+
+    def latest_model_hash(self) -> str | None:
+        """Hash of the newest model version (highest round, then newest), or None if none is stored."""
+        with self.session() as s:
+            row = s.scalars(select(ModelVersionRow).order_by(ModelVersionRow.round.desc(),
+                                                             ModelVersionRow.created_at.desc())).first()
+            return None if row is None else row.model_hash
+
+    # ---- rejections / status -------------------------------------------------------------------------------------
+    def add_rejection(self, *, round: int | None, site_id: str | None, topic: str, reason: str,
+                      error_kind: str, detail: str) -> None:
+        """Record one rejected message (committed before return)."""
+        with self.session() as s:
+            s.add(RejectionRow(round=round, site_id=site_id, topic=topic[:512], reason=reason,
+                               error_kind=error_kind, detail=detail))
+
+    def rejection_counts(self) -> dict[str, int]:
+        """Rejections counted per reason code, e.g. ``{"bad_signature": 2}``."""
+        with self.session() as s:
+            rows = s.execute(select(RejectionRow.reason, func.count()).group_by(RejectionRow.reason)).all()
+            return {reason: int(n) for reason, n in rows}
+
+    def rounds(self) -> list[RoundRow]:
+        """All round rows, oldest first."""
+        with self.session() as s:
+            return list(s.scalars(select(RoundRow).order_by(RoundRow.round)))
+
+    def updates_for_round(self, round: int) -> list[UpdateRow]:
+        """Accepted-update rows of one round, in arrival order."""
+        with self.session() as s:
+            return list(s.scalars(select(UpdateRow).where(UpdateRow.round == round).order_by(UpdateRow.id)))
+
+    def count_updates(self) -> int:
+        """Total number of accepted updates over all rounds."""
+        with self.session() as s:
+            return int(s.scalar(select(func.count()).select_from(UpdateRow)) or 0)
+
+
+def dumps(obj: Any) -> str:
+    """Canonical JSON used for metadata columns (sorted keys, no whitespace)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

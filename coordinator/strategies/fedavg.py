@@ -1,0 +1,111 @@
+"""Federated averaging as a streaming weighted mean (McMahan et al. 2017, "Communication-Efficient Learning of
+Deep Networks from Decentralized Data", Alg. 1: ``sum_k (n_k / n) * delta_k``).
+
+The arithmetic is three pure functions on a :class:`RunningWeightedSum` (float64 accumulators, one array per
+tensor name): :func:`new_running_sum`, :func:`add_weighted` and :func:`weighted_mean`. Memory is one model-sized
+float64 buffer whatever the number of sites K. :func:`merge` combines partial sums of several ingest workers
+(addition is associative). :class:`FedAvg` is the thin :class:`~coordinator.strategies.base.Strategy` around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.strategies.base import Strategy, Tensors
+
+__all__ = ["RunningWeightedSum", "new_running_sum", "add_weighted", "weighted_mean", "merge", "FedAvg"]
+
+
+@dataclass
+class RunningWeightedSum:
+    """``sums[name] = sum_k w_k * delta_k[name]`` (float64) and ``total_weight = sum_k w_k``.
+
+    ``dtypes`` keeps the template's dtypes so the mean is returned in them; ``count`` is K so far.
+    """
+
+    sums: dict[str, np.ndarray]
+    dtypes: dict[str, np.dtype]
+    total_weight: float = 0.0
+    count: int = 0
+    contributors: list[str] = field(default_factory=list)
+
+
+def new_running_sum(template: Tensors) -> RunningWeightedSum:
+    """Zeroed float64 accumulators with the names and shapes of ``template``."""
+    return RunningWeightedSum(sums={k: np.zeros(np.shape(v), dtype=np.float64) for k, v in template.items()},
+                              dtypes={k: np.asarray(v).dtype for k, v in template.items()})
+
+
+def add_weighted(acc: RunningWeightedSum, delta: Tensors, weight: float) -> None:
+    """In place: ``acc.sums += weight * delta``; ``acc.total_weight += weight``.
+
+    Raises:
+        ValueError: ``weight`` not positive and finite, or ``delta``'s names/shapes differ from the accumulators.
+    """
+    if not (weight > 0 and np.isfinite(weight)):
+        raise ValueError(f"FedAvg weight must be positive and finite, got {weight!r}")
+    if set(delta) != set(acc.sums):
+        raise ValueError(f"delta tensor names differ from the model: missing {sorted(set(acc.sums) - set(delta))}, "
+                         f"extra {sorted(set(delta) - set(acc.sums))}")
+    for name, buf in acc.sums.items():
+        d = np.asarray(delta[name])
+        if d.shape != buf.shape:
+            raise ValueError(f"delta {name!r} has shape {d.shape}, model has {buf.shape}")
+        buf += float(weight) * d.astype(np.float64, copy=False)
+    acc.total_weight += float(weight)
+    acc.count += 1
+
+
+def weighted_mean(acc: RunningWeightedSum) -> dict[str, np.ndarray]:
+    """``sums / total_weight`` cast back to the template dtypes.
+
+    Raises:
+        ValueError: nothing was accumulated.
+    """
+    if acc.count == 0 or acc.total_weight <= 0:
+        raise ValueError("no update was accumulated: nothing to average")
+    return {k: (v / acc.total_weight).astype(acc.dtypes[k]) for k, v in acc.sums.items()}
+
+
+def merge(a: RunningWeightedSum, b: RunningWeightedSum) -> RunningWeightedSum:
+    """A new running sum equal to the sum of two partial sums (same names/shapes)."""
+    out = RunningWeightedSum(sums={k: a.sums[k] + b.sums[k] for k in a.sums}, dtypes=dict(a.dtypes),
+                             total_weight=a.total_weight + b.total_weight, count=a.count + b.count,
+                             contributors=[*a.contributors, *b.contributors])
+    return out
+
+
+class FedAvg(Strategy):
+    """Streaming FedAvg: the aggregate is ``sum_k N_k delta_k / sum_k N_k``."""
+
+    def __init__(self) -> None:
+        self._acc: RunningWeightedSum | None = None
+
+    def begin_round(self, template: Tensors) -> None:
+        """Zero the running sum for a model shaped like ``template``."""
+        self._acc = new_running_sum(template)
+
+    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int) -> None:
+        """Add ``num_examples * delta`` to the running sum (see :func:`add_weighted`)."""
+        if self._acc is None:
+            raise ValueError("FedAvg.accumulate called before begin_round")
+        add_weighted(self._acc, delta, float(num_examples))
+        self._acc.contributors.append(site_id)
+
+    def aggregate(self) -> dict[str, np.ndarray]:
+        """The weighted mean delta of this round (see :func:`weighted_mean`)."""
+        if self._acc is None:
+            raise ValueError("FedAvg.aggregate called before begin_round")
+        return weighted_mean(self._acc)
+
+    @property
+    def count(self) -> int:
+        """Updates accumulated this round."""
+        return 0 if self._acc is None else self._acc.count
+
+    @property
+    def running_sum(self) -> RunningWeightedSum | None:
+        """The current accumulator (for merging partial sums across workers)."""
+        return self._acc

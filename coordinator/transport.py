@@ -1,0 +1,219 @@
+"""The coordinator's message transport: a two-method interface, an MQTT implementation and an in-memory one.
+
+Everything above this module (ingest, rounds, service) depends only on :class:`Transport`:
+``publish(topic, payload, qos=1)`` and ``subscribe(topic_filter, callback)``, where ``callback(topic, payload)``
+receives raw bytes. :class:`MqttTransport` wraps paho-mqtt 2.x (``CallbackAPIVersion.VERSION2``, QoS 1,
+re-subscribing after every reconnect). :class:`InMemoryTransport` delivers in-process for tests, with MQTT topic
+filter semantics (``+`` one level, ``#`` the rest).
+
+The gateway has its own transport (edge_sdk/uplink); the two sides share nothing but the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+from shared.errors import ConfigError, WildFedError
+
+__all__ = ["Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
+           "parse_broker_url"]
+
+log = logging.getLogger(__name__)
+
+#: ``callback(topic, payload_bytes)``; exceptions it raises are logged by the transport, never propagated.
+Callback = Callable[[str, bytes], None]
+
+
+class TransportError(WildFedError):
+    """The broker cannot be reached or refused a publish/subscribe."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What the coordinator needs from a message bus."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        """Publish ``payload`` on ``topic`` (at-least-once for ``qos=1``); raises :class:`TransportError`."""
+        ...
+
+    def subscribe(self, topic_filter: str, callback: Callback) -> None:
+        """Deliver every message matching ``topic_filter`` to ``callback(topic, payload)``."""
+        ...
+
+
+def topic_matches(topic_filter: str, topic: str) -> bool:
+    """MQTT 3.1.1 §4.7 filter matching: ``+`` matches one level, a trailing ``#`` matches the rest."""
+    f_parts = topic_filter.split("/")
+    t_parts = topic.split("/")
+    for i, f in enumerate(f_parts):
+        if f == "#":
+            return True
+        if i >= len(t_parts):
+            return False
+        if f != "+" and f != t_parts[i]:
+            return False
+    return len(f_parts) == len(t_parts)
+
+
+class InMemoryTransport:
+    """In-process bus for tests: ``publish`` calls every matching subscriber synchronously, in subscription order.
+
+    Subscriber exceptions are logged and swallowed (as a broker would isolate them). ``published`` keeps every
+    ``(topic, payload)`` for assertions. Thread-safe; re-entrant publishing from inside a callback is allowed.
+    """
+
+    def __init__(self) -> None:
+        self._subs: list[tuple[str, Callback]] = []
+        self._lock = threading.RLock()
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        """Record and deliver ``payload`` to every subscriber whose filter matches ``topic``."""
+        with self._lock:
+            self.published.append((topic, bytes(payload)))
+            targets = [cb for f, cb in self._subs if topic_matches(f, topic)]
+        for cb in targets:
+            try:
+                cb(topic, bytes(payload))
+            except Exception:  # noqa: BLE001 - a subscriber's bug must not break the publisher (broker isolation)
+                log.exception("in-memory transport: subscriber of %s raised", topic)
+
+    def subscribe(self, topic_filter: str, callback: Callback) -> None:
+        """Register ``callback`` for ``topic_filter``."""
+        with self._lock:
+            self._subs.append((topic_filter, callback))
+
+    def close(self) -> None:
+        """Drop all subscriptions."""
+        with self._lock:
+            self._subs.clear()
+
+
+def parse_broker_url(url: str) -> tuple[str, int, bool]:
+    """``mqtt://host:port`` (or ``mqtts://``) -> ``(host, port, tls)``; default ports 1883 / 8883.
+
+    Raises:
+        ConfigError: another scheme or no host.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parsed.hostname:
+        raise ConfigError(f"broker URL {url!r} is not mqtt://host:port", field="broker_url",
+                          fix="use e.g. mqtt://127.0.0.1:1883")
+    tls = parsed.scheme in ("mqtts", "ssl")
+    return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
+
+
+class MqttTransport:
+    """paho-mqtt 2.x client (``CallbackAPIVersion.VERSION2``), QoS 1, auto re-subscribe after reconnects.
+
+    Clean session: the broker keeps nothing for the coordinator while it is away (no stale updates of an earlier
+    run are replayed into a new one); delivery is guaranteed end to end instead, because a gateway keeps each
+    update in its outbox and re-sends it until a signed ACK arrives.
+
+    Args:
+        broker_url: ``mqtt://host:port``.
+        client_id: MQTT client id (unique per coordinator worker).
+        connect_timeout_s: how long :meth:`connect` waits for CONNACK.
+
+    Raises:
+        TransportError: from :meth:`connect` when the broker cannot be reached.
+    """
+
+    def __init__(self, broker_url: str, *, client_id: str = "wildfed-coordinator",
+                 connect_timeout_s: float = 10.0) -> None:
+        import paho.mqtt.client as mqtt  # paho only here: nothing else in the coordinator sees it
+
+        self._mqtt = mqtt
+        self.host, self.port, tls = parse_broker_url(broker_url)
+        self.connect_timeout_s = connect_timeout_s
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                                   protocol=mqtt.MQTTv311, clean_session=True)
+        if tls:
+            self._client.tls_set()
+        self._client.max_inflight_messages_set(64)
+        self._subs: list[tuple[str, Callback]] = []
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._loop_thread: int | None = None
+        self._closing = False
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+
+    # paho callbacks (network thread) ---------------------------------------------------------------------------
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
+        self._loop_thread = threading.get_ident()
+        if reason_code.is_failure:
+            log.error("mqtt: connection refused: %s", reason_code)
+            return
+        with self._lock:
+            filters = sorted({f for f, _ in self._subs})
+        for f in filters:
+            client.subscribe(f, qos=1)
+        self._connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
+        self._connected.clear()
+        if self._closing:
+            log.info("mqtt: disconnected (%s)", reason_code)
+        else:
+            log.warning("mqtt: disconnected (%s); paho reconnects", reason_code)
+
+    def _on_message(self, client, userdata, message) -> None:  # noqa: ANN001
+        self._loop_thread = threading.get_ident()
+        with self._lock:
+            targets = [cb for f, cb in self._subs if topic_matches(f, message.topic)]
+        for cb in targets:
+            try:
+                cb(message.topic, bytes(message.payload))
+            except Exception:  # noqa: BLE001 - never let a handler bug kill paho's network thread
+                log.exception("mqtt: handler for %s raised", message.topic)
+
+    # public API ------------------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Connect and start paho's network thread; wait for CONNACK.
+
+        Raises:
+            TransportError: unreachable broker or no CONNACK within ``connect_timeout_s``.
+        """
+        try:
+            self._client.connect(self.host, self.port, keepalive=30)
+        except OSError as exc:
+            raise TransportError(f"cannot reach MQTT broker {self.host}:{self.port}: {exc} "
+                                 "(fix: start mosquitto or set broker_url)") from exc
+        self._client.loop_start()
+        if not self._connected.wait(self.connect_timeout_s):
+            self._client.loop_stop()
+            raise TransportError(f"no CONNACK from {self.host}:{self.port} within {self.connect_timeout_s} s")
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        """Publish and wait until the broker has it (PUBACK for QoS 1), except when called from paho's own
+        network thread (a message handler publishing an ACK), where waiting would block the loop that delivers
+        the PUBACK: paho then completes the QoS 1 exchange in the background.
+
+        Raises:
+            TransportError: paho refused the publish.
+        """
+        info = self._client.publish(topic, payload, qos=qos)
+        if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
+            raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
+        # With no connection paho queues the message and sends it after reconnecting (QoS 1).
+        if info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread:
+            info.wait_for_publish(timeout=self.connect_timeout_s)
+
+    def subscribe(self, topic_filter: str, callback: Callback) -> None:
+        """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect)."""
+        with self._lock:
+            self._subs.append((topic_filter, callback))
+        if self._connected.is_set():
+            self._client.subscribe(topic_filter, qos=1)
+
+    def close(self) -> None:
+        """Disconnect and stop the network thread."""
+        self._closing = True
+        self._client.disconnect()
+        self._client.loop_stop()

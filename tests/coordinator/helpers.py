@@ -1,0 +1,102 @@
+"""Helpers for coordinator tests: a tiny float32 model, a config, fake in-process sites (imported by the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.iucn import IUCNCategory
+from shared.keys import generate_signing_key, public_key_to_pem
+from shared.privacy.events import DPSGDEvent
+from shared.protocol import TrainingTask, UpdateReport, decode_ack, decode_task, encode_update
+from shared.topics import ack_topic, task_topic, update_topic
+
+from coordinator.config import config_from_dict
+from coordinator.transport import InMemoryTransport
+
+FED = "testfed"
+
+
+def tiny_weights() -> dict[str, np.ndarray]:
+    """A two-tensor float32 'model': phi.w (3, 2) and psi.b (2,)."""
+    return {"phi.w": np.arange(6, dtype=np.float32).reshape(3, 2) / 10, "psi.b": np.array([0.5, -0.5], np.float32)}
+
+
+def make_config(tmp_path: Path, **overrides: object):
+    data = {"federation_id": FED, "data_dir": str(tmp_path / "data"), "rounds": 2, "quorum_fraction": 1.0,
+            "round_deadline_s": 2.0, "local_steps": 5, "expected_batch_size": 8, "learning_rate": 0.1,
+            "clipping_norm": 1.0, "target_delta": 1e-5, "privacy": "ccdp",
+            "budget": {"kind": "from_anchor", "category": "VU", "epsilon": 1.0, "gamma": 1.0}, "seed": 0,
+            "signing_key_path": str(tmp_path / "k.key"), "public_key_path": str(tmp_path / "k.pub")}
+    data.update(overrides)
+    return config_from_dict(data).resolved(tmp_path)
+
+
+@dataclass
+class FakeSite:
+    """An in-process gateway: answers each verified TASK with a fixed delta (``value`` everywhere) and events."""
+
+    site_id: str
+    transport: InMemoryTransport
+    coordinator_public_key: object
+    value: float
+    num_examples: int
+    events: Mapping[IUCNCategory, DPSGDEvent]
+    key: object = field(default_factory=generate_signing_key)
+    tasks: list[TrainingTask] = field(default_factory=list)
+    acks: list = field(default_factory=list)
+    tamper: bool = False
+    sequence: int = 0
+    fed: str = FED
+
+    def attach(self) -> "FakeSite":
+        self.transport.subscribe(task_topic(self.fed, self.site_id), self._on_task)
+        self.transport.subscribe(ack_topic(self.fed, self.site_id), self._on_ack)
+        return self
+
+    @property
+    def public_pem(self) -> str:
+        return public_key_to_pem(self.key.public_key())
+
+    def _on_task(self, topic: str, raw: bytes) -> None:
+        env = Envelope.from_bytes(raw)
+        verify(env, self.coordinator_public_key)
+        task, weights = decode_task(env.payload)
+        self.tasks.append(task)
+        delta = {k: np.full_like(v, self.value) for k, v in weights.items()}
+        events = {c: e for c, e in self.events.items() if c not in task.halted}  # never sample halted categories
+        raw = self.envelope(task.round, task.model_hash, self.payload(delta, events=events))
+        self.transport.publish(update_topic(self.fed, self.site_id), raw)
+
+    def _on_ack(self, topic: str, raw: bytes) -> None:
+        env = Envelope.from_bytes(raw)
+        verify(env, self.coordinator_public_key)
+        self.acks.append(decode_ack(env.payload))
+
+    def payload(self, delta: Mapping[str, np.ndarray], **report_kw: object) -> bytes:
+        kw = {"num_examples": self.num_examples, "local_steps": 5, "events": dict(self.events)}
+        kw.update(report_kw)
+        return encode_update(UpdateReport(**kw), delta)
+
+    def envelope(self, round: int, model_hash: str, payload: bytes, *, key=None, site_id: str | None = None,
+                 kind=MessageKind.UPDATE, federation_id: str | None = None) -> bytes:
+        self.sequence += 1
+        env = seal(private_key=key or self.key, federation_id=federation_id or self.fed, site_id=site_id or self.site_id,
+                   round=round, base_model_hash=model_hash, kind=kind, sequence=self.sequence, payload=payload)
+        raw = env.to_bytes()
+        if self.tamper:
+            raw = raw[:-1] + bytes([raw[-1] ^ 0xFF])
+        return raw
+
+    def send(self, round: int, model_hash: str, delta: Mapping[str, np.ndarray]) -> None:
+        raw = self.envelope(round, model_hash, self.payload(delta))
+        self.transport.publish(update_topic(self.fed, self.site_id), raw)
+
+
+EVENT = DPSGDEvent(noise_multiplier=1.2, sampling_rate=0.05, steps=5)
+
+
