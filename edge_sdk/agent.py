@@ -1,0 +1,353 @@
+"""The gateway agent: the front door of the edge side (DESIGN.md "Data flow", steps 2-3).
+
+Loop: wait for signed TASK envelopes on the site's task topic; verify the coordinator's signature, the federation,
+the addressee and the model hash; ignore stale and duplicate rounds (durably: a restarted gateway never trains
+twice for one round, which would release two noisy views of the same data); train ``local_steps`` CCDP steps (or
+non-private steps, only if the site allows it) from the global weights; seal the delta in an UPDATE envelope with
+the site key; write it to the outbox; publish it (QoS 1). A verified ACK removes it from the outbox; every
+(re)connect resends what is pending.
+
+Transport callbacks only enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so nothing
+blocks the network thread.
+
+Privacy defaults the coordinator cannot override: tasks with ``privacy: none`` are refused unless the site config
+sets ``allow_non_private``; a task's ``seed`` is ignored (secure randomness is used) unless the site config sets
+``allow_seeded_noise`` (whoever knows the seed can reproduce and subtract the noise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from shared.codec import model_hash
+from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.errors import EnvelopeError, PayloadError, PrivacyBudgetError
+from shared.keys import load_private_key, load_public_key
+from shared.protocol import TrainingTask, decode_ack, decode_task, encode_update
+from shared.topics import ack_topic, task_topic, update_topic
+
+from edge_sdk.backends.base import TrainingBackend, create_backend
+from edge_sdk.config import SiteConfig, load_site_config
+from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
+from edge_sdk.profiles import load_profile
+from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
+from edge_sdk.training import train_locally
+from edge_sdk.uplink.outbox import Outbox
+from edge_sdk.uplink.transport import Transport, TransportError
+
+__all__ = ["EdgeAgent", "build_backend", "update_message_id"]
+
+log = logging.getLogger(__name__)
+
+_LAST_ROUND = "last_round"
+_SEQUENCE = "sequence"
+
+
+def build_backend(config: SiteConfig) -> TrainingBackend:
+    """The training backend a site config asks for: its own settings first, then its firmware profile's, then
+    defaults (torch, cpu, 1 thread, micro-batch 64).
+
+    Raises:
+        ConfigError: unknown backend or profile, or a framework that is not installed.
+    """
+    profile = load_profile(config.profile) if config.profile else None
+
+    def pick(name: str, default: object) -> object:
+        value = getattr(config, name)
+        if value is None and profile is not None:
+            value = getattr(profile, name)
+        return default if value is None else value
+
+    backend = str(pick("backend", "torch"))
+    settings = {"threads": pick("threads", 1), "device": pick("device", "cpu"),
+                "microbatch_size": pick("microbatch_size", 64)}
+    log.info("site %s: backend %s %s (profile %s)", config.site_id, backend, settings, config.profile or "none")
+    return create_backend(backend, num_classes=config.model_classes, **settings)
+
+
+def update_message_id(round_: int) -> str:
+    """Outbox id of this site's update for ``round_``."""
+    return f"update/{round_}"
+
+
+class EdgeAgent:
+    """A site's agent. Build it with :meth:`from_config` (production) or directly (tests).
+
+    Args (all keyword-only):
+        config: the site config.
+        transport: the uplink (e.g. :class:`~edge_sdk.uplink.mqtt.MqttTransport`).
+        signing_key: the site's Ed25519 private key (signs updates).
+        coordinator_key: the coordinator's Ed25519 public key (tasks and acks must verify with it).
+        dataset: the site's records.
+        backend: the training backend; default ``create_backend(config.backend, ...)``.
+        outbox: the persistent outbox; default ``Outbox(config.outbox)``.
+
+    Attributes:
+        stats: ``Counter`` of what happened (``tasks_trained``, ``updates_published``, ``acks_accepted``,
+            ``rejected:<reason>``, ...).
+    """
+
+    def __init__(self, *, config: SiteConfig, transport: Transport, signing_key: Ed25519PrivateKey,
+                 coordinator_key: Ed25519PublicKey, dataset: LocalDataset,
+                 backend: TrainingBackend | None = None, outbox: Outbox | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self._signing_key = signing_key
+        self._coordinator_key = coordinator_key
+        self.dataset = dataset
+        self.backend = backend if backend is not None else build_backend(config)
+        self.outbox = outbox if outbox is not None else Outbox(config.outbox)
+        self.stats: Counter[str] = Counter()
+        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._stop = threading.Event()
+        self._started = False
+        self._task_topic = task_topic(config.federation_id, config.site_id)
+        self._ack_topic = ack_topic(config.federation_id, config.site_id)
+        self._update_topic = update_topic(config.federation_id, config.site_id)
+
+    @classmethod
+    def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
+        """Build an agent from a site config (object or YAML path): load keys and dataset, build the backend.
+
+        Args:
+            config: a :class:`SiteConfig` or the path of its YAML file.
+            transport: default: an :class:`~edge_sdk.uplink.mqtt.MqttTransport` to ``config.broker_url``.
+
+        Raises:
+            ConfigError: bad config, keys or backend. DatasetError: bad Camtrap DP package.
+        """
+        if not isinstance(config, SiteConfig):
+            config = load_site_config(config)
+        signing_key = load_private_key(config.private_key)
+        coordinator_key = load_public_key(config.coordinator_public_key)
+        dataset = load_camtrap_dp(config.dataset, config.species_table, image_size=config.image_size,
+                                  missing_media=config.missing_media)
+        log.info("site %s: %d records loaded from %s", config.site_id, len(dataset), config.dataset)
+        if transport is None:
+            from edge_sdk.uplink.mqtt import MqttTransport
+
+            transport = MqttTransport(config.broker_url, client_id=f"wildfed-{config.federation_id}-{config.site_id}")
+        return cls(config=config, transport=transport, signing_key=signing_key, coordinator_key=coordinator_key,
+                   dataset=dataset)
+
+    # -- transport callbacks (network thread: enqueue only) ------------------------------------------------
+    def _on_task(self, topic: str, payload: bytes) -> None:
+        self._inbox.put(("task", payload))
+
+    def _on_ack(self, topic: str, payload: bytes) -> None:
+        self._inbox.put(("ack", payload))
+
+    def _on_connect(self) -> None:
+        self._inbox.put(("connected", b""))
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Subscribe to the task and ack topics and connect (idempotent).
+
+        Raises:
+            TransportError: the broker cannot be reached.
+        """
+        if self._started:
+            return
+        self.transport.subscribe(self._task_topic, self._on_task)
+        self.transport.subscribe(self._ack_topic, self._on_ack)
+        self.transport.add_connect_listener(self._on_connect)
+        self.transport.connect()
+        self._started = True
+        log.info("site %s: listening on %s", self.config.site_id, self._task_topic)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the message in hand (thread-safe)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the transport and the outbox."""
+        self.transport.close()
+        self.outbox.close()
+
+    def run(self, *, max_rounds: int | None = None, idle_timeout_s: float | None = None) -> int:
+        """Process messages until stopped.
+
+        Returns after :meth:`stop`, or once ``max_rounds`` rounds were trained and the outbox is empty (every
+        update acknowledged), or after ``idle_timeout_s`` seconds without any message.
+
+        Returns:
+            number of rounds trained by this call.
+
+        Raises:
+            TransportError: the first connection fails.
+        """
+        self.start()
+        trained = 0
+        last_activity = time.monotonic()
+        while not self._stop.is_set():
+            if max_rounds is not None and trained >= max_rounds and not self.outbox.pending():
+                break
+            try:
+                kind, payload = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
+                    log.info("site %s: idle for %.1f s, stopping", self.config.site_id, idle_timeout_s)
+                    break
+                continue
+            last_activity = time.monotonic()
+            if kind == "task":
+                trained += int(self.handle_task(payload))
+            elif kind == "ack":
+                self.handle_ack(payload)
+            elif kind == "connected":
+                self.resend_pending()
+        return trained
+
+    # -- message handling ----------------------------------------------------------------------------------
+    def _reject(self, what: str, reason: str, detail: str) -> None:
+        self.stats[f"rejected:{reason}"] += 1
+        log.warning("site %s: %s rejected (%s): %s", self.config.site_id, what, reason, detail)
+
+    def _open(self, data: bytes, kind: MessageKind, what: str) -> Envelope | None:
+        """Parse and verify an envelope from the coordinator addressed to this site; None if rejected."""
+        try:
+            envelope = Envelope.from_bytes(data)
+            verify(envelope, self._coordinator_key)
+        except EnvelopeError as exc:
+            self._reject(what, exc.reason, str(exc))
+            return None
+        header = envelope.header
+        if header.kind != kind:
+            self._reject(what, "wrong_kind", f"kind {header.kind.value}, expected {kind.value}")
+            return None
+        if header.federation_id != self.config.federation_id:
+            self._reject(what, "wrong_federation", f"federation {header.federation_id!r}")
+            return None
+        if header.site_id != self.config.site_id:
+            self._reject(what, "wrong_site", f"addressed to {header.site_id!r}")
+            return None
+        return envelope
+
+    def _randomness(self, task: TrainingTask) -> RandomSource:
+        if task.seed is None:
+            return SecureRandom()
+        if not self.config.allow_seeded_noise:
+            log.warning("site %s: round %d task carries seed %d; ignored (allow_seeded_noise is false), "
+                        "using secure randomness", self.config.site_id, task.round, task.seed)
+            return SecureRandom()
+        digest = hashlib.sha256(f"{task.seed}/{self.config.site_id}/{task.round}".encode()).digest()
+        return SeededRandom(int.from_bytes(digest[:8], "big"))
+
+    def handle_task(self, data: bytes) -> bool:
+        """Verify, train and upload for one TASK envelope; returns True if the site trained.
+
+        Every rejection is logged with its reason and counted in :attr:`stats`; nothing here raises for bad
+        input from the wire.
+        """
+        envelope = self._open(data, MessageKind.TASK, "task")
+        if envelope is None:
+            return False
+        header = envelope.header
+        last = int(self.outbox.get_state(_LAST_ROUND, "-1"))
+        if header.round <= last:
+            self._reject("task", "stale_round", f"round {header.round} <= last trained round {last}")
+            return False
+        try:
+            task, weights = decode_task(envelope.payload)
+        except PayloadError as exc:
+            self._reject("task", exc.reason, str(exc))
+            return False
+        if task.round != header.round or task.federation_id != header.federation_id:
+            self._reject("task", "header_mismatch", "task round/federation differ from the envelope header")
+            return False
+        actual_hash = model_hash(weights)
+        if not (task.model_hash == header.base_model_hash == actual_hash):
+            self._reject("task", "model_hash", f"weights hash {actual_hash[:12]} does not match the task")
+            return False
+        if task.privacy == "none" and not self.config.allow_non_private:
+            self._reject("task", "non_private_refused",
+                         "privacy 'none' requested but the site config does not set allow_non_private")
+            return False
+
+        # Record the round durably before training: after a crash the round is skipped, never trained twice.
+        self.outbox.set_state(_LAST_ROUND, str(task.round))
+        log.info("site %s: round %d: training %d %s step(s)", self.config.site_id, task.round, task.local_steps,
+                 task.privacy)
+        started = time.monotonic()
+        try:
+            result = train_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
+                                   site_categories=self.config.categories, randomness=self._randomness(task))
+        except PrivacyBudgetError as exc:
+            self._reject("task", "privacy_budget", str(exc))
+            return False
+        except (ValueError, PayloadError) as exc:  # weights that do not fit the model (ConfigError is a ValueError)
+            self._reject("task", "model_mismatch", str(exc))
+            return False
+
+        try:
+            payload = encode_update(result.report, result.delta)
+        except PayloadError as exc:  # e.g. training diverged to non-finite weights
+            self._reject("task", "bad_update", f"the trained update cannot be encoded: {exc}")
+            return False
+        sequence = int(self.outbox.get_state(_SEQUENCE, "0")) + 1
+        self.outbox.set_state(_SEQUENCE, str(sequence))
+        update = seal(private_key=self._signing_key, federation_id=self.config.federation_id,
+                      site_id=self.config.site_id, round=task.round, base_model_hash=task.model_hash,
+                      kind=MessageKind.UPDATE, sequence=sequence, payload=payload)
+        message_id = update_message_id(task.round)
+        self.outbox.put(message_id, self._update_topic, update.to_bytes())  # durable before publishing
+        self.stats["tasks_trained"] += 1
+        log.info("site %s: round %d trained in %.1f s (N=%d, q=%.4g); update stored in outbox",
+                 self.config.site_id, task.round, time.monotonic() - started, result.report.num_examples,
+                 result.sampling_rate)
+        self._publish(message_id, self._update_topic, update.to_bytes())
+        return True
+
+    def _publish(self, message_id: str, topic: str, payload: bytes) -> bool:
+        try:
+            self.transport.publish(topic, payload, qos=1)
+        except TransportError as exc:
+            self.stats["publish_failed"] += 1
+            log.warning("site %s: publish of %s failed (%s); it stays in the outbox", self.config.site_id,
+                        message_id, exc)
+            return False
+        self.stats["updates_published"] += 1
+        log.info("site %s: published %s (%d bytes)", self.config.site_id, message_id, len(payload))
+        return True
+
+    def handle_ack(self, data: bytes) -> bool:
+        """Verify an ACK envelope and drop the acknowledged update from the outbox; returns True if one was."""
+        envelope = self._open(data, MessageKind.ACK, "ack")
+        if envelope is None:
+            return False
+        try:
+            ack = decode_ack(envelope.payload)
+        except PayloadError as exc:
+            self._reject("ack", exc.reason, str(exc))
+            return False
+        if ack.round != envelope.header.round:
+            self._reject("ack", "header_mismatch", f"ack round {ack.round} != header round {envelope.header.round}")
+            return False
+        removed = self.outbox.remove(update_message_id(ack.round))
+        if ack.accepted:
+            self.stats["acks_accepted"] += 1
+            log.info("site %s: round %d update acknowledged%s", self.config.site_id, ack.round,
+                     "" if removed else " (was not pending)")
+        else:
+            self.stats["acks_refused"] += 1
+            log.error("site %s: round %d update refused by the coordinator: %s", self.config.site_id, ack.round,
+                      ack.reason or "no reason given")
+        return removed
+
+    def resend_pending(self) -> int:
+        """Publish every pending outbox message again (after a (re)connect); returns how many went out."""
+        sent = 0
+        for message in self.outbox.pending():
+            log.info("site %s: resending %s", self.config.site_id, message.message_id)
+            sent += int(self._publish(message.message_id, message.topic, message.payload))
+        return sent
+

@@ -1,0 +1,247 @@
+"""PyTorch training backend: the camera-trap CNN with per-example gradients from ``torch.func``.
+
+Per-example gradients use the function transforms of ``torch.func`` (``functional_call``, ``grad``, ``vmap``;
+the approach of Opacus's functorch grad sampler and of JAX's ``vmap(grad(.))`` in Abadi et al. 2016's DP-SGD):
+the gradient of one example's cross-entropy loss is vectorised over the batch, so B gradients cost about one
+batched backward pass. The non-private path (:meth:`TorchBackend.gradient`) is one ordinary autograd backward.
+
+The DP training path (:meth:`TorchBackend.per_example`) does not build the (B, d) matrix at all when every
+trainable parameter belongs to an ``nn.Linear`` on 2-D inputs or an ``nn.Conv2d`` (true of the camera CNN): one
+forward and one backward to the layer outputs give each layer's inputs a_i and output gradients delta_i, and
+
+- Linear: g_i(W) = delta_i a_i^T, so ||g_i(W)||^2 = ||delta_i||^2 ||a_i||^2 and sum_i w_i g_i(W) = (w*delta)^T a
+  (Goodfellow 2015, "Efficient per-example gradient computations");
+- Conv2d: g_i(W) = D_i U_i^T with U_i the unfolded input (im2col) and D_i the output gradient per position; these
+  are small (out x C_in k^2) and are formed explicitly (Rochette et al. 2019, "Efficient per-example gradient
+  computations in convolutional neural networks").
+
+Other layouts fall back to the ``vmap`` path. Both paths are checked against each other in the tests.
+
+torch is imported only in this module. The model runs in ``eval()`` mode so that no layer mixes examples
+(batch-norm statistics) or draws randomness (dropout) inside a per-example gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.func import functional_call, grad, vmap
+
+from shared.errors import ConfigError
+from shared.models.camera_cnn import build_model
+
+from edge_sdk.backends.base import ParameterSpec, TrainingBackend, register_backend
+from edge_sdk.privacy.per_example import PerExampleGradients
+
+__all__ = ["TorchBackend"]
+
+
+@register_backend("torch")
+class TorchBackend(TrainingBackend):
+    """:class:`~edge_sdk.backends.base.TrainingBackend` over ``shared.models.camera_cnn.CameraCNN``.
+
+    Args:
+        num_classes: model output size.
+        threads: ``torch.set_num_threads`` value (None leaves torch's default).
+        device: torch device string, ``"cpu"`` or ``"cuda"``.
+        microbatch_size: per-example gradients are computed this many examples at a time (bounds memory:
+            about ``microbatch_size * d * 4`` bytes per chunk).
+        model: an already built ``torch.nn.Module`` to train instead of a fresh CameraCNN (tests).
+    """
+
+    name = "torch"
+
+    def __init__(self, num_classes: int = 10, *, threads: int | None = None, device: str = "cpu",
+                 microbatch_size: int = 256, model: torch.nn.Module | None = None) -> None:
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} requested but torch sees no CUDA device", field="device",
+                              fix="set device: cpu in the site config or profile, or install a CUDA build of torch")
+        self._device = torch.device(device)
+        self._model = (model if model is not None else build_model(int(num_classes))).to(self._device).eval()
+        self._params = {n: p for n, p in self._model.named_parameters() if p.requires_grad}
+        self._buffers = dict(self._model.named_buffers())
+        offset, layout = 0, []
+        for name, p in self._params.items():
+            layout.append(ParameterSpec(name, tuple(p.shape), offset))
+            offset += p.numel()
+        self._layout = tuple(layout)
+        self._microbatch = int(microbatch_size)
+
+        model_ref, buffers = self._model, self._buffers
+
+        def example_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = functional_call(model_ref, (params, buffers), (x.unsqueeze(0),))
+            return torch.nn.functional.cross_entropy(logits, y.unsqueeze(0))
+
+        self._per_example = vmap(grad(example_loss), in_dims=(None, 0, 0))
+        self._ghost_layers = _ghost_layers(self._model, self._params)
+
+    @property
+    def parameter_layout(self) -> tuple[ParameterSpec, ...]:
+        """Parameters in ``model.named_parameters()`` order."""
+        return self._layout
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The underlying module (shares storage with the backend's parameters)."""
+        return self._model
+
+    def _inputs(self, x: np.ndarray) -> torch.Tensor:
+        arr = np.asarray(x)
+        scale = 1.0 / 255.0 if arr.dtype == np.uint8 else 1.0
+        t = torch.as_tensor(arr.astype(np.float32) * np.float32(scale), device=self._device)
+        if t.ndim == 3:  # (B, H, W) -> (B, 1, H, W)
+            t = t.unsqueeze(1)
+        return t
+
+    def _labels(self, y: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(y, dtype=np.int64), device=self._device)
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Copy ``{name: array}`` into the model.
+
+        Raises:
+            ConfigError: a parameter is missing, unknown or has the wrong shape.
+        """
+        unknown = set(weights) - set(self._params) - set(self._buffers)
+        if unknown:
+            raise ConfigError(f"unknown parameter(s) {sorted(unknown)}", field="weights",
+                              fix="the task's model must match shared.models.camera_cnn.CameraCNN")
+        with torch.no_grad():
+            for spec in self._layout:
+                if spec.name not in weights:
+                    raise ConfigError(f"parameter {spec.name!r} missing", field=spec.name, fix="send the full model")
+                value = np.asarray(weights[spec.name], dtype=np.float32)
+                if value.shape != spec.shape:
+                    raise ConfigError(f"parameter {spec.name!r} has shape {value.shape}, expected {spec.shape}",
+                                      field=spec.name, fix="use the same number of classes on both sides")
+                self._params[spec.name].copy_(torch.as_tensor(value))
+            for name, buf in self._buffers.items():
+                if name in weights:
+                    buf.copy_(torch.as_tensor(np.asarray(weights[name])))
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        """``{name: float32 array}`` of every trainable parameter (copies)."""
+        return {n: p.detach().cpu().numpy().astype(np.float32, copy=True) for n, p in self._params.items()}
+
+    def per_example_gradients(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """float32 (B, d): row i is the gradient of example i's cross-entropy loss, flat in layout order."""
+        n = int(np.asarray(y).shape[0])
+        out = np.empty((n, self.num_parameters), dtype=np.float32)
+        params = {k: v.detach() for k, v in self._params.items()}
+        for start in range(0, n, self._microbatch):
+            stop = min(n, start + self._microbatch)
+            grads = self._per_example(params, self._inputs(x[start:stop]), self._labels(y[start:stop]))
+            flat = torch.cat([grads[s.name].reshape(stop - start, -1) for s in self._layout], dim=1)
+            out[start:stop] = flat.cpu().numpy()
+        return out
+
+    def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
+        """Per-example gradient norms and weighted sums without the (B, d) matrix (see the module docstring);
+        falls back to materialised ``vmap`` gradients for layouts other than Linear/Conv2d."""
+        if self._ghost_layers is None:
+            return super().per_example(x, y)
+        inputs: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+
+        def hook(name: str):
+            def capture(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+                inputs[name], outputs[name] = args[0].detach(), output
+            return capture
+
+        handles = [module.register_forward_hook(hook(name)) for name, module in self._ghost_layers.items()]
+        try:
+            logits = self._model(self._inputs(x))
+        finally:
+            for handle in handles:
+                handle.remove()
+        loss = torch.nn.functional.cross_entropy(logits, self._labels(y), reduction="sum")
+        names = list(self._ghost_layers)
+        deltas = dict(zip(names, torch.autograd.grad(loss, [outputs[n] for n in names])))
+        pieces: dict[str, torch.Tensor] = {}  # parameter name -> per-example factors (see _GhostGradients)
+        for name, module in self._ghost_layers.items():
+            a, delta = inputs[name], deltas[name].detach()
+            if isinstance(module, torch.nn.Linear):
+                pieces[f"{name}.weight"] = ("outer", delta, a)
+            else:
+                unfolded = torch.nn.functional.unfold(a, module.kernel_size, dilation=module.dilation,
+                                                      padding=module.padding, stride=module.stride)
+                d = delta.flatten(2)
+                pieces[f"{name}.weight"] = ("dense", torch.einsum("bop,bkp->bok", d, unfolded).flatten(1))
+                delta = d.sum(dim=2)
+            if module.bias is not None:
+                pieces[f"{name}.bias"] = ("dense", delta)
+        return _GhostGradients(pieces, self._layout)
+
+    def gradient(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """float32 (d,): gradient of the mean cross-entropy over the batch (one autograd backward)."""
+        self._model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self._model(self._inputs(x)), self._labels(y))
+        loss.backward()
+        return torch.cat([self._params[s.name].grad.reshape(-1) for s in self._layout]).cpu().numpy()
+
+    def apply_gradient(self, flat_grad: np.ndarray, learning_rate: float) -> None:
+        """``theta <- theta - learning_rate * flat_grad`` (float32 (d,))."""
+        flat = torch.as_tensor(np.asarray(flat_grad, dtype=np.float32), device=self._device)
+        if flat.shape != (self.num_parameters,):
+            raise ValueError(f"flat gradient must have shape ({self.num_parameters},), got {tuple(flat.shape)}")
+        with torch.no_grad():
+            for spec in self._layout:
+                self._params[spec.name].sub_(flat[spec.offset:spec.offset + spec.size].view(spec.shape),
+                                             alpha=float(learning_rate))
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """int64 (B,) argmax classes."""
+        with torch.no_grad():
+            return self._model(self._inputs(x)).argmax(dim=1).cpu().numpy().astype(np.int64)
+
+
+def _ghost_layers(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.Module] | None:
+    """``{module name: module}`` when every trainable parameter is the weight/bias of a Linear or a plain Conv2d
+    (groups 1, zero padding given as numbers); None otherwise (then the vmap path is used)."""
+    layers: dict[str, torch.nn.Module] = {}
+    covered: set[str] = set()
+    for name, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        plain_conv = (isinstance(module, torch.nn.Conv2d) and module.groups == 1
+                      and module.padding_mode == "zeros" and not isinstance(module.padding, str))
+        if not (isinstance(module, torch.nn.Linear) or plain_conv) or set(own) - {"weight", "bias"}:
+            return None
+        layers[name] = module
+        covered.update(f"{name}.{n}" for n in own)
+    return layers if covered == set(params) else None
+
+
+class _GhostGradients(PerExampleGradients):
+    """Per-example gradients held per parameter as ``("dense", G (B, size))`` or ``("outer", delta (B, o),
+    a (B, i))`` meaning G_b = delta_b a_b^T (flattened row-major as the (o, i) weight)."""
+
+    def __init__(self, pieces: dict[str, tuple], layout: tuple[ParameterSpec, ...]) -> None:
+        self._pieces = pieces
+        self._layout = layout
+        sq = None
+        for piece in pieces.values():
+            if piece[0] == "outer":
+                term = piece[1].pow(2).sum(1, dtype=torch.float64) * piece[2].pow(2).sum(1, dtype=torch.float64)
+            else:
+                term = piece[1].pow(2).sum(1, dtype=torch.float64)
+            sq = term if sq is None else sq + term
+        self.norms = sq.sqrt().cpu().numpy()
+
+    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
+        """float32 (K, d) = weights (K, B) @ G, assembled per parameter in layout order."""
+        first = next(iter(self._pieces.values()))[1]
+        w = torch.as_tensor(np.asarray(weights, dtype=np.float32), device=first.device)
+        parts = []
+        for spec in self._layout:
+            piece = self._pieces[spec.name]
+            if piece[0] == "outer":
+                scaled = w[:, :, None] * piece[1][None, :, :]  # (K, B, o)
+                parts.append(torch.matmul(scaled.transpose(1, 2), piece[2]).flatten(1))  # (K, o, i)
+            else:
+                parts.append(w @ piece[1])
+        return torch.cat(parts, dim=1).cpu().numpy()

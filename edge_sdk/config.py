@@ -1,0 +1,224 @@
+"""Site configuration of a gateway: who it is, where its data and keys are, how it reaches the coordinator.
+
+A site config is a YAML file validated by pydantic (DESIGN.md, "Chosen parts": configs are pydantic models
+loaded from YAML). Relative paths in the file are resolved against the directory of the file, so a site folder
+can be moved as a whole.
+
+Example::
+
+    federation_id: wildfed-demo
+    site_id: site-03
+    dataset: data/camtrap            # a Camtrap DP 1.0 package directory
+    species:
+      - {scientific_name: Loxodonta cyclotis, class_index: 5, iucn_category: CR}
+      - {scientific_name: Equus quagga, class_index: 9, iucn_category: NT}
+    private_key: keys/site.key       # Ed25519 PEM, 0600
+    coordinator_public_key: keys/coordinator.pub
+    broker_url: mqtt://127.0.0.1:1883
+    outbox: state/outbox.sqlite
+    profile: jetson-orin-nano        # optional: firmware_configs/jetson-orin-nano.yaml
+    threads: 2                       # overrides the profile
+
+Privacy-relevant switches are off by default and can only be turned on by the site itself, never by a task:
+``allow_non_private`` (accept tasks with ``privacy: none``) and ``allow_seeded_noise`` (honour a task's
+``seed``, which lets whoever chose the seed reproduce, and subtract, the privacy noise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared.envelope import validate_identifier
+from shared.errors import ConfigError, MalformedEnvelopeError
+from shared.iucn import IUCNCategory
+
+__all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "species_table_from_entries"]
+
+
+class SpeciesEntry(BaseModel):
+    """One row of a site's species table: a scientific name, its model class and its IUCN Red List category.
+
+    The IUCN category is public metadata that decides the record's CCDP budget (DESIGN.md, "Privacy
+    semantics"; categories per the IUCN Red List Categories and Criteria v3.1).
+
+    Attributes:
+        scientific_name: exactly as written in the Camtrap DP ``observations.csv`` ``scientificName`` column.
+        class_index: index of the class in the federation's model output, ``>= 0``.
+        iucn_category: one of CR, EN, VU, NT, LC, NE.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scientific_name: str = Field(min_length=1)
+    class_index: int = Field(ge=0)
+    iucn_category: IUCNCategory
+
+
+def species_table_from_entries(entries: list[SpeciesEntry] | tuple[SpeciesEntry, ...]) -> dict[str, SpeciesEntry]:
+    """Index species entries by scientific name.
+
+    Raises:
+        ConfigError: a scientific name appears twice.
+    """
+    table: dict[str, SpeciesEntry] = {}
+    for entry in entries:
+        if entry.scientific_name in table:
+            raise ConfigError(
+                f"species {entry.scientific_name!r} is listed twice",
+                field="species",
+                fix="keep one entry per scientific name",
+            )
+        table[entry.scientific_name] = entry
+    return table
+
+
+class SiteConfig(BaseModel):
+    """A gateway's site configuration (see the module docstring for the YAML form).
+
+    Attributes:
+        federation_id, site_id: identities used in envelopes and MQTT topics (``shared.topics``).
+        dataset: directory of the site's Camtrap DP 1.0 package.
+        species: the site's species table; its IUCN categories are the site's CCDP categories.
+        private_key: the site's Ed25519 private key (PEM).
+        coordinator_public_key: the coordinator's Ed25519 public key (PEM); tasks and acks must verify with it.
+        broker_url: ``mqtt://host:port``.
+        outbox: path of the SQLite outbox (created if absent).
+        profile: a firmware profile name (``firmware_configs/<name>.yaml``) or path; it supplies ``backend``,
+            ``device``, ``threads`` and ``microbatch_size`` where this config leaves them unset.
+        backend: name of a registered training backend (``edge_sdk.backends``); default ``"torch"``.
+        device: torch device (``cpu``, ``cuda``); default ``cpu``.
+        threads: CPU threads the backend may use, ``>= 1``; default 1.
+        microbatch_size: per-example gradients are computed this many examples at a time (memory cap);
+            default 64.
+        image_size: side of the square grayscale model input in pixels.
+        num_classes: model output size; ``None`` means ``max(class_index) + 1``.
+        allow_non_private: accept tasks whose ``privacy`` is ``"none"`` (default: refuse them).
+        allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
+            cryptographically secure source).
+        missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    federation_id: str = Field(min_length=1)
+    site_id: str = Field(min_length=1)
+    dataset: Path
+    species: tuple[SpeciesEntry, ...] = Field(min_length=1)
+    private_key: Path
+    coordinator_public_key: Path
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    outbox: Path
+    profile: str | None = None
+    backend: str | None = None
+    device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?)$")
+    threads: int | None = Field(default=None, ge=1)
+    microbatch_size: int | None = Field(default=None, ge=1)
+    image_size: int = Field(default=28, ge=4)
+    num_classes: int | None = Field(default=None, ge=2)
+    allow_non_private: bool = False
+    allow_seeded_noise: bool = False
+    missing_media: str = "error"
+
+    @field_validator("federation_id", "site_id")
+    @classmethod
+    def _topic_safe(cls, value: str) -> str:
+        try:
+            return validate_identifier(value, "identifier")
+        except MalformedEnvelopeError as exc:  # pydantic reports ValueErrors with the field name
+            raise ValueError(str(exc)) from None
+
+    @field_validator("broker_url")
+    @classmethod
+    def _mqtt_url(cls, value: str) -> str:
+        if not value.startswith("mqtt://"):
+            raise ValueError("must look like mqtt://host:port")
+        return value
+
+    @field_validator("missing_media")
+    @classmethod
+    def _missing_media(cls, value: str) -> str:
+        if value not in ("error", "skip"):
+            raise ValueError("must be 'error' or 'skip'")
+        return value
+
+    @field_validator("species")
+    @classmethod
+    def _unique_species(cls, value: tuple[SpeciesEntry, ...]) -> tuple[SpeciesEntry, ...]:
+        names = [s.scientific_name for s in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"species listed twice: {duplicates} (keep one entry per scientific name)")
+        return value
+
+    @model_validator(mode="after")
+    def _species_consistent(self) -> SiteConfig:
+        if self.num_classes is not None:
+            too_big = [s.scientific_name for s in self.species if s.class_index >= self.num_classes]
+            if too_big:
+                raise ValueError(f"class_index >= num_classes ({self.num_classes}) for {too_big}")
+        return self
+
+    @property
+    def species_table(self) -> dict[str, SpeciesEntry]:
+        """The species table indexed by scientific name."""
+        return species_table_from_entries(list(self.species))
+
+    @property
+    def categories(self) -> tuple[IUCNCategory, ...]:
+        """The site's CCDP categories (those of its species table), sorted by IUCN rank."""
+        return tuple(sorted({s.iucn_category for s in self.species}, key=lambda c: c.rank))
+
+    @property
+    def model_classes(self) -> int:
+        """Model output size: ``num_classes`` or ``max(2, max(class_index) + 1)``."""
+        if self.num_classes is not None:
+            return self.num_classes
+        return max(2, max(s.class_index for s in self.species) + 1)
+
+
+_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox")
+
+
+def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SiteConfig:
+    """Load and validate a site config from YAML; relative paths are resolved against the file's directory.
+
+    Args:
+        path: the YAML file.
+        overrides: values that replace those of the file (e.g. from the command line).
+
+    Raises:
+        ConfigError: the file is missing, is not a YAML mapping, or a field is invalid (the message names the
+            file, the field and the fix).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("site config file not found", source=str(path), fix="pass the path of a site YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}", source=str(path), fix="fix the YAML syntax") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("expected a YAML mapping at the top level", source=str(path), fix="see edge_sdk/config.py")
+    raw = {**raw, **dict(overrides or {})}
+    for key in _PATH_FIELDS:
+        if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
+            raw[key] = str((path.parent / raw[key]).resolve())
+    profile = raw.get("profile")
+    if isinstance(profile, str) and profile.endswith((".yaml", ".yml")) and not Path(profile).is_absolute():
+        raw["profile"] = str((path.parent / profile).resolve())
+    try:
+        return SiteConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise ConfigError(
+            f"invalid site config: {first['msg']}",
+            source=str(path),
+            field=field,
+            fix="correct this field (see the SiteConfig docstring in edge_sdk/config.py)",
+        ) from exc

@@ -1,0 +1,318 @@
+"""Load a site's local dataset from a Camtrap DP 1.0 package.
+
+Camtrap DP (TDWG, https://camtrap-dp.tdwg.org, version 1.0) is a Frictionless Data Package with three tables:
+``deployments.csv``, ``media.csv`` and ``observations.csv`` (names may be overridden by ``datapackage.json``
+resources ``deployments``, ``media``, ``observations``). This loader uses:
+
+- ``observations.csv``: rows with ``observationLevel == "media"`` and ``observationType == "animal"``; columns
+  ``mediaID``, ``scientificName``;
+- ``media.csv``: columns ``mediaID``, ``deploymentID``, ``filePath``, ``fileName``; the image is ``filePath`` when
+  that is a relative path to an existing file in the package, otherwise ``media/<fileName>`` (``filePath`` is
+  usually a URL in published packages);
+- ``deployments.csv``: column ``deploymentID`` (every media row must point at a known deployment).
+
+One record = one media file (the DESIGN.md unit of privacy: one observation record/image). Several media-level
+animal observations of the same species on one image collapse to one record; an image with several species is
+left out (``multi_species="skip"``, the default, with a warning) or an error (``"error"``) so that a record
+stays in exactly one CCDP category. Images are converted to 8-bit grayscale (Pillow mode ``"L"``, ITU-R 601-2 luma) and resized to
+``image_size x image_size`` with bilinear filtering.
+
+The loader reads everything into memory and returns only a complete dataset; it writes nothing, so a failure
+leaves nothing half-done behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import DatasetError
+from shared.iucn import IUCNCategory
+
+from edge_sdk.config import SpeciesEntry
+
+__all__ = ["LocalDataset", "load_camtrap_dp", "normalise_species_table"]
+
+_TABLES = ("deployments", "media", "observations")
+_REQUIRED_COLUMNS = {
+    "deployments": ("deploymentID",),
+    "media": ("mediaID", "deploymentID", "filePath", "fileName"),
+    "observations": ("observationID", "mediaID", "observationLevel", "observationType", "scientificName"),
+}
+
+
+@dataclass(frozen=True)
+class LocalDataset:
+    """A site's training records, in memory.
+
+    Attributes:
+        images: uint8 array (N, H, W), grayscale, 0..255.
+        labels: int64 array (N,), model class indices from the species table.
+        categories: int8 array (N,), IUCN category rank of each record's species (CR=1 .. NE=6,
+            ``shared.iucn.IUCNCategory.rank``).
+        media_ids: tuple of N Camtrap DP ``mediaID`` strings, in the order of the arrays.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    categories: np.ndarray
+    media_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.media_ids)
+        if self.images.dtype != np.uint8 or self.images.ndim != 3 or self.images.shape[0] != n:
+            raise ValueError(f"images must be uint8 (N={n}, H, W), got {self.images.dtype} {self.images.shape}")
+        if self.labels.dtype != np.int64 or self.labels.shape != (n,):
+            raise ValueError(f"labels must be int64 ({n},), got {self.labels.dtype} {self.labels.shape}")
+        if self.categories.dtype != np.int8 or self.categories.shape != (n,):
+            raise ValueError(f"categories must be int8 ({n},), got {self.categories.dtype} {self.categories.shape}")
+
+    def __len__(self) -> int:
+        return len(self.media_ids)
+
+    def category_counts(self) -> dict[IUCNCategory, int]:
+        """Number of records per IUCN category (private data: never release without noise)."""
+        return {c: int(np.sum(self.categories == c.rank)) for c in IUCNCategory if np.any(self.categories == c.rank)}
+
+
+def normalise_species_table(
+    species_table: Mapping[str, SpeciesEntry | tuple[int, IUCNCategory | str]],
+) -> dict[str, SpeciesEntry]:
+    """Accept ``{name: SpeciesEntry}`` or ``{name: (class_index, IUCN category)}`` and return SpeciesEntry values.
+
+    Raises:
+        DatasetError: an entry is neither form, or its category/class index is invalid.
+    """
+    table: dict[str, SpeciesEntry] = {}
+    for name, value in species_table.items():
+        if isinstance(value, SpeciesEntry):
+            if value.scientific_name != name:
+                raise DatasetError(
+                    f"species table key {name!r} differs from its entry's scientific_name {value.scientific_name!r}",
+                    field="species",
+                    fix="use the scientific name as the key",
+                )
+            table[name] = value
+            continue
+        try:
+            class_index, category = value
+            table[name] = SpeciesEntry(
+                scientific_name=name, class_index=int(class_index), iucn_category=IUCNCategory(category)
+            )
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(
+                f"species table entry for {name!r} is invalid: {value!r}",
+                field="species",
+                fix="give (class_index >= 0, IUCN category CR|EN|VU|NT|LC|NE) or a SpeciesEntry",
+            ) from exc
+    return table
+
+
+def _table_paths(package_dir: Path) -> dict[str, Path]:
+    """Resolve the three table files, honouring ``datapackage.json`` resource paths when present."""
+    paths = {name: package_dir / f"{name}.csv" for name in _TABLES}
+    descriptor = package_dir / "datapackage.json"
+    if descriptor.is_file():
+        try:
+            meta = json.loads(descriptor.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DatasetError(
+                f"datapackage.json does not parse: {exc}", source=str(descriptor), fix="fix or remove datapackage.json"
+            ) from exc
+        for resource in meta.get("resources", []) if isinstance(meta, dict) else []:
+            if isinstance(resource, dict) and resource.get("name") in paths and isinstance(resource.get("path"), str):
+                rel = resource["path"]
+                if "://" not in rel:
+                    paths[resource["name"]] = package_dir / rel
+    return paths
+
+
+def _read_table(path: Path, name: str) -> list[dict[str, str]]:
+    if not path.is_file():
+        raise DatasetError(
+            f"Camtrap DP table {name!r} is missing",
+            source=str(path),
+            fix=f"add {path.name} (Camtrap DP 1.0 {name} table) to the package",
+        )
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            reader = csv.DictReader(handle)
+            columns = reader.fieldnames or []
+            for column in _REQUIRED_COLUMNS[name]:
+                if column not in columns:
+                    raise DatasetError(
+                        f"column {column!r} is missing",
+                        source=str(path),
+                        field=column,
+                        fix=f"add the Camtrap DP 1.0 column {column!r} to {path.name}",
+                    )
+            return [dict(row) for row in reader]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise DatasetError(f"cannot read CSV: {exc}", source=str(path), fix="write it as UTF-8 CSV") from exc
+
+
+def _resolve_media_file(package_dir: Path, row: dict[str, str]) -> Path:
+    file_path = (row.get("filePath") or "").strip()
+    if file_path and "://" not in file_path:
+        candidate = package_dir / file_path
+        if candidate.is_file():
+            return candidate
+    return package_dir / "media" / (row.get("fileName") or "").strip()
+
+
+def _load_image(path: Path, image_size: int) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.draft("L", (image_size, image_size))  # JPEG: decode at a reduced DCT scale (>= target size)
+            gray = image.convert("L").resize((image_size, image_size), Image.Resampling.BILINEAR)
+            return np.asarray(gray, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DatasetError(
+            f"image cannot be read: {exc}",
+            source=str(path),
+            fix="replace the file with a readable image (JPEG/PNG) or remove its rows from media.csv",
+        ) from exc
+
+
+def load_camtrap_dp(
+    package_dir: str | Path,
+    species_table: Mapping[str, SpeciesEntry | tuple[int, IUCNCategory | str]],
+    *,
+    image_size: int = 28,
+    missing_media: str = "error",
+    multi_species: str = "skip",
+) -> LocalDataset:
+    """Read a Camtrap DP 1.0 package into a :class:`LocalDataset` (see the module docstring for the rules).
+
+    Args:
+        package_dir: directory holding the package.
+        species_table: ``scientificName -> SpeciesEntry`` or ``-> (class_index, IUCN category)``.
+        image_size: side in pixels of the square grayscale output images.
+        missing_media: ``"error"``: an absent media file raises; ``"skip"``: its record is left out (one warning
+            with the count).
+        multi_species: ``"skip"`` (one warning with the count) or ``"error"`` for an image with observations of
+            several species (common in real packages: the TDWG example has 40 such images).
+
+    Returns:
+        LocalDataset with images uint8 (N, image_size, image_size), labels int64 (N,), categories int8 (N,),
+        ordered as the media appear in ``media.csv``.
+
+    Raises:
+        DatasetError: a table or column is missing, a media row points at an unknown deployment, an observation
+            at an unknown media, a species is not in the species table, an image is missing (with
+            ``missing_media="error"``) or unreadable. The message names the file, the field and the fix.
+    """
+    if missing_media not in ("error", "skip"):
+        raise DatasetError(f"missing_media={missing_media!r}", field="missing_media", fix="use 'error' or 'skip'")
+    if multi_species not in ("error", "skip"):
+        raise DatasetError(f"multi_species={multi_species!r}", field="multi_species", fix="use 'error' or 'skip'")
+    if image_size < 1:
+        raise DatasetError(f"image_size={image_size}", field="image_size", fix="use a positive pixel size")
+    package_dir = Path(package_dir)
+    if not package_dir.is_dir():
+        raise DatasetError(
+            "Camtrap DP package directory not found", source=str(package_dir), fix="point `dataset` at the package"
+        )
+    table = normalise_species_table(species_table)
+    paths = _table_paths(package_dir)
+    tables: dict[str, list[dict[str, str]]] = {name: _read_table(paths[name], name) for name in _TABLES}
+
+    deployment_ids = {row["deploymentID"] for row in tables["deployments"]}
+    media_rows: dict[str, dict[str, str]] = {}
+    for row in tables["media"]:
+        if row["deploymentID"] not in deployment_ids:
+            raise DatasetError(
+                f"media {row['mediaID']!r} refers to unknown deploymentID {row['deploymentID']!r}",
+                source=str(paths["media"]),
+                field="deploymentID",
+                fix=f"add the deployment to {paths['deployments'].name} or remove the media row",
+            )
+        media_rows[row["mediaID"]] = row
+
+    species_of_media: dict[str, set[str]] = {}
+    for row in tables["observations"]:
+        if row["observationLevel"].strip() != "media" or row["observationType"].strip() != "animal":
+            continue
+        media_id = row["mediaID"].strip()
+        if media_id not in media_rows:
+            raise DatasetError(
+                f"observation {row['observationID']!r} refers to unknown mediaID {media_id!r}",
+                source=str(paths["observations"]),
+                field="mediaID",
+                fix=f"add the media row to {paths['media'].name} or remove the observation",
+            )
+        name = row["scientificName"].strip()
+        if not name:
+            raise DatasetError(
+                f"animal observation {row['observationID']!r} has no scientificName",
+                source=str(paths["observations"]),
+                field="scientificName",
+                fix="fill in the species, or set observationType to 'unknown'",
+            )
+        if name not in table:
+            raise DatasetError(
+                f"species {name!r} (observation {row['observationID']!r}) is not in the site's species table",
+                source=str(paths["observations"]),
+                field="scientificName",
+                fix=f"add {name!r} with a class_index and an IUCN category to the species table of the site config",
+            )
+        species_of_media.setdefault(media_id, set()).add(name)
+
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    ranks: list[int] = []
+    media_ids: list[str] = []
+    missing: list[str] = []
+    multi: list[str] = []
+    for media_id, row in media_rows.items():  # media.csv order
+        names = species_of_media.get(media_id)
+        if not names:
+            continue
+        if len(names) > 1:
+            if multi_species == "error":
+                raise DatasetError(
+                    f"media {media_id!r} has observations of several species {sorted(names)}",
+                    source=str(paths["observations"]),
+                    field="scientificName",
+                    fix="split the image, or load with multi_species='skip' to leave such images out",
+                )
+            multi.append(media_id)
+            continue
+        image_path = _resolve_media_file(package_dir, row)
+        if not image_path.is_file():
+            if missing_media == "error":
+                raise DatasetError(
+                    f"media file for mediaID {media_id!r} is missing",
+                    source=str(image_path),
+                    field="fileName",
+                    fix="copy the file into media/, or load with missing_media='skip'",
+                )
+            missing.append(media_id)
+            continue
+        entry = table[next(iter(names))]
+        images.append(_load_image(image_path, image_size))
+        labels.append(entry.class_index)
+        ranks.append(entry.iucn_category.rank)
+        media_ids.append(media_id)
+
+    if missing:
+        warnings.warn(
+            f"{package_dir}: {len(missing)} media file(s) missing were skipped (first: {missing[0]!r})", stacklevel=2
+        )
+    if multi:
+        warnings.warn(f"{package_dir}: {len(multi)} multi-species image(s) were skipped", stacklevel=2)
+    return LocalDataset(
+        images=(np.stack(images) if images else np.zeros((0, image_size, image_size), np.uint8)).astype(np.uint8),
+        labels=np.asarray(labels, dtype=np.int64),
+        categories=np.asarray(ranks, dtype=np.int8),
+        media_ids=tuple(media_ids),
+    )
+

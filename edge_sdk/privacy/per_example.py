@@ -1,0 +1,54 @@
+"""Per-example gradients as the CCDP mechanism consumes them: their norms and weighted sums.
+
+Clipping and per-category summing need only two things from B per-example gradients g_i in R^d:
+
+- the norms ``||g_i||_2`` (to get the clip factors), and
+- weighted sums ``sum_i W[k, i] g_i`` for a (K, B) weight matrix (clip factor times category indicator).
+
+A backend can hand over the gradients themselves (:class:`MaterialisedGradients`: a (B, d) array), or compute
+both quantities without ever building the (B, d) array (ghost clipping: Goodfellow 2015, "Efficient per-example
+gradient computations"; Li et al. 2022, "Large language models can be strong differentially private learners",
+sec. 4). Both feed the same mechanism code, so the mechanism is written once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+__all__ = ["PerExampleGradients", "MaterialisedGradients"]
+
+
+class PerExampleGradients(ABC):
+    """B per-example gradients in R^d, given implicitly.
+
+    Attributes:
+        norms: float64 (B,), the L2 norm of each example's gradient (not clipped).
+    """
+
+    norms: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return int(self.norms.shape[0])
+
+    @abstractmethod
+    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
+        """``weights @ G``: float32 (K, B) weights -> float32 (K, d) sums, in the backend's parameter order."""
+
+
+class MaterialisedGradients(PerExampleGradients):
+    """Per-example gradients held as an explicit float32 (B, d) array."""
+
+    def __init__(self, grads: np.ndarray) -> None:
+        grads = np.asarray(grads, dtype=np.float32)
+        if grads.ndim != 2:
+            raise ValueError(f"per-example gradients must be (B, d), got shape {grads.shape}")
+        self.grads = grads
+        self.norms = np.sqrt(np.einsum("ij,ij->i", grads, grads, dtype=np.float64))
+
+    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
+        """float32 (K, d) = weights (K, B) @ grads (B, d)."""
+        return np.asarray(weights, dtype=np.float32) @ self.grads

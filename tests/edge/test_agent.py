@@ -1,0 +1,201 @@
+"""The agent end to end over the in-memory transport, with a fake coordinator that signs tasks and acks."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from shared.codec import model_hash
+from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.iucn import IUCNCategory as Cat
+from shared.keys import generate_signing_key, save_private_key, save_public_key
+from shared.models.camera_cnn import initial_weights
+from shared.protocol import Ack, TrainingTask, decode_update, encode_ack, encode_task
+from shared.topics import ack_topic, parse_topic, task_topic, updates_filter
+
+from edge_sdk.agent import EdgeAgent
+from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport, Transport
+
+from .conftest import write_package
+
+FED, SITE = "fed1", "site-1"
+
+
+class FakeCoordinator:
+    """Signs tasks, verifies updates with the enrolled site key, acks them."""
+
+    def __init__(self, transport: Transport, site_public_key, *, ack: bool = True,
+                 ack_in_thread: bool = False) -> None:
+        self.key = generate_signing_key()
+        self.site_public_key = site_public_key
+        self.transport = transport
+        self.ack_in_thread = ack_in_thread  # a real broker's callbacks must not block paho's network thread
+        self.transport.subscribe(updates_filter(FED), self._on_update)
+        self.transport.connect()
+        self.updates: list[Envelope] = []
+        self.ack = ack
+        self.weights = initial_weights(num_classes=2, seed=0)
+
+    def _on_update(self, topic: str, payload: bytes) -> None:
+        envelope = Envelope.from_bytes(payload)
+        verify(envelope, self.site_public_key)
+        self.updates.append(envelope)
+        if self.ack:
+            _, site, _ = parse_topic(topic)
+            data = self.sealed_ack(envelope.header.round, site).to_bytes()
+            if self.ack_in_thread:
+                threading.Thread(target=self.transport.publish, args=(ack_topic(FED, site), data)).start()
+            else:
+                self.transport.publish(ack_topic(FED, site), data)
+
+    def sealed_ack(self, round_: int, site: str = SITE) -> Envelope:
+        return seal(private_key=self.key, federation_id=FED, site_id=site, round=round_, base_model_hash="0" * 64,
+                    kind=MessageKind.ACK, sequence=round_, payload=encode_ack(Ack(round=round_, accepted=True)))
+
+    def task(self, round_: int, *, site: str = SITE, key=None, **overrides) -> bytes:
+        h = model_hash(self.weights)
+        fields = dict(federation_id=FED, round=round_, model_hash=h, local_steps=2, expected_batch_size=2,
+                      learning_rate=0.1, clipping_norm=1.0, target_delta=1e-5, planned_rounds=5, privacy="ccdp",
+                      budgets={Cat.CR: 0.5, Cat.NT: 1.5})
+        fields.update(overrides)
+        return seal(private_key=key or self.key, federation_id=FED, site_id=site, round=round_, base_model_hash=h,
+                    kind=MessageKind.TASK, sequence=round_,
+                    payload=encode_task(TrainingTask(**fields), self.weights)).to_bytes()
+
+    def send(self, data: bytes, site: str = SITE) -> None:
+        self.transport.publish(task_topic(FED, site), data)
+
+
+def make_site(tmp_path: Path, coordinator_transport: Transport, *, ack_in_thread: bool = False):
+    """Keys, a Camtrap DP package and a site.yaml in tmp_path; returns the fake coordinator."""
+    site_key = generate_signing_key()
+    coordinator = FakeCoordinator(coordinator_transport, site_key.public_key(), ack_in_thread=ack_in_thread)
+    save_private_key(site_key, tmp_path / "keys" / "site.key")
+    save_public_key(coordinator.key.public_key(), tmp_path / "keys" / "coordinator.pub")
+    write_package(tmp_path / "pkg")
+    config = {
+        "federation_id": FED, "site_id": SITE, "dataset": "pkg",
+        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "CR"},
+                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
+        "outbox": "state/outbox.sqlite", "threads": 1,
+    }
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(config))
+    return coordinator
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    broker = InMemoryBroker()
+    coordinator = make_site(tmp_path, InMemoryTransport(broker))
+
+    def make_agent() -> tuple[EdgeAgent, InMemoryTransport]:
+        transport = InMemoryTransport(broker)
+        return EdgeAgent.from_config(tmp_path / "site.yaml", transport=transport), transport
+
+    return coordinator, make_agent
+
+
+def test_round_trip_task_update_ack(world) -> None:
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    agent.start()
+    coordinator.send(coordinator.task(1))
+    assert agent.run(max_rounds=1, idle_timeout_s=10) == 1
+
+    assert len(coordinator.updates) == 1
+    header = coordinator.updates[0].header
+    assert (header.kind, header.site_id, header.round) == (MessageKind.UPDATE, SITE, 1)
+    assert header.base_model_hash == model_hash(coordinator.weights)
+    report, delta = decode_update(coordinator.updates[0].payload)
+    # 3 records (1 CR, 2 NT), B = 2: q = 2/3; both site categories are active and reported.
+    assert report.num_examples == 3 and report.local_steps == 2
+    assert set(report.events) == {Cat.CR, Cat.NT}
+    for event in report.events.values():
+        assert event.sampling_rate == pytest.approx(2 / 3) and event.steps == 2
+    assert report.events[Cat.CR].noise_multiplier > report.events[Cat.NT].noise_multiplier
+    assert {k: v.shape for k, v in delta.items()} == {k: v.shape for k, v in coordinator.weights.items()}
+    assert all(np.all(np.isfinite(v)) for v in delta.values()) and any(np.any(v != 0) for v in delta.values())
+    assert agent.outbox.pending() == []  # acked -> removed
+    assert agent.stats["acks_accepted"] == 1
+    agent.close()
+
+
+def test_rejects_forged_misaddressed_duplicate_and_non_private_tasks(world) -> None:
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    forged = coordinator.task(1, key=generate_signing_key())
+    tampered = bytearray(coordinator.task(1))
+    tampered[-10] ^= 0xFF
+    assert agent.handle_task(forged) is False
+    assert agent.handle_task(bytes(tampered)) is False
+    assert agent.handle_task(coordinator.task(1, site="site-2")) is False
+    assert agent.handle_task(b"garbage") is False
+    assert agent.handle_task(coordinator.task(1, privacy="none", budgets={})) is False
+    assert agent.stats["rejected:bad_signature"] == 2 and agent.stats["rejected:wrong_site"] == 1
+    assert agent.stats["rejected:malformed"] == 1 and agent.stats["rejected:non_private_refused"] == 1
+    assert agent.handle_task(coordinator.task(1)) is True
+    assert agent.handle_task(coordinator.task(1)) is False  # duplicate
+    assert agent.stats["rejected:stale_round"] == 1
+    agent.close()
+    # A restarted agent remembers the round durably and never trains twice for it.
+    again, _ = make_agent()
+    assert again.handle_task(coordinator.task(1)) is False and again.stats["rejected:stale_round"] == 1
+    again.close()
+
+
+def test_update_waits_in_outbox_during_outage_and_is_resent(world) -> None:
+    coordinator, make_agent = world
+    agent, transport = make_agent()
+    agent.start()
+    coordinator.send(coordinator.task(3))
+    transport.go_offline()
+    assert agent.run(max_rounds=1, idle_timeout_s=0.3) == 1
+    assert [m.message_id for m in agent.outbox.pending()] == ["update/3"] and coordinator.updates == []
+    transport.go_online()  # reconnect -> the agent resends what is pending
+    agent.run(max_rounds=0, idle_timeout_s=5)
+    assert len(coordinator.updates) == 1 and agent.outbox.pending() == []
+    agent.close()
+
+
+def test_forged_ack_does_not_drop_the_update(world) -> None:
+    coordinator, make_agent = world
+    coordinator.ack = False
+    agent, _ = make_agent()
+    assert agent.handle_task(coordinator.task(1)) is True
+    forged = seal(private_key=generate_signing_key(), federation_id=FED, site_id=SITE, round=1,
+                  base_model_hash="0" * 64, kind=MessageKind.ACK, sequence=1,
+                  payload=encode_ack(Ack(round=1, accepted=True)))
+    assert agent.handle_ack(forged.to_bytes()) is False and len(agent.outbox.pending()) == 1
+    assert agent.handle_ack(coordinator.sealed_ack(1).to_bytes()) is True and agent.outbox.pending() == []
+    agent.close()
+
+
+def test_task_seed_is_honoured_only_when_the_site_allows_it(world, tmp_path: Path) -> None:
+    coordinator, make_agent = world
+
+    fresh = iter(range(100))
+
+    def delta_for(round_: int, allow: bool) -> dict:
+        cfg = yaml.safe_load((tmp_path / "site.yaml").read_text())
+        cfg.update(allow_seeded_noise=allow, outbox=f"state/outbox-{next(fresh)}.sqlite")  # a fresh gateway
+        (tmp_path / "site.yaml").write_text(yaml.safe_dump(cfg))
+        agent, _ = make_agent()
+        agent.start()
+        coordinator.ack = False
+        if allow:
+            with pytest.warns(UserWarning, match="seeded"):
+                assert agent.handle_task(coordinator.task(round_, seed=42, local_steps=1))
+        else:
+            assert agent.handle_task(coordinator.task(round_, seed=42, local_steps=1))
+        agent.close()
+        return decode_update(coordinator.updates[-1].payload)[1]
+
+    a, b = delta_for(1, True), delta_for(1, True)
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # reproducible when the site opts in
+    c, d = delta_for(1, False), delta_for(1, False)
+    assert not all(np.array_equal(c[k], d[k]) for k in c)  # otherwise secure, fresh randomness

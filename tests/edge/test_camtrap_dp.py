@@ -1,0 +1,128 @@
+"""Camtrap DP loader: a tiny package written by the test, the TDWG example, and every bad-input case."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.errors import DatasetError
+from shared.iucn import IUCNCategory
+
+from edge_sdk.config import SpeciesEntry
+from edge_sdk.data.camtrap_dp import load_camtrap_dp
+
+from .conftest import COLOURS, EXAMPLE_PACKAGE, SPECIES
+
+
+def test_loads_records_labels_categories_and_pixels(package: Path) -> None:
+    data = load_camtrap_dp(package, SPECIES, image_size=8)
+
+    assert data.media_ids == ("m1", "m2", "m4")
+    assert data.labels.dtype == np.int64 and data.labels.tolist() == [0, 1, 1]
+    assert data.categories.dtype == np.int8 and data.categories.tolist() == [1, 4, 4]  # CR=1, NT=4
+    assert data.images.dtype == np.uint8 and data.images.shape == (3, 8, 8)
+    # Solid colours stay solid after bilinear resizing; grey levels from the luma formula (see conftest).
+    for i, media_id in enumerate(data.media_ids):
+        assert np.all(data.images[i] == COLOURS[media_id][1])
+    assert data.category_counts() == {IUCNCategory.CR: 1, IUCNCategory.NT: 2}
+
+
+def test_accepts_species_entries(package: Path) -> None:
+    table = {name: SpeciesEntry(scientific_name=name, class_index=idx, iucn_category=cat)
+             for name, (idx, cat) in SPECIES.items()}
+    assert load_camtrap_dp(package, table).labels.tolist() == [0, 1, 1]
+
+
+def test_default_image_size_is_28(package: Path) -> None:
+    assert load_camtrap_dp(package, SPECIES).images.shape == (3, 28, 28)
+
+
+@pytest.mark.parametrize("table", ["deployments", "media", "observations"])
+def test_missing_table_names_the_file(package: Path, table: str) -> None:
+    (package / f"{table}.csv").unlink()
+    with pytest.raises(DatasetError, match=f"{table}.csv") as info:
+        load_camtrap_dp(package, SPECIES)
+    assert info.value.fix
+
+
+@pytest.mark.parametrize("table,column", [("observations", "scientificName"), ("media", "fileName"),
+                                          ("media", "mediaID"), ("deployments", "deploymentID"),
+                                          ("observations", "observationLevel")])
+def test_missing_column_names_column_file_and_fix(make_package, table: str, column: str) -> None:
+    pkg = make_package(drop_column=(table, column))
+    with pytest.raises(DatasetError) as info:
+        load_camtrap_dp(pkg, SPECIES)
+    err = info.value
+    assert err.field == column and err.source.endswith(f"{table}.csv") and column in err.fix
+    assert column in str(err) and f"{table}.csv" in str(err)
+
+
+def test_unknown_species_is_named_with_the_fix(package: Path) -> None:
+    with pytest.raises(DatasetError, match="Equus quagga") as info:
+        load_camtrap_dp(package, {"Loxodonta cyclotis": (0, "CR")})
+    assert "species table" in info.value.fix
+
+
+def test_missing_media_file_errors_or_is_skipped(package: Path) -> None:
+    (package / "media" / "m2.png").unlink()
+    with pytest.raises(DatasetError, match="m2"):
+        load_camtrap_dp(package, SPECIES)
+    with pytest.warns(UserWarning, match="1 media file"):
+        data = load_camtrap_dp(package, SPECIES, missing_media="skip")
+    assert data.media_ids == ("m1", "m4")
+
+
+def test_unreadable_image(package: Path) -> None:
+    (package / "media" / "m2.png").write_bytes(b"this is not a PNG")
+    with pytest.raises(DatasetError, match="image cannot be read") as info:
+        load_camtrap_dp(package, SPECIES)
+    assert info.value.source.endswith("m2.png")
+
+
+def test_multi_species_image(make_package) -> None:
+    pkg = make_package(extra_observations=[
+        {"observationID": "o5", "mediaID": "m1", "observationLevel": "media", "observationType": "animal",
+         "scientificName": "Equus quagga", "count": "1"}])
+    with pytest.raises(DatasetError, match="several species"):
+        load_camtrap_dp(pkg, SPECIES, multi_species="error")
+    with pytest.warns(UserWarning, match="multi-species"):
+        assert load_camtrap_dp(pkg, SPECIES).media_ids == ("m2", "m4")
+
+
+def test_observation_with_unknown_media(make_package) -> None:
+    pkg = make_package(extra_observations=[
+        {"observationID": "o9", "mediaID": "nope", "observationLevel": "media", "observationType": "animal",
+         "scientificName": "Equus quagga"}])
+    with pytest.raises(DatasetError, match="unknown mediaID 'nope'"):
+        load_camtrap_dp(pkg, SPECIES)
+
+
+def test_bad_arguments(package: Path, tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="missing_media"):
+        load_camtrap_dp(package, SPECIES, missing_media="ignore")
+    with pytest.raises(DatasetError, match="not found"):
+        load_camtrap_dp(tmp_path / "absent", SPECIES)
+    with pytest.raises(DatasetError, match="species table entry"):
+        load_camtrap_dp(package, {"Equus quagga": (1, "XX")})
+
+
+def test_tdwg_example_package() -> None:
+    if not EXAMPLE_PACKAGE.is_dir():
+        pytest.skip(f"the Camtrap DP example is not at {EXAMPLE_PACKAGE} (../shared/data beside the repo)")
+    names = ["Anas platyrhynchos", "Anas strepera", "Ardea", "Ardea cinerea", "Aves", "Martes foina",
+             "Mustela putorius", "Rattus norvegicus", "Vulpes vulpes"]
+    table = {name: (i, "LC") for i, name in enumerate(names)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip")
+    assert any("missing" in str(w.message) for w in caught)
+    # Only the 10 JPEGs in media/ are present; each shows a single species, observed as the genus "Ardea".
+    present = len(list((EXAMPLE_PACKAGE / "media").glob("*.JPG")))
+    assert len(data) == present == 10
+    assert set(data.labels.tolist()) == {names.index("Ardea")}
+    assert data.images.shape == (10, 28, 28) and data.images.dtype == np.uint8
+    assert np.all(data.categories == IUCNCategory.LC.rank)
+    assert data.images.std() > 0  # real photographs, not blank frames

@@ -1,0 +1,84 @@
+"""Torch backend: torch.func per-example gradients equal single-example autograd; SGD step; registry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.errors import ConfigError
+from shared.models.camera_cnn import initial_weights
+
+from edge_sdk.backends.base import create_backend, flatten, register_backend, unflatten
+from edge_sdk.backends.torch_backend import TorchBackend
+
+
+@pytest.fixture(scope="module")
+def backend() -> TorchBackend:
+    b = create_backend("torch", num_classes=4, threads=2, microbatch_size=3)  # 3 forces several chunks
+    b.set_weights(initial_weights(num_classes=4, seed=3))
+    return b
+
+
+def batch(rng: np.random.Generator, n: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    return rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8), rng.integers(0, 4, size=n).astype(np.int64)
+
+
+def test_per_example_gradients_equal_a_loop_of_autograd(backend: TorchBackend, rng) -> None:
+    x, y = batch(rng)
+    per_example = backend.per_example_gradients(x, y)
+    assert per_example.dtype == np.float32 and per_example.shape == (7, backend.num_parameters)
+    model = backend.model
+    for i in range(7):
+        model.zero_grad(set_to_none=True)
+        xi = torch.from_numpy(x[i:i + 1].astype(np.float32) / 255.0).unsqueeze(1)
+        loss = torch.nn.functional.cross_entropy(model(xi), torch.from_numpy(y[i:i + 1]))
+        loss.backward()
+        expected = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()]).numpy()
+        np.testing.assert_allclose(per_example[i], expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(backend.gradient(x, y), per_example.mean(axis=0), rtol=1e-4, atol=1e-6)
+
+
+def test_layout_weights_and_sgd_step(backend: TorchBackend, rng) -> None:
+    layout = backend.parameter_layout
+    assert [s.name for s in layout] == [n for n, _ in backend.model.named_parameters()]
+    assert backend.num_parameters == sum(p.numel() for p in backend.model.parameters())
+    before = flatten(backend.get_weights(), layout)
+    step = rng.standard_normal(backend.num_parameters).astype(np.float32)
+    backend.apply_gradient(step, 0.25)
+    np.testing.assert_allclose(flatten(backend.get_weights(), layout), before - 0.25 * step, rtol=1e-6, atol=1e-7)
+    backend.set_weights(unflatten(before, layout))
+    np.testing.assert_array_equal(flatten(backend.get_weights(), layout), before)
+
+
+def test_bad_weights_and_registry(backend: TorchBackend) -> None:
+    weights = backend.get_weights()
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        backend.set_weights({**weights, "extra": np.zeros(1, np.float32)})
+    name = next(iter(weights))
+    with pytest.raises(ConfigError, match="shape"):
+        backend.set_weights({**weights, name: np.zeros((1,), np.float32)})
+    with pytest.raises(ConfigError, match="unknown training backend"):
+        create_backend("tensorflow")
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("torch")(lambda **kw: None)
+
+
+def test_ghost_clipping_path_equals_materialised_gradients(backend: TorchBackend, rng) -> None:
+    assert backend._ghost_layers is not None  # the camera CNN is all Linear/Conv2d
+    x, y = batch(rng, 9)
+    explicit = backend.per_example_gradients(x, y).astype(np.float64)
+    implicit = backend.per_example(x, y)
+    np.testing.assert_allclose(implicit.norms, np.linalg.norm(explicit, axis=1), rtol=1e-5)
+    weights = rng.random((3, 9)).astype(np.float32)
+    np.testing.assert_allclose(implicit.weighted_sum(weights), weights @ explicit, rtol=1e-4, atol=1e-6)
+
+
+def test_unsupported_layers_fall_back_to_vmap(rng) -> None:
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 8), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 3))
+    b = TorchBackend(3, model=model)
+    assert b._ghost_layers is None
+    x, y = rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0])
+    implicit = b.per_example(x, y)
+    np.testing.assert_allclose(implicit.norms, np.linalg.norm(b.per_example_gradients(x, y), axis=1), rtol=1e-5)

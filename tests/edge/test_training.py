@@ -1,0 +1,98 @@
+"""The local training loop, hand-worked on a linear fake backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.errors import PrivacyBudgetError
+from shared.iucn import IUCNCategory as Cat
+from shared.protocol import TrainingTask
+
+from edge_sdk.backends.base import ParameterSpec, TrainingBackend
+from edge_sdk.data.camtrap_dp import LocalDataset
+from edge_sdk.training import train_locally
+
+
+class FakeBackend(TrainingBackend):
+    """d = 2; the gradient of example i is its two pixel values (so tests can hand-compute every step)."""
+
+    def __init__(self) -> None:
+        self.w = np.zeros(2, np.float32)
+
+    @property
+    def parameter_layout(self):
+        return (ParameterSpec("w", (2,), 0),)
+
+    def set_weights(self, weights):
+        self.w = np.asarray(weights["w"], np.float32).copy()
+
+    def get_weights(self):
+        return {"w": self.w.copy()}
+
+    def per_example_gradients(self, x, y):
+        return np.asarray(x, np.float32).reshape(len(y), -1)
+
+    def gradient(self, x, y):
+        return self.per_example_gradients(x, y).mean(axis=0)
+
+    def apply_gradient(self, flat_grad, learning_rate):
+        self.w = self.w - learning_rate * flat_grad
+
+    def predict(self, x):
+        return np.zeros(len(x), np.int64)
+
+
+class ZeroNoise:
+    def random(self, size):
+        return np.zeros(size)  # every eligible record is sampled
+
+    def standard_normal(self, size):
+        return np.zeros(size)
+
+
+def dataset() -> LocalDataset:
+    pixels = [(3, 4), (0, 1), (6, 8), (0, 0), (100, 100), (100, 100)]
+    cats = [Cat.CR, Cat.CR, Cat.LC, Cat.LC, Cat.EN, Cat.EN]
+    return LocalDataset(images=np.array(pixels, np.uint8).reshape(6, 1, 2), labels=np.zeros(6, np.int64),
+                        categories=np.array([c.rank for c in cats], np.int8), media_ids=tuple("abcdef"))
+
+
+def task(**kw) -> TrainingTask:
+    base = dict(federation_id="f", round=1, model_hash="0" * 64, local_steps=1, expected_batch_size=2,
+                learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=10, privacy="ccdp",
+                budgets={Cat.CR: 0.5, Cat.EN: 1.0, Cat.LC: 2.0}, halted=(Cat.EN,))
+    return TrainingTask(**{**base, **kw})
+
+
+def test_ccdp_step_hand_worked() -> None:
+    # EN is halted: N_active = 4, q = B / N_active = 2/4 = 0.5, expected batch size q * N_active = 2.
+    # Clipped (C = 1): (3,4) -> (0.6,0.8); (0,1); (6,8) -> (0.6,0.8); (0,0). Sum (1.2, 2.6); / 2 = (0.6, 1.3).
+    # One step at lr 0.5 from w = (1, -1): delta = -0.5 * (0.6, 1.3) = (-0.3, -0.65).
+    result = train_locally(backend=FakeBackend(), dataset=dataset(), task=task(),
+                           global_weights={"w": np.array([1.0, -1.0], np.float32)},
+                           site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
+    np.testing.assert_allclose(result.delta["w"], [-0.3, -0.65], rtol=2e-5)  # 1e-5 clip margin
+    assert result.sampling_rate == 0.5
+    assert result.report.num_examples == 4 and result.report.local_steps == 1
+    assert set(result.report.events) == {Cat.CR, Cat.LC}  # the halted category reports nothing
+    for cat, event in result.report.events.items():
+        assert event.sampling_rate == 0.5 and event.steps == 1
+        assert event.noise_multiplier == result.noise_multipliers[cat]
+    assert result.noise_multipliers[Cat.CR] > result.noise_multipliers[Cat.LC]
+
+
+def test_non_private_step_uses_realised_mean_and_reports_no_events() -> None:
+    # All 4 eligible records sampled, mean gradient (9, 13)/4 = (2.25, 3.25); lr 0.5 -> delta (-1.125, -1.625).
+    result = train_locally(backend=FakeBackend(), dataset=dataset(), task=task(privacy="none", budgets={}),
+                           global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
+                           randomness=ZeroNoise())
+    np.testing.assert_allclose(result.delta["w"], [-1.125, -1.625])
+    assert result.report.events == {}
+
+
+def test_all_halted_site_does_not_train() -> None:
+    with pytest.raises(PrivacyBudgetError, match="does not train"):
+        train_locally(backend=FakeBackend(), dataset=dataset(), task=task(halted=(Cat.CR, Cat.EN, Cat.LC)),
+                      global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
+                      randomness=ZeroNoise())
