@@ -224,60 +224,37 @@ def serve(config: Path = _config_option(),
     _run(config, rounds)
 
 
-def _demo_settings(args: list[str], settings_cls: Any) -> Any:
-    """Map ``--some-field VALUE`` (or ``--flag`` for booleans) onto the fields of the demo's settings dataclass,
-    converting each value to the type of the field's default.
-
-    Raises:
-        ConfigError: an unknown option or a value that does not convert (names the option and the fix).
-    """
-    import dataclasses
-
-    fields = {f.name: f for f in dataclasses.fields(settings_cls)}
-    values: dict[str, Any] = {}
-    args = [part for a in args for part in (a.split("=", 1) if a.startswith("--") and "=" in a else [a])]
-    i = 0
-    while i < len(args):
-        opt = args[i]
-        name = opt[2:].replace("-", "_") if opt.startswith("--") else None
-        if name is None or name not in fields:
-            raise ConfigError(f"unknown demo option {opt!r}", field=opt,
-                              fix=f"use one of {', '.join('--' + n.replace('_', '-') for n in fields)}")
-        f = fields[name]
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, bool):
-            values[name] = True
-            i += 1
-            continue
-        if i + 1 >= len(args):
-            raise ConfigError(f"demo option {opt} needs a value", field=opt, fix=f"write {opt} VALUE")
-        raw = args[i + 1]
-        try:
-            if isinstance(default, int):
-                values[name] = int(raw)
-            elif isinstance(default, float):
-                values[name] = float(raw)
-            elif isinstance(default, Path) or "Path" in str(f.type):
-                values[name] = Path(raw)
-            else:
-                values[name] = raw
-        except ValueError as exc:
-            raise ConfigError(f"demo option {opt} got {raw!r}: {exc}", field=opt, fix="give a number") from exc
-        i += 2
-    return settings_cls(**values)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command()
 @_friendly
-def demo(ctx: typer.Context) -> None:
-    """A whole federation on one machine (broker, coordinator, gateways): options are the fields of
-    coordinator.experiments.demo.DemoSettings, e.g. ``--sites 8 --rounds 10 --broker mqtt://host:port``."""
-    try:
-        from coordinator.experiments.demo import DemoSettings, run_demo
-    except ImportError as exc:
-        err_console.print(f"[bold red]error:[/] the demo is not available ({exc})")
-        raise typer.Exit(code=2) from exc
-    run_demo(_demo_settings(list(ctx.args), DemoSettings), console=console)
+def demo(
+    sites: int = typer.Option(8, help="gateway sites, one process each"),
+    rounds: int = typer.Option(10, help="federated rounds"),
+    privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD) or none (non-private reference)"),
+    gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
+    anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
+    anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
+    local_steps: int = typer.Option(20, help="DP-SGD steps per site per round"),
+    expected_batch_size: int = typer.Option(64, help="records per step in expectation (q = B / N_site)"),
+    learning_rate: float = typer.Option(0.1, help="local SGD step size"),
+    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),
+    target_delta: float = typer.Option(1e-5, help="delta of every category's guarantee"),
+    seed: int = typer.Option(0, help="data split, site design and model initialisation (noise stays random)"),
+    broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker (default: embedded amqtt)"),
+    out: Path | None = typer.Option(None, help="run folder (default runs/demo-<UTC time>)"),
+    centralised_epochs: int = typer.Option(0, help="also train on the pooled data for N epochs as a reference"),
+    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
+) -> None:
+    """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
+    site; prints accuracy and epsilon per IUCN category and writes report.json + report.png."""
+    from coordinator.experiments.demo import DemoSettings, run_demo
+
+    settings = DemoSettings(sites=sites, rounds=rounds, privacy=privacy, gamma=gamma,
+                            anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
+                            local_steps=local_steps, expected_batch_size=expected_batch_size,
+                            learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
+                            seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
+                            round_deadline_s=round_deadline_s)
+    run_demo(settings, console=console)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -91,22 +91,9 @@ def test_cli_missing_config_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "config file not found" in r.output
 
 
-def test_demo_options_map_onto_the_settings_dataclass():
-    from dataclasses import dataclass
-    from pathlib import Path
-
-    from coordinator.cli import _demo_settings
-
-    @dataclass(frozen=True)
-    class Settings:
-        sites: int = 8
-        gamma: float = 1.0
-        broker: str | None = None
-        out_dir: Path | None = None
-
-    s = _demo_settings(["--sites", "3", "--gamma=2", "--broker", "mqtt://h:1", "--out-dir", "/tmp/x"], Settings)
-    assert s == Settings(sites=3, gamma=2.0, broker="mqtt://h:1", out_dir=Path("/tmp/x"))
-    with pytest.raises(ConfigError, match="--sites"):
-        _demo_settings(["--sitez", "3"], Settings)
-    with pytest.raises(ConfigError, match="needs a value"):
-        _demo_settings(["--sites"], Settings)
+def test_demo_rejects_bad_settings_with_a_clear_error(tmp_path):
+    r = runner.invoke(app, ["demo", "--sites", "1", "--out", str(tmp_path / "run")])
+    assert r.exit_code == 2 and "sites must be >= 2" in r.output
+    r = runner.invoke(app, ["demo", "--privacy", "laplace", "--out", str(tmp_path / "run")])
+    assert r.exit_code == 2 and "privacy" in r.output
+    assert not (tmp_path / "run").exists()  # nothing written for a rejected configuration

@@ -1,0 +1,393 @@
+"""The main job: a whole WildFed federation on one machine, on real images.
+
+``wildfed-coordinator demo`` (README's first command) runs, as separate processes:
+
+- an MQTT broker: the embedded amqtt broker on a free loopback port, unless ``--broker mqtt://host:port`` names one;
+- N gateway agents (``python -m edge_sdk.cli run``), one per site, each reading its own Camtrap DP package through
+  the same loader a field gateway uses, training with CCDP and uploading signed updates;
+- the coordinator (this process): registry, signed tasks, ingest, privacy ledger, streaming FedAvg.
+
+Data: Animal-MNIST (``animal-mnist==0.4``, 10,000 real 28x28 silhouettes, 10 classes), fetched and verified by
+:mod:`coordinator.experiments.animal_mnist`; a stratified held-out test split stays at the coordinator; the rest is
+partitioned into sites by the ecological design of :mod:`coordinator.experiments.ecology` (docs/demo-data.md) and
+written as one Camtrap DP package per site.
+
+Output (in the run folder): ``report.json`` (settings, per-round accuracy and epsilon, final table), ``report.png``
+(accuracy and epsilon per round), ``logs/`` (broker and gateway logs), the sites' packages and configs, and the
+coordinator's database, blobs and models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import yaml
+
+from shared.errors import ConfigError, WildFedError
+from shared.iucn import IUCNCategory
+from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
+
+__all__ = ["DemoSettings", "DemoResult", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Knobs of the demo (CLI flags of ``wildfed-coordinator demo``).
+
+    Attributes:
+        sites: number of gateway sites K (>= 2). rounds: federated rounds (>= 1).
+        privacy: ``"ccdp"`` or ``"none"`` (non-private reference).
+        gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
+        anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
+        local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
+        learning_rate: local SGD step; clipping_norm: C; target_delta: delta of every guarantee.
+        round_deadline_s: seconds a round waits for all selected sites.
+        seed: data split, site design, model initialisation (privacy noise stays cryptographically random).
+        broker: ``mqtt://host:port`` of a running broker, or None for the embedded one.
+        out_dir: run folder; default ``runs/demo-<UTC timestamp>``.
+        centralised_epochs: also train the same model on the pooled training data for this many epochs
+            (0 = skip) as the reference a federation is compared with.
+        threads_per_site: torch threads of each gateway process.
+    """
+
+    sites: int = 8
+    rounds: int = 10
+    privacy: str = "ccdp"
+    gamma: float = 1.0
+    anchor_category: str = "VU"
+    anchor_epsilon: float = 1.0
+    local_steps: int = 20
+    expected_batch_size: int = 64
+    learning_rate: float = 0.1
+    clipping_norm: float = 1.0
+    target_delta: float = 1e-5
+    round_deadline_s: float = 300.0
+    seed: int = 0
+    broker: str | None = None
+    out_dir: Path | None = None
+    centralised_epochs: int = 0
+    threads_per_site: int = 1
+
+    def __post_init__(self) -> None:
+        if self.sites < 2:
+            raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}", field="rounds", fix="use --rounds 10")
+        if self.privacy not in ("ccdp", "none"):
+            raise ConfigError(f"privacy must be 'ccdp' or 'none', got {self.privacy!r}", field="privacy",
+                              fix="use --privacy ccdp or --privacy none")
+        if self.broker is not None and not self.broker.startswith("mqtt://"):
+            raise ConfigError(f"broker {self.broker!r} is not an mqtt:// URL", field="broker",
+                              fix="pass --broker mqtt://127.0.0.1:1883")
+
+
+@dataclass
+class DemoResult:
+    """What a demo run produced: the run folder, per-round history and the final numbers."""
+
+    run_dir: Path
+    history: list[dict[str, Any]] = field(default_factory=list)
+    final_accuracy: dict[str, float] = field(default_factory=dict)
+    epsilon: dict[str, dict[str, float]] = field(default_factory=dict)
+    centralised_accuracy: dict[str, float] | None = None
+    rejections: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------ preparation
+def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple[list[Any], Any, Any, Any]:
+    """Fetch data, split, design sites, write each site's Camtrap DP package.
+
+    Returns:
+        (site specs, train split, held-out test split, design summary).
+    """
+    from coordinator.experiments.animal_mnist import fetch_animal_mnist, split_holdout
+    from coordinator.experiments.camtrap_writer import write_camtrap_dp
+    from coordinator.experiments.ecology import design_sites, summarize_design
+
+    console.log("fetching Animal-MNIST (animal-mnist==0.4, verified by SHA-256)")
+    data = fetch_animal_mnist()
+    train, test = split_holdout(data, 0.2, seed=settings.seed)
+    specs = design_sites(train.labels, settings.sites, seed=settings.seed)
+    summary = summarize_design(specs, num_available=len(train))
+    console.log(f"{settings.sites} sites: sizes {summary.size_min}..{summary.size_max} images "
+                f"({summary.size_spread:.0f}x), species-list Jaccard {summary.jaccard_min:.2f}..{summary.jaccard_max:.2f}, "
+                f"held-out test {len(test)} images")
+    start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    for k, spec in enumerate(specs):
+        write_camtrap_dp(run_dir / "sites" / spec.site_id / "camtrap-dp", site=spec,
+                         images=train.images[spec.indices], labels=train.labels[spec.indices],
+                         source_indices=train.source_indices[spec.indices],
+                         start_time=start - timedelta(days=30 * spec.monitoring_months), seed=settings.seed + k)
+    return specs, train, test, summary
+
+
+def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federation_id: str,
+                       broker_url: str, coordinator_pub: Path) -> tuple[Path, str]:
+    """Keys and YAML config of one gateway; returns (config path, public key PEM)."""
+    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+
+    site_dir = run_dir / "sites" / spec.site_id
+    key = generate_signing_key()
+    save_private_key(key, site_dir / "keys" / "site.key")
+    save_public_key(key.public_key(), site_dir / "keys" / "site.pub")
+    config = {
+        "federation_id": federation_id,
+        "site_id": spec.site_id,
+        "dataset": "camtrap-dp",
+        # The site's species table: the species it monitors. Its IUCN categories are the ones it noises.
+        "species": [{"scientific_name": SPECIES_TABLE[c].scientific_name, "class_index": c,
+                     "iucn_category": SPECIES_TABLE[c].iucn.value} for c in spec.species],
+        "num_classes": len(SPECIES_TABLE),
+        "private_key": "keys/site.key",
+        "coordinator_public_key": str(coordinator_pub),
+        "broker_url": broker_url,
+        "outbox": "state/outbox.sqlite",
+        "backend": "torch",
+        "threads": settings.threads_per_site,
+        "allow_non_private": settings.privacy == "none",
+    }
+    path = site_dir / "site.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path, public_key_to_pem(key.public_key())
+
+
+@contextmanager
+def _gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path, console: Any,
+              timeout_s: float = 120.0) -> Iterator[list[subprocess.Popen]]:
+    """Start one ``wildfed-edge run`` process per site; wait until each has subscribed; stop them on exit."""
+    procs: list[subprocess.Popen] = []
+    logs = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        for path in config_paths:
+            site = path.parent.name
+            log = open(log_dir / f"{site}.log", "ab")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "edge_sdk.cli", "run", "--config", str(path),
+                 "--ready-file", str(ready_dir / f"{site}.ready")],
+                stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout_s
+        for path, proc in zip(config_paths, procs):
+            site = path.parent.name
+            while not (ready_dir / f"{site}.ready").exists():
+                if proc.poll() is not None:
+                    tail = (log_dir / f"{site}.log").read_text(errors="replace")[-2000:]
+                    raise WildFedError(f"gateway {site} exited with code {proc.returncode} before it was ready; "
+                                       f"its log ({log_dir / f'{site}.log'}) ends:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise WildFedError(f"gateway {site} was not ready within {timeout_s:.0f} s; "
+                                       f"see {log_dir / f'{site}.log'}")
+                time.sleep(0.1)
+        console.log(f"{len(procs)} gateway agents connected")
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+# ------------------------------------------------------------------------------------------ reporting
+def _epsilon_by_category(coordinator: Any) -> dict[str, dict[str, float]]:
+    """Per IUCN category: the largest spend over sites (the worst-off record's epsilon) and the budget."""
+    out: dict[str, dict[str, float]] = {}
+    for row in coordinator.budget_rows():
+        entry = out.setdefault(row.category.value, {"spent_max": 0.0, "budget": row.budget, "halted_sites": 0})
+        entry["spent_max"] = max(entry["spent_max"], row.spent)
+        entry["halted_sites"] += int(row.halted)
+    return out
+
+
+def _plot(history: list[dict[str, Any]], budgets: dict[str, float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [h["round"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for group, style in (("overall", "-o"), ("CR/EN", "-s"), ("LC", "-^")):
+        ax1.plot(rounds, [100 * h["accuracy"][group] for h in history], style, label=group)
+    ax1.set_xlabel("round")
+    ax1.set_ylabel("held-out test accuracy (%)")
+    ax1.set_title("Accuracy of the global model")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    colours = plt.get_cmap("viridis")
+    for i, cat in enumerate(c.value for c in IUCNCategory):
+        colour = colours(i / 5)
+        ax2.plot(rounds, [h["epsilon"].get(cat, {}).get("spent_max", 0.0) for h in history], "-o",
+                 color=colour, label=cat)
+        if cat in budgets:
+            ax2.axhline(budgets[cat], color=colour, linestyle="--", linewidth=0.8)
+    ax2.set_xlabel("round")
+    ax2.set_ylabel("epsilon spent (max over sites; dashed: budget)")
+    ax2.set_title("Privacy ledger (RDP, delta per config)")
+    ax2.grid(alpha=0.3)
+    ax2.legend(ncol=2, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ the run
+def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
+    """Run the whole federation described in the module docstring.
+
+    Raises:
+        ConfigError: bad settings. WildFedError: a gateway failed to start, or the data could not be fetched.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from coordinator.config import BudgetFromAnchor, config_from_dict
+    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+    from coordinator.experiments.embedded_broker import embedded_broker
+    from coordinator.experiments.evaluation import evaluate, train_centralised
+    from coordinator.service import Coordinator
+
+    console = console or Console()
+    t0 = time.monotonic()
+    run_dir = Path(settings.out_dir or Path("runs") / f"demo-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
+    run_dir = run_dir.resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"run folder {run_dir} is not empty", field="out", fix="choose a new --out folder")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "ready").mkdir(parents=True, exist_ok=True)
+    console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} rounds, privacy {settings.privacy}")
+    console.log(f"run folder {run_dir}")
+
+    specs, train, test, design = _prepare_sites(settings, run_dir, console)
+    class_categories = [e.iucn for e in SPECIES_TABLE]
+    federation_id = "wildfed-demo"
+
+    coord_dir = run_dir / "coordinator"
+    coord_key = generate_signing_key()
+    save_private_key(coord_key, coord_dir / "keys" / "coordinator.key")
+    coordinator_pub = save_public_key(coord_key.public_key(), coord_dir / "keys" / "coordinator.pub")
+    budget = BudgetFromAnchor(category=IUCNCategory(settings.anchor_category), epsilon=settings.anchor_epsilon,
+                              gamma=settings.gamma)
+
+    result = DemoResult(run_dir=run_dir)
+    with ExitStack() as stack:
+        broker_url = settings.broker
+        if broker_url is None:
+            broker_url = stack.enter_context(embedded_broker(log_path=run_dir / "logs" / "broker.log"))
+            console.log(f"embedded MQTT broker (amqtt) at {broker_url}")
+        else:
+            console.log(f"using MQTT broker {broker_url}")
+        config = config_from_dict({
+            "federation_id": federation_id, "data_dir": str(coord_dir), "broker_url": broker_url,
+            "signing_key_path": str(coord_dir / "keys" / "coordinator.key"),
+            "public_key_path": str(coordinator_pub), "rounds": settings.rounds,
+            "round_deadline_s": settings.round_deadline_s, "local_steps": settings.local_steps,
+            "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
+            "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
+            "privacy": settings.privacy, "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
+            "seed": settings.seed}).resolved(run_dir)
+        coordinator = stack.enter_context(Coordinator(config))
+        site_configs = []
+        for spec in specs:
+            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub)
+            public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
+                              if not SPECIES_TABLE[c].iucn.is_sensitive]
+            coordinator.enrol(spec.site_id, pem, {"num_examples": spec.num_images, "biome": spec.biome,
+                                                  "species": public_species,
+                                                  "monitoring_months": spec.monitoring_months})
+            site_configs.append(path)
+        console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
+
+        stack.enter_context(_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
+        budgets = config.budgets()
+        columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("rounds", total=settings.rounds, info="training...")
+            for round_result in coordinator.iter_rounds():
+                _, weights = coordinator.rounds.current_model()
+                acc = evaluate(weights, test.images, test.labels, class_categories)
+                eps = _epsilon_by_category(coordinator)
+                entry = {"round": round_result.round, "status": round_result.status,
+                         "selected": list(round_result.selected), "accepted": list(round_result.accepted),
+                         "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps}
+                result.history.append(entry)
+                info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
+                        f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
+                if settings.privacy == "ccdp":
+                    info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
+                progress.update(task, advance=1, info=info)
+        status = coordinator.status()
+        result.rejections = dict(status.rejections)
+        result.epsilon = _epsilon_by_category(coordinator)
+        _, final_weights = coordinator.rounds.current_model()
+        final = evaluate(final_weights, test.images, test.labels, class_categories)
+        result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
+
+    if settings.centralised_epochs > 0:
+        console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
+        used = np.concatenate([s.indices for s in specs])
+        weights = train_centralised(train.images[used], train.labels[used], num_classes=len(SPECIES_TABLE),
+                                    epochs=settings.centralised_epochs, batch_size=settings.expected_batch_size,
+                                    learning_rate=settings.learning_rate, seed=settings.seed)
+        result.centralised_accuracy = dict(evaluate(weights, test.images, test.labels, class_categories).by_group)
+    result.elapsed_s = time.monotonic() - t0
+
+    table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} rounds, "
+                        f"privacy {settings.privacy}")
+    table.add_column("IUCN category")
+    table.add_column("test accuracy", justify="right")
+    table.add_column("epsilon spent (max over sites)", justify="right")
+    table.add_column("budget", justify="right")
+    for cat in IUCNCategory:
+        e = result.epsilon.get(cat.value, {"spent_max": 0.0, "budget": budgets[cat]})
+        spent = f"{e['spent_max']:.3f}" if settings.privacy == "ccdp" else "- (no DP)"
+        acc = result.final_accuracy.get(cat.value, math.nan)
+        table.add_row(cat.value, "n/a" if math.isnan(acc) else f"{100 * acc:.1f}%", spent,
+                      f"{budgets[cat]:.2f}" if settings.privacy == "ccdp" else "-")
+    for group in ("overall", "CR/EN", "LC"):
+        table.add_row(f"[bold]{group}", f"[bold]{100 * result.final_accuracy[group]:.1f}%", "", "")
+    if result.centralised_accuracy:
+        table.add_row("centralised (pooled, non-private)", f"{100 * result.centralised_accuracy['overall']:.1f}%",
+                      "", "")
+    console.print(table)
+    console.log(f"rejected updates by reason: {result.rejections or 'none'}")
+
+    report = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
+        "design": dataclasses.asdict(design),
+        "sites": [{"site_id": s.site_id, "biome": s.biome, "num_images": s.num_images,
+                   "species": list(s.species_names()), "monitoring_months": s.monitoring_months} for s in specs],
+        "history": result.history, "final_accuracy": result.final_accuracy, "epsilon": result.epsilon,
+        "centralised_accuracy": result.centralised_accuracy, "rejections": result.rejections,
+        "elapsed_s": result.elapsed_s,
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
+    _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy == "ccdp" else {},
+          run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
+    console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
+                f"({result.elapsed_s:.0f} s in all)")
+    return result
