@@ -6,7 +6,7 @@ count, the torch device and the per-example-gradient micro-batch (the memory kno
 them. The schema is small on purpose; later issues extend it (new fields optional, meanings never change).
 
 Memory: per-example gradients of a micro-batch take about ``microbatch_size * d * 4`` bytes twice over (torch's
-output and the numpy copy); for the 105,866-parameter camera CNN and ``microbatch_size = 64`` that is ~54 MB.
+output and the numpy copy); for the 33,194-parameter camera CNN and ``microbatch_size = 64`` that is ~17 MB.
 """
 
 from __future__ import annotations

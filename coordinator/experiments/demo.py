@@ -69,9 +69,9 @@ class DemoSettings:
     gamma: float = 1.0
     anchor_category: str = "VU"
     anchor_epsilon: float = 1.0
-    local_steps: int = 20
-    expected_batch_size: int = 64
-    learning_rate: float = 0.1
+    local_steps: int = 10
+    expected_batch_size: int = 128
+    learning_rate: float = 0.5
     clipping_norm: float = 1.0
     target_delta: float = 1e-5
     round_deadline_s: float = 300.0

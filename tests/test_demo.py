@@ -1,0 +1,65 @@
+"""The main job end to end with small settings: embedded broker, coordinator, real gateway processes, real images.
+
+Slow (about a minute on 2 cores): it starts one Python process per site. What it checks is computed independently of
+the code under test: the epsilon the demo reports per category is recomputed from the ledger rows in the SQLite file
+with dp-accounting directly, and checked against the CCDP budget formula.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import defaultdict
+
+import dp_accounting
+import pytest
+from typer.testing import CliRunner
+
+from coordinator.cli import app
+
+pytestmark = pytest.mark.slow
+
+
+def _direct_epsilon(rows, delta):
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    for z, q, steps in rows:
+        for _ in range(steps):
+            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+    return acc.get_epsilon(delta)
+
+
+def test_demo_small_federation(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["demo", "--sites", "3", "--rounds", "2", "--local-steps", "2",
+                                      "--expected-batch-size", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").stat().st_size > 10_000
+    assert [h["status"] for h in report["history"]] == ["closed", "closed"]
+    assert all(len(h["accepted"]) == 3 for h in report["history"])
+    assert report["rejections"] == {}
+    for value in report["final_accuracy"].values():
+        assert value != value or 0.0 <= value <= 1.0  # nan for a category absent from the test split
+
+    # Each site read its data from a Camtrap DP package written for it.
+    for site in report["sites"]:
+        pkg = out / "sites" / site["site_id"] / "camtrap-dp"
+        assert (pkg / "observations.csv").is_file() and (pkg / "datapackage.json").is_file()
+        assert len(list((pkg / "media").glob("*.png"))) == site["num_images"]
+
+    # The reported spend is what dp-accounting gives for the ledger's rows, and stays within budget.
+    db = sqlite3.connect(out / "coordinator" / "coordinator.db")
+    rows = defaultdict(list)
+    for site, cat, z, q, steps in db.execute(
+            "SELECT site_id, category, noise_multiplier, sampling_rate, steps FROM ledger"):
+        rows[(site, cat)].append((z, q, steps))
+    assert rows, "the ledger recorded nothing"
+    budgets = {"CR": 1 / 3, "EN": 2 / 3, "VU": 1.0, "NT": 4 / 3, "LC": 5 / 3, "NE": 2.0}  # from_anchor(VU, 1, 1)
+    worst = defaultdict(float)
+    for (site, cat), events in rows.items():
+        assert sum(s for *_, s in events) == 2 * 2  # 2 rounds x 2 local steps
+        worst[cat] = max(worst[cat], _direct_epsilon(events, 1e-5))
+    for cat, eps in worst.items():
+        assert report["epsilon"][cat]["spent_max"] == pytest.approx(eps, rel=1e-6)
+        assert eps <= budgets[cat] + 1e-9
+        assert report["epsilon"][cat]["budget"] == pytest.approx(budgets[cat])
