@@ -59,7 +59,8 @@ class TrainingTask:
         privacy: ``"ccdp"`` or ``"none"`` (non-private reference runs only).
         budgets: total epsilon budget per IUCN category (whole federation, per record).
         halted: categories whose records this site must not sample any more (the ledger halted them).
-        seed: a seed for reproducible runs (noise then comes from a seeded generator, with a warning), or None.
+        seed: a seed for reproducible runs, or None. A gateway honours it only when its own site config sets
+            ``allow_seeded_noise`` (whoever knows the seed can subtract the noise); it then warns loudly.
     """
 
     federation_id: str
