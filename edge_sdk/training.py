@@ -29,7 +29,7 @@ from edge_sdk.privacy.ccdp import CCDPMechanism, active_categories, calibrate_ca
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import poisson_sample
 
-__all__ = ["LocalTrainingResult", "train_locally"]
+__all__ = ["LocalTrainingResult", "local_step", "train_locally"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,35 @@ class LocalTrainingResult:
     report: UpdateReport
     noise_multipliers: dict[IUCNCategory, float]
     sampling_rate: float
+
+
+def local_step(
+    *,
+    backend: TrainingBackend,
+    dataset: LocalDataset,
+    eligible: np.ndarray,
+    sampling_rate: float,
+    mechanism: CCDPMechanism | None,
+    randomness: RandomSource,
+    learning_rate: float,
+) -> int:
+    """One step of :func:`train_locally` (also what ``benchmarks/dp_step.py`` times): Poisson-sample a batch of
+    eligible records at rate q, then either the CCDP step (implicit per-example gradients -> ``privatize``) or,
+    with ``mechanism`` None, a non-private mean-gradient step; then the SGD update.
+
+    Returns:
+        The realised batch size (a non-private step with an empty batch is skipped).
+    """
+    idx = poisson_sample(eligible, sampling_rate, randomness)
+    x, y = dataset.images[idx], dataset.labels[idx]
+    if mechanism is not None:
+        step = mechanism.privatize(backend.per_example(x, y), dataset.categories[idx])
+    elif idx.size:
+        step = backend.gradient(x, y)
+    else:
+        return 0  # non-private: an empty batch has no gradient
+    backend.apply_gradient(step, learning_rate)
+    return int(idx.size)
 
 
 def train_locally(
@@ -97,15 +126,8 @@ def train_locally(
                  {c.value: round(v, 4) for c, v in z.items()})
 
     for _ in range(task.local_steps):
-        idx = poisson_sample(eligible, q, randomness)
-        x, y = dataset.images[idx], dataset.labels[idx]
-        if mechanism is not None:
-            step = mechanism.privatize(backend.per_example(x, y), dataset.categories[idx])
-        elif idx.size:
-            step = backend.gradient(x, y)
-        else:
-            continue  # non-private: an empty batch has no gradient
-        backend.apply_gradient(step, task.learning_rate)
+        local_step(backend=backend, dataset=dataset, eligible=eligible, sampling_rate=q, mechanism=mechanism,
+                   randomness=randomness, learning_rate=task.learning_rate)
 
     end = backend.get_weights()
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}

@@ -13,7 +13,8 @@ forward and one backward to the layer outputs give each layer's inputs a_i and o
   (Goodfellow 2015, "Efficient per-example gradient computations");
 - Conv2d: g_i(W) = D_i U_i^T with U_i the unfolded input (im2col) and D_i the output gradient per position; these
   are small (out x C_in k^2) and are formed explicitly (Rochette et al. 2019, "Efficient per-example gradient
-  computations in convolutional neural networks").
+  computations in convolutional neural networks"); for stride 1 / dilation 1 as k^2 batched products with
+  shifted windows of the padded input, without building U_i.
 
 Other layouts fall back to the ``vmap`` path. Both paths are checked against each other in the tests.
 
@@ -166,10 +167,8 @@ class TorchBackend(TrainingBackend):
             if isinstance(module, torch.nn.Linear):
                 pieces[f"{name}.weight"] = ("outer", delta, a)
             else:
-                unfolded = torch.nn.functional.unfold(a, module.kernel_size, dilation=module.dilation,
-                                                      padding=module.padding, stride=module.stride)
                 d = delta.flatten(2)
-                pieces[f"{name}.weight"] = ("dense", torch.einsum("bop,bkp->bok", d, unfolded).flatten(1))
+                pieces[f"{name}.weight"] = ("dense", _conv_weight_per_example(a, delta, module))
                 delta = d.sum(dim=2)
             if module.bias is not None:
                 pieces[f"{name}.bias"] = ("dense", delta)
@@ -196,6 +195,32 @@ class TorchBackend(TrainingBackend):
         """int64 (B,) argmax classes."""
         with torch.no_grad():
             return self._model(self._inputs(x)).argmax(dim=1).cpu().numpy().astype(np.int64)
+
+
+def _conv_weight_per_example(a: torch.Tensor, delta: torch.Tensor, module: torch.nn.Conv2d) -> torch.Tensor:
+    """Per-example Conv2d weight gradients, (B, out * in * kh * kw) in the weight's row-major order.
+
+    g_i[o, c, u, v] = sum_p delta_i[o, p] * patch_i[c, u, v, p]. For stride 1 and dilation 1 the (u, v) patch of
+    every position is a shifted window of the zero-padded input, so the gradient is kh*kw batched matmuls of the
+    output gradients with those windows (no im2col buffer: cheaper on CPU for these sizes); otherwise im2col
+    (``unfold``) and one batched product.
+    """
+    b, out_ch = delta.shape[:2]
+    d = delta.flatten(2)  # (B, O, P)
+    if tuple(module.stride) != (1, 1) or tuple(module.dilation) != (1, 1):
+        unfolded = torch.nn.functional.unfold(a, module.kernel_size, dilation=module.dilation,
+                                              padding=module.padding, stride=module.stride)
+        return torch.bmm(d, unfolded.transpose(1, 2)).flatten(1)
+    kh, kw = module.kernel_size
+    ph, pw = module.padding
+    ho, wo = delta.shape[2:]
+    padded = torch.nn.functional.pad(a, (pw, pw, ph, ph)) if (ph or pw) else a
+    grads = torch.empty((b, out_ch, a.shape[1], kh * kw), dtype=d.dtype, device=d.device)
+    for k in range(kh * kw):
+        u, v = divmod(k, kw)
+        window = padded[:, :, u:u + ho, v:v + wo].reshape(b, a.shape[1], ho * wo)  # (B, C, P)
+        grads[:, :, :, k] = torch.bmm(d, window.transpose(1, 2))
+    return grads.flatten(1)
 
 
 def _ghost_layers(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.Module] | None:

@@ -19,6 +19,23 @@ Gaussian mechanism with noise multiplier z_c and rate q, composed over the steps
 post-processing. Dividing by the expected (public) batch size instead of the realised (private) one keeps the
 output a function of the noisy sums alone.
 
+Implementation note: one draw with the summed variance. The released value is
+g~ = (sum_c (S_c + N_c)) / (q N_active) with N_c ~ N(0, (z_c C)^2 I_d) independent. A sum of independent Gaussians
+is Gaussian with the summed covariance, so sum_c N_c ~ N(0, sigma_tot^2 I_d) with sigma_tot^2 = sum_c (z_c C)^2, and
+
+    g~  =_d  (sum_c S_c + N(0, sigma_tot^2 I_d)) / (q N_active) = (total clipped sum + one draw) / (q N_active):
+
+the two expressions have the same distribution for every batch, so they are the same mechanism (the same output
+distribution on every pair of neighbouring datasets, hence the same per-category guarantee: a record's
+influence is still bounded by C and it is still covered by its own category's z_c C share of the noise).
+:meth:`CCDPMechanism.privatize`, the production path, draws that one vector (K times fewer secure Gaussians for
+K active categories, and one weighted sum instead of K); :meth:`CCDPMechanism.noisy_category_sums` with
+:meth:`CCDPMechanism.combine` is the per-category reference implementation, and the tests check that both agree
+(exactly without noise, in per-coordinate standard deviation with it). Only the released g~ is computed: the
+per-category noisy sums S~_c are never released, so nothing needs them individually.
+
+Noise is drawn and added in float64 and the result is cast to float32 once (the backends' parameter dtype).
+
 Edge cases:
 
 =====================================  ===================================================
@@ -147,21 +164,10 @@ class CCDPMechanism:
             PrivacyBudgetError: an example belongs to a category that is not active.
             ValueError: shapes disagree.
         """
-        grads = (per_example_grads if isinstance(per_example_grads, PerExampleGradients)
-                 else MaterialisedGradients(per_example_grads))
-        ranks = np.asarray(categories).astype(np.int64)
-        if ranks.shape != (grads.batch_size,):
-            raise ValueError(f"expected categories ({grads.batch_size},), got {ranks.shape}")
+        grads, ranks, factors = self._clip(per_example_grads, categories)
         order = self.categories
         active_ranks = np.asarray([c.rank for c in order], dtype=np.int64)
-        stray = ~np.isin(ranks, active_ranks)
-        if np.any(stray):
-            raise PrivacyBudgetError(
-                f"{int(stray.sum())} example(s) of IUCN rank(s) {sorted(set(ranks[stray].tolist()))} are in the batch "
-                "but their category is not active (halted or not in the species table); sampling must exclude them"
-            )
         # Clip and sum in one weighted sum: weights[k, i] = factor_i if cat(i) == k else 0.
-        factors = clip_factors_from_norms(grads.norms, self.clipping_norm)
         weights = (ranks[None, :] == active_ranks[:, None]).astype(np.float32) * factors[None, :]
         sums = np.asarray(grads.weighted_sum(weights), dtype=np.float64)
         stds = np.asarray([self.noise_multipliers[c] * self.clipping_norm for c in order], dtype=np.float64)
@@ -171,9 +177,51 @@ class CCDPMechanism:
         """Stage 4 (post-processing): ``sum_c S~_c / expected_batch_size`` as float32 (d,)."""
         return (np.sum(noisy_sums, axis=0) / self.expected_batch_size).astype(np.float32)
 
+    @property
+    def total_noise_std(self) -> float:
+        """``sigma_tot = sqrt(sum_c (z_c C)^2)`` over the active categories: the std of the one Gaussian draw of
+        :meth:`privatize` (see "Implementation note" in the module docstring)."""
+        return float(np.sqrt(sum((z * self.clipping_norm) ** 2 for z in self.noise_multipliers.values())))
+
     def privatize(self, per_example_grads: np.ndarray | PerExampleGradients, categories: np.ndarray) -> np.ndarray:
-        """The whole step: per-example gradients ((B, d) array or implicit) -> float32 (d,) private mean gradient."""
+        """The whole step, as training runs it: per-example gradients ((B, d) array or implicit) -> float32 (d,)
+        private mean gradient ``(sum_i clip(g_i) + N(0, sigma_tot^2 I)) / (q N_active)``.
+
+        Same output distribution as :meth:`privatize_reference` (``combine(noisy_category_sums(...))``), with one
+        weighted sum and one Gaussian draw instead of K (module docstring, "Implementation note").
+
+        Raises:
+            PrivacyBudgetError: an example belongs to a category that is not active.
+            ValueError: shapes disagree.
+        """
+        grads, _, factors = self._clip(per_example_grads, categories)
+        total = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
+        total += self.total_noise_std * self.noise.standard_normal(total.shape[0])
+        total *= 1.0 / self.expected_batch_size
+        return total.astype(np.float32)
+
+    def privatize_reference(self, per_example_grads: np.ndarray | PerExampleGradients,
+                            categories: np.ndarray) -> np.ndarray:
+        """Stages 1-4 literally (K noisy category sums, then combined): the reference :meth:`privatize` is
+        tested against."""
         return self.combine(self.noisy_category_sums(per_example_grads, categories))
+
+    def _clip(self, per_example_grads: np.ndarray | PerExampleGradients,
+              categories: np.ndarray) -> tuple[PerExampleGradients, np.ndarray, np.ndarray]:
+        """Checks shapes and categories; returns (gradients, int64 ranks (B,), float32 clip factors (B,))."""
+        grads = (per_example_grads if isinstance(per_example_grads, PerExampleGradients)
+                 else MaterialisedGradients(per_example_grads))
+        ranks = np.asarray(categories).astype(np.int64)
+        if ranks.shape != (grads.batch_size,):
+            raise ValueError(f"expected categories ({grads.batch_size},), got {ranks.shape}")
+        active_ranks = np.asarray([c.rank for c in self.noise_multipliers], dtype=np.int64)
+        stray = ~np.isin(ranks, active_ranks)
+        if np.any(stray):
+            raise PrivacyBudgetError(
+                f"{int(stray.sum())} example(s) of IUCN rank(s) {sorted(set(ranks[stray].tolist()))} are in the batch "
+                "but their category is not active (halted or not in the species table); sampling must exclude them"
+            )
+        return grads, ranks, clip_factors_from_norms(grads.norms, self.clipping_norm)
 
 
 def active_categories(

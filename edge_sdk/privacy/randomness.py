@@ -64,8 +64,12 @@ class SecureRandom:
         return np.frombuffer(self._encryptor.update(bytes(8 * n)), dtype=np.uint64)
 
     def random(self, size: int) -> np.ndarray:
-        """float64 (size,) uniforms in (0, 1): ``(top 53 bits + 0.5) / 2**53``."""
-        return ((self._words(int(size)) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+        """float64 (size,) uniforms strictly inside (0, 1): ``(top 52 bits + 0.5) / 2**52``.
+
+        52 bits, not 53: ``(2**53 - 0.5) / 2**53`` rounds to exactly 1.0 in float64, ``(2**52 - 0.5) / 2**52`` does
+        not, so neither end of the interval is ever returned (Box-Muller takes ``log`` of it).
+        """
+        return ((self._words(int(size)) >> np.uint64(12)).astype(np.float64) + 0.5) * (1.0 / 4503599627370496.0)
 
     def standard_normal(self, size: int | tuple[int, ...]) -> np.ndarray:
         """float64 i.i.d. N(0, 1) of shape ``size`` by Box-Muller (both outputs of each pair are used).

@@ -5,12 +5,22 @@ of DESIGN.md. Two accountants are offered: ``"rdp"`` (Rényi DP, Mironov 2017; t
 al. 2016 generalised) and ``"pld"`` (privacy loss distributions, Koskela et al. 2020 / Doroshenko et al. 2022),
 which is tighter. The ledger and calibration use ``"rdp"`` by default so that calibrated noise and recorded spend
 come from the same accountant.
+
+dp-accounting's RDP accountant logs an absl warning "_compute_log_a_frac failed to converge ... Excluding this order
+from the epsilon computation" for every fractional Rényi order whose series does not converge (common during
+calibration, which tries small noise multipliers). The library excludes those orders either way, so the result is
+unchanged; the warnings are dropped, but only while :func:`epsilon_spent` or :func:`calibrate_noise_multiplier`
+runs (a filter on the ``absl`` logger, installed once, that is active only inside our calls), so other code's
+absl logging, and every other absl message during our calls, is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import dp_accounting
@@ -23,6 +33,29 @@ __all__ = ["AccountantName", "make_accountant", "epsilon_spent", "calibrate_nois
 
 AccountantName = Literal["rdp", "pld"]
 _NEIGHBOURS = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+_NON_CONVERGENCE = "_compute_log_a_frac failed to converge"
+_QUIET = contextvars.ContextVar("wildfed_quiet_rdp_convergence", default=False)
+
+
+class _DropNonConvergence(logging.Filter):
+    """Drops dp-accounting's "_compute_log_a_frac failed to converge" record, and only while :data:`_QUIET`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_QUIET.get() and isinstance(record.msg, str) and record.msg.startswith(_NON_CONVERGENCE))
+
+
+_FILTER = _DropNonConvergence()
+logging.getLogger("absl").addFilter(_FILTER)  # idempotent: addFilter ignores a filter already present
+
+
+@contextlib.contextmanager
+def _quiet_non_convergence() -> Iterator[None]:
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
 
 
 def make_accountant(accountant: AccountantName = "rdp") -> dp_accounting.PrivacyAccountant:
@@ -59,8 +92,9 @@ def epsilon_spent(events: Sequence[DPSGDEvent], *, target_delta: float,
     dp_events = [e.to_dp_event() for e in events if e.steps > 0]
     if not dp_events:
         return 0.0
-    acc.compose(dp_accounting.ComposedDpEvent(dp_events))
-    return float(acc.get_epsilon(target_delta))
+    with _quiet_non_convergence():
+        acc.compose(dp_accounting.ComposedDpEvent(dp_events))
+        return float(acc.get_epsilon(target_delta))
 
 
 def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
@@ -87,9 +121,10 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
     def event(z: float) -> dp_accounting.DpEvent:
         return DPSGDEvent(z, sampling_rate, steps).to_dp_event()
 
-    z = float(dp_accounting.calibrate_dp_mechanism(
-        lambda: make_accountant(accountant), event, target_epsilon, target_delta,
-        bracket_interval=dp_accounting.LowerEndpointAndGuess(0.05, 1.0), tol=tol))
+    with _quiet_non_convergence():
+        z = float(dp_accounting.calibrate_dp_mechanism(
+            lambda: make_accountant(accountant), event, target_epsilon, target_delta,
+            bracket_interval=dp_accounting.LowerEndpointAndGuess(0.05, 1.0), tol=tol))
     # Never return a value outside the budget, whatever side of the root the search ended on.
     while epsilon_spent([DPSGDEvent(z, sampling_rate, steps)], target_delta=target_delta,
                         accountant=accountant) > target_epsilon:

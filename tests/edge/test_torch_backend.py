@@ -82,3 +82,23 @@ def test_unsupported_layers_fall_back_to_vmap(rng) -> None:
     x, y = rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0])
     implicit = b.per_example(x, y)
     np.testing.assert_allclose(implicit.norms, np.linalg.norm(b.per_example_gradients(x, y), axis=1), rtol=1e-5)
+
+
+def test_ghost_path_on_strided_unpadded_and_rectangular_convs(rng) -> None:
+    # Covers both per-example conv routes: shifted windows (stride 1: rectangular kernel, asymmetric padding, none)
+    # and im2col (stride 2, dilation 2).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 3, (3, 2), padding=(1, 0)), torch.nn.Tanh(),
+        torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.Tanh(),
+        torch.nn.Conv2d(4, 2, 3, dilation=2, bias=False), torch.nn.Tanh(),
+        torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    model(torch.zeros(1, 1, 28, 28))  # materialise the lazy layer
+    b = TorchBackend(3, model=model)
+    assert b._ghost_layers is not None
+    x, y = rng.integers(0, 256, size=(5, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0, 1])
+    explicit = b.per_example_gradients(x, y).astype(np.float64)
+    implicit = b.per_example(x, y)
+    np.testing.assert_allclose(implicit.norms, np.linalg.norm(explicit, axis=1), rtol=1e-5)
+    weights = rng.random((2, 5)).astype(np.float32)
+    np.testing.assert_allclose(implicit.weighted_sum(weights), weights @ explicit, rtol=1e-4, atol=1e-6)
