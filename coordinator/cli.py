@@ -215,13 +215,7 @@ def run(config: Path = _config_option(),
     _run(config, rounds)
 
 
-@app.command()
-@_friendly
-def serve(config: Path = _config_option(),
-          rounds: int | None = typer.Option(None, help="run until this many rounds exist (default: config)")) -> None:
-    """Alias of ``run``."""
-    logging.basicConfig(level=logging.WARNING)
-    _run(config, rounds)
+app.command("serve", help="Alias of `run`.")(run)
 
 
 @app.command()
