@@ -248,7 +248,69 @@ def demo(
                             learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
                             round_deadline_s=round_deadline_s)
-    run_demo(settings, console=console)
+    try:
+        run_demo(settings, console=console)
+    except KeyboardInterrupt:
+        err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; the run folder keeps "
+                          "what was written so far")
+        raise typer.Exit(code=130) from None
+
+
+@app.command()
+@_friendly
+def provision(
+    site_id: str = typer.Argument(..., help="the new site's id (letters, digits, _.-)"),
+    profile: str = typer.Option(..., "--profile", "-p", help="gateway profile name (firmware_configs/) or path"),
+    config: Path = _config_option(),
+    out: Path | None = typer.Option(None, "--out", "-o", help="bundle file (default ./<SITE>.wildfed-bundle.tar)"),
+    broker_ca: Path | None = typer.Option(None, "--broker-ca", help="PEM certificate of the broker's CA"),
+    broker_url: str | None = typer.Option(None, "--broker-url", help="broker URL the gateway uses (default: the "
+                                          "profile's, else this config's)"),
+    species: Path | None = typer.Option(None, "--species", help="YAML/JSON list of the site's species rows "
+                                        "(scientific_name, class_index, iucn_category)"),
+    dataset: str | None = typer.Option(None, "--dataset", help="Camtrap DP folder on the gateway (default "
+                                       "<profile data>/camtrap)"),
+    metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"num_examples": 500}'),
+    wheel: Path | None = typer.Option(None, "--wheel", help="a prebuilt wildfed-*.whl (default: build it)"),
+    force: bool = typer.Option(False, help="overwrite an existing bundle file"),
+) -> None:
+    """Write a site's provisioning bundle (SDK wheel, profile, fresh key pair, coordinator key, broker CA,
+    site.yaml, systemd unit) and enrol the site's public key, together or not at all."""
+    import yaml
+
+    from coordinator.provisioning import provision_site
+
+    cfg = load_config(config)
+    try:
+        meta = json.loads(metadata)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--metadata is not JSON: {exc}", field="metadata",
+                          fix='quote it for the shell: --metadata \'{"num_examples": 500}\'') from exc
+    rows = None
+    if species is not None:
+        if not species.is_file():
+            raise ConfigError("species file not found", source=species, field="species", fix="check the path")
+        try:
+            loaded = yaml.safe_load(species.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"not valid YAML: {exc}", source=species, field="species", fix="fix the syntax") from exc
+        rows = loaded.get("species") if isinstance(loaded, dict) else loaded
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ConfigError("expected a list of species rows", source=species, field="species",
+                              fix="write - {scientific_name: ..., class_index: 0, iucn_category: CR} per species")
+    store, _, _ = _open_state(cfg)
+    try:
+        with console.status("building the SDK wheel and the bundle"):
+            result = provision_site(config=cfg, store=store, site_id=site_id, profile=profile,
+                                    out=out or Path(f"{site_id}.wildfed-bundle.tar"), broker_ca=broker_ca,
+                                    broker_url=broker_url, species=rows, dataset=dataset, metadata=meta,
+                                    wheel=wheel, force=force)
+    finally:
+        store.dispose()
+    console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")
+    console.print(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
+                  "install)")
+    console.print(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix /opt/wildfed")
 
 
 if __name__ == "__main__":  # pragma: no cover

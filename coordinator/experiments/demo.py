@@ -92,6 +92,30 @@ class DemoSettings:
         if self.broker is not None and not self.broker.startswith("mqtt://"):
             raise ConfigError(f"broker {self.broker!r} is not an mqtt:// URL", field="broker",
                               fix="pass --broker mqtt://127.0.0.1:1883")
+        # Everything that reaches the coordinator's config or the budget is checked here, before any data is
+        # fetched or any process started.
+        try:
+            IUCNCategory(str(self.anchor_category).upper())
+        except ValueError:
+            raise ConfigError(f"{self.anchor_category!r} is not an IUCN category", field="anchor_category",
+                              fix="use one of " + ", ".join(c.value for c in IUCNCategory)) from None
+        positive = {"anchor_epsilon": (self.anchor_epsilon, "--anchor-epsilon 1.0"),
+                    "learning_rate": (self.learning_rate, "--learning-rate 0.5"),
+                    "clipping_norm": (self.clipping_norm, "--clipping-norm 1.0"),
+                    "round_deadline_s": (self.round_deadline_s, "--round-deadline-s 300"),
+                    "local_steps": (self.local_steps, "--local-steps 10"),
+                    "expected_batch_size": (self.expected_batch_size, "--expected-batch-size 128")}
+        for name, (value, example) in positive.items():
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be positive and finite, got {value}", field=name, fix=f"e.g. {example}")
+        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
+            raise ConfigError(f"gamma must be >= 0, got {self.gamma}", field="gamma",
+                              fix="use 1 (budgets linear in IUCN rank), 2, or 0 (uniform DP)")
+        if not 0 < self.target_delta < 1:
+            raise ConfigError(f"target_delta must be in (0, 1), got {self.target_delta}", field="target_delta",
+                              fix="use a delta well below 1/records, e.g. 1e-5")
+        if self.centralised_epochs < 0:
+            raise ConfigError("centralised_epochs must be >= 0", field="centralised_epochs", fix="use 0 to skip")
 
 
 @dataclass
@@ -118,7 +142,7 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
     from coordinator.experiments.camtrap_writer import write_camtrap_dp
     from coordinator.experiments.ecology import design_sites, summarize_design
 
-    console.log("fetching Animal-MNIST (animal-mnist==0.4, verified by SHA-256)")
+    console.log("loading Animal-MNIST (animal-mnist==0.4; downloaded on first use, verified by SHA-256)")
     data = fetch_animal_mnist()
     train, test = split_holdout(data, 0.2, seed=settings.seed)
     specs = design_sites(train.labels, settings.sites, seed=settings.seed)
@@ -254,12 +278,40 @@ def _plot(history: list[dict[str, Any]], budgets: dict[str, float], path: Path, 
 
 
 # ------------------------------------------------------------------------------------------ the run
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM (``timeout``, a CI cancel, ``kill``) into KeyboardInterrupt while the demo runs, so the
+    broker and gateway processes are stopped by the same clean-up as Ctrl-C instead of being orphaned."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     """Run the whole federation described in the module docstring.
 
+    SIGTERM and Ctrl-C stop the broker and every gateway before the exception propagates.
+
     Raises:
         ConfigError: bad settings. WildFedError: a gateway failed to start, or the data could not be fetched.
+        KeyboardInterrupt: interrupted (after clean-up).
     """
+    with _sigterm_unwinds():
+        return _run_demo(settings, console=console)
+
+
+def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -278,7 +330,8 @@ def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         raise ConfigError(f"run folder {run_dir} is not empty", field="out", fix="choose a new --out folder")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").mkdir(parents=True, exist_ok=True)
-    console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} rounds, privacy {settings.privacy}")
+    console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
+                 f"privacy {settings.privacy}")
     console.log(f"run folder {run_dir}")
 
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
@@ -368,7 +421,7 @@ def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         acc = result.final_accuracy.get(cat.value, math.nan)
         table.add_row(cat.value, "n/a" if math.isnan(acc) else f"{100 * acc:.1f}%", spent,
                       f"{budgets[cat]:.2f}" if settings.privacy == "ccdp" else "-")
-    for group in ("overall", "CR/EN", "LC"):
+    for group in ("overall", "CR/EN", "VU/NT"):
         table.add_row(f"[bold]{group}", f"[bold]{100 * result.final_accuracy[group]:.1f}%", "", "")
     if result.centralised_accuracy:
         table.add_row("centralised (pooled, non-private)", f"{100 * result.centralised_accuracy['overall']:.1f}%",
