@@ -22,6 +22,7 @@ Example (``wildfed-coordinator init`` writes this)::
     num_classes: 10
     seed: 0                               # model init and site sampling only
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
+    ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -104,6 +105,9 @@ class CoordinatorConfig(StrictModel):
     task_seed: int | None = Field(None, description="seed sent to gateways in every task for reproducible local "
                                   "training INCLUDING privacy noise; tests only (gateways ignore it unless they "
                                   "allow seeded noise)")
+    ship_ort_artifacts: bool | None = Field(None, description="put ONNX Runtime training artifacts of the global "
+                                            "model in every task (coordinator.artifacts); None: yes where "
+                                            "onnxruntime.training imports at the coordinator")
 
     @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
     @classmethod

@@ -41,6 +41,7 @@ from shared.iucn import IUCNCategory, parse_category
 from shared.protocol import TrainingTask, decode_update, encode_task
 from shared.topics import task_topic
 
+from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
 from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.ledger import PrivacyLedger
@@ -114,6 +115,28 @@ class RoundManager:
         self._optimizer = optimizer
         self._key = signing_key
         self._clock = clock
+        self._artifacts = ArtifactStore(config.data_dir / "ort-artifacts")
+        self._artifacts_failed = False
+
+    # ---- ORT training artifacts --------------------------------------------------------------------------------
+    def ships_artifacts(self) -> bool:
+        """Whether tasks carry ONNX Runtime training artifacts: ``config.ship_ort_artifacts``, or (None) whether
+        ``onnxruntime.training`` imports here."""
+        ship = self.config.ship_ort_artifacts
+        return ort_training_available() if ship is None else bool(ship)
+
+    def task_artifacts(self, model_hash_: str, weights: Mapping[str, np.ndarray]) -> dict[str, bytes]:
+        """The artifact files of the model version (``coordinator.artifacts``), or ``{}`` when not shipped or when
+        making them fails (logged; gateways on ``auto`` then train with torch)."""
+        if not self.ships_artifacts() or self._artifacts_failed:
+            return {}
+        try:
+            return self._artifacts.get(model_hash_, weights, self.config.num_classes)
+        except Exception as exc:  # noqa: BLE001 - artifacts are an optimisation; the torch path must go on
+            self._artifacts_failed = True  # same architecture every round: do not retry (and log) each round
+            log.error("rounds: ORT training artifacts for model %s could not be made (%s: %s); tasks go without "
+                      "them from now on", model_hash_[:12], type(exc).__name__, exc)
+            return {}
 
     # ---- model versions ----------------------------------------------------------------------------------------
     def current_model(self) -> tuple[str, dict[str, np.ndarray]]:
@@ -203,8 +226,9 @@ class RoundManager:
                            local_steps=self.config.local_steps, strategy=self._strategy)
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
+        artifacts = self.task_artifacts(base_hash, weights)
         for site_id in selected:
-            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()))
+            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts)
         return ctx
 
     def wait_for_quorum(self, ctx: RoundContext, timeout_s: float | None = None) -> bool:
@@ -235,16 +259,17 @@ class RoundManager:
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
 
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
-                      halted: frozenset[IUCNCategory]) -> None:
+                      halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None) -> None:
         cfg = self.config
         task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
                             local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
                             learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
                             target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
-                            budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed)
+                            budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
+                            artifacts=artifact_digests(artifacts or {}))
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
                    base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
-                   payload=encode_task(task, weights))
+                   payload=encode_task(task, weights, artifacts))
         self._transport.publish(task_topic(cfg.federation_id, site_id), env.to_bytes(), qos=1)
 
     def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:

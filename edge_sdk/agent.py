@@ -31,10 +31,11 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
-from shared.protocol import TrainingTask, decode_ack, decode_task, encode_update
+from shared.protocol import TrainingTask, decode_ack, decode_task_with_artifacts, encode_update
 from shared.topics import ack_topic, task_topic, update_topic
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
+from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.profiles import load_profile
@@ -43,7 +44,7 @@ from edge_sdk.training import train_locally
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport, TransportError
 
-__all__ = ["EdgeAgent", "build_backend", "update_message_id"]
+__all__ = ["EdgeAgent", "build_backend", "requested_backend", "update_message_id"]
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +52,55 @@ _LAST_ROUND = "last_round"
 _SEQUENCE = "sequence"
 
 
-def build_backend(config: SiteConfig) -> TrainingBackend:
-    """The training backend a site config asks for: its own settings first, then its firmware profile's, then
-    defaults (torch, cpu, 1 thread, micro-batch 64).
+def _profile_value(profile: object, name: str) -> object:
+    """A profile's flat attribute; for ``backend`` the raw requested value (``auto`` unresolved) when the profile
+    has a ``training`` section, so that the agent can decide ``auto`` per task."""
+    if name == "backend":
+        raw = getattr(getattr(profile, "training", None), "backend", None)
+        if raw is not None:
+            return getattr(raw, "value", raw)
+    return getattr(profile, name, None)
+
+
+def requested_backend(config: SiteConfig) -> str:
+    """The backend name the site asks for (``torch``, ``ort``, ``auto``, or another registered name): the site
+    config's, else its profile's, else ``torch``.
+
+    Raises:
+        ConfigError: unknown profile.
+    """
+    if config.backend is not None:
+        return str(config.backend)
+    if config.profile:
+        value = _profile_value(load_profile(config.profile), "backend")
+        if value is not None:
+            return str(value)
+    return "torch"
+
+
+def build_backend(config: SiteConfig, name: str | None = None) -> TrainingBackend:
+    """The training backend a site config asks for (or ``name``): its own settings first, then its firmware
+    profile's, then defaults (torch, cpu, 1 thread, micro-batch 64). ``auto`` builds ``ort`` where
+    ``onnxruntime.training`` imports and the device is the CPU, ``torch`` otherwise; the agent refines ``auto`` per
+    task (ORT only when the task carries artifacts, :meth:`EdgeAgent.select_backend`). An ``ort`` backend is built
+    without artifacts; they are loaded per task.
 
     Raises:
         ConfigError: unknown backend or profile, or a framework that is not installed.
     """
     profile = load_profile(config.profile) if config.profile else None
 
-    def pick(name: str, default: object) -> object:
-        value = getattr(config, name)
+    def pick(field: str, default: object) -> object:
+        value = getattr(config, field)
         if value is None and profile is not None:
-            value = getattr(profile, name)
+            value = _profile_value(profile, field)
         return default if value is None else value
 
-    backend = str(pick("backend", "torch"))
+    backend = name if name is not None else requested_backend(config)
     settings = {"threads": pick("threads", 1), "device": pick("device", "cpu"),
                 "microbatch_size": pick("microbatch_size", 64)}
+    if backend == "auto":
+        backend = "ort" if settings["device"] == "cpu" and ort_training_importable() else "torch"
     log.info("site %s: backend %s %s (profile %s)", config.site_id, backend, settings, config.profile or "none")
     return create_backend(backend, num_classes=config.model_classes, **settings)
 
@@ -87,7 +119,8 @@ class EdgeAgent:
         signing_key: the site's Ed25519 private key (signs updates).
         coordinator_key: the coordinator's Ed25519 public key (tasks and acks must verify with it).
         dataset: the site's records.
-        backend: the training backend; default ``create_backend(config.backend, ...)``.
+        backend: the training backend, used for every task (an ``ort`` one gets each task's artifacts); default:
+            chosen per task from the site config / profile (:meth:`select_backend`).
         outbox: the persistent outbox; default ``Outbox(config.outbox)``.
 
     Attributes:
@@ -103,7 +136,11 @@ class EdgeAgent:
         self._signing_key = signing_key
         self._coordinator_key = coordinator_key
         self.dataset = dataset
+        self._requested = backend.name if backend is not None else requested_backend(config)
         self.backend = backend if backend is not None else build_backend(config)
+        self._backends: dict[str, TrainingBackend] = {self.backend.name: self.backend, self._requested: self.backend}
+        self.artifact_cache = ArtifactCache(config.artifact_cache if config.artifact_cache is not None
+                                            else Path(config.outbox).parent / "ort-artifacts")
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
         self.stats: Counter[str] = Counter()
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -242,6 +279,42 @@ class EdgeAgent:
         digest = hashlib.sha256(f"{task.seed}/{self.config.site_id}/{task.round}".encode()).digest()
         return SeededRandom(int.from_bytes(digest[:8], "big"))
 
+    def select_backend(self, task: TrainingTask, artifacts: dict[str, bytes]) -> TrainingBackend | None:
+        """Pick (and build on first use) the backend for ``task`` and set :attr:`backend`; None if rejected.
+
+        ``auto``: ``ort`` when ``onnxruntime.training`` imports and ORT artifacts for the task's model hash are in
+        the task or in the gateway's artifact cache, ``torch`` otherwise. An ``ort`` backend loads the artifacts
+        (stored in the cache, keyed by model hash, after the task's signature and SHA-256 checks).
+        """
+        want = self._requested
+        cached = self.artifact_cache.path(task.model_hash)
+        if want == "auto" and not (artifacts or cached):
+            want = "torch"  # no artifacts for this model version: ORT cannot train it
+        backend = self._backends.get(want)
+        if backend is None:
+            try:
+                backend = build_backend(self.config, name=want)  # "auto": ort where it imports (cpu), else torch
+            except (ValueError, PayloadError) as exc:  # ConfigError: framework not installed
+                self._reject("task", "backend_unavailable", str(exc))
+                return None
+            self._backends[want] = backend
+        if backend.name == "ort":
+            try:
+                folder = self.artifact_cache.store(task.model_hash, artifacts) if artifacts else cached
+                if folder is None:
+                    self._reject("task", "ort_artifacts_missing",
+                                 f"backend ort needs ORT training artifacts for model {task.model_hash[:12]}; the "
+                                 "task carries none (coordinator: ship_ort_artifacts: true; or backend: auto)")
+                    return None
+                backend.load_artifacts(folder)  # type: ignore[attr-defined]
+            except (ValueError, OSError) as exc:
+                self._reject("task", "model_mismatch", f"ORT artifacts unusable: {exc}")
+                return None
+        if backend is not self.backend:
+            log.info("site %s: round %d trains with backend %s", self.config.site_id, task.round, backend.name)
+        self.backend = backend
+        return backend
+
     def handle_task(self, data: bytes) -> bool:
         """Verify, train and upload for one TASK envelope; returns True if the site trained.
 
@@ -257,7 +330,7 @@ class EdgeAgent:
             self._reject("task", "stale_round", f"round {header.round} <= last trained round {last}")
             return False
         try:
-            task, weights = decode_task(envelope.payload)
+            task, weights, artifacts = decode_task_with_artifacts(envelope.payload)
         except PayloadError as exc:
             self._reject("task", exc.reason, str(exc))
             return False
@@ -271,6 +344,8 @@ class EdgeAgent:
         if task.privacy == "none" and not self.config.allow_non_private:
             self._reject("task", "non_private_refused",
                          "privacy 'none' requested but the site config does not set allow_non_private")
+            return False
+        if self.select_backend(task, artifacts) is None:
             return False
 
         # Record the round durably before training: after a crash the round is skipped, never trained twice.

@@ -90,7 +90,11 @@ class SiteConfig(BaseModel):
         outbox: path of the SQLite outbox (created if absent).
         profile: a firmware profile name (``firmware_configs/<name>.yaml``) or path; it supplies ``backend``,
             ``device``, ``threads`` and ``microbatch_size`` where this config leaves them unset.
-        backend: name of a registered training backend (``edge_sdk.backends``); default ``"torch"``.
+        backend: name of a registered training backend (``edge_sdk.backends``: ``torch``, ``ort``) or ``auto``
+            (``ort`` for tasks that carry ONNX Runtime artifacts where ``onnxruntime.training`` imports, ``torch``
+            otherwise); default: the profile's, else ``"torch"``.
+        artifact_cache: folder where ORT training artifacts are cached by model hash; default
+            ``<outbox folder>/ort-artifacts``.
         device: torch device (``cpu``, ``cuda``); default ``cpu``.
         threads: CPU threads the backend may use, ``>= 1``; default 1.
         microbatch_size: per-example gradients are computed this many examples at a time (memory cap);
@@ -115,6 +119,7 @@ class SiteConfig(BaseModel):
     outbox: Path
     profile: str | None = None
     backend: str | None = None
+    artifact_cache: Path | None = None
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?)$")
     threads: int | None = Field(default=None, ge=1)
     microbatch_size: int | None = Field(default=None, ge=1)
@@ -181,7 +186,7 @@ class SiteConfig(BaseModel):
         return max(2, max(s.class_index for s in self.species) + 1)
 
 
-_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox")
+_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache")
 
 
 def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SiteConfig:

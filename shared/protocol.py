@@ -1,7 +1,7 @@
 """Message payloads: what rides inside an envelope.
 
 Every payload is safetensors (:mod:`shared.codec`) whose metadata key ``"wildfed"`` holds the JSON of one of the
-frozen dataclasses below; the tensors are model weights (TASK), a model delta (UPDATE) or none (ACK).
+frozen dataclasses below; the tensors are model weights (TASK), a model delta (UPDATE) or none (ACK, DETECTION).
 
 Compatibility rules: fields are never removed and never change meaning; new fields are optional with defaults
 that keep the old meaning; decoders reject unknown fields so a misread is loud, not silent.
@@ -9,8 +9,10 @@ that keep the old meaning; decoders reject unknown fields so a misread is loud, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,9 +25,16 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
 
 __all__ = ["TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
-           "decode_update", "encode_ack", "decode_ack", "METADATA_KEY"]
+           "decode_update", "encode_ack", "decode_ack", "METADATA_KEY", "ARTIFACT_PREFIX",
+           "decode_task_with_artifacts", "Detection", "DetectionRecord",
+           "encode_detection", "decode_detection"]
 
 METADATA_KEY = "wildfed"
+# TASK tensors whose name starts with this are opaque files (uint8), not weights: e.g. ONNX Runtime training
+# artifacts (``coordinator.artifacts``); ``TrainingTask.artifacts`` lists each one's SHA-256.
+ARTIFACT_PREFIX = "artifact/"
+_ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # a plain file name: no path, no leading dot
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 PrivacyMode = Literal["ccdp", "none"]
 
 
@@ -61,6 +70,9 @@ class TrainingTask:
         halted: categories whose records this site must not sample any more (the ledger halted them).
         seed: a seed for reproducible runs, or None. A gateway honours it only when its own site config sets
             ``allow_seeded_noise`` (whoever knows the seed can subtract the noise); it then warns loudly.
+        artifacts: ``{file name: hex SHA-256}`` of the opaque files that ride in the payload as uint8 tensors
+            named ``ARTIFACT_PREFIX + file name`` (ONNX Runtime training artifacts of this model version); empty
+            when none are shipped (then the field is left out of the JSON, so older gateways still read the task).
     """
 
     federation_id: str
@@ -76,6 +88,7 @@ class TrainingTask:
     budgets: Mapping[IUCNCategory, float] = field(default_factory=dict)
     halted: tuple[IUCNCategory, ...] = ()
     seed: int | None = None
+    artifacts: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
@@ -97,6 +110,14 @@ class TrainingTask:
         object.__setattr__(self, "halted", tuple(sorted({_category(c) for c in self.halted}, key=lambda c: c.rank)))
         if self.seed is not None and type(self.seed) is not int:
             raise PayloadError(f"seed must be an integer or null, got {self.seed!r}")
+        if not isinstance(self.artifacts, Mapping):
+            raise PayloadError(f"artifacts must map file names to SHA-256 hex digests, got {self.artifacts!r}")
+        for name, digest in self.artifacts.items():
+            if not isinstance(name, str) or not _ARTIFACT_NAME.match(name):
+                raise PayloadError(f"artifact name {name!r} is not a plain file name")
+            if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+                raise PayloadError(f"artifact {name!r} digest {digest!r} is not a lowercase hex SHA-256")
+        object.__setattr__(self, "artifacts", dict(self.artifacts))
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -105,7 +126,8 @@ class TrainingTask:
                 "learning_rate": self.learning_rate, "clipping_norm": self.clipping_norm,
                 "target_delta": self.target_delta, "planned_rounds": self.planned_rounds,
                 "privacy": self.privacy, "budgets": {c.value: v for c, v in self.budgets.items()},
-                "halted": [c.value for c in self.halted], "seed": self.seed}
+                "halted": [c.value for c in self.halted], "seed": self.seed,
+                **({"artifacts": dict(sorted(self.artifacts.items()))} if self.artifacts else {})}
 
 
 @dataclass(frozen=True)
@@ -179,24 +201,66 @@ def _check_weights(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def encode_task(task: TrainingTask, weights: Mapping[str, np.ndarray]) -> bytes:
-    """Payload of a TASK: the global weights (float32 arrays) with the task as metadata."""
-    return encode_tensors(_check_weights(weights), _metadata(task.to_json()))
-
-
-def decode_task(payload: bytes) -> tuple[TrainingTask, dict[str, np.ndarray]]:
-    """Inverse of :func:`encode_task`.
+def encode_task(task: TrainingTask, weights: Mapping[str, np.ndarray],
+                artifacts: Mapping[str, bytes] | None = None) -> bytes:
+    """Payload of a TASK: the global weights (float32 arrays) with the task as metadata, plus the files of
+    ``artifacts`` (``{file name: bytes}``) as uint8 tensors; their names and SHA-256 must be those listed in
+    ``task.artifacts`` (the signature over the payload then covers them).
 
     Raises:
-        PayloadError: not safetensors, missing/unknown fields, values out of range, non-float32 or non-finite
-            weights.
+        PayloadError: ``artifacts`` and ``task.artifacts`` disagree, or a weight name uses the artifact prefix.
+    """
+    artifacts = dict(artifacts or {})
+    listed = {name: hashlib.sha256(data).hexdigest() for name, data in artifacts.items()}
+    if listed != dict(task.artifacts):
+        raise PayloadError("the artifact files do not match task.artifacts (names and SHA-256 must agree)")
+    tensors = _check_weights(weights)
+    if any(name.startswith(ARTIFACT_PREFIX) for name in tensors):
+        raise PayloadError(f"weight names must not start with {ARTIFACT_PREFIX!r}")
+    for name, data in artifacts.items():
+        tensors[ARTIFACT_PREFIX + name] = np.frombuffer(bytes(data), dtype=np.uint8)
+    return encode_tensors(tensors, _metadata(task.to_json()))
+
+
+def decode_task_with_artifacts(payload: bytes) -> tuple[TrainingTask, dict[str, np.ndarray], dict[str, bytes]]:
+    """Inverse of :func:`encode_task`: ``(task, weights, {artifact file name: bytes})``.
+
+    Raises:
+        PayloadError: as :func:`decode_task`, or an artifact missing, unlisted, not uint8 or with another SHA-256
+            than ``task.artifacts`` lists.
     """
     tensors, body = _read(payload, set(TrainingTask.__dataclass_fields__))
     try:
         task = TrainingTask(**{**body, "halted": tuple(body.get("halted", ()))})
     except TypeError as exc:
         raise PayloadError(f"task fields wrong: {exc}") from exc
-    return task, _check_weights(tensors)
+    files: dict[str, bytes] = {}
+    for name in [n for n in tensors if n.startswith(ARTIFACT_PREFIX)]:
+        array = tensors.pop(name)
+        file_name = name[len(ARTIFACT_PREFIX):]
+        if array.dtype != np.uint8 or array.ndim != 1:
+            raise PayloadError(f"artifact {file_name!r} must be a 1-D uint8 tensor")
+        if file_name not in task.artifacts:
+            raise PayloadError(f"artifact {file_name!r} is not listed in the task")
+        data = array.tobytes()
+        if hashlib.sha256(data).hexdigest() != task.artifacts[file_name]:
+            raise PayloadError(f"artifact {file_name!r} does not match its SHA-256 in the task")
+        files[file_name] = data
+    missing = sorted(set(task.artifacts) - set(files))
+    if missing:
+        raise PayloadError(f"artifact(s) {missing} listed in the task are missing from the payload")
+    return task, _check_weights(tensors), files
+
+
+def decode_task(payload: bytes) -> tuple[TrainingTask, dict[str, np.ndarray]]:
+    """Inverse of :func:`encode_task`, without the artifact files (they are still checked).
+
+    Raises:
+        PayloadError: not safetensors, missing/unknown fields, values out of range, non-float32 or non-finite
+            weights, bad artifacts.
+    """
+    task, weights, _ = decode_task_with_artifacts(payload)
+    return task, weights
 
 
 def encode_update(report: UpdateReport, delta: Mapping[str, np.ndarray]) -> bytes:
@@ -237,3 +301,162 @@ def decode_ack(payload: bytes) -> Ack:
     if type(body.get("round")) is not int or not isinstance(body.get("accepted"), bool):
         raise PayloadError("ack needs an integer round and a boolean accepted")
     return Ack(round=body["round"], accepted=body["accepted"], reason=str(body.get("reason", "")))
+
+
+# ---- detection records (DETECTION envelopes, site -> coordinator) -------------------------------------------------
+
+_BBOX_SLACK = 1e-6  # rounding slack when checking that a normalised box lies inside the image
+
+
+def _unit(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value <= 1.0:
+        raise PayloadError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected object in an image.
+
+    Attributes:
+        category: detector category name (``"animal"``; the YOLOX-tiny detector has this one class).
+        confidence: detector confidence in [0, 1] (objectness x class score).
+        bbox: ``(x_min, y_min, width, height)`` normalised by the image width and height, origin top-left (the
+            MegaDetector and Camtrap DP ``bbox*`` convention); the box lies inside the image.
+        species: scientific name (or class label) of the classifier's top class, or None when no classifier ran.
+        species_index: the classifier's class index, or None.
+        species_confidence: the classifier's softmax probability of that class in [0, 1], or None.
+    """
+
+    category: str
+    confidence: float
+    bbox: tuple[float, float, float, float]
+    species: str | None = None
+    species_index: int | None = None
+    species_confidence: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.category, str) or not self.category:
+            raise PayloadError(f"detection category must be a non-empty string, got {self.category!r}")
+        object.__setattr__(self, "confidence", _unit("confidence", self.confidence))
+        if not isinstance(self.bbox, (tuple, list)) or len(self.bbox) != 4:
+            raise PayloadError(f"bbox must be 4 numbers (x, y, w, h), got {self.bbox!r}")
+        x, y, w, h = (_unit(f"bbox[{i}]", v) for i, v in enumerate(self.bbox))
+        if x + w > 1.0 + _BBOX_SLACK or y + h > 1.0 + _BBOX_SLACK:
+            raise PayloadError(f"bbox {self.bbox!r} extends past the image")
+        object.__setattr__(self, "bbox", (x, y, w, h))
+        if self.species is not None and not isinstance(self.species, str):
+            raise PayloadError(f"species must be a string or null, got {self.species!r}")
+        if self.species_index is not None and (type(self.species_index) is not int or self.species_index < 0):
+            raise PayloadError(f"species_index must be a non-negative integer or null, got {self.species_index!r}")
+        if self.species_confidence is not None:
+            object.__setattr__(self, "species_confidence", _unit("species_confidence", self.species_confidence))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"category": self.category, "confidence": self.confidence, "bbox": list(self.bbox),
+                "species": self.species, "species_index": self.species_index,
+                "species_confidence": self.species_confidence}
+
+
+@dataclass(frozen=True)
+class DetectionRecord:
+    """What a gateway's detector and species classifier made of one image (one DETECTION envelope).
+
+    Attributes:
+        media_id: stable id of the image: the first 32 hex digits of the SHA-256 of the file's bytes (the same
+            photo always gets the same id, so the coordinator can drop re-deliveries).
+        file: path of the image relative to the folder the run was given (POSIX separators).
+        deployment_id: Camtrap DP deployment (camera placement) the image belongs to.
+        timestamp: capture time, ISO 8601 with a UTC offset (EXIF ``DateTimeOriginal``, else file mtime).
+        timestamp_source: ``"exif"``, ``"mtime"``, or ``"run"`` (file unreadable: the time of the run).
+        width, height: image size in pixels.
+        detections: the detections kept after the confidence threshold and NMS, most confident first; empty
+            for an image with none.
+        detector: detector id (model name and the first 12 hex digits of its checkpoint SHA-256).
+        classifier_hash: ``shared.codec.model_hash`` of the species classifier weights, or ``""``.
+        failure: why the image could not be processed, or None (then ``detections`` is empty).
+
+    Compatibility rules: those of the module (fields never removed, new fields optional).
+    """
+
+    media_id: str
+    file: str
+    deployment_id: str
+    timestamp: str
+    timestamp_source: str
+    width: int
+    height: int
+    detections: tuple[Detection, ...] = ()
+    detector: str = ""
+    classifier_hash: str = ""
+    failure: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("media_id", "file", "deployment_id"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise PayloadError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("timestamp", "timestamp_source", "detector", "classifier_hash"):
+            if not isinstance(getattr(self, name), str):
+                raise PayloadError(f"{name} must be a string, got {getattr(self, name)!r}")
+        _positive("width", self.width, integer=True, allow_zero=self.failure is not None)
+        _positive("height", self.height, integer=True, allow_zero=self.failure is not None)
+        detections = tuple(self.detections)
+        if not all(isinstance(d, Detection) for d in detections):
+            raise PayloadError("detections must be Detection objects")
+        if self.failure is not None and (not isinstance(self.failure, str) or detections):
+            raise PayloadError("a failed record has a failure string and no detections")
+        object.__setattr__(self, "detections", detections)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"media_id": self.media_id, "file": self.file, "deployment_id": self.deployment_id,
+                "timestamp": self.timestamp, "timestamp_source": self.timestamp_source, "width": self.width,
+                "height": self.height, "detections": [d.to_json() for d in self.detections],
+                "detector": self.detector, "classifier_hash": self.classifier_hash, "failure": self.failure}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> "DetectionRecord":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PayloadError: unknown or missing fields, bad values.
+        """
+        if not isinstance(body, Mapping):
+            raise PayloadError("detection record is not an object")
+        unknown = set(body) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise PayloadError(f"unknown fields {sorted(unknown)}")
+        raw = body.get("detections", [])
+        if not isinstance(raw, list):
+            raise PayloadError("detections must be a list")
+        detections = []
+        for d in raw:
+            if not isinstance(d, Mapping) or set(d) - set(Detection.__dataclass_fields__):
+                raise PayloadError(f"detection {d!r} is not an object with known fields")
+            try:
+                detections.append(Detection(**{**d, "bbox": tuple(d.get("bbox", ()))}))
+            except TypeError as exc:
+                raise PayloadError(f"detection fields wrong: {exc}") from exc
+        try:
+            return cls(**{**body, "detections": tuple(detections)})
+        except TypeError as exc:
+            raise PayloadError(f"detection record fields wrong: {exc}") from exc
+
+
+def encode_detection(record: DetectionRecord) -> bytes:
+    """Payload of a DETECTION: no tensors, the record as metadata."""
+    return encode_tensors({}, _metadata(record.to_json()))
+
+
+def decode_detection(payload: bytes) -> DetectionRecord:
+    """Inverse of :func:`encode_detection`.
+
+    Raises:
+        PayloadError: not safetensors, tensors present, unknown/missing fields, values out of range.
+    """
+    tensors, body = _read(payload, set(DetectionRecord.__dataclass_fields__))
+    if tensors:
+        raise PayloadError(f"a detection payload carries no tensors, got {sorted(tensors)[:5]}")
+    return DetectionRecord.from_json(body)

@@ -126,7 +126,7 @@ class TrainingBackend(ABC):
 BackendFactory = Callable[..., TrainingBackend]
 _REGISTRY: dict[str, BackendFactory] = {}
 # Where each built-in backend registers itself; imported on first use.
-_BUILTIN_MODULES = {"torch": "edge_sdk.backends.torch_backend"}
+_BUILTIN_MODULES = {"torch": "edge_sdk.backends.torch_backend", "ort": "edge_sdk.backends.ort_backend"}
 
 
 def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:

@@ -1,0 +1,67 @@
+"""ORT training artifacts at the coordinator: what a set holds, caching by model hash, and tasks that carry them
+only when the config asks (the torch path unchanged otherwise)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.artifacts import ARTIFACT_FILES, ArtifactStore, artifact_digests, ort_training_available
+
+if not ort_training_available():
+    pytest.skip("onnxruntime.training (with onnx) is not importable here: ORT artifact tests skipped",
+                allow_module_level=True)
+
+import onnx
+
+from shared.codec import model_hash
+from shared.envelope import Envelope
+from shared.keys import generate_signing_key, public_key_to_pem
+from shared.models.camera_cnn import initial_weights
+from shared.models.onnx_export import MAX_IR_VERSION
+from shared.protocol import decode_task, decode_task_with_artifacts
+
+from coordinator.service import Coordinator
+from coordinator.transport import InMemoryTransport
+from tests.coordinator.helpers import make_config
+
+
+def test_artifact_set_contents_and_cache(tmp_path) -> None:
+    weights = initial_weights(5, seed=0)
+    h = model_hash(weights)
+    store = ArtifactStore(tmp_path / "arts")
+    files = store.get(h, weights, 5)
+    assert set(files) == set(ARTIFACT_FILES)
+    assert store.get(h, weights, 5) is files  # memory cache
+    for name in ARTIFACT_FILES:
+        if name.endswith(".onnx"):
+            assert onnx.load_from_string(files[name]).ir_version <= MAX_IR_VERSION, name
+    manifest = json.loads(files["manifest.json"])
+    assert manifest["num_classes"] == 5 and manifest["model_hash"] == h
+    assert [n for n, _ in manifest["parameters"]] == list(weights)  # named_parameters() order
+    again = ArtifactStore(tmp_path / "arts").get(h, {}, 5)  # disk cache: weights not needed
+    assert again == files
+    assert set(artifact_digests(files)) == set(ARTIFACT_FILES)
+
+
+@pytest.mark.parametrize("ship", [True, False])
+def test_tasks_carry_artifacts_only_when_configured(tmp_path, ship: bool) -> None:
+    config = make_config(tmp_path, ship_ort_artifacts=ship)
+    transport = InMemoryTransport()
+    coordinator = Coordinator(config, transport=transport, signing_key=generate_signing_key())
+    coordinator.start()
+    h, weights = coordinator.rounds.current_model()
+    coordinator.enrol("site-a", public_key_to_pem(generate_signing_key().public_key()))
+    ctx = coordinator.rounds.open_round()
+    assert ctx is not None
+    payload = Envelope.from_bytes(transport.published[-1][1]).payload
+    task, got_weights, files = decode_task_with_artifacts(payload)
+    assert model_hash(got_weights) == h == task.model_hash
+    if ship:
+        assert set(files) == set(ARTIFACT_FILES) and task.artifacts == artifact_digests(files)
+        assert (config.data_dir / "ort-artifacts" / h / "checkpoint").is_file()
+    else:
+        assert files == {} and task.artifacts == {} and "artifacts" not in task.to_json()
+    assert decode_task(payload)[0] == task
+    coordinator.close()
