@@ -16,6 +16,8 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``ledger``      immutable privacy-ledger rows: one DP-SGD event per (site, round, IUCN category)
 ``model_versions`` model hash -> safetensors file, round that produced it
 ``halts``       (site, IUCN category) pairs whose budget is exhausted, with the round that halted them
+``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
+                the record as JSON plus indexed columns for the ranger view
 ============== ===========================================================================================
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -66,6 +69,7 @@ __all__ = [
     "LedgerRow",
     "ModelVersionRow",
     "HaltRow",
+    "DetectionRow",
     "Store",
     "utcnow",
 ]
@@ -169,6 +173,33 @@ class HaltRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     reason: Mapped[str] = mapped_column(Text, default="")
     halted_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class DetectionRow(Base):
+    """A verified detection record (shared.protocol.DetectionRecord) from a site; one per (site, media id).
+
+    ``record_json`` is the whole record; the other columns are copies for queries. ``captured_at`` is the
+    record's ISO 8601 capture time as sent (with its UTC offset); ``sent_at`` is the envelope's timestamp.
+    """
+
+    __tablename__ = "detections"
+    __table_args__ = (UniqueConstraint("site_id", "media_id", name="uq_detections_site_media"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), ForeignKey("sites.site_id"), index=True)
+    media_id: Mapped[str] = mapped_column(String(64))
+    deployment_id: Mapped[str] = mapped_column(String(128), index=True)
+    file: Mapped[str] = mapped_column(Text)
+    captured_at: Mapped[str] = mapped_column(String(40))
+    num_detections: Mapped[int] = mapped_column(Integer)
+    max_confidence: Mapped[float | None] = mapped_column(Float, nullable=True)
+    top_species: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    top_species_confidence: Mapped[float | None] = mapped_column(Float, nullable=True)
+    failure: Mapped[str | None] = mapped_column(Text, nullable=True)
+    record_json: Mapped[str] = mapped_column(Text)
+    sequence: Mapped[int] = mapped_column(BigInteger)
+    payload_sha256: Mapped[str] = mapped_column(String(64))
+    sent_at: Mapped[_dt.datetime] = mapped_column(DateTime)
+    received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:

@@ -1,0 +1,116 @@
+"""One detection run over folders of photos: what ``wildfed-edge detect`` does, callable from the agent too.
+
+:func:`run_detection` finds the images, opens the detector (and the classifier when weights are given) on the best
+engine, turns every image into a record, optionally publishes each record signed, and writes the output files:
+
+    <out>/megadetector.json   MegaDetector batch output 1.4 (Timelapse)
+    <out>/observations.csv    Camtrap DP observations
+    <out>/media.csv           Camtrap DP media
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.protocol import DetectionRecord
+
+from edge_sdk.inference.classifier import SpeciesClassifier, load_classifier_weights
+from edge_sdk.inference.detector import CONFIDENCE_THRESHOLD, YoloxDetector
+from edge_sdk.inference.engines import EnginePreference
+from edge_sdk.inference.formats import (MEDIA_COLUMNS, OBSERVATION_COLUMNS, media_rows, megadetector_json,
+                                        observation_rows, write_csv, write_json)
+from edge_sdk.inference.records import DetectionPipeline, DetectionPublisher, find_images, parse_utc_offset
+
+__all__ = ["RunSummary", "run_detection"]
+
+
+@dataclass
+class RunSummary:
+    """What a run produced: the records (input order), output files, engines used, publish counts."""
+
+    records: list[DetectionRecord] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+    detector_engine: str = ""
+    classifier_engine: str = ""
+    published: int = 0
+    publish_failed: int = 0
+
+    @property
+    def images_with_detections(self) -> int:
+        """Images with at least one detection."""
+        return sum(1 for r in self.records if r.detections)
+
+    @property
+    def failures(self) -> int:
+        """Images that could not be read."""
+        return sum(1 for r in self.records if r.failure is not None)
+
+
+def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deployment_id: str,
+                  weights: str | Path | None = None, class_names: Mapping[int, str] | None = None,
+                  prefer: EnginePreference = "auto", batch_size: int = 8, threads: int | None = None,
+                  confidence: float = CONFIDENCE_THRESHOLD, utc_offset: str = "+00:00",
+                  publisher: DetectionPublisher | None = None, detector: YoloxDetector | None = None,
+                  on_start: Callable[[int], None] | None = None,
+                  on_record: Callable[[DetectionRecord], None] | None = None) -> RunSummary:
+    """Detect (and classify) every image under ``paths`` and write the output files.
+
+    Args:
+        paths: image files or folders (searched recursively).
+        out_dir: folder for the output files (created).
+        deployment_id: Camtrap DP deployment of the images.
+        weights: camera-CNN safetensors for species, or None for detection only.
+        class_names: class index -> species name for the classifier.
+        prefer: engine preference (``auto`` / ``tensorrt`` / ``ort``).
+        batch_size, threads, confidence: detector batch, ORT threads, detection threshold.
+        utc_offset: zone of EXIF times without an offset (``+HH:MM``).
+        publisher: when given, each record is published signed as soon as it is made.
+        detector: an already opened detector (reuse across runs; tests).
+        on_start: called with the number of images before the first one (progress bars).
+        on_record: called after each record.
+
+    Raises:
+        FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched.
+        ValueError: bad ``utc_offset``.
+    """
+    zone = parse_utc_offset(utc_offset)
+    images = find_images(paths)
+    if detector is None:
+        detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence)
+    classifier = None
+    if weights is not None:
+        classifier = SpeciesClassifier.from_weights(load_classifier_weights(weights), class_names=class_names,
+                                                    prefer=prefer, threads=threads)
+    pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone)
+    summary = RunSummary(detector_engine=detector.engine.name,
+                         classifier_engine=classifier.engine.name if classifier is not None else "")
+    if on_start is not None:
+        on_start(len(images))
+    for record in pipeline.run(images):
+        summary.records.append(record)
+        if publisher is not None:
+            if publisher.publish(record):
+                summary.published += 1
+            else:
+                summary.publish_failed += 1
+        if on_record is not None:
+            on_record(record)
+    out = Path(out_dir)
+    classifier_id = f"camera_cnn@{classifier.model_hash[:12]}" if classifier is not None else None
+    now = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+    md = megadetector_json(summary.records, detector=detector.detector_id, classifier=classifier_id,
+                           class_names=classifier.class_names if classifier is not None else None,
+                           classifications=pipeline.classifications,
+                           completion_time=now.strftime("%Y-%m-%d %H:%M:%S"))
+    classified_by = detector.detector_id + (f" + {classifier_id}" if classifier_id else "")
+    summary.files = {
+        "megadetector": write_json(out / "megadetector.json", md),
+        "observations": write_csv(out / "observations.csv", OBSERVATION_COLUMNS,
+                                  observation_rows(summary.records, classified_by=classified_by,
+                                                   classification_timestamp=now.isoformat())),
+        "media": write_csv(out / "media.csv", MEDIA_COLUMNS, media_rows(summary.records)),
+    }
+    return summary
