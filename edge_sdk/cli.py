@@ -87,5 +87,242 @@ def keygen(
                f"fingerprint: {key_fingerprint(key.public_key())}")
 
 
+# -- gateway profiles, doctor and bundle installation (docs/gateways.md) ------------------------------------------
+def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
+    """Every problem of a site config: all schema errors, then (unless ``schema_only``) keys, dataset, profile."""
+    from pydantic import ValidationError
+
+    from shared.config import validation_errors
+    from shared.errors import ConfigError
+    from shared.keys import load_private_key, load_public_key
+
+    from edge_sdk.config import load_site_config
+    from edge_sdk.profiles import FirmwareProfile, profile_path, profile_problems
+    from shared.profiles import read_profile_yaml
+
+    try:
+        cfg = load_site_config(path)
+    except ConfigError as exc:
+        if isinstance(exc.__cause__, ValidationError):
+            return validation_errors(exc.__cause__)
+        return [(exc.field or "<file>", exc.message)]
+    problems: list[tuple[str, str]] = []
+    if cfg.profile:
+        try:
+            ppath = profile_path(cfg.profile)
+            problems += [(f"profile.{f}", m) for f, m in profile_problems(read_profile_yaml(ppath), FirmwareProfile)]
+        except ConfigError as exc:
+            problems.append(("profile", exc.message))
+    if schema_only:
+        return problems
+    for field, loader in (("private_key", load_private_key), ("coordinator_public_key", load_public_key)):
+        try:
+            loader(getattr(cfg, field))
+        except ConfigError as exc:
+            problems.append((field, f"{exc.message} ({getattr(cfg, field)})"))
+    if not cfg.dataset.is_dir():
+        problems.append(("dataset", f"Camtrap DP folder {cfg.dataset} does not exist"))
+    return problems
+
+
+@app.command("check-config")
+def check_config(
+    file: Annotated[Path, typer.Argument(help="a gateway profile (firmware_configs/*.yaml) or a site config")],
+    kind: Annotated[str, typer.Option(help="auto (from the keys), profile or site")] = "auto",
+    schema_only: Annotated[bool, typer.Option("--schema-only", help="site config: skip the key, dataset and "
+                                              "file checks")] = False,
+) -> None:
+    """Validate a profile or a site config and list EVERY problem with its field; exit status 2 if any."""
+    import yaml
+    from rich.table import Table
+
+    from edge_sdk.profiles import FirmwareProfile, profile_problems
+
+    out = Console()
+    if not file.is_file():
+        console.print(f"[bold red]error:[/] {file}: file not found")
+        raise typer.Exit(code=2)
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        console.print(f"[bold red]error:[/] {file}: not valid YAML: {exc}")
+        raise typer.Exit(code=2) from None
+    if kind == "auto":
+        keys = set(data) if isinstance(data, dict) else set()
+        kind = "site" if keys & {"site_id", "federation_id", "dataset", "species"} else "profile"
+    if kind not in ("profile", "site"):
+        console.print(f"[bold red]error:[/] --kind must be auto, profile or site, not {kind!r}")
+        raise typer.Exit(code=2)
+    problems = profile_problems(data, FirmwareProfile) if kind == "profile" else _site_problems(file, schema_only)
+    if not problems:
+        out.print(f"[green]OK[/] {file}: valid {'gateway profile' if kind == 'profile' else 'site config'}")
+        return
+    table = Table(title=f"{file}: {len(problems)} problem(s) ({kind})")
+    table.add_column("field", style="bold")
+    table.add_column("problem")
+    for field, message in problems:
+        table.add_row(field, message)
+    out.print(table)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def doctor(
+    profiles_dir: Annotated[Optional[Path], typer.Option(help="folder of profile YAML files (default: the "
+                                                         "shipped firmware_configs/ or $WILDFED_PROFILES_DIR)")]
+    = None,
+) -> None:
+    """Show the training backends, inference engines and accelerators this machine has, and which gateway
+    profile fits it."""
+    from rich.table import Table
+
+    from edge_sdk.doctor import detect_kind, probe_machine, rank_profiles
+    from edge_sdk.profiles import available_profiles, load_profile, profiles_dir as default_dir
+
+    out = Console()
+    report = probe_machine()
+    table = Table(title="this machine")
+    for col in ("area", "component", "available", "detail"):
+        table.add_column(col)
+    for p in report.probes:
+        table.add_row(p.area, p.name, "[green]yes[/]" if p.available else "[red]no[/]", p.detail)
+    out.print(table)
+    directory = profiles_dir or default_dir()
+    profiles = []
+    for name in available_profiles(directory):
+        try:
+            profiles.append(load_profile(name, directory))
+        except WildFedError as exc:
+            out.print(f"[yellow]skipping profile {name}:[/] {exc}")
+    fits = rank_profiles(report, profiles)
+    ptable = Table(title=f"profiles ({directory}); detected hardware: {detect_kind(report).value}")
+    for col in ("profile", "kind", "fits", "why"):
+        ptable.add_column(col)
+    for f in fits:
+        why = "; ".join(f.problems + f.warnings) or "all requirements met"
+        ptable.add_row(f.name, f.kind.value, "[green]yes[/]" if f.fits else "[red]no[/]", why)
+    out.print(ptable)
+    best = next((f for f in fits if f.fits), None)
+    if best is not None:
+        out.print(f"recommended profile: [bold]{best.name}[/]")
+    elif fits:
+        out.print(f"[yellow]no profile fits; closest: {fits[0].name} ({'; '.join(fits[0].problems)})[/]")
+    else:
+        out.print(f"[yellow]no profiles found in {directory}[/]")
+
+
+@app.command("install-bundle")
+def install_bundle_command(
+    file: Annotated[Path, typer.Argument(help="the .tar bundle from `wildfed-coordinator provision`")],
+    prefix: Annotated[Path, typer.Option(help="install folder")] = Path("/opt/wildfed"),
+    venv: Annotated[bool, typer.Option("--venv/--no-venv", help="create <prefix>/venv and pip-install the bundled "
+                                       "wheel (--no-venv: this interpreter's SDK runs the agent)")] = True,
+    system_site_packages: Annotated[bool, typer.Option("--system-site-packages", help="the venv also sees this "
+                                                       "interpreter's packages (e.g. JetPack's torch)")] = False,
+    no_deps: Annotated[bool, typer.Option("--no-deps", help="install the wheel alone: no index, no download")]
+    = False,
+    force: Annotated[bool, typer.Option(help="replace an existing install (outbox and data are kept)")] = False,
+    coordinator_fingerprint: Annotated[Optional[str], typer.Option(help="expected SHA-256 fingerprint of the "
+                                                                   "coordinator key (from the operator)")] = None,
+    service_user: Annotated[str, typer.Option(help="User= of the systemd unit")] = "wildfed",
+) -> None:
+    """Verify a provisioning bundle (signed manifest, SHA-256 of every member, no unsafe paths) and install it."""
+    from edge_sdk.bundle import install_bundle
+
+    try:
+        result = install_bundle(file, prefix=prefix, venv=venv, system_site_packages=system_site_packages,
+                                no_deps=no_deps, force=force, coordinator_fingerprint=coordinator_fingerprint,
+                                service_user=service_user)
+    except WildFedError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=2) from None
+    out = Console()
+    out.print(f"[green]installed[/] site [bold]{result.site_id}[/] of federation {result.federation_id} "
+              f"(profile {result.profile}) under {result.prefix}")
+    out.print(f"  coordinator key fingerprint {result.coordinator_fingerprint} (compare with the operator's)")
+    out.print(f"  start:   {result.executable} run --config {result.site_config}")
+    out.print(f"  service: sudo cp {result.unit} /etc/systemd/system/ && sudo systemctl enable --now wildfed-edge")
+    out.print(f"  delete the bundle now: it holds the site's private key ({file})")
+    for warning in result.warnings:
+        out.print(f"[yellow]todo:[/] {warning}")
+
+
+@app.command()
+def detect(
+    paths: Annotated[list[Path], typer.Argument(help="image files or folders (searched recursively)")],
+    weights: Annotated[Optional[Path], typer.Option(help="species classifier: a global model .safetensors "
+                                                         "(camera CNN); without it, detection only")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="folder for megadetector.json, observations.csv, "
+                                                          "media.csv")] = Path("detections"),
+    deployment: Annotated[Optional[str], typer.Option(help="Camtrap DP deploymentID of the images (default: the "
+                                                            "site id of --config, else 'default')")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="site config: species names for the "
+                                                   "classifier classes, site identity and key for --publish")]
+    = None,
+    publish: Annotated[bool, typer.Option(help="publish every record signed to the coordinator (needs "
+                                               "--config)")] = False,
+    engine: Annotated[str, typer.Option(help="auto (TensorRT where present, else ONNX Runtime), tensorrt or "
+                                             "ort")] = "auto",
+    batch_size: Annotated[int, typer.Option(min=1, help="images per detector call")] = 8,
+    confidence: Annotated[float, typer.Option(min=0.0, max=1.0, help="detection threshold")] = 0.25,
+    utc_offset: Annotated[str, typer.Option(help="camera clock zone for EXIF times without one, +HH:MM")]
+    = "+00:00",
+    threads: Annotated[Optional[int], typer.Option(min=1, help="ONNX Runtime CPU threads")] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "WARNING",
+) -> None:
+    """Detect animals (YOLOX-tiny) and classify species (the federated model) in camera-trap photos; write
+    MegaDetector JSON 1.4 and Camtrap DP observations, and optionally publish signed records."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from edge_sdk.config import load_site_config
+    from edge_sdk.inference.records import DetectionPublisher
+    from edge_sdk.inference.run import run_detection
+    from shared.keys import load_private_key
+
+    _setup_logging(log_level)
+    if engine not in ("auto", "tensorrt", "ort"):
+        console.print(f"[bold red]error:[/] --engine {engine!r} (fix: use auto, tensorrt or ort)")
+        raise typer.Exit(code=2)
+    if publish and config is None:
+        console.print("[bold red]error:[/] --publish needs --config (fix: pass the site config YAML)")
+        raise typer.Exit(code=2)
+    transport = publisher = None
+    try:
+        site = load_site_config(config) if config is not None else None
+        class_names = {s.class_index: s.scientific_name for s in site.species} if site is not None else None
+        if publish and site is not None:
+            from edge_sdk.uplink.mqtt import MqttTransport
+
+            transport = MqttTransport(site.broker_url, client_id=f"wildfed-{site.federation_id}-{site.site_id}-detect")
+            transport.connect()
+            publisher = DetectionPublisher(transport, private_key=load_private_key(site.private_key),
+                                           federation_id=site.federation_id, site_id=site.site_id)
+        with Progress(TextColumn("[bold]detect"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      TextColumn("{task.fields[last]}"), console=console) as progress:
+            task = progress.add_task("detect", total=None, last="")
+            summary = run_detection(
+                paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
+                weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
+                confidence=confidence, utc_offset=utc_offset, publisher=publisher,
+                on_start=lambda n: progress.update(task, total=n),
+                on_record=lambda r: progress.update(task, advance=1, last=f"{r.file}: {len(r.detections)}"))
+    except (WildFedError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=2) from None
+    finally:
+        if transport is not None:
+            transport.close()
+    typer.echo(f"images: {len(summary.records)}  with detections: {summary.images_with_detections}  "
+               f"unreadable: {summary.failures}")
+    typer.echo(f"engines: detector {summary.detector_engine}"
+               + (f", classifier {summary.classifier_engine}" if summary.classifier_engine else ""))
+    for name, path in summary.files.items():
+        typer.echo(f"{name}: {path}")
+    if publisher is not None:
+        typer.echo(f"published: {summary.published}  failed: {summary.publish_failed}")
+        if summary.publish_failed:
+            raise typer.Exit(code=1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

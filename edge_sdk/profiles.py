@@ -1,78 +1,118 @@
-"""Firmware profiles: what kind of gateway this is and how hard the agent may push it.
+"""Gateway profiles on the gateway: the shared schema plus what depends on this machine.
 
-One YAML file per gateway kind lives in ``firmware_configs/`` at the repository root (DESIGN.md "Top level").
-A site config may name a profile (``profile: jetson-orin-nano``); the profile then supplies the backend, the thread
-count, the torch device and the per-example-gradient micro-batch (the memory knob) unless the site config sets
-them. The schema is small on purpose; later issues extend it (new fields optional, meanings never change).
-
-Memory: per-example gradients of a micro-batch take about ``microbatch_size * d * 4`` bytes twice over (torch's
-output and the numpy copy); for the 33,194-parameter camera CNN and ``microbatch_size = 64`` that is ~17 MB.
+The schema, the shipped profiles' folder and loading live in :mod:`shared.profiles` (the coordinator's provisioning
+reads the same files). This module adds the gateway's view, :class:`FirmwareProfile`: the flat attributes the agent
+reads (``backend``, ``device``, ``threads``, ``microbatch_size``; a site config's own settings override them, see
+:func:`edge_sdk.agent.build_backend`), and :func:`resolve_backend`, what ``backend: auto`` means on this machine:
+``ort`` where ``onnxruntime.training`` imports and an ``ort`` backend is registered, ``torch`` otherwise (Jetson:
+ORT training ships no aarch64 wheel). The agent refines ``auto`` per task (ORT only for a model that has ORT
+training artifacts).
 """
 
 from __future__ import annotations
 
-from enum import Enum
+import functools
+import importlib
+import logging
+import os
 from pathlib import Path
 
-from pydantic import Field
+from shared.profiles import (
+    GPU_KINDS,
+    JETSON_KINDS,
+    PROFILES_DIR,
+    BrokerSettings,
+    GatewayKind,
+    GatewayProfile,
+    IdentityFiles,
+    InferenceEngine,
+    InferenceSettings,
+    Precision,
+    PrivacyDefaults,
+    StoragePaths,
+    TrainingBackendName,
+    TrainingSettings,
+    available_profiles,
+    check_profile_data,
+    profile_path,
+    profile_problems,
+    profiles_dir,
+)
+from shared.profiles import load_profile as _load_profile
 
-from shared.config import StrictModel, load_yaml
-from shared.errors import ConfigError
+__all__ = [
+    "GatewayKind", "TrainingBackendName", "InferenceEngine", "Precision", "TrainingSettings", "InferenceSettings",
+    "StoragePaths", "BrokerSettings", "IdentityFiles", "PrivacyDefaults", "GatewayProfile", "FirmwareProfile",
+    "PROFILES_DIR", "GPU_KINDS", "JETSON_KINDS", "profiles_dir", "available_profiles", "profile_path",
+    "profile_problems", "check_profile_data", "load_profile", "resolve_backend", "ort_training_importable",
+]
 
-__all__ = ["GatewayKind", "FirmwareProfile", "PROFILES_DIR", "load_profile", "available_profiles"]
-
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "firmware_configs"
-
-
-class GatewayKind(str, Enum):
-    """The hardware families WildFed targets."""
-
-    JETSON_ORIN_NANO = "jetson_orin_nano"
-    JETSON_XAVIER_NX = "jetson_xavier_nx"
-    X86_GPU = "x86_gpu"
-    RADIO_BASE_STATION = "radio_base_station"
+log = logging.getLogger(__name__)
 
 
-class FirmwareProfile(StrictModel):
-    """A gateway kind's resource profile.
+@functools.lru_cache(maxsize=1)
+def ort_training_importable() -> bool:
+    """Whether ONNX Runtime training imports here (cached): the ORT backend's own probe where that module exists,
+    else a plain ``import onnxruntime.training``."""
+    try:
+        from edge_sdk.backends.ort_backend import ort_training_importable as backend_probe
+    except Exception:  # noqa: BLE001 - the backend module itself may be absent or broken
+        backend_probe = None
+    if backend_probe is not None:
+        return bool(backend_probe())
+    try:
+        importlib.import_module("onnxruntime.training")
+    except Exception:  # noqa: BLE001 - any import failure (missing, broken native library) means "not here"
+        return False
+    return True
 
-    Attributes:
-        name: profile name (the YAML file stem).
-        kind: hardware family.
-        description: one line for operators.
-        backend: training backend name (``edge_sdk.backends``): ``torch`` everywhere today; ``ort`` later on x86.
-        device: torch device, ``cpu`` or ``cuda``.
-        threads: CPU threads for training (>= 1).
-        memory_cap_mb: memory the agent may use for training, in MiB (>= 64).
-        microbatch_size: examples per per-example-gradient chunk (>= 1); keep
-            ``microbatch_size * d * 8 bytes`` well under ``memory_cap_mb``.
+
+def resolve_backend(name: str | TrainingBackendName) -> str:
+    """The training backend name to build on this machine: ``auto`` becomes ``ort`` where
+    ``onnxruntime.training`` imports and an ``ort`` backend exists (``edge_sdk.backends``), else ``torch``;
+    other names pass through."""
+    value = TrainingBackendName(name).value if not isinstance(name, TrainingBackendName) else name.value
+    if value != TrainingBackendName.AUTO.value:
+        return value
+    from edge_sdk.backends.base import available_backends
+
+    if "ort" in available_backends() and ort_training_importable():
+        return "ort"
+    return "torch"
+
+
+class FirmwareProfile(GatewayProfile):
+    """A :class:`shared.profiles.GatewayProfile` with the flat attributes the agent reads (``threads`` is a field).
+
+    ``backend`` is the *requested* name (``auto`` stays ``auto``: the agent decides it per task, ORT only when the
+    task's model has ORT artifacts); :attr:`resolved_backend` is what ``auto`` means on this machine in general.
     """
 
-    name: str = Field(min_length=1)
-    kind: GatewayKind
-    description: str = ""
-    backend: str = "torch"
-    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    threads: int = Field(default=1, ge=1)
-    memory_cap_mb: int = Field(default=1024, ge=64)
-    microbatch_size: int = Field(default=64, ge=1)
+    @property
+    def backend(self) -> str:
+        """Requested training backend: ``auto``, ``torch`` or ``ort``."""
+        return self.training.backend.value
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend ``auto`` resolves to here (:func:`resolve_backend`)."""
+        return resolve_backend(self.training.backend)
+
+    @property
+    def device(self) -> str:
+        """Torch device for training."""
+        return self.training.device
+
+    @property
+    def microbatch_size(self) -> int:
+        """Per-example-gradient chunk size."""
+        return self.training.microbatch_size
 
 
-def available_profiles(directory: Path = PROFILES_DIR) -> tuple[str, ...]:
-    """Names of the profiles in ``directory`` (YAML stems), sorted."""
-    return tuple(sorted(p.stem for p in directory.glob("*.yaml"))) if directory.is_dir() else ()
-
-
-def load_profile(name_or_path: str | Path, directory: Path = PROFILES_DIR) -> FirmwareProfile:
-    """Load a profile by name (``firmware_configs/<name>.yaml``) or by path.
+def load_profile(name_or_path: str | os.PathLike[str], directory: Path | None = None) -> FirmwareProfile:
+    """Load a profile by name (``firmware_configs/<name>.yaml``, or ``$WILDFED_PROFILES_DIR``) or by path.
 
     Raises:
-        ConfigError: no such profile, or the file is invalid (names the file, field and fix).
+        ConfigError: no such profile, or the file is invalid (names the file, every bad field, and the fix).
     """
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = directory / f"{name_or_path}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"firmware profile {str(name_or_path)!r} not found", source=path, field="profile",
-                          fix=f"use one of {', '.join(available_profiles(directory)) or '(none found)'} or a path")
-    return load_yaml(path, FirmwareProfile)
+    return _load_profile(name_or_path, directory, model=FirmwareProfile)

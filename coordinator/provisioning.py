@@ -1,0 +1,325 @@
+"""Provisioning: everything an operator flashes onto a new gateway, in one signed tar bundle, and the site's
+enrolment, made together.
+
+``provision_site`` writes the bundle of :mod:`shared.bundle`: the SDK wheel, the gateway profile, the site's fresh
+Ed25519 key pair, the coordinator's public key, the broker CA (optional), a ``site.yaml`` and a systemd unit that
+runs ``wildfed-edge run`` with ``Restart=on-failure``; and it enrols the site's public key in the registry.
+
+Secrets: the site's private key is generated in memory, written only into the bundle (tar member mode 0600; the
+bundle file itself is created 0600) and never stored at the coordinator: not in the database, not in the data
+folder. Whoever holds the bundle holds the site's identity until it is installed and deleted.
+
+Atomicity (enrolment and bundle succeed or fail together):
+
+1. check everything that can be checked first: site id free and topic-safe, profile valid, keys readable, output
+   path free, wheel built;
+2. write the complete bundle to a temporary file beside the output (0600, fsync);
+3. enrol the site (if that fails, the temporary file is removed: no bundle);
+4. rename the temporary file onto the output path (if that fails, the enrolment is deleted again: no site).
+
+The SDK wheel is built with ``python -m pip wheel --no-deps --no-build-isolation`` from a copy of the installed
+project source (an editable/checkout install), cached by a hash of that source, or taken from ``--wheel``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.hazmat.primitives import serialization
+
+from shared import bundle as fmt
+from shared.errors import ConfigError
+from shared.keys import generate_signing_key, key_fingerprint, load_private_key, load_public_key, public_key_to_pem
+from shared.profiles import GatewayProfile, check_profile_data, profile_path, read_profile_yaml
+
+from coordinator.config import CoordinatorConfig
+from coordinator.registry import SITE_ID_PATTERN, EnrolmentError, SiteRegistry
+from coordinator.storage import SiteRow, Store
+
+__all__ = ["ProvisionResult", "provision_site", "build_sdk_wheel", "project_source_root", "render_site_config",
+           "SYSTEMD_UNIT_TEMPLATE"]
+
+log = logging.getLogger(__name__)
+
+#: The unit template shipped in every bundle; ``edge_sdk.bundle`` fills in @PREFIX@, @EXEC@ (the wildfed-edge
+#: command) and @USER@. Exit status 2 is a configuration error: restarting cannot fix it, so it is not retried.
+SYSTEMD_UNIT_TEMPLATE = """\
+[Unit]
+Description=WildFed gateway agent (site @SITE@, profile @PROFILE@)
+Wants=network-online.target
+After=network-online.target time-sync.target
+
+[Service]
+Type=simple
+User=@USER@
+WorkingDirectory=@PREFIX@
+ExecStart=@EXEC@ run --config @PREFIX@/site.yaml
+Restart=on-failure
+RestartSec=10
+RestartPreventExitStatus=2
+KillSignal=SIGTERM
+TimeoutStopSec=60
+MemoryMax=@MEMORY_MIB@M
+Environment=OMP_NUM_THREADS=@THREADS@
+NoNewPrivileges=yes
+PrivateTmp=yes
+ProtectSystem=full
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+_SOURCE_ITEMS = ("pyproject.toml", "README.md", "shared", "edge_sdk", "coordinator")
+
+
+@dataclass(frozen=True)
+class ProvisionResult:
+    """What :func:`provision_site` made: the bundle path, the enrolled site, the site key's fingerprint, the
+    profile name, the wheel file name, the bundle's member names and the coordinator key's fingerprint (what the
+    gateway's installer can pin with ``--coordinator-fingerprint``)."""
+
+    bundle_path: Path
+    site_id: str
+    fingerprint: str
+    profile: str
+    wheel: str
+    members: tuple[str, ...]
+    coordinator_fingerprint: str = ""
+
+
+def project_source_root() -> Path | None:
+    """The project checkout this code runs from (``pyproject.toml`` beside the packages), or ``None`` for a wheel
+    install."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "edge_sdk").is_dir() else None
+
+
+def _source_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for item in _SOURCE_ITEMS:
+        top = root / item
+        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()
+                                                    and "__pycache__" not in p.parts and p.suffix != ".pyc")
+        for f in files:
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def build_sdk_wheel(cache_dir: Path, *, source_root: Path | None = None) -> Path:
+    """Build (or reuse) the WildFed wheel from the project source.
+
+    The source (``pyproject.toml``, ``README.md``, ``shared/``, ``edge_sdk/``, ``coordinator/``) is copied to a
+    temporary folder so the checkout is not touched, and built with ``pip wheel --no-deps --no-build-isolation``
+    (no network: the build backend, setuptools, must be installed). The result is cached under
+    ``cache_dir/<source hash>/``.
+
+    Raises:
+        ConfigError: no project source (a wheel install: pass ``--wheel``), or the build failed.
+    """
+    root = source_root or project_source_root()
+    if root is None:
+        raise ConfigError("the WildFed source is not available to build the SDK wheel", field="wheel",
+                          fix="pass --wheel FILE (a wildfed-*.whl), or run the coordinator from a checkout")
+    key = _source_digest(root)[:24]
+    target = Path(cache_dir) / key
+    cached = sorted(target.glob("wildfed-*.whl")) if target.is_dir() else []
+    if cached:
+        return cached[0]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wildfed-wheel-") as tmp:
+        src, out = Path(tmp) / "src", Path(tmp) / "out"
+        src.mkdir()
+        for item in _SOURCE_ITEMS:
+            path = root / item
+            if path.is_dir():
+                shutil.copytree(path, src / item, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            elif path.is_file():
+                shutil.copy2(path, src / item)
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+               str(src), "-w", str(out)]
+        log.info("building the SDK wheel: %s", " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(out.glob("wildfed-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise ConfigError(f"building the SDK wheel failed (pip exit {proc.returncode}): "
+                              f"{(proc.stderr or proc.stdout).strip()[-800:]}", field="wheel",
+                              fix="install setuptools in this environment, or pass --wheel FILE")
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        shutil.copy2(wheels[0], staging / wheels[0].name)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process cached the same build first
+            shutil.rmtree(staging, ignore_errors=True)
+    return sorted(target.glob("wildfed-*.whl"))[0]
+
+
+def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, profile_file: str, site_id: str,
+                       broker_url: str, species: Sequence[Mapping[str, Any]] | None, dataset: str | None) -> str:
+    """The ``site.yaml`` of a bundle: ids, broker, identity and storage paths from the profile (relative to the
+    install prefix), privacy defaults from the profile, the federation's model size, and the species table (or
+    an empty one with a note to fill it in)."""
+    body: dict[str, Any] = {
+        "federation_id": config.federation_id,
+        "site_id": site_id,
+        "dataset": dataset or (profile.storage.data / "camtrap").as_posix(),
+        "species": [dict(s) for s in species or []],
+        "private_key": profile.identity.private_key.as_posix(),
+        "coordinator_public_key": profile.identity.coordinator_public_key.as_posix(),
+        "broker_url": broker_url,
+        "outbox": profile.storage.outbox.as_posix(),
+        "artifact_cache": profile.storage.artifact_cache.as_posix(),
+        "profile": profile_file,
+        "num_classes": config.num_classes,
+        "allow_non_private": profile.privacy.allow_non_private,
+        "allow_seeded_noise": profile.privacy.allow_seeded_noise,
+    }
+    head = (f"# WildFed site config for {site_id} (federation {config.federation_id}), written by "
+            "`wildfed-coordinator provision`.\n"
+            "# Relative paths are relative to this file (the install prefix). Training settings (backend, device,\n"
+            f"# threads, micro-batch) come from {profile_file}; set them here to override.\n")
+    if not species:
+        head += ("# TODO before starting: fill in `species` (scientific_name, class_index, iucn_category per row;\n"
+                 "# class indices are the federation's) and put the site's Camtrap DP package at `dataset`.\n")
+    return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
+
+
+def _check_broker_url(url: str) -> str:
+    if not url.startswith("mqtt://"):
+        raise ConfigError(f"broker URL {url!r} is not mqtt://host:port", field="broker_url",
+                          fix="the gateway's MQTT transport speaks mqtt:// (TLS to the broker is not wired yet)")
+    return url
+
+
+def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, profile: str | Path, out: Path,
+                   broker_ca: Path | None = None, broker_url: str | None = None,
+                   species: Sequence[Mapping[str, Any]] | None = None, dataset: str | None = None,
+                   metadata: Mapping[str, Any] | None = None, wheel: Path | None = None,
+                   wheel_cache: Path | None = None, profiles_directory: Path | None = None,
+                   force: bool = False) -> ProvisionResult:
+    """Write a site's bundle and enrol its public key, atomically (module docstring).
+
+    Args (keyword-only):
+        config: the coordinator's config (resolved paths); its signing key signs the manifest.
+        store: the coordinator's database (the registry lives there).
+        site_id: the new site (topic-safe, not yet enrolled).
+        profile: profile name (``firmware_configs/<name>.yaml``) or path.
+        out: bundle path (created 0600).
+        broker_ca: the broker's CA certificate (PEM), shipped as ``keys/broker-ca.pem``.
+        broker_url: what the gateway connects to; default the profile's ``broker.url``, else ``config.broker_url``.
+        species: the site's species table rows (``scientific_name``, ``class_index``, ``iucn_category``).
+        dataset: the Camtrap DP folder on the gateway (default ``<profile data>/camtrap``).
+        metadata: public enrolment metadata (``num_examples``, ``species``, ...; see coordinator.registry).
+        wheel: a prebuilt ``wildfed-*.whl`` (default: build from the source, cached in ``wheel_cache``).
+        wheel_cache: default ``<data_dir>/wheels``.
+        force: replace an existing file at ``out``.
+
+    Raises:
+        EnrolmentError: the site id is taken or invalid, or the metadata is bad (no bundle is left).
+        ConfigError: bad profile, keys, CA, broker URL or wheel; ``out`` exists (without ``force``).
+        OSError: the bundle cannot be written (the site is not enrolled).
+    """
+    # 1. everything that can fail before any side effect
+    if not SITE_ID_PATTERN.match(site_id):
+        raise EnrolmentError(f"site id {site_id!r} is not topic-safe", field="site_id",
+                             fix="use letters, digits, '_', '.', '-' (no '/', '+', '#', spaces)")
+    registry = SiteRegistry(store)
+    if registry.is_enrolled(site_id):
+        raise EnrolmentError(f"site {site_id!r} is already enrolled", field="site_id",
+                             fix="choose another site id (re-provisioning an enrolled site is not done silently)")
+    out = Path(out)
+    if out.exists() and not force:
+        raise ConfigError("output file exists", source=out, field="out", fix="choose another --out or pass --force")
+    ppath = profile_path(profile, profiles_directory)
+    profile_text = ppath.read_text(encoding="utf-8")
+    prof = check_profile_data(read_profile_yaml(ppath), source=ppath)
+    url = _check_broker_url(broker_url or prof.broker.url or config.broker_url)
+    coordinator_key = load_private_key(config.signing_key_path)
+    coordinator_pub = load_public_key(config.public_key_path)
+    if coordinator_pub != coordinator_key.public_key():
+        raise ConfigError("the coordinator's public key does not match its signing key", source=config.public_key_path,
+                          field="public_key_path", fix="point public_key_path at the key pair's .pub file")
+    ca_bytes = None
+    if broker_ca is not None:
+        if not Path(broker_ca).is_file():
+            raise ConfigError("broker CA file not found", source=broker_ca, field="broker_ca",
+                              fix="pass the PEM certificate of the CA that signed the broker's certificate")
+        ca_bytes = Path(broker_ca).read_bytes()
+        if b"-----BEGIN CERTIFICATE-----" not in ca_bytes:
+            raise ConfigError("broker CA is not a PEM certificate", source=broker_ca, field="broker_ca",
+                              fix="pass a PEM file (-----BEGIN CERTIFICATE-----)")
+    if wheel is not None:
+        wheel = Path(wheel)
+        if not (wheel.is_file() and wheel.name.endswith(".whl")):
+            raise ConfigError("SDK wheel not found", source=wheel, field="wheel", fix="pass a wildfed-*.whl file")
+    else:
+        wheel = build_sdk_wheel(wheel_cache or config.data_dir / "wheels")
+
+    site_key = generate_signing_key()  # in memory only; it goes into the bundle and nowhere else
+    site_pub_pem = public_key_to_pem(site_key.public_key())
+    site_key_pem = site_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption())
+    unit = (SYSTEMD_UNIT_TEMPLATE.replace("@SITE@", site_id).replace("@PROFILE@", prof.name)
+            .replace("@MEMORY_MIB@", str(prof.memory_cap_mib)).replace("@THREADS@", str(prof.threads)))
+    members = [
+        fmt.BundleMember(fmt.PROFILE, profile_text.encode("utf-8")),
+        fmt.BundleMember(fmt.SITE_CONFIG, render_site_config(
+            config=config, profile=prof, profile_file=fmt.PROFILE, site_id=site_id, broker_url=url,
+            species=species, dataset=dataset).encode("utf-8")),
+        fmt.BundleMember(fmt.SITE_KEY, site_key_pem, 0o600),
+        fmt.BundleMember(fmt.SITE_PUBLIC_KEY, site_pub_pem.encode("ascii")),
+        fmt.BundleMember(fmt.COORDINATOR_PUBLIC_KEY, public_key_to_pem(coordinator_pub).encode("ascii")),
+        fmt.BundleMember(fmt.SYSTEMD_UNIT, unit.encode("utf-8")),
+        fmt.BundleMember(f"{fmt.WHEELS_DIR}/{wheel.name}", wheel.read_bytes()),
+    ]
+    if ca_bytes is not None:
+        members.append(fmt.BundleMember(fmt.BROKER_CA, ca_bytes))
+    info = {"federation_id": config.federation_id, "site_id": site_id, "profile": prof.name,
+            "site_key_fingerprint": key_fingerprint(site_key.public_key()),
+            "coordinator_key_fingerprint": key_fingerprint(coordinator_pub)}
+
+    # 2. the complete bundle in a temporary file beside the output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = Path(tmp_name)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            fmt.write_bundle(handle, members, signing_key=coordinator_key, info=info)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # 3. enrol; 4. publish the bundle under its name, or undo the enrolment
+        registry.enrol(site_id, site_pub_pem, metadata or {})
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            _unenrol(store, site_id)
+            raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("provisioned site %s (profile %s, key %s) -> %s", site_id, prof.name, info["site_key_fingerprint"][:16],
+             out)
+    return ProvisionResult(bundle_path=out, site_id=site_id, fingerprint=info["site_key_fingerprint"],
+                           profile=prof.name, wheel=wheel.name,
+                           members=tuple(sorted(m.name for m in members)),
+                           coordinator_fingerprint=info["coordinator_key_fingerprint"])
+
+
+def _unenrol(store: Store, site_id: str) -> None:
+    """Delete a just-made enrolment (rollback of a provisioning whose bundle could not be written)."""
+    with store.session() as s:
+        row = s.get(SiteRow, site_id)
+        if row is not None:
+            s.delete(row)
+    log.warning("provisioning of %s failed after enrolment; enrolment rolled back", site_id)

@@ -1,0 +1,230 @@
+"""Installing a provisioning bundle on a gateway (``wildfed-edge install-bundle``).
+
+The bundle (format: :mod:`shared.bundle`) is read and verified completely in memory first: every member a regular
+file with a safe relative name (no ``..``, no absolute paths, no links), the manifest signed by the bundled
+coordinator key, every member's SHA-256 as listed; optionally the coordinator key pinned by fingerprint. Only then
+is anything written, and only inside the prefix (storage folders the profile puts elsewhere are created if
+possible).
+
+Layout under the prefix (default ``/opt/wildfed``)::
+
+    site.yaml  profile.yaml  bundle-manifest.json  wildfed-edge.service
+    keys/site.key (0600)  keys/site.pub  keys/coordinator.pub  [keys/broker-ca.pem]   (profile ``identity``)
+    wheels/wildfed-*.whl  venv/ (unless --no-venv)
+    state/  cache/artifacts/  cache/engines/  data/                                   (profile ``storage``)
+
+``wildfed-edge run --config <prefix>/site.yaml`` then starts the agent; the rendered systemd unit does the same
+with ``Restart=on-failure``. The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
+packages of the interpreter running the install, e.g. JetPack's torch) and ``pip install`` of the bundled wheel
+with the ``edge`` extra (``--no-deps``: the wheel alone, no index, no download).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from shared import bundle as fmt
+from shared.bundle import Bundle, BundleError, read_bundle
+from shared.errors import ConfigError
+from shared.profiles import GatewayProfile, check_profile_data
+
+__all__ = ["InstallResult", "install_bundle", "BundleError"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = Path("/opt/wildfed")
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    """What :func:`install_bundle` did.
+
+    Attributes:
+        prefix: the install prefix (absolute).
+        site_id, federation_id, profile: from the bundle.
+        site_config: ``<prefix>/site.yaml``.
+        unit: the rendered systemd unit file.
+        executable: the ``wildfed-edge`` command the unit runs.
+        venv: the virtual environment, or ``None`` with ``--no-venv``.
+        coordinator_fingerprint: hex SHA-256 of the bundled coordinator key.
+        warnings: things the operator must still do (e.g. fill in the species table).
+    """
+
+    prefix: Path
+    site_id: str
+    federation_id: str
+    profile: str
+    site_config: Path
+    unit: Path
+    executable: str
+    venv: Path | None
+    coordinator_fingerprint: str
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _inside(prefix: Path, relative: Path | str) -> Path:
+    target = (prefix / relative).resolve()
+    if target != prefix and prefix not in target.parents:
+        raise BundleError(f"{relative} would be written outside the prefix", field=str(relative),
+                          fix="the bundle or its profile is unsafe: ask the operator for a fresh one")
+    return target
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _make_venv(venv: Path, *, system_site_packages: bool, python: str) -> None:
+    cmd = [python, "-m", "venv"] + (["--system-site-packages"] if system_site_packages else []) + [str(venv)]
+    log.info("creating the venv: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ConfigError(f"creating the venv failed: {(proc.stderr or proc.stdout).strip()[-600:]}", source=venv,
+                          fix="install python3-venv, or pass --no-venv to use this interpreter")
+    if system_site_packages and sys.prefix != sys.base_prefix:
+        # this interpreter is itself a venv: let the new one see its packages too (torch, onnxruntime, ...)
+        purelib = Path(subprocess.run([str(_venv_python(venv)), "-c", "import sysconfig; "
+                                       "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                                      check=True).stdout.strip())
+        parents = sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"]})
+        (purelib / "_wildfed_parent_site.pth").write_text("".join(f"{p}\n" for p in parents))
+
+
+def _pip_install(venv: Path, wheel: Path, *, no_deps: bool) -> None:
+    spec = str(wheel) if no_deps else f"{wheel}[edge]"
+    cmd = [str(_venv_python(venv)), "-m", "pip", "install", "-q", "--force-reinstall"]
+    cmd += ["--no-deps", "--no-index"] if no_deps else []
+    cmd += [spec]
+    log.info("installing the SDK: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ConfigError(f"pip install of {wheel.name} failed: {(proc.stderr or proc.stdout).strip()[-800:]}",
+                          source=wheel, fix="check network access to the package index, or pass --no-deps with "
+                          "--system-site-packages where the dependencies are installed already")
+
+
+def _profile(bundle: Bundle) -> GatewayProfile:
+    try:
+        data = yaml.safe_load(bundle.members[fmt.PROFILE])
+    except yaml.YAMLError as exc:
+        raise BundleError(f"profile.yaml is not YAML: {exc}", field=fmt.PROFILE, fix="ask for a fresh bundle") from exc
+    return check_profile_data(data, source=f"bundle:{fmt.PROFILE}")
+
+
+def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREFIX, venv: bool = True,
+                   system_site_packages: bool = False, no_deps: bool = False, force: bool = False,
+                   coordinator_fingerprint: str | None = None, service_user: str = "wildfed",
+                   python: str = sys.executable) -> InstallResult:
+    """Verify a bundle, then install it under ``prefix`` (module docstring).
+
+    Args:
+        bundle_path: the ``.tar`` file from ``wildfed-coordinator provision``.
+        prefix: install folder (created).
+        venv: create ``<prefix>/venv`` and pip-install the bundled wheel into it; ``False``: the SDK of this
+            interpreter runs the agent (``python -m edge_sdk.cli``).
+        system_site_packages: the venv also sees this interpreter's packages (JetPack torch; tests).
+        no_deps: install the wheel alone (no index, no download).
+        force: replace an existing install (its keys too; the outbox and data stay).
+        coordinator_fingerprint: expected hex SHA-256 of the coordinator key (pinning); a prefix of at least 16
+            hex digits is accepted.
+        service_user: ``User=`` of the systemd unit.
+        python: interpreter that creates the venv.
+
+    Raises:
+        BundleError: the bundle fails verification (nothing is written).
+        ConfigError: an install exists already (without ``force``), bad profile, or venv/pip failure.
+    """
+    bundle = read_bundle(bundle_path)
+    fingerprint = bundle.coordinator_fingerprint
+    if coordinator_fingerprint is not None:
+        pin = coordinator_fingerprint.strip().lower()
+        if len(pin) < 16 or not fingerprint.startswith(pin):
+            raise BundleError(f"coordinator key fingerprint {fingerprint[:16]}... does not match the expected "
+                              f"{pin[:16]}...", source=bundle_path, field=fmt.COORDINATOR_PUBLIC_KEY,
+                              fix="do not install it; the bundle was not made by your coordinator")
+    profile = _profile(bundle)
+    prefix = Path(prefix).expanduser().resolve()
+    site_config = prefix / fmt.SITE_CONFIG
+    if site_config.exists() and not force:
+        raise ConfigError("a WildFed site is installed here already", source=site_config, field="prefix",
+                          fix="pass --force to replace it (new keys; outbox and data are kept), or another --prefix")
+
+    # every destination, checked to lie inside the prefix before anything is written
+    destinations: list[tuple[Path, bytes, int]] = [
+        (_inside(prefix, fmt.PROFILE), bundle.members[fmt.PROFILE], 0o644),
+        (_inside(prefix, profile.identity.private_key), bundle.members[fmt.SITE_KEY], 0o600),
+        (_inside(prefix, fmt.SITE_PUBLIC_KEY), bundle.members[fmt.SITE_PUBLIC_KEY], 0o644),
+        (_inside(prefix, profile.identity.coordinator_public_key), bundle.members[fmt.COORDINATOR_PUBLIC_KEY],
+         0o644),
+        (_inside(prefix, "bundle-manifest.json"), json.dumps(bundle.manifest, indent=2).encode(), 0o644),
+    ]
+    if fmt.BROKER_CA in bundle.members:
+        ca_target = profile.broker.ca_file or Path(fmt.BROKER_CA)
+        destinations.append((_inside(prefix, ca_target), bundle.members[fmt.BROKER_CA], 0o644))
+    wheels = [(_inside(prefix, name), bundle.members[name]) for name in bundle.wheels()]
+    if not wheels:
+        raise BundleError("the bundle holds no SDK wheel", source=bundle_path, field=fmt.WHEELS_DIR,
+                          fix="ask for a fresh bundle")
+
+    prefix.mkdir(parents=True, exist_ok=True)
+    for path, data in wheels:
+        _write(path, data, 0o644)
+    venv_dir: Path | None = None
+    if venv:
+        venv_dir = prefix / "venv"
+        if not _venv_python(venv_dir).exists():
+            _make_venv(venv_dir, system_site_packages=system_site_packages, python=python)
+        _pip_install(venv_dir, wheels[0][0], no_deps=no_deps)
+        executable = str(venv_dir / "bin" / "wildfed-edge")
+    else:
+        executable = f"{python} -m edge_sdk.cli"
+
+    for path, data, mode in destinations:
+        _write(path, data, mode)
+    warnings: list[str] = []
+    for folder in (profile.storage.outbox.parent, profile.storage.artifact_cache, profile.storage.engine_cache,
+                   profile.storage.data):
+        target = folder if folder.is_absolute() else prefix / folder
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            warnings.append(f"could not create {target} ({exc}); create it before starting the agent")
+    unit_text = (bundle.members[fmt.SYSTEMD_UNIT].decode("utf-8").replace("@PREFIX@", str(prefix))
+                 .replace("@EXEC@", executable).replace("@USER@", service_user))
+    unit = prefix / "wildfed-edge.service"
+    _write(unit, unit_text.encode("utf-8"), 0o644)
+    _write(site_config, bundle.members[fmt.SITE_CONFIG], 0o644)
+
+    site_data = yaml.safe_load(bundle.members[fmt.SITE_CONFIG]) or {}
+    if not site_data.get("species"):
+        warnings.append(f"{site_config}: fill in `species` (the site's species table) before starting the agent")
+    dataset = Path(str(site_data.get("dataset", "")))
+    if not (dataset if dataset.is_absolute() else prefix / dataset).exists():
+        warnings.append(f"put the site's Camtrap DP package at {dataset} (relative to {prefix}) before starting")
+    log.info("installed site %s (profile %s) under %s", bundle.site_id, profile.name, prefix)
+    return InstallResult(prefix=prefix, site_id=bundle.site_id, federation_id=bundle.federation_id,
+                         profile=profile.name, site_config=site_config, unit=unit, executable=executable,
+                         venv=venv_dir, coordinator_fingerprint=fingerprint, warnings=tuple(warnings))

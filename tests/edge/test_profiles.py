@@ -1,0 +1,200 @@
+"""Gateway profiles: every shipped profile validates; broken ones report every problem with its field;
+``wildfed-edge check-config`` exit codes; ``wildfed-edge doctor``; profile fitting on fake machines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from shared.errors import ConfigError
+from shared.keys import generate_signing_key, save_private_key, save_public_key
+from shared.profiles import PROFILES_DIR, GatewayKind, GatewayProfile, profile_problems
+
+from edge_sdk.cli import app
+from edge_sdk.doctor import MachineReport, Probe, detect_kind, rank_profiles
+from edge_sdk.profiles import FirmwareProfile, available_profiles, load_profile, resolve_backend
+
+from .conftest import write_package
+
+SHIPPED = available_profiles(PROFILES_DIR)
+
+
+def raw(name: str) -> dict:
+    return yaml.safe_load((PROFILES_DIR / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_profile_validates(name: str) -> None:
+    profile = load_profile(name)
+    assert isinstance(profile, FirmwareProfile) and profile.name == name
+    assert profile_problems(raw(name)) == []
+    assert profile.privacy.allow_non_private is False and profile.privacy.allow_seeded_noise is False
+    assert not profile.identity.private_key.is_absolute()
+    result = CliRunner().invoke(app, ["check-config", str(PROFILES_DIR / f"{name}.yaml")])
+    assert result.exit_code == 0 and "OK" in result.output, result.output
+
+
+def test_shipped_profiles_cover_every_gateway_kind_with_sensible_hardware() -> None:
+    profiles = {load_profile(n).kind: load_profile(n) for n in SHIPPED}
+    assert set(profiles) == set(GatewayKind) and len(SHIPPED) >= 5
+    for kind in (GatewayKind.JETSON_ORIN_NANO, GatewayKind.JETSON_XAVIER_NX):
+        assert profiles[kind].training.backend.value in ("torch", "auto")  # no aarch64 ORT training wheel
+        assert profiles[kind].inference.engine.value == "tensorrt"
+    for kind in (GatewayKind.X86_CPU, GatewayKind.RADIO_BASE_STATION):
+        assert profiles[kind].device == "cpu" and profiles[kind].inference.engine.value == "ort-cpu"
+    assert profiles[GatewayKind.X86_CPU].training.backend.value == "auto"
+    # the agent's flat view (edge_sdk.agent.build_backend reads these)
+    rbs = profiles[GatewayKind.RADIO_BASE_STATION]
+    assert (rbs.backend, rbs.device, rbs.threads, rbs.microbatch_size) == ("torch", "cpu", 2, 16)
+
+
+def test_broken_profile_reports_every_problem_with_its_field() -> None:
+    data = raw("jetson-orin-nano")
+    data.update(threads=0, memory_cap_mib=16, surprise=True)
+    data["training"] = {"backend": "ort", "device": "cuda", "microbatch_size": 64}  # Jetson + ort, ort + cuda
+    data["inference"] = {"engine": "warp-drive", "precision": "fp16", "batch_size": 0}
+    data["identity"] = {"private_key": "../../etc/site.key", "coordinator_public_key": "/etc/coord.pub"}
+    data["broker"] = {"url": "http://broker", "client_cert": "tls/client.pem"}
+    fields = {f for f, _ in profile_problems(data)}
+    assert fields == {"threads", "memory_cap_mib", "surprise", "training.backend", "training.device",
+                      "inference.engine", "inference.batch_size", "identity.private_key",
+                      "identity.coordinator_public_key", "broker.url", "broker.client_key"}
+
+
+@pytest.mark.parametrize("kind,changes,field", [
+    ("x86_cpu", {"training": {"device": "cuda"}}, "training.device"),
+    ("radio_base_station", {"inference": {"engine": "tensorrt", "precision": "fp16"}}, "inference.engine"),
+    ("x86_gpu", {"inference": {"engine": "ort-cpu", "precision": "fp16"}}, "inference.precision"),
+    ("x86_gpu", {"inference": {"engine": "ort-cuda", "precision": "int8"}}, "inference.precision"),
+    ("jetson_xavier_nx", {"training": {"backend": "ort"}}, "training.backend"),
+    ("x86_gpu", {"broker": {"client_key": "k.pem"}}, "broker.client_cert"),
+    ("x86_gpu", {"storage": {"data": "../outside"}}, "storage.data"),
+    ("x86_gpu", {"name": "bad name"}, "name"),
+])
+def test_cross_field_rules_name_the_field(kind: str, changes: dict, field: str) -> None:
+    data = {"name": "p", "kind": kind, **changes}
+    problems = profile_problems(data)
+    assert [f for f, _ in problems] == [field], problems
+    with pytest.raises(Exception):
+        GatewayProfile.model_validate(data)
+
+
+def test_load_profile_error_names_file_and_lists_fields(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump({"name": "broken", "kind": "toaster", "threads": -1}))
+    with pytest.raises(ConfigError) as info:
+        load_profile(path)
+    assert info.value.source == str(path) and "kind" in str(info.value) and "threads" in str(info.value)
+    with pytest.raises(ConfigError, match="not found"):
+        load_profile("toaster")
+
+
+def test_auto_backend_resolves_on_this_machine(monkeypatch) -> None:
+    import edge_sdk.backends.base as base
+    import edge_sdk.profiles as profiles
+
+    monkeypatch.setattr(profiles, "ort_training_importable", lambda: True)
+    monkeypatch.setattr(base, "available_backends", lambda: ("ort", "torch"))
+    assert resolve_backend("auto") == "ort" and resolve_backend("torch") == "torch"
+    cpu = load_profile("x86-cpu-gateway")
+    assert cpu.backend == "auto" and cpu.resolved_backend == "ort" and cpu.device == "cpu"
+    monkeypatch.setattr(base, "available_backends", lambda: ("torch",))  # ORT imports, no ort backend registered
+    assert resolve_backend("auto") == "torch"
+    monkeypatch.setattr(profiles, "ort_training_importable", lambda: False)
+    monkeypatch.setattr(base, "available_backends", lambda: ("ort", "torch"))
+    assert resolve_backend("auto") == "torch"
+
+
+# -- check-config -------------------------------------------------------------------------------------------------
+def test_check_config_lists_every_profile_error_and_exits_2(tmp_path: Path) -> None:
+    data = raw("x86-gpu-gateway")
+    data.update(threads=0, kind="x86_cpu")  # x86_cpu + cuda + tensorrt: three problems besides threads
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["check-config", str(path)], terminal_width=200)
+    assert result.exit_code == 2
+    for field in ("threads", "training.device", "inference.engine"):
+        assert field in result.output, result.output
+    assert "4 problem(s)" in result.output or "3 problem(s)" in result.output
+
+
+def _site(tmp_path: Path, **changes) -> Path:
+    key = generate_signing_key()
+    save_private_key(key, tmp_path / "keys" / "site.key")
+    save_public_key(key.public_key(), tmp_path / "keys" / "coordinator.pub")
+    write_package(tmp_path / "pkg")
+    body = {"federation_id": "fed1", "site_id": "site-1", "dataset": "pkg",
+            "species": [{"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+            "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
+            "outbox": "state/outbox.sqlite", "profile": "x86-cpu-gateway", **changes}
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_check_config_site_ok_and_every_error(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(app, ["check-config", str(_site(tmp_path))], terminal_width=200)
+    assert ok.exit_code == 0 and "valid site config" in ok.output, ok.output
+    bad = _site(tmp_path, site_id="bad/id", threads=0, broker_url="http://x", surprise=1)
+    result = runner.invoke(app, ["check-config", str(bad)], terminal_width=200)
+    assert result.exit_code == 2
+    for field in ("site_id", "threads", "broker_url", "surprise"):
+        assert field in result.output, result.output
+    missing = _site(tmp_path, dataset="nowhere", coordinator_public_key="keys/absent.pub", profile="toaster")
+    result = runner.invoke(app, ["check-config", str(missing)], terminal_width=200)
+    assert result.exit_code == 2
+    for field in ("dataset", "coordinator_public_key", "profile"):
+        assert field in result.output, result.output
+    schema_only = runner.invoke(app, ["check-config", "--schema-only", str(_site(tmp_path, dataset="nowhere"))])
+    assert schema_only.exit_code == 0, schema_only.output
+
+
+def test_check_config_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(app, ["check-config", str(tmp_path / "absent.yaml")]).exit_code == 2
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    assert runner.invoke(app, ["check-config", str(tmp_path / "bad.yaml")]).exit_code == 2
+
+
+# -- doctor -------------------------------------------------------------------------------------------------------
+def test_doctor_prints_machine_and_profile_tables() -> None:
+    result = CliRunner().invoke(app, ["doctor"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for text in ("this machine", "torch", "onnxruntime.training", "tensorrt", "nvidia-smi", "jetson", "profiles",
+                 "x86-cpu-gateway"):
+        assert text in result.output, text
+    assert "recommended profile" in result.output or "no profile fits" in result.output
+
+
+def _machine(*, arch: str = "x86_64", jetson: str | None = None, cuda: bool = False, trt: bool = False,
+             ort_training: bool = False) -> MachineReport:
+    probes = (Probe("training", "torch", True), Probe("training", "onnxruntime.training", ort_training),
+              Probe("inference", "onnxruntime", True), Probe("inference", "tensorrt", trt))
+    return MachineReport(probes=probes, arch=arch, jetson_model=jetson, torch_cuda=cuda,
+                         gpus=("GPU",) if cuda else ())
+
+
+@pytest.mark.parametrize("machine,best,kind", [
+    (_machine(), "x86-cpu-gateway", GatewayKind.X86_CPU),
+    (_machine(cuda=True, trt=True), "x86-gpu-gateway", GatewayKind.X86_GPU),
+    (_machine(arch="aarch64", jetson="NVIDIA Jetson Orin Nano Developer Kit", cuda=True, trt=True),
+     "jetson-orin-nano", GatewayKind.JETSON_ORIN_NANO),
+    (_machine(arch="aarch64", jetson="NVIDIA Jetson Xavier NX Developer Kit", cuda=True),
+     "jetson-xavier-nx", GatewayKind.JETSON_XAVIER_NX),
+])
+def test_rank_profiles_picks_the_machines_kind(machine: MachineReport, best: str, kind: GatewayKind) -> None:
+    profiles = [load_profile(n) for n in SHIPPED]
+    assert detect_kind(machine) is kind
+    fits = rank_profiles(machine, profiles)
+    assert fits[0].name == best and fits[0].fits, fits
+    jetson_on_x86 = next(f for f in rank_profiles(_machine(), profiles) if f.name == "jetson-orin-nano")
+    assert not jetson_on_x86.fits and any("cuda" in p for p in jetson_on_x86.problems)
+
+
+def test_rank_profiles_warns_when_tensorrt_is_missing() -> None:
+    fits = rank_profiles(_machine(cuda=True, trt=False), [load_profile("x86-gpu-gateway")])
+    assert fits[0].fits and any("tensorrt" in w for w in fits[0].warnings)
