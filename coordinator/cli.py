@@ -310,7 +310,8 @@ def provision(
     console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")
     console.print(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
                   "install)")
-    console.print(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix /opt/wildfed")
+    console.print(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix /opt/wildfed "
+                  f"--coordinator-fingerprint {result.coordinator_fingerprint[:32]}")
 
 
 if __name__ == "__main__":  # pragma: no cover
