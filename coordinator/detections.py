@@ -38,11 +38,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from shared.envelope import Envelope, MessageKind, verify
-from shared.errors import ConfigError, MalformedEnvelopeError, PayloadError, SignatureError
+from shared.errors import PayloadError, SignatureError
 from shared.protocol import DetectionRecord, decode_detection
-from shared.topics import parse_topic
 
-from coordinator.ingest import RejectReason, Rejected
+from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope
 from coordinator.registry import SiteRegistry, UnknownSiteError
 from coordinator.storage import DetectionRow, Store
 
@@ -60,14 +59,6 @@ class StoredDetection:
     media_id: str
     status: str
     record: DetectionRecord
-
-
-class _Reject(Exception):
-    def __init__(self, reason: RejectReason, detail: str, error: BaseException | None = None) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-        self.error_kind = type(error).__name__ if error is not None else "check"
 
 
 class DetectionIngestor:
@@ -115,24 +106,7 @@ class DetectionIngestor:
 
     # ---- checks --------------------------------------------------------------------------------------------
     def _parse(self, topic: str, raw: bytes) -> Envelope:
-        try:
-            env = Envelope.from_bytes(raw)
-        except MalformedEnvelopeError as exc:
-            raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
-        try:
-            t_fed, t_site, channel = parse_topic(topic)
-        except (MalformedEnvelopeError, ConfigError) as exc:
-            raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
-        h = env.header
-        if channel != "detection" or h.kind != MessageKind.DETECTION:
-            raise _Reject(RejectReason.WRONG_KIND, f"expected a DETECTION on a detection topic, got kind "
-                          f"{h.kind.value!r} on channel {channel!r}")
-        if h.federation_id != self.federation_id or t_fed != self.federation_id:
-            raise _Reject(RejectReason.WRONG_FEDERATION, f"federation {h.federation_id!r} (topic {t_fed!r}) is not "
-                          f"{self.federation_id!r}")
-        if t_site != h.site_id:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
-        return env
+        return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.DETECTION)
 
     def _verify(self, env: Envelope) -> None:
         try:

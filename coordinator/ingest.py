@@ -172,6 +172,36 @@ class _Reject(Exception):
         self.error_kind = type(error).__name__ if error is not None else "check"
 
 
+def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: MessageKind) -> Envelope:
+    """Parse a message a site sent on its own topic and check everything that needs no key: the envelope parses,
+    the topic is a WildFed topic of channel ``kind``, the header's kind, federation and site match the topic.
+
+    Args:
+        topic: the MQTT topic it arrived on. raw: the wire bytes. federation_id: ours. kind: UPDATE or DETECTION.
+
+    Raises:
+        _Reject: with the reason code (malformed envelope, bad topic, wrong kind, wrong federation, topic mismatch).
+    """
+    try:
+        env = Envelope.from_bytes(raw)
+    except MalformedEnvelopeError as exc:
+        raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+    try:
+        t_fed, t_site, channel = parse_topic(topic)
+    except (MalformedEnvelopeError, ConfigError) as exc:
+        raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
+    h = env.header
+    if channel != kind.value or h.kind != kind:
+        raise _Reject(RejectReason.WRONG_KIND, f"expected a {kind.value.upper()} on a {kind.value} topic, got kind "
+                      f"{h.kind.value!r} on channel {channel!r}")
+    if h.federation_id != federation_id or t_fed != federation_id:
+        raise _Reject(RejectReason.WRONG_FEDERATION, f"federation {h.federation_id!r} (topic {t_fed!r}) is not "
+                      f"{federation_id!r}")
+    if t_site != h.site_id:
+        raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
+    return env
+
+
 class Ingestor:
     """Verifies, stores, acknowledges and aggregates incoming updates (see the module docstring).
 
@@ -244,24 +274,7 @@ class Ingestor:
 
     # ---- checks ------------------------------------------------------------------------------------------------
     def _parse(self, topic: str, raw: bytes) -> Envelope:
-        try:
-            env = Envelope.from_bytes(raw)
-        except MalformedEnvelopeError as exc:
-            raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
-        try:
-            t_fed, t_site, channel = parse_topic(topic)
-        except (MalformedEnvelopeError, ConfigError) as exc:
-            raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
-        h = env.header
-        if channel != "update" or h.kind != MessageKind.UPDATE:
-            raise _Reject(RejectReason.WRONG_KIND, f"expected an UPDATE on an update topic, got kind "
-                          f"{h.kind.value!r} on channel {channel!r}")
-        if h.federation_id != self.federation_id or t_fed != self.federation_id:
-            raise _Reject(RejectReason.WRONG_FEDERATION, f"federation {h.federation_id!r} (topic {t_fed!r}) is not "
-                          f"{self.federation_id!r}")
-        if t_site != h.site_id:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
-        return env
+        return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.UPDATE)
 
     def _verify(self, env: Envelope) -> None:
         h = env.header

@@ -35,6 +35,7 @@ import yaml
 
 from shared import bundle as fmt
 from shared.bundle import Bundle, BundleError, read_bundle
+from shared.keys import write_file_atomic
 from shared.errors import ConfigError
 from shared.profiles import GatewayProfile, check_profile_data
 
@@ -78,19 +79,6 @@ def _inside(prefix: Path, relative: Path | str) -> Path:
         raise BundleError(f"{relative} would be written outside the prefix", field=str(relative),
                           fix="the bundle or its profile is unsafe: ask the operator for a fresh one")
     return target
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def _venv_python(venv: Path) -> Path:
@@ -191,7 +179,7 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
 
     prefix.mkdir(parents=True, exist_ok=True)
     for path, data in wheels:
-        _write(path, data, 0o644)
+        write_file_atomic(path, data, 0o644)
     venv_dir: Path | None = None
     if venv:
         venv_dir = prefix / "venv"
@@ -203,7 +191,7 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
         executable = f"{python} -m edge_sdk.cli"
 
     for path, data, mode in destinations:
-        _write(path, data, mode)
+        write_file_atomic(path, data, mode)
     warnings: list[str] = []
     for folder in (profile.storage.outbox.parent, profile.storage.artifact_cache, profile.storage.engine_cache,
                    profile.storage.data):
@@ -215,8 +203,8 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
     unit_text = (bundle.members[fmt.SYSTEMD_UNIT].decode("utf-8").replace("@PREFIX@", str(prefix))
                  .replace("@EXEC@", executable).replace("@USER@", service_user))
     unit = prefix / "wildfed-edge.service"
-    _write(unit, unit_text.encode("utf-8"), 0o644)
-    _write(site_config, bundle.members[fmt.SITE_CONFIG], 0o644)
+    write_file_atomic(unit, unit_text.encode("utf-8"), 0o644)
+    write_file_atomic(site_config, bundle.members[fmt.SITE_CONFIG], 0o644)
 
     site_data = yaml.safe_load(bundle.members[fmt.SITE_CONFIG]) or {}
     if not site_data.get("species"):

@@ -25,6 +25,7 @@ __all__ = [
     "public_key_to_pem",
     "public_key_from_pem",
     "key_fingerprint",
+    "write_file_atomic",
 ]
 
 PRIVATE_KEY_MODE = 0o600
@@ -35,7 +36,11 @@ def generate_signing_key() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
-def _write_new_file(path: Path, data: bytes, mode: int) -> None:
+def write_file_atomic(path: str | os.PathLike[str], data: bytes, mode: int) -> Path:
+    """Write ``data`` to ``path`` with permission bits ``mode``, atomically (temp file, fsync, rename); the file is
+    created with ``mode`` from the start, so a private key is never readable by others, even briefly. Returns the
+    path."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -46,6 +51,7 @@ def _write_new_file(path: Path, data: bytes, mode: int) -> None:
         os.close(fd)
     os.chmod(tmp, mode)  # umask may have narrowed or, with O_CREAT on an existing file, not applied
     os.replace(tmp, path)
+    return path
 
 
 def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike[str]) -> Path:
@@ -59,7 +65,7 @@ def save_private_key(key: Ed25519PrivateKey, path: str | os.PathLike[str]) -> Pa
         raise ConfigError("is a directory", source=path, fix="give a file path for the private key")
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    _write_new_file(path, pem, PRIVATE_KEY_MODE)
+    write_file_atomic(path, pem, PRIVATE_KEY_MODE)
     return path
 
 
@@ -114,7 +120,7 @@ def public_key_from_pem(text: str | bytes, *, source: object | None = None) -> E
 def save_public_key(public_key: Ed25519PublicKey, path: str | os.PathLike[str]) -> Path:
     """Write ``public_key`` as PEM to ``path`` (mode 0644), atomically; return the path."""
     path = Path(path)
-    _write_new_file(path, public_key_to_pem(public_key).encode("ascii"), 0o644)
+    write_file_atomic(path, public_key_to_pem(public_key).encode("ascii"), 0o644)
     return path
 
 
