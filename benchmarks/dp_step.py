@@ -32,24 +32,9 @@ step's minimum also reflects its smallest Poisson batch, so compare its medians)
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
-
 import numpy as np
-
-
-def _interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, np.ndarray]:
-    names = list(steps)
-    for _ in range(warmup):
-        for name in names:
-            steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {name: np.asarray(t) for name, t in times.items()}
+from _timing import interleaved
 
 
 def main() -> None:
@@ -150,7 +135,7 @@ def main() -> None:
     except ImportError:
         print("opacus not installed: `pip install opacus==1.6.0` to include it")
 
-    times = _interleaved(steps, args.repeats)
+    times = interleaved(steps, args.repeats)
     med = {name: float(np.median(t)) for name, t in times.items()}
     print(f"model {backend_np.num_parameters:,} parameters, batch {args.batch} (CCDP training step: Poisson, "
           f"mean {np.mean(realised):.1f}), threads {args.threads}, {args.repeats} interleaved repeats")

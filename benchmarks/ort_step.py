@@ -24,24 +24,8 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from collections.abc import Callable
-
 import numpy as np
-
-
-def _interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, np.ndarray]:
-    names = list(steps)
-    for _ in range(warmup):
-        for name in names:
-            steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {name: np.asarray(t) for name, t in times.items()}
+from _timing import interleaved
 
 
 def _images(batch: int) -> tuple[np.ndarray, np.ndarray, str]:
@@ -123,7 +107,7 @@ def main() -> None:
              "ORT CCDP": private(backends["ORT CCDP"])}
     if not args.no_loop:
         steps["ORT CCDP, batch-1 loop"] = loop_step
-    times = _interleaved(steps, args.repeats)
+    times = interleaved(steps, args.repeats)
 
     print(f"camera CNN, batch {args.batch} ({source}), {args.threads} thread(s), {args.repeats} repeats, "
           f"onnxruntime {onnxruntime.__version__}")

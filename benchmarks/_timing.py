@@ -1,0 +1,26 @@
+"""Timing shared by the benchmarks: steps measured in rotating, interleaved order so that a burst of load on a
+shared machine hits every variant alike (ratios from one run stay meaningful)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["interleaved"]
+
+
+def interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, np.ndarray]:
+    """Run each step ``warmup`` times, then ``repeats`` times in rotating order; seconds per call by name."""
+    names = list(steps)
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: np.asarray(t) for name, t in times.items()}
