@@ -4,8 +4,10 @@ Commands::
 
     wildfed-coordinator init DIR --federation-id ID     config + coordinator key pair (0600) + database
     wildfed-coordinator enrol SITE --public-key FILE [--metadata JSON]
-    wildfed-coordinator status                          rounds, accepted updates, rejections by reason
-    wildfed-coordinator budget                          site x IUCN category: epsilon spent vs budget, halted
+    wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
+    wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
+                                                        site x IUCN category: budget, spent, remaining, rounds left;
+                                                        textbook / seed formulas beside them (comparison only)
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
 
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,15 +33,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shared.errors import ConfigError, WildFedError
+from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, save_private_key, save_public_key
+from shared.privacy.accounting import AccountantName
+from shared.privacy.comparison import (
+    seed_advanced_composition_epsilon,
+    textbook_formula_valid,
+    textbook_gaussian_noise_multiplier,
+)
 
 from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
-from coordinator.ledger import PrivacyLedger
+from coordinator.ledger import PrivacyLedger, composed_epsilon
 from coordinator.registry import SiteRegistry
-from coordinator.service import Coordinator, budget_rows, status_report
+from coordinator.rounds import known_categories
+from coordinator.service import Coordinator, status_report
 from coordinator.storage import Store
 
-__all__ = ["app"]
+__all__ = ["app", "BudgetReportRow", "budget_report", "plot_burn_down"]
 
 app = typer.Typer(name="wildfed-coordinator", help="WildFed coordinator: federated rounds, ledger, registry.",
                   no_args_is_help=True, add_completion=False)
@@ -134,11 +145,14 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
 @app.command()
 @_friendly
 def status(config: Path = _config_option()) -> None:
-    """Rounds, accepted updates, and rejections counted by reason."""
+    """Rounds, accepted updates, rejections counted by reason, and halted categories per site with the reason."""
     cfg = load_config(config)
-    store, registry, _ = _open_state(cfg)
+    store, registry, ledger = _open_state(cfg)
     try:
         rep = status_report(store, registry)
+        halts = ledger.halts()
+        left = [site.site_id for site in registry.list()
+                if (known := known_categories(site, ledger)) and known <= ledger.halted(site.site_id)]
     finally:
         store.dispose()
     console.print(f"federation [bold]{cfg.federation_id}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
@@ -157,33 +171,159 @@ def status(config: Path = _config_option()) -> None:
     if not rep.rejections:
         rej.add_row("(none)", "0")
     console.print(rej)
+    hal = Table(title="halted categories (records no longer sampled)")
+    for col in ("site", "category", "from round", "why"):
+        hal.add_column(col, overflow="fold")
+    for h in halts:
+        hal.add_row(h.site_id, h.category.value, str(h.round), h.reason or "(no reason recorded)")
+    if not halts:
+        hal.add_row("(none)", "-", "-", "-")
+    console.print(hal)
+    for site_id in left:
+        console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
+
+
+@dataclass(frozen=True)
+class BudgetReportRow:
+    """One (site, IUCN category) line of ``wildfed-coordinator budget``.
+
+    Attributes:
+        spent: epsilon of all recorded events under the chosen accountant; remaining = max(0, budget - spent).
+        rounds_left: further rounds of the site's last round's event that fit the budget (a dry-run composition,
+            :meth:`coordinator.ledger.PrivacyLedger.rounds_left`); None when the category never ran there.
+        z_calibrated: noise multiplier of the site's last event of the category (calibrated with dp-accounting).
+        eps_rdp: RDP epsilon of the same events (beside the seed's bound).
+        COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
+        (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
+    """
+
+    site_id: str
+    category: IUCNCategory
+    budget: float
+    spent: float
+    remaining: float
+    rounds_left: int | None
+    halted: bool
+    z_calibrated: float | None
+    eps_rdp: float
+    eps_seed_bound: float
+    z_textbook: float
+    textbook_valid: bool
+
+
+ROUNDS_LEFT_CAP = 10_000
+
+
+def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger,
+                  accountant: AccountantName) -> list[BudgetReportRow]:
+    """The rows of ``wildfed-coordinator budget``: every enrolled site (and any site with ledger rows) x every
+    IUCN category."""
+    budgets = cfg.budgets()
+    delta = cfg.target_delta
+    sites = sorted({s.site_id for s in registry.list()} | set(ledger.sites()))
+    out = []
+    for site_id in sites:
+        halted = ledger.halted(site_id)
+        _, last = ledger.last_round_events(site_id)
+        for cat in IUCNCategory:
+            events = ledger.events(site_id, cat)
+            nxt = last.get(cat) or (events[-1] if events else None)
+            spent = ledger.spent(site_id, cat, accountant)
+            out.append(BudgetReportRow(
+                site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
+                remaining=max(0.0, budgets[cat] - spent),
+                rounds_left=ledger.rounds_left(site_id, cat, budgets[cat], next_event=nxt, accountant=accountant,
+                                               cap=ROUNDS_LEFT_CAP) if nxt is not None else None,
+                halted=cat in halted, z_calibrated=None if nxt is None else float(nxt.noise_multiplier),
+                eps_rdp=spent if accountant == "rdp" else ledger.spent(site_id, cat, "rdp"),
+                eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
+                z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
+                textbook_valid=textbook_formula_valid(budgets[cat])))
+    return out
+
+
+def plot_burn_down(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: AccountantName, path: Path) -> Path:
+    """Write a burn-down PNG: per IUCN category, each site's cumulative epsilon after each round vs the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = cfg.budgets()
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
+    for ax, cat in zip(axes.flat, IUCNCategory):
+        for site_id in ledger.sites():
+            history = ledger.round_events(site_id, cat)
+            if not history:
+                continue
+            rounds = [r for r, _ in history]
+            spent = [composed_epsilon(tuple(e for _, e in history[:i + 1]), cfg.target_delta, accountant)
+                     for i in range(len(history))]
+            ax.plot(rounds, spent, marker="o", markersize=3, label=site_id)
+        ax.axhline(budgets[cat], color="red", linestyle="--", label=f"budget {budgets[cat]:.2f}")
+        ax.set_title(f"{cat.value}")
+        ax.set_ylabel("epsilon spent")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if len(ax.get_legend_handles_labels()[0]) <= 10:
+            ax.legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("round")
+    fig.suptitle(f"{cfg.federation_id}: privacy burn-down ({accountant}, delta={cfg.target_delta:g})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 @app.command()
 @_friendly
-def budget(config: Path = _config_option()) -> None:
-    """Privacy budget per site and IUCN category: epsilon spent (ledger, all steps) vs budget, halted."""
+def budget(config: Path = _config_option(),
+           accountant: str | None = typer.Option(None, "--accountant", help="rdp or pld (default: the config's)"),
+           plot: Path | None = typer.Option(None, "--plot", help="write a burn-down PNG (spent per round per "
+                                            "category vs budget) to this file")) -> None:
+    """Privacy budget per site and IUCN category: budget, epsilon spent (ledger, all steps), remaining, rounds left
+    at the current rate; beside it, for comparison only, the textbook Gaussian noise and the seed's bound."""
     cfg = load_config(config)
+    acc = accountant or cfg.accountant
+    if acc not in ("rdp", "pld"):
+        raise ConfigError(f"unknown accountant {acc!r}", field="accountant", fix="use --accountant rdp or pld")
     store, registry, ledger = _open_state(cfg)
     try:
-        rows = budget_rows(cfg, registry, ledger)
+        with console.status(f"composing the ledger with the {acc} accountant"):
+            rows = budget_report(cfg, registry, ledger, acc)  # type: ignore[arg-type]
+            if plot is not None:
+                plot_burn_down(cfg, ledger, acc, plot)  # type: ignore[arg-type]
     finally:
         store.dispose()
     if cfg.privacy == "none":
         console.print("[yellow]privacy is 'none' in this config: updates carry no DP guarantee[/]")
-    table = Table(title=f"epsilon spent vs budget (delta={cfg.target_delta:g}, accountant={cfg.accountant})")
-    table.add_column("site")
-    table.add_column("category")
-    table.add_column("spent", justify="right")
-    table.add_column("budget", justify="right")
-    table.add_column("used", justify="right")
-    table.add_column("halted")
+    table = Table(title=f"privacy budget (epsilon per record, delta={cfg.target_delta:g}, accountant={acc})")
+    for col, just in (("site", "left"), ("category", "left"), ("budget", "right"), ("spent", "right"),
+                      ("remaining", "right"), ("used", "right"), ("rounds left", "right"), ("halted", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
         used = r.spent / r.budget if r.budget > 0 else float("inf")
         colour = "red" if r.halted else ("yellow" if used > 0.8 else "green")
-        table.add_row(r.site_id, r.category.value, f"{r.spent:.4f}", f"{r.budget:.4f}",
-                      f"[{colour}]{used:.0%}[/]", "[red]yes[/]" if r.halted else "no")
+        left = ("-" if r.rounds_left is None else
+                f">={ROUNDS_LEFT_CAP}" if r.rounds_left >= ROUNDS_LEFT_CAP else str(r.rounds_left))
+        table.add_row(r.site_id, r.category.value, f"{r.budget:.4f}", f"{r.spent:.4f}", f"{r.remaining:.4f}",
+                      f"[{colour}]{used:.0%}[/]", left, "[red]yes[/]" if r.halted else "no")
     console.print(table)
+    cmp_ = Table(title="for comparison only: never used to calibrate, halt, or claim a guarantee",
+                 caption="z calibrated: the site's last event's noise multiplier (dp-accounting). textbook z = "
+                         "sqrt(2 ln(1.25/δ))/ε_budget: one Gaussian release, holds only for ε < 1. seed's loose "
+                         "bound: q sqrt(2 T ln(1/δ))/z (Abadi et al. Thm 1 without its constant; not a guarantee).")
+    for col in ("site", "category", "eps RDP", "seed's loose bound", "z calibrated", "textbook z"):
+        cmp_.add_column(col, justify="left" if col in ("site", "category") else "right")
+    for r in rows:
+        z_text = f"{r.z_textbook:.3f}" if r.textbook_valid else f"[dim]{r.z_textbook:.3f} invalid (eps >= 1)[/]"
+        cmp_.add_row(r.site_id, r.category.value, f"{r.eps_rdp:.4f}", f"{r.eps_seed_bound:.4f}",
+                     "-" if r.z_calibrated is None else f"{r.z_calibrated:.3f}", z_text)
+    console.print(cmp_)
+    if plot is not None:
+        console.print(f"burn-down plot written to {plot}")
 
 
 def _run(config: Path, rounds: int | None) -> None:
@@ -310,6 +450,9 @@ def provision(
     console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")
     console.print(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
                   "install)")
+    if result.broker_is_loopback:
+        err_console.print(f"[bold yellow]warning:[/] the gateway will connect to {result.broker_url}, its own loopback "
+                          "address; pass --broker-url mqtt://<broker host>:1883 for a gateway in the field")
     console.print(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix /opt/wildfed "
                   f"--coordinator-fingerprint {result.coordinator_fingerprint[:32]}")
 

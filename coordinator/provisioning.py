@@ -96,6 +96,16 @@ class ProvisionResult:
     wheel: str
     members: tuple[str, ...]
     coordinator_fingerprint: str = ""
+    broker_url: str = ""
+
+    @property
+    def broker_is_loopback(self) -> bool:
+        """True when the gateway was told to reach the broker on its own loopback address (fine for a test rig,
+        wrong for a gateway in the field)."""
+        from urllib.parse import urlparse
+
+        host = urlparse(self.broker_url).hostname or ""
+        return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def project_source_root() -> Path | None:
@@ -313,7 +323,7 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
     return ProvisionResult(bundle_path=out, site_id=site_id, fingerprint=info["site_key_fingerprint"],
                            profile=prof.name, wheel=wheel.name,
                            members=tuple(sorted(m.name for m in members)),
-                           coordinator_fingerprint=info["coordinator_key_fingerprint"])
+                           coordinator_fingerprint=info["coordinator_key_fingerprint"], broker_url=url)
 
 
 def _unenrol(store: Store, site_id: str) -> None:

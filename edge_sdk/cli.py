@@ -122,6 +122,16 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
             problems.append((field, f"{exc.message} ({getattr(cfg, field)})"))
     if not cfg.dataset.is_dir():
         problems.append(("dataset", f"Camtrap DP folder {cfg.dataset} does not exist"))
+    else:
+        # Load the package the way `run` will, so a species missing from the table or a broken media file is
+        # reported here rather than when the agent starts.
+        from edge_sdk.data.camtrap_dp import load_camtrap_dp
+
+        try:
+            load_camtrap_dp(cfg.dataset, cfg.species_table, image_size=cfg.image_size,
+                            missing_media=cfg.missing_media)
+        except ConfigError as exc:
+            problems.append(("dataset", str(exc)))
     return problems
 
 

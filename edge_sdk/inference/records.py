@@ -73,9 +73,14 @@ def find_images(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
     return sorted(((f, f.relative_to(base).as_posix()) for f in found), key=lambda t: t[1])
 
 
-def media_id(data: bytes) -> str:
-    """Stable media id: the first 32 hex digits of the SHA-256 of the file's bytes."""
-    return hashlib.sha256(data).hexdigest()[:32]
+def media_id(data: bytes, name: str = "") -> str:
+    """Stable media id: the first 32 hex digits of SHA-256(name, NUL, file bytes).
+
+    ``name`` is the path relative to the folder given to ``detect``: a rerun over the same folder gives the same ids
+    (repeat deliveries are recognised), while two identical files at different paths (an SD card copied twice) get
+    different ids, as Camtrap DP requires mediaID to be unique within a package.
+    """
+    return hashlib.sha256(name.encode("utf-8") + b"\0" + data).hexdigest()[:32]
 
 
 def parse_utc_offset(text: str) -> _dt.timezone:
@@ -152,7 +157,7 @@ class DetectionPipeline:
             now = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
             return _Loaded(path, name, hashlib.sha256(name.encode()).hexdigest()[:32], None,
                            f"Failure image access: {exc}", (now, "run"))
-        mid = media_id(data)
+        mid = media_id(data, name)
         try:
             with Image.open(path) as im:
                 timestamp = read_timestamp(path, im, utc_offset=self.utc_offset)

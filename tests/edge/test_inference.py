@@ -379,3 +379,12 @@ def test_find_images_names_are_unique_across_several_folders(tmp_path):
     assert [n for _, n in find_images([tmp_path / "cam2" / "IMG_0001.JPG"])] == ["IMG_0001.JPG"]
     with pytest.raises(FileNotFoundError):
         find_images([tmp_path / "nope"])
+
+
+def test_identical_files_at_two_paths_get_distinct_media_ids():
+    from edge_sdk.inference.records import media_id
+
+    data = b"\xff\xd8same jpeg bytes"
+    assert media_id(data, "StationA/a.jpg") != media_id(data, "StationA/b.jpg")
+    assert media_id(data, "StationA/a.jpg") == media_id(data, "StationA/a.jpg")  # reruns are recognised
+    assert media_id(data, "a.jpg") != media_id(data + b"x", "a.jpg")

@@ -127,7 +127,8 @@ def _site(tmp_path: Path, **changes) -> Path:
     save_public_key(key.public_key(), tmp_path / "keys" / "coordinator.pub")
     write_package(tmp_path / "pkg")
     body = {"federation_id": "fed1", "site_id": "site-1", "dataset": "pkg",
-            "species": [{"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+            "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "CR"},
+                        {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
             "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
             "outbox": "state/outbox.sqlite", "profile": "x86-cpu-gateway", **changes}
     path = tmp_path / "site.yaml"
@@ -198,3 +199,11 @@ def test_rank_profiles_picks_the_machines_kind(machine: MachineReport, best: str
 def test_rank_profiles_warns_when_tensorrt_is_missing() -> None:
     fits = rank_profiles(_machine(cuda=True, trt=False), [load_profile("x86-gpu-gateway")])
     assert fits[0].fits and any("tensorrt" in w for w in fits[0].warnings)
+
+
+def test_check_config_reports_a_species_the_table_lacks(tmp_path: Path) -> None:
+    """check-config loads the package as `run` would: an observed species missing from the table is reported."""
+    site = _site(tmp_path, species=[{"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}])
+    result = CliRunner().invoke(app, ["check-config", str(site)], terminal_width=200)
+    assert result.exit_code == 2
+    assert "dataset" in result.output and "Loxodonta cyclotis" in result.output
