@@ -311,6 +311,9 @@ def budget(config: Path = _config_option(),
         table.add_row(r.site_id, r.category.value, f"{r.budget:.4f}", f"{r.spent:.4f}", f"{r.remaining:.4f}",
                       f"[{colour}]{used:.0%}[/]", left, "[red]yes[/]" if r.halted else "no")
     console.print(table)
+    if acc != cfg.accountant:
+        console.print(f"[yellow]note: halting uses the config's accountant ({cfg.accountant}); spent and rounds left "
+                      f"above are what {acc} gives[/]")
     cmp_ = Table(title="for comparison only: never used to calibrate, halt, or claim a guarantee",
                  caption="z calibrated: the site's last event's noise multiplier (dp-accounting). textbook z = "
                          "sqrt(2 ln(1.25/δ))/ε_budget: one Gaussian release, holds only for ε < 1. seed's loose "

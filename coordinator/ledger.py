@@ -20,7 +20,12 @@ Semantics (DESIGN.md "Privacy semantics"):
 - Halting: before a round is opened, :meth:`PrivacyLedger.halt_if_needed` dry-runs the site's *next* event of each
   category (by default the last event it reported for that category, since a site calibrates one noise multiplier
   for its whole planned schedule) and halts the category if the composed spend would pass its budget. Halts are
-  durable and permanent. A site whose every known category is halted is no longer selected.
+  durable and permanent, and each carries its reason (spend, budget, the dry-run's result), which
+  :meth:`PrivacyLedger.halts` returns for ``wildfed-coordinator status``. A site whose every known category is
+  halted is no longer selected.
+- Rounds left (:meth:`PrivacyLedger.rounds_left`, for ``wildfed-coordinator budget``): the same dry run repeated,
+  i.e. how many more rounds of the site's last round's event the accountant allows before the budget is passed
+  (composition through dp-accounting, never a linear extrapolation of epsilon).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import datetime as _dt
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from sqlalchemy import select
 
@@ -40,7 +47,7 @@ from shared.privacy.events import DPSGDEvent
 
 from coordinator.storage import HaltRow, LedgerRow, Store, dumps
 
-__all__ = ["PrivacyLedger", "LedgerError", "coalesce", "composed_epsilon"]
+__all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_epsilon"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,17 @@ def composed_epsilon(events: tuple[DPSGDEvent, ...], target_delta: float, accoun
 
 class LedgerError(PrivacyBudgetError):
     """A ledger write would change history (a different event for an existing (site, round, category))."""
+
+
+@dataclass(frozen=True)
+class HaltInfo:
+    """A halted (site, category): from which round, why (the reason written when it was halted), and when."""
+
+    site_id: str
+    category: IUCNCategory
+    round: int
+    reason: str
+    halted_at: _dt.datetime | None
 
 
 class PrivacyLedger:
@@ -183,6 +201,110 @@ class PrivacyLedger:
             cats = s.scalars(select(HaltRow.category).where(HaltRow.site_id == site_id)).all()
         return frozenset(IUCNCategory(c) for c in cats)
 
+    def halts(self, site_id: str | None = None) -> list[HaltInfo]:
+        """Every halt (of ``site_id``, or of all sites), ordered by site then IUCN rank, with its reason."""
+        with self._store.session() as s:
+            q = select(HaltRow)
+            if site_id is not None:
+                q = q.where(HaltRow.site_id == site_id)
+            rows = s.scalars(q).all()
+            out = [HaltInfo(site_id=r.site_id, category=IUCNCategory(r.category), round=int(r.round),
+                            reason=r.reason or "", halted_at=r.halted_at) for r in rows]
+        return sorted(out, key=lambda h: (h.site_id, h.category.rank))
+
+    def round_events(self, site_id: str, category: IUCNCategory | str) -> list[tuple[int, DPSGDEvent]]:
+        """``[(round, event)]`` of (site, category), in round order (for burn-down plots)."""
+        cat = parse_category(category)
+        with self._store.session() as s:
+            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
+                             .order_by(LedgerRow.round, LedgerRow.id)).all()
+            return [(int(r.round), DPSGDEvent.from_json(json.loads(r.event_json))) for r in rows]
+
+    def last_round_events(self, site_id: str) -> tuple[int | None, dict[IUCNCategory, DPSGDEvent]]:
+        """``(round, {category: event})`` of the site's most recent round in the ledger; ``(None, {})`` if none."""
+        with self._store.session() as s:
+            last = s.scalars(select(LedgerRow.round).where(LedgerRow.site_id == site_id)
+                             .order_by(LedgerRow.round.desc())).first()
+            if last is None:
+                return None, {}
+            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.round == last)).all()
+            return int(last), {IUCNCategory(r.category): DPSGDEvent.from_json(json.loads(r.event_json))
+                               for r in rows}
+
+    def rounds_left(self, site_id: str, category: IUCNCategory | str, budget: float, *,
+                    next_event: DPSGDEvent | None = None, accountant: AccountantName | None = None,
+                    cap: int = 10_000) -> int | None:
+        """How many more rounds of ``next_event`` (site, category) can run before its spend would pass ``budget``.
+
+        A dry run through the accountant, like :meth:`would_exceed` (which it equals for one round: ``0`` exactly
+        when the next halt check would halt the category): the largest ``k`` such that the composition of every
+        recorded event and ``k`` more rounds of ``next_event`` is at most ``budget``. Nothing is written.
+
+        Args:
+            next_event: one round's event; defaults to the category's event in the site's last round, else the
+                category's last recorded event (what :meth:`halt_if_needed` dry-runs).
+            cap: search limit; a return value of ``cap`` means "at least ``cap``".
+
+        Returns:
+            ``k`` (0 when halted or when even one more round would pass the budget), or None when there is no
+            event to extrapolate (the category never ran at this site).
+        """
+        cat = parse_category(category)
+        if not (budget > 0 and math.isfinite(budget)):
+            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        history = tuple(self.events(site_id, cat))
+        if next_event is None:
+            next_event = self.last_round_events(site_id)[1].get(cat) or (history[-1] if history else None)
+        if next_event is None:
+            return None
+        if cat in self.halted(site_id):
+            return 0
+        acc = accountant or self.accountant
+
+        def eps(k: int) -> float:
+            if k == 0:
+                return composed_epsilon(history, self.target_delta, acc)
+            more = DPSGDEvent(next_event.noise_multiplier, next_event.sampling_rate, next_event.steps * k)
+            return composed_epsilon((*history, more), self.target_delta, acc)
+
+        if eps(1) > budget:
+            return 0
+        # A first guess (it only saves accountant calls; the answer comes from the bracket search below, which
+        # composes exactly): for RDP from eps^2 growing about linearly in the steps; for another accountant (PLD,
+        # about 20x slower per call) the RDP answer, which is close to it.
+        if acc == "rdp":
+            e0, e1 = eps(0), eps(1)
+            guess = (budget ** 2 - e0 ** 2) / max(e1 ** 2 - e0 ** 2, 1e-12)
+        else:
+            guess = self.rounds_left(site_id, cat, budget, next_event=next_event, accountant="rdp", cap=cap) or 1
+        g = int(min(max(guess, 1), cap))
+        step = max(1, g // 16)
+        if eps(g) <= budget:  # grow until it passes, or stop at the cap
+            lo = g
+            while True:
+                if lo >= cap:
+                    return cap
+                nxt = min(lo + step, cap)
+                if eps(nxt) > budget:
+                    hi = nxt
+                    break
+                lo, step = nxt, step * 2
+        else:  # shrink until it fits (it does at 1)
+            hi = g
+            while True:
+                nxt = max(hi - step, 1)
+                if eps(nxt) <= budget:
+                    lo = nxt
+                    break
+                hi, step = nxt, step * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if eps(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def site_halted(self, site_id: str, known_categories: Iterable[IUCNCategory | str] | None = None) -> bool:
         """True when every category the site is known to hold is halted.
 
@@ -222,7 +344,10 @@ class PrivacyLedger:
             if budget is None:
                 continue
             if self.would_exceed(site_id, cat, nxt, budget):
+                after = composed_epsilon((*self.events(site_id, cat), nxt), self.target_delta, self.accountant)
                 self.halt(site_id, cat, round=round,
-                          reason=f"spent {self.spent(site_id, cat):.4f}, next round would pass budget {budget:.4f}")
+                          reason=f"budget: spent eps={self.spent(site_id, cat):.4f} of {budget:.4f}; the next round "
+                                 f"(z={nxt.noise_multiplier:.4g}, q={nxt.sampling_rate:.4g}, {nxt.steps} steps) "
+                                 f"would make it {after:.4f} ({self.accountant}, delta={self.target_delta:g})")
         return self.halted(site_id)
 

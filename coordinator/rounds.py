@@ -18,6 +18,10 @@ One round ``r`` (DESIGN.md "Data flow"):
 
 Crash recovery (:meth:`RoundManager.recover`): a round left ``open`` is closed from its durably stored updates
 (the running sum is rebuilt from the blobs); ledger writes are idempotent, so a replay never double-charges.
+
+TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
+stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
+itself at that point of :meth:`RoundManager._close` (tests/coordinator/test_crash.py). Never set it in production.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,7 +57,7 @@ from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport
 
-__all__ = ["RoundResult", "RoundManager", "derive_seed"]
+__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +90,21 @@ def derive_seed(seed: int | None, round: int, label: str) -> int | None:
     return int.from_bytes(hashlib.sha256(f"{seed}:{round}:{label}".encode()).digest()[:4], "big")
 
 
-def _known_categories(site: Site, ledger: PrivacyLedger) -> set[IUCNCategory]:
+def known_categories(site: Site, ledger: PrivacyLedger) -> set[IUCNCategory]:
+    """The categories a site holds: its declared ``metadata.categories``, else those it has spent on."""
     declared = site.metadata.get("categories")
     if declared:
         return {parse_category(c, field="metadata.categories") for c in declared}
     return ledger.categories(site.site_id)
+
+
+_CRASH_ENV = "WILDFED_TEST_CRASH_AT"
+
+
+def _test_crash_point(name: str) -> None:
+    """TEST ONLY: SIGKILL this process here when ``$WILDFED_TEST_CRASH_AT == name`` (see the module docstring)."""
+    if os.environ.get(_CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class RoundManager:
@@ -177,7 +193,7 @@ class RoundManager:
                 halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round)
             else:
                 halted[site.site_id] = frozenset()
-            known = _known_categories(site, self._ledger)
+            known = known_categories(site, self._ledger)
             if known and known <= halted[site.site_id]:
                 log.warning("rounds: site %s has every category halted; it is no longer selected", site.site_id)
                 continue
@@ -274,9 +290,11 @@ class RoundManager:
 
     def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
         """Ledger first (durable), then aggregate + step + store. Returns ``(status, model hash after)``."""
+        _test_crash_point("after_ingest")
         for acc in ctx.accepted.values():
             if acc.events:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.events)
+        _test_crash_point("after_ledger")
         if len(ctx.accepted) >= need and ctx.strategy.count > 0:
             avg_delta = ctx.strategy.aggregate()
             new_weights = self._optimizer.step(weights, avg_delta)
