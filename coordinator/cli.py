@@ -85,6 +85,22 @@ def _open_state(config: CoordinatorConfig) -> tuple[Store, SiteRegistry, Privacy
                                                      accountant=config.accountant)
 
 
+def _parse_metadata(text: str) -> dict[str, Any]:
+    """The ``--metadata`` option: a JSON object of public site metadata.
+
+    Raises:
+        ConfigError: not JSON, or not an object.
+    """
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--metadata is not JSON: {exc}", field="metadata",
+                          fix='quote it for the shell: --metadata \'{"num_examples": 500}\'') from exc
+    if not isinstance(meta, dict):
+        raise ConfigError("--metadata must be a JSON object", field="metadata", fix='use {"key": value, ...}')
+    return meta
+
+
 @app.command()
 @_friendly
 def init(directory: Path = typer.Argument(Path("."), help="folder for the config, keys and data"),
@@ -124,13 +140,7 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
           config: Path = _config_option()) -> None:
     """Enrol a site with its public key and public metadata."""
     cfg = load_config(config)
-    try:
-        meta = json.loads(metadata)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--metadata is not JSON: {exc}", field="metadata",
-                          fix='quote it for the shell: --metadata \'{"num_examples": 500}\'') from exc
-    if not isinstance(meta, dict):
-        raise ConfigError("--metadata must be a JSON object", field="metadata", fix='use {"key": value, ...}')
+    meta = _parse_metadata(metadata)
     if not public_key.is_file():
         raise ConfigError("public key file not found", source=public_key, field="public_key",
                           fix="pass the .pub file the gateway wrote")
@@ -424,11 +434,7 @@ def provision(
     from coordinator.provisioning import provision_site
 
     cfg = load_config(config)
-    try:
-        meta = json.loads(metadata)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--metadata is not JSON: {exc}", field="metadata",
-                          fix='quote it for the shell: --metadata \'{"num_examples": 500}\'') from exc
+    meta = _parse_metadata(metadata)
     rows = None
     if species is not None:
         if not species.is_file():

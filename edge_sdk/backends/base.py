@@ -47,21 +47,43 @@ class ParameterSpec:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
-def flatten(weights: dict[str, np.ndarray], layout: tuple[ParameterSpec, ...]) -> np.ndarray:
-    """Concatenate ``weights`` in ``layout`` order into float32 (d,).
+def checked_weights(weights: dict[str, np.ndarray], layout: tuple[ParameterSpec, ...], *,
+                    allowed_extra: frozenset[str] | set[str] = frozenset()) -> dict[str, np.ndarray]:
+    """``{name: float32 array}`` for every parameter of ``layout``, checked against it.
+
+    Args:
+        weights: name -> array, as received in a task.
+        layout: the backend's parameters (names and shapes).
+        allowed_extra: further names that may be present (e.g. buffers), passed through unchecked.
 
     Raises:
-        ConfigError: a name is missing or a shape differs.
+        ConfigError: a name is unknown or missing, or a shape differs.
     """
-    parts = []
+    unknown = set(weights) - {s.name for s in layout} - set(allowed_extra)
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {sorted(unknown)}", field="weights",
+                          fix="the task's model must match shared.models.camera_cnn")
+    out = {}
     for spec in layout:
         if spec.name not in weights:
             raise ConfigError(f"parameter {spec.name!r} missing", field=spec.name, fix="send the full model")
         value = np.asarray(weights[spec.name], dtype=np.float32)
         if value.shape != spec.shape:
             raise ConfigError(f"parameter {spec.name!r} has shape {value.shape}, expected {spec.shape}",
-                              field=spec.name, fix="use the same model architecture on both sides")
-        parts.append(value.reshape(-1))
+                              field=spec.name, fix="use the same model architecture (number of classes) on both "
+                                                   "sides")
+        out[spec.name] = value
+    return out
+
+
+def flatten(weights: dict[str, np.ndarray], layout: tuple[ParameterSpec, ...]) -> np.ndarray:
+    """Concatenate ``weights`` in ``layout`` order into float32 (d,) (names beyond ``layout`` are ignored).
+
+    Raises:
+        ConfigError: a name is missing or a shape differs.
+    """
+    checked = checked_weights({k: v for k, v in weights.items() if k in {s.name for s in layout}}, layout)
+    parts = [checked[spec.name].reshape(-1) for spec in layout]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from shared.errors import ConfigError
 
-from edge_sdk.backends.base import ParameterSpec, TrainingBackend, register_backend
+from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
 
 __all__ = ["OrtBackend", "ArtifactCache", "import_onnxruntime", "ort_training_importable", "ARTIFACT_FORMAT"]
@@ -305,19 +305,9 @@ class OrtBackend(TrainingBackend):
             ConfigError: a parameter is missing, unknown or has the wrong shape.
         """
         self._require()
-        unknown = set(weights) - set(self._views)
-        if unknown:
-            raise ConfigError(f"unknown parameter(s) {sorted(unknown)}", field="weights",
-                              fix="the task's model must match shared.models.camera_cnn.CameraCNN")
+        checked = checked_weights(weights, self._all_layout)
         for spec in self._all_layout:
-            if spec.name not in weights:
-                raise ConfigError(f"parameter {spec.name!r} missing", field=spec.name, fix="send the full model")
-            value = np.asarray(weights[spec.name], dtype=np.float32)
-            if value.shape != spec.shape:
-                raise ConfigError(f"parameter {spec.name!r} has shape {value.shape}, expected {spec.shape}",
-                                  field=spec.name, fix="use the same number of classes on both sides")
-        for spec in self._all_layout:
-            self._views[spec.name][...] = np.asarray(weights[spec.name], dtype=np.float32)
+            self._views[spec.name][...] = checked[spec.name]
         self._module_stale = True
 
     def get_weights(self) -> dict[str, np.ndarray]:

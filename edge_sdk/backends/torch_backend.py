@@ -31,7 +31,7 @@ from torch.func import functional_call, grad, vmap
 from shared.errors import ConfigError
 from shared.models.camera_cnn import build_model
 
-from edge_sdk.backends.base import ParameterSpec, TrainingBackend, register_backend
+from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
 from edge_sdk.privacy.per_example import PerExampleGradients
 
 __all__ = ["TorchBackend"]
@@ -106,19 +106,10 @@ class TorchBackend(TrainingBackend):
         Raises:
             ConfigError: a parameter is missing, unknown or has the wrong shape.
         """
-        unknown = set(weights) - set(self._params) - set(self._buffers)
-        if unknown:
-            raise ConfigError(f"unknown parameter(s) {sorted(unknown)}", field="weights",
-                              fix="the task's model must match shared.models.camera_cnn.CameraCNN")
+        checked = checked_weights(weights, self._layout, allowed_extra=set(self._buffers))
         with torch.no_grad():
             for spec in self._layout:
-                if spec.name not in weights:
-                    raise ConfigError(f"parameter {spec.name!r} missing", field=spec.name, fix="send the full model")
-                value = np.asarray(weights[spec.name], dtype=np.float32)
-                if value.shape != spec.shape:
-                    raise ConfigError(f"parameter {spec.name!r} has shape {value.shape}, expected {spec.shape}",
-                                      field=spec.name, fix="use the same number of classes on both sides")
-                self._params[spec.name].copy_(torch.as_tensor(value))
+                self._params[spec.name].copy_(torch.as_tensor(checked[spec.name]))
             for name, buf in self._buffers.items():
                 if name in weights:
                     buf.copy_(torch.as_tensor(np.asarray(weights[name])))
