@@ -252,7 +252,7 @@ def calibrate_category_noise(
     ``z_c = calibrate_noise_multiplier(target_epsilon=budgets[c], target_delta, q, steps)`` where ``steps`` is the
     number of DP-SGD steps planned for the whole federation (``planned_rounds * local_steps``), so running them
     all spends at most ``budgets[c]`` (dp-accounting ``calibrate_dp_mechanism``; never the textbook single-release
-    Gaussian formula of :mod:`shared.privacy.comparison`, which holds only for eps < 1 and one step).
+    Gaussian formula, shown only beside the ledger in `budget`; it holds only for eps < 1 and one step).
 
     Raises:
         PrivacyBudgetError: an active category has no budget in ``budgets``.
