@@ -10,8 +10,9 @@ Commands::
                                                         textbook / seed formulas beside them (comparison only)
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
+    wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
 
-Every command but ``init`` and ``demo`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or
+Every command but ``init``, ``demo`` and ``experiment`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or
 ``./coordinator.yaml``). User errors (:class:`shared.errors.WildFedError`) print one red line naming the file, field
 and fix, and exit with status 2.
 """
@@ -390,6 +391,8 @@ def demo(
     out: Path | None = typer.Option(None, help="run folder (default runs/demo-<UTC time>)"),
     centralised_epochs: int = typer.Option(0, help="also train on the pooled data for N epochs as a reference"),
     round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
+    pretrain_epochs: int = typer.Option(0, help="first pretrain the model (non-private) on the public split, the "
+                                        "training images no site holds, for N epochs (0: start from scratch)"),
 ) -> None:
     """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
     site; prints accuracy and epsilon per IUCN category and writes report.json + report.png."""
@@ -400,12 +403,67 @@ def demo(
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
-                            round_deadline_s=round_deadline_s)
+                            round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs)
     try:
         run_demo(settings, console=console)
     except KeyboardInterrupt:
         err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; the run folder keeps "
                           "what was written so far")
+        raise typer.Exit(code=130) from None
+
+
+experiment_app = typer.Typer(name="experiment", help="Experiments on the demo federation (real images).",
+                             no_args_is_help=True, add_completion=False)
+app.add_typer(experiment_app, name="experiment")
+
+
+def _parse_seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r} is not a comma-separated list of integers", field="seeds",
+                          fix="e.g. --seeds 0,1,2") from None
+    return seeds
+
+
+@experiment_app.command("privacy-utility")
+@_friendly
+def privacy_utility(
+    seeds: str = typer.Option("0,1,2", help="comma-separated seeds; one full grid per seed"),
+    rounds: int = typer.Option(10, help="federated rounds per run"),
+    sites: int = typer.Option(8, help="gateway sites per run"),
+    pretrain_epochs: int = typer.Option(5, help="epochs of non-private pretraining on the public split (training "
+                                        "images no site holds); 0 = start from scratch"),
+    out: Path | None = typer.Option(None, help="output folder (default runs/privacy-utility-<UTC time>)"),
+    local_steps: int = typer.Option(10, help="DP-SGD steps per site per round"),
+    expected_batch_size: int = typer.Option(128, help="records per step in expectation"),
+    learning_rate: float = typer.Option(0.5, help="local SGD step size"),
+    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C"),
+    target_delta: float = typer.Option(1e-5, help="delta of every guarantee"),
+    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
+    pretrain_batch_size: int = typer.Option(64, help="batch size of pretraining"),
+    pretrain_learning_rate: float = typer.Option(0.1, help="SGD step size of pretraining"),
+    configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of none, "
+                                              "uniform-eps1, uniform-eps2, ccdp-gamma1, ccdp-gamma2 (default all)"),
+) -> None:
+    """The seed's privacy-utility table: no privacy, uniform DP eps 1 and 2, CCDP gamma 1 and 2 (VU = 1), each run
+    as the demo federation per seed; CR/EN, LC and overall accuracy and the epsilon spent for CR/EN and LC, mean ±
+    std over seeds. Writes privacy_utility.json, .md and .png."""
+    from coordinator.experiments.privacy_utility import CONFIGURATIONS, PrivacyUtilitySettings, run_privacy_utility
+
+    names = (tuple(c.strip() for c in configurations.split(",") if c.strip()) if configurations
+             else tuple(c.name for c in CONFIGURATIONS))
+    settings = PrivacyUtilitySettings(seeds=_parse_seeds(seeds), rounds=rounds, sites=sites,
+                                      pretrain_epochs=pretrain_epochs, pretrain_batch_size=pretrain_batch_size,
+                                      pretrain_learning_rate=pretrain_learning_rate, out_dir=out,
+                                      local_steps=local_steps,
+                                      expected_batch_size=expected_batch_size, learning_rate=learning_rate,
+                                      clipping_norm=clipping_norm, target_delta=target_delta,
+                                      round_deadline_s=round_deadline_s, configurations=names)
+    try:
+        run_privacy_utility(settings, console=console)
+    except KeyboardInterrupt:
+        err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; finished runs are kept")
         raise typer.Exit(code=130) from None
 
 

@@ -1,0 +1,138 @@
+"""``wildfed-coordinator experiment privacy-utility``: the seed's table on the demo federation.
+
+The fast tests check the table's arithmetic on hand-written reports; the slow one runs the whole command at tiny
+settings (five demo federations, real gateway processes; about a minute on 2 cores) and checks the table against
+each run's report.json and against budgets computed here from the seed's formula, not from the project's code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from shared.errors import ConfigError
+
+from coordinator.cli import app
+from coordinator.experiments.demo import DemoSettings, load_weights, public_split_indices, save_weights
+from coordinator.experiments.privacy_utility import (
+    CONFIGURATIONS,
+    PrivacyUtilitySettings,
+    markdown_table,
+    row_from_report,
+    summarise,
+)
+
+# Budgets of the largest CR/EN category (EN, rank 2) and of LC (rank 5), by the seed's formula anchored at VU
+# (rank 3): eps_c = eps_VU * (rank/3)^gamma; uniform DP is gamma = 0.
+BUDGETS = {
+    "uniform-eps1": (1.0, 1.0),
+    "uniform-eps2": (2.0, 2.0),
+    "ccdp-gamma1": (2 / 3, 5 / 3),
+    "ccdp-gamma2": ((2 / 3) ** 2, (5 / 3) ** 2),
+}
+
+
+def _report(overall, cr_en, lc, eps=None):
+    return {"final_accuracy": {"overall": overall, "CR/EN": cr_en, "LC": lc},
+            "epsilon": {c: {"spent_max": v, "budget": b} for c, (v, b) in (eps or {}).items()}}
+
+
+def test_rows_and_summary_from_reports():
+    ccdp = next(c for c in CONFIGURATIONS if c.name == "ccdp-gamma1")
+    none = next(c for c in CONFIGURATIONS if c.name == "none")
+    eps = {"CR": (0.30, 1 / 3), "EN": (0.60, 2 / 3), "LC": (1.5, 5 / 3)}
+    rows = [{"configuration": "ccdp-gamma1", **row_from_report(_report(0.5, 0.2, 0.7, eps), ccdp)},
+            {"configuration": "ccdp-gamma1", **row_from_report(_report(0.7, 0.4, 0.9, eps), ccdp)},
+            {"configuration": "none", **row_from_report(_report(0.9, 0.8, 1.0, {}), none)}]
+    assert rows[0]["eps_cr_en"] == 0.60 and rows[0]["eps_lc"] == 1.5
+    assert rows[2]["eps_cr_en"] is None and rows[2]["eps_lc"] is None
+    summary = summarise(rows, [none, ccdp])
+    assert [s["configuration"] for s in summary] == ["none", "ccdp-gamma1"]
+    assert summary[1]["acc_overall"]["mean"] == pytest.approx(0.6)
+    assert summary[1]["acc_overall"]["std"] == pytest.approx(np.std([0.5, 0.7], ddof=1))
+    assert summary[0]["acc_overall"]["std"] == 0.0
+    assert summary[0]["eps_lc"] == {"mean": None, "std": None}
+    md = markdown_table(summary)
+    assert md.count("\n") == 4
+    assert "60.0 ± 14.1 %" in md and "- (no DP)" in md and "0.600 ± 0.000" in md
+
+
+def test_configurations_are_the_seeds_table():
+    from coordinator.config import BudgetFromAnchor
+    from shared.iucn import IUCNCategory
+
+    assert [c.name for c in CONFIGURATIONS] == ["none", "uniform-eps1", "uniform-eps2", "ccdp-gamma1", "ccdp-gamma2"]
+    for c in CONFIGURATIONS[1:]:
+        anchor = BudgetFromAnchor(category=IUCNCategory.VU, epsilon=c.anchor_epsilon, gamma=c.gamma)
+        budgets = anchor.to_budget().table()
+        assert max(budgets[IUCNCategory.CR], budgets[IUCNCategory.EN]) == pytest.approx(BUDGETS[c.name][0])
+        assert budgets[IUCNCategory.LC] == pytest.approx(BUDGETS[c.name][1])
+
+
+def test_settings_are_checked():
+    with pytest.raises(ConfigError):
+        PrivacyUtilitySettings(seeds=())
+    with pytest.raises(ConfigError):
+        PrivacyUtilitySettings(seeds=(0, 0))
+    with pytest.raises(ConfigError):
+        PrivacyUtilitySettings(configurations=("uniform-eps3",))
+    with pytest.raises(ConfigError):
+        DemoSettings(pretrain_epochs=2, initial_weights_path="w.safetensors")
+    result = CliRunner().invoke(app, ["experiment", "privacy-utility", "--seeds", "0,x"])
+    assert result.exit_code == 2, result.output
+
+
+def test_public_split_is_what_no_site_holds(tmp_path):
+    class Spec:
+        def __init__(self, indices):
+            self.indices = np.asarray(indices)
+
+    public = public_split_indices(10, [Spec([0, 3]), Spec([4, 5, 9])])
+    assert public.tolist() == [1, 2, 6, 7, 8]
+    weights = {"phi.w": np.arange(6, dtype=np.float32).reshape(2, 3), "psi.b": np.ones(2, dtype=np.float32)}
+    back = load_weights(save_weights(weights, tmp_path / "w.safetensors"))
+    assert set(back) == set(weights) and all(np.array_equal(back[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_privacy_utility_command_tiny(tmp_path):
+    out = tmp_path / "pu"
+    result = CliRunner().invoke(app, ["experiment", "privacy-utility", "--seeds", "0", "--rounds", "1", "--sites", "3",
+                                      "--local-steps", "1", "--expected-batch-size", "16", "--pretrain-epochs", "1",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "privacy_utility.json").read_text())
+    assert (out / "privacy_utility.png").stat().st_size > 10_000
+    md = (out / "privacy_utility.md").read_text()
+    assert sum(1 for line in md.splitlines() if line.startswith("| ") and "configuration" not in line) == 5
+    assert [s["configuration"] for s in data["summary"]] == [c.name for c in CONFIGURATIONS]
+    assert len(data["runs"]) == 5
+
+    # Pretraining used only images no site holds.
+    pre = data["pretraining"]["0"]
+    assert pre["num_images"] + pre["num_site_images"] == pre["num_train"] and pre["num_images"] > 0
+
+    for run, summary in zip(data["runs"], data["summary"]):
+        report = json.loads(open(run["report"]).read())
+        assert report["settings"]["initial_weights_path"] == pre["path"]
+        assert report["settings"]["rounds"] == 1 and report["settings"]["sites"] == 3
+        acc = report["final_accuracy"]
+        assert summary["acc_overall"]["mean"] == pytest.approx(acc["overall"])
+        assert summary["acc_lc"]["mean"] == pytest.approx(acc["LC"], nan_ok=True)
+        assert summary["acc_cr_en"]["mean"] == pytest.approx(acc["CR/EN"], nan_ok=True)
+        if run["configuration"] == "none":
+            assert report["settings"]["privacy"] == "none"
+            assert summary["eps_cr_en"]["mean"] is None and summary["eps_lc"]["mean"] is None
+            continue
+        eps = report["epsilon"]
+        spent_cr_en = max(eps["CR"]["spent_max"], eps["EN"]["spent_max"])
+        assert summary["eps_cr_en"]["mean"] == pytest.approx(spent_cr_en)
+        assert summary["eps_lc"]["mean"] == pytest.approx(eps["LC"]["spent_max"])
+        budget_cr_en, budget_lc = BUDGETS[run["configuration"]]
+        assert 0 < spent_cr_en <= budget_cr_en + 1e-9
+        assert 0 < eps["LC"]["spent_max"] <= budget_lc + 1e-9
+        assert not math.isnan(summary["acc_overall"]["mean"])
