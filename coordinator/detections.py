@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from shared.envelope import Envelope, MessageKind, verify
-from shared.errors import PayloadError, SignatureError
+from shared.envelope import Envelope, MessageKind
+from shared.errors import PayloadError
 from shared.protocol import DetectionRecord, decode_detection
 
-from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope
-from coordinator.registry import SiteRegistry, UnknownSiteError
+from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope, verify_site_envelope
+from coordinator.registry import SiteRegistry
 from coordinator.storage import DetectionRow, Store
 
 __all__ = ["StoredDetection", "DetectionIngestor"]
@@ -109,14 +109,7 @@ class DetectionIngestor:
         return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.DETECTION)
 
     def _verify(self, env: Envelope) -> None:
-        try:
-            key = self._registry.get_public_key(env.header.site_id)
-        except UnknownSiteError as exc:
-            raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
-        try:
-            verify(env, key)
-        except SignatureError as exc:
-            raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+        verify_site_envelope(env, self._registry)
 
     # ---- storage -------------------------------------------------------------------------------------------
     def _store_record(self, env: Envelope, record: DetectionRecord) -> StoredDetection:

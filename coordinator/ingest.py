@@ -202,6 +202,22 @@ def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: Mes
     return env
 
 
+def verify_site_envelope(env: Envelope, registry: SiteRegistry) -> None:
+    """Check ``env`` against the enrolled public key of the site its header names.
+
+    Raises:
+        _Reject: unknown site, or a signature / payload hash that does not verify.
+    """
+    try:
+        key = registry.get_public_key(env.header.site_id)
+    except UnknownSiteError as exc:
+        raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
+    try:
+        verify(env, key)
+    except SignatureError as exc:
+        raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+
+
 class Ingestor:
     """Verifies, stores, acknowledges and aggregates incoming updates (see the module docstring).
 
@@ -277,15 +293,7 @@ class Ingestor:
         return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.UPDATE)
 
     def _verify(self, env: Envelope) -> None:
-        h = env.header
-        try:
-            key = self._registry.get_public_key(h.site_id)
-        except UnknownSiteError as exc:
-            raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
-        try:
-            verify(env, key)
-        except SignatureError as exc:
-            raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+        verify_site_envelope(env, self._registry)
 
     def _admit(self, env: Envelope) -> Accepted:
         h = env.header

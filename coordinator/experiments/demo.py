@@ -383,6 +383,19 @@ def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         return _run_demo(settings, console=console)
 
 
+def new_run_dir(out_dir: str | os.PathLike[str] | None, prefix: str) -> Path:
+    """The absolute run folder: ``out_dir``, or ``runs/<prefix>-<UTC time>``; created empty.
+
+    Raises:
+        ConfigError: the folder exists and is not empty (nothing of an earlier run is overwritten).
+    """
+    run_dir = Path(out_dir or Path("runs") / f"{prefix}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}").resolve()
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"folder {run_dir} is not empty", field="out", fix="choose a new --out folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -396,10 +409,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
     console = console or Console()
     t0 = time.monotonic()
-    run_dir = Path(settings.out_dir or Path("runs") / f"demo-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
-    run_dir = run_dir.resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(f"run folder {run_dir} is not empty", field="out", fix="choose a new --out folder")
+    run_dir = new_run_dir(settings.out_dir, "demo")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").mkdir(parents=True, exist_ok=True)
     console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "

@@ -40,7 +40,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +260,11 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     from rich.console import Console
     from rich.table import Table
 
-    from coordinator.experiments.demo import DemoSettings, run_demo
+    from coordinator.experiments.demo import DemoSettings, new_run_dir, run_demo
 
     console = console or Console()
     t0 = time.monotonic()
-    out_dir = Path(settings.out_dir or Path("runs") / f"privacy-utility-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}")
-    out_dir = out_dir.resolve()
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"output folder {out_dir} is not empty", field="out", fix="choose a new --out folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = new_run_dir(settings.out_dir, "privacy-utility")
     configs = [c for c in CONFIGURATIONS if c.name in settings.configurations]
     result = PrivacyUtilityResult(out_dir=out_dir)
     total = len(configs) * len(settings.seeds)
