@@ -17,12 +17,14 @@ Example (``wildfed-coordinator init`` writes this)::
     server_learning_rate: 1.0             # 1.0 = FedAvg
     clipping_norm: 1.0                    # L2 norm C of each per-example gradient
     target_delta: 1.0e-5
-    privacy: ccdp                         # or "none" (no DP; for comparison runs only)
+    privacy: ccdp                         # local CCDP; "global" (secure aggregation, coordinator noises once;
+                                          # needs local_steps: 1); "none" (no DP; comparison runs only)
     budget: {kind: from_anchor, category: VU, epsilon: 1.0, gamma: 1.0}   # or {kind: from_max, eps_max: 2, gamma: 1}
     num_classes: 10
     seed: 0                               # model init and site sampling only
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
+    secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -36,13 +38,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["BudgetFromMax", "BudgetFromAnchor", "CoordinatorConfig", "load_config", "save_config"]
+__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "CoordinatorConfig", "load_config", "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -73,6 +75,20 @@ class BudgetFromAnchor(StrictModel):
 Budget = Annotated[BudgetFromMax | BudgetFromAnchor, Field(discriminator="kind")]
 
 
+class SecAggConfig(StrictModel):
+    """Secure aggregation of Global DP rounds (Bonawitz et al. 2017; shared.secagg, docs/secagg.md)."""
+
+    threshold: int | None = Field(None, ge=2, description="t: fewest surviving sites that can unmask; None -> the "
+                                  "smallest majority of the round's selected sites, floor(n/2) + 1")
+    modulus_bits: int = Field(32, ge=16, le=64, description="k: masks and sums live in Z_{2^k}")
+    max_abs_value: float | None = Field(None, gt=0, description="B: per-coordinate box of a site's clipped gradient "
+                                        "sum; None -> clipping_norm * expected_batch_size (never binding for a "
+                                        "batch of at most that size)")
+    stage_timeout_s: float = Field(60.0, gt=0, description="seconds each secure-aggregation stage waits for the "
+                                   "sites (keys, masked updates, recovery shares); the shares stage, which waits "
+                                   "for local training, uses round_deadline_s")
+
+
 class CoordinatorConfig(StrictModel):
     """Everything a :class:`coordinator.service.Coordinator` is built from (units in field descriptions).
 
@@ -96,7 +112,8 @@ class CoordinatorConfig(StrictModel):
     server_learning_rate: float = Field(1.0, gt=0, description="server SGD step; 1.0 = FedAvg")
     clipping_norm: float = Field(1.0, gt=0, description="L2 clipping norm C of per-example gradients")
     target_delta: float = Field(1e-5, gt=0, lt=1)
-    privacy: Literal["ccdp", "none"] = "ccdp"
+    privacy: Literal["ccdp", "global", "none"] = Field("ccdp", description="ccdp: local DP at each gateway; "
+                                                       "global: secure aggregation, noise added once here")
     budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
                                                                       gamma=1.0))
     accountant: Literal["rdp", "pld"] = "rdp"
@@ -108,6 +125,7 @@ class CoordinatorConfig(StrictModel):
     ship_ort_artifacts: bool | None = Field(None, description="put ONNX Runtime training artifacts of the global "
                                             "model in every task (coordinator.artifacts); None: yes where "
                                             "onnxruntime.training imports at the coordinator")
+    secagg: SecAggConfig = Field(default_factory=SecAggConfig)
 
     @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
     @classmethod
@@ -115,6 +133,14 @@ class CoordinatorConfig(StrictModel):
         if not math.isfinite(v):
             raise ValueError("must be finite")
         return v
+
+    @model_validator(mode="after")
+    def _global_mode(self) -> "CoordinatorConfig":
+        if self.privacy == "global" and self.local_steps != 1:
+            raise ValueError(f"privacy 'global' runs one clipped-gradient step per round (the coordinator noises "
+                             f"each round's sum once), so local_steps must be 1, got {self.local_steps}; set "
+                             "local_steps: 1 (and raise rounds) or use privacy: ccdp")
+        return self
 
     # -- derived -------------------------------------------------------------------------------------------------
     def ccdp_budget(self) -> CCDPBudget:

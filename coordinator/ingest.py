@@ -98,6 +98,7 @@ class RejectReason(str, enum.Enum):
     BAD_REPORT = "bad_report"
     HALTED_CATEGORY = "halted_category"
     OVER_BUDGET = "over_budget"
+    SECAGG_PROTOCOL = "secagg_protocol"
 
 
 @dataclass(frozen=True)

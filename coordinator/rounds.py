@@ -17,7 +17,12 @@ One round ``r`` (DESIGN.md "Data flow"):
    the coordinator has seen the updates).
 
 Crash recovery (:meth:`RoundManager.recover`): a round left ``open`` is closed from its durably stored updates
-(the running sum is rebuilt from the blobs); ledger writes are idempotent, so a replay never double-charges.
+(the running sum is rebuilt from the blobs); ledger writes are idempotent, so a replay never double-charges. A
+Global DP round left open is marked ``failed``: its secure-aggregation state was in memory only; the spend it
+recorded before unmasking (if any) stays charged once.
+
+Global DP mode (``privacy: global``) replaces steps 3-5 by secure aggregation and one coordinator-side noise draw:
+:mod:`coordinator.global_dp`.
 
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
@@ -44,11 +49,12 @@ from sqlalchemy import select
 from shared.codec import decode_tensors, encode_tensors, model_hash
 from shared.envelope import MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
-from shared.protocol import TrainingTask, decode_update, encode_task
+from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.topics import task_topic
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
+from coordinator.global_dp import SecAggCollector, SecureAggregationRound, secagg_settings
 from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
@@ -116,11 +122,14 @@ class RoundManager:
         strategy: aggregation (FedAvg). optimizer: server step (ServerSGD).
         signing_key: the coordinator's Ed25519 key (signs TASKs).
         clock: monotonic clock in seconds (tests inject one).
+        secagg_collector: files the sites' secure-aggregation messages (Global DP mode); the service subscribes it
+            to ``shared.topics.secagg_filter``.
     """
 
     def __init__(self, *, config: CoordinatorConfig, store: Store, registry: SiteRegistry, ledger: PrivacyLedger,
                  ingestor: Ingestor, transport: Transport, strategy: Strategy, optimizer: ServerOptimizer,
-                 signing_key: Ed25519PrivateKey, clock: Callable[[], float] = time.monotonic) -> None:
+                 signing_key: Ed25519PrivateKey, clock: Callable[[], float] = time.monotonic,
+                 secagg_collector: SecAggCollector | None = None) -> None:
         self.config = config
         self._store = store
         self._registry = registry
@@ -131,6 +140,8 @@ class RoundManager:
         self._optimizer = optimizer
         self._key = signing_key
         self._clock = clock
+        self._secagg = secagg_collector or SecAggCollector(federation_id=config.federation_id, store=store,
+                                                           registry=registry)
         self._artifacts = ArtifactStore(config.data_dir / "ort-artifacts")
         self._artifacts_failed = False
 
@@ -212,6 +223,8 @@ class RoundManager:
     def run_round(self) -> RoundResult:
         """Run the next round to completion (open, publish, collect, close) and return its outcome."""
         t0 = self._clock()
+        if self.config.privacy == "global":
+            return self.run_global_round()
         ctx = self.open_round()
         if ctx is None:
             return RoundResult(round=self.next_round(), status="skipped", selected=(), accepted=(),
@@ -235,7 +248,8 @@ class RoundManager:
             log.warning("rounds: no site can train in round %d (all halted or none enrolled)", r)
             return None
         with self._store.session() as s:
-            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected)))
+            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
+                           privacy=self.config.privacy))
         self._strategy.begin_round(weights)
         ctx = RoundContext(round=r, model_hash=base_hash, template=weights, selected=frozenset(selected),
                            halted=halted, budgets=self.config.budgets(), privacy=self.config.privacy,
@@ -274,15 +288,86 @@ class RoundManager:
                            duration_s=self._clock() - t0,
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
 
+    def run_global_round(self) -> RoundResult:
+        """One Global DP round (:mod:`coordinator.global_dp`): select, send tasks with secagg settings, run secure
+        aggregation, charge the survivors before unmasking, add the noise once, step, store."""
+        t0 = self._clock()
+        cfg = self.config
+        r = self.next_round()
+        base_hash, weights = self.current_model()
+        selected, halted = self.select(r)
+        if len(selected) < 2:
+            log.error("rounds: round %d: Global DP needs at least 2 sites for secure aggregation, %d can train",
+                      r, len(selected))
+            return RoundResult(round=r, status="skipped", selected=tuple(selected), accepted=(), model_hash=base_hash,
+                               duration_s=self._clock() - t0)
+        d = sum(int(np.asarray(w).size) for w in weights.values())
+        settings = secagg_settings(site_ids=selected, vector_length=d, clipping_norm=cfg.clipping_norm,
+                                   expected_batch_size=cfg.expected_batch_size, threshold=cfg.secagg.threshold,
+                                   modulus_bits=cfg.secagg.modulus_bits, max_abs_value=cfg.secagg.max_abs_value)
+        with self._store.session() as s:
+            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
+                           privacy="global"))
+        self._secagg.open_round(r, base_hash, selected)
+        log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r, settings.threshold,
+                 len(selected), base_hash[:12])
+        artifacts = self.task_artifacts(base_hash, weights)
+        for site_id in selected:
+            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
+                               secagg=settings)
+        budgets = cfg.budgets()
+        declared = {site.site_id: frozenset(known_categories(site, self._ledger)) for site in self._registry.list()
+                    if site.site_id in selected}
+
+        def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
+            for cat, ev in events.items():
+                if cat in budgets and self._ledger.would_exceed(site, cat, ev, budgets[cat]):  # type: ignore[arg-type]
+                    return f"site {site} category {cat.value} would pass its budget eps={budgets[cat]:.4f}"
+            return None
+
+        try:
+            outcome = SecureAggregationRound(
+                federation_id=cfg.federation_id, round=r, model_hash=base_hash, template=weights, settings=settings,
+                collector=self._secagg, transport=self._transport, signing_key=self._key,
+                charge=lambda site, ev: self._ledger.record_round(site, r, ev), over_budget=over_budget,
+                budgets=budgets, halted=halted, declared=declared, target_delta=float(cfg.target_delta),
+                planned_rounds=cfg.rounds, accountant=cfg.accountant, clipping_norm=float(cfg.clipping_norm),
+                expected_batch_size=cfg.expected_batch_size, shares_timeout_s=cfg.round_deadline_s,
+                stage_timeout_s=cfg.secagg.stage_timeout_s, after_charge=lambda: _test_crash_point("after_ledger"),
+                clock=self._clock).run()
+        finally:
+            self._secagg.close_round()
+        new_hash = base_hash
+        if outcome.status == "closed":
+            assert outcome.noisy_gradient is not None
+            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in outcome.noisy_gradient.items()}
+            new_weights = self._optimizer.step(weights, step)
+            new_hash = model_hash(new_weights)
+            self._store.put_model(new_hash, encode_tensors(new_weights), round=r)
+        with self._store.session() as s:
+            row = s.get(RoundRow, r)
+            assert row is not None
+            row.status = outcome.status
+            row.new_model_hash = new_hash if outcome.status == "closed" else None
+            row.num_accepted = len(outcome.survivors) if outcome.status == "closed" else 0
+            row.closed_at = utcnow()
+            row.detail = outcome.reason[:2000]
+        log.info("rounds: round %d %s (Global DP), model %s", r, outcome.status, new_hash[:12])
+        return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
+                           accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
+                           duration_s=self._clock() - t0,
+                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c})
+
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
-                      halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None) -> None:
+                      halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
+                      secagg: SecAggSettings | None = None) -> None:
         cfg = self.config
         task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
                             local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
                             learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
                             target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
                             budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
-                            artifacts=artifact_digests(artifacts or {}))
+                            artifacts=artifact_digests(artifacts or {}), secagg=secagg)
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
                    base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
                    payload=encode_task(task, weights, artifacts))
@@ -324,6 +409,18 @@ class RoundManager:
             open_rows = list(s.scalars(select(RoundRow).where(RoundRow.status == "open").order_by(RoundRow.round)))
         for row in open_rows:
             t0 = self._clock()
+            if row.privacy == "global":
+                with self._store.session() as s:
+                    live = s.get(RoundRow, row.round)
+                    assert live is not None
+                    live.status, live.closed_at = "failed", utcnow()
+                    live.detail = ("the coordinator stopped during secure aggregation (its state is in memory "
+                                   "only); spend recorded before unmasking stays charged once; re-run as a new round")
+                log.warning("rounds: Global DP round %d left open by a previous run: marked failed", row.round)
+                results.append(RoundResult(round=row.round, status="failed",
+                                           selected=tuple(sorted(json.loads(row.selected_json))), accepted=(),
+                                           model_hash=row.base_model_hash, duration_s=self._clock() - t0))
+                continue
             weights, _ = decode_tensors(self._store.get_model(row.base_model_hash))
             selected = frozenset(json.loads(row.selected_json))
             self._strategy.begin_round(weights)

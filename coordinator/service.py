@@ -12,6 +12,7 @@ Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
 :class:`~coordinator.registry.SiteRegistry`, :class:`~coordinator.ledger.PrivacyLedger`,
 :class:`~coordinator.ingest.Ingestor` (subscribed to ``shared.topics.updates_filter``),
 :class:`~coordinator.detections.DetectionIngestor` (subscribed to ``shared.topics.detections_filter``),
+:class:`~coordinator.global_dp.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
 :class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
 :class:`~coordinator.optimizers.server_sgd.ServerSGD`. torch is never imported here; the round-0 model comes from
 ``shared.models.camera_cnn.initial_weights`` (which imports torch lazily) unless ``initial_weights`` is given.
@@ -30,10 +31,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shared.codec import encode_tensors, model_hash
 from shared.iucn import IUCNCategory
 from shared.keys import load_private_key
-from shared.topics import detections_filter, updates_filter
+from shared.topics import detections_filter, secagg_filter, updates_filter
 
 from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionIngestor
+from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
@@ -115,11 +117,12 @@ class Coordinator:
                                  ledger=self.ledger, transport=self.transport, signing_key=self._key)
         self.detections = DetectionIngestor(federation_id=config.federation_id, store=self.store,
                                             registry=self.registry)
+        self.secagg = SecAggCollector(federation_id=config.federation_id, store=self.store, registry=self.registry)
         self.rounds = RoundManager(config=config, store=self.store, registry=self.registry, ledger=self.ledger,
                                    ingestor=self.ingestor, transport=self.transport,
                                    strategy=strategy or FedAvg(),
                                    optimizer=optimizer or ServerSGD(config.server_learning_rate),
-                                   signing_key=self._key)
+                                   signing_key=self._key, secagg_collector=self.secagg)
         self._started = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -149,6 +152,7 @@ class Coordinator:
             self.transport.connect()
         self.transport.subscribe(updates_filter(self.config.federation_id), self.ingestor)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
+        self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         self.ensure_initial_model()
         self._started = True
         return self.rounds.recover()

@@ -106,6 +106,8 @@ class RoundRow(Base):
     num_accepted: Mapped[int] = mapped_column(Integer, default=0)
     opened_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
     closed_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    privacy: Mapped[str | None] = mapped_column(String(16), nullable=True)  # ccdp / global / none
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)  # e.g. how a Global DP round went
 
 
 class UpdateRow(Base):

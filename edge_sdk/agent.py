@@ -23,16 +23,21 @@ import queue
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
-from shared.errors import EnvelopeError, PayloadError, PrivacyBudgetError
+from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
-from shared.protocol import TrainingTask, decode_ack, decode_task_with_artifacts, encode_update
-from shared.topics import ack_topic, task_topic, update_topic
+from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, canonical_flatten, decode_ack,
+                             decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
+from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
+from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
@@ -40,7 +45,7 @@ from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
-from edge_sdk.training import train_locally
+from edge_sdk.training import clipped_sum_locally, train_locally
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport, TransportError
 
@@ -105,6 +110,18 @@ def build_backend(config: SiteConfig, name: str | None = None) -> TrainingBacken
     return create_backend(backend, num_classes=config.model_classes, **settings)
 
 
+@dataclass
+class _SecAggRound:
+    """This site's state in one Global DP round (memory only)."""
+
+    round: int
+    model_hash: str
+    client: SecAggClient
+    gradient: np.ndarray | None  # float32 (d,), canonical order; dropped once masked
+    num_examples: int
+    categories: tuple[str, ...]
+
+
 def update_message_id(round_: int) -> str:
     """Outbox id of this site's update for ``round_``."""
     return f"update/{round_}"
@@ -149,6 +166,8 @@ class EdgeAgent:
         self._task_topic = task_topic(config.federation_id, config.site_id)
         self._ack_topic = ack_topic(config.federation_id, config.site_id)
         self._update_topic = update_topic(config.federation_id, config.site_id)
+        self._secagg_topic = secagg_topic(config.federation_id, config.site_id)
+        self._secagg: _SecAggRound | None = None
 
     @classmethod
     def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
@@ -226,7 +245,8 @@ class EdgeAgent:
         trained = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
-            if max_rounds is not None and trained >= max_rounds and not self.outbox.pending():
+            if (max_rounds is not None and trained >= max_rounds and not self.outbox.pending()
+                    and self._secagg is None):
                 break
             try:
                 kind, payload = self._inbox.get(timeout=0.1)
@@ -236,7 +256,9 @@ class EdgeAgent:
                     break
                 continue
             last_activity = time.monotonic()
-            if kind == "task":
+            if kind == "task" and self._is_secagg(payload):
+                self.handle_secagg(payload)
+            elif kind == "task":
                 trained += int(self.handle_task(payload))
             elif kind == "ack":
                 self.handle_ack(payload)
@@ -268,6 +290,14 @@ class EdgeAgent:
             self._reject(what, "wrong_site", f"addressed to {header.site_id!r}")
             return None
         return envelope
+
+    @staticmethod
+    def _is_secagg(data: bytes) -> bool:
+        """Whether a message on the task topic claims to be a SECAGG envelope (verified later, in its handler)."""
+        try:
+            return Envelope.from_bytes(data).header.kind == MessageKind.SECAGG
+        except MalformedEnvelopeError:
+            return False
 
     def _randomness(self, task: TrainingTask) -> RandomSource:
         if task.seed is None:
@@ -345,8 +375,15 @@ class EdgeAgent:
             self._reject("task", "non_private_refused",
                          "privacy 'none' requested but the site config does not set allow_non_private")
             return False
+        if task.privacy == "global" and not self.config.allow_global_dp:
+            self._reject("task", "global_dp_refused",
+                         "privacy 'global' requested (the coordinator would add the noise) but the site config "
+                         "does not set allow_global_dp")
+            return False
         if self.select_backend(task, artifacts) is None:
             return False
+        if task.privacy == "global":
+            return self._start_global_round(task, weights)
 
         # Record the round durably before training: after a crash the round is skipped, never trained twice.
         self.outbox.set_state(_LAST_ROUND, str(task.round))
@@ -380,6 +417,106 @@ class EdgeAgent:
                  self.config.site_id, task.round, time.monotonic() - started, result.report.num_examples,
                  result.sampling_rate)
         self._publish(message_id, self._update_topic, update.to_bytes())
+        return True
+
+    # -- Global DP: secure aggregation --------------------------------------------------------------------
+    def _next_sequence(self) -> int:
+        sequence = int(self.outbox.get_state(_SEQUENCE, "0")) + 1
+        self.outbox.set_state(_SEQUENCE, str(sequence))
+        return sequence
+
+    def _send_secagg(self, state: _SecAggRound, message: SecAggMessage) -> bool:
+        envelope = seal(private_key=self._signing_key, federation_id=self.config.federation_id,
+                        site_id=self.config.site_id, round=state.round, base_model_hash=state.model_hash,
+                        kind=MessageKind.SECAGG, sequence=self._next_sequence(), payload=encode_secagg(message))
+        try:
+            self.transport.publish(self._secagg_topic, envelope.to_bytes(), qos=1)
+        except TransportError as exc:
+            self.stats["publish_failed"] += 1
+            log.warning("site %s: round %d secagg %s not sent (%s); the site drops out of this round",
+                        self.config.site_id, state.round, message.stage, exc)
+            self._secagg = None
+            return False
+        self.stats[f"secagg_sent:{message.stage}"] += 1
+        return True
+
+    def _start_global_round(self, task: TrainingTask, weights: dict[str, np.ndarray]) -> bool:
+        """Global DP: advertise fresh keys, then compute the clipped gradient sum (kept in memory until masked)."""
+        assert task.secagg is not None  # decode_task checked it
+        params = task.secagg.params(task.federation_id, task.round)
+        if self.config.site_id not in params.site_ids:
+            self._reject("task", "wrong_site", f"site not among the round's secagg sites {list(params.site_ids)}")
+            return False
+        if params.vector_length != sum(int(np.asarray(w).size) for w in weights.values()):
+            self._reject("task", "model_mismatch", f"secagg vector_length {params.vector_length} != model size")
+            return False
+        self.outbox.set_state(_LAST_ROUND, str(task.round))  # durable before any data is touched
+        client = SecAggClient(self.config.site_id, params)
+        state = _SecAggRound(round=task.round, model_hash=task.model_hash, client=client, gradient=None,
+                             num_examples=0, categories=())
+        self._secagg = state
+        if not self._send_secagg(state, SecAggMessage("keys", client.public_keys().to_json())):
+            return False
+        started = time.monotonic()
+        try:
+            result = clipped_sum_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
+                                         site_categories=self.config.categories, randomness=self._randomness(task))
+        except PrivacyBudgetError as exc:
+            self._secagg = None
+            self._reject("task", "privacy_budget", str(exc))
+            return False
+        except (ValueError, PayloadError) as exc:
+            self._secagg = None
+            self._reject("task", "model_mismatch", str(exc))
+            return False
+        state.gradient = canonical_flatten(result.gradient_sum)
+        state.num_examples = result.num_examples
+        state.categories = tuple(c.value for c in result.categories)
+        self.stats["tasks_trained"] += 1
+        log.info("site %s: round %d (global DP) clipped sum ready in %.1f s (N=%d, q=%.4g); waiting for the key "
+                 "list", self.config.site_id, task.round, time.monotonic() - started, result.num_examples,
+                 result.sampling_rate)
+        return True
+
+    def handle_secagg(self, data: bytes) -> bool:
+        """Answer one secure-aggregation stage from the coordinator (key list, share inbox, recovery request, round
+        end); returns True if it was handled. Bad or out-of-order messages are rejected, logged and counted; a
+        protocol error drops the site out of the round (its masks are then recovered by the others)."""
+        envelope = self._open(data, MessageKind.SECAGG, "secagg")
+        if envelope is None:
+            return False
+        state = self._secagg
+        if state is None or envelope.header.round != state.round:
+            self._reject("secagg", "stale_round", f"round {envelope.header.round} is not a secure-aggregation round "
+                         "in progress here")
+            return False
+        try:
+            message = decode_secagg(envelope.payload, stages=COORDINATOR_STAGES)
+            body = message.body
+            if message.stage == "key_list":
+                keys = [AdvertisedKeys.from_json(k) for k in body.get("keys", [])]
+                shares = state.client.shares_for({k.site_id: k for k in keys})
+                self._send_secagg(state, SecAggMessage("shares", {"shares": [s.to_json() for s in shares.values()]}))
+            elif message.stage == "share_inbox":
+                if state.gradient is None:
+                    raise SecAggError("share inbox before the gradient sum was ready, or a second inbox")
+                inbox = [EncryptedShare.from_json(x) for x in body.get("shares", [])]
+                state.client.receive_shares({x.sender: x for x in inbox})
+                masked = state.client.mask(state.gradient)
+                state.gradient = None  # the unmasked sum is not kept once it has left masked
+                self._send_secagg(state, SecAggMessage(
+                    "masked", {"num_examples": state.num_examples, "categories": list(state.categories)}, masked))
+            elif message.stage == "recovery_request":
+                shares = state.client.reveal_for_recovery(RecoveryRequest.from_json(body))
+                self._send_secagg(state, SecAggMessage("recovery", shares.to_json()))
+            else:  # round_end
+                log.info("site %s: round %d secure aggregation ended: %s %s", self.config.site_id, state.round,
+                         body.get("status"), body.get("reason", ""))
+                self._secagg = None
+        except (SecAggError, PayloadError) as exc:
+            self._secagg = None
+            self._reject("secagg", getattr(exc, "reason", "secagg_error"), f"{exc}; the site leaves this round")
+            return False
         return True
 
     def _publish(self, message_id: str, topic: str, payload: bytes) -> bool:

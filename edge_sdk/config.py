@@ -20,8 +20,10 @@ Example::
     threads: 2                       # overrides the profile
 
 Privacy-relevant switches are off by default and can only be turned on by the site itself, never by a task:
-``allow_non_private`` (accept tasks with ``privacy: none``) and ``allow_seeded_noise`` (honour a task's
-``seed``, which lets whoever chose the seed reproduce, and subtract, the privacy noise).
+``allow_non_private`` (accept tasks with ``privacy: none``), ``allow_global_dp`` (accept ``privacy: global``
+tasks: the site sends its clipped but unnoised gradient sum, hidden only by secure aggregation, and trusts the
+coordinator to add the noise) and ``allow_seeded_noise`` (honour a task's ``seed``, which lets whoever chose the
+seed reproduce, and subtract, the privacy noise).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class SiteConfig(BaseModel):
         image_size: side of the square grayscale model input in pixels.
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
         allow_non_private: accept tasks whose ``privacy`` is ``"none"`` (default: refuse them).
+        allow_global_dp: accept tasks whose ``privacy`` is ``"global"`` (secure aggregation; the coordinator adds
+            the noise; default: refuse them, the site adds its own noise in ``"ccdp"`` mode only).
         allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
             cryptographically secure source).
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
@@ -126,6 +130,7 @@ class SiteConfig(BaseModel):
     image_size: int = Field(default=28, ge=4)
     num_classes: int | None = Field(default=None, ge=2)
     allow_non_private: bool = False
+    allow_global_dp: bool = False
     allow_seeded_noise: bool = False
     missing_media: str = "error"
 

@@ -1,4 +1,5 @@
-"""One round of local training: Poisson-sampled DP-SGD steps with the CCDP mechanism (or non-private SGD).
+"""One round of local training: Poisson-sampled DP-SGD steps with the CCDP mechanism (or non-private SGD), or, in
+Global DP mode, the clipped gradient sum of one Poisson-sampled batch (:func:`clipped_sum_locally`).
 
 This module wires the pieces and holds no maths of its own: sampling (``edge_sdk.privacy.sampling``), the
 mechanism and its calibration (``edge_sdk.privacy.ccdp``), and a training backend (``edge_sdk.backends``). Per step
@@ -23,13 +24,14 @@ from shared.errors import PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.protocol import TrainingTask, UpdateReport
 
-from edge_sdk.backends.base import TrainingBackend
+from edge_sdk.backends.base import TrainingBackend, unflatten
 from edge_sdk.data.camtrap_dp import LocalDataset
-from edge_sdk.privacy.ccdp import CCDPMechanism, active_categories, calibrate_category_noise, category_events
+from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_category_noise, category_events,
+                                   clip_factors_from_norms)
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import poisson_sample
 
-__all__ = ["LocalTrainingResult", "local_step", "train_locally"]
+__all__ = ["LocalTrainingResult", "local_step", "train_locally", "ClippedSum", "clipped_sum_locally"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,24 @@ def local_step(
     return int(idx.size)
 
 
+def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
+                 ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
+    """``(active categories, eligible mask bool (N,), N_active, q = min(1, B / N_active))``.
+
+    Raises:
+        PrivacyBudgetError: every category is halted or has no records.
+    """
+    active = active_categories(site_categories, task.halted)
+    eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
+    n_active = int(eligible.sum())
+    if not active or n_active == 0:
+        raise PrivacyBudgetError(
+            f"round {task.round}: no record is eligible (active categories {[c.value for c in active]}, "
+            f"halted {[c.value for c in task.halted]}): the site does not train"
+        )
+    return active, eligible, n_active, min(1.0, task.expected_batch_size / n_active)
+
+
 def train_locally(
     *,
     backend: TrainingBackend,
@@ -103,15 +123,7 @@ def train_locally(
         PrivacyBudgetError: every category is halted or has no records, or an active category has no budget.
         ConfigError: the weights do not fit the backend's model.
     """
-    active = active_categories(site_categories, task.halted)
-    eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
-    n_active = int(eligible.sum())
-    if not active or n_active == 0:
-        raise PrivacyBudgetError(
-            f"round {task.round}: no record is eligible (active categories {[c.value for c in active]}, "
-            f"halted {[c.value for c in task.halted]}): the site does not train"
-        )
-    q = min(1.0, task.expected_batch_size / n_active)
+    active, eligible, n_active, q = _eligibility(dataset, task, site_categories)
     backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
     start = backend.get_weights()
 
@@ -134,3 +146,58 @@ def train_locally(
     events = category_events(z, sampling_rate=q, steps_run=task.local_steps) if mechanism is not None else {}
     report = UpdateReport(num_examples=n_active, local_steps=task.local_steps, events=events)
     return LocalTrainingResult(delta=delta, report=report, noise_multipliers=z, sampling_rate=q)
+
+
+@dataclass(frozen=True)
+class ClippedSum:
+    """A site's contribution to a Global DP round (unnoised: it travels only under secure aggregation).
+
+    Attributes:
+        gradient_sum: ``{name: float32 array}``, sum over one Poisson-sampled batch of the per-example gradients,
+            each clipped to L2 norm C (same names and shapes as the global model).
+        num_examples: N_active, records in the active categories (declared public metadata).
+        categories: the active categories (public: species table minus halted ones), IUCN rank order.
+        sampling_rate: q = min(1, B / N_active).
+        batch_size: the realised batch size (stays on the gateway: it is data-dependent).
+    """
+
+    gradient_sum: dict[str, np.ndarray]
+    num_examples: int
+    categories: tuple[IUCNCategory, ...]
+    sampling_rate: float
+    batch_size: int
+
+
+def clipped_sum_locally(
+    *,
+    backend: TrainingBackend,
+    dataset: LocalDataset,
+    task: TrainingTask,
+    global_weights: Mapping[str, np.ndarray],
+    site_categories: Iterable[IUCNCategory],
+    randomness: RandomSource,
+) -> ClippedSum:
+    """Global DP mode, the site's part of one DP-SGD step (Abadi et al. 2016, Alg. 1, lines "sample", "compute
+    gradient", "clip gradient"; the "add noise" line runs at the coordinator, once, on the sum over sites, in the
+    clear only after secure aggregation): Poisson-sample a batch at rate q from the eligible records, take per-example
+    gradients at ``global_weights``, clip each to L2 norm ``task.clipping_norm`` and sum them. No noise is added
+    here and the model is not stepped.
+
+    Args: as :func:`train_locally`.
+
+    Raises:
+        PrivacyBudgetError: every category is halted or has no records.
+        ConfigError: the weights do not fit the backend's model.
+    """
+    active, eligible, n_active, q = _eligibility(dataset, task, site_categories)
+    backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
+    idx = poisson_sample(eligible, q, randomness)
+    flat = np.zeros(backend.num_parameters, dtype=np.float64)
+    if idx.size:
+        grads = backend.per_example(dataset.images[idx], dataset.labels[idx])
+        factors = clip_factors_from_norms(grads.norms, task.clipping_norm)
+        flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
+    log.info("round %d: global DP: clipped sum of a Poisson batch at q=%.4g (C=%g), no local noise", task.round, q,
+             task.clipping_norm)
+    return ClippedSum(gradient_sum=unflatten(flat.astype(np.float32), backend.parameter_layout),
+                      num_examples=n_active, categories=active, sampling_rate=q, batch_size=int(idx.size))

@@ -54,12 +54,14 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class MessageKind(str, Enum):
     """What an envelope carries: a training task (coordinator → site), a model update (site → coordinator),
-    an acknowledgement of an update (coordinator → site), or a detection record (site → coordinator)."""
+    an acknowledgement of an update (coordinator → site), a detection record (site → coordinator), or one stage
+    of secure aggregation in Global DP mode (both directions; ``shared.protocol.SecAggMessage``)."""
 
     TASK = "task"
     UPDATE = "update"
     ACK = "ack"
     DETECTION = "detection"
+    SECAGG = "secagg"
 
 
 def validate_identifier(value: str, field: str) -> str:

@@ -23,11 +23,13 @@ from shared.codec import decode_tensors, encode_tensors
 from shared.errors import PayloadError
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
+from shared.secagg import SecAggParams
 
 __all__ = ["TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
            "decode_update", "encode_ack", "decode_ack", "METADATA_KEY", "ARTIFACT_PREFIX",
            "decode_task_with_artifacts", "Detection", "DetectionRecord",
-           "encode_detection", "decode_detection"]
+           "encode_detection", "decode_detection", "SecAggSettings", "SecAggMessage", "SITE_STAGES",
+           "COORDINATOR_STAGES", "encode_secagg", "decode_secagg", "canonical_flatten", "canonical_unflatten"]
 
 METADATA_KEY = "wildfed"
 # TASK tensors whose name starts with this are opaque files (uint8), not weights: e.g. ONNX Runtime training
@@ -35,7 +37,8 @@ METADATA_KEY = "wildfed"
 ARTIFACT_PREFIX = "artifact/"
 _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # a plain file name: no path, no leading dot
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-PrivacyMode = Literal["ccdp", "none"]
+PrivacyMode = Literal["ccdp", "global", "none"]
+PRIVACY_MODES = ("ccdp", "global", "none")
 
 
 def _category(value: Any) -> IUCNCategory:
@@ -52,6 +55,89 @@ def _positive(name: str, value: Any, *, integer: bool = False, allow_zero: bool 
                            f"{'integer' if integer else 'number'}, got {value!r}")
 
 
+def canonical_flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Concatenate float tensors in sorted-name order into one float32 vector (d,): the coordinate order of a
+    secure-aggregation vector, fixed so that every site and the coordinator agree without exchanging layouts."""
+    if not tensors:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([np.asarray(tensors[name], dtype=np.float32).reshape(-1) for name in sorted(tensors)])
+
+
+def canonical_unflatten(flat: np.ndarray, template: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`canonical_flatten`: a (d,) vector back to ``{name: array of template[name]'s shape}``
+    (the vector's dtype is kept).
+
+    Raises:
+        PayloadError: ``flat`` is not 1-D of length ``sum(size of template tensors)``.
+    """
+    flat = np.asarray(flat)
+    sizes = {name: int(np.asarray(template[name]).size) for name in sorted(template)}
+    if flat.ndim != 1 or flat.shape[0] != sum(sizes.values()):
+        raise PayloadError(f"a flat vector of {sum(sizes.values())} values is needed, got shape {flat.shape}")
+    out, offset = {}, 0
+    for name, size in sizes.items():
+        out[name] = flat[offset:offset + size].reshape(np.asarray(template[name]).shape)
+        offset += size
+    return out
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """Secure-aggregation parameters of a Global DP round, sent in the task (``shared.secagg.SecAggParams`` minus
+    the federation id and round, which the task already holds).
+
+    Attributes:
+        site_ids: the round's selected sites (U of Bonawitz et al. 2017, Fig. 4), sorted.
+        threshold: t (2 <= t <= n, 2t > n). vector_length: d (model parameters, :func:`canonical_flatten` order).
+        max_abs_value: B, per-coordinate box of a site's clipped gradient sum (same unit as the gradient).
+        scale: quantisation steps per unit. modulus_bits: k (masks and sums in Z_{2^k}).
+    """
+
+    site_ids: tuple[str, ...]
+    threshold: int
+    vector_length: int
+    max_abs_value: float
+    scale: float
+    modulus_bits: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site_ids, (tuple, list)) or not all(isinstance(x, str) for x in self.site_ids):
+            raise PayloadError(f"secagg.site_ids must be a list of site ids, got {self.site_ids!r}")
+        object.__setattr__(self, "site_ids", tuple(sorted(self.site_ids)))
+
+    def params(self, federation_id: str, round: int) -> SecAggParams:
+        """The full parameters of round ``round``.
+
+        Raises:
+            PayloadError: the values do not form valid parameters (``SecAggParams`` refuses them).
+        """
+        try:
+            return SecAggParams(federation_id=federation_id, round=round, site_ids=tuple(self.site_ids),
+                                threshold=self.threshold, vector_length=self.vector_length,
+                                max_abs_value=self.max_abs_value, scale=self.scale, modulus_bits=self.modulus_bits)
+        except ValueError as exc:  # ConfigError
+            raise PayloadError(f"secagg parameters invalid: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"site_ids": sorted(self.site_ids), "threshold": self.threshold, "vector_length": self.vector_length,
+                "max_abs_value": self.max_abs_value, "scale": self.scale, "modulus_bits": self.modulus_bits}
+
+    @classmethod
+    def from_json(cls, body: Any) -> "SecAggSettings":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PayloadError: not an object, unknown or missing fields, wrong types.
+        """
+        fields_ = set(cls.__dataclass_fields__)
+        if not isinstance(body, Mapping) or set(body) != fields_:
+            raise PayloadError(f"secagg must be an object with fields {sorted(fields_)}")
+        if not isinstance(body["site_ids"], list) or not all(isinstance(x, str) for x in body["site_ids"]):
+            raise PayloadError("secagg.site_ids must be a list of site ids")
+        return cls(**{**body, "site_ids": tuple(body["site_ids"])})
+
+
 @dataclass(frozen=True)
 class TrainingTask:
     """One site's instructions for one round (the payload tensors are the global weights).
@@ -65,7 +151,10 @@ class TrainingTask:
         target_delta: delta of every category's (eps, delta) guarantee.
         planned_rounds: rounds the federation plans; noise is calibrated so that ``planned_rounds * local_steps``
             steps spend each category's whole budget.
-        privacy: ``"ccdp"`` or ``"none"`` (non-private reference runs only).
+        privacy: ``"ccdp"`` (local DP: the gateway clips and adds its categories' noise every step), ``"global"``
+            (Global DP: the gateway sends the clipped, unnoised gradient sum of ONE Poisson-sampled batch under
+            secure aggregation and the coordinator adds the noise once to the aggregate; ``local_steps`` must be 1
+            and ``secagg`` given; docs/privacy.md) or ``"none"`` (non-private reference runs only).
         budgets: total epsilon budget per IUCN category (whole federation, per record).
         halted: categories whose records this site must not sample any more (the ledger halted them).
         seed: a seed for reproducible runs, or None. A gateway honours it only when its own site config sets
@@ -73,6 +162,7 @@ class TrainingTask:
         artifacts: ``{file name: hex SHA-256}`` of the opaque files that ride in the payload as uint8 tensors
             named ``ARTIFACT_PREFIX + file name`` (ONNX Runtime training artifacts of this model version); empty
             when none are shipped (then the field is left out of the JSON, so older gateways still read the task).
+        secagg: the secure-aggregation parameters of a ``"global"`` round (left out of the JSON otherwise).
     """
 
     federation_id: str
@@ -89,6 +179,7 @@ class TrainingTask:
     halted: tuple[IUCNCategory, ...] = ()
     seed: int | None = None
     artifacts: Mapping[str, str] = field(default_factory=dict)
+    secagg: SecAggSettings | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
@@ -99,13 +190,22 @@ class TrainingTask:
         _positive("planned_rounds", self.planned_rounds, integer=True)
         if not (isinstance(self.target_delta, float) and 0 < self.target_delta < 1):
             raise PayloadError(f"target_delta must be in (0, 1), got {self.target_delta!r}")
-        if self.privacy not in ("ccdp", "none"):
-            raise PayloadError(f"privacy must be 'ccdp' or 'none', got {self.privacy!r}")
+        if self.privacy not in PRIVACY_MODES:
+            raise PayloadError(f"privacy must be one of {PRIVACY_MODES}, got {self.privacy!r}")
         budgets = {_category(k): v for k, v in dict(self.budgets).items()}
         for cat, eps in budgets.items():
             _positive(f"budgets[{cat.value}]", eps)
-        if self.privacy == "ccdp" and not budgets:
-            raise PayloadError("a ccdp task must give budgets")
+        if self.privacy != "none" and not budgets:
+            raise PayloadError(f"a {self.privacy} task must give budgets")
+        if self.privacy == "global":
+            if not isinstance(self.secagg, SecAggSettings):
+                raise PayloadError("a global task must carry secagg parameters")
+            if self.local_steps != 1:
+                raise PayloadError(f"a global task runs exactly 1 local step (the coordinator noises the sum of "
+                                   f"one batch), got local_steps={self.local_steps}")
+            self.secagg.params(self.federation_id, self.round)  # validates
+        elif self.secagg is not None:
+            raise PayloadError(f"secagg parameters are only for global tasks, not {self.privacy!r}")
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "halted", tuple(sorted({_category(c) for c in self.halted}, key=lambda c: c.rank)))
         if self.seed is not None and type(self.seed) is not int:
@@ -127,7 +227,8 @@ class TrainingTask:
                 "target_delta": self.target_delta, "planned_rounds": self.planned_rounds,
                 "privacy": self.privacy, "budgets": {c.value: v for c, v in self.budgets.items()},
                 "halted": [c.value for c in self.halted], "seed": self.seed,
-                **({"artifacts": dict(sorted(self.artifacts.items()))} if self.artifacts else {})}
+                **({"artifacts": dict(sorted(self.artifacts.items()))} if self.artifacts else {}),
+                **({"secagg": self.secagg.to_json()} if self.secagg is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -231,7 +332,8 @@ def decode_task_with_artifacts(payload: bytes) -> tuple[TrainingTask, dict[str, 
     """
     tensors, body = _read(payload, set(TrainingTask.__dataclass_fields__))
     try:
-        task = TrainingTask(**{**body, "halted": tuple(body.get("halted", ()))})
+        secagg = SecAggSettings.from_json(body["secagg"]) if body.get("secagg") is not None else None
+        task = TrainingTask(**{**body, "halted": tuple(body.get("halted", ())), "secagg": secagg})
     except TypeError as exc:
         raise PayloadError(f"task fields wrong: {exc}") from exc
     files: dict[str, bytes] = {}
@@ -460,3 +562,69 @@ def decode_detection(payload: bytes) -> DetectionRecord:
     if tensors:
         raise PayloadError(f"a detection payload carries no tensors, got {sorted(tensors)[:5]}")
     return DetectionRecord.from_json(body)
+
+
+# ---- secure aggregation stages (SECAGG envelopes, Global DP mode) --------------------------------------------------
+
+SITE_STAGES = ("keys", "shares", "masked", "recovery")
+"""Stages a site sends on its ``secagg`` topic (Bonawitz et al. 2017, Fig. 4 rounds 0, 1, 2 and 4)."""
+COORDINATOR_STAGES = ("key_list", "share_inbox", "recovery_request", "round_end")
+"""Stages the coordinator sends on a site's ``task`` topic: the U1 key list, the site's share inbox, the recovery
+request (U3 and the dropped sites), and the end of the round (the site forgets its secagg state)."""
+MASKED_TENSOR = "masked"
+
+
+@dataclass(frozen=True)
+class SecAggMessage:
+    """One secure-aggregation message.
+
+    Attributes:
+        stage: one of :data:`SITE_STAGES` or :data:`COORDINATOR_STAGES`.
+        body: JSON object; per stage: ``keys``: ``AdvertisedKeys.to_json()``; ``shares`` and ``share_inbox``:
+            ``{"shares": [EncryptedShare.to_json(), ...]}``; ``masked``: ``{"num_examples": N_k, "categories":
+            [IUCN codes of the site's active categories]}`` (both declared public metadata); ``recovery``:
+            ``RecoveryShares.to_json()``; ``key_list``: ``{"keys": [AdvertisedKeys.to_json(), ...]}``;
+            ``recovery_request``: ``RecoveryRequest.to_json()``; ``round_end``: ``{"status": str, "reason": str}``.
+        masked: the masked, quantised gradient sum (uint32 or uint64, shape (d,)) for stage ``masked``; else None.
+    """
+
+    stage: str
+    body: Mapping[str, Any]
+    masked: np.ndarray | None = None
+
+
+def encode_secagg(message: SecAggMessage) -> bytes:
+    """Payload of a SECAGG envelope: the body as metadata, plus the masked vector as tensor ``"masked"``.
+
+    Raises:
+        PayloadError: unknown stage, or a masked vector missing / present where it does not belong.
+    """
+    if message.stage not in SITE_STAGES + COORDINATOR_STAGES:
+        raise PayloadError(f"unknown secagg stage {message.stage!r}")
+    if (message.masked is not None) != (message.stage == "masked"):
+        raise PayloadError("a masked vector travels with stage 'masked' and only with it")
+    tensors = {} if message.masked is None else {MASKED_TENSOR: np.ascontiguousarray(message.masked)}
+    return encode_tensors(tensors, _metadata({"stage": message.stage, "body": dict(message.body)}))
+
+
+def decode_secagg(payload: bytes, *, stages: tuple[str, ...]) -> SecAggMessage:
+    """Inverse of :func:`encode_secagg`, accepting only ``stages`` (the sender side's stages).
+
+    Raises:
+        PayloadError: not safetensors, unknown fields, a stage not in ``stages``, a body that is not an object,
+            or a masked vector that is missing, misplaced, not 1-D, or not uint32/uint64.
+    """
+    tensors, body = _read(payload, {"stage", "body"})
+    stage = body.get("stage")
+    if stage not in stages:
+        raise PayloadError(f"secagg stage {stage!r} is not one of {stages}")
+    if not isinstance(body.get("body"), dict):
+        raise PayloadError("secagg body must be an object")
+    masked = tensors.pop(MASKED_TENSOR, None)
+    if tensors:
+        raise PayloadError(f"unexpected tensors {sorted(tensors)[:5]} in a secagg message")
+    if (masked is not None) != (stage == "masked"):
+        raise PayloadError("a masked vector travels with stage 'masked' and only with it")
+    if masked is not None and (masked.ndim != 1 or masked.dtype not in (np.uint32, np.uint64)):
+        raise PayloadError(f"the masked vector must be 1-D uint32/uint64, got {masked.dtype} {masked.shape}")
+    return SecAggMessage(stage=stage, body=body["body"], masked=masked)

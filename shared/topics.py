@@ -6,6 +6,10 @@
     wildfed/v1/{federation_id}/site/{site_id}/update      site -> coordinator   signed UPDATE
     wildfed/v1/{federation_id}/site/{site_id}/ack         coordinator -> site   signed ACK
     wildfed/v1/{federation_id}/site/{site_id}/detection   site -> coordinator   signed DETECTION
+    wildfed/v1/{federation_id}/site/{site_id}/secagg      site -> coordinator   signed SECAGG (Global DP mode)
+
+The coordinator's SECAGG messages to a site (key list, share inbox, recovery request, round end) ride on the
+site's ``task`` topic: a gateway reads only that topic and ``ack``.
 
 One topic per site and direction keeps broker ACLs simple (a site may publish only under its own ``site/{id}/``
 and read only its own task/ack topics) and lets the coordinator subscribe to ``site/+/update`` with one filter,
@@ -18,10 +22,10 @@ from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError
 
 __all__ = ["PREFIX", "CHANNELS", "task_topic", "update_topic", "ack_topic", "detection_topic",
-           "updates_filter", "detections_filter", "parse_topic"]
+           "secagg_topic", "updates_filter", "detections_filter", "secagg_filter", "parse_topic"]
 
 PREFIX = "wildfed/v1"
-CHANNELS = ("task", "update", "ack", "detection")
+CHANNELS = ("task", "update", "ack", "detection", "secagg")
 
 
 def _topic(federation_id: str, site_id: str, channel: str) -> str:
@@ -50,6 +54,11 @@ def detection_topic(federation_id: str, site_id: str) -> str:
     return _topic(federation_id, site_id, "detection")
 
 
+def secagg_topic(federation_id: str, site_id: str) -> str:
+    """Topic on which ``site_id`` publishes its secure-aggregation messages (Global DP mode)."""
+    return _topic(federation_id, site_id, "secagg")
+
+
 def updates_filter(federation_id: str) -> str:
     """Subscription filter matching every site's update topic."""
     validate_identifier(federation_id, "federation_id")
@@ -60,6 +69,12 @@ def detections_filter(federation_id: str) -> str:
     """Subscription filter matching every site's detection topic."""
     validate_identifier(federation_id, "federation_id")
     return f"{PREFIX}/{federation_id}/site/+/detection"
+
+
+def secagg_filter(federation_id: str) -> str:
+    """Subscription filter matching every site's secure-aggregation topic."""
+    validate_identifier(federation_id, "federation_id")
+    return f"{PREFIX}/{federation_id}/site/+/secagg"
 
 
 def parse_topic(topic: str) -> tuple[str, str, str]:

@@ -12,8 +12,10 @@ from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.privacy.events import DPSGDEvent
-from shared.protocol import TrainingTask, UpdateReport, decode_ack, decode_task, encode_update
-from shared.topics import ack_topic, task_topic, update_topic
+from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
+                             decode_ack, decode_secagg, decode_task, encode_secagg, encode_update)
+from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient
+from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
 
 from coordinator.config import config_from_dict
 from coordinator.transport import InMemoryTransport
@@ -100,3 +102,62 @@ class FakeSite:
 EVENT = DPSGDEvent(noise_multiplier=1.2, sampling_rate=0.05, steps=5)
 
 
+
+
+class SecAggSite:
+    """A site that runs the real client side of secure aggregation with a vector chosen by the test.
+
+    ``vector(task)`` gives its clipped sum as ``{name: array}``; ``vanish_after`` names the last stage it sends
+    (``"shares"``: it drops before its masked sum, as a gateway losing power would)."""
+
+    def __init__(self, site_id, transport, coordinator_key, *, value, num_examples, categories,
+                 vanish_after=None, fed=FED):
+        self.site_id, self.transport, self.coordinator_key = site_id, transport, coordinator_key
+        self.value, self.num_examples, self.categories = value, num_examples, categories
+        self.vanish_after = vanish_after
+        self.fed = fed
+        self.key = generate_signing_key()
+        self.client = None
+        self.sent: dict[str, bytes] = {}
+        self.history: dict[str, list[bytes]] = {}
+        self.ends: list[dict] = []
+        self.plain: np.ndarray | None = None
+        self.task = None
+        transport.subscribe(task_topic(fed, site_id), self.on_message)
+
+    @property
+    def public_pem(self):
+        return public_key_to_pem(self.key.public_key())
+
+    def send(self, stage, body, masked=None):
+        if self.vanish_after is not None and list(self.sent) and list(self.sent)[-1] == self.vanish_after:
+            return
+        env = seal(private_key=self.key, federation_id=self.fed, site_id=self.site_id, round=self.task.round,
+                   base_model_hash=self.task.model_hash, kind=MessageKind.SECAGG, sequence=len(self.sent) + 1,
+                   payload=encode_secagg(SecAggMessage(stage, body, masked)))
+        self.sent[stage] = env.to_bytes()
+        self.history.setdefault(stage, []).append(env.to_bytes())
+        self.transport.publish(secagg_topic(self.fed, self.site_id), env.to_bytes())
+
+    def on_message(self, topic, raw):
+        env = Envelope.from_bytes(raw)
+        verify(env, self.coordinator_key)
+        if env.header.kind == MessageKind.TASK:
+            self.task, weights = decode_task(env.payload)
+            self.client = SecAggClient(self.site_id, self.task.secagg.params(self.fed, self.task.round))
+            self.plain = canonical_flatten({k: np.full_like(v, self.value) for k, v in weights.items()})
+            self.sent = {}
+            self.send("keys", self.client.public_keys().to_json())
+            return
+        msg = decode_secagg(env.payload, stages=COORDINATOR_STAGES)
+        if msg.stage == "key_list":
+            shares = self.client.shares_for({k.site_id: k for k in map(AdvertisedKeys.from_json, msg.body["keys"])})
+            self.send("shares", {"shares": [s.to_json() for s in shares.values()]})
+        elif msg.stage == "share_inbox":
+            self.client.receive_shares({s.sender: s for s in map(EncryptedShare.from_json, msg.body["shares"])})
+            self.send("masked", {"num_examples": self.num_examples, "categories": self.categories},
+                      self.client.mask(self.plain))
+        elif msg.stage == "recovery_request":
+            self.send("recovery", self.client.reveal_for_recovery(RecoveryRequest.from_json(msg.body)).to_json())
+        else:
+            self.ends.append(dict(msg.body))

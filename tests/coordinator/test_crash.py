@@ -123,3 +123,62 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
         for t in transports:
             t.close()
         store.dispose()
+
+
+def test_sigkill_after_charging_a_global_dp_round_charges_it_once(tmp_path, broker_url):  # noqa: F811
+    # Prepare: Global DP; three fake sites run the real secure-aggregation client over the broker
+    from tests.coordinator.helpers import SecAggSite
+
+    fed = f"crashg{uuid.uuid4().hex[:8]}"
+    cfg = make_config(tmp_path, federation_id=fed, broker_url=broker_url, rounds=2, round_deadline_s=30.0,
+                      privacy="global", local_steps=1, expected_batch_size=4, ship_ort_artifacts=False,
+                      secagg={"stage_timeout_s": 20.0})
+    cfg_path = save_config(cfg, tmp_path / "coordinator.yaml")
+    key = generate_signing_key()
+    save_private_key(key, cfg.signing_key_path)
+    save_public_key(key.public_key(), cfg.public_key_path)
+    store = Store(cfg.database_url, cfg.data_dir)
+    w0 = tiny_weights()
+    store.put_model(model_hash(w0), encode_tensors(w0), round=0)
+    transports = []
+    try:
+        for sid in ("a", "b", "c"):
+            t = MqttTransport(broker_url, client_id=f"{fed}-{sid}")
+            transports.append(t)
+            site = SecAggSite(sid, t, key.public_key(), value=0.5, num_examples=8, categories=["LC"], fed=fed)
+            t.connect()
+            SiteRegistry(store).enrol(sid, site.public_pem, {"num_examples": 8, "categories": ["LC"]})
+
+        # Execute 1: killed after the survivors were charged, before the sum was unmasked
+        first = run_coordinator(cfg_path, "after_ledger")
+        assert first.returncode == -signal.SIGKILL, (first.returncode, first.stdout, first.stderr)
+        assert [(r.round, r.status) for r in store.rounds()] == [(1, "open")]
+        with store.session() as db:
+            assert sorted((r.site_id, r.round) for r in db.query(LedgerRow).all()) == [("a", 1), ("b", 1), ("c", 1)]
+            assert db.query(ModelVersionRow).filter(ModelVersionRow.round >= 1).count() == 0
+
+        # Execute 2: restart; round 1 cannot be finished (secagg state was in memory) and is marked failed
+        second = run_coordinator(cfg_path, None)
+        assert second.returncode == 0, (second.stdout, second.stderr)
+
+        # Assert: round 1 failed, round 2 closed; each round charged exactly once per site
+        assert [(r.round, r.status) for r in store.rounds()] == [(1, "failed"), (2, "closed")]
+        assert "stopped during secure aggregation" in store.rounds()[0].detail
+        with store.session() as db:
+            rows = sorted((r.site_id, r.round, r.category, r.steps) for r in db.query(LedgerRow).all())
+        assert rows == [(sid, r, "LC", 1) for sid in ("a", "b", "c") for r in (1, 2)]
+        ledger = PrivacyLedger(store, target_delta=1e-5)
+        budget = cfg.budgets()[LC]
+        for sid in ("a", "b", "c"):
+            z, q = ledger.events(sid, LC)[0].noise_multiplier, ledger.events(sid, LC)[0].sampling_rate
+            assert q == 0.5  # B / N = 4 / 8
+            acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 2)
+            assert ledger.spent(sid, LC) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+            assert ledger.spent(sid, LC) <= budget * (1 + 1e-9)
+        with store.session() as db:
+            assert db.query(ModelVersionRow).filter(ModelVersionRow.round >= 1).count() == 1  # round 2's only
+    finally:
+        for t in transports:
+            t.close()
+        store.dispose()

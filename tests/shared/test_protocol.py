@@ -55,3 +55,64 @@ def test_update_rejects_non_finite_and_wrong_dtype_and_unknown_fields():
         decode_update(encode_tensors({}, {"wildfed": json.dumps({**r.to_json(), "loss": 0.1})}))
     with pytest.raises(PayloadError, match="metadata"):
         decode_update(encode_tensors({}, {}))
+
+
+# ---- Global DP mode: secagg settings in the task, SECAGG stage messages ------------------------------------------
+
+def secagg(**kw):
+    from shared.protocol import SecAggSettings
+
+    base = dict(site_ids=("b", "a", "c"), threshold=2, vector_length=8, max_abs_value=4.0, scale=2.0 ** 20)
+    base.update(kw)
+    return SecAggSettings(**base)
+
+
+def test_global_task_round_trip_and_rules():
+    t = task(privacy="global", local_steps=1, secagg=secagg())
+    back, _ = decode_task(encode_task(t, W))
+    assert back == t and back.secagg.params("f", 2).site_ids == ("a", "b", "c")
+    # a ccdp task leaves the field out, so older gateways read it unchanged
+    assert "secagg" not in task().to_json()
+    with pytest.raises(PayloadError, match="exactly 1 local step"):
+        task(privacy="global", local_steps=5, secagg=secagg())
+    with pytest.raises(PayloadError, match="carry secagg"):
+        task(privacy="global", local_steps=1)
+    with pytest.raises(PayloadError, match="only for global"):
+        task(secagg=secagg())
+    with pytest.raises(PayloadError, match="threshold"):
+        task(privacy="global", local_steps=1, secagg=secagg(threshold=1))  # 2t > n fails
+    with pytest.raises(PayloadError, match="wrap"):
+        task(privacy="global", local_steps=1, secagg=secagg(scale=2.0 ** 29))  # 3 * 4 * 2^29 >= 2^31
+
+
+def test_secagg_messages_round_trip_and_refuse_misplaced_parts():
+    from shared.protocol import COORDINATOR_STAGES, SITE_STAGES, SecAggMessage, decode_secagg, encode_secagg
+
+    masked = np.arange(5, dtype=np.uint32)
+    msg = decode_secagg(encode_secagg(SecAggMessage("masked", {"num_examples": 3, "categories": ["LC"]}, masked)),
+                        stages=SITE_STAGES)
+    assert msg.stage == "masked" and msg.body == {"num_examples": 3, "categories": ["LC"]}
+    np.testing.assert_array_equal(msg.masked, masked)
+    # a site stage is refused where coordinator stages are expected, and the other way round
+    with pytest.raises(PayloadError, match="not one of"):
+        decode_secagg(encode_secagg(SecAggMessage("keys", {})), stages=COORDINATOR_STAGES)
+    with pytest.raises(PayloadError, match="only with it"):
+        encode_secagg(SecAggMessage("keys", {}, masked))
+    with pytest.raises(PayloadError, match="only with it"):
+        encode_secagg(SecAggMessage("masked", {}))
+    # a float vector is not a masked vector
+    bad = encode_tensors({"masked": np.zeros(3, np.float32)},
+                         {"wildfed": json.dumps({"stage": "masked", "body": {}})})
+    with pytest.raises(PayloadError, match="uint32/uint64"):
+        decode_secagg(bad, stages=SITE_STAGES)
+
+
+def test_canonical_flatten_orders_by_name():
+    from shared.protocol import canonical_flatten, canonical_unflatten
+
+    flat = canonical_flatten({"z": np.array([1.0, 2.0], np.float32), "a": np.array([[3.0]], np.float32)})
+    np.testing.assert_array_equal(flat, [3.0, 1.0, 2.0])
+    back = canonical_unflatten(flat, {"z": np.zeros(2, np.float32), "a": np.zeros((1, 1), np.float32)})
+    np.testing.assert_array_equal(back["a"], [[3.0]]) and np.testing.assert_array_equal(back["z"], [1.0, 2.0])
+    with pytest.raises(PayloadError, match="3 values"):
+        canonical_unflatten(np.zeros(4), {"z": np.zeros(2), "a": np.zeros((1, 1))})

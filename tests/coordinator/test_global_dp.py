@@ -1,0 +1,164 @@
+"""Global DP mode: secure aggregation over the (in-memory) bus, the coordinator's one noise draw, and the ledger.
+
+Fake sites here run the real site side of shared.secagg with vectors the test chooses, so the released aggregate
+can be checked against a hand-computed sum (tests.coordinator.helpers.SecAggSite). Real gateway agents run the
+same rounds in tests/edge/test_agent.py (the site side) and tests/test_demo.py (the whole federation, slow); the
+crash case is in tests/coordinator/test_crash.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import rdp
+from scipy import stats
+
+import coordinator.global_dp as global_dp
+from shared.envelope import Envelope
+from shared.iucn import IUCNCategory
+from shared.protocol import decode_secagg
+from shared.secagg import quantise
+
+from coordinator.global_dp import effective_sensitivity, global_noise_multipliers, noise_std, secagg_settings
+from tests.coordinator.helpers import FED, SecAggSite, tiny_weights
+
+LC, CR, VU = IUCNCategory.LC, IUCNCategory.CR, IUCNCategory.VU
+
+
+def rdp_eps(z: float, q: float, steps: int, delta: float = 1e-5) -> float:
+    acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), steps)
+    return acc.get_epsilon(delta)
+
+
+class ZeroNoise:
+    """A RandomSource whose normals are 0: the released aggregate is then the exact secure sum (test only)."""
+
+    def standard_normal(self, size):
+        return np.zeros(size)
+
+    def random(self, size):
+        return np.zeros(size)
+
+
+@pytest.fixture
+def global_federation(federation, monkeypatch):
+    def build(specs, *, zero_noise=True, **overrides):
+        if zero_noise:
+            monkeypatch.setattr(global_dp, "SecureRandom", ZeroNoise)
+        kw = dict(privacy="global", local_steps=1, expected_batch_size=4, learning_rate=0.5, rounds=3,
+                  round_deadline_s=1.0, secagg={"stage_timeout_s": 0.5})
+        kw.update(overrides)
+        coord, transport, key = federation(**kw)
+        sites = []
+        for sid, value, n, cats, extra in specs:
+            site = SecAggSite(sid, transport, key.public_key(), value=value, num_examples=n, categories=cats, **extra)
+            coord.enrol(sid, site.public_pem, {"num_examples": n, "categories": cats})
+            sites.append(site)
+        return coord, transport, sites
+
+    return build
+
+
+def test_settings_sensitivity_and_noise_are_the_documented_formulas():
+    s = secagg_settings(site_ids=["b", "a", "c"], vector_length=8, clipping_norm=1.0, expected_batch_size=4)
+    # B_box = C * B = 4; the largest power of two with 3 * rint(4 * scale) < 2^31 is 2^27 (3 * 2^29 < 2^31)
+    assert s.site_ids == ("a", "b", "c") and s.threshold == 2 and s.max_abs_value == 4.0 and s.scale == 2.0 ** 27
+    assert 3 * 4 * 2 ** 28 >= 2 ** 31  # the next power of two would wrap
+    assert effective_sensitivity(1.0, 8, 2.0 ** 27) == pytest.approx(1.0 + math.sqrt(8) / 2 ** 27)
+    assert noise_std({LC: 3.0, CR: 4.0}, 2.0) == pytest.approx(10.0)  # sqrt(9 + 16) * 2
+
+
+def test_noise_multipliers_are_the_largest_any_site_needs():
+    budgets = {LC: 5 / 3, CR: 1 / 3}
+    sites = {"small": (0.5, (LC, CR)), "large": (0.05, (LC,))}
+    z = global_noise_multipliers(budgets=budgets, sites=sites, target_delta=1e-5, planned_rounds=10)
+    assert set(z) == {LC, CR}
+    # every site holding c stays within eps_c over 10 rounds; the one that needs the most noise sits at it
+    for c, holders in ((LC, (0.5, 0.05)), (CR, (0.5,))):
+        spends = [rdp_eps(z[c], q, 10) for q in holders]
+        assert max(spends) <= budgets[c] * (1 + 1e-9)
+        assert max(spends) == pytest.approx(budgets[c], rel=2e-3)
+    # the small site (q = 0.5) needs more noise than the large one for LC
+    z_large = global_noise_multipliers(budgets=budgets, sites={"large": sites["large"]}, target_delta=1e-5,
+                                       planned_rounds=10)
+    assert z[LC] > z_large[LC]
+
+
+def test_global_round_releases_the_exact_sum_and_charges_before_unmasking(global_federation):
+    # Prepare: three sites with clipped sums 0.25, 0.5, -1 everywhere, N = 8, 16, 4 -> q = 0.5, 0.25, 1
+    coord, transport, sites = global_federation([("a", 0.25, 8, ["LC"], {}), ("b", 0.5, 16, ["LC", "CR"], {}),
+                                                 ("c", -1.0, 4, ["LC"], {})], rounds=3)
+    # Execute
+    result = coord.run_round()
+    # Assert: g = (0.25 + 0.5 - 1) / (0.5*8 + 0.25*16 + 1*4) = -0.25 / 12; theta <- theta - 0.5 g (zero noise)
+    assert result.status == "closed" and result.accepted == ("a", "b", "c")
+    _, weights = coord.rounds.current_model()
+    for name, w0 in tiny_weights().items():
+        np.testing.assert_allclose(weights[name], w0 + 0.5 * 0.25 / 12, rtol=0, atol=1e-6)
+    # each site charged one step at its own q with the shared z_c; CR only at b
+    budgets = coord.config.budgets()
+    for sid, q, cats in (("a", 0.5, {LC}), ("b", 0.25, {LC, CR}), ("c", 1.0, {LC})):
+        assert coord.ledger.categories(sid) == cats
+        for c in cats:
+            (event,) = coord.ledger.events(sid, c)
+            assert (event.sampling_rate, event.steps) == (q, 1)
+            assert rdp_eps(event.noise_multiplier, q, 3) <= budgets[c] * (1 + 1e-9)
+    # z_LC is set by c (q = 1 needs the most noise) and equals its calibration
+    z_lc = coord.ledger.events("a", LC)[0].noise_multiplier
+    assert rdp_eps(z_lc, 1.0, 3) == pytest.approx(budgets[LC], rel=2e-3)
+    assert all(site.ends == [{"status": "closed", "reason": site.ends[0]["reason"]}] for site in sites)
+    row = coord.store.rounds()[-1]
+    assert row.privacy == "global" and "3 of 3 sites unmasked" in row.detail
+
+
+def test_a_site_that_vanishes_after_sharing_is_recovered_and_not_charged(global_federation):
+    # Prepare: d vanishes after sending its shares (before its masked sum); t = 3 of 4
+    coord, transport, sites = global_federation([("a", 0.25, 8, ["LC"], {}), ("b", 0.5, 8, ["LC"], {}),
+                                                 ("c", 1.0, 8, ["LC"], {}),
+                                                 ("d", 8.0, 8, ["LC"], {"vanish_after": "shares"})])
+    # Execute
+    result = coord.run_round()
+    # Assert: the sum over a, b, c only: (0.25 + 0.5 + 1) / (3 * 0.5 * 8)
+    assert result.status == "closed" and result.accepted == ("a", "b", "c")
+    _, weights = coord.rounds.current_model()
+    for name, w0 in tiny_weights().items():
+        np.testing.assert_allclose(weights[name], w0 - 0.5 * 1.75 / 12, rtol=0, atol=1e-6)
+    assert coord.ledger.categories("d") == set()
+    assert "1 dropped after sharing" in coord.store.rounds()[-1].detail
+
+
+def test_too_few_survivors_abandon_the_round_without_charging(global_federation):
+    coord, _, _ = global_federation([("a", 0.25, 8, ["LC"], {}), ("b", 0.5, 8, ["LC"], {"vanish_after": "keys"}),
+                                     ("c", 1.0, 8, ["LC"], {"vanish_after": "keys"})])
+    coord.start()
+    w_before = coord.rounds.current_model()[0]
+    result = coord.run_round()
+    assert result.status == "failed" and coord.rounds.current_model()[0] == w_before
+    assert all(coord.ledger.categories(s) == set() for s in ("a", "b", "c"))
+    assert "NotEnoughSharesError" in coord.store.rounds()[-1].detail
+
+
+def test_the_coordinator_sees_only_uniform_masked_vectors(global_federation):
+    # Prepare: site a sends the same constant clipped sum every round; 32 rounds of 8 coordinates
+    coord, transport, sites = global_federation([("a", 0.5, 8, ["LC"], {}), ("b", 0.5, 8, ["LC"], {})], rounds=32)
+    # Execute
+    results = coord.run()
+    # Assert: every round closed; what reached the coordinator for a is never its quantised plain vector, and
+    # the bytes of its masked vectors are uniform (chi-square over the 256 byte values, 1024 bytes)
+    assert [r.status for r in results] == ["closed"] * 32
+    params = sites[0].task.secagg.params(FED, 1)
+    plain = quantise(sites[0].plain, params)
+    masked = [decode_secagg(Envelope.from_bytes(raw).payload, stages=("masked",)).masked
+              for raw in sites[0].history["masked"]]
+    assert len(masked) == 32 and not any(np.array_equal(m, plain) for m in masked)
+    counts = np.bincount(np.frombuffer(np.concatenate(masked).astype("<u4").tobytes(), dtype=np.uint8),
+                         minlength=256)
+    assert stats.chisquare(counts).pvalue > 1e-6
+    # a mutation check of the test itself: the plain vectors' bytes are far from uniform
+    plain_counts = np.bincount(np.frombuffer(np.tile(plain, 32).astype("<u4").tobytes(), dtype=np.uint8),
+                               minlength=256)
+    assert stats.chisquare(plain_counts).pvalue < 1e-6
