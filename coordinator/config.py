@@ -25,6 +25,8 @@ Example (``wildfed-coordinator init`` writes this)::
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
     secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
+    strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
+    species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -44,7 +46,7 @@ from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "CoordinatorConfig", "load_config", "save_config"]
+__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry", "CoordinatorConfig", "load_config", "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -73,6 +75,60 @@ class BudgetFromAnchor(StrictModel):
 
 
 Budget = Annotated[BudgetFromMax | BudgetFromAnchor, Field(discriminator="kind")]
+
+
+class FedAvgConfig(StrictModel):
+    """Plain FedAvg over all sites (McMahan et al. 2017)."""
+
+    kind: Literal["fedavg"] = "fedavg"
+
+
+class NiraConfig(StrictModel):
+    """NIRA: ecological clusters, shared phi, one head psi per cluster (coordinator/strategies/nira.py, docs/nira.md).
+
+    At most one of ``distance_threshold`` / ``num_clusters`` cuts the species-list dendrogram; with neither, the
+    cut is at Jaccard distance 0.7 (sites sharing less than 30 % of their species lists fall apart)."""
+
+    kind: Literal["nira"] = "nira"
+    distance_threshold: float | None = Field(None, gt=0, le=1, description="cut at this Jaccard distance 1 - J "
+                                             "(average linkage)")
+    num_clusters: int | None = Field(None, ge=1, description="or cut into this many clusters")
+    exclude_categories: list[IUCNCategory] = Field(default_factory=lambda: [IUCNCategory.CR, IUCNCategory.EN],
+                                                   description="IUCN categories left out of the species lists used "
+                                                   "for clustering (sensitive species)")
+    recluster_every: int = Field(0, ge=0, description="re-cluster from the cosine similarity of the sites' "
+                                 "phi-updates every this many rounds (0: never)")
+    recluster_margin: float = Field(0.1, ge=0, le=2, description="a site moves only if its mean cosine similarity "
+                                    "to another cluster beats its own cluster's by this much")
+    min_rounds_between_moves: int = Field(3, ge=1, description="a site moves at most once per this many rounds")
+    embedding_merging: bool = Field(True, description="initialise the head rows of species a cluster lacks with "
+                                    "the N_k-weighted mean of the sites' embeddings of that species")
+    head_prefix: str = Field("psi.", min_length=1, description="tensor-name prefix of the classification head")
+
+    @model_validator(mode="after")
+    def _one_cut(self) -> "NiraConfig":
+        if self.distance_threshold is not None and self.num_clusters is not None:
+            raise ValueError("give at most one of distance_threshold and num_clusters")
+        return self
+
+    @property
+    def cut(self) -> dict[str, float | int | None]:
+        """Keyword arguments of the dendrogram cut: ``distance_threshold`` or ``num_clusters``."""
+        if self.num_clusters is not None:
+            return {"distance_threshold": None, "num_clusters": self.num_clusters}
+        return {"distance_threshold": self.distance_threshold if self.distance_threshold is not None else 0.7,
+                "num_clusters": None}
+
+
+Strategy = Annotated[FedAvgConfig | NiraConfig, Field(discriminator="kind")]
+
+
+class SpeciesEntry(StrictModel):
+    """One class of the federation's model (public): its scientific name, class index and IUCN category."""
+
+    scientific_name: str = Field(min_length=1)
+    class_index: int = Field(ge=0)
+    iucn_category: IUCNCategory
 
 
 class SecAggConfig(StrictModel):
@@ -126,6 +182,10 @@ class CoordinatorConfig(StrictModel):
                                             "model in every task (coordinator.artifacts); None: yes where "
                                             "onnxruntime.training imports at the coordinator")
     secagg: SecAggConfig = Field(default_factory=SecAggConfig)
+    strategy: Strategy = Field(default_factory=FedAvgConfig)
+    species: list[SpeciesEntry] | None = Field(None, description="the federation's species table (class index, "
+                                               "scientific name, IUCN category); NIRA uses it to map species to "
+                                               "head rows")
 
     @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
     @classmethod
@@ -140,6 +200,10 @@ class CoordinatorConfig(StrictModel):
             raise ValueError(f"privacy 'global' runs one clipped-gradient step per round (the coordinator noises "
                              f"each round's sum once), so local_steps must be 1, got {self.local_steps}; set "
                              "local_steps: 1 (and raise rounds) or use privacy: ccdp")
+        if self.privacy == "global" and self.strategy.kind == "nira":
+            raise ValueError("NIRA needs each site's update (per-cluster heads, phi-update similarity), which "
+                             "secure aggregation hides: use privacy ccdp (or none) with strategy nira, or "
+                             "strategy fedavg with privacy global")
         return self
 
     # -- derived -------------------------------------------------------------------------------------------------

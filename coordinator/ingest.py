@@ -149,6 +149,9 @@ class RoundContext:
         local_steps: steps the task asked for.
         strategy: running aggregate (``begin_round`` already called).
         accepted: filled by ingest, site id -> :class:`Accepted`.
+        site_hashes: per site, the hash of the model it was sent (NIRA sends each cluster its own head); a site
+            not listed trains from ``model_hash``.
+        bundle: the strategy's stored model that the round steps (FedAvg: the model itself; None = ``template``).
     """
 
     round: int
@@ -161,6 +164,12 @@ class RoundContext:
     local_steps: int
     strategy: Strategy
     accepted: dict[str, Accepted] = field(default_factory=dict)
+    site_hashes: Mapping[str, str] = field(default_factory=dict)
+    bundle: Mapping[str, np.ndarray] | None = None
+
+    def expected_hash(self, site_id: str) -> str:
+        """The model hash ``site_id``'s update must have been trained from."""
+        return self.site_hashes.get(site_id, self.model_hash)
 
 
 class _Reject(Exception):
@@ -308,9 +317,9 @@ class Ingestor:
             raise _Reject(RejectReason.WRONG_ROUND, f"update for round {h.round}, open round is {open_r}")
         if h.site_id not in ctx.selected:
             raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round {ctx.round}")
-        if h.base_model_hash != ctx.model_hash:
+        if h.base_model_hash != ctx.expected_hash(h.site_id):
             raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, round "
-                          f"{ctx.round} trains from {ctx.model_hash[:12]}")
+                          f"{ctx.round} trains site {h.site_id} from {ctx.expected_hash(h.site_id)[:12]}")
         if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{ctx.round}")

@@ -236,29 +236,38 @@ class RoundManager:
                            halted=result.halted)
 
     def open_round(self) -> RoundContext | None:
-        """Halt, select, record the round as ``open``, start ingest, publish the signed tasks.
+        """Halt, select, let the strategy prepare its bundle, record the round as ``open``, start ingest, publish
+        the signed tasks (each site gets ``strategy.site_weights(bundle, site)``).
 
         Returns:
             The open round's context, or None when no site can train (nothing is recorded then).
         """
         r = self.next_round()
-        base_hash, weights = self.current_model()
+        base_hash, stored = self.current_model()
         selected, halted = self.select(r)
         if not selected:
             log.warning("rounds: no site can train in round %d (all halted or none enrolled)", r)
             return None
+        bundle = self._strategy.prepare(stored, round=r)
+        if set(bundle) != set(stored) or any(not np.array_equal(bundle[k], stored[k]) for k in bundle):
+            base_hash = model_hash(bundle)
+            self._store.put_model(base_hash, encode_tensors(bundle), round=r - 1)
+        site_models = {site: self._strategy.site_weights(bundle, site) for site in selected}
+        site_hashes = {site: model_hash(w) for site, w in site_models.items()}
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy=self.config.privacy))
-        self._strategy.begin_round(weights)
-        ctx = RoundContext(round=r, model_hash=base_hash, template=weights, selected=frozenset(selected),
-                           halted=halted, budgets=self.config.budgets(), privacy=self.config.privacy,
-                           local_steps=self.config.local_steps, strategy=self._strategy)
+        self._strategy.begin_round(bundle)
+        ctx = RoundContext(round=r, model_hash=base_hash, template=site_models[selected[0]],
+                           selected=frozenset(selected), halted=halted, budgets=self.config.budgets(),
+                           privacy=self.config.privacy, local_steps=self.config.local_steps, strategy=self._strategy,
+                           site_hashes=site_hashes, bundle=bundle)
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
-        artifacts = self.task_artifacts(base_hash, weights)
         for site_id in selected:
-            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts)
+            artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
+            self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
+                               halted.get(site_id, frozenset()), artifacts)
         return ctx
 
     def wait_for_quorum(self, ctx: RoundContext, timeout_s: float | None = None) -> bool:
@@ -281,7 +290,7 @@ class RoundManager:
         """Stop ingest, charge the ledger durably, then aggregate, step and store the model (see module doc)."""
         t0 = self._clock()
         self._ingestor.close_round()
-        weights = ctx.template
+        weights = ctx.bundle if ctx.bundle is not None else ctx.template
         status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
         return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
                            accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
@@ -382,7 +391,7 @@ class RoundManager:
         _test_crash_point("after_ledger")
         if len(ctx.accepted) >= need and ctx.strategy.count > 0:
             avg_delta = ctx.strategy.aggregate()
-            new_weights = self._optimizer.step(weights, avg_delta)
+            new_weights = ctx.strategy.after_step(self._optimizer.step(weights, avg_delta))
             new_hash = model_hash(new_weights)
             self._store.put_model(new_hash, encode_tensors(new_weights), round=ctx.round)
             status = "closed"
@@ -399,6 +408,9 @@ class RoundManager:
             row.closed_at = utcnow()
         log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
                  new_hash[:12])
+        if status == "closed":
+            for line in ctx.strategy.end_round(ctx.round):
+                log.info("rounds: round %d: %s", ctx.round, line)
         return status, new_hash
 
     # ---- recovery ----------------------------------------------------------------------------------------------
@@ -426,7 +438,7 @@ class RoundManager:
             self._strategy.begin_round(weights)
             ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights, selected=selected,
                                halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
-                               local_steps=self.config.local_steps, strategy=self._strategy)
+                               local_steps=self.config.local_steps, strategy=self._strategy, bundle=weights)
             for upd in self._store.updates_for_round(row.round):
                 report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
                 weight = float(report.num_examples)

@@ -47,7 +47,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.transport import MqttTransport, Transport
 
-__all__ = ["Coordinator", "StatusReport", "BudgetRow"]
+__all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class Coordinator:
         signing_key: the coordinator's Ed25519 key; defaults to the one at ``config.signing_key_path``.
         initial_weights: round-0 global model (float32 arrays); defaults to
             ``shared.models.camera_cnn.initial_weights(config.num_classes, config.seed or 0)``.
-        strategy, optimizer: aggregation and server step; default FedAvg and ServerSGD(server_learning_rate).
+        strategy, optimizer: aggregation and server step; default: the strategy ``config.strategy`` names
+            (:func:`build_strategy`: FedAvg or NIRA) and ServerSGD(server_learning_rate).
         schema: PostgreSQL schema for every table (see :class:`~coordinator.storage.Store`).
 
     Raises:
@@ -117,10 +118,12 @@ class Coordinator:
                                  ledger=self.ledger, transport=self.transport, signing_key=self._key)
         self.detections = DetectionIngestor(federation_id=config.federation_id, store=self.store,
                                             registry=self.registry)
+        if strategy is None:
+            strategy = build_strategy(config, self.store, self.registry)
         self.secagg = SecAggCollector(federation_id=config.federation_id, store=self.store, registry=self.registry)
         self.rounds = RoundManager(config=config, store=self.store, registry=self.registry, ledger=self.ledger,
                                    ingestor=self.ingestor, transport=self.transport,
-                                   strategy=strategy or FedAvg(),
+                                   strategy=strategy,
                                    optimizer=optimizer or ServerSGD(config.server_learning_rate),
                                    signing_key=self._key, secagg_collector=self.secagg)
         self._started = False
@@ -209,6 +212,24 @@ class Coordinator:
     def budget_rows(self) -> list[BudgetRow]:
         """Epsilon spent vs budget for every enrolled site and every IUCN category."""
         return budget_rows(self.config, self.registry, self.ledger)
+
+
+def build_strategy(config: CoordinatorConfig, store: Store, registry: SiteRegistry) -> Strategy:
+    """The aggregation strategy ``config.strategy`` names: FedAvg, or NIRA over the registry's public metadata
+    with its state in ``store`` (coordinator/strategies/nira.py)."""
+    cfg = config.strategy
+    if cfg.kind == "fedavg":
+        return FedAvg()
+    from coordinator.strategies.nira import NIRA
+
+    species = config.species or []
+    return NIRA(store=store, site_metadata=lambda: {site.site_id: site.metadata for site in registry.list()},
+                cut=cfg.cut, exclude_categories=tuple(c.value for c in cfg.exclude_categories),
+                species_classes={e.scientific_name: e.class_index for e in species} or None,
+                species_categories={e.scientific_name: e.iucn_category.value for e in species} or None,
+                recluster_every=cfg.recluster_every, recluster_margin=cfg.recluster_margin,
+                min_rounds_between_moves=cfg.min_rounds_between_moves, embedding_merging=cfg.embedding_merging,
+                head_prefix=cfg.head_prefix)
 
 
 def status_report(store: Store, registry: SiteRegistry) -> StatusReport:

@@ -64,6 +64,7 @@ __all__ = [
     "Base",
     "SiteRow",
     "RoundRow",
+    "StrategyStateRow",
     "UpdateRow",
     "RejectionRow",
     "LedgerRow",
@@ -162,6 +163,15 @@ class ModelVersionRow(Base):
     path: Mapped[str] = mapped_column(Text)
     round: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class StrategyStateRow(Base):
+    """Persistent state of the aggregation strategy (e.g. NIRA's clusters), JSON under a key; never pickled."""
+
+    __tablename__ = "strategy_state"
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value_json: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
 class HaltRow(Base):
@@ -314,6 +324,22 @@ class Store:
             if s.get(ModelVersionRow, model_hash) is None:
                 s.add(ModelVersionRow(model_hash=model_hash, path=str(path), round=round))
         return path
+
+    def get_state(self, key: str, default: Any = None) -> Any:
+        """The JSON value stored under ``key`` (strategy state), or ``default``."""
+        with self.session() as s:
+            row = s.get(StrategyStateRow, key)
+            return default if row is None else json.loads(row.value_json)
+
+    def set_state(self, key: str, value: Any) -> None:
+        """Store a JSON-serialisable ``value`` under ``key`` (committed before return)."""
+        text = json.dumps(value, sort_keys=True)
+        with self.session() as s:
+            row = s.get(StrategyStateRow, key)
+            if row is None:
+                s.add(StrategyStateRow(key=key, value_json=text))
+            else:
+                row.value_json, row.updated_at = text, utcnow()
 
     def get_model(self, model_hash: str) -> bytes:
         """Safetensors bytes of a stored model version; raises ``KeyError`` if the hash is unknown."""

@@ -20,7 +20,31 @@ Tensors = Mapping[str, np.ndarray]
 
 
 class Strategy(ABC):
-    """Streaming aggregation of model deltas for one round at a time."""
+    """Streaming aggregation of model deltas for one round at a time.
+
+    The stored global model is the strategy's *bundle*. FedAvg's bundle is the model itself. NIRA's holds the shared
+    phi and one head psi per cluster. Four hooks, identity by default, let a strategy keep such a bundle:
+    :meth:`prepare` (before a round), :meth:`site_weights` (what one site trains from), :meth:`after_step`
+    (after the server optimizer) and :meth:`end_round` (after the model is stored). ``begin_round`` receives the
+    bundle. ``accumulate`` receives a site's delta in site-weights shape. ``aggregate`` returns a delta in bundle
+    shape.
+    """
+
+    def prepare(self, bundle: Tensors, *, round: int) -> dict[str, np.ndarray]:
+        """The bundle round ``round`` trains from (e.g. with a head for every current cluster); default: as is."""
+        return dict(bundle)
+
+    def site_weights(self, bundle: Tensors, site_id: str) -> dict[str, np.ndarray]:
+        """The model ``site_id`` trains from this round (what its TASK carries); default: the bundle."""
+        return dict(bundle)
+
+    def after_step(self, bundle: Tensors) -> dict[str, np.ndarray]:
+        """Post-process the new bundle after the server optimizer (e.g. species-embedding merging); default: as is."""
+        return dict(bundle)
+
+    def end_round(self, round: int) -> list[str]:
+        """Called once the round's new model is stored (e.g. re-clustering); returns log lines. Default: none."""
+        return []
 
     @abstractmethod
     def begin_round(self, template: Tensors) -> None:

@@ -54,6 +54,7 @@ class FakeSite:
     tamper: bool = False
     sequence: int = 0
     fed: str = FED
+    last_weights: dict = field(default_factory=dict)
 
     def attach(self) -> "FakeSite":
         self.transport.subscribe(task_topic(self.fed, self.site_id), self._on_task)
@@ -69,6 +70,7 @@ class FakeSite:
         verify(env, self.coordinator_public_key)
         task, weights = decode_task(env.payload)
         self.tasks.append(task)
+        self.last_weights = weights
         delta = {k: np.full_like(v, self.value) for k, v in weights.items()}
         events = {c: e for c, e in self.events.items() if c not in task.halted}  # never sample halted categories
         raw = self.envelope(task.round, task.model_hash, self.payload(delta, events=events))

@@ -1,0 +1,385 @@
+"""NIRA: non-IID robust aggregation with ecological clusters (DESIGN.md, Seeds "NIRA"; docs/nira.md).
+
+The stored global model (the *bundle*, see :class:`coordinator.strategies.base.Strategy`) holds the shared feature
+extractor phi under its own names (``phi.*``) and one classification head per cluster under
+``nira/<cluster>/<head name>`` (``nira/c0/psi.weight``, ...). Site k of cluster m trains from phi + psi_m under the
+plain model names, so gateways see an ordinary model.
+
+Aggregation of one round (streaming: one running weighted sum per cluster, never the K updates):
+
+- intra-cluster FedAvg weighted by N_k: ``delta_m = sum_{k in m} N_k delta_k / sum_{k in m} N_k`` (phi and psi);
+- phi: inter-cluster average weighted by cluster size, ``delta_phi = sum_m (|C_m| / K) delta_m,phi``, where |C_m|
+  and K count the sites whose update was aggregated this round (so the weights sum to 1);
+- psi_m: ``delta_m,psi`` for each cluster with an update this round; other clusters' heads are unchanged.
+
+Clusters come from the sites' public species lists (Jaccard similarity, average-linkage hierarchical clustering:
+:mod:`coordinator.strategies.ecological_clustering`), with sensitive categories (CR, EN by default) left out. A
+site enrolled after clustering joins the cluster whose members' lists it shares most (mean Jaccard). Operators can
+pin a site to a cluster and force a re-cluster (``wildfed-coordinator clusters``).
+
+Dynamic re-clustering (every ``recluster_every`` rounds): from the cosine similarity of the sites' phi-updates of
+that round, which the coordinator receives anyway (post-processing of DP outputs: no privacy cost). To keep
+memory independent of the model size, each phi-update is kept as a 4,096-dimensional signed feature-hashing
+sketch (Weinberger et al. 2009, "Feature Hashing for Large Scale Multitask Learning", §2: inner products are
+preserved in expectation). A site moves only when another cluster beats its own by a margin, and not more often
+than every ``min_rounds_between_moves`` rounds, so clusters do not flap. Every change is logged with its reason
+and kept in the strategy state.
+
+Species-embedding merging (rare-species transfer): the embedding of species s at site k is row s of its trained
+head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged embedding is
+``e_s = sum_k w_ks e_s^(k) / sum_k w_ks`` over the sites that saw s. Here a site saw s if s is on its public
+species list, and ``w_ks = N_k``, the site's declared public record count (the operator's "public N_k weights"
+choice of issue 5: no per-species count leaves a site, so nothing is charged). After each step, the head row of
+every species that no member of a cluster lists is set to e_s. Species left out of the public lists (CR/EN by
+default) are never merged this way.
+
+State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
+restarted coordinator continues with the same clusters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from coordinator.strategies.base import Strategy, Tensors
+from coordinator.strategies.ecological_clustering import (ClusterAssignment, cluster_sites, jaccard_matrix,
+                                                          recluster_from_updates, site_species_lists)
+from coordinator.strategies.fedavg import RunningWeightedSum, add_weighted, new_running_sum
+
+__all__ = ["NIRA", "BUNDLE_PREFIX", "SKETCH_DIM", "hash_sketch", "match_labels"]
+
+log = logging.getLogger(__name__)
+
+BUNDLE_PREFIX = "nira/"
+SKETCH_DIM = 4096
+_STATE_KEY = "nira"
+
+
+def hash_sketch(vector: np.ndarray, dim: int = SKETCH_DIM, *, seed: int = 0) -> np.ndarray:
+    """Signed feature-hashing sketch of a float vector (Weinberger et al. 2009, §2): coordinate i is added, with
+    sign s(i) in {-1, +1}, to bucket h(i) in [0, dim). ``E[<sk(x), sk(y)>] = <x, y>``; the hash and sign are fixed
+    by ``seed`` (public: the sketch is post-processing, not a privacy mechanism).
+
+    Args:
+        vector: float (d,). dim: sketch size. Returns: float64 (dim,).
+    """
+    x = np.asarray(vector, dtype=np.float64).reshape(-1)
+    rng = np.random.default_rng(seed + x.shape[0])  # same hash for every site (it depends only on d and seed)
+    buckets = rng.integers(0, dim, size=x.shape[0])
+    signs = rng.choice(np.array([-1.0, 1.0]), size=x.shape[0])
+    out = np.zeros(dim, dtype=np.float64)
+    np.add.at(out, buckets, signs * x)
+    return out
+
+
+def match_labels(new: ClusterAssignment, old: ClusterAssignment, pins: Mapping[str, str]) -> ClusterAssignment:
+    """Relabel a fresh clustering so that heads stay with the sites that trained them: a new cluster holding sites
+    pinned to label L (and no other pin) is L; the others take the old label they share most members with
+    (largest overlap first, each old label once); the rest get the smallest unused ``c<n>``."""
+    mapping: dict[str, str] = {}
+    for label, members in new.clusters.items():
+        pinned = {pins[s] for s in members if s in pins}
+        if len(pinned) == 1:
+            mapping[label] = pinned.pop()
+    used = set(mapping.values())
+    pairs = sorted(((len(set(members) & set(old.clusters[o])), label, o) for label, members in new.clusters.items()
+                    if label not in mapping for o in old.clusters), key=lambda t: (-t[0], t[1], t[2]))
+    for overlap, label, o in pairs:
+        if overlap > 0 and label not in mapping and o not in used:
+            mapping[label] = o
+            used.add(o)
+    n = 0
+    for label in new.clusters:
+        if label not in mapping:
+            while f"c{n}" in used:
+                n += 1
+            mapping[label] = f"c{n}"
+            used.add(mapping[label])
+    return new.with_clusters({mapping[label]: members for label, members in new.clusters.items()})
+
+
+class NIRA(Strategy):
+    """The NIRA strategy (see the module docstring).
+
+    Args:
+        store: anything with ``get_state(key, default)`` / ``set_state(key, value)`` (``coordinator.storage.Store``).
+        site_metadata: returns ``{site_id: public metadata}`` of the enrolled sites (``"species"``: scientific names,
+            ``"num_examples"``: N_k).
+        cut: ``{"distance_threshold": float | None, "num_clusters": int | None}`` of the dendrogram.
+        exclude_categories: IUCN categories left out of the species lists (codes, e.g. ``["CR", "EN"]``).
+        species_classes: ``{scientific name: class index}`` of the model's head rows (merging needs it; None turns
+            merging off). species_categories: ``{scientific name: IUCN code}`` (to leave out sensitive species).
+        recluster_every, recluster_margin, min_rounds_between_moves: re-clustering (0 = never re-cluster).
+        embedding_merging: whether to merge species embeddings. head_prefix: names of the head tensors.
+    """
+
+    def __init__(self, *, store: Any, site_metadata: Callable[[], Mapping[str, Mapping[str, Any]]],
+                 cut: Mapping[str, Any], exclude_categories: tuple[str, ...] = ("CR", "EN"),
+                 species_classes: Mapping[str, int] | None = None,
+                 species_categories: Mapping[str, str] | None = None, recluster_every: int = 0,
+                 recluster_margin: float = 0.1, min_rounds_between_moves: int = 3, embedding_merging: bool = True,
+                 head_prefix: str = "psi.") -> None:
+        self._store = store
+        self._site_metadata = site_metadata
+        self._cut = dict(cut)
+        self._exclude = tuple(exclude_categories)
+        self._classes = dict(species_classes or {})
+        self._categories = dict(species_categories or {})
+        self.recluster_every = recluster_every
+        self.margin = recluster_margin
+        self.min_rounds_between_moves = min_rounds_between_moves
+        self.embedding_merging = embedding_merging and bool(self._classes)
+        self.head_prefix = head_prefix
+        self._bundle: dict[str, np.ndarray] | None = None
+        self._acc: dict[str, RunningWeightedSum] = {}
+        self._sketches: dict[str, np.ndarray] = {}
+        self._emb_sum: dict[int, np.ndarray] = {}
+        self._emb_weight: dict[int, float] = {}
+        self._round: int | None = None
+
+    # ---- persistent state ---------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """``{"assignment": ClusterAssignment JSON or None, "pins": {site: cluster}, "last_moved": {site: round},
+        "changes": [{round, site, from, to, reason}], "recluster_requested": bool}``."""
+        return self._store.get_state(_STATE_KEY, None) or {"assignment": None, "pins": {}, "last_moved": {},
+                                                           "changes": [], "recluster_requested": False}
+
+    def _save(self, state: Mapping[str, Any]) -> None:
+        self._store.set_state(_STATE_KEY, dict(state))
+
+    def assignment(self) -> ClusterAssignment | None:
+        """The current clusters, or None before the first round."""
+        raw = self.state()["assignment"]
+        return ClusterAssignment.from_json(raw) if raw is not None else None
+
+    def pin(self, site_id: str, cluster: str) -> None:
+        """Pin ``site_id`` to ``cluster`` (applied at the next re-cluster, which this requests)."""
+        state = self.state()
+        state["pins"][site_id] = cluster
+        state["recluster_requested"] = True
+        self._save(state)
+
+    def request_recluster(self) -> None:
+        """Re-cluster from the species lists (and pins) before the next round."""
+        state = self.state()
+        state["recluster_requested"] = True
+        self._save(state)
+
+    def species_lists(self) -> dict[str, Any]:
+        """Each enrolled site's public species list used for clustering (sensitive categories left out)."""
+        return site_species_lists(self._site_metadata(), exclude_categories=self._exclude,
+                                  species_categories=self._categories or None)
+
+    def cluster_from_species(self, pins: Mapping[str, str] | None = None) -> ClusterAssignment:
+        """Jaccard similarity of the species lists -> average-linkage clusters (pins applied)."""
+        site_ids, similarity = jaccard_matrix(self.species_lists())
+        return cluster_sites(similarity, site_ids, pinned=dict(pins or {}), **self._cut)
+
+    def _log_change(self, state: dict[str, Any], round: int, site: str, old: str | None, new: str,
+                    reason: str) -> None:
+        state["changes"].append({"round": round, "site": site, "from": old, "to": new, "reason": reason})
+        log.info("nira: round %d: site %s %s -> %s: %s", round, site, old, new, reason)
+
+    def _ensure_assignment(self, round: int) -> ClusterAssignment:
+        state = self.state()
+        current = self.assignment()
+        enrolled = set(self._site_metadata())
+        if current is None or state.get("recluster_requested"):
+            new = self.cluster_from_species(state["pins"])
+            if current is not None:
+                new = match_labels(new, current, state["pins"])
+            for site in sorted(new.site_cluster):
+                old = current.site_cluster.get(site) if current is not None else None
+                if old != new.site_cluster[site]:
+                    why = "initial clustering from species lists" if current is None else "operator re-cluster"
+                    self._log_change(state, round, site, old, new.site_cluster[site], why)
+            state["assignment"], state["recluster_requested"] = new.to_json(), False
+            self._save(state)
+            return new
+        missing = sorted(enrolled - set(current.site_cluster))
+        if missing:
+            lists = self.species_lists()
+            clusters = {label: list(members) for label, members in current.clusters.items()}
+            for site in missing:
+                cluster, score = self._closest_cluster(current, lists, site)
+                clusters[cluster].append(site)
+                self._log_change(state, round, site, None, cluster,
+                                 f"enrolled after clustering; mean Jaccard {score:.3f} with this cluster's lists")
+            site_ids, similarity = jaccard_matrix({s: lists[s] for s in sorted({*current.site_ids, *missing})})
+            current = ClusterAssignment(site_ids=site_ids, similarity=similarity, clusters=clusters,
+                                        linkage=current.linkage, distance_threshold=current.distance_threshold,
+                                        num_clusters=current.num_clusters, pinned=current.pinned)
+            state["assignment"] = current.to_json()
+            self._save(state)
+        return current
+
+    @staticmethod
+    def _closest_cluster(assignment: ClusterAssignment, lists: Mapping[str, Any], site: str) -> tuple[str, float]:
+        mine = set(lists.get(site, ()))
+        best, best_score = sorted(assignment.clusters)[0], -1.0
+        for label, members in sorted(assignment.clusters.items()):
+            scores = []
+            for other in members:
+                theirs = set(lists.get(other, ()))
+                union = mine | theirs
+                scores.append(len(mine & theirs) / len(union) if union else 0.0)
+            score = float(np.mean(scores)) if scores else 0.0
+            if score > best_score:
+                best, best_score = label, score
+        return best, best_score
+
+    # ---- bundle <-> site weights ------------------------------------------------------------------------------
+    def _head_names(self, bundle: Tensors) -> list[str]:
+        return sorted(n for n in bundle if n.startswith(self.head_prefix))
+
+    def prepare(self, bundle: Tensors, *, round: int) -> dict[str, np.ndarray]:
+        """Cluster (or update the clusters) and give every cluster a head: a new cluster's head starts from the
+        mean of the existing heads (or from the plain model's head in round 1)."""
+        assignment = self._ensure_assignment(round)
+        out = {k: np.asarray(v) for k, v in bundle.items()}
+        plain_heads = {n: out.pop(n) for n in self._head_names(out)}
+        existing = sorted({n.split("/")[1] for n in out if n.startswith(BUNDLE_PREFIX)})
+        head_names = sorted(plain_heads) or sorted({n.split("/", 2)[2] for n in out if n.startswith(BUNDLE_PREFIX)})
+        for cluster in sorted(assignment.clusters):
+            for name in head_names:
+                key = f"{BUNDLE_PREFIX}{cluster}/{name}"
+                if key in out:
+                    continue
+                if name in plain_heads:
+                    out[key] = plain_heads[name].copy()
+                else:
+                    out[key] = np.mean([out[f"{BUNDLE_PREFIX}{c}/{name}"] for c in existing], axis=0).astype(
+                        next(iter(out[f"{BUNDLE_PREFIX}{c}/{name}"] for c in existing)).dtype)
+        # heads of clusters that no longer exist are dropped
+        for key in [k for k in out if k.startswith(BUNDLE_PREFIX) and k.split("/")[1] not in assignment.clusters]:
+            del out[key]
+        return out
+
+    def site_weights(self, bundle: Tensors, site_id: str) -> dict[str, np.ndarray]:
+        """phi (shared) + the head of the site's cluster, under the plain model names."""
+        assignment = self.assignment()
+        if assignment is None or site_id not in assignment.site_cluster:
+            raise KeyError(f"site {site_id!r} has no cluster yet (prepare() assigns every enrolled site)")
+        cluster = assignment.site_cluster[site_id]
+        prefix = f"{BUNDLE_PREFIX}{cluster}/"
+        out = {k: v for k, v in bundle.items() if not k.startswith(BUNDLE_PREFIX)}
+        out.update({k[len(prefix):]: v for k, v in bundle.items() if k.startswith(prefix)})
+        return out
+
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def begin_round(self, template: Tensors) -> None:
+        """Zero one running sum per cluster (site-weights shaped) for the round that trains from ``template``."""
+        self._bundle = {k: np.asarray(v) for k, v in template.items()}
+        assignment = self.assignment()
+        if assignment is None:
+            raise ValueError("NIRA.begin_round before prepare(): no clusters")
+        self._assignment = assignment
+        site_template = self.site_weights(self._bundle, next(iter(assignment.site_cluster)))
+        self._acc = {c: new_running_sum(site_template) for c in assignment.clusters}
+        self._sketches, self._emb_sum, self._emb_weight = {}, {}, {}
+
+    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int) -> None:
+        """Add ``N_k * delta_k`` to the running sum of the site's cluster; keep a sketch of its phi-update (on
+        re-clustering rounds) and its species embeddings (for merging)."""
+        if self._bundle is None:
+            raise ValueError("NIRA.accumulate called before begin_round")
+        cluster = self._assignment.site_cluster.get(site_id)
+        if cluster is None:
+            raise ValueError(f"site {site_id!r} is in no cluster")
+        add_weighted(self._acc[cluster], delta, float(num_examples))
+        self._acc[cluster].contributors.append(site_id)
+        phi = np.concatenate([np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in sorted(delta)
+                              if not n.startswith(self.head_prefix)])
+        self._sketches[site_id] = hash_sketch(phi)
+        if self.embedding_merging:
+            self._accumulate_embeddings(site_id, cluster, delta, float(num_examples))
+
+    def _head_rows(self, cluster: str, delta: Tensors | None) -> np.ndarray:
+        """The cluster's head (+ delta) as rows: float64 (num_classes, features + 1) (weight row, then bias)."""
+        w = self._bundle[f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}weight"].astype(np.float64)
+        b = self._bundle[f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}bias"].astype(np.float64)
+        if delta is not None:
+            w = w + np.asarray(delta[f"{self.head_prefix}weight"], dtype=np.float64)
+            b = b + np.asarray(delta[f"{self.head_prefix}bias"], dtype=np.float64)
+        return np.concatenate([w, b[:, None]], axis=1)
+
+    def _accumulate_embeddings(self, site_id: str, cluster: str, delta: Tensors, weight: float) -> None:
+        rows = self._head_rows(cluster, delta)
+        for name in self.species_lists().get(site_id, ()):
+            s = self._classes.get(name)
+            if s is None:
+                continue
+            self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
+            self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
+
+    def aggregate(self) -> dict[str, np.ndarray]:
+        """The bundle delta: phi from the size-weighted mean of the clusters' FedAvg deltas, each head from its own
+        cluster's (zero for a cluster without updates).
+
+        Raises:
+            ValueError: nothing was accumulated this round.
+        """
+        if self._bundle is None or self.count == 0:
+            raise ValueError("no update was accumulated: nothing to aggregate")
+        total_sites = sum(acc.count for acc in self._acc.values())
+        out = {k: np.zeros(np.shape(v), dtype=np.float64) for k, v in self._bundle.items()}
+        for cluster, acc in self._acc.items():
+            if acc.count == 0:
+                continue
+            share = acc.count / total_sites  # |C_m| / K over the sites aggregated this round
+            for name, summed in acc.sums.items():
+                mean = summed / acc.total_weight  # intra-cluster FedAvg, weighted by N_k
+                if name.startswith(self.head_prefix):
+                    out[f"{BUNDLE_PREFIX}{cluster}/{name}"] += mean
+                else:
+                    out[name] += share * mean
+        return {k: v.astype(np.asarray(self._bundle[k]).dtype) for k, v in out.items()}
+
+    def after_step(self, bundle: Tensors) -> dict[str, np.ndarray]:
+        """Species-embedding merging: in each cluster, the head row of every species none of its members lists is
+        set to the merged embedding of that species (when some site listed it this round)."""
+        out = {k: np.array(v, copy=True) for k, v in bundle.items()}
+        if not self.embedding_merging or not self._emb_sum:
+            return out
+        lists = self.species_lists()
+        merged = {s: self._emb_sum[s] / self._emb_weight[s] for s in self._emb_sum if self._emb_weight[s] > 0}
+        for cluster, members in self._assignment.clusters.items():
+            seen = {self._classes[n] for m in members for n in lists.get(m, ()) if n in self._classes}
+            w_key, b_key = (f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}weight",
+                            f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}bias")
+            for s, e in merged.items():
+                if s in seen:
+                    continue
+                out[w_key][s] = e[:-1].astype(out[w_key].dtype)
+                out[b_key][s] = np.asarray(e[-1]).astype(out[b_key].dtype)
+        return out
+
+    def end_round(self, round: int) -> list[str]:
+        """Every ``recluster_every`` rounds: move sites whose phi-updates align with another cluster (margin and
+        anti-flapping rules of :func:`~coordinator.strategies.ecological_clustering.recluster_from_updates`)."""
+        lines: list[str] = []
+        if self.recluster_every <= 0 or round % self.recluster_every != 0 or len(self._sketches) < 2:
+            return lines
+        state = self.state()
+        current = ClusterAssignment.from_json(state["assignment"])
+        # pinned sites never move (assignment.pinned), but their updates still count for the others
+        new, changes = recluster_from_updates(dict(self._sketches), current, margin=self.margin,
+                                              min_rounds_between_moves=self.min_rounds_between_moves, round=round,
+                                              last_moved={k: int(v) for k, v in state["last_moved"].items()})
+        for change in changes:
+            self._log_change(state, round, change.site, change.from_cluster, change.to_cluster, change.reason)
+            state["last_moved"][change.site] = round
+            lines.append(f"site {change.site}: {change.from_cluster} -> {change.to_cluster} ({change.reason})")
+        state["assignment"] = new.to_json()
+        self._save(state)
+        return lines
+
+    @property
+    def count(self) -> int:
+        """Updates accumulated this round (all clusters)."""
+        return sum(acc.count for acc in self._acc.values())
+
