@@ -11,6 +11,7 @@ Commands::
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
+    wildfed-coordinator clusters show|recluster|pin|check-metadata   NIRA's clusters (coordinator/cli_clusters.py)
     wildfed-coordinator audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                                         Steinke et al. 2023) beside the claimed epsilon per category
 
@@ -618,6 +619,11 @@ def audit(
                           "investigate the mechanism (or rerun: this happens by chance with probability <= "
                           f"{1 - confidence:.2g} per category)[/]")
         raise typer.Exit(code=1)
+
+
+from coordinator.cli_clusters import clusters_app  # noqa: E402 - registered last: it reuses this module's helpers
+
+app.add_typer(clusters_app, name="clusters")
 
 
 if __name__ == "__main__":  # pragma: no cover
