@@ -172,11 +172,14 @@ def status(config: Path = _config_option()) -> None:
     console.print(f"federation [bold]{cfg.federation_id}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
                   f"{rep.accepted} accepted update(s), model {(rep.model_hash or '-')[:12]}")
     table = Table(title="rounds")
-    for col in ("round", "status", "accepted", "new model"):
-        table.add_column(col)
+    for col in ("round", "status", "accepted", "new model", "privacy", "note"):
+        table.add_column(col, overflow="fold")
     for r, st, n, h in rep.rounds:
-        table.add_row(str(r), st, str(n), (h or "-")[:12])
+        mode, detail = rep.details.get(r, (None, None))
+        table.add_row(str(r), st, str(n), (h or "-")[:12], mode or "-", detail or "")
     console.print(table)
+    if cfg.strategy.kind == "nira":
+        console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
     rej = Table(title="rejections by reason")
     rej.add_column("reason")
     rej.add_column("count", justify="right")
@@ -396,6 +399,12 @@ def demo(
     round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
     pretrain_epochs: int = typer.Option(0, help="first pretrain the model (non-private) on the public split, the "
                                         "training images no site holds, for N epochs (0: start from scratch)"),
+    strategy: str = typer.Option("fedavg", help="aggregation: fedavg, or nira (ecological clusters, shared phi, "
+                                 "one head per cluster)"),
+    recluster_every: int = typer.Option(0, help="nira: re-cluster from the sites' phi-updates every N rounds "
+                                        "(0: never)"),
+    no_embedding_merging: bool = typer.Option(False, "--no-embedding-merging",
+                                              help="nira: turn species-embedding merging off"),
 ) -> None:
     """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
     site; prints accuracy and epsilon per IUCN category and writes report.json + report.png."""
@@ -406,7 +415,9 @@ def demo(
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
-                            round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs)
+                            round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
+                            strategy=strategy, nira_recluster_every=recluster_every,
+                            nira_embedding_merging=not no_embedding_merging)
     try:
         run_demo(settings, console=console)
     except KeyboardInterrupt:

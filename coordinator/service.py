@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,8 @@ class StatusReport:
         accepted: accepted updates over all rounds.
         rejections: rejected messages counted per reason code.
         sites: number of enrolled sites. model_hash: newest global model.
+        details: ``{round: (privacy mode or None, detail or None)}``; e.g. how a Global DP round's secure
+            aggregation went, or why it failed.
     """
 
     rounds: list[tuple[int, str, int, str | None]]
@@ -68,6 +70,7 @@ class StatusReport:
     rejections: dict[str, int]
     sites: int
     model_hash: str | None
+    details: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,8 @@ def status_report(store: Store, registry: SiteRegistry) -> StatusReport:
     rows = store.rounds()
     return StatusReport(rounds=[(r.round, r.status, r.num_accepted, r.new_model_hash) for r in rows],
                         accepted=store.count_updates(), rejections=store.rejection_counts(),
-                        sites=len(registry.list()), model_hash=store.latest_model_hash())
+                        sites=len(registry.list()), model_hash=store.latest_model_hash(),
+                        details={r.round: (r.privacy, r.detail) for r in rows})
 
 
 def budget_rows(config: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger) -> list[BudgetRow]:

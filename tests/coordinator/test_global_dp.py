@@ -113,6 +113,7 @@ def test_global_round_releases_the_exact_sum_and_charges_before_unmasking(global
     assert all(site.ends == [{"status": "closed", "reason": site.ends[0]["reason"]}] for site in sites)
     row = coord.store.rounds()[-1]
     assert row.privacy == "global" and "3 of 3 sites unmasked" in row.detail
+    assert coord.status().details[1] == ("global", row.detail)  # what `status` prints beside the round
 
 
 def test_a_site_that_vanishes_after_sharing_is_recovered_and_not_charged(global_federation):
