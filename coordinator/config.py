@@ -104,6 +104,15 @@ class NiraConfig(StrictModel):
     embedding_merging: bool = Field(True, description="initialise the head rows of species a cluster lacks with "
                                     "the N_k-weighted mean of the sites' embeddings of that species")
     head_prefix: str = Field("psi.", min_length=1, description="tensor-name prefix of the classification head")
+    embedding_weights: Literal["public", "noisy_counts"] = Field(
+        "public", description="weights w_ks of the merged embeddings: the sites' public N_k (no cost), or per-species "
+        "counts each site releases with Gaussian noise every round (charged to its ledger; DP-SGD noise is "
+        "calibrated so that both stay within each budget)")
+    count_noise_multiplier: float = Field(100.0, gt=0, description="noise std of each released count (records; "
+                                          "sensitivity 1), for embedding_weights: noisy_counts. One release per "
+                                          "round: 10 rounds at 100 cost about eps 0.1 at delta 1e-5, which the "
+                                          "DP-SGD calibration leaves room for; too little noise for a budget stops "
+                                          "the site with a clear error")
 
     @model_validator(mode="after")
     def _one_cut(self) -> "NiraConfig":

@@ -111,6 +111,8 @@ class Accepted:
         weight: the FedAvg weight used (= ``num_examples``).
         payload_sha256: name of the stored blob.
         events: ``{category: DPSGDEvent}`` the site ran (charged to the ledger when the round closes).
+        count_events: ``{category: DPSGDEvent}`` of its noisy count release (NIRA), charged with ``events``.
+        species_counts: ``{class index: noisy count}`` it released (empty when the task asked for none).
     """
 
     site_id: str
@@ -120,6 +122,8 @@ class Accepted:
     weight: float
     payload_sha256: str
     events: Mapping[IUCNCategory, DPSGDEvent]
+    count_events: Mapping[IUCNCategory, DPSGDEvent] = field(default_factory=dict)
+    species_counts: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,8 @@ class RoundContext:
         site_hashes: per site, the hash of the model it was sent (NIRA sends each cluster its own head); a site
             not listed trains from ``model_hash``.
         bundle: the strategy's stored model that the round steps (FedAvg: the model itself; None = ``template``).
+        count_noise_multiplier: the count release the tasks asked for (None: none; NIRA with noisy counts).
+        num_classes: length of a count vector.
     """
 
     round: int
@@ -166,6 +172,8 @@ class RoundContext:
     accepted: dict[str, Accepted] = field(default_factory=dict)
     site_hashes: Mapping[str, str] = field(default_factory=dict)
     bundle: Mapping[str, np.ndarray] | None = None
+    count_noise_multiplier: float | None = None
+    num_classes: int | None = None
 
     def expected_hash(self, site_id: str) -> str:
         """The model hash ``site_id``'s update must have been trained from."""
@@ -349,12 +357,14 @@ class Ingestor:
                           exc) from exc
         accepted = Accepted(site_id=h.site_id, round=ctx.round, sequence=h.sequence,
                             num_examples=int(report.num_examples), weight=weight, payload_sha256=digest,
-                            events=events)
+                            events=events, count_events=dict(report.count_events),
+                            species_counts=dict(report.species_counts))
         ctx.accepted[h.site_id] = accepted
         # 2. then the ACK
         self._send_ack(env, Ack(round=ctx.round, accepted=True, reason="stored"))
         # 3. then the running sum
-        ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight))
+        ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight),
+                                species_counts=report.species_counts or None)
         self.counts["accepted"] += 1
         log.info("ingest: accepted round %d update from %s (N=%d, %d bytes)", ctx.round, h.site_id,
                  report.num_examples, len(env.payload))
@@ -393,20 +403,42 @@ class Ingestor:
             if not isinstance(ev, DPSGDEvent) or ev.steps > steps:
                 raise _Reject(RejectReason.BAD_REPORT, f"event for {cat.value} ({ev!r}) is not a DP-SGD event of at "
                               f"most {steps} steps")
+        counts = {IUCNCategory(c): e for c, e in report.count_events.items()}
+        self._check_counts(ctx, report, counts)
         halted = ctx.halted.get(site_id, frozenset())
-        trained_halted = sorted(c.value for c in events if c in halted and events[c].steps > 0)
+        trained_halted = sorted(c.value for c in {*events, *counts} if c in halted
+                                and (c in counts or events[c].steps > 0))
         if trained_halted:
-            self._charge(site_id, ctx.round, events)
+            self._charge(site_id, ctx.round, events, counts)
             raise _Reject(RejectReason.HALTED_CATEGORY, f"site trained halted categories {trained_halted}; "
                           "its events were charged to the ledger")
         if ctx.privacy != "none":
-            for cat, ev in events.items():
+            for cat in {*events, *counts}:
                 budget = ctx.budgets.get(cat)
-                if budget is not None and self._ledger.would_exceed(site_id, cat, ev, budget):
-                    self._charge(site_id, ctx.round, events)
-                    raise _Reject(RejectReason.OVER_BUDGET, f"event for {cat.value} takes site {site_id!r} past its "
+                round_events = tuple(e for e in (events.get(cat), counts.get(cat)) if e is not None)
+                if budget is not None and self._ledger.would_exceed(site_id, cat, round_events, budget):
+                    self._charge(site_id, ctx.round, events, counts)
+                    raise _Reject(RejectReason.OVER_BUDGET, f"events for {cat.value} take site {site_id!r} past its "
                                   f"budget eps={budget:.4f}; charged to the ledger, not aggregated")
         return events
+
+    @staticmethod
+    def _check_counts(ctx: RoundContext, report: UpdateReport, counts: Mapping[IUCNCategory, DPSGDEvent]) -> None:
+        """The count release is exactly what the task asked for: every class, the asked noise, one release."""
+        z = ctx.count_noise_multiplier
+        if z is None:
+            if report.species_counts or counts:
+                raise _Reject(RejectReason.BAD_REPORT, "the update carries species counts the task did not ask for")
+            return
+        if ctx.num_classes is not None and set(report.species_counts) != set(range(ctx.num_classes)):
+            raise _Reject(RejectReason.BAD_REPORT, f"species_counts must cover classes 0..{ctx.num_classes - 1}")
+        if ctx.privacy != "none":
+            if set(counts) != set(report.events):
+                raise _Reject(RejectReason.BAD_REPORT, "the count release must be charged to every trained category")
+            for cat, ev in counts.items():
+                if ev != DPSGDEvent(float(z), 1.0, 1):
+                    raise _Reject(RejectReason.BAD_REPORT, f"count event for {cat.value} is {ev!r}, the task asked "
+                                  f"for one Gaussian release with noise multiplier {z}")
 
     def _selected_in_past_round(self, round: int, site_id: str) -> bool:
         """True if ``round`` was opened before (and is not the open round) and selected ``site_id``; a round that
@@ -426,13 +458,16 @@ class Ingestor:
             report, _ = decode_update(env.payload)
         except PayloadError as exc:
             raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
-        self._charge(h.site_id, h.round, report.events)
+        self._charge(h.site_id, h.round, report.events, report.count_events)
 
-    def _charge(self, site_id: str, round: int, events: Mapping[IUCNCategory, DPSGDEvent]) -> None:
+    def _charge(self, site_id: str, round: int, events: Mapping[IUCNCategory, DPSGDEvent],
+                count_events: Mapping[IUCNCategory, DPSGDEvent] | None = None) -> None:
         """Charge a refused update's events (durably); a second, different report for the same round is a
         duplicate (ledger rows are immutable)."""
         try:
             self._ledger.record_round(site_id, round, events)
+            if count_events:
+                self._ledger.record_round(site_id, round, count_events, mechanism="counts")
         except LedgerError as exc:
             raise _Reject(RejectReason.DUPLICATE, f"site {site_id!r} already reported other events for round "
                           f"{round}", exc) from exc

@@ -35,7 +35,7 @@ import json
 import logging
 import datetime as _dt
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -107,35 +107,38 @@ class PrivacyLedger:
         self.accountant: AccountantName = accountant
 
     # ---- writes ----------------------------------------------------------------------------------------------
-    def record_round(self, site_id: str, round: int,
-                     events: Mapping[IUCNCategory | str, DPSGDEvent]) -> None:
+    def record_round(self, site_id: str, round: int, events: Mapping[IUCNCategory | str, DPSGDEvent], *,
+                     mechanism: str = "dpsgd") -> None:
         """Append the events a site ran in ``round`` (one per category it trained), durably (committed).
 
         Args:
             site_id: the site charged.
             round: the federated round the events belong to.
             events: ``{category: DPSGDEvent}`` as reported in the site's :class:`shared.protocol.UpdateReport`.
+            mechanism: ``"dpsgd"`` (the training steps) or ``"counts"`` (a noisy count release, NIRA); a round may
+                hold one event of each per category, and every one of them is composed into the spend.
 
         Raises:
-            LedgerError: a different event is already recorded for (site, round, category) (history is immutable).
+            LedgerError: a different event is already recorded for (site, round, category, mechanism) (history is
+                immutable).
             ConfigError: a key is not an IUCN category.
         """
         parsed = {parse_category(c, field="events"): e for c, e in events.items()}
         with self._store.session() as s:
             for cat, ev in parsed.items():
                 existing = s.scalars(select(LedgerRow).where(
-                    LedgerRow.site_id == site_id, LedgerRow.round == round,
-                    LedgerRow.category == cat.value)).first()
+                    LedgerRow.site_id == site_id, LedgerRow.round == round, LedgerRow.category == cat.value,
+                    LedgerRow.mechanism == mechanism)).first()
                 if existing is not None:
                     if DPSGDEvent.from_json(json.loads(existing.event_json)) != ev:
                         raise LedgerError(
-                            f"ledger already holds a different event for site {site_id!r}, round {round}, "
-                            f"category {cat.value}; ledger rows are immutable")
+                            f"ledger already holds a different {mechanism} event for site {site_id!r}, round "
+                            f"{round}, category {cat.value}; ledger rows are immutable")
                     continue
                 s.add(LedgerRow(site_id=site_id, round=round, category=cat.value,
                                 noise_multiplier=float(ev.noise_multiplier), sampling_rate=float(ev.sampling_rate),
-                                steps=int(ev.steps), event_json=dumps(ev.to_json())))
-        log.info("ledger: recorded %d event(s) for site %s round %d", len(parsed), site_id, round)
+                                steps=int(ev.steps), event_json=dumps(ev.to_json()), mechanism=mechanism))
+        log.info("ledger: recorded %d %s event(s) for site %s round %d", len(parsed), mechanism, site_id, round)
 
     def halt(self, site_id: str, category: IUCNCategory | str, *, round: int, reason: str = "") -> None:
         """Halt ``category`` at ``site_id`` from ``round`` on (durable, idempotent, permanent)."""
@@ -183,15 +186,18 @@ class PrivacyLedger:
         return composed_epsilon(tuple(self.events(site_id, category)), self.target_delta,
                                 accountant or self.accountant)
 
-    def would_exceed(self, site_id: str, category: IUCNCategory | str, next_event: DPSGDEvent, budget: float,
+    def would_exceed(self, site_id: str, category: IUCNCategory | str,
+                     next_event: DPSGDEvent | Sequence[DPSGDEvent], budget: float,
                      accountant: AccountantName | None = None) -> bool:
-        """Dry run: would recording ``next_event`` make the (site, category) spend pass ``budget`` (epsilon)?
+        """Dry run: would recording ``next_event`` (one event, or a round's events of every mechanism) make the
+        (site, category) spend pass ``budget`` (epsilon)?
 
         Nothing is written.
         """
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
-        eps = composed_epsilon((*self.events(site_id, category), next_event), self.target_delta,
+        nxt = (next_event,) if isinstance(next_event, DPSGDEvent) else tuple(next_event)
+        eps = composed_epsilon((*self.events(site_id, category), *nxt), self.target_delta,
                                accountant or self.accountant)
         return eps > budget
 
@@ -221,15 +227,30 @@ class PrivacyLedger:
             return [(int(r.round), DPSGDEvent.from_json(json.loads(r.event_json))) for r in rows]
 
     def last_round_events(self, site_id: str) -> tuple[int | None, dict[IUCNCategory, DPSGDEvent]]:
-        """``(round, {category: event})`` of the site's most recent round in the ledger; ``(None, {})`` if none."""
+        """``(round, {category: DP-SGD event})`` of the site's most recent round in the ledger; ``(None, {})`` if
+        none (see :meth:`last_round_event_sets` for every mechanism of that round)."""
+        last, sets = self.last_round_event_sets(site_id, mechanisms=("dpsgd",))
+        return last, {c: evs[0] for c, evs in sets.items()}
+
+    def last_round_event_sets(self, site_id: str, mechanisms: tuple[str, ...] | None = None
+                              ) -> tuple[int | None, dict[IUCNCategory, tuple[DPSGDEvent, ...]]]:
+        """``(round, {category: (events of every mechanism, DP-SGD first)})`` of the site's most recent round."""
         with self._store.session() as s:
-            last = s.scalars(select(LedgerRow.round).where(LedgerRow.site_id == site_id)
-                             .order_by(LedgerRow.round.desc())).first()
+            q = select(LedgerRow.round).where(LedgerRow.site_id == site_id)
+            if mechanisms is not None:
+                q = q.where(LedgerRow.mechanism.in_(mechanisms))
+            last = s.scalars(q.order_by(LedgerRow.round.desc())).first()
             if last is None:
                 return None, {}
-            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.round == last)).all()
-            return int(last), {IUCNCategory(r.category): DPSGDEvent.from_json(json.loads(r.event_json))
-                               for r in rows}
+            q = select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.round == last)
+            if mechanisms is not None:
+                q = q.where(LedgerRow.mechanism.in_(mechanisms))
+            rows = s.scalars(q.order_by(LedgerRow.mechanism.desc(), LedgerRow.id)).all()  # "dpsgd" before "counts"
+            out: dict[IUCNCategory, tuple[DPSGDEvent, ...]] = {}
+            for r in rows:
+                cat = IUCNCategory(r.category)
+                out[cat] = (*out.get(cat, ()), DPSGDEvent.from_json(json.loads(r.event_json)))
+            return int(last), out
 
     def rounds_left(self, site_id: str, category: IUCNCategory | str, budget: float, *,
                     next_event: DPSGDEvent | None = None, accountant: AccountantName | None = None,
@@ -241,8 +262,8 @@ class PrivacyLedger:
         recorded event and ``k`` more rounds of ``next_event`` is at most ``budget``. Nothing is written.
 
         Args:
-            next_event: one round's event; defaults to the category's event in the site's last round, else the
-                category's last recorded event (what :meth:`halt_if_needed` dry-runs).
+            next_event: one round's event; defaults to the category's events (every mechanism) in the site's last
+                round, else the category's last recorded event (what :meth:`halt_if_needed` dry-runs).
             cap: search limit; a return value of ``cap`` means "at least ``cap``".
 
         Returns:
@@ -253,9 +274,12 @@ class PrivacyLedger:
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
         history = tuple(self.events(site_id, cat))
-        if next_event is None:
-            next_event = self.last_round_events(site_id)[1].get(cat) or (history[-1] if history else None)
-        if next_event is None:
+        per_round: tuple[DPSGDEvent, ...] | None
+        if next_event is not None:
+            per_round = (next_event,)
+        else:
+            per_round = self.last_round_event_sets(site_id)[1].get(cat) or ((history[-1],) if history else None)
+        if per_round is None:
             return None
         if cat in self.halted(site_id):
             return 0
@@ -264,8 +288,8 @@ class PrivacyLedger:
         def eps(k: int) -> float:
             if k == 0:
                 return composed_epsilon(history, self.target_delta, acc)
-            more = DPSGDEvent(next_event.noise_multiplier, next_event.sampling_rate, next_event.steps * k)
-            return composed_epsilon((*history, more), self.target_delta, acc)
+            more = tuple(DPSGDEvent(e.noise_multiplier, e.sampling_rate, e.steps * k) for e in per_round)
+            return composed_epsilon((*history, *more), self.target_delta, acc)
 
         if eps(1) > budget:
             return 0
@@ -317,37 +341,45 @@ class PrivacyLedger:
 
     # ---- policy ----------------------------------------------------------------------------------------------
     def halt_if_needed(self, site_id: str, budgets: Mapping[IUCNCategory, float], *, round: int,
-                       next_events: Mapping[IUCNCategory, DPSGDEvent] | None = None) -> frozenset[IUCNCategory]:
+                       next_events: Mapping[IUCNCategory, DPSGDEvent | Sequence[DPSGDEvent]] | None = None
+                       ) -> frozenset[IUCNCategory]:
         """Halt every category whose next round would pass its budget; return the site's halted categories.
 
         Args:
             site_id: the site about to be offered ``round``.
             budgets: total epsilon budget per category (shared.iucn.CCDPBudget.table()).
             round: the round about to open (recorded on new halts).
-            next_events: predicted events of the next round; defaults to the last recorded event of each
-                category (a site's calibrated schedule repeats the same event every round).
+            next_events: predicted events of the next round (one event or a round's events of every mechanism);
+                defaults to the category's events in the site's last recorded round (DP-SGD steps and, with NIRA's
+                noisy counts, the count release: a calibrated schedule repeats them every round), else its last
+                recorded event.
 
         Returns:
             The site's halted categories after this check.
         """
         already = self.halted(site_id)
+        last_sets = self.last_round_event_sets(site_id)[1]
         for cat in self.categories(site_id) | set(next_events or {}):
             if cat in already:
                 continue
-            nxt = (next_events or {}).get(cat)
-            if nxt is None:
+            given = (next_events or {}).get(cat)
+            nxt: tuple[DPSGDEvent, ...] | None
+            if given is not None:
+                nxt = (given,) if isinstance(given, DPSGDEvent) else tuple(given)
+            else:
                 history = self.events(site_id, cat)
-                nxt = history[-1] if history else None
-            if nxt is None:
+                nxt = last_sets.get(cat) or ((history[-1],) if history else None)
+            if not nxt:
                 continue
             budget = budgets.get(cat)
             if budget is None:
                 continue
             if self.would_exceed(site_id, cat, nxt, budget):
-                after = composed_epsilon((*self.events(site_id, cat), nxt), self.target_delta, self.accountant)
+                after = composed_epsilon((*self.events(site_id, cat), *nxt), self.target_delta, self.accountant)
+                first = nxt[0]
+                extra = f" + {len(nxt) - 1} other release(s)" if len(nxt) > 1 else ""
                 self.halt(site_id, cat, round=round,
                           reason=f"budget: spent eps={self.spent(site_id, cat):.4f} of {budget:.4f}; the next round "
-                                 f"(z={nxt.noise_multiplier:.4g}, q={nxt.sampling_rate:.4g}, {nxt.steps} steps) "
-                                 f"would make it {after:.4f} ({self.accountant}, delta={self.target_delta:g})")
+                                 f"(z={first.noise_multiplier:.4g}, q={first.sampling_rate:.4g}, {first.steps} steps"
+                                 f"{extra}) would make it {after:.4f} ({self.accountant}, delta={self.target_delta:g})")
         return self.halted(site_id)
-

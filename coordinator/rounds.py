@@ -261,7 +261,9 @@ class RoundManager:
         ctx = RoundContext(round=r, model_hash=base_hash, template=site_models[selected[0]],
                            selected=frozenset(selected), halted=halted, budgets=self.config.budgets(),
                            privacy=self.config.privacy, local_steps=self.config.local_steps, strategy=self._strategy,
-                           site_hashes=site_hashes, bundle=bundle)
+                           site_hashes=site_hashes, bundle=bundle,
+                           count_noise_multiplier=self._count_noise(),
+                           num_classes=self.config.num_classes)
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
         for site_id in selected:
@@ -367,6 +369,14 @@ class RoundManager:
                            duration_s=self._clock() - t0,
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c})
 
+    def _count_noise(self) -> float | None:
+        """The count release tasks ask for: the strategy's (NIRA with noisy counts); exact counts (0) when the
+        federation is not private; None when the strategy asks for none."""
+        z = self._strategy.count_noise_multiplier()
+        if z is None:
+            return None
+        return 0.0 if self.config.privacy == "none" else float(z)
+
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
                       halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
                       secagg: SecAggSettings | None = None) -> None:
@@ -376,7 +386,8 @@ class RoundManager:
                             learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
                             target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
                             budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
-                            artifacts=artifact_digests(artifacts or {}), secagg=secagg)
+                            artifacts=artifact_digests(artifacts or {}), secagg=secagg,
+                            count_noise_multiplier=None if secagg is not None else self._count_noise())
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
                    base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
                    payload=encode_task(task, weights, artifacts))
@@ -388,6 +399,8 @@ class RoundManager:
         for acc in ctx.accepted.values():
             if acc.events:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.events)
+            if acc.count_events:
+                self._ledger.record_round(acc.site_id, ctx.round, acc.count_events, mechanism="counts")
         _test_crash_point("after_ledger")
         if len(ctx.accepted) >= need and ctx.strategy.count > 0:
             avg_delta = ctx.strategy.aggregate()
@@ -442,10 +455,13 @@ class RoundManager:
             for upd in self._store.updates_for_round(row.round):
                 report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
                 weight = float(report.num_examples)
-                self._strategy.accumulate(upd.site_id, delta, num_examples=int(weight))
+                self._strategy.accumulate(upd.site_id, delta, num_examples=int(weight),
+                                          species_counts=report.species_counts or None)
                 ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=row.round, sequence=upd.sequence,
                                                      num_examples=upd.num_examples, weight=weight,
-                                                     payload_sha256=upd.payload_sha256, events=report.events)
+                                                     payload_sha256=upd.payload_sha256, events=report.events,
+                                                     count_events=dict(report.count_events),
+                                                     species_counts=dict(report.species_counts))
             status, h = self._close(ctx, weights, self.quorum(len(selected)))
             log.warning("rounds: recovered round %d left open by a previous run: %s", row.round, status)
             results.append(RoundResult(round=row.round, status=status, selected=tuple(sorted(selected)),

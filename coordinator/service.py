@@ -232,7 +232,8 @@ def build_strategy(config: CoordinatorConfig, store: Store, registry: SiteRegist
                 species_categories={e.scientific_name: e.iucn_category.value for e in species} or None,
                 recluster_every=cfg.recluster_every, recluster_margin=cfg.recluster_margin,
                 min_rounds_between_moves=cfg.min_rounds_between_moves, embedding_merging=cfg.embedding_merging,
-                head_prefix=cfg.head_prefix)
+                head_prefix=cfg.head_prefix,
+                count_noise=cfg.count_noise_multiplier if cfg.embedding_weights == "noisy_counts" else None)
 
 
 def status_report(store: Store, registry: SiteRegistry) -> StatusReport:

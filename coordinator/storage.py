@@ -140,10 +140,11 @@ class RejectionRow(Base):
 
 
 class LedgerRow(Base):
-    """One immutable DP-SGD event (shared.privacy.events.DPSGDEvent) charged to (site, round, category)."""
+    """One immutable DP event (shared.privacy.events.DPSGDEvent) charged to (site, round, category, mechanism):
+    ``mechanism`` is ``"dpsgd"`` (the round's training steps) or ``"counts"`` (NIRA's noisy per-class counts)."""
 
     __tablename__ = "ledger"
-    __table_args__ = (UniqueConstraint("site_id", "round", "category", name="uq_ledger_site_round_cat"),)
+    __table_args__ = (UniqueConstraint("site_id", "round", "category", "mechanism", name="uq_ledger_site_round_cat"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     site_id: Mapped[str] = mapped_column(String(128), index=True)
     round: Mapped[int] = mapped_column(Integer)
@@ -153,6 +154,7 @@ class LedgerRow(Base):
     steps: Mapped[int] = mapped_column(Integer)
     event_json: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    mechanism: Mapped[str] = mapped_column(String(16), default="dpsgd")
 
 
 class ModelVersionRow(Base):

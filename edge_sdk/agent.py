@@ -392,7 +392,8 @@ class EdgeAgent:
         started = time.monotonic()
         try:
             result = train_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
-                                   site_categories=self.config.categories, randomness=self._randomness(task))
+                                   site_categories=self.config.categories, randomness=self._randomness(task),
+                                   num_classes=self.config.model_classes)
         except PrivacyBudgetError as exc:
             self._reject("task", "privacy_budget", str(exc))
             return False

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.errors import PrivacyBudgetError
+from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
+from shared.privacy.events import DPSGDEvent
 from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend, unflatten
@@ -31,7 +32,8 @@ from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_c
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import poisson_sample
 
-__all__ = ["LocalTrainingResult", "local_step", "train_locally", "ClippedSum", "clipped_sum_locally"]
+__all__ = ["LocalTrainingResult", "local_step", "train_locally", "ClippedSum", "clipped_sum_locally",
+           "noisy_class_counts"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,26 @@ class LocalTrainingResult:
     report: UpdateReport
     noise_multipliers: dict[IUCNCategory, float]
     sampling_rate: float
+
+
+def noisy_class_counts(labels: np.ndarray, eligible: np.ndarray, *, num_classes: int, noise_std: float,
+                       randomness: RandomSource) -> dict[int, float]:
+    """Record counts per class over the eligible records, with Gaussian noise (the Gaussian mechanism, Dwork & Roth
+    2014, Thm A.1 / Mironov 2017 for its RDP): one record changes one count by 1, so the L2 sensitivity is 1 and
+    ``noise_std`` is the noise multiplier. Every class of the model is released, so which species a site holds
+    is hidden by the same noise.
+
+    Args:
+        labels: int64 (N,) class indices. eligible: bool (N,) records of active categories.
+        num_classes: length of the count vector. noise_std: sigma (0 = exact counts, non-private runs only).
+
+    Returns:
+        ``{class index: noisy count}`` for every class in ``range(num_classes)`` (floats, may be negative).
+    """
+    exact = np.bincount(np.asarray(labels)[np.asarray(eligible, dtype=bool)].astype(np.int64),
+                        minlength=num_classes)[:num_classes].astype(np.float64)
+    noise = noise_std * randomness.standard_normal(num_classes) if noise_std > 0 else np.zeros(num_classes)
+    return {int(c): float(v) for c, v in enumerate(exact + noise)}
 
 
 def local_step(
@@ -108,6 +130,7 @@ def train_locally(
     global_weights: Mapping[str, np.ndarray],
     site_categories: Iterable[IUCNCategory],
     randomness: RandomSource,
+    num_classes: int | None = None,
 ) -> LocalTrainingResult:
     """Run ``task.local_steps`` steps from ``global_weights`` and return the delta and the report.
 
@@ -118,10 +141,13 @@ def train_locally(
         global_weights: ``{name: float32 array}``, the round's global model.
         site_categories: the categories of the site's species table (public configuration).
         randomness: the source of both sampling and noise (secure in production).
+        num_classes: length of the count vector when the task asks for counts (default: from ``psi.bias``).
 
     Raises:
-        PrivacyBudgetError: every category is halted or has no records, or an active category has no budget.
+        PrivacyBudgetError: every category is halted or has no records, an active category has no budget, or the
+            count releases alone would exceed a budget.
         ConfigError: the weights do not fit the backend's model.
+        PayloadError: counts asked for and the number of classes unknown.
     """
     active, eligible, n_active, q = _eligibility(dataset, task, site_categories)
     backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
@@ -129,9 +155,18 @@ def train_locally(
 
     z: dict[IUCNCategory, float] = {}
     mechanism: CCDPMechanism | None = None
+    z_count = task.count_noise_multiplier
+    # the count releases of every planned round are fixed in advance: calibrate the steps around them
+    fixed = (DPSGDEvent(float(z_count), 1.0, task.planned_rounds),) if z_count else ()
     if task.privacy == "ccdp":
-        z = calibrate_category_noise(budgets=task.budgets, active=active, target_delta=task.target_delta,
-                                     sampling_rate=q, steps=task.planned_rounds * task.local_steps)
+        try:
+            z = calibrate_category_noise(budgets=task.budgets, active=active, target_delta=task.target_delta,
+                                         sampling_rate=q, steps=task.planned_rounds * task.local_steps,
+                                         fixed_events=fixed)
+        except ConfigError as exc:
+            if getattr(exc, "field", None) != "count_noise_multiplier":
+                raise
+            raise PrivacyBudgetError(f"round {task.round}: {exc}; the site does not train") from None
         mechanism = CCDPMechanism(clipping_norm=task.clipping_norm, noise_multipliers=z,
                                   expected_batch_size=q * n_active, noise=randomness)
         log.info("round %d: CCDP q=%.4g, C=%g, z=%s", task.round, q, task.clipping_norm,
@@ -144,7 +179,20 @@ def train_locally(
     end = backend.get_weights()
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}
     events = category_events(z, sampling_rate=q, steps_run=task.local_steps) if mechanism is not None else {}
-    report = UpdateReport(num_examples=n_active, local_steps=task.local_steps, events=events)
+    counts: dict[int, float] = {}
+    count_events: dict[IUCNCategory, DPSGDEvent] = {}
+    if z_count is not None:
+        if num_classes is None:
+            if "psi.bias" not in global_weights:
+                raise PayloadError("the task asks for class counts but the number of classes is unknown: pass "
+                                   "num_classes (the site's model_classes)")
+            num_classes = int(np.asarray(global_weights["psi.bias"]).shape[0])
+        counts = noisy_class_counts(dataset.labels, eligible, num_classes=num_classes, noise_std=float(z_count),
+                                    randomness=randomness)
+        if z_count > 0:
+            count_events = {c: DPSGDEvent(float(z_count), 1.0, 1) for c in active}
+    report = UpdateReport(num_examples=n_active, local_steps=task.local_steps, events=events,
+                          species_counts=counts, count_events=count_events)
     return LocalTrainingResult(delta=delta, report=report, noise_multipliers=z, sampling_rate=q)
 
 

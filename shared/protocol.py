@@ -163,6 +163,11 @@ class TrainingTask:
             named ``ARTIFACT_PREFIX + file name`` (ONNX Runtime training artifacts of this model version); empty
             when none are shipped (then the field is left out of the JSON, so older gateways still read the task).
         secagg: the secure-aggregation parameters of a ``"global"`` round (left out of the JSON otherwise).
+        count_noise_multiplier: when not None, the site also releases its per-class record counts (every class of
+            the model, records of active categories only) with Gaussian noise of this standard deviation (the L2
+            sensitivity of the count vector to one record is 1), for NIRA's species-embedding weights; the noise
+            multipliers of the DP-SGD steps are calibrated so that both together stay within each budget. 0 only
+            with privacy ``"none"`` (exact counts). Left out of the JSON when None.
     """
 
     federation_id: str
@@ -180,6 +185,7 @@ class TrainingTask:
     seed: int | None = None
     artifacts: Mapping[str, str] = field(default_factory=dict)
     secagg: SecAggSettings | None = None
+    count_noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
@@ -206,6 +212,14 @@ class TrainingTask:
             self.secagg.params(self.federation_id, self.round)  # validates
         elif self.secagg is not None:
             raise PayloadError(f"secagg parameters are only for global tasks, not {self.privacy!r}")
+        z = self.count_noise_multiplier
+        if z is not None:
+            if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z < 0:
+                raise PayloadError(f"count_noise_multiplier must be a non-negative number, got {z!r}")
+            if self.privacy == "global":
+                raise PayloadError("count releases are not part of global tasks (secure aggregation hides them)")
+            if self.privacy == "ccdp" and z == 0:
+                raise PayloadError("a private task cannot ask for exact counts (count_noise_multiplier 0)")
         object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "halted", tuple(sorted({_category(c) for c in self.halted}, key=lambda c: c.rank)))
         if self.seed is not None and type(self.seed) is not int:
@@ -228,7 +242,9 @@ class TrainingTask:
                 "privacy": self.privacy, "budgets": {c.value: v for c, v in self.budgets.items()},
                 "halted": [c.value for c in self.halted], "seed": self.seed,
                 **({"artifacts": dict(sorted(self.artifacts.items()))} if self.artifacts else {}),
-                **({"secagg": self.secagg.to_json()} if self.secagg is not None else {})}
+                **({"secagg": self.secagg.to_json()} if self.secagg is not None else {}),
+                **({"count_noise_multiplier": self.count_noise_multiplier}
+                   if self.count_noise_multiplier is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -240,25 +256,49 @@ class UpdateReport:
             FedAvg weight; docs/privacy.md).
         local_steps: steps actually run.
         events: per IUCN category, the DP-SGD event that was run (empty for privacy "none").
+        species_counts: ``{class index: noisy record count}`` for every class of the model when the task asked
+            for counts (``TrainingTask.count_noise_multiplier``), else empty (then left out of the JSON).
+        count_events: per active IUCN category, the event of that count release: ``DPSGDEvent(z_count, 1.0, 1)``
+            (one Gaussian release, no subsampling); empty when none (left out of the JSON).
     """
 
     num_examples: int
     local_steps: int
     events: Mapping[IUCNCategory, DPSGDEvent] = field(default_factory=dict)
+    species_counts: Mapping[int, float] = field(default_factory=dict)
+    count_events: Mapping[IUCNCategory, DPSGDEvent] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("num_examples", self.num_examples, integer=True, allow_zero=True)
         _positive("local_steps", self.local_steps, integer=True, allow_zero=True)
-        events = {_category(k): v for k, v in dict(self.events).items()}
-        for v in events.values():
-            if not isinstance(v, DPSGDEvent):
-                raise PayloadError(f"event {v!r} is not a DPSGDEvent")
-        object.__setattr__(self, "events", events)
+        for name in ("events", "count_events"):
+            parsed = {_category(k): v for k, v in dict(getattr(self, name)).items()}
+            for v in parsed.values():
+                if not isinstance(v, DPSGDEvent):
+                    raise PayloadError(f"event {v!r} is not a DPSGDEvent")
+            object.__setattr__(self, name, parsed)
+        counts: dict[int, float] = {}
+        for k, v in dict(self.species_counts).items():
+            try:
+                index = int(k)
+            except (TypeError, ValueError):
+                raise PayloadError(f"species_counts key {k!r} is not a class index") from None
+            if index < 0 or str(index) != str(k).strip() or isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or not math.isfinite(v):
+                raise PayloadError(f"species_counts[{k!r}] = {v!r}: need a class index and a finite number")
+            counts[index] = float(v)
+        object.__setattr__(self, "species_counts", counts)
+        if bool(counts) != bool(self.count_events) and self.count_events:
+            raise PayloadError("count_events without species_counts")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict."""
         return {"num_examples": self.num_examples, "local_steps": self.local_steps,
-                "events": {c.value: e.to_json() for c, e in self.events.items()}}
+                "events": {c.value: e.to_json() for c, e in self.events.items()},
+                **({"species_counts": {str(k): v for k, v in sorted(self.species_counts.items())}}
+                   if self.species_counts else {}),
+                **({"count_events": {c.value: e.to_json() for c, e in self.count_events.items()}}
+                   if self.count_events else {})}
 
 
 @dataclass(frozen=True)
@@ -377,12 +417,17 @@ def decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]:
         PayloadError: as :func:`decode_task`, or a malformed DP event.
     """
     tensors, body = _read(payload, set(UpdateReport.__dataclass_fields__))
-    events = body.get("events", {})
-    if not isinstance(events, dict):
-        raise PayloadError("events must be an object keyed by IUCN category")
+    events, count_events = body.get("events", {}), body.get("count_events", {})
+    counts = body.get("species_counts", {})
+    if not isinstance(events, dict) or not isinstance(count_events, dict):
+        raise PayloadError("events and count_events must be objects keyed by IUCN category")
+    if not isinstance(counts, dict):
+        raise PayloadError("species_counts must be an object keyed by class index")
     try:
         report = UpdateReport(num_examples=body.get("num_examples"), local_steps=body.get("local_steps"),
-                              events={k: DPSGDEvent.from_json(v) for k, v in events.items()})
+                              events={k: DPSGDEvent.from_json(v) for k, v in events.items()},
+                              species_counts=counts,
+                              count_events={k: DPSGDEvent.from_json(v) for k, v in count_events.items()})
     except TypeError as exc:
         raise PayloadError(f"update fields wrong: {exc}") from exc
     return report, _check_weights(tensors)

@@ -51,14 +51,21 @@ class Strategy(ABC):
         """Reset state for a new round; ``template`` gives the global model's names, shapes and dtypes."""
 
     @abstractmethod
-    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int) -> None:
+    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
+                   species_counts: Mapping[int, float] | None = None) -> None:
         """Fold one site's delta (local minus global, same names/shapes as ``template``) into the running state.
 
         Args:
             site_id: the sender (strategies that cluster sites use it; FedAvg ignores it).
             delta: name -> array, float, finite.
             num_examples: the weight N_k (>= 1).
+            species_counts: the site's noisy per-class counts when the round asked for them (NIRA's embedding
+                weights), else None.
         """
+
+    def count_noise_multiplier(self) -> float | None:
+        """The noise multiplier of the per-class count release this strategy asks sites for, or None (default)."""
+        return None
 
     @abstractmethod
     def aggregate(self) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ float64 buffer whatever the number of sites K. :func:`merge` combines partial su
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,8 @@ class FedAvg(Strategy):
         """Zero the running sum for a model shaped like ``template``."""
         self._acc = new_running_sum(template)
 
-    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int) -> None:
+    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
+                   species_counts: Mapping[int, float] | None = None) -> None:
         """Add ``num_examples * delta`` to the running sum (see :func:`add_weighted`)."""
         if self._acc is None:
             raise ValueError("FedAvg.accumulate called before begin_round")

@@ -27,11 +27,20 @@ and kept in the strategy state.
 
 Species-embedding merging (rare-species transfer): the embedding of species s at site k is row s of its trained
 head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged embedding is
-``e_s = sum_k w_ks e_s^(k) / sum_k w_ks`` over the sites that saw s. Here a site saw s if s is on its public
-species list, and ``w_ks = N_k``, the site's declared public record count (the operator's "public N_k weights"
-choice of issue 5: no per-species count leaves a site, so nothing is charged). After each step, the head row of
-every species that no member of a cluster lists is set to e_s. Species left out of the public lists (CR/EN by
-default) are never merged this way.
+``e_s = sum_k w_ks e_s^(k) / sum_k w_ks`` over the sites that saw s. Two choices of weights (issue 5):
+
+- ``public`` (default): a site saw s if s is on its public species list, and ``w_ks = N_k``, its declared public
+  record count. No per-species count leaves a site, so nothing is charged. A cluster lacks s when no member lists
+  it. Species left out of the public lists (CR/EN by default) are never merged this way.
+- ``noisy_counts``: every round each site releases its record count of every class of the model with Gaussian
+  noise of std ``count_noise`` (sensitivity 1: one record changes one count by one; all classes, so the noise also
+  hides which species a site holds). The release is charged to every active category of the site
+  (``DPSGDEvent(count_noise, 1, 1)``, ledger mechanism ``counts``), and the gateway calibrates its DP-SGD noise so
+  that both together stay within each budget. Then ``w_ks = max(0, noisy count)``. A cluster lacks s when the
+  noisy total of its members' counts is at most ``3 * count_noise * sqrt(members reporting)``: it is then
+  consistent with no record at all. This covers CR/EN species too.
+
+After each step, the head row of every species that a cluster lacks is set to e_s.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
 restarted coordinator continues with the same clusters.
@@ -115,6 +124,8 @@ class NIRA(Strategy):
             merging off). species_categories: ``{scientific name: IUCN code}`` (to leave out sensitive species).
         recluster_every, recluster_margin, min_rounds_between_moves: re-clustering (0 = never re-cluster).
         embedding_merging: whether to merge species embeddings. head_prefix: names of the head tensors.
+        count_noise: with a value, merging is weighted by the sites' noisy per-class counts released with this
+            noise std (the ``noisy_counts`` choice of the module docstring); None: public N_k weights.
     """
 
     def __init__(self, *, store: Any, site_metadata: Callable[[], Mapping[str, Mapping[str, Any]]],
@@ -122,7 +133,7 @@ class NIRA(Strategy):
                  species_classes: Mapping[str, int] | None = None,
                  species_categories: Mapping[str, str] | None = None, recluster_every: int = 0,
                  recluster_margin: float = 0.1, min_rounds_between_moves: int = 3, embedding_merging: bool = True,
-                 head_prefix: str = "psi.") -> None:
+                 head_prefix: str = "psi.", count_noise: float | None = None) -> None:
         self._store = store
         self._site_metadata = site_metadata
         self._cut = dict(cut)
@@ -132,14 +143,21 @@ class NIRA(Strategy):
         self.recluster_every = recluster_every
         self.margin = recluster_margin
         self.min_rounds_between_moves = min_rounds_between_moves
-        self.embedding_merging = embedding_merging and bool(self._classes)
+        self.embedding_merging = embedding_merging and (bool(self._classes) or count_noise is not None)
         self.head_prefix = head_prefix
+        self.count_noise = count_noise
+        self._cluster_counts: dict[str, np.ndarray] = {}
+        self._cluster_reports: dict[str, int] = {}
         self._bundle: dict[str, np.ndarray] | None = None
         self._acc: dict[str, RunningWeightedSum] = {}
         self._sketches: dict[str, np.ndarray] = {}
         self._emb_sum: dict[int, np.ndarray] = {}
         self._emb_weight: dict[int, float] = {}
         self._round: int | None = None
+
+    def count_noise_multiplier(self) -> float | None:
+        """The count release the tasks ask for: ``count_noise`` when merging by noisy counts, else None."""
+        return self.count_noise if (self.embedding_merging and self.count_noise is not None) else None
 
     # ---- persistent state ---------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -281,8 +299,10 @@ class NIRA(Strategy):
         site_template = self.site_weights(self._bundle, next(iter(assignment.site_cluster)))
         self._acc = {c: new_running_sum(site_template) for c in assignment.clusters}
         self._sketches, self._emb_sum, self._emb_weight = {}, {}, {}
+        self._cluster_counts, self._cluster_reports = {}, {}
 
-    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int) -> None:
+    def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
+                   species_counts: Mapping[int, float] | None = None) -> None:
         """Add ``N_k * delta_k`` to the running sum of the site's cluster; keep a sketch of its phi-update (on
         re-clustering rounds) and its species embeddings (for merging)."""
         if self._bundle is None:
@@ -295,7 +315,11 @@ class NIRA(Strategy):
         phi = np.concatenate([np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in sorted(delta)
                               if not n.startswith(self.head_prefix)])
         self._sketches[site_id] = hash_sketch(phi)
-        if self.embedding_merging:
+        if self.embedding_merging and self.count_noise_multiplier() is not None:
+            if not species_counts:
+                raise ValueError(f"site {site_id!r} sent no species counts though the round asked for them")
+            self._accumulate_counted_embeddings(cluster, delta, species_counts)
+        elif self.embedding_merging:
             self._accumulate_embeddings(site_id, cluster, delta, float(num_examples))
 
     def _head_rows(self, cluster: str, delta: Tensors | None) -> np.ndarray:
@@ -315,6 +339,32 @@ class NIRA(Strategy):
                 continue
             self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
             self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
+
+    def _accumulate_counted_embeddings(self, cluster: str, delta: Tensors, counts: Mapping[int, float]) -> None:
+        rows = self._head_rows(cluster, delta)
+        totals = self._cluster_counts.setdefault(cluster, np.zeros(rows.shape[0]))
+        self._cluster_reports[cluster] = self._cluster_reports.get(cluster, 0) + 1
+        for s, noisy in counts.items():
+            if not 0 <= s < rows.shape[0]:
+                continue
+            totals[s] += noisy
+            weight = max(0.0, float(noisy))
+            if weight > 0:
+                self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
+                self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
+
+    def _lacking(self, cluster: str, members: tuple[str, ...], lists: Mapping[str, Any]) -> set[int]:
+        """Head rows the cluster lacks (see the module docstring): by the public lists, or by noisy counts."""
+        num_rows = self._head_rows(cluster, None).shape[0]
+        if self.count_noise_multiplier() is None:
+            seen = {self._classes[n] for m in members for n in lists.get(m, ()) if n in self._classes}
+            return set(range(num_rows)) - seen
+        reports = self._cluster_reports.get(cluster, 0)
+        if reports == 0:
+            return set()  # no evidence this round: leave the cluster's rows alone
+        threshold = 3.0 * float(self.count_noise_multiplier()) * np.sqrt(reports)
+        totals = self._cluster_counts[cluster]
+        return {s for s in range(num_rows) if totals[s] <= threshold}
 
     def aggregate(self) -> dict[str, np.ndarray]:
         """The bundle delta: phi from the size-weighted mean of the clusters' FedAvg deltas, each head from its own
@@ -345,14 +395,14 @@ class NIRA(Strategy):
         out = {k: np.array(v, copy=True) for k, v in bundle.items()}
         if not self.embedding_merging or not self._emb_sum:
             return out
-        lists = self.species_lists()
+        lists = self.species_lists() if self.count_noise_multiplier() is None else {}
         merged = {s: self._emb_sum[s] / self._emb_weight[s] for s in self._emb_sum if self._emb_weight[s] > 0}
         for cluster, members in self._assignment.clusters.items():
-            seen = {self._classes[n] for m in members for n in lists.get(m, ()) if n in self._classes}
+            lacking = self._lacking(cluster, members, lists)
             w_key, b_key = (f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}weight",
                             f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}bias")
             for s, e in merged.items():
-                if s in seen:
+                if s not in lacking:
                     continue
                 out[w_key][s] = e[:-1].astype(out[w_key].dtype)
                 out[b_key][s] = np.asarray(e[-1]).astype(out[b_key].dtype)

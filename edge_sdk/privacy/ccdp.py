@@ -233,9 +233,11 @@ def active_categories(
 
 
 @functools.lru_cache(maxsize=256)
-def _calibrate(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int) -> float:
+def _calibrate(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
+               fixed_events: tuple[DPSGDEvent, ...] = ()) -> float:
     return calibrate_noise_multiplier(
-        target_epsilon=target_epsilon, target_delta=target_delta, sampling_rate=sampling_rate, steps=steps
+        target_epsilon=target_epsilon, target_delta=target_delta, sampling_rate=sampling_rate, steps=steps,
+        fixed_events=fixed_events,
     )
 
 
@@ -246,6 +248,7 @@ def calibrate_category_noise(
     target_delta: float,
     sampling_rate: float,
     steps: int,
+    fixed_events: tuple[DPSGDEvent, ...] = (),
 ) -> dict[IUCNCategory, float]:
     """Noise multiplier per active category from its epsilon budget, with the real (RDP) accountant.
 
@@ -253,6 +256,8 @@ def calibrate_category_noise(
     number of DP-SGD steps planned for the whole federation (``planned_rounds * local_steps``), so running them
     all spends at most ``budgets[c]`` (dp-accounting ``calibrate_dp_mechanism``; never the textbook single-release
     Gaussian formula, shown only beside the ledger in `budget`; it holds only for eps < 1 and one step).
+    ``fixed_events`` are other releases about every record whose noise is already set (NIRA's noisy counts over the
+    planned rounds): the steps are calibrated so that they and those releases together stay within the budget.
 
     Raises:
         PrivacyBudgetError: an active category has no budget in ``budgets``.
@@ -265,7 +270,8 @@ def calibrate_category_noise(
                 f"the task gives no epsilon budget for active category {category.value}; refusing to train it "
                 "(the coordinator must send a budget for every category of the site, or halt it)"
             )
-        out[category] = _calibrate(float(budgets[category]), float(target_delta), float(sampling_rate), int(steps))
+        out[category] = _calibrate(float(budgets[category]), float(target_delta), float(sampling_rate), int(steps),
+                                   tuple(fixed_events))
     return out
 
 

@@ -98,15 +98,19 @@ def epsilon_spent(events: Sequence[DPSGDEvent], *, target_delta: float,
 
 
 def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
-                               accountant: AccountantName = "rdp", tol: float = 1e-4) -> float:
+                               accountant: AccountantName = "rdp", tol: float = 1e-4,
+                               fixed_events: Sequence[DPSGDEvent] = ()) -> float:
     """Smallest noise multiplier z (within ``tol``) such that ``steps`` Poisson-subsampled Gaussian steps at
-    rate ``sampling_rate`` are (``target_epsilon``, ``target_delta``)-DP under the chosen accountant.
+    rate ``sampling_rate``, composed with ``fixed_events`` (other releases about the same records whose noise is
+    already fixed, e.g. NIRA's noisy species counts), are (``target_epsilon``, ``target_delta``)-DP under the chosen
+    accountant.
 
     Uses ``dp_accounting.calibrate_dp_mechanism`` (Brent's method) and then checks the result with a fresh
     accountant, raising z until it is inside the budget: the returned value never overspends.
 
     Raises:
-        ConfigError: epsilon not positive, delta not in (0,1), q not in (0,1], steps < 1.
+        ConfigError: epsilon not positive, delta not in (0,1), q not in (0,1], steps < 1, or ``fixed_events``
+            alone already spend at least ``target_epsilon``.
     """
     if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
         raise ConfigError(f"target_epsilon must be positive and finite, got {target_epsilon!r}",
@@ -118,15 +122,27 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
     if type(steps) is not int or steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
 
+    fixed = [e for e in fixed_events if e.steps > 0]
+    if fixed:
+        floor = epsilon_spent(fixed, target_delta=target_delta, accountant=accountant)
+        if floor >= target_epsilon:
+            raise ConfigError(f"the fixed releases alone spend eps={floor:.4g} >= the budget {target_epsilon:.4g}",
+                              field="count_noise_multiplier",
+                              fix="raise the noise of the fixed releases (e.g. NIRA's count_noise_multiplier) or "
+                                  "use public N_k weights")
+
     def event(z: float) -> dp_accounting.DpEvent:
-        return DPSGDEvent(z, sampling_rate, steps).to_dp_event()
+        if not fixed:
+            return DPSGDEvent(z, sampling_rate, steps).to_dp_event()
+        return dp_accounting.ComposedDpEvent([DPSGDEvent(z, sampling_rate, steps).to_dp_event(),
+                                              *(e.to_dp_event() for e in fixed)])
 
     with _quiet_non_convergence():
         z = float(dp_accounting.calibrate_dp_mechanism(
             lambda: make_accountant(accountant), event, target_epsilon, target_delta,
             bracket_interval=dp_accounting.LowerEndpointAndGuess(0.05, 1.0), tol=tol))
     # Never return a value outside the budget, whatever side of the root the search ended on.
-    while epsilon_spent([DPSGDEvent(z, sampling_rate, steps)], target_delta=target_delta,
+    while epsilon_spent([DPSGDEvent(z, sampling_rate, steps), *fixed], target_delta=target_delta,
                         accountant=accountant) > target_epsilon:
         z += tol
     return z

@@ -55,6 +55,7 @@ class FakeSite:
     sequence: int = 0
     fed: str = FED
     last_weights: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)  # {class index: count} reported when a task asks for counts
 
     def attach(self) -> "FakeSite":
         self.transport.subscribe(task_topic(self.fed, self.site_id), self._on_task)
@@ -73,7 +74,12 @@ class FakeSite:
         self.last_weights = weights
         delta = {k: np.full_like(v, self.value) for k, v in weights.items()}
         events = {c: e for c, e in self.events.items() if c not in task.halted}  # never sample halted categories
-        raw = self.envelope(task.round, task.model_hash, self.payload(delta, events=events))
+        extra = {}
+        if task.count_noise_multiplier is not None:
+            z = task.count_noise_multiplier
+            extra = {"species_counts": dict(self.counts),
+                     "count_events": {c: DPSGDEvent(z, 1.0, 1) for c in events} if z > 0 else {}}
+        raw = self.envelope(task.round, task.model_hash, self.payload(delta, events=events, **extra))
         self.transport.publish(update_topic(self.fed, self.site_id), raw)
 
     def _on_ack(self, topic: str, raw: bytes) -> None:

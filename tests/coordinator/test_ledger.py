@@ -119,3 +119,26 @@ def test_an_event_the_reader_does_not_know_raises_never_skipped(store):
                         event_json=json.dumps({"type": "laplace", "scale": 1.0})))
     with pytest.raises(PayloadError, match="unknown DP event"):
         ledger.spent("s1", LC)
+
+
+def test_count_releases_are_composed_and_projected_in_the_halt_check(store):
+    # Prepare: each round one DP-SGD event and one count release (NIRA's noisy counts, mechanism "counts")
+    ledger = PrivacyLedger(store, target_delta=DELTA)
+    steps, counts = DPSGDEvent(1.5, 0.1, 10), DPSGDEvent(30.0, 1.0, 1)
+    ledger.record_round("s1", 1, {LC: steps})
+    ledger.record_round("s1", 1, {LC: counts}, mechanism="counts")
+    # the same (site, round, category) may hold one event per mechanism; a different one is refused
+    with pytest.raises(LedgerError):
+        ledger.record_round("s1", 1, {LC: DPSGDEvent(40.0, 1.0, 1)}, mechanism="counts")
+    one = direct_epsilon([(1.5, 0.1, 10), (30.0, 1.0, 1)])
+    assert ledger.spent("s1", LC) == pytest.approx(one, rel=1e-9)
+    # Execute: a budget that a second round of the steps alone would fit, but not steps + counts
+    steps_only = direct_epsilon([(1.5, 0.1, 20), (30.0, 1.0, 1)])
+    both = direct_epsilon([(1.5, 0.1, 20), (30.0, 1.0, 2)])
+    assert steps_only < both
+    # rounds left projects both releases of a round
+    assert ledger.rounds_left("s1", LC, both) == 1 and ledger.rounds_left("s1", LC, steps_only) == 0
+    halted = ledger.halt_if_needed("s1", {LC: (steps_only + both) / 2}, round=2)
+    # Assert: the projection carries the count release too, so LC halts before round 2
+    assert halted == frozenset({LC}) and "1 other release" in ledger.halts("s1")[0].reason
+    assert ledger.rounds_left("s1", LC, both) == 0  # halted

@@ -31,7 +31,7 @@ def nira_federation(tmp_path):
 
     def build(specs, **strategy):
         transport, key = InMemoryTransport(), generate_signing_key()
-        cfg = make_config(tmp_path, rounds=3, species=SPECIES, ship_ort_artifacts=False,
+        cfg = make_config(tmp_path, rounds=3, species=SPECIES, ship_ort_artifacts=False, num_classes=3,
                           strategy={"kind": "nira", "distance_threshold": 0.5, **strategy})
         coord = Coordinator(cfg, transport=transport, signing_key=key, initial_weights=head_model())
         made.append(coord)
@@ -144,3 +144,50 @@ def test_a_fresh_clustering_keeps_heads_with_the_sites_that_trained_them():
     assert match_labels(swapped, old, {}).clusters == {"c0": ("a", "b"), "c1": ("c", "d")}
     # a pin wins over overlap; the displaced cluster takes a fresh label
     assert match_labels(old, old, {"c": "c7"}).clusters == {"c0": ("a", "b"), "c7": ("c", "d")}
+
+
+def test_noisy_counts_weight_the_merge_and_are_charged_to_the_ledger(nira_federation):
+    # Prepare: merging weighted by counts each site releases with noise std 20 (here the fake sites report fixed
+    # "noisy" counts, so the merged rows can be computed by hand)
+    import dp_accounting
+    from dp_accounting import rdp
+
+    coord, sites = nira_federation([("a", 1.0, 10, ["A", "B"]), ("b", 4.0, 30, ["A", "B"]), ("c", 2.0, 20, ["C"])],
+                                   embedding_weights="noisy_counts", count_noise_multiplier=20.0)
+    sites["a"].counts = {0: 100.0, 1: 30.0, 2: -5.0}
+    sites["b"].counts = {0: 300.0, 1: 10.0, 2: 3.0}
+    sites["c"].counts = {0: 1.0, 1: -8.0, 2: 200.0}
+    w0 = head_model()
+    # Execute
+    result = coord.run_round()
+    # Assert: every task asked for counts with noise 20
+    assert result.status == "closed" and all(s.tasks[-1].count_noise_multiplier == 20.0 for s in sites.values())
+    # the count release is charged beside the DP-SGD steps: two ledger events per round, composed together
+    from tests.coordinator.helpers import EVENT
+    for sid in ("a", "b", "c"):
+        assert coord.ledger.events(sid, LC) == [EVENT, type(EVENT)(20.0, 1.0, 1)]
+        acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(EVENT.sampling_rate, dp_accounting.GaussianDpEvent(1.2)), 5))
+        acc.compose(dp_accounting.GaussianDpEvent(20.0))
+        assert coord.ledger.spent(sid, LC) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    _, bundle = coord.rounds.current_model()
+    # each site's embedding is its own trained head row: init + its delta (a +1, b +4, c +2)
+    # c0 = {a, b}: its noisy C total is -5 + 3 = -2 <= 3 * 20 * sqrt(2): it lacks C; merged e_C weights
+    # max(0, count): a 0, b 3, c 200 -> (3 * (init + 4) + 200 * (init + 2)) / 203
+    e_c = w0["psi.weight"][2] + (3 * 4.0 + 200 * 2.0) / 203
+    np.testing.assert_allclose(bundle["nira/c0/psi.weight"][2], e_c, rtol=1e-5)
+    # c1 = {c}: A total 1 <= 60 and B total -8: it lacks both; e_A = (100 (+1) + 300 (+4) + 1 (+2)) / 401
+    e_a = w0["psi.weight"][0] + (100 * 1.0 + 300 * 4.0 + 1 * 2.0) / 401
+    np.testing.assert_allclose(bundle["nira/c1/psi.weight"][0], e_a, rtol=1e-5)
+    # ... and keeps its own row C (total 200 > 60): trained by c alone (+2)
+    np.testing.assert_allclose(bundle["nira/c1/psi.weight"][2], w0["psi.weight"][2] + 2.0, rtol=1e-6)
+
+
+def test_an_update_without_the_asked_counts_is_refused(nira_federation):
+    coord, sites = nira_federation([("a", 1.0, 10, ["A"]), ("b", 1.0, 10, ["A"])],
+                                   embedding_weights="noisy_counts", count_noise_multiplier=20.0)
+    sites["a"].counts = {0: 1.0, 1: 2.0}  # class 2 missing
+    sites["b"].counts = {0: 1.0, 1: 2.0, 2: 3.0}
+    result = coord.run_round()
+    assert result.accepted == ("b",) and coord.status().rejections == {"bad_report": 1}

@@ -96,3 +96,51 @@ def test_all_halted_site_does_not_train() -> None:
         train_locally(backend=FakeBackend(), dataset=dataset(), task=task(halted=(Cat.CR, Cat.EN, Cat.LC)),
                       global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
                       randomness=ZeroNoise())
+
+
+class FixedNormals(ZeroNoise):
+    """Uniforms 0 (every eligible record sampled); normals from a fixed list (to check where the noise goes)."""
+
+    def __init__(self, normals):
+        self.normals = list(normals)
+
+    def standard_normal(self, size):
+        n = int(np.prod(size))
+        out, self.normals = self.normals[:n], self.normals[n:]
+        return np.asarray(out + [0.0] * (n - len(out)), dtype=np.float64).reshape(size)
+
+
+def test_count_release_is_noised_charged_and_leaves_room_for_it_in_the_calibration() -> None:
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from shared.privacy.events import DPSGDEvent
+
+    # Prepare: labels 0,1,1,2 on the eligible CR/LC records (EN halted, its records 2 are not counted)
+    data = dataset()
+    data = LocalDataset(images=data.images, labels=np.array([0, 1, 1, 2, 2, 2], np.int64),
+                        categories=data.categories, media_ids=data.media_ids)
+    # the DP-SGD step draws its noise first (d = 2 normals), then the counts draw one normal per class (4 classes)
+    result = train_locally(backend=FakeBackend(), dataset=data, task=task(count_noise_multiplier=60.0),
+                           global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
+                           randomness=FixedNormals([0.0, 0.0, 0.5, -1.0, 0.25, 2.0]), num_classes=4)
+    # Assert: counts 1, 2, 1, 0 plus 60 x (0.5, -1, 0.25, 2)
+    assert result.report.species_counts == {0: 31.0, 1: -58.0, 2: 16.0, 3: 120.0}
+    assert result.report.count_events == {Cat.CR: DPSGDEvent(60.0, 1.0, 1), Cat.LC: DPSGDEvent(60.0, 1.0, 1)}
+    # the steps were calibrated around the 10 planned count releases: together exactly within each budget
+    plain = train_locally(backend=FakeBackend(), dataset=data, task=task(), global_weights={"w": np.zeros(2, np.float32)},
+                          site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
+    for cat, budget in ((Cat.CR, 0.5), (Cat.LC, 2.0)):
+        z = result.noise_multipliers[cat]
+        assert z > plain.noise_multipliers[cat]
+        acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(z)), 10)
+        acc.compose(dp_accounting.GaussianDpEvent(60.0), 10)
+        assert budget * 0.995 <= acc.get_epsilon(1e-5) <= budget
+
+
+def test_count_noise_that_alone_passes_the_budget_stops_training() -> None:
+    with pytest.raises(PrivacyBudgetError, match="fixed releases alone"):
+        train_locally(backend=FakeBackend(), dataset=dataset(), task=task(count_noise_multiplier=0.5),
+                      global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
+                      randomness=ZeroNoise(), num_classes=1)
