@@ -26,6 +26,7 @@ Example (``wildfed-coordinator init`` writes this)::
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
     secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
+    server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
@@ -46,7 +47,8 @@ from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry", "CoordinatorConfig", "load_config", "save_config"]
+__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
+           "ServerSGDConfig", "FedSOFIMConfig", "CoordinatorConfig", "load_config", "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -132,6 +134,25 @@ class NiraConfig(StrictModel):
 Strategy = Annotated[FedAvgConfig | NiraConfig, Field(discriminator="kind")]
 
 
+class ServerSGDConfig(StrictModel):
+    """Server SGD (DP-FedGD baseline), optionally with server momentum; step size ``server_learning_rate``."""
+
+    kind: Literal["sgd"] = "sgd"
+    momentum: float = Field(0.0, ge=0, lt=1, description="server momentum mu (FedAvgM); 0 = plain")
+
+
+class FedSOFIMConfig(StrictModel):
+    """DP-FedSOFIM (coordinator/optimizers/fedsofim.py, docs/fedsofim.md); step size ``server_learning_rate``."""
+
+    kind: Literal["fedsofim"] = "fedsofim"
+    beta: float = Field(0.9, ge=0, lt=1, description="momentum of M_t = beta M + (1 - beta) G")
+    rho: float = Field(1.0, gt=0, description="ridge of the Fisher proxy M M^T + rho I (large: SGD with eta/rho)")
+    warmup_rounds: int = Field(0, ge=0, description="first steps taken as SGD with step eta/rho while M fills")
+
+
+ServerOptimizerConfig = Annotated[ServerSGDConfig | FedSOFIMConfig, Field(discriminator="kind")]
+
+
 class SpeciesEntry(StrictModel):
     """One class of the federation's model (public): its scientific name, class index and IUCN category."""
 
@@ -192,6 +213,7 @@ class CoordinatorConfig(StrictModel):
                                             "onnxruntime.training imports at the coordinator")
     secagg: SecAggConfig = Field(default_factory=SecAggConfig)
     strategy: Strategy = Field(default_factory=FedAvgConfig)
+    server_optimizer: ServerOptimizerConfig = Field(default_factory=ServerSGDConfig)
     species: list[SpeciesEntry] | None = Field(None, description="the federation's species table (class index, "
                                                "scientific name, IUCN category); NIRA uses it to map species to "
                                                "head rows")

@@ -184,6 +184,28 @@ class RoundManager:
         weights, _ = decode_tensors(self._store.get_model(h))
         return h, weights
 
+    def save_optimizer_state(self, model_hash_: str) -> None:
+        """Store the server optimizer's state (if any) for the model version ``model_hash_`` (a blob, named in the
+        strategy-state table), so that a restart from that version continues with the same state."""
+        state = self._optimizer.state_tensors()
+        if state:
+            digest = self._store.put_blob(encode_tensors(state))
+            self._store.set_state(f"optimizer/{model_hash_}", digest)
+
+    def restore_optimizer_state(self) -> bool:
+        """Load the optimizer state stored with the current model version; returns whether there was one."""
+        try:
+            h, _ = self.current_model()
+        except LookupError:
+            return False
+        digest = self._store.get_state(f"optimizer/{h}")
+        if digest is None:
+            return False
+        state, _ = decode_tensors(self._store.get_blob(digest))
+        self._optimizer.load_state_tensors(state)
+        log.info("rounds: server optimizer state restored for model %s", h[:12])
+        return True
+
     def next_round(self) -> int:
         """Number of the next round to open (1 + the highest round recorded, so a restart continues)."""
         rows = self._store.rounds()
@@ -354,6 +376,7 @@ class RoundManager:
             step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in outcome.noisy_gradient.items()}
             new_weights = self._optimizer.step(weights, step)
             new_hash = model_hash(new_weights)
+            self.save_optimizer_state(new_hash)
             self._store.put_model(new_hash, encode_tensors(new_weights), round=r)
         with self._store.session() as s:
             row = s.get(RoundRow, r)
@@ -406,6 +429,7 @@ class RoundManager:
             avg_delta = ctx.strategy.aggregate()
             new_weights = ctx.strategy.after_step(self._optimizer.step(weights, avg_delta))
             new_hash = model_hash(new_weights)
+            self.save_optimizer_state(new_hash)
             self._store.put_model(new_hash, encode_tensors(new_weights), round=ctx.round)
             status = "closed"
         else:

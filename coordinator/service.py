@@ -47,7 +47,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.transport import MqttTransport, Transport
 
-__all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy"]
+__all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy", "build_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class Coordinator:
         initial_weights: round-0 global model (float32 arrays); defaults to
             ``shared.models.camera_cnn.initial_weights(config.num_classes, config.seed or 0)``.
         strategy, optimizer: aggregation and server step; default: the strategy ``config.strategy`` names
-            (:func:`build_strategy`: FedAvg or NIRA) and ServerSGD(server_learning_rate).
+            (:func:`build_strategy`: FedAvg or NIRA) and the optimizer ``config.server_optimizer`` names
+            (:func:`build_optimizer`: server SGD or DP-FedSOFIM).
         schema: PostgreSQL schema for every table (see :class:`~coordinator.storage.Store`).
 
     Raises:
@@ -127,7 +128,7 @@ class Coordinator:
         self.rounds = RoundManager(config=config, store=self.store, registry=self.registry, ledger=self.ledger,
                                    ingestor=self.ingestor, transport=self.transport,
                                    strategy=strategy,
-                                   optimizer=optimizer or ServerSGD(config.server_learning_rate),
+                                   optimizer=optimizer or build_optimizer(config),
                                    signing_key=self._key, secagg_collector=self.secagg)
         self._started = False
 
@@ -160,6 +161,7 @@ class Coordinator:
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         self.ensure_initial_model()
+        self.rounds.restore_optimizer_state()
         self._started = True
         return self.rounds.recover()
 
@@ -215,6 +217,18 @@ class Coordinator:
     def budget_rows(self) -> list[BudgetRow]:
         """Epsilon spent vs budget for every enrolled site and every IUCN category."""
         return budget_rows(self.config, self.registry, self.ledger)
+
+
+def build_optimizer(config: CoordinatorConfig) -> ServerOptimizer:
+    """The server optimizer ``config.server_optimizer`` names, with step size ``config.server_learning_rate``:
+    server SGD (optionally with momentum) or DP-FedSOFIM."""
+    cfg = config.server_optimizer
+    if cfg.kind == "sgd":
+        return ServerSGD(config.server_learning_rate, momentum=cfg.momentum)
+    from coordinator.optimizers.fedsofim import DPFedSOFIM
+
+    return DPFedSOFIM(learning_rate=config.server_learning_rate, beta=cfg.beta, rho=cfg.rho,
+                      warmup_rounds=cfg.warmup_rounds)
 
 
 def build_strategy(config: CoordinatorConfig, store: Store, registry: SiteRegistry) -> Strategy:
