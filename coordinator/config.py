@@ -103,8 +103,9 @@ class NiraConfig(StrictModel):
     recluster_margin: float = Field(0.1, ge=0, le=2, description="a site moves only if its mean cosine similarity "
                                     "to another cluster beats its own cluster's by this much")
     min_rounds_between_moves: int = Field(3, ge=1, description="a site moves at most once per this many rounds")
-    embedding_merging: bool = Field(True, description="initialise the head rows of species a cluster lacks with "
-                                    "the N_k-weighted mean of the sites' embeddings of that species")
+    embedding_merging: bool = Field(False, description="initialise (once, aligned) the head rows of species a "
+                                    "cluster lacks with the weighted mean of the sites' embeddings of that species; "
+                                    "off by default: not yet shown to help (docs/nira.md)")
     head_prefix: str = Field("psi.", min_length=1, description="tensor-name prefix of the classification head")
     embedding_weights: Literal["public", "noisy_counts"] = Field(
         "public", description="weights w_ks of the merged embeddings: the sites' public N_k (no cost), or per-species "

@@ -40,7 +40,12 @@ head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged e
   noisy total of its members' counts is at most ``3 * count_noise * sqrt(members reporting)``: it is then
   consistent with no record at all. This covers CR/EN species too.
 
-After each step, the head row of every species that a cluster lacks is set to e_s.
+After a step, the head row of every species that a cluster lacks is initialised with e_s, once per (cluster,
+species), and then left to training. A softmax head is unchanged by adding one vector to all its rows, so heads
+trained apart can sit at different offsets. e_s is therefore moved from the contributing heads' mean row (weighted
+alike) to the receiving head's mean row before it is written. An earlier version overwrote the rows after every
+step without this alignment. The experiment measured it as harmful: the clusters' own species lost to the pasted
+rows (docs/nira.md). Merging is therefore off by default until the aligned, once-only form is measured.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
 restarted coordinator continues with the same clusters.
@@ -152,6 +157,7 @@ class NIRA(Strategy):
         self._acc: dict[str, RunningWeightedSum] = {}
         self._sketches: dict[str, np.ndarray] = {}
         self._emb_sum: dict[int, np.ndarray] = {}
+        self._emb_offset: dict[int, np.ndarray] = {}
         self._emb_weight: dict[int, float] = {}
         self._round: int | None = None
 
@@ -298,7 +304,7 @@ class NIRA(Strategy):
         self._assignment = assignment
         site_template = self.site_weights(self._bundle, next(iter(assignment.site_cluster)))
         self._acc = {c: new_running_sum(site_template) for c in assignment.clusters}
-        self._sketches, self._emb_sum, self._emb_weight = {}, {}, {}
+        self._sketches, self._emb_sum, self._emb_weight, self._emb_offset = {}, {}, {}, {}
         self._cluster_counts, self._cluster_reports = {}, {}
 
     def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
@@ -337,8 +343,13 @@ class NIRA(Strategy):
             s = self._classes.get(name)
             if s is None:
                 continue
-            self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
-            self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
+            self._add_embedding(s, weight, rows)
+
+    def _add_embedding(self, s: int, weight: float, rows: np.ndarray) -> None:
+        """Add ``weight * row s`` and ``weight * (mean of all rows)`` (the head's offset, for alignment)."""
+        self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
+        self._emb_offset[s] = self._emb_offset.get(s, 0.0) + weight * rows.mean(axis=0)
+        self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
 
     def _accumulate_counted_embeddings(self, cluster: str, delta: Tensors, counts: Mapping[int, float]) -> None:
         rows = self._head_rows(cluster, delta)
@@ -350,8 +361,7 @@ class NIRA(Strategy):
             totals[s] += noisy
             weight = max(0.0, float(noisy))
             if weight > 0:
-                self._emb_sum[s] = self._emb_sum.get(s, 0.0) + weight * rows[s]
-                self._emb_weight[s] = self._emb_weight.get(s, 0.0) + weight
+                self._add_embedding(s, weight, rows)
 
     def _lacking(self, cluster: str, members: tuple[str, ...], lists: Mapping[str, Any]) -> set[int]:
         """Head rows the cluster lacks (see the module docstring): by the public lists, or by noisy counts."""
@@ -390,22 +400,35 @@ class NIRA(Strategy):
         return {k: v.astype(np.asarray(self._bundle[k]).dtype) for k, v in out.items()}
 
     def after_step(self, bundle: Tensors) -> dict[str, np.ndarray]:
-        """Species-embedding merging: in each cluster, the head row of every species none of its members lists is
-        set to the merged embedding of that species (when some site listed it this round)."""
+        """Species-embedding merging: in each cluster, the head row of every species it lacks is initialised, once
+        per (cluster, species), with the merged embedding of that species, aligned to the cluster's head (see the
+        module docstring). Rows merged before are left to training."""
         out = {k: np.array(v, copy=True) for k, v in bundle.items()}
         if not self.embedding_merging or not self._emb_sum:
             return out
+        state = self.state()
+        done = {c: set(v) for c, v in state.get("merged", {}).items()}
         lists = self.species_lists() if self.count_noise_multiplier() is None else {}
-        merged = {s: self._emb_sum[s] / self._emb_weight[s] for s in self._emb_sum if self._emb_weight[s] > 0}
+        merged = {s: (self._emb_sum[s] - self._emb_offset[s]) / self._emb_weight[s] for s in self._emb_sum
+                  if self._emb_weight[s] > 0}
+        changed = False
         for cluster, members in self._assignment.clusters.items():
             lacking = self._lacking(cluster, members, lists)
             w_key, b_key = (f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}weight",
                             f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}bias")
-            for s, e in merged.items():
-                if s not in lacking:
+            offset = np.concatenate([out[w_key].astype(np.float64), out[b_key].astype(np.float64)[:, None]],
+                                    axis=1).mean(axis=0)
+            for s, centred in sorted(merged.items()):
+                if s not in lacking or s in done.get(cluster, set()):
                     continue
+                e = centred + offset  # the sites' row, moved from their heads' mean row to this head's
                 out[w_key][s] = e[:-1].astype(out[w_key].dtype)
                 out[b_key][s] = np.asarray(e[-1]).astype(out[b_key].dtype)
+                done.setdefault(cluster, set()).add(s)
+                changed = True
+        if changed:
+            state["merged"] = {c: sorted(v) for c, v in done.items()}
+            self._save(state)
         return out
 
     def end_round(self, round: int) -> list[str]:

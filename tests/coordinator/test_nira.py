@@ -32,7 +32,7 @@ def nira_federation(tmp_path):
     def build(specs, **strategy):
         transport, key = InMemoryTransport(), generate_signing_key()
         cfg = make_config(tmp_path, rounds=3, species=SPECIES, ship_ort_artifacts=False, num_classes=3,
-                          strategy={"kind": "nira", "distance_threshold": 0.5, **strategy})
+                          strategy={"kind": "nira", "distance_threshold": 0.5, "embedding_merging": True, **strategy})
         coord = Coordinator(cfg, transport=transport, signing_key=key, initial_weights=head_model())
         made.append(coord)
         sites = {}
@@ -61,12 +61,15 @@ def test_phi_is_shared_heads_stay_per_cluster_and_missing_species_are_merged(nir
     # intra-cluster FedAvg: c0 = (10*1 + 30*4)/40 = 3.25, c1 = 2; phi = 2/3 * 3.25 + 1/3 * 2 = 17/6
     np.testing.assert_allclose(bundle["phi.w"], w0["phi.w"] + 17 / 6, rtol=1e-6)
     head = {c: (bundle[f"{BUNDLE_PREFIX}{c}/psi.weight"], bundle[f"{BUNDLE_PREFIX}{c}/psi.bias"]) for c in ("c0", "c1")}
-    # c0 trained A, B (+3.25) and lacks C: row C is the merged embedding of C, from c only (init + 2)
-    np.testing.assert_allclose(head["c0"][0][:2], w0["psi.weight"][:2] + 3.25, rtol=1e-6)
-    np.testing.assert_allclose(head["c0"][0][2], w0["psi.weight"][2] + 2.0, rtol=1e-6)
-    np.testing.assert_allclose(head["c0"][1], w0["psi.bias"] + [3.25, 3.25, 2.0], rtol=1e-6)
-    # c1 trained C (+2) and lacks A, B: rows A, B are the N_k-weighted mean of a's and b's (init + 3.25)
-    np.testing.assert_allclose(head["c1"][0], w0["psi.weight"] + [[3.25], [3.25], [2.0]], rtol=1e-6)
+    # c0 trained A, B (+3.25) and lacks C: row C is the merged embedding of C from c (init + 2), moved from c's
+    # head's mean row (mean init + 2) to c0's (mean init + 3.25): init_C + 3.25. So every row of c0 is init + 3.25.
+    np.testing.assert_allclose(head["c0"][0], w0["psi.weight"] + 3.25, rtol=1e-6)
+    np.testing.assert_allclose(head["c0"][1], w0["psi.bias"] + 3.25, rtol=1e-6)
+    # c1 trained C (+2) and lacks A, B: their merged rows (a: init + 1, b: init + 4), each centred on its own head's
+    # mean row, land at init + 2 in c1
+    np.testing.assert_allclose(head["c1"][0], w0["psi.weight"] + 2.0, rtol=1e-6)
+    # merging happens once per (cluster, species)
+    assert coord.rounds._strategy.state()["merged"] == {"c0": [2], "c1": [0, 1]}
     assert "psi.weight" not in bundle  # the plain head became one head per cluster
     # Round 2: each site is sent the shared phi and its own cluster's head, under the plain names
     coord.run_round()
@@ -172,14 +175,13 @@ def test_noisy_counts_weight_the_merge_and_are_charged_to_the_ledger(nira_federa
         acc.compose(dp_accounting.GaussianDpEvent(20.0))
         assert coord.ledger.spent(sid, LC) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
     _, bundle = coord.rounds.current_model()
-    # each site's embedding is its own trained head row: init + its delta (a +1, b +4, c +2)
-    # c0 = {a, b}: its noisy C total is -5 + 3 = -2 <= 3 * 20 * sqrt(2): it lacks C; merged e_C weights
-    # max(0, count): a 0, b 3, c 200 -> (3 * (init + 4) + 200 * (init + 2)) / 203
-    e_c = w0["psi.weight"][2] + (3 * 4.0 + 200 * 2.0) / 203
-    np.testing.assert_allclose(bundle["nira/c0/psi.weight"][2], e_c, rtol=1e-5)
-    # c1 = {c}: A total 1 <= 60 and B total -8: it lacks both; e_A = (100 (+1) + 300 (+4) + 1 (+2)) / 401
-    e_a = w0["psi.weight"][0] + (100 * 1.0 + 300 * 4.0 + 1 * 2.0) / 401
-    np.testing.assert_allclose(bundle["nira/c1/psi.weight"][0], e_a, rtol=1e-5)
+    # each site's embedding is its own trained head row, centred on that head's mean row: every site's head moved
+    # uniformly (a +1, b +4, c +2), so each centred row is init_s - mean(init), whatever the weights.
+    # c0 = {a, b}: its noisy C total is -5 + 3 = -2 <= 3 * 20 * sqrt(2): it lacks C; weights max(0, count) are
+    # b 3 and c 200 (a's -5 counts 0); aligned to c0's head (init + 3.25): init_C + 3.25
+    np.testing.assert_allclose(bundle["nira/c0/psi.weight"][2], w0["psi.weight"][2] + 3.25, rtol=1e-6)
+    # c1 = {c}: A total 1 <= 60 and B total -8: it lacks both; aligned to c1's head (init + 2)
+    np.testing.assert_allclose(bundle["nira/c1/psi.weight"][0], w0["psi.weight"][0] + 2.0, rtol=1e-6)
     # ... and keeps its own row C (total 200 > 60): trained by c alone (+2)
     np.testing.assert_allclose(bundle["nira/c1/psi.weight"][2], w0["psi.weight"][2] + 2.0, rtol=1e-6)
 
@@ -191,3 +193,52 @@ def test_an_update_without_the_asked_counts_is_refused(nira_federation):
     sites["b"].counts = {0: 1.0, 1: 2.0, 2: 3.0}
     result = coord.run_round()
     assert result.accepted == ("b",) and coord.status().rejections == {"bad_report": 1}
+
+
+class DictStore:
+    """The two methods NIRA needs from coordinator.storage.Store, in memory."""
+
+    def __init__(self):
+        self.values = {}
+
+    def get_state(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set_state(self, key, value):
+        import json
+
+        self.values[key] = json.loads(json.dumps(value))
+
+
+def test_merged_rows_are_count_weighted_and_moved_to_the_receiving_heads_offset():
+    # Prepare: a in cluster {a} (species A), b and c in cluster {b, c} (species C); merging by noisy counts
+    meta = {"a": {"species": ["A"]}, "b": {"species": ["C"]}, "c": {"species": ["C"]}}
+    nira = NIRA(store=DictStore(), site_metadata=lambda: meta, cut={"distance_threshold": 0.5, "num_clusters": None},
+                count_noise=1.0)
+    bundle = nira.prepare({"phi.w": np.zeros(1, np.float32), "psi.weight": np.zeros((2, 1), np.float32),
+                           "psi.bias": np.zeros(2, np.float32)}, round=1)
+    assert nira.assignment().clusters == {"c0": ("a",), "c1": ("b", "c")}
+    nira.begin_round(bundle)
+
+    def delta(w_rows, b_rows):
+        return {"phi.w": np.zeros(1, np.float32), "psi.weight": np.array(w_rows, np.float32).reshape(2, 1),
+                "psi.bias": np.array(b_rows, np.float32)}
+
+    # rows are (weight, bias) per class 0 (A), 1 (C)
+    nira.accumulate("a", delta([0.0, 0.0], [0.0, 0.0]), num_examples=5, species_counts={0: 50.0, 1: -1.0})
+    nira.accumulate("b", delta([0.0, 2.0], [0.0, 0.0]), num_examples=5, species_counts={0: 0.0, 1: 30.0})
+    nira.accumulate("c", delta([0.0, 6.0], [0.0, 4.0]), num_examples=5, species_counts={0: 0.5, 1: 10.0})
+    new = nira.after_step({k: v + d for (k, v), d in zip(bundle.items(), nira.aggregate().values())})
+    # Assert: cluster c0 lacks C (its noisy C total -1 <= 3): e_C from b (weight 30) and c (weight 10).
+    #   b's head rows: A (0, 0), C (2, 0), mean (1, 0)  -> centred C = (1, 0)
+    #   c's head rows: A (0, 0), C (6, 4), mean (3, 2)  -> centred C = (3, 2)
+    #   weighted: (30 (1, 0) + 10 (3, 2)) / 40 = (1.5, 0.5); a's weight for C is max(0, -1) = 0
+    #   c0's head after the step is a's (all zero), mean row (0, 0): row C = (1.5, 0.5)
+    np.testing.assert_allclose([new["nira/c0/psi.weight"][1, 0], new["nira/c0/psi.bias"][1]], [1.5, 0.5], rtol=1e-6)
+    # cluster c1 has A's total 0.5 <= 3 * sqrt(2): it lacks A; e_A from a (weight 50, centred A (0, 0)) and c
+    #   (weight 0.5, centred A = (0, 0) - (3, 2) = (-3, -2)): (0.5 (-3, -2)) / 50.5; c1's head after the step is the
+    #   FedAvg of b and c (equal N): A (0, 0), C (4, 2), mean row (2, 1): row A = (2 - 1.5/50.5, 1 - 1/50.5)
+    np.testing.assert_allclose([new["nira/c1/psi.weight"][0, 0], new["nira/c1/psi.bias"][0]],
+                               [2 - 1.5 / 50.5, 1 - 1.0 / 50.5], rtol=1e-6)
+    # its own row C is untouched by merging
+    np.testing.assert_allclose([new["nira/c1/psi.weight"][1, 0], new["nira/c1/psi.bias"][1]], [4.0, 2.0], rtol=1e-6)
