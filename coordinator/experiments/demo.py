@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -40,7 +41,8 @@ from shared.errors import ConfigError, WildFedError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
-__all__ = ["DemoSettings", "DemoResult", "run_demo", "public_split_indices", "pretrain_on_public_split",
+__all__ = ["DemoSettings", "DemoResult", "run_demo", "public_split_indices", "balanced_public_split",
+           "design_sites_with_public_split", "pretrain_on_public_split",
            "load_weights", "save_weights"]
 
 
@@ -50,7 +52,8 @@ class DemoSettings:
 
     Attributes:
         sites: number of gateway sites K (>= 2). rounds: federated rounds (>= 1).
-        privacy: ``"ccdp"`` or ``"none"`` (non-private reference).
+        privacy: ``"ccdp"`` (local DP at each gateway), ``"global"`` (secure aggregation, the coordinator adds
+            the noise once per round; needs ``local_steps`` 1) or ``"none"`` (non-private reference).
         gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
@@ -70,6 +73,16 @@ class DemoSettings:
         initial_weights_path: start the federation from these weights (a safetensors file of
             ``shared.models.camera_cnn`` arrays, e.g. written by :func:`save_weights`) instead; excludes
             ``pretrain_epochs``.
+        public_per_class: 0 (default) = the public split is what no site holds (not class-balanced: the site
+            design takes every image of some species). N > 0 = reserve N training images of every class as a
+            class-balanced public split *before* the sites are designed on the rest
+            (:func:`design_sites_with_public_split`; this changes the sites a little), and pretrain on it.
+        strategy: ``"fedavg"`` (one global model) or ``"nira"`` (ecological clusters from the sites' public
+            species lists, shared phi, one head per cluster: coordinator/strategies/nira.py). Both are evaluated
+            per site (:func:`~coordinator.experiments.evaluation.evaluate_sites`).
+        nira_recluster_every: NIRA re-clusters from the sites' phi-updates every this many rounds (0 = never).
+        nira_embedding_merging: NIRA species-embedding merging on/off.
+        nira_distance_threshold: NIRA's Jaccard-distance cut of the species-list dendrogram (None = 0.7).
     """
 
     sites: int = 8
@@ -93,15 +106,24 @@ class DemoSettings:
     pretrain_batch_size: int = 64
     pretrain_learning_rate: float = 0.1
     initial_weights_path: Path | None = None
+    public_per_class: int = 0
+    strategy: str = "fedavg"
+    nira_recluster_every: int = 0
+    nira_embedding_merging: bool = False
+    nira_distance_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.sites < 2:
             raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}", field="rounds", fix="use --rounds 10")
-        if self.privacy not in ("ccdp", "none"):
-            raise ConfigError(f"privacy must be 'ccdp' or 'none', got {self.privacy!r}", field="privacy",
-                              fix="use --privacy ccdp or --privacy none")
+        if self.privacy not in ("ccdp", "global", "none"):
+            raise ConfigError(f"privacy must be 'ccdp', 'global' or 'none', got {self.privacy!r}", field="privacy",
+                              fix="use --privacy ccdp, --privacy global or --privacy none")
+        if self.privacy == "global" and self.local_steps != 1:
+            raise ConfigError(f"privacy 'global' runs one clipped-gradient step per round (the coordinator adds "
+                              f"the noise to each round's secure sum), got local_steps={self.local_steps}",
+                              field="local_steps", fix="use --local-steps 1 and more --rounds")
         if self.broker is not None and not self.broker.startswith("mqtt://"):
             raise ConfigError(f"broker {self.broker!r} is not an mqtt:// URL", field="broker",
                               fix="pass --broker mqtt://127.0.0.1:1883")
@@ -136,9 +158,24 @@ class DemoSettings:
                                                 and math.isfinite(self.pretrain_learning_rate)):
             raise ConfigError("pretrain_batch_size must be >= 1 and pretrain_learning_rate positive",
                               field="pretrain_learning_rate", fix="use 64 and 0.1")
+        if self.public_per_class < 0:
+            raise ConfigError("public_per_class must be >= 0", field="public_per_class",
+                              fix="use 0 (public split = images no site holds) or e.g. 100")
         if self.initial_weights_path is not None and self.pretrain_epochs > 0:
             raise ConfigError("initial_weights_path and pretrain_epochs exclude each other", field="pretrain_epochs",
                               fix="pass one of them")
+        if self.strategy not in ("fedavg", "nira"):
+            raise ConfigError(f"strategy must be 'fedavg' or 'nira', got {self.strategy!r}", field="strategy",
+                              fix="use --strategy fedavg or --strategy nira")
+        if self.strategy == "nira" and self.privacy == "global":
+            raise ConfigError("strategy 'nira' needs each site's update, which secure aggregation (privacy "
+                              "'global') hides", field="strategy", fix="use --privacy ccdp or none with nira")
+        if self.nira_recluster_every < 0:
+            raise ConfigError(f"nira_recluster_every must be >= 0, got {self.nira_recluster_every}",
+                              field="nira_recluster_every", fix="use 0 (never re-cluster) or e.g. 3")
+        if self.nira_distance_threshold is not None and not 0 < self.nira_distance_threshold <= 1:
+            raise ConfigError(f"nira_distance_threshold must be in (0, 1], got {self.nira_distance_threshold}",
+                              field="nira_distance_threshold", fix="use e.g. 0.7, or None for the default")
 
 
 @dataclass
@@ -153,6 +190,8 @@ class DemoResult:
     rejections: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
     pretraining: dict[str, Any] | None = None
+    per_site: dict[str, Any] | None = None
+    nira: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -164,12 +203,13 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
     """
     from coordinator.experiments.animal_mnist import fetch_animal_mnist, split_holdout
     from coordinator.experiments.camtrap_writer import write_camtrap_dp
-    from coordinator.experiments.ecology import design_sites, summarize_design
+    from coordinator.experiments.ecology import summarize_design
 
     console.log("loading Animal-MNIST (animal-mnist==0.4; downloaded on first use, verified by SHA-256)")
     data = fetch_animal_mnist()
     train, test = split_holdout(data, 0.2, seed=settings.seed)
-    specs = design_sites(train.labels, settings.sites, seed=settings.seed)
+    specs, _ = design_sites_with_public_split(train.labels, settings.sites, seed=settings.seed,
+                                              public_per_class=settings.public_per_class)
     summary = summarize_design(specs, num_available=len(train))
     console.log(f"{settings.sites} sites: sizes {summary.size_min}..{summary.size_max} images "
                 f"({summary.size_spread:.0f}x), species-list Jaccard {summary.jaccard_min:.2f}..{summary.jaccard_max:.2f}, "
@@ -207,6 +247,7 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
         "backend": "torch",
         "threads": settings.threads_per_site,
         "allow_non_private": settings.privacy == "none",
+        "allow_global_dp": settings.privacy == "global",
     }
     path = site_dir / "site.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -270,14 +311,77 @@ def public_split_indices(num_train: int, specs: Any) -> np.ndarray:
     return np.flatnonzero(~used)
 
 
+def balanced_public_split(labels: np.ndarray, per_class: int, *, seed: int) -> np.ndarray:
+    """Sorted indices (into the training split ``labels``) of ``per_class`` images of every class, drawn
+    uniformly at random without replacement by its own generator (``default_rng([seed, 0x5055424C])``, so it
+    does not shift the site design's random stream): the class-balanced public split.
+
+    :func:`design_sites_with_public_split` keeps these images away from every site; they come from the training
+    split only, so they are disjoint from the held-out test split too.
+
+    Raises:
+        ConfigError: ``per_class`` < 1, or more than a class has.
+    """
+    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+
+    labels = np.asarray(labels)
+    if per_class < 1:
+        raise ConfigError(f"public_per_class must be >= 1, got {per_class}", field="public_per_class",
+                          fix="use e.g. 100, or 0 for the images no site holds")
+    rng = np.random.default_rng([seed, 0x5055424C])
+    parts = []
+    for c in range(len(SPECIES_TABLE)):
+        members = np.flatnonzero(labels == c)
+        if members.size < per_class:
+            raise ConfigError(f"class {c} has {members.size} training images, fewer than public_per_class="
+                              f"{per_class}", field="public_per_class", fix="use a smaller public_per_class")
+        parts.append(rng.choice(members, size=per_class, replace=False))
+    return np.sort(np.concatenate(parts)).astype(np.int64)
+
+
+def design_sites_with_public_split(labels: np.ndarray, num_sites: int, *, seed: int,
+                                   public_per_class: int = 0) -> tuple[list[Any], np.ndarray]:
+    """The demo's sites and its public split, from the training split's ``labels``.
+
+    ``public_per_class == 0``: :func:`~coordinator.experiments.ecology.design_sites` on every training image
+    (the demo's default design), and the public split is whatever no site holds (:func:`public_split_indices`;
+    not class-balanced). ``public_per_class > 0``: first :func:`balanced_public_split` reserves that many images
+    of every class, then the sites are designed on the remaining training images only (indices mapped back into
+    the training split), so no site holds a public image.
+
+    Returns:
+        (site specs with indices into the training split, sorted public indices into the training split).
+    """
+    from coordinator.experiments.ecology import design_sites
+
+    labels = np.asarray(labels)
+    if public_per_class <= 0:
+        specs = design_sites(labels, num_sites, seed=seed)
+        return specs, public_split_indices(len(labels), specs)
+    public = balanced_public_split(labels, public_per_class, seed=seed)
+    rest = np.setdiff1d(np.arange(len(labels)), public)
+    specs = [dataclasses.replace(s, indices=rest[s.indices])
+             for s in design_sites(labels[rest], num_sites, seed=seed)]
+    return specs, public
+
+
 def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size: int, learning_rate: float,
-                             seed: int) -> tuple[dict[str, np.ndarray], int]:
-    """Non-private central SGD of the camera CNN (phi and psi) on :func:`public_split_indices`, from
-    ``initial_weights(num_classes, seed)``. Returns (weights, number of public images)."""
+                             seed: int, public_per_class: int = 0) -> tuple[dict[str, np.ndarray], int]:
+    """Non-private central SGD of the camera CNN (phi and psi) on the public split, from
+    ``initial_weights(num_classes, seed)``: :func:`balanced_public_split` when ``public_per_class > 0`` (the
+    sites must come from :func:`design_sites_with_public_split` with the same value), else
+    :func:`public_split_indices`. Returns (weights, number of public images)."""
     from coordinator.experiments.animal_mnist import SPECIES_TABLE
     from coordinator.experiments.evaluation import train_centralised
 
-    public = public_split_indices(len(train.labels), specs)
+    if public_per_class > 0:
+        public = balanced_public_split(train.labels, public_per_class, seed=seed)
+        held = np.concatenate([np.asarray(s.indices, dtype=np.int64) for s in specs])
+        if np.isin(public, held).any():
+            raise ConfigError("a site holds images of the balanced public split", field="public_per_class",
+                              fix="design the sites with design_sites_with_public_split(public_per_class=...)")
+    else:
+        public = public_split_indices(len(train.labels), specs)
     if len(public) == 0:
         raise ConfigError("every training image is held by a site: there is no public split to pretrain on",
                           field="pretrain_epochs", fix="use --pretrain-epochs 0 or fewer sites")
@@ -303,6 +407,54 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
         raise ConfigError(f"initial weights file {path} not found", field="initial_weights_path",
                           fix="pass a safetensors file written by save_weights")
     return {k: np.asarray(v, dtype=np.float32) for k, v in load_file(str(path)).items()}
+
+
+# ------------------------------------------------------------------------------------------ strategies
+def _strategy_config(settings: DemoSettings) -> dict[str, Any]:
+    """The coordinator config's ``strategy`` block for the demo's settings."""
+    if settings.strategy == "fedavg":
+        return {"kind": "fedavg"}
+    return {"kind": "nira", "distance_threshold": settings.nira_distance_threshold,
+            "recluster_every": settings.nira_recluster_every,
+            "embedding_merging": settings.nira_embedding_merging}
+
+
+def _nira_state(coordinator: Any) -> dict[str, Any]:
+    """NIRA's clusters (``{label: [sites]}``) and its logged cluster changes."""
+    strategy = coordinator.rounds._strategy  # the demo's own coordinator; the strategy NIRA built from config
+    assignment = strategy.assignment()
+    return {"clusters": {k: list(v) for k, v in (assignment.clusters.items() if assignment else ())},
+            "changes": list(strategy.state().get("changes", []))}
+
+
+def _evaluate_model(settings: DemoSettings, coordinator: Any, bundle: Any, specs: Any, train: Any, test: Any,
+                    class_categories: Any) -> tuple[Any, dict[str, Any]]:
+    """Held-out evaluation of the stored model.
+
+    Per site (both strategies): the model the site receives (``strategy.site_weights``) on the test images of the
+    classes it holds (:func:`~coordinator.experiments.evaluation.evaluate_sites`). By IUCN group: FedAvg's global
+    model on the whole held-out split (unchanged); NIRA has no single global model, so its groups pool every
+    site's predictions on the test images of that site's classes (a test image counts once per site holding
+    its class). Returns (Accuracy, ``{"summary": ..., "sites": [...]}``).
+    """
+    from coordinator.experiments.evaluation import (accuracy_from_predictions, evaluate, evaluate_sites,
+                                                    summarise_sites)
+
+    strategy = coordinator.rounds._strategy
+    site_models = {s.site_id: strategy.site_weights(bundle, s.site_id) for s in specs}
+    site_counts = {s.site_id: {int(c): int(n) for c, n in zip(*np.unique(train.labels[s.indices], return_counts=True))}
+                   for s in specs}
+    per_site = evaluate_sites(site_models, site_counts, test.images, test.labels, len(class_categories))
+    sites = [acc for acc, _ in per_site.values()]
+    details = {"summary": summarise_sites(sites), "sites": [a.to_json() for a in sites]}
+    if settings.strategy == "fedavg":
+        return evaluate(bundle, test.images, test.labels, class_categories), details
+    preds, labels = [], []
+    for acc, predictions in per_site.values():
+        mask = np.isin(test.labels, acc.species)
+        preds.append(predictions[mask])
+        labels.append(test.labels[mask])
+    return accuracy_from_predictions(np.concatenate(preds), np.concatenate(labels), class_categories), details
 
 
 # ------------------------------------------------------------------------------------------ reporting
@@ -418,7 +570,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
     class_categories = [e.iucn for e in SPECIES_TABLE]
-    federation_id = "wildfed-demo"
+    # One federation id per run: two demos on one broker (--broker) must not see each other's topics (a shared id
+    # made them exchange updates that the signature checks then rejected).
+    federation_id = f"wildfed-demo-{secrets.token_hex(4)}"
 
     coord_dir = run_dir / "coordinator"
     coord_key = generate_signing_key()
@@ -436,7 +590,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     elif settings.pretrain_epochs > 0:
         start_weights, n_public = pretrain_on_public_split(
             train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
-            learning_rate=settings.pretrain_learning_rate, seed=settings.seed)
+            learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
+            public_per_class=settings.public_per_class)
         result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
                               "epochs": settings.pretrain_epochs}
         console.log(f"pretrained on the public split ({n_public} training images no site holds), "
@@ -460,7 +615,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
             "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
             "privacy": settings.privacy, "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
-            "seed": settings.seed}).resolved(run_dir)
+            "seed": settings.seed, "strategy": _strategy_config(settings),
+            "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
+                        for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
         site_configs = []
         for spec in specs:
@@ -481,23 +638,31 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             task = progress.add_task("rounds", total=settings.rounds, info="training...")
             for round_result in coordinator.iter_rounds():
                 _, weights = coordinator.rounds.current_model()
-                acc = evaluate(weights, test.images, test.labels, class_categories)
+                acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
+                                                  class_categories)
                 eps = _epsilon_by_category(coordinator)
                 entry = {"round": round_result.round, "status": round_result.status,
                          "selected": list(round_result.selected), "accepted": list(round_result.accepted),
-                         "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps}
+                         "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
+                         "per_site": sites_eval["summary"]}
+                if settings.strategy == "nira":
+                    entry["clusters"] = _nira_state(coordinator)["clusters"]
                 result.history.append(entry)
                 info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
                         f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
-                if settings.privacy == "ccdp":
+                if settings.privacy != "none":
                     info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
                 progress.update(task, advance=1, info=info)
         status = coordinator.status()
         result.rejections = dict(status.rejections)
         result.epsilon = _epsilon_by_category(coordinator)
         _, final_weights = coordinator.rounds.current_model()
-        final = evaluate(final_weights, test.images, test.labels, class_categories)
+        final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
+                                             class_categories)
         result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
+        result.per_site = final_sites
+        if settings.strategy == "nira":
+            result.nira = _nira_state(coordinator)
 
     if settings.centralised_epochs > 0:
         console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
@@ -516,10 +681,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     table.add_column("budget", justify="right")
     for cat in IUCNCategory:
         e = result.epsilon.get(cat.value, {"spent_max": 0.0, "budget": budgets[cat]})
-        spent = f"{e['spent_max']:.3f}" if settings.privacy == "ccdp" else "- (no DP)"
+        spent = f"{e['spent_max']:.3f}" if settings.privacy != "none" else "- (no DP)"
         acc = result.final_accuracy.get(cat.value, math.nan)
         table.add_row(cat.value, "n/a" if math.isnan(acc) else f"{100 * acc:.1f}%", spent,
-                      f"{budgets[cat]:.2f}" if settings.privacy == "ccdp" else "-")
+                      f"{budgets[cat]:.2f}" if settings.privacy != "none" else "-")
     for group in ("overall", "CR/EN", "VU/NT"):
         table.add_row(f"[bold]{group}", f"[bold]{100 * result.final_accuracy[group]:.1f}%", "", "")
     if result.centralised_accuracy:
@@ -536,9 +701,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         "history": result.history, "final_accuracy": result.final_accuracy, "epsilon": result.epsilon,
         "centralised_accuracy": result.centralised_accuracy, "rejections": result.rejections,
         "pretraining": result.pretraining, "elapsed_s": result.elapsed_s,
+        "strategy": settings.strategy, "per_site": result.per_site, "nira": result.nira,
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
-    _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy == "ccdp" else {},
+    _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy != "none" else {},
           run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
     console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
                 f"({result.elapsed_s:.0f} s in all)")

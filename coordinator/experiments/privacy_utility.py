@@ -16,16 +16,39 @@ Columns, all read back from each run's ``report.json``: CR/EN, LC and overall ac
 the epsilon actually spent (ledger, RDP composition of every step) for CR/EN -- the larger of the CR and EN spends,
 each the largest over sites -- and for LC. Mean and sample standard deviation over seeds.
 
-Public pretraining (DP transfer learning): ``design_sites`` places only part of the 8,000 Animal-MNIST training
-images at sites (4,373 at K=8, seed 0); the rest -- about 3,600 images, the *training images that no site holds*,
-disjoint from every site and from the 2,000-image held-out test split -- is treated as a public split. With
-``pretrain_epochs > 0`` the camera CNN (phi and psi) is trained on it centrally, without privacy, once per seed,
-and every configuration of that seed starts its federation from those weights; the private sites' records are
-only ever touched by DP-SGD. ``pretrain_epochs = 0`` starts from the seeded random initialisation instead.
-The public split is not class-balanced: the site design takes every image of the species it places most, so at
-K=8, seed 0 it holds 3,627 images but none of bird and cat (both LC), cow or sheep (NE); its class counts are
-recorded in ``privacy_utility.json`` (``pretraining.<seed>.class_counts``). Measured at K=8, seed 0, 5 epochs:
-50.2 % overall, 83 % CR/EN, 0 % LC on the held-out split before round 1.
+Public pretraining (DP transfer learning): with ``public_per_class = N > 0`` (default 100),
+:func:`~coordinator.experiments.demo.design_sites_with_public_split` first reserves N training images of every class
+(1,000 of the 8,000 at N=100; drawn by the seed, from the training split only, so disjoint from the 2,000-image
+held-out test split) and designs the sites on the other 7,000; no site holds a public image (the sites keep the
+default design's sizes, 20 to 2,400, 4,373 images in all at K=8). With ``pretrain_epochs > 0`` the camera CNN (phi
+and psi) is trained on that public split centrally, without privacy, once per seed, and every configuration of
+that seed starts its federation from those weights; the private sites' records are only ever touched by DP-SGD.
+``public_per_class = 0`` takes the old public split instead -- the training images no site holds, about 3,600, not
+class-balanced (the site design takes every image of some species: at K=8, seed 0 none of bird, cat, cow, sheep).
+The public split's class counts, its images' positions in the published data set and the round-0 accuracy are
+recorded in ``privacy_utility.json`` (``pretraining.<seed>``).
+
+Protocol tuning (2026-11-29, recorded so it can be judged). Tuned on ONE seed that is not in the reported grid
+(seed 7: its own split and sites) and on two configurations only, ``none`` and ``uniform-eps1``; the same
+hyper-parameters are then used for all five configurations. Criterion: the non-private run's final overall
+accuracy (the private run's agreed). Public split 100 per class; pretraining epochs were chosen
+on the *site* images (not the test split): 10 / 20 / 40 epochs at lr 0.1 gave 55.8 / 71.4 / 80.2 % on them (200
+per class: 72.8 / 80.4 / 87.7 %; lr 0.05 was worse), so 40 epochs, lr 0.1, batch 64, 100 per class. Then the local
+learning rate at 10 local steps, expected batch 128, C = 1 (accuracy on seed 7's held-out split, which shares
+images with those of seeds 0-2 -- another random split of the same 10,000 -- at round 0 -> after 10 rounds):
+
+=========  ====================  ====================
+local lr   none                  uniform eps = 1
+=========  ====================  ====================
+0.5        80.2 -> 59.9 %        80.2 -> 40.5 %
+0.05       80.2 -> 76.1 %        80.2 -> 78.0 %
+0.02       80.2 -> 77.6 %        80.2 -> 80.5 %
+=========  ====================  ====================
+
+so local lr 0.02. What this shows: on this deliberately non-IID design (one farmland site holds 55 % of the site
+images; at seed 7 no site holds a single wild dog), FedAvg weighted by site size pulls a class-balanced
+pretrained model towards the big sites' species at every learning rate tried; a smaller step only erodes it more
+slowly. No server learning rate was tried: the demo does not pass ``server_learning_rate`` to the coordinator.
 
 Output (``out_dir``): ``privacy_utility.json`` (settings, pretraining, every run's row, the summary),
 ``privacy_utility.md`` (the table), ``privacy_utility.png`` (accuracy and epsilon per configuration, error bars =
@@ -88,7 +111,9 @@ class PrivacyUtilitySettings:
 
     ``seeds``: one full grid per seed (data split, site design, initialisation; privacy noise stays random).
     ``pretrain_epochs``: epochs on the public split (0 = from scratch), with SGD at ``pretrain_batch_size`` and
-    ``pretrain_learning_rate``. ``configurations``: names from
+    ``pretrain_learning_rate``; ``public_per_class``: size per class of the class-balanced public split (0 = the
+    images no site holds). Defaults are the tuned protocol of the module docstring (the CLI has the same defaults).
+    ``configurations``: names from
     :data:`CONFIGURATIONS` (default all). The rest is passed to every demo run (see
     :class:`~coordinator.experiments.demo.DemoSettings`).
     """
@@ -96,12 +121,13 @@ class PrivacyUtilitySettings:
     seeds: tuple[int, ...] = (0, 1, 2)
     rounds: int = 10
     sites: int = 8
-    pretrain_epochs: int = 5
+    pretrain_epochs: int = 40
     pretrain_batch_size: int = 64
     pretrain_learning_rate: float = 0.1
+    public_per_class: int = 100
     local_steps: int = 10
     expected_batch_size: int = 128
-    learning_rate: float = 0.5
+    learning_rate: float = 0.02
     clipping_norm: float = 1.0
     target_delta: float = 1e-5
     round_deadline_s: float = 300.0
@@ -115,6 +141,9 @@ class PrivacyUtilitySettings:
             raise ConfigError(f"seeds repeat: {self.seeds}", field="seeds", fix="list each seed once")
         if self.pretrain_epochs < 0:
             raise ConfigError("pretrain_epochs must be >= 0", field="pretrain_epochs", fix="use 0 for no pretraining")
+        if self.public_per_class < 0:
+            raise ConfigError("public_per_class must be >= 0", field="public_per_class",
+                              fix="use 100 (balanced public split) or 0 (the images no site holds)")
         known = {c.name for c in CONFIGURATIONS}
         unknown = [c for c in self.configurations if c not in known]
         if unknown or not self.configurations:
@@ -192,7 +221,7 @@ def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(summary: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+def _plot(summary: Sequence[dict[str, Any]], path: Path, title: str, round0: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,6 +236,9 @@ def _plot(summary: Sequence[dict[str, Any]], path: Path, title: str) -> None:
         means = [100 * (e[metric]["mean"] if e[metric]["mean"] is not None else math.nan) for e in summary]
         stds = [100 * (e[metric]["std"] or 0.0) for e in summary]
         ax1.bar(x + (i - 1) * width, means, width, yerr=stds, capsize=3, label=name)
+    if round0 is not None:
+        ax1.axhline(100 * round0, color="grey", linestyle="--", linewidth=1,
+                    label="overall, round 0 (pretrained only)")
     ax1.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
     ax1.set_ylabel("held-out test accuracy (%)")
     ax1.set_title("Accuracy (mean ± std over seeds)")
@@ -230,29 +262,34 @@ def _plot(summary: Sequence[dict[str, Any]], path: Path, title: str) -> None:
 # ------------------------------------------------------------------------------------------ the experiment
 def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, console: Any) -> dict[str, Any]:
     """Pretrain on the public split of ``seed`` (the same split and sites run_demo will build) and save."""
-    from coordinator.experiments.animal_mnist import fetch_animal_mnist, split_holdout
     import numpy as np
 
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
-    from coordinator.experiments.demo import pretrain_on_public_split, public_split_indices, save_weights
-    from coordinator.experiments.ecology import design_sites
+    from coordinator.experiments.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
+    from coordinator.experiments.demo import design_sites_with_public_split, pretrain_on_public_split, save_weights
+    from coordinator.experiments.evaluation import evaluate
 
     data = fetch_animal_mnist()
-    train, _ = split_holdout(data, 0.2, seed=seed)
-    specs = design_sites(train.labels, settings.sites, seed=seed)
+    train, test = split_holdout(data, 0.2, seed=seed)
+    specs, public = design_sites_with_public_split(train.labels, settings.sites, seed=seed,
+                                                   public_per_class=settings.public_per_class)
     t0 = time.monotonic()
     weights, n_public = pretrain_on_public_split(train, specs, epochs=settings.pretrain_epochs,
                                                  batch_size=settings.pretrain_batch_size,
-                                                 learning_rate=settings.pretrain_learning_rate, seed=seed)
+                                                 learning_rate=settings.pretrain_learning_rate, seed=seed,
+                                                 public_per_class=settings.public_per_class)
     path = save_weights(weights, out_dir / "pretrained" / f"seed-{seed}.safetensors")
-    public = public_split_indices(len(train.labels), specs)
     class_counts = [int(c) for c in np.bincount(train.labels[public], minlength=len(SPECIES_TABLE))]
-    console.log(f"seed {seed}: pretrained on the public split ({n_public} of {len(train)} training images, held by "
-                f"no site), {settings.pretrain_epochs} epochs, {time.monotonic() - t0:.0f} s -> {path}")
+    accuracy = dict(evaluate(weights, test.images, test.labels, [e.iucn for e in SPECIES_TABLE]).by_group)
+    kind = (f"class-balanced, {settings.public_per_class} per class" if settings.public_per_class > 0
+            else "the images no site holds, not class-balanced")
+    console.log(f"seed {seed}: pretrained on the public split ({kind}: {n_public} of {len(train)} training "
+                f"images, held by no site), {settings.pretrain_epochs} epochs, {time.monotonic() - t0:.0f} s, "
+                f"{100 * accuracy['overall']:.1f} % overall on the held-out split -> {path}")
     return {"path": str(path), "num_images": n_public, "num_train": len(train),
             "num_site_images": int(sum(s.num_images for s in specs)), "epochs": settings.pretrain_epochs,
             "batch_size": settings.pretrain_batch_size, "learning_rate": settings.pretrain_learning_rate,
-            "class_counts": class_counts}
+            "public_per_class": settings.public_per_class, "class_counts": class_counts,
+            "public_source_indices": [int(i) for i in train.source_indices[public]], "accuracy": accuracy}
 
 
 def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None) -> PrivacyUtilityResult:
@@ -283,7 +320,8 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
                                 local_steps=settings.local_steps, expected_batch_size=settings.expected_batch_size,
                                 learning_rate=settings.learning_rate, clipping_norm=settings.clipping_norm,
                                 target_delta=settings.target_delta, round_deadline_s=settings.round_deadline_s,
-                                seed=seed, out_dir=run_dir, initial_weights_path=weights_path)
+                                seed=seed, out_dir=run_dir, initial_weights_path=weights_path,
+                                public_per_class=settings.public_per_class)
             run_demo(demo, console=console)
             report = json.loads((run_dir / "report.json").read_text())
             row = {"configuration": config.name, "label": config.label, "seed": seed,
@@ -297,16 +335,28 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
         {"settings": settings_json, "configurations": [asdict(c) for c in configs],
          "pretraining": result.pretraining, "runs": result.runs, "summary": result.summary,
          "elapsed_s": result.elapsed_s}, indent=2))
-    pre = (f"pretrained {settings.pretrain_epochs} epochs on the public split (training images no site holds)"
+    split = (f"class-balanced, {settings.public_per_class} training images per class held out of the site design"
+             if settings.public_per_class > 0 else "the training images no site holds, not class-balanced")
+    pre = (f"pretrained {settings.pretrain_epochs} epochs (batch {settings.pretrain_batch_size}, lr "
+           f"{settings.pretrain_learning_rate:g}) on the public split ({split})"
            if settings.pretrain_epochs > 0 else "from scratch (no pretraining)")
-    caption = (f"{settings.sites} sites, {settings.rounds} rounds, {settings.local_steps} local steps, seeds "
-               f"{', '.join(map(str, settings.seeds))}; {pre}. Mean ± std over seeds. Epsilon: ledger RDP spend, "
-               f"max over sites (CR/EN: the larger of CR and EN), delta {settings.target_delta:g}.")
+    caption = (f"{settings.sites} sites, {settings.rounds} rounds, {settings.local_steps} local steps, expected batch "
+               f"{settings.expected_batch_size}, local lr {settings.learning_rate:g}, clipping norm "
+               f"{settings.clipping_norm:g}, seeds {', '.join(map(str, settings.seeds))}; {pre}. Mean ± std over "
+               f"seeds. Epsilon: ledger RDP spend, max over sites (CR/EN: the larger of CR and EN), delta "
+               f"{settings.target_delta:g}.")
+    if result.pretraining:
+        round0 = {g: _mean_std([p["accuracy"][g] for p in result.pretraining.values()])
+                  for g in ("CR/EN", "LC", "overall")}
+        caption += (" Round-0 model (pretrained only, before any site trains): " + ", ".join(
+            f"{g} {_fmt({'mean': m, 'std': sd}, True)}" for g, (m, sd) in round0.items()) + ".")
     (out_dir / "privacy_utility.md").write_text(f"# Privacy-utility on Animal-MNIST\n\n{caption}\n\n"
                                                 + markdown_table(result.summary))
     _plot(result.summary, out_dir / "privacy_utility.png",
           f"WildFed privacy-utility: {settings.sites} sites, {settings.rounds} rounds, {len(settings.seeds)} seed(s), "
-          + ("pretrained on the public split" if settings.pretrain_epochs > 0 else "from scratch"))
+          + ("pretrained on the public split" if settings.pretrain_epochs > 0 else "from scratch"),
+          round0=_mean_std([p["accuracy"]["overall"] for p in result.pretraining.values()])[0]
+          if result.pretraining else None)
 
     table = Table(title="privacy-utility (mean ± std over seeds)", caption=caption)
     for i, h in enumerate(HEADERS):

@@ -7,8 +7,10 @@ each run's report.json and against budgets computed here from the seed's formula
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,16 @@ from typer.testing import CliRunner
 from shared.errors import ConfigError
 
 from coordinator.cli import app
-from coordinator.experiments.demo import DemoSettings, load_weights, public_split_indices, save_weights
+from coordinator.experiments.animal_mnist import AnimalMNIST, fetch_animal_mnist, split_holdout
+from coordinator.experiments.demo import (
+    DemoSettings,
+    balanced_public_split,
+    design_sites_with_public_split,
+    load_weights,
+    public_split_indices,
+    save_weights,
+)
+from coordinator.experiments.ecology import design_sites
 from coordinator.experiments.privacy_utility import (
     CONFIGURATIONS,
     PrivacyUtilitySettings,
@@ -98,6 +109,88 @@ def test_public_split_is_what_no_site_holds(tmp_path):
     assert set(back) == set(weights) and all(np.array_equal(back[k], weights[k]) for k in weights)
 
 
+def _synthetic_split(seed):
+    """A 10,000-image stand-in for Animal-MNIST (1,000 per class, shuffled) and its 80/20 held-out split."""
+    labels = np.random.default_rng(123).permutation(np.repeat(np.arange(10, dtype=np.int64), 1000))
+    data = AnimalMNIST(images=np.zeros((labels.size, 28, 28), dtype=np.uint8), labels=labels,
+                       source_indices=np.arange(labels.size, dtype=np.int64))
+    return split_holdout(data, 0.2, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("per_class", [1, 100])
+def test_balanced_public_split_is_disjoint_from_sites_and_test(seed, per_class):
+    train, test = _synthetic_split(seed)
+    specs, public = design_sites_with_public_split(train.labels, 8, seed=seed, public_per_class=per_class)
+
+    # exactly per_class images of every class, each once
+    assert public.size == 10 * per_class and np.unique(public).size == public.size
+    for c in range(10):
+        assert int((train.labels[public] == c).sum()) == per_class
+    # no site holds a public image; sites stay disjoint and hold exactly their listed species
+    held = np.concatenate([s.indices for s in specs])
+    assert np.unique(held).size == held.size
+    assert not set(public.tolist()) & set(held.tolist())
+    for spec in specs:
+        assert sorted(set(train.labels[spec.indices].tolist())) == list(spec.species)
+    # disjoint from the held-out test split, checked on the images' positions in the whole data set
+    assert not set(train.source_indices[public].tolist()) & set(test.source_indices.tolist())
+    assert not set(train.source_indices[held].tolist()) & set(test.source_indices.tolist())
+    # the same sizes as the default design (only which images go where changes), deterministic in the seed
+    default = design_sites(train.labels, 8, seed=seed)
+    assert sorted(s.num_images for s in specs) == sorted(s.num_images for s in default)
+    specs2, public2 = design_sites_with_public_split(train.labels, 8, seed=seed, public_per_class=per_class)
+    assert np.array_equal(public, public2)
+    assert all(np.array_equal(a.indices, b.indices) for a, b in zip(specs, specs2))
+
+
+def test_public_split_default_is_what_no_site_holds_and_bad_sizes_are_refused():
+    train, _ = _synthetic_split(0)
+    specs, public = design_sites_with_public_split(train.labels, 8, seed=0, public_per_class=0)
+    default = design_sites(train.labels, 8, seed=0)
+    assert all(np.array_equal(a.indices, b.indices) for a, b in zip(specs, default))
+    held = set(np.concatenate([s.indices for s in specs]).tolist())
+    assert public.tolist() == [i for i in range(len(train.labels)) if i not in held]
+    with pytest.raises(ConfigError):
+        balanced_public_split(train.labels, 801, seed=0)  # the training split has 800 per class
+    with pytest.raises(ConfigError):
+        balanced_public_split(train.labels, 0, seed=0)
+    with pytest.raises(ConfigError):
+        DemoSettings(public_per_class=-1)
+    with pytest.raises(ConfigError):
+        PrivacyUtilitySettings(public_per_class=-1)
+
+
+def test_experiment_passes_the_public_split_and_reports_round0(tmp_path, monkeypatch):
+    """The grid loop without federations: every demo run gets the pretrained weights and the same
+    public_per_class; the markdown caption carries the hyper-parameters and the round-0 accuracy."""
+    import coordinator.experiments.demo as demo
+    import coordinator.experiments.privacy_utility as pu
+
+    seen = []
+
+    def fake_pretrain(settings, seed, out_dir, console):
+        return {"path": str(out_dir / f"w{seed}"), "accuracy": {"CR/EN": 0.5 + seed / 10, "LC": 0.6, "overall": 0.7}}
+
+    def fake_run_demo(settings, console=None):
+        seen.append(settings)
+        settings.out_dir.mkdir(parents=True)
+        eps = {c: (0.5, 1.0) for c in ("CR", "EN", "LC")} if settings.privacy == "ccdp" else {}
+        (settings.out_dir / "report.json").write_text(json.dumps(_report(0.8, 0.4, 0.9, eps)))
+
+    monkeypatch.setattr(pu, "_pretrain", fake_pretrain)
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    result = pu.run_privacy_utility(PrivacyUtilitySettings(seeds=(0, 1), public_per_class=7, learning_rate=0.02,
+                                                           out_dir=tmp_path / "out"))
+    assert len(seen) == 10 and {s.public_per_class for s in seen} == {7}
+    assert {(s.seed, str(s.initial_weights_path)) for s in seen} == {(k, str(tmp_path / "out" / f"w{k}"))
+                                                                      for k in (0, 1)}
+    md = (result.out_dir / "privacy_utility.md").read_text()
+    assert "local lr 0.02" in md and "7 training images per class" in md
+    assert "Round-0 model (pretrained only, before any site trains): CR/EN 55.0 ± 7.1 %" in md
+    assert (result.out_dir / "privacy_utility.png").stat().st_size > 10_000
+
+
 @pytest.mark.slow
 def test_privacy_utility_command_tiny(tmp_path):
     out = tmp_path / "pu"
@@ -112,9 +205,22 @@ def test_privacy_utility_command_tiny(tmp_path):
     assert [s["configuration"] for s in data["summary"]] == [c.name for c in CONFIGURATIONS]
     assert len(data["runs"]) == 5
 
-    # Pretraining used only images no site holds.
+    # Pretraining used only images no site holds: a class-balanced public split (the default, 100 per class).
     pre = data["pretraining"]["0"]
-    assert pre["num_images"] + pre["num_site_images"] == pre["num_train"] and pre["num_images"] > 0
+    assert pre["public_per_class"] == 100 and pre["class_counts"] == [100] * 10 and pre["num_images"] == 1000
+    assert pre["num_images"] + pre["num_site_images"] <= pre["num_train"]
+    public = set(pre["public_source_indices"])  # positions in the published 10,000-image array
+    assert len(public) == 1000
+    _, test = split_holdout(fetch_animal_mnist(), 0.2, seed=0)
+    assert not public & set(test.source_indices.tolist())
+    assert np.bincount(fetch_animal_mnist().labels[sorted(public)], minlength=10).tolist() == [100] * 10
+    for run in data["runs"]:  # every run's sites, read back from the Camtrap DP packages the gateways used
+        run_dir = Path(run["report"]).parent
+        media = [row["mediaID"] for path in sorted(run_dir.glob("sites/*/camtrap-dp/media.csv"))
+                 for row in csv.DictReader(path.open())]
+        site_sources = {int(m.rsplit("-", 1)[1]) for m in media}
+        assert len(media) == pre["num_site_images"] == len(site_sources)
+        assert not public & site_sources
 
     for run, summary in zip(data["runs"], data["summary"]):
         report = json.loads(open(run["report"]).read())
