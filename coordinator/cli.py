@@ -167,10 +167,14 @@ def status(config: Path = _config_option()) -> None:
         halts = ledger.halts()
         left = [site.site_id for site in registry.list()
                 if (known := known_categories(site, ledger)) and known <= ledger.halted(site.site_id)]
+        site_ids = [site.site_id for site in registry.list()]
     finally:
         store.dispose()
     console.print(f"federation [bold]{cfg.federation_id}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
                   f"{rep.accepted} accepted update(s), model {(rep.model_hash or '-')[:12]}")
+    if site_ids:
+        shown = ", ".join(site_ids[:30]) + (f", ... (+{len(site_ids) - 30})" if len(site_ids) > 30 else "")
+        console.print(f"enrolled sites: {shown}")
     table = Table(title="rounds")
     for col in ("round", "status", "accepted", "new model", "privacy", "note"):
         table.add_column(col, overflow="fold")
@@ -383,7 +387,9 @@ app.command("serve", help="Alias of `run`.")(run)
 def demo(
     sites: int = typer.Option(8, help="gateway sites, one process each"),
     rounds: int = typer.Option(10, help="federated rounds"),
-    privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD) or none (non-private reference)"),
+    privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD at each gateway), global (secure "
+                                "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
+                                "(non-private reference)"),
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
@@ -660,7 +666,12 @@ def audit(
     for col in ("cat.", "m", "in", "r", "v", "z", "claimed ε", f"ε lower bound ({level})", "ceiling", "verdict"):
         table.add_column(col, justify="left" if col in ("cat.", "verdict") else "right")
     for row in result.rows:
-        verdict = "[bold red]EXCEEDS[/]" if row.exceeds_claim else "[green]ok[/]"
+        if row.exceeds_claim:
+            verdict = "[bold red]EXCEEDS[/]"
+        elif row.ceiling < row.claimed_epsilon:
+            verdict = "[yellow]inconclusive[/] (ceiling < claim)"
+        else:
+            verdict = "[green]ok[/]"
         table.add_row(row.category.value, str(row.canaries), str(row.included), str(row.guesses), str(row.correct),
                       f"{row.noise_multiplier:.3f}", f"{row.claimed_epsilon:.4f}", f"{row.lower_bound:.4f}",
                       f"{row.ceiling:.2f}", verdict)

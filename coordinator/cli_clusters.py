@@ -139,19 +139,46 @@ def pin(site: str = typer.Argument(..., help="enrolled site id"),
     body()
 
 
+def _sizes(sizes: object) -> str:
+    """Cluster sizes, largest first (a dict label -> size or a list), at most 12 shown."""
+    values = sorted((sizes.values() if isinstance(sizes, dict) else list(sizes or [])), reverse=True)
+    return ", ".join(str(v) for v in values[:12]) + (f", ... ({len(values)} clusters)" if len(values) > 12 else "")
+
+
 @clusters_app.command("check-metadata")
 def check_metadata(data: Path = typer.Option(None, help="folder holding wildlife-insights/ and snapshot-serengeti/ "
                                              "(default: ../shared/data of the repository)"),
                    out: Path | None = typer.Option(None, help="also write metadata_checks.json and heatmaps here")
                    ) -> None:
     """Cluster the real deployments of ../shared/data from their species lists: Wildlife Insights (38 deployments,
-    two projects: how the clusters line up with them) and Snapshot Serengeti (223 locations: the Jaccard spread)."""
+    two projects: how the clusters line up with them) and Snapshot Serengeti (223 locations: the Jaccard spread).
+    Exit status 2 when neither dataset is found."""
     from coordinator.experiments.nira_metadata import DEFAULT_DATA_ROOT, run_metadata_checks
 
     result = run_metadata_checks(data if data is not None else DEFAULT_DATA_ROOT, out_dir=out)
-    text = json.dumps(result, indent=2, default=str)
-    console.print_json(text)
+    for name, report in result.items():
+        if "skipped" in report:
+            console.print(f"[yellow]{name}: skipped: {report['skipped']}[/]")
+            continue
+        j = report["jaccard"]
+        units = report.get("num_deployments", report.get("num_locations"))
+        console.print(f"[bold]{name}[/]: {units} sites, pairwise Jaccard min {j['min']:.3f}, median "
+                      f"{j['median']:.3f}, max {j['max']:.3f}; sensitive species left out: "
+                      f"{', '.join(report.get('removed_sensitive') or []) or 'none'}")
+        cuts = report.get("cuts") or [{k: report[k] for k in ("cut", "num_clusters", "cluster_sizes") if k in report}]
+        table = Table(title=f"{name}: clusters")
+        for col in ("cut", "clusters", "sizes", "purity", "ARI"):
+            table.add_column(col)
+        for c in cuts:
+            table.add_row(json.dumps(c.get("cut")), str(c.get("num_clusters")),
+                          _sizes(c.get("cluster_sizes")),
+                          "-" if c.get("purity") is None else f"{c['purity']:.3f}",
+                          "-" if c.get("adjusted_rand_index") is None else f"{c['adjusted_rand_index']:.3f}")
+        console.print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metadata_checks.json").write_text(text + "\n", encoding="utf-8")
-        console.print(f"written {out / 'metadata_checks.json'}")
+        (out / "metadata_checks.json").write_text(json.dumps(result, indent=2, default=str) + "\n",
+                                                  encoding="utf-8")
+        console.print(f"written {out / 'metadata_checks.json'} (every number, the clusters and the heatmaps)")
+    if all("skipped" in r for r in result.values()):
+        raise typer.Exit(code=2)

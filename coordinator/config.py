@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
@@ -226,17 +226,24 @@ class CoordinatorConfig(StrictModel):
             raise ValueError("must be finite")
         return v
 
-    @model_validator(mode="after")
-    def _global_mode(self) -> "CoordinatorConfig":
-        if self.privacy == "global" and self.local_steps != 1:
+    @field_validator("privacy")
+    @classmethod
+    def _global_needs_one_step(cls, v: str, info: ValidationInfo) -> str:
+        steps = info.data.get("local_steps")
+        if v == "global" and steps is not None and steps != 1:
             raise ValueError(f"privacy 'global' runs one clipped-gradient step per round (the coordinator noises "
-                             f"each round's sum once), so local_steps must be 1, got {self.local_steps}; set "
-                             "local_steps: 1 (and raise rounds) or use privacy: ccdp")
-        if self.privacy == "global" and self.strategy.kind == "nira":
+                             f"each round's sum once), so it needs local_steps: 1, got {steps}; set local_steps: 1 "
+                             "(and raise rounds) or use privacy: ccdp")
+        return v
+
+    @field_validator("strategy")
+    @classmethod
+    def _nira_not_global(cls, v: Any, info: ValidationInfo) -> Any:
+        if getattr(v, "kind", None) == "nira" and info.data.get("privacy") == "global":
             raise ValueError("NIRA needs each site's update (per-cluster heads, phi-update similarity), which "
-                             "secure aggregation hides: use privacy ccdp (or none) with strategy nira, or "
-                             "strategy fedavg with privacy global")
-        return self
+                             "secure aggregation hides: use privacy ccdp (or none) with strategy nira, or strategy "
+                             "fedavg with privacy global")
+        return v
 
     # -- derived -------------------------------------------------------------------------------------------------
     def ccdp_budget(self) -> CCDPBudget:

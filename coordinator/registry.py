@@ -131,8 +131,9 @@ class SiteRegistry:
         try:
             public_key = public_key_from_pem(public_key_pem)
         except (ValueError, TypeError) as exc:
-            raise EnrolmentError(f"public key of site {site_id!r} does not parse: {exc}", field="public_key",
-                                 fix="pass the site's Ed25519 public key PEM (wildfed-edge writes it at init)") from exc
+            raise EnrolmentError(f"public key of site {site_id!r} does not parse: {getattr(exc, 'message', exc)}",
+                                 field="public_key",
+                                 fix="pass the site's Ed25519 public key PEM (the .pub file of `wildfed-edge keygen`)") from exc
         meta = _validate_metadata(site_id, metadata or {})
         with self._store.session() as s:
             if s.get(SiteRow, site_id) is not None:

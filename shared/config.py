@@ -24,8 +24,10 @@ class StrictModel(BaseModel):
 
 
 def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
-    """``[(dotted field, message), ...]`` for every error pydantic found."""
-    return [(".".join(str(p) for p in err["loc"]) or "<root>", err["msg"]) for err in exc.errors()]
+    """``[(dotted field, message), ...]`` for every error pydantic found (pydantic's "Value error, " prefix of our
+    own validators' messages is dropped: the message says what is wrong)."""
+    return [(".".join(str(p) for p in err["loc"]) or "<root>", str(err["msg"]).removeprefix("Value error, "))
+            for err in exc.errors()]
 
 
 def load_yaml(path: str | os.PathLike[str], model: type[M]) -> M:
@@ -36,9 +38,16 @@ def load_yaml(path: str | os.PathLike[str], model: type[M]) -> M:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("config file not found", source=path, fix="check the path")
+        raise ConfigError("config file not found", source=path,
+                          fix="check the path, pass --config, or create one (wildfed-coordinator init / the README)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"cannot be read as a UTF-8 YAML file ({type(exc).__name__})", source=path,
+                          fix="pass the YAML config (e.g. coordinator.yaml or site.yaml), not a database or key "
+                              "file") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}", source=path, fix="fix the YAML syntax") from exc
     if not isinstance(data, dict):

@@ -553,7 +553,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from coordinator.config import BudgetFromAnchor, config_from_dict
+    from coordinator.config import BudgetFromAnchor, config_from_dict, save_config
     from coordinator.experiments.animal_mnist import SPECIES_TABLE
     from coordinator.experiments.embedded_broker import embedded_broker
     from coordinator.experiments.evaluation import evaluate, train_centralised
@@ -565,7 +565,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").mkdir(parents=True, exist_ok=True)
     console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
-                 f"privacy {settings.privacy}")
+                 f"privacy {settings.privacy}, strategy {settings.strategy}")
     console.log(f"run folder {run_dir}")
 
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
@@ -618,6 +618,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "seed": settings.seed, "strategy": _strategy_config(settings),
             "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
                         for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
+        # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
+        save_config(config, coord_dir / "coordinator.yaml")
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
         site_configs = []
         for spec in specs:

@@ -122,7 +122,7 @@ def load_mdd_categories(path: str | Path) -> dict[str, IUCNCategory]:
 def _require(path: Path, what: str) -> Path:
     if not path.exists():
         raise DatasetError(f"{what} not found at {path}", source=path,
-                           fix="run from a checkout next to ../shared/data, or pass data_root")
+                           fix="run from a checkout next to ../shared/data, or pass --data DIR (data_root in Python)")
     return path
 
 
