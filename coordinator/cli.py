@@ -11,6 +11,8 @@ Commands::
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
+    wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
+    wildfed-coordinator experiment fedsofim ...         DP-FedSOFIM vs DP-FedGD, frozen extractor, 20/100 clients
     wildfed-coordinator clusters show|recluster|pin|check-metadata   NIRA's clusters (coordinator/cli_clusters.py)
     wildfed-coordinator audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                                         Steinke et al. 2023) beside the claimed epsilon per category
@@ -534,6 +536,24 @@ def nira_experiment(
     except KeyboardInterrupt:
         err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; finished runs are kept")
         raise typer.Exit(code=130) from None
+
+
+@experiment_app.command("fedsofim", add_help_option=False,
+                        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def fedsofim(ctx: typer.Context) -> None:
+    """DP-FedSOFIM vs DP-FedGD on a frozen, publicly pretrained feature extractor (issue 6): 20 and 100 clients,
+    eps 0.5-10, 3 seeds; writes fedsofim.json, .md and .png (options: --help)."""
+    # The experiment runs gateway-side DP code in-process (edge_sdk); it is imported only when this command runs,
+    # so the coordinator CLI itself never imports edge_sdk.
+    from coordinator.experiments.fedsofim import fedsofim_command
+
+    inner = typer.Typer(add_completion=False)
+    inner.command()(_friendly(fedsofim_command))
+    code = typer.main.get_command(inner).main(args=list(ctx.args),
+                                              prog_name="wildfed-coordinator experiment fedsofim",
+                                              standalone_mode=False)
+    if isinstance(code, int) and code != 0:
+        raise typer.Exit(code=code)
 
 
 @app.command()
