@@ -156,6 +156,12 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
     finally:
         store.dispose()
     console.print(f"[green]enrolled[/] {site.site_id} (key {site.fingerprint[:16]})")
+    sensitive = {e.scientific_name for e in cfg.species or [] if e.iucn_category.value in ("CR", "EN")}
+    listed = sorted(sensitive & {str(n) for n in meta.get("species", []) if isinstance(n, str)})
+    if listed:
+        console.print(f"[yellow]warning:[/] the public metadata of {site.site_id} lists CR/EN species {listed}: "
+                      "species lists are public (NIRA clustering), and a threatened species' presence can locate "
+                      "it; leave them out unless that is intended")
 
 
 @app.command()

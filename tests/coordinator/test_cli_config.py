@@ -97,3 +97,20 @@ def test_demo_rejects_bad_settings_with_a_clear_error(tmp_path):
     r = runner.invoke(app, ["demo", "--privacy", "laplace", "--out", str(tmp_path / "run")])
     assert r.exit_code == 2 and "privacy" in r.output
     assert not (tmp_path / "run").exists()  # nothing written for a rejected configuration
+
+
+def test_enrol_warns_when_public_metadata_lists_a_cr_or_en_species(tmp_path):
+    assert runner.invoke(app, ["init", str(tmp_path), "--federation-id", "fed"]).exit_code == 0
+    cfg = tmp_path / "coordinator.yaml"
+    data = yaml.safe_load(cfg.read_text())
+    data["species"] = [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "CR"},
+                       {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}]
+    cfg.write_text(yaml.safe_dump(data))
+    save_public_key(generate_signing_key().public_key(), tmp_path / "a.pub")
+    save_public_key(generate_signing_key().public_key(), tmp_path / "b.pub")
+    listed = runner.invoke(app, ["enrol", "a", "--public-key", str(tmp_path / "a.pub"), "--config", str(cfg),
+                                 "--metadata", '{"species": ["Loxodonta cyclotis", "Equus quagga"]}'])
+    assert listed.exit_code == 0 and "warning" in listed.output and "Loxodonta cyclotis" in listed.output
+    clean = runner.invoke(app, ["enrol", "b", "--public-key", str(tmp_path / "b.pub"), "--config", str(cfg),
+                                "--metadata", '{"species": ["Equus quagga"]}'])
+    assert clean.exit_code == 0 and "warning" not in clean.output
