@@ -40,12 +40,17 @@ head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged e
   noisy total of its members' counts is at most ``3 * count_noise * sqrt(members reporting)``: it is then
   consistent with no record at all. This covers CR/EN species too.
 
-After a step, the head row of every species that a cluster lacks is initialised with e_s, once per (cluster,
-species), and then left to training. A softmax head is unchanged by adding one vector to all its rows, so heads
-trained apart can sit at different offsets. e_s is therefore moved from the contributing heads' mean row (weighted
-alike) to the receiving head's mean row before it is written. An earlier version overwrote the rows after every
-step without this alignment. The experiment measured it as harmful: the clusters' own species lost to the pasted
-rows (docs/nira.md). Merging is therefore off by default until the aligned, once-only form is measured.
+After a step, the weight row of every species that a cluster lacks is initialised from e_s, once per (cluster,
+species), and then left to training. Three adjustments make a row trained elsewhere fit the receiving head:
+- A softmax head is unchanged by adding one vector to all its rows, so heads trained apart sit at different
+  offsets. e_s is centred on the contributing heads' mean row and moved to the receiving head's mean row.
+- A head trained on many records has larger rows than one trained on few. The weight direction is shrunk to at most
+  the mean norm of the receiving head's centred rows for the species it has. It is never enlarged, which would
+  amplify a direction that carries no signal.
+- The bias, the cluster's prior for s, stays the cluster's own. A cluster that never sees s keeps a low prior for
+  it. Pasting the bias made clusters predict species their sites do not hold.
+Earlier forms were measured as harmful (docs/nira.md): overwriting after every step, and once but without norm
+matching or with the bias. Merging is off by default.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
 restarted coordinator continues with the same clusters.
@@ -416,14 +421,20 @@ class NIRA(Strategy):
             lacking = self._lacking(cluster, members, lists)
             w_key, b_key = (f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}weight",
                             f"{BUNDLE_PREFIX}{cluster}/{self.head_prefix}bias")
-            offset = np.concatenate([out[w_key].astype(np.float64), out[b_key].astype(np.float64)[:, None]],
-                                    axis=1).mean(axis=0)
+            rows = np.concatenate([out[w_key].astype(np.float64), out[b_key].astype(np.float64)[:, None]], axis=1)
+            offset = rows.mean(axis=0)
+            own = [np.linalg.norm((rows[i] - offset)[:-1]) for i in range(rows.shape[0]) if i not in lacking]
+            own_norm = float(np.mean(own)) if own else 0.0
             for s, centred in sorted(merged.items()):
                 if s not in lacking or s in done.get(cluster, set()):
                     continue
-                e = centred + offset  # the sites' row, moved from their heads' mean row to this head's
-                out[w_key][s] = e[:-1].astype(out[w_key].dtype)
-                out[b_key][s] = np.asarray(e[-1]).astype(out[b_key].dtype)
+                # the weight part only, shrunk to at most this head's typical row (mean norm of its centred rows for
+                # the species it has), then moved to this head's mean row; the bias (the cluster's prior) stays its own
+                direction = centred[:-1]
+                norm = float(np.linalg.norm(direction))
+                if norm > own_norm > 0:
+                    direction = direction * (own_norm / norm)
+                out[w_key][s] = (direction + offset[:-1]).astype(out[w_key].dtype)
                 done.setdefault(cluster, set()).add(s)
                 changed = True
         if changed:

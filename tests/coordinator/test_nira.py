@@ -61,13 +61,17 @@ def test_phi_is_shared_heads_stay_per_cluster_and_missing_species_are_merged(nir
     # intra-cluster FedAvg: c0 = (10*1 + 30*4)/40 = 3.25, c1 = 2; phi = 2/3 * 3.25 + 1/3 * 2 = 17/6
     np.testing.assert_allclose(bundle["phi.w"], w0["phi.w"] + 17 / 6, rtol=1e-6)
     head = {c: (bundle[f"{BUNDLE_PREFIX}{c}/psi.weight"], bundle[f"{BUNDLE_PREFIX}{c}/psi.bias"]) for c in ("c0", "c1")}
-    # c0 trained A, B (+3.25) and lacks C: row C is the merged embedding of C from c (init + 2), moved from c's
-    # head's mean row (mean init + 2) to c0's (mean init + 3.25): init_C + 3.25. So every row of c0 is init + 3.25.
-    np.testing.assert_allclose(head["c0"][0], w0["psi.weight"] + 3.25, rtol=1e-6)
+    # c0 trained A, B (+3.25) and lacks C. Rows as (w0, w1, b): c0's rows after the step are init + 3.25, mean row
+    # (3.45, 3.55, 3.45); its own rows A, B centred: (-0.2, -0.2, -0.1) and 0, weight norms 0.2828 and 0, mean 0.1414.
+    # C's embedding from c (init + 2, mean row (2.2, 2.3, 2.2)): centred (0.2, 0.2, 0.1); weight part (0.2, 0.2),
+    # norm 0.2828, shrunk to 0.1414 -> (0.1, 0.1); moved to c0's mean row -> (3.55, 3.65). c0's bias for C is its own.
+    np.testing.assert_allclose(head["c0"][0][:2], w0["psi.weight"][:2] + 3.25, rtol=1e-6)
+    np.testing.assert_allclose(head["c0"][0][2], [3.55, 3.65], rtol=1e-6)
     np.testing.assert_allclose(head["c0"][1], w0["psi.bias"] + 3.25, rtol=1e-6)
-    # c1 trained C (+2) and lacks A, B: their merged rows (a: init + 1, b: init + 4), each centred on its own head's
-    # mean row, land at init + 2 in c1
+    # c1 trained C (+2) and lacks A, B: centred merged rows of a and b (uniform shifts) are init_s - mean init row,
+    # with C's own centred norm as the target (0.2828, the same as A's): they land at init + 2
     np.testing.assert_allclose(head["c1"][0], w0["psi.weight"] + 2.0, rtol=1e-6)
+    np.testing.assert_allclose(head["c1"][1], w0["psi.bias"] + 2.0, rtol=1e-6)
     # merging happens once per (cluster, species)
     assert coord.rounds._strategy.state()["merged"] == {"c0": [2], "c1": [0, 1]}
     assert "psi.weight" not in bundle  # the plain head became one head per cluster
@@ -177,10 +181,11 @@ def test_noisy_counts_weight_the_merge_and_are_charged_to_the_ledger(nira_federa
     _, bundle = coord.rounds.current_model()
     # each site's embedding is its own trained head row, centred on that head's mean row: every site's head moved
     # uniformly (a +1, b +4, c +2), so each centred row is init_s - mean(init), whatever the weights.
-    # c0 = {a, b}: its noisy C total is -5 + 3 = -2 <= 3 * 20 * sqrt(2): it lacks C; weights max(0, count) are
-    # b 3 and c 200 (a's -5 counts 0); aligned to c0's head (init + 3.25): init_C + 3.25
+    # c0 = {a, b}: its noisy C total is -5 + 3 = -2 <= 3 * 20 * sqrt(2): it lacks C (weights max(0, count): b 3,
+    # c 200, a 0). By the counts it also lacks B (30 + 10 = 40 <= 84.9), so its only own row is A (centred weight
+    # norm 0.2828, the same as C's): nothing to shrink, C lands at c0's mean row + (0.2, 0.2) = init_C + 3.25
     np.testing.assert_allclose(bundle["nira/c0/psi.weight"][2], w0["psi.weight"][2] + 3.25, rtol=1e-6)
-    # c1 = {c}: A total 1 <= 60 and B total -8: it lacks both; aligned to c1's head (init + 2)
+    # c1 = {c}: A total 1 <= 60 and B total -8: it lacks both; A lands at init + 2 (see the public case)
     np.testing.assert_allclose(bundle["nira/c1/psi.weight"][0], w0["psi.weight"][0] + 2.0, rtol=1e-6)
     # ... and keeps its own row C (total 200 > 60): trained by c alone (+2)
     np.testing.assert_allclose(bundle["nira/c1/psi.weight"][2], w0["psi.weight"][2] + 2.0, rtol=1e-6)
@@ -210,7 +215,7 @@ class DictStore:
         self.values[key] = json.loads(json.dumps(value))
 
 
-def test_merged_rows_are_count_weighted_and_moved_to_the_receiving_heads_offset():
+def test_merged_rows_are_count_weighted_rescaled_and_moved_to_the_receiving_heads_offset():
     # Prepare: a in cluster {a} (species A), b and c in cluster {b, c} (species C); merging by noisy counts
     meta = {"a": {"species": ["A"]}, "b": {"species": ["C"]}, "c": {"species": ["C"]}}
     nira = NIRA(store=DictStore(), site_metadata=lambda: meta, cut={"distance_threshold": 0.5, "num_clusters": None},
@@ -233,12 +238,15 @@ def test_merged_rows_are_count_weighted_and_moved_to_the_receiving_heads_offset(
     #   b's head rows: A (0, 0), C (2, 0), mean (1, 0)  -> centred C = (1, 0)
     #   c's head rows: A (0, 0), C (6, 4), mean (3, 2)  -> centred C = (3, 2)
     #   weighted: (30 (1, 0) + 10 (3, 2)) / 40 = (1.5, 0.5); a's weight for C is max(0, -1) = 0
-    #   c0's head after the step is a's (all zero), mean row (0, 0): row C = (1.5, 0.5)
-    np.testing.assert_allclose([new["nira/c0/psi.weight"][1, 0], new["nira/c0/psi.bias"][1]], [1.5, 0.5], rtol=1e-6)
+    #   c0's head after the step is a's (all zero), mean row (0, 0), own row A centred 0 (no norm to match): the
+    #   weight of row C becomes 1.5; its bias stays c0's own, 0
+    np.testing.assert_allclose([new["nira/c0/psi.weight"][1, 0], new["nira/c0/psi.bias"][1]], [1.5, 0.0], rtol=1e-6)
     # cluster c1 has A's total 0.5 <= 3 * sqrt(2): it lacks A; e_A from a (weight 50, centred A (0, 0)) and c
-    #   (weight 0.5, centred A = (0, 0) - (3, 2) = (-3, -2)): (0.5 (-3, -2)) / 50.5; c1's head after the step is the
-    #   FedAvg of b and c (equal N): A (0, 0), C (4, 2), mean row (2, 1): row A = (2 - 1.5/50.5, 1 - 1/50.5)
-    np.testing.assert_allclose([new["nira/c1/psi.weight"][0, 0], new["nira/c1/psi.bias"][0]],
-                               [2 - 1.5 / 50.5, 1 - 1.0 / 50.5], rtol=1e-6)
+    #   (weight 0.5, centred A = (0, 0) - (3, 2) = (-3, -2)): weight part 0.5 * -3 / 50.5 < 0. c1's head after the
+    #   step is the FedAvg of b and c (equal N): A (0, 0), C (4, 2), mean row (2, 1); its own row C centred (2, 1)
+    #   has weight norm 2 >= 1.5/50.5, so the direction is kept (never enlarged) and moved to the mean weight 2:
+    #   2 - 1.5/50.5; the bias stays c1's own, 0
+    np.testing.assert_allclose([new["nira/c1/psi.weight"][0, 0], new["nira/c1/psi.bias"][0]], [2 - 1.5 / 50.5, 0.0],
+                               rtol=1e-6, atol=1e-7)
     # its own row C is untouched by merging
     np.testing.assert_allclose([new["nira/c1/psi.weight"][1, 0], new["nira/c1/psi.bias"][1]], [4.0, 2.0], rtol=1e-6)
