@@ -417,9 +417,9 @@ def demo(
                                  "one head per cluster)"),
     recluster_every: int = typer.Option(0, help="nira: re-cluster from the sites' phi-updates every N rounds "
                                         "(0: never)"),
-    embedding_merging: bool = typer.Option(False, "--embedding-merging/--no-embedding-merging",
+    embedding_merging: bool = typer.Option(True, "--embedding-merging/--no-embedding-merging",
                                            help="nira: species-embedding merging (once per cluster and species, "
-                                           "aligned to the head; off by default, docs/nira.md)"),
+                                           "aligned to the head; docs/nira.md)"),
 ) -> None:
     """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
     site; prints accuracy and epsilon per IUCN category and writes report.json + report.png."""

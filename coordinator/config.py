@@ -103,9 +103,10 @@ class NiraConfig(StrictModel):
     recluster_margin: float = Field(0.1, ge=0, le=2, description="a site moves only if its mean cosine similarity "
                                     "to another cluster beats its own cluster's by this much")
     min_rounds_between_moves: int = Field(3, ge=1, description="a site moves at most once per this many rounds")
-    embedding_merging: bool = Field(False, description="initialise (once, aligned) the head rows of species a "
+    embedding_merging: bool = Field(True, description="initialise (once, aligned) the head rows of species a "
                                     "cluster lacks with the weighted mean of the sites' embeddings of that species; "
-                                    "off by default: not yet shown to help (docs/nira.md)")
+                                    "on by default: over 3 seeds it lifted NIRA from +6.6 +- 32.9 to +22.2 +- 11.1 "
+                                    "points over FedAvg without privacy (docs/nira.md)")
     head_prefix: str = Field("psi.", min_length=1, description="tensor-name prefix of the classification head")
     embedding_weights: Literal["public", "noisy_counts"] = Field(
         "public", description="weights w_ks of the merged embeddings: the sites' public N_k (no cost), or per-species "

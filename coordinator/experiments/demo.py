@@ -109,7 +109,7 @@ class DemoSettings:
     public_per_class: int = 0
     strategy: str = "fedavg"
     nira_recluster_every: int = 0
-    nira_embedding_merging: bool = False
+    nira_embedding_merging: bool = True
     nira_distance_threshold: float | None = None
 
     def __post_init__(self) -> None:

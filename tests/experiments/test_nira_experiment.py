@@ -158,7 +158,7 @@ def test_nira_settings_default_grid_is_the_issues():
 def test_demo_settings_defaults_keep_fedavg():
     s = DemoSettings()
     assert (s.strategy, s.nira_recluster_every, s.nira_embedding_merging, s.nira_distance_threshold) == (
-        "fedavg", 0, False, None)
+        "fedavg", 0, True, None)
     DemoSettings(strategy="nira", nira_recluster_every=3, nira_distance_threshold=0.7)  # valid
 
 
