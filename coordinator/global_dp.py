@@ -65,7 +65,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shared.envelope import Envelope, MessageKind, seal
 from shared.errors import PayloadError
 from shared.iucn import IUCNCategory, parse_category
-from shared.privacy.accounting import AccountantName, calibrate_noise_multiplier
+from shared.privacy.accounting import AccountantName, calibrated_noise_multiplier
 from shared.privacy.events import DPSGDEvent
 from shared.privacy.randomness import RandomSource, SecureRandom
 from shared.protocol import (SITE_STAGES, SecAggMessage, SecAggSettings, canonical_unflatten, decode_secagg,
@@ -148,20 +148,10 @@ def global_noise_multipliers(*, budgets: Mapping[IUCNCategory, float],
         for c in categories:
             if c not in budgets:
                 raise PayloadError(f"site {site!r} trained category {c.value}, which has no budget")
-            z = _calibrate(float(budgets[c]), float(target_delta), float(q), int(planned_rounds), accountant)
+            z = calibrated_noise_multiplier(float(budgets[c]), float(target_delta), float(q), int(planned_rounds),
+                                            accountant)
             out[c] = max(out.get(c, 0.0), z)
     return out
-
-
-_CALIBRATION_CACHE: dict[tuple[float, float, float, int, str], float] = {}
-
-
-def _calibrate(eps: float, delta: float, q: float, steps: int, accountant: AccountantName) -> float:
-    key = (eps, delta, q, steps, accountant)
-    if key not in _CALIBRATION_CACHE:
-        _CALIBRATION_CACHE[key] = calibrate_noise_multiplier(target_epsilon=eps, target_delta=delta,
-                                                             sampling_rate=q, steps=steps, accountant=accountant)
-    return _CALIBRATION_CACHE[key]
 
 
 def global_events(noise_multipliers: Mapping[IUCNCategory, float],
@@ -227,6 +217,23 @@ class SecAggCollector:
         with self._lock:
             self._inbox = StageInbox(round=round, model_hash=model_hash, selected=frozenset(selected))
             return self._inbox
+
+    def inbox(self, round: int) -> StageInbox:
+        """The live inbox of ``round``.
+
+        Raises:
+            SecAggError: ``round`` is not the round being collected.
+        """
+        inbox = self._inbox
+        if inbox is None or inbox.round != round:
+            raise SecAggError(f"round {round} is no longer being collected")
+        return inbox
+
+    def record_rejection(self, round: int, site: str, detail: str) -> None:
+        """Store and count a ``secagg_protocol`` rejection the round driver decided (e.g. an unusable masked sum)."""
+        log.warning("secagg: round %d: site %s %s", round, site, detail)
+        self._store.add_rejection(round=round, site_id=site, topic="secagg", reason=RejectReason.SECAGG_PROTOCOL.value,
+                                  error_kind="check", detail=detail)
 
     def close_round(self) -> None:
         """Stop collecting (later messages are ``wrong_round``)."""
@@ -464,10 +471,7 @@ class SecureAggregationRound:
                                   events=events, noise_std=sigma, reason=summary)
 
     def _inbox(self) -> StageInbox:
-        inbox = self._collector._inbox
-        if inbox is None or inbox.round != self.round:
-            raise SecAggError(f"round {self.round} is no longer being collected")
-        return inbox
+        return self._collector.inbox(self.round)
 
     def _add_masked(self, server: SecAggServer, participants: set[str]
                     ) -> dict[str, tuple[float, tuple[IUCNCategory, ...]]]:
@@ -492,10 +496,7 @@ class SecureAggregationRound:
         return sites
 
     def _reject(self, site: str, detail: str) -> None:
-        log.warning("secagg: round %d: site %s %s", self.round, site, detail)
-        self._collector._store.add_rejection(round=self.round, site_id=site, topic="secagg",
-                                             reason=RejectReason.SECAGG_PROTOCOL.value, error_kind="check",
-                                             detail=detail)
+        self._collector.record_rejection(self.round, site, detail)
 
     def _end(self, status: str, reason: str) -> None:
         """Tell every selected site the round is over (it forgets its secagg state)."""

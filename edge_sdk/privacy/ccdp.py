@@ -48,7 +48,6 @@ all categories halted                  :class:`PrivacyBudgetError` (the site sto
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -56,7 +55,7 @@ import numpy as np
 
 from shared.errors import PrivacyBudgetError
 from shared.iucn import IUCNCategory
-from shared.privacy.accounting import calibrate_noise_multiplier
+from shared.privacy.accounting import calibrated_noise_multiplier
 from shared.privacy.events import DPSGDEvent
 
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
@@ -232,15 +231,6 @@ def active_categories(
     return tuple(sorted({c for c in site_categories if c not in halted_set}, key=lambda c: c.rank))
 
 
-@functools.lru_cache(maxsize=256)
-def _calibrate(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
-               fixed_events: tuple[DPSGDEvent, ...] = ()) -> float:
-    return calibrate_noise_multiplier(
-        target_epsilon=target_epsilon, target_delta=target_delta, sampling_rate=sampling_rate, steps=steps,
-        fixed_events=fixed_events,
-    )
-
-
 def calibrate_category_noise(
     *,
     budgets: Mapping[IUCNCategory, float],
@@ -270,8 +260,8 @@ def calibrate_category_noise(
                 f"the task gives no epsilon budget for active category {category.value}; refusing to train it "
                 "(the coordinator must send a budget for every category of the site, or halt it)"
             )
-        out[category] = _calibrate(float(budgets[category]), float(target_delta), float(sampling_rate), int(steps),
-                                   tuple(fixed_events))
+        out[category] = calibrated_noise_multiplier(float(budgets[category]), float(target_delta),
+                                                    float(sampling_rate), int(steps), "rdp", tuple(fixed_events))
     return out
 
 

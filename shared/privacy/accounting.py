@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,8 @@ from dp_accounting import pld, rdp
 from shared.errors import ConfigError
 from shared.privacy.events import DPSGDEvent
 
-__all__ = ["AccountantName", "make_accountant", "epsilon_spent", "calibrate_noise_multiplier"]
+__all__ = ["AccountantName", "make_accountant", "epsilon_spent", "calibrate_noise_multiplier",
+           "calibrated_noise_multiplier"]
 
 AccountantName = Literal["rdp", "pld"]
 _NEIGHBOURS = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -146,3 +148,19 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
                         accountant=accountant) > target_epsilon:
         z += tol
     return z
+
+
+@functools.lru_cache(maxsize=1024)
+def calibrated_noise_multiplier(target_epsilon: float, target_delta: float, sampling_rate: float, steps: int,
+                                accountant: AccountantName = "rdp",
+                                fixed_events: tuple[DPSGDEvent, ...] = ()) -> float:
+    """:func:`calibrate_noise_multiplier`, memoised on its (hashable) arguments: the gateway calibrates the same
+    (budget, delta, q, steps) every round and the coordinator every Global DP round; each call is a root search
+    through the accountant (tens of milliseconds).
+
+    Raises:
+        ConfigError: as :func:`calibrate_noise_multiplier`.
+    """
+    return calibrate_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                      sampling_rate=sampling_rate, steps=steps, accountant=accountant,
+                                      fixed_events=fixed_events)
