@@ -91,7 +91,7 @@ def show(config: Path = _config_option(),
             console.print("[yellow]a re-cluster from the species lists is requested: it runs before the next "
                           "round[/]")
         for change in state["changes"][-changes:] if changes > 0 else []:
-            console.print(f"round {change['round']}: {change['site']} {change['from']} -> {change['to']}: "
+            console.print(f"round {change['round']}: {change['site']} {change['from'] or '(new)'} -> {change['to']}: "
                           f"{change['reason']}")
         if heatmap is not None:
             console.print(f"heatmap written to {plot_similarity_heatmap(assignment, heatmap)}")

@@ -675,8 +675,11 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         result.centralised_accuracy = dict(evaluate(weights, test.images, test.labels, class_categories).by_group)
     result.elapsed_s = time.monotonic() - t0
 
-    table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} rounds, "
-                        f"privacy {settings.privacy}")
+    table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} "
+                        f"round{'s' * (len(result.history) != 1)}, privacy {settings.privacy}, "
+                        f"strategy {settings.strategy}"
+                        + (" (accuracy: each site's own model on the classes it holds, pooled; per-site macro "
+                           "accuracy and the clusters are in report.json)" if settings.strategy == "nira" else ""))
     table.add_column("IUCN category")
     table.add_column("test accuracy", justify="right")
     table.add_column("epsilon spent (max over sites)", justify="right")
