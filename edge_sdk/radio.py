@@ -1,0 +1,231 @@
+"""A radio base-station gateway's round: RadioUNet local training, then the adaptive grouped-noise upload.
+
+The gateway kind ``radio_base_station`` (``firmware_configs/radio-base-station.yaml``: torch on CPU, 2 threads,
+micro-batch 16) learns a radio map with its neighbours without revealing where its transmitters are (issue 7).
+:class:`RadioSiteTrainer` is its front door, built from that profile with keyword-only privacy settings:
+
+1. :func:`train_radio_maps`: ``local_epochs`` of Adam on mse(stage 1) + mse(stage 2) of
+   :mod:`shared.models.radio_unet` over the site's maps (:class:`shared.radio.RadioMapSet`), from the global model;
+2. :meth:`RadioSiteTrainer.refresh_allocator`: before upload, the allocator f_eta is (re)trained on *public* data
+   only (the public city raster and proxy sites on it, the global model;
+   :func:`edge_sdk.privacy.noise_allocator.train_allocator`) and written to the gateway's model store
+   (``allocator.safetensors`` beside the cached artifacts), from which a restarted gateway reloads it;
+3. :meth:`RadioSiteTrainer.train_round`: the delta goes through
+   :class:`edge_sdk.privacy.adaptive_noise.AdaptiveGroupedNoise` and comes back with the DP event the ledger
+   records (None for the defences without a guarantee).
+
+The upload's wire format and the round protocol are the camera federation's (a flat float32 delta in
+:func:`shared.protocol.canonical_flatten` order). Noise comes from a
+:class:`~shared.privacy.randomness.SecureRandom` unless a source is injected.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shared.models import radio_unet
+from shared.privacy.events import DPSGDEvent
+from shared.profiles import GatewayKind, GatewayProfile, load_profile
+from shared.radio import RadioMapSet
+
+from edge_sdk.privacy.adaptive_noise import AdaptiveGroupedNoise, PrivatisedUpload
+from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator, train_allocator
+from edge_sdk.privacy.randomness import RandomSource, SecureRandom
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["train_radio_maps", "flat_weights", "set_flat_weights", "RadioSiteTrainer", "ALLOCATOR_FILE"]
+
+ALLOCATOR_FILE = "allocator.safetensors"
+
+
+def flat_weights(model: "torch.nn.Module") -> np.ndarray:
+    """float64 (d,): the model's parameters in canonical_flatten order (names sorted)."""
+    params = dict(model.named_parameters())
+    return np.concatenate([params[n].detach().numpy().reshape(-1).astype(np.float64) for n in sorted(params)])
+
+
+def set_flat_weights(model: "torch.nn.Module", flat: np.ndarray) -> None:
+    """Copy a (d,) vector in canonical_flatten order into the model's parameters (cast to float32).
+
+    Raises:
+        ValueError: the vector's length is not the model's parameter count.
+    """
+    import torch
+
+    params = dict(model.named_parameters())
+    flat = np.asarray(flat)
+    if flat.shape != (sum(p.numel() for p in params.values()),):
+        raise ValueError(f"weights must have shape ({sum(p.numel() for p in params.values())},), got {flat.shape}")
+    offset = 0
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()].reshape(p.shape).astype(np.float32)))
+            offset += p.numel()
+
+
+def train_radio_maps(model: "torch.nn.Module", global_flat: np.ndarray, maps: RadioMapSet, *, epochs: int,
+                     learning_rate: float, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """float64 (d,): local minus global weights after ``epochs`` of Adam (``learning_rate``) on
+    mse(stage 1) + mse(stage 2) over ``maps``, mini-batches of ``batch_size`` in an order drawn from ``rng``
+    (RadioUNet's loss, Levie et al. 2021, Sec. III, both stages in one pass).
+
+    Raises:
+        ValueError: epochs or batch_size below 1, or weights of the wrong length.
+    """
+    import torch
+
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+    set_flat_weights(model, global_flat)
+    optimiser = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    x_all, y_all = torch.from_numpy(maps.inputs), torch.from_numpy(maps.targets)
+    for _ in range(epochs):
+        order = rng.permutation(len(maps))
+        for start in range(0, len(order), batch_size):
+            batch = torch.from_numpy(order[start:start + batch_size])
+            coarse, fine = model(x_all[batch])
+            loss = (torch.nn.functional.mse_loss(coarse, y_all[batch])
+                    + torch.nn.functional.mse_loss(fine, y_all[batch]))
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    return flat_weights(model) - np.asarray(global_flat, dtype=np.float64)
+
+
+@dataclass
+class RadioSiteTrainer:
+    """One base-station site's training and upload (module docstring).
+
+    Attributes:
+        maps: the site's private radio maps.
+        defence: one of :data:`edge_sdk.privacy.adaptive_noise.DEFENCES`.
+        clipping_norm, noise_multiplier, floor_fraction: the mechanism's C (L2), z and phi.
+        local_epochs, learning_rate: local Adam training.
+        batch_size: mini-batch (the profile's ``training.microbatch_size``).
+        width: RadioUNet base width.
+        model_store: folder for ``allocator.safetensors`` (None: in memory only).
+        allocator: the allocator (adaptive only); loaded from ``model_store`` when a file is there.
+        noise: privacy randomness (default :class:`SecureRandom`).
+
+    Raises:
+        ValueError: as :class:`AdaptiveGroupedNoise`, or a stored allocator file that does not load.
+    """
+
+    maps: RadioMapSet
+    defence: str
+    clipping_norm: float
+    noise_multiplier: float
+    floor_fraction: float = 0.5
+    local_epochs: int = 1
+    learning_rate: float = 5e-4
+    batch_size: int = 16
+    width: int = 8
+    model_store: Path | None = None
+    allocator: NoiseAllocator | None = None
+    noise: RandomSource = field(default_factory=SecureRandom)
+
+    def __post_init__(self) -> None:
+        self.model = radio_unet.build_model(width=self.width)
+        self.layout = radio_unet.parameter_groups(self.model)
+        if self.defence == "adaptive" and self.allocator is None:
+            self.allocator = self._load_allocator() or NoiseAllocator()
+        self.mechanism = AdaptiveGroupedNoise(
+            layout=self.layout, defence=self.defence, clipping_norm=self.clipping_norm,
+            noise_multiplier=self.noise_multiplier, floor_fraction=self.floor_fraction,
+            allocator=self.allocator if self.defence == "adaptive" else None)
+
+    @classmethod
+    def from_profile(cls, profile: GatewayProfile | str = "radio-base-station", **kwargs: Any) -> RadioSiteTrainer:
+        """A trainer with the profile's micro-batch and thread count (torch.set_num_threads); keyword arguments
+        as the attributes.
+
+        Raises:
+            ConfigError: the profile does not load or is not a ``radio_base_station``.
+        """
+        import torch
+
+        from shared.errors import ConfigError
+
+        if not isinstance(profile, GatewayProfile):
+            profile = load_profile(profile)
+        if profile.kind is not GatewayKind.RADIO_BASE_STATION:
+            raise ConfigError(f"profile {profile.name!r} is a {profile.kind.value}, not a radio base station",
+                              field="kind", fix="use the radio-base-station profile (firmware_configs/)")
+        torch.set_num_threads(profile.threads)
+        kwargs.setdefault("batch_size", profile.training.microbatch_size)
+        return cls(**kwargs)
+
+    def _allocator_path(self) -> Path | None:
+        return None if self.model_store is None else Path(self.model_store) / ALLOCATOR_FILE
+
+    def _load_allocator(self) -> NoiseAllocator | None:
+        from safetensors.numpy import load_file
+
+        path = self._allocator_path()
+        if path is None or not path.exists():
+            return None
+        try:
+            return NoiseAllocator(state=load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - a damaged local file: say which and how to recover
+            raise ValueError(f"{path}: the stored allocator does not load ({exc}); delete the file to start from a "
+                             "fresh allocator, which the next round retrains on public data") from exc
+
+    def refresh_allocator(self, global_flat: np.ndarray, *, proxies: list[tuple[RadioMapSet, np.ndarray]],
+                          round_index: int, total_rounds: int, settings: AllocatorTraining = AllocatorTraining(),
+                          seed: int = 0) -> dict[str, float]:
+        """Retrain the allocator on public proxy sites at the global model and store it (module docstring, 2).
+
+        Args:
+            global_flat: float (d,), the global model.
+            proxies: public (maps, centre in pixels) pairs on the public city raster (>= 3).
+            round_index, total_rounds: r and R.
+
+        Returns:
+            :func:`train_allocator`'s last-step losses.
+
+        Raises:
+            ValueError: not the adaptive defence, or fewer than 3 proxies.
+        """
+        from safetensors.numpy import save_file
+
+        if self.allocator is None:
+            raise ValueError(f"the {self.defence} defence has no allocator to train")
+        set_flat_weights(self.model, global_flat)
+        size = proxies[0][0].inputs.shape[-1] if proxies else 1
+        stats = train_allocator(
+            self.allocator, model=self.model, layout=self.layout,
+            proxy_inputs=[m.inputs for m, _ in proxies], proxy_targets=[m.targets for m, _ in proxies],
+            proxy_centres=np.stack([c for _, c in proxies]) / size if proxies else np.zeros((0, 2)),
+            task_inputs=np.concatenate([m.inputs[:2] for m, _ in proxies]) if proxies else np.zeros(0),
+            task_targets=np.concatenate([m.targets[:2] for m, _ in proxies]) if proxies else np.zeros(0),
+            clipping_norm=self.clipping_norm, noise_multiplier=self.noise_multiplier,
+            floor_fraction=self.floor_fraction, round_index=round_index, total_rounds=total_rounds,
+            settings=settings, seed=seed)
+        path = self._allocator_path()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file(self.allocator.state(), str(tmp))
+            os.replace(tmp, path)
+        return stats
+
+    def local_delta(self, global_flat: np.ndarray, *, rng: np.random.Generator) -> np.ndarray:
+        """float64 (d,): the un-noised local update (never leaves the gateway)."""
+        return train_radio_maps(self.model, global_flat, self.maps, epochs=self.local_epochs,
+                                learning_rate=self.learning_rate, batch_size=self.batch_size, rng=rng)
+
+    def train_round(self, global_flat: np.ndarray, *, round_index: int, total_rounds: int,
+                    rng: np.random.Generator) -> tuple[PrivatisedUpload, DPSGDEvent | None]:
+        """Train locally and privatise: (the upload, its DP event for the ledger or None)."""
+        delta = self.local_delta(global_flat, rng=rng)
+        upload = self.mechanism.privatise(delta, round_index=round_index, total_rounds=total_rounds,
+                                          noise=self.noise)
+        return upload, self.mechanism.dp_event()
