@@ -28,6 +28,9 @@ Example (``wildfed-coordinator init`` writes this)::
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
     server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
+    model: camera_cnn                     # or radio_unet (base-station radio maps) with privacy grouped and:
+    radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
+                                          #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -47,7 +50,7 @@ from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
+__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
            "ServerSGDConfig", "FedSOFIMConfig", "CoordinatorConfig", "load_config", "save_config"]
 
 
@@ -177,6 +180,40 @@ class SecAggConfig(StrictModel):
                                    "for local training, uses round_deadline_s")
 
 
+class RadioConfig(StrictModel):
+    """A radio-map federation (``model: radio_unet``; issue 7, docs/radiomap.md): RadioUNet on base-station
+    gateways, uploads through the grouped-noise defence. Each selected site trains ``local_epochs`` of Adam over
+    its maps and uploads its whole delta clipped to ``clipping_norm``."""
+
+    defence: Literal["none", "clip-only", "uniform", "steered-uniform", "adaptive"] = Field(
+        "adaptive", description="uniform and adaptive state an (eps, delta) (privacy: grouped); the others none "
+        "(privacy: none)")
+    noise_multiplier: float = Field(3.0, gt=0, description="z: each upload's noise budget is d (z C)^2")
+    floor_fraction: float = Field(0.5, gt=0, le=1, description="phi: the adaptive defence's uniform floor")
+    clipping_norm: float = Field(0.005, gt=0, description="C: L2 norm of each upload (model delta)")
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(16, ge=1, description="maps per local Adam step")
+    learning_rate: float = Field(5e-4, gt=0, description="local Adam step size")
+    epsilon: float = Field(30.0, gt=0, description="total epsilon per site (ledger key NE) before it is halted; "
+                           "at z=3, phi=0.5 one upload costs 4.4 and 21 uploads 28.8 (RDP, delta 1e-5)")
+    width: int = Field(8, ge=1, description="RadioUNet base width")
+    allocator_every: int = Field(5, ge=1, description="rounds between the gateways' allocator retraining")
+    proxy_sites: int = Field(12, ge=3)
+    proxy_maps: int = Field(8, ge=1)
+    site_radius_m: float = Field(20.0, gt=0)
+    city: str = Field("procedural", description="procedural, or a sionna-rt scene (munich, florence, "
+                      "san_francisco, etoile; pip install --no-deps sionna-rt==2.2.0)")
+    city_seed: int = Field(0, description="which tile of the city (public)")
+    size_px: int = Field(64, ge=4, multiple_of=4)
+    metres_per_pixel: float = Field(4.0, gt=0)
+    max_walls: int | None = Field(4, ge=1)
+
+    @property
+    def guaranteed(self) -> bool:
+        """Whether the defence states an (eps, delta)."""
+        return self.defence in ("uniform", "adaptive")
+
+
 class CoordinatorConfig(StrictModel):
     """Everything a :class:`coordinator.service.Coordinator` is built from (units in field descriptions).
 
@@ -200,8 +237,9 @@ class CoordinatorConfig(StrictModel):
     server_learning_rate: float = Field(1.0, gt=0, description="server SGD step; 1.0 = FedAvg")
     clipping_norm: float = Field(1.0, gt=0, description="L2 clipping norm C of per-example gradients")
     target_delta: float = Field(1e-5, gt=0, lt=1)
-    privacy: Literal["ccdp", "global", "none"] = Field("ccdp", description="ccdp: local DP at each gateway; "
-                                                       "global: secure aggregation, noise added once here")
+    privacy: Literal["ccdp", "global", "grouped", "none"] = Field(
+        "ccdp", description="ccdp: local DP at each gateway; global: secure aggregation, noise added once here; "
+        "grouped: radio tasks' grouped-noise uploads (model: radio_unet)")
     budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
                                                                       gamma=1.0))
     accountant: Literal["rdp", "pld"] = "rdp"
@@ -219,6 +257,8 @@ class CoordinatorConfig(StrictModel):
     species: list[SpeciesEntry] | None = Field(None, description="the federation's species table (class index, "
                                                "scientific name, IUCN category); NIRA uses it to map species to "
                                                "head rows")
+    model: Literal["camera_cnn", "radio_unet"] = Field("camera_cnn", description="camera traps or radio maps")
+    radio: RadioConfig | None = Field(None, description="radio-map settings (model: radio_unet)")
 
     @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
     @classmethod
@@ -246,13 +286,31 @@ class CoordinatorConfig(StrictModel):
                              "fedavg with privacy global")
         return v
 
+    @model_validator(mode="after")
+    def _radio_consistent(self) -> "CoordinatorConfig":
+        if self.model == "radio_unet":
+            if self.radio is None:
+                raise ValueError("model radio_unet needs a radio: block (defence, noise_multiplier, ...)")
+            want = "grouped" if self.radio.guaranteed else "none"
+            if self.privacy != want:
+                raise ValueError(f"radio defence {self.radio.defence!r} needs privacy: {want} (uniform and adaptive "
+                                 f"state an epsilon, the others do not), got privacy: {self.privacy}")
+            if getattr(self.strategy, "kind", "fedavg") != "fedavg":
+                raise ValueError("radio maps use strategy fedavg (NIRA's heads are the camera model's)")
+        elif self.privacy == "grouped" or self.radio is not None:
+            raise ValueError("privacy grouped and the radio: block are for model: radio_unet")
+        return self
+
     # -- derived -------------------------------------------------------------------------------------------------
     def ccdp_budget(self) -> CCDPBudget:
         """The per-category budget object (shared.iucn.CCDPBudget)."""
         return self.budget.to_budget()
 
     def budgets(self) -> dict[IUCNCategory, float]:
-        """``{category: total epsilon}`` for all six IUCN categories."""
+        """``{category: total epsilon}`` for all six IUCN categories; for radio maps ``{NE: radio.epsilon}`` (a radio
+        map has no species; the ledger files its uploads under NE, "Not Evaluated")."""
+        if self.model == "radio_unet" and self.radio is not None:
+            return {IUCNCategory.NE: self.radio.epsilon}
         return self.ccdp_budget().table()
 
     def resolved(self, base_dir: str | os.PathLike[str]) -> "CoordinatorConfig":

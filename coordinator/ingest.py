@@ -158,6 +158,8 @@ class RoundContext:
         bundle: the strategy's stored model that the round steps (FedAvg: the model itself; None = ``template``).
         count_noise_multiplier: the count release the tasks asked for (None: none; NIRA with noisy counts).
         num_classes: length of a count vector.
+        expected_events: radio rounds: the exact events every upload must report (``coordinator.radio``); None for
+            camera rounds.
     """
 
     round: int
@@ -174,6 +176,7 @@ class RoundContext:
     bundle: Mapping[str, np.ndarray] | None = None
     count_noise_multiplier: float | None = None
     num_classes: int | None = None
+    expected_events: Mapping[IUCNCategory, DPSGDEvent] | None = None
 
     def expected_hash(self, site_id: str) -> str:
         """The model hash ``site_id``'s update must have been trained from."""
@@ -399,6 +402,10 @@ class Ingestor:
         events = {IUCNCategory(c): e for c, e in report.events.items()}
         if ctx.privacy != "none" and not events:
             raise _Reject(RejectReason.BAD_REPORT, "privacy is on but the update reports no DP events")
+        if ctx.expected_events is not None and events != dict(ctx.expected_events):
+            raise _Reject(RejectReason.BAD_REPORT, f"a radio upload of this round must report exactly "
+                          f"{ {c.value: e for c, e in ctx.expected_events.items()} }, got "
+                          f"{ {c.value: e for c, e in events.items()} }")
         for cat, ev in events.items():
             if not isinstance(ev, DPSGDEvent) or ev.steps > steps:
                 raise _Reject(RejectReason.BAD_REPORT, f"event for {cat.value} ({ev!r}) is not a DP-SGD event of at "

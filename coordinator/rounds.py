@@ -56,6 +56,7 @@ from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_
 from coordinator.config import CoordinatorConfig
 from coordinator.global_dp import SecAggCollector, SecureAggregationRound, secagg_settings
 from coordinator.ingest import Accepted, Ingestor, RoundContext
+from coordinator.radio import city_artifact, expected_events, radio_task
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.registry import Site, SiteRegistry
@@ -154,7 +155,10 @@ class RoundManager:
 
     def task_artifacts(self, model_hash_: str, weights: Mapping[str, np.ndarray]) -> dict[str, bytes]:
         """The artifact files of the model version (``coordinator.artifacts``), or ``{}`` when not shipped or when
-        making them fails (logged; gateways on ``auto`` then train with torch)."""
+        making them fails (logged; gateways on ``auto`` then train with torch). Radio tasks carry the public city
+        raster instead (``coordinator.radio.city_artifact``)."""
+        if self.config.model == "radio_unet" and self.config.radio is not None:
+            return city_artifact(self.config.radio)
         if not self.ships_artifacts() or self._artifacts_failed:
             return {}
         try:
@@ -282,10 +286,10 @@ class RoundManager:
         self._strategy.begin_round(bundle)
         ctx = RoundContext(round=r, model_hash=base_hash, template=site_models[selected[0]],
                            selected=frozenset(selected), halted=halted, budgets=self.config.budgets(),
-                           privacy=self.config.privacy, local_steps=self.config.local_steps, strategy=self._strategy,
+                           privacy=self.config.privacy, local_steps=self._local_steps(), strategy=self._strategy,
                            site_hashes=site_hashes, bundle=bundle,
                            count_noise_multiplier=self._count_noise(),
-                           num_classes=self.config.num_classes)
+                           num_classes=self.config.num_classes, expected_events=expected_events(self.config))
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
         for site_id in selected:
@@ -400,10 +404,27 @@ class RoundManager:
             return None
         return 0.0 if self.config.privacy == "none" else float(z)
 
+    def _local_steps(self) -> int:
+        """Local steps a task asks for: the config's, or a radio task's local epochs."""
+        radio = self.config.radio if self.config.model == "radio_unet" else None
+        return radio.local_epochs if radio is not None else self.config.local_steps
+
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
                       halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
                       secagg: SecAggSettings | None = None) -> None:
         cfg = self.config
+        radio = cfg.radio if cfg.model == "radio_unet" else None
+        if radio is not None:
+            # The generic fields mean: epochs, maps per Adam step, Adam step size, C of the whole update.
+            task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
+                                local_steps=radio.local_epochs, expected_batch_size=radio.batch_size,
+                                learning_rate=float(radio.learning_rate), clipping_norm=float(radio.clipping_norm),
+                                target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
+                                privacy=cfg.privacy, budgets=cfg.budgets() if cfg.privacy != "none" else {},
+                                halted=tuple(halted), seed=cfg.task_seed, artifacts=artifact_digests(artifacts or {}),
+                                radio=radio_task(radio))
+            self._send_task(r, site_id, model_hash_, task, weights, artifacts)
+            return
         task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
                             local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
                             learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
@@ -411,6 +432,11 @@ class RoundManager:
                             budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
                             artifacts=artifact_digests(artifacts or {}), secagg=secagg,
                             count_noise_multiplier=None if secagg is not None else self._count_noise())
+        self._send_task(r, site_id, model_hash_, task, weights, artifacts)
+
+    def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,
+                   weights: Mapping[str, np.ndarray], artifacts: Mapping[str, bytes] | None) -> None:
+        cfg = self.config
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
                    base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
                    payload=encode_task(task, weights, artifacts))
@@ -475,7 +501,8 @@ class RoundManager:
             self._strategy.begin_round(weights)
             ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights, selected=selected,
                                halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
-                               local_steps=self.config.local_steps, strategy=self._strategy, bundle=weights)
+                               local_steps=self._local_steps(), strategy=self._strategy, bundle=weights,
+                               expected_events=expected_events(self.config))
             for upd in self._store.updates_for_round(row.round):
                 report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
                 weight = float(report.num_examples)

@@ -140,7 +140,11 @@ class Coordinator:
         except LookupError:
             pass
         weights = self._initial_weights
-        if weights is None:
+        if weights is None and self.config.model == "radio_unet":
+            from coordinator.radio import initial_weights as radio_initial_weights  # imports torch lazily
+
+            weights = radio_initial_weights(self.config)
+        elif weights is None:
             from shared.models.camera_cnn import initial_weights  # imports torch lazily
 
             weights = initial_weights(self.config.num_classes, self.config.seed or 0)

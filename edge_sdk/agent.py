@@ -34,8 +34,9 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
-from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, canonical_flatten, decode_ack,
-                             decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
+from shared.radio import RadioMapSet
+from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
+                             decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
 
@@ -45,6 +46,7 @@ from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
+from edge_sdk.radio import RadioSiteTrainer, run_radio_task
 from edge_sdk.training import clipped_sum_locally, train_locally
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport, TransportError
@@ -135,7 +137,7 @@ class EdgeAgent:
         transport: the uplink (e.g. :class:`~edge_sdk.uplink.mqtt.MqttTransport`).
         signing_key: the site's Ed25519 private key (signs updates).
         coordinator_key: the coordinator's Ed25519 public key (tasks and acks must verify with it).
-        dataset: the site's records.
+        dataset: the site's records (camera), or its radio maps (a ``radiomap`` site).
         backend: the training backend, used for every task (an ``ort`` one gets each task's artifacts); default:
             chosen per task from the site config / profile (:meth:`select_backend`).
         outbox: the persistent outbox; default ``Outbox(config.outbox)``.
@@ -146,7 +148,7 @@ class EdgeAgent:
     """
 
     def __init__(self, *, config: SiteConfig, transport: Transport, signing_key: Ed25519PrivateKey,
-                 coordinator_key: Ed25519PublicKey, dataset: LocalDataset,
+                 coordinator_key: Ed25519PublicKey, dataset: LocalDataset | RadioMapSet,
                  backend: TrainingBackend | None = None, outbox: Outbox | None = None) -> None:
         self.config = config
         self.transport = transport
@@ -168,6 +170,7 @@ class EdgeAgent:
         self._update_topic = update_topic(config.federation_id, config.site_id)
         self._secagg_topic = secagg_topic(config.federation_id, config.site_id)
         self._secagg: _SecAggRound | None = None
+        self._radio_trainer: RadioSiteTrainer | None = None
 
     @classmethod
     def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
@@ -178,15 +181,20 @@ class EdgeAgent:
             transport: default: an :class:`~edge_sdk.uplink.mqtt.MqttTransport` to ``config.broker_url``.
 
         Raises:
-            ConfigError: bad config, keys or backend. DatasetError: bad Camtrap DP package.
+            ConfigError: bad config, keys or backend. DatasetError: bad Camtrap DP package or radio-map file.
         """
         if not isinstance(config, SiteConfig):
             config = load_site_config(config)
         signing_key = load_private_key(config.private_key)
         coordinator_key = load_public_key(config.coordinator_public_key)
-        dataset = load_camtrap_dp(config.dataset, config.species_table, image_size=config.image_size,
-                                  missing_media=config.missing_media)
-        log.info("site %s: %d records loaded from %s", config.site_id, len(dataset), config.dataset)
+        dataset: LocalDataset | RadioMapSet
+        if config.task == "radiomap":
+            dataset = RadioMapSet.load(config.dataset)
+        else:
+            dataset = load_camtrap_dp(config.dataset, config.species_table, image_size=config.image_size,
+                                      missing_media=config.missing_media)
+        log.info("site %s: %d %s loaded from %s", config.site_id, len(dataset),
+                 "radio maps" if config.task == "radiomap" else "records", config.dataset)
         if transport is None:
             from edge_sdk.uplink.mqtt import MqttTransport
 
@@ -380,6 +388,13 @@ class EdgeAgent:
                          "privacy 'global' requested (the coordinator would add the noise) but the site config "
                          "does not set allow_global_dp")
             return False
+        is_radio_site = self.config.task == "radiomap"
+        if (task.radio is not None) != is_radio_site:
+            self._reject("task", "task_kind", f"a {'radio' if task.radio is not None else 'camera'} task for a "
+                         f"{self.config.task} site")
+            return False
+        if task.radio is not None:
+            return self._train_radio(task, weights, artifacts)
         if self.select_backend(task, artifacts) is None:
             return False
         if task.privacy == "global":
@@ -401,8 +416,36 @@ class EdgeAgent:
             self._reject("task", "model_mismatch", str(exc))
             return False
 
+        return self._send_update(task, result.report, result.delta, started=started,
+                                 detail=f"N={result.report.num_examples}, q={result.sampling_rate:.4g}")
+
+    def _train_radio(self, task: TrainingTask, weights: dict[str, np.ndarray], artifacts: dict[str, bytes]) -> bool:
+        """A radio round (edge_sdk.radio): allocator refresh when due, local RadioUNet training, grouped noise."""
+        if not isinstance(self.dataset, RadioMapSet):
+            self._reject("task", "task_kind", "a radio task for a site without radio maps")
+            return False
+        self.outbox.set_state(_LAST_ROUND, str(task.round))  # durable before training, as for camera rounds
+        started = time.monotonic()
         try:
-            payload = encode_update(result.report, result.delta)
+            trainer = self._radio_trainer
+            if trainer is None or not trainer.matches(task):
+                store = self.artifact_cache.root / "radio"  # the allocator beside the cached model artifacts
+                trainer = RadioSiteTrainer.for_task(task, maps=self.dataset, model_store=store,
+                                                    noise=self._randomness(task))
+                self._radio_trainer = trainer
+            trainer.noise = self._randomness(task)
+            report, delta = run_radio_task(trainer, task, weights, artifacts, rng=np.random.default_rng())
+        except (ValueError, PayloadError) as exc:  # bad city artifact, weights of another model
+            self._reject("task", "model_mismatch", str(exc))
+            return False
+        return self._send_update(task, report, delta, started=started,
+                                 detail=f"N={report.num_examples} maps, {task.radio.defence}")
+
+    def _send_update(self, task: TrainingTask, report: UpdateReport, delta: dict[str, np.ndarray], *,
+                     started: float, detail: str) -> bool:
+        """Encode, sign, store in the outbox (durable before publishing), publish."""
+        try:
+            payload = encode_update(report, delta)
         except PayloadError as exc:  # e.g. training diverged to non-finite weights
             self._reject("task", "bad_update", f"the trained update cannot be encoded: {exc}")
             return False
@@ -414,9 +457,8 @@ class EdgeAgent:
         message_id = update_message_id(task.round)
         self.outbox.put(message_id, self._update_topic, update.to_bytes())  # durable before publishing
         self.stats["tasks_trained"] += 1
-        log.info("site %s: round %d trained in %.1f s (N=%d, q=%.4g); update stored in outbox",
-                 self.config.site_id, task.round, time.monotonic() - started, result.report.num_examples,
-                 result.sampling_rate)
+        log.info("site %s: round %d trained in %.1f s (%s); update stored in outbox",
+                 self.config.site_id, task.round, time.monotonic() - started, detail)
         self._publish(message_id, self._update_topic, update.to_bytes())
         return True
 

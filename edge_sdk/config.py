@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -84,8 +84,12 @@ class SiteConfig(BaseModel):
 
     Attributes:
         federation_id, site_id: identities used in envelopes and MQTT topics (``shared.topics``).
-        dataset: directory of the site's Camtrap DP 1.0 package.
-        species: the site's species table; its IUCN categories are the site's CCDP categories.
+        task: ``"camera"`` (camera traps: a Camtrap DP package and a species table) or ``"radiomap"`` (a radio
+            base station: ``dataset`` is the site's radio maps, a :class:`shared.radio.RadioMapSet` safetensors file;
+            no species table; it trains only tasks that carry ``radio`` settings, docs/radiomap.md).
+        dataset: directory of the site's Camtrap DP 1.0 package, or the radio-map file of a ``radiomap`` site.
+        species: the site's species table (camera sites, at least one entry); its IUCN categories are the site's
+            CCDP categories.
         private_key: the site's Ed25519 private key (PEM).
         coordinator_public_key: the coordinator's Ed25519 public key (PEM); tasks and acks must verify with it.
         broker_url: ``mqtt://host:port``.
@@ -115,8 +119,9 @@ class SiteConfig(BaseModel):
 
     federation_id: str = Field(min_length=1)
     site_id: str = Field(min_length=1)
+    task: Literal["camera", "radiomap"] = "camera"
     dataset: Path
-    species: tuple[SpeciesEntry, ...] = Field(min_length=1)
+    species: tuple[SpeciesEntry, ...] = ()
     private_key: Path
     coordinator_public_key: Path
     broker_url: str = "mqtt://127.0.0.1:1883"
@@ -167,6 +172,9 @@ class SiteConfig(BaseModel):
 
     @model_validator(mode="after")
     def _species_consistent(self) -> SiteConfig:
+        if self.task == "camera" and not self.species:
+            raise ValueError("a camera site needs a species table (species: at least one entry); a radio "
+                             "base station sets task: radiomap")
         if self.num_classes is not None:
             too_big = [s.scientific_name for s in self.species if s.class_index >= self.num_classes]
             if too_big:
@@ -188,7 +196,7 @@ class SiteConfig(BaseModel):
         """Model output size: ``num_classes`` or ``max(2, max(class_index) + 1)``."""
         if self.num_classes is not None:
             return self.num_classes
-        return max(2, max(s.class_index for s in self.species) + 1)
+        return max(2, max((s.class_index for s in self.species), default=0) + 1)
 
 
 _PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache")

@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.errors import PayloadError
+from shared.iucn import IUCNCategory
 from shared.models import radio_unet
 from shared.privacy.events import DPSGDEvent
 from shared.profiles import GatewayKind, GatewayProfile, load_profile
-from shared.radio import RadioMapSet
+from shared.protocol import RadioTask, TrainingTask, UpdateReport, canonical_flatten, canonical_unflatten
+from shared.radio import PathLossModel, RadioMapGeometry, RadioMapSet, site_maps
 
 from edge_sdk.privacy.adaptive_noise import AdaptiveGroupedNoise, PrivatisedUpload
 from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator, train_allocator
@@ -40,7 +43,11 @@ from edge_sdk.privacy.randomness import RandomSource, SecureRandom
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["train_radio_maps", "flat_weights", "set_flat_weights", "RadioSiteTrainer", "ALLOCATOR_FILE"]
+__all__ = ["train_radio_maps", "flat_weights", "set_flat_weights", "RadioSiteTrainer", "ALLOCATOR_FILE",
+           "read_city_artifact", "proxy_sites", "run_radio_task", "RADIO_CATEGORY"]
+
+RADIO_CATEGORY = IUCNCategory.NE
+"""The IUCN key of a radio upload's event: a radio map has no species, so it is "Not Evaluated"."""
 
 ALLOCATOR_FILE = "allocator.safetensors"
 
@@ -143,6 +150,30 @@ class RadioSiteTrainer:
             allocator=self.allocator if self.defence == "adaptive" else None)
 
     @classmethod
+    def for_task(cls, task: TrainingTask, *, maps: RadioMapSet, model_store: Path | None,
+                 noise: RandomSource) -> RadioSiteTrainer:
+        """A trainer with a radio task's settings (``local_steps`` = epochs, ``expected_batch_size`` = mini-batch,
+        ``learning_rate``, ``clipping_norm``, and the task's ``radio`` part).
+
+        Raises:
+            PayloadError: the task has no radio part. ValueError: as :class:`AdaptiveGroupedNoise`.
+        """
+        if task.radio is None:
+            raise PayloadError("not a radio task")
+        return cls(maps=maps, defence=task.radio.defence, clipping_norm=float(task.clipping_norm),
+                   noise_multiplier=float(task.radio.noise_multiplier), floor_fraction=float(task.radio.floor_fraction),
+                   local_epochs=task.local_steps, learning_rate=float(task.learning_rate),
+                   batch_size=task.expected_batch_size, width=task.radio.width, model_store=model_store, noise=noise)
+
+    def matches(self, task: TrainingTask) -> bool:
+        """Whether this trainer was built for the same settings as ``task`` (else build a new one)."""
+        r = task.radio
+        return r is not None and (self.defence, self.clipping_norm, self.noise_multiplier, self.floor_fraction,
+                                  self.local_epochs, self.learning_rate, self.batch_size, self.width) == (
+            r.defence, task.clipping_norm, r.noise_multiplier, r.floor_fraction, task.local_steps,
+            task.learning_rate, task.expected_batch_size, r.width)
+
+    @classmethod
     def from_profile(cls, profile: GatewayProfile | str = "radio-base-station", **kwargs: Any) -> RadioSiteTrainer:
         """A trainer with the profile's micro-batch and thread count (torch.set_num_threads); keyword arguments
         as the attributes.
@@ -229,3 +260,72 @@ class RadioSiteTrainer:
         upload = self.mechanism.privatise(delta, round_index=round_index, total_rounds=total_rounds,
                                           noise=self.noise)
         return upload, self.mechanism.dp_event()
+
+
+def read_city_artifact(data: bytes) -> np.ndarray:
+    """The task's public city raster: safetensors bytes with ``buildings`` uint8 (H, W) -> bool (H, W).
+
+    Raises:
+        PayloadError: not safetensors, no ``buildings``, wrong dtype/shape, or no outdoor pixel.
+    """
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(bytes(data))
+    except Exception as exc:  # noqa: BLE001 - whatever the parser says, the artifact is bad
+        raise PayloadError(f"the city artifact is not safetensors: {exc}") from exc
+    city = tensors.get("buildings")
+    if city is None or city.dtype != np.uint8 or city.ndim != 2 or city.shape[0] % 4 or city.shape[1] % 4:
+        raise PayloadError("the city artifact must hold 'buildings', uint8 (H, W) with H, W multiples of 4")
+    city = city.astype(bool)
+    if city.all():
+        raise PayloadError("the city artifact has no outdoor pixel")
+    return city
+
+
+def proxy_sites(city: np.ndarray, radio: RadioTask, *, round_index: int) -> list[tuple[RadioMapSet, np.ndarray]]:
+    """The allocator's public proxy sites on the task's city raster: ``radio.proxy_sites`` sites of
+    ``radio.proxy_maps`` maps (:func:`shared.radio.site_maps`). Their randomness is public and seeded by the round,
+    so every gateway of a round draws the same proxies."""
+    rng = np.random.default_rng([round_index, 101])
+    geometry = RadioMapGeometry(size_px=int(city.shape[0]), metres_per_pixel=radio.metres_per_pixel)
+    model = PathLossModel(max_walls=radio.max_walls)
+    return [site_maps(city[None], 0, radio.proxy_maps, radius_m=radio.site_radius_m, rng=rng, model=model,
+                      geometry=geometry) for _ in range(radio.proxy_sites)]
+
+
+def run_radio_task(trainer: RadioSiteTrainer, task: TrainingTask, weights: dict[str, np.ndarray],
+                   artifacts: dict[str, bytes], *, rng: np.random.Generator
+                   ) -> tuple[UpdateReport, dict[str, np.ndarray]]:
+    """One radio round at a gateway: refresh the allocator when due (adaptive; public inputs only), train, privatise.
+
+    Args:
+        trainer: the site's trainer, built for this task's settings.
+        task: a task with ``radio`` set; ``local_steps`` is the number of epochs.
+        weights: the global RadioUNet (float32 arrays by name).
+        artifacts: the task's artifact files (the city raster among them).
+        rng: the local mini-batch order (not privacy noise).
+
+    Returns:
+        (the report: N = number of maps, the event under NE or none; the released delta by parameter name).
+
+    Raises:
+        PayloadError: no radio part, a bad city artifact, or weights that are not this RadioUNet.
+    """
+    radio = task.radio
+    if radio is None:
+        raise PayloadError("not a radio task")
+    if set(weights) != set(dict(trainer.model.named_parameters())):
+        raise PayloadError("the task's weights are not the RadioUNet this site trains (names differ)")
+    flat = canonical_flatten(weights).astype(np.float64)
+    if flat.shape != (trainer.layout.dimension,):
+        raise PayloadError(f"the task's weights have {flat.size} values, the RadioUNet {trainer.layout.dimension}")
+    if trainer.allocator is not None and (task.round - 1) % radio.allocator_every == 0:
+        city = read_city_artifact(artifacts.get(radio.city_artifact, b""))
+        trainer.refresh_allocator(flat, proxies=proxy_sites(city, radio, round_index=task.round),
+                                  round_index=task.round, total_rounds=task.planned_rounds, seed=task.round)
+    upload, event = trainer.train_round(flat, round_index=task.round, total_rounds=task.planned_rounds, rng=rng)
+    delta = canonical_unflatten(upload.update.astype(np.float32), weights)
+    report = UpdateReport(num_examples=len(trainer.maps), local_steps=task.local_steps,
+                          events={RADIO_CATEGORY: event} if event is not None else {})
+    return report, delta

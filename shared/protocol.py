@@ -29,7 +29,8 @@ __all__ = ["TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", 
            "decode_update", "encode_ack", "decode_ack", "METADATA_KEY", "ARTIFACT_PREFIX",
            "decode_task_with_artifacts", "Detection", "DetectionRecord",
            "encode_detection", "decode_detection", "SecAggSettings", "SecAggMessage", "SITE_STAGES",
-           "COORDINATOR_STAGES", "encode_secagg", "decode_secagg", "canonical_flatten", "canonical_unflatten"]
+           "COORDINATOR_STAGES", "encode_secagg", "decode_secagg", "canonical_flatten", "canonical_unflatten",
+           "RadioTask", "RADIO_DEFENCES", "GUARANTEED_RADIO_DEFENCES"]
 
 METADATA_KEY = "wildfed"
 # TASK tensors whose name starts with this are opaque files (uint8), not weights: e.g. ONNX Runtime training
@@ -37,8 +38,12 @@ METADATA_KEY = "wildfed"
 ARTIFACT_PREFIX = "artifact/"
 _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # a plain file name: no path, no leading dot
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-PrivacyMode = Literal["ccdp", "global", "none"]
-PRIVACY_MODES = ("ccdp", "global", "none")
+PrivacyMode = Literal["ccdp", "global", "grouped", "none"]
+PRIVACY_MODES = ("ccdp", "global", "grouped", "none")
+RADIO_DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive")
+"""The upload defences of a radio task (edge_sdk.privacy.adaptive_noise), weakest first."""
+GUARANTEED_RADIO_DEFENCES = ("uniform", "adaptive")
+"""The radio defences that noise every coordinate, hence state an (eps, delta): privacy ``"grouped"``."""
 
 
 def _category(value: Any) -> IUCNCategory:
@@ -139,6 +144,108 @@ class SecAggSettings:
 
 
 @dataclass(frozen=True)
+class RadioTask:
+    """The radio-map part of a task for base-station gateways (issue 7; docs/radiomap.md).
+
+    A radio task trains the two-stage RadioUNet (``shared.models.radio_unet``) on the site's radio maps and uploads
+    the whole clipped delta through the grouped-noise defence. It reuses the task's generic fields with these
+    meanings: ``local_steps`` = local epochs over the site's maps, ``expected_batch_size`` = mini-batch,
+    ``learning_rate`` = local Adam step size, ``clipping_norm`` = C of the whole update (L2).
+
+    Attributes:
+        defence: one of :data:`RADIO_DEFENCES`; the task's privacy is ``"grouped"`` exactly when it is one of
+            :data:`GUARANTEED_RADIO_DEFENCES`, else ``"none"``.
+        noise_multiplier: z; each upload's noise budget is d (zC)^2.
+        floor_fraction: phi in (0, 1], the adaptive defence's uniform floor.
+        width: the RadioUNet's base width (the model's shape).
+        allocator_every: the gateway retrains its allocator every this many rounds (round 1 included).
+        proxy_sites, proxy_maps: public proxy sites on the city raster for the allocator's training, maps each.
+        site_radius_m: radius (metres) of a proxy site's transmitter cluster.
+        metres_per_pixel: the maps' resolution.
+        max_walls: the path-loss model's wall cap for the proxies' maps (None: no cap).
+        city_artifact: file name of the task artifact holding the public city raster (safetensors, ``buildings``
+            uint8 (H, W), 1 inside buildings).
+
+    Raises:
+        PayloadError: a value out of range.
+    """
+
+    defence: str
+    noise_multiplier: float
+    floor_fraction: float = 0.5
+    width: int = 8
+    allocator_every: int = 5
+    proxy_sites: int = 12
+    proxy_maps: int = 8
+    site_radius_m: float = 20.0
+    metres_per_pixel: float = 4.0
+    max_walls: int | None = 4
+    city_artifact: str = "radio-city.safetensors"
+
+    def __post_init__(self) -> None:
+        if self.defence not in RADIO_DEFENCES:
+            raise PayloadError(f"radio defence must be one of {RADIO_DEFENCES}, got {self.defence!r}")
+        _positive("radio.noise_multiplier", self.noise_multiplier)
+        _positive("radio.floor_fraction", self.floor_fraction)
+        if self.floor_fraction > 1:
+            raise PayloadError(f"radio.floor_fraction must be in (0, 1], got {self.floor_fraction!r}")
+        for name in ("width", "allocator_every", "proxy_sites", "proxy_maps"):
+            _positive(f"radio.{name}", getattr(self, name), integer=True)
+        if self.proxy_sites < 3:
+            raise PayloadError(f"radio.proxy_sites must be >= 3, got {self.proxy_sites}")
+        _positive("radio.site_radius_m", self.site_radius_m)
+        _positive("radio.metres_per_pixel", self.metres_per_pixel)
+        if self.max_walls is not None:
+            _positive("radio.max_walls", self.max_walls, integer=True)
+        if not isinstance(self.city_artifact, str) or not _ARTIFACT_NAME.match(self.city_artifact):
+            raise PayloadError(f"radio.city_artifact {self.city_artifact!r} is not a plain file name")
+
+    @property
+    def guaranteed(self) -> bool:
+        """Whether the defence states an (eps, delta) (privacy ``"grouped"``)."""
+        return self.defence in GUARANTEED_RADIO_DEFENCES
+
+    def floor_noise_multiplier(self) -> float:
+        """z_eff = sigma_floor / (2C) of one upload: sqrt(phi) z / 2 (adaptive), z / 2 (uniform)
+        (edge_sdk.privacy.adaptive_noise, "Formal guarantee").
+
+        Raises:
+            PayloadError: the defence states no guarantee.
+        """
+        if self.defence == "adaptive":
+            return math.sqrt(self.floor_fraction) * self.noise_multiplier / 2.0
+        if self.defence == "uniform":
+            return self.noise_multiplier / 2.0
+        raise PayloadError(f"the {self.defence} defence states no guarantee")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"defence": self.defence, "noise_multiplier": float(self.noise_multiplier),
+                "floor_fraction": float(self.floor_fraction), "width": self.width,
+                "allocator_every": self.allocator_every, "proxy_sites": self.proxy_sites,
+                "proxy_maps": self.proxy_maps, "site_radius_m": float(self.site_radius_m),
+                "metres_per_pixel": float(self.metres_per_pixel), "max_walls": self.max_walls,
+                "city_artifact": self.city_artifact}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "RadioTask":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PayloadError: not an object, unknown fields, or values out of range.
+        """
+        if not isinstance(data, dict):
+            raise PayloadError("radio must be an object")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise PayloadError(f"unknown radio task fields {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise PayloadError(f"radio task fields wrong: {exc}") from exc
+
+
+@dataclass(frozen=True)
 class TrainingTask:
     """One site's instructions for one round (the payload tensors are the global weights).
 
@@ -168,6 +275,9 @@ class TrainingTask:
             sensitivity of the count vector to one record is 1), for NIRA's species-embedding weights; the noise
             multipliers of the DP-SGD steps are calibrated so that both together stay within each budget. 0 only
             with privacy ``"none"`` (exact counts). Left out of the JSON when None.
+        radio: a radio-map task (:class:`RadioTask`) for base-station gateways; privacy is then ``"grouped"``
+            (budgets under IUCN NE: a radio map has no species) or ``"none"``, and ``artifacts`` must carry
+            ``radio.city_artifact``. Left out of the JSON when None (camera tasks).
     """
 
     federation_id: str
@@ -186,6 +296,7 @@ class TrainingTask:
     artifacts: Mapping[str, str] = field(default_factory=dict)
     secagg: SecAggSettings | None = None
     count_noise_multiplier: float | None = None
+    radio: RadioTask | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
@@ -232,6 +343,20 @@ class TrainingTask:
             if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
                 raise PayloadError(f"artifact {name!r} digest {digest!r} is not a lowercase hex SHA-256")
         object.__setattr__(self, "artifacts", dict(self.artifacts))
+        if self.radio is not None:
+            if not isinstance(self.radio, RadioTask):
+                raise PayloadError("radio must be a RadioTask")
+            if self.privacy not in ("grouped", "none"):
+                raise PayloadError(f"a radio task's privacy is 'grouped' or 'none', not {self.privacy!r}")
+            if (self.privacy == "grouped") != self.radio.guaranteed:
+                raise PayloadError(f"radio defence {self.radio.defence!r} needs privacy "
+                                   f"{'grouped' if self.radio.guaranteed else 'none'}, got {self.privacy!r}")
+            if self.radio.city_artifact not in self.artifacts:
+                raise PayloadError(f"a radio task must carry its city raster as artifact {self.radio.city_artifact!r}")
+            if self.count_noise_multiplier is not None:
+                raise PayloadError("a radio task has no species counts")
+        elif self.privacy == "grouped":
+            raise PayloadError("privacy 'grouped' is the radio tasks' mechanism: the task must carry radio settings")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -244,7 +369,8 @@ class TrainingTask:
                 **({"artifacts": dict(sorted(self.artifacts.items()))} if self.artifacts else {}),
                 **({"secagg": self.secagg.to_json()} if self.secagg is not None else {}),
                 **({"count_noise_multiplier": self.count_noise_multiplier}
-                   if self.count_noise_multiplier is not None else {})}
+                   if self.count_noise_multiplier is not None else {}),
+                **({"radio": self.radio.to_json()} if self.radio is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -373,7 +499,8 @@ def decode_task_with_artifacts(payload: bytes) -> tuple[TrainingTask, dict[str, 
     tensors, body = _read(payload, set(TrainingTask.__dataclass_fields__))
     try:
         secagg = SecAggSettings.from_json(body["secagg"]) if body.get("secagg") is not None else None
-        task = TrainingTask(**{**body, "halted": tuple(body.get("halted", ())), "secagg": secagg})
+        radio = RadioTask.from_json(body["radio"]) if body.get("radio") is not None else None
+        task = TrainingTask(**{**body, "halted": tuple(body.get("halted", ())), "secagg": secagg, "radio": radio})
     except TypeError as exc:
         raise PayloadError(f"task fields wrong: {exc}") from exc
     files: dict[str, bytes] = {}

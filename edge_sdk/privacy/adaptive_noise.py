@@ -58,15 +58,16 @@ import numpy as np
 
 from shared.models.radio_unet import GroupLayout
 from shared.privacy.events import DPSGDEvent
+from shared.protocol import GUARANTEED_RADIO_DEFENCES, RADIO_DEFENCES
 
 from edge_sdk.privacy.randomness import RandomSource
 
 __all__ = ["DEFENCES", "GUARANTEED_DEFENCES", "STATISTICS", "clip_update", "uniform_shares", "steered_shares",
            "floored_shares", "group_noise_std", "upload_statistics", "PrivatisedUpload", "AdaptiveGroupedNoise"]
 
-DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive")
-"""The defences of the seed's evaluation, weakest first."""
-GUARANTEED_DEFENCES = ("uniform", "adaptive")
+DEFENCES = RADIO_DEFENCES
+"""The defences of the seed's evaluation, weakest first (the wire names of :class:`shared.protocol.RadioTask`)."""
+GUARANTEED_DEFENCES = GUARANTEED_RADIO_DEFENCES
 """The defences for which the ledger states an (eps, delta): every coordinate gets Gaussian noise."""
 STATISTICS = ("signal_norm", "mean_magnitude", "std", "size_ratio", "round", "stage", "sensitive")
 """The upload statistics s_{k,r} per group (columns of :func:`upload_statistics`)."""
@@ -259,7 +260,11 @@ class AdaptiveGroupedNoise:
         "Formal guarantee"), or None for the defences that state no guarantee (none, clip-only, steered-uniform)."""
         if self.defence not in GUARANTEED_DEFENCES:
             return None
-        return DPSGDEvent(self.floor_std / (2.0 * self.clipping_norm), 1.0, 1)
+        # floor_std / (2C) with C cancelled, so the value is bit-for-bit the one the coordinator expects
+        # (shared.protocol.RadioTask.floor_noise_multiplier)
+        phi = self.floor_fraction if self.defence == "adaptive" else 1.0
+        return DPSGDEvent(math.sqrt(phi) * self.noise_multiplier / 2.0 if phi != 1.0 else self.noise_multiplier / 2.0,
+                          1.0, 1)
 
     def privatise(self, update: np.ndarray, *, round_index: int, total_rounds: int,
                   noise: RandomSource) -> PrivatisedUpload:

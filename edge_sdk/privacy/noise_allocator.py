@@ -7,7 +7,7 @@ attacker's loss (maximised) and an entropy term.
 
 Network: one small MLP scores every group from that group's row of statistics (weights shared across groups,
 so the same network serves any number of groups), ``F -> 16 -> 1`` with tanh, then a softmax over the groups:
-161 parameters for F = 7. Its weights live in the gateway's model bundle (:meth:`NoiseAllocator.state`,
+145 parameters for F = 7. Its weights live in the gateway's model bundle (:meth:`NoiseAllocator.state`,
 safetensors-ready float32 arrays).
 
 Training (:func:`train_allocator`) uses public data only: public radio maps and the current global model, which

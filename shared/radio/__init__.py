@@ -23,8 +23,10 @@ from shared.radio.dataset import (
     city_tiles,
     generate_maps,
     model_inputs,
+    site_maps,
     transmitter_specs,
 )
+from shared.radio.scenes import SCENES, footprint_raster, read_ply, scene_meshes, scene_path, scene_tiles
 from shared.radio.pathloss import (
     PathLossModel,
     count_wall_crossings,
@@ -53,4 +55,11 @@ __all__ = [
     "transmitter_specs",
     "generate_maps",
     "cached_maps",
+    "site_maps",
+    "SCENES",
+    "scene_path",
+    "read_ply",
+    "scene_meshes",
+    "footprint_raster",
+    "scene_tiles",
 ]

@@ -26,10 +26,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from shared.errors import ConfigError, DatasetError
-from shared.radio.city import procedural_city
+from shared.radio.city import outdoor_position, procedural_city
 from shared.radio.pathloss import PathLossModel, normalise_gain, path_loss_db
 
 __all__ = [
+    "site_maps",
     "BUILDING_CHANNEL",
     "TRANSMITTER_CHANNEL",
     "FILE_FORMAT",
@@ -291,6 +292,27 @@ def transmitter_specs(tiles: np.ndarray, maps_per_tile: int, rng: np.random.Gene
         block[:, 0] = index
         block[:, 1], block[:, 2] = np.divmod(chosen, width)
     return specs
+
+
+def site_maps(tiles: np.ndarray, tile_index: int, n_maps: int, *, radius_m: float, rng: np.random.Generator,
+              model: PathLossModel, geometry: RadioMapGeometry = RadioMapGeometry()
+              ) -> tuple[RadioMapSet, np.ndarray]:
+    """One base-station site on ``tiles[tile_index]``: a uniformly random outdoor centre (the first draw from
+    ``rng``) and ``n_maps`` maps whose transmitters are uniformly random outdoor pixels within ``radius_m`` of it
+    (the site's antennas and small cells; docs/radiomap.md).
+
+    Returns:
+        (the maps, the centre as float64 (2,) (row, col) in pixels).
+
+    Raises:
+        ConfigError: as :func:`shared.radio.city.outdoor_position` and :func:`generate_maps`.
+    """
+    tile = np.asarray(tiles)[tile_index]
+    centre = np.asarray(outdoor_position(tile, rng), dtype=np.float64)
+    radius_px = radius_m / geometry.metres_per_pixel
+    specs = np.asarray([(tile_index, *outdoor_position(tile, rng, centre=(centre[0], centre[1]),
+                                                       radius_px=radius_px)) for _ in range(n_maps)], dtype=np.int64)
+    return generate_maps(tiles, specs, model=model, geometry=geometry), centre
 
 
 def _check_tiles(tiles: object) -> np.ndarray:
