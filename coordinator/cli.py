@@ -13,6 +13,7 @@ Commands::
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
     wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
     wildfed-coordinator experiment fedsofim ...         DP-FedSOFIM vs DP-FedGD, frozen extractor, 20/100 clients
+    wildfed-coordinator experiment radiomap ...         radio maps: adaptive grouped noise vs the seed's defences
     wildfed-coordinator clusters show|recluster|pin|check-metadata   NIRA's clusters (coordinator/cli_clusters.py)
     wildfed-coordinator audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                                         Steinke et al. 2023) beside the claimed epsilon per category
@@ -420,9 +421,30 @@ def demo(
     embedding_merging: bool = typer.Option(True, "--embedding-merging/--no-embedding-merging",
                                            help="nira: species-embedding merging (once per cluster and species, "
                                            "aligned to the head; docs/nira.md)"),
+    task: str = typer.Option("camera", help="camera (camera traps, real images) or radiomap (base stations learn "
+                             "a radio map; uses --sites (default 6 then), --rounds, --seed, --broker, --out, "
+                             "--round-deadline-s, --defence, --city; docs/radiomap.md)"),
+    defence: str = typer.Option("adaptive", help="radiomap: none, clip-only, uniform, steered-uniform or adaptive"),
+    city: str = typer.Option("procedural", help="radiomap: procedural, or a sionna-rt scene (munich, florence, "
+                             "san_francisco, etoile; pip install --no-deps sionna-rt==2.2.0)"),
 ) -> None:
     """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
-    site; prints accuracy and epsilon per IUCN category and writes report.json + report.png."""
+    site; prints accuracy and epsilon per IUCN category and writes report.json + report.png. With --task radiomap:
+    radio base stations learning a radio map with grouped-noise uploads."""
+    if task == "radiomap":
+        from coordinator.experiments.radio_demo import RadioDemoSettings, run_radio_demo
+
+        radio_settings = RadioDemoSettings(sites=6 if sites == 8 else sites, rounds=rounds, defence=defence,
+                                           city=city, seed=seed, broker=broker, out_dir=out,
+                                           round_deadline_s=round_deadline_s)
+        try:
+            run_radio_demo(radio_settings, console=console)
+        except KeyboardInterrupt:
+            err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped")
+            raise typer.Exit(code=130) from None
+        return
+    if task != "camera":
+        raise ConfigError(f"unknown task {task!r}", field="task", fix="use camera or radiomap")
     from coordinator.experiments.demo import DemoSettings, run_demo
 
     settings = DemoSettings(sites=sites, rounds=rounds, privacy=privacy, gamma=gamma,
@@ -557,6 +579,24 @@ def fedsofim(ctx: typer.Context) -> None:
     inner.command()(_friendly(fedsofim_command))
     code = typer.main.get_command(inner).main(args=list(ctx.args),
                                               prog_name="wildfed-coordinator experiment fedsofim",
+                                              standalone_mode=False)
+    if isinstance(code, int) and code != 0:
+        raise typer.Exit(code=code)
+
+
+@experiment_app.command("radiomap", add_help_option=False,
+                        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def radiomap(ctx: typer.Context) -> None:
+    """Federated RadioUNet radio maps with adaptive grouped noise (issue 7): 14 base-station sites, 6 per round,
+    50 rounds, 5 defences, 3 seeds; attacker localisation RMSE (m) and validation MSE (dB); writes radiomap.json,
+    .md and .png (options: --help)."""
+    # Runs gateway-side code (edge_sdk: the mechanism and allocator) in-process; imported only here.
+    from coordinator.experiments.radiomap import radiomap_command
+
+    inner = typer.Typer(add_completion=False)
+    inner.command()(_friendly(radiomap_command))
+    code = typer.main.get_command(inner).main(args=list(ctx.args),
+                                              prog_name="wildfed-coordinator experiment radiomap",
                                               standalone_mode=False)
     if isinstance(code, int) and code != 0:
         raise typer.Exit(code=code)

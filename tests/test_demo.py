@@ -93,3 +93,20 @@ def test_demo_global_dp_with_secure_aggregation(tmp_path):
         assert report["epsilon"][cat]["spent_max"] == pytest.approx(eps, rel=1e-6)
         # calibrated for the 2 planned rounds: the site that needs the most noise ends at its budget
         assert budgets[cat] * 0.99 <= eps <= budgets[cat] + 1e-9
+
+
+def test_radio_demo_small_federation(tmp_path):
+    # Two base-station gateway processes, one round, the adaptive defence at z = 3, phi = 0.5: each site's one
+    # upload is the Gaussian mechanism with sensitivity 2C and std sqrt(phi) z C, i.e. noise multiplier
+    # sqrt(0.5) * 3 / 2, composed here with dp-accounting directly.
+    from coordinator.experiments.radio_demo import RadioDemoSettings, run_radio_demo
+
+    settings = RadioDemoSettings(sites=2, rounds=1, maps_per_site=4, pretrain_epochs=0, out_dir=tmp_path / "run")
+    result = run_radio_demo(settings)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [h["status"] for h in report["history"]] == ["closed"]
+    assert report["history"][0]["accepted"] == ["bs-00", "bs-01"]
+    assert report["rejections"] == {}
+    expected = _direct_epsilon([(0.5 ** 0.5 * 3.0 / 2, 1.0, 1)], 1e-5)
+    assert report["history"][0]["epsilon"] == pytest.approx({"bs-00": expected, "bs-01": expected}, rel=1e-9)
+    assert result.history[0]["val_mse_db"] < 0  # a finite MSE below 1 (normalised gain), in dB

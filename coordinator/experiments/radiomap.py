@@ -1,0 +1,608 @@
+"""Federated RadioUNet radio maps with adaptive grouped noise: the seed's evaluation (issue 7; DESIGN.md Seeds,
+"Adaptive noise allocation").
+
+Protocol (per seed; the seed fixes the city tiles, the transmitter positions, the initial model and the client
+schedule; privacy noise is never seeded: it comes from :class:`shared.privacy.randomness.SecureRandom`):
+
+1. Data (:mod:`shared.radio`, cached under ``<out>/data``): 64 x 64 px maps at 4 m/px (256 m x 256 m tiles),
+   COST 231 multi-wall path loss, RadioMapSeer-style normalised gain. 14 clients = 14 base-station sites, each with
+   its own city tile, a secret site centre c_k (a uniformly random outdoor pixel) and 50 maps whose transmitters are
+   outdoor pixels within ``site_radius_m`` (20 m) of c_k (the site's antennas and small cells): 700 maps. Validation:
+   100 maps on 10 further tiles, transmitters anywhere outdoors. Public: 40 further tiles (the attacker's shadow
+   data and the gateways' allocator training; OpenStreetMap-like building data is public, transmitter sites are not).
+2. Federation: FedAvg over the clients, 6 of 14 active per round (drawn uniformly without replacement), 50 rounds;
+   each active client runs ``local_epochs`` of Adam (lr ``local_lr``, batch 16, the radio base-station profile's
+   micro-batch) on mse(stage 1) + mse(stage 2) from the global model, and uploads its delta through the defence
+   (:class:`edge_sdk.privacy.adaptive_noise.AdaptiveGroupedNoise`: none, clip-only, uniform, steered-uniform,
+   adaptive, all at noise multiplier z = 3 and one clipping norm C). The server adds ``server_lr`` x the mean of
+   the released deltas. Each upload's DP event (uniform, adaptive) is recorded in a real
+   :class:`coordinator.ledger.PrivacyLedger` before the server uses it.
+3. Adaptive defence: every ``allocator_every`` rounds the allocator is trained on public maps at the current global
+   model (:func:`edge_sdk.privacy.noise_allocator.train_allocator`). Its inputs are public, so every gateway of the
+   round would compute the same allocator; the simulation trains it once per round and hands it to all.
+4. Attacker (separate from the gateways' proxy): at rounds 1 and every ``attack_every``-th round it simulates
+   ``shadow_sites`` shadow sites on public tiles (the same number of maps, the same local training from the same
+   global model, the same defence), fits kernel ridge regression from the released update to the site centre
+   (linear kernel on features standardised over the shadows; ridge strength and feature set -- the whole update or
+   only the transmitter-sensitive groups -- chosen by leave-one-out error on the shadows), and predicts the centre
+   of each active client from its real upload. Privacy RMSE = root mean squared Euclidean error in metres.
+   The naive baseline predicts the shadow centres' mean.
+5. Utility: validation MSE of stage 2's normalised map, in dB (10 log10 MSE, as the seed reports it), every round.
+
+Deviation from the product's transport: the clients run in one process (the same mechanism, allocator and ledger
+code as a base-station gateway, no MQTT), so the grid of 5 defences x 3 seeds fits 2 cores.
+
+Output (``out_dir``): ``radiomap.json`` (settings, every run's curves, summary), ``radiomap.md`` (the table),
+``radiomap.png`` (validation MSE per round and attacker RMSE per attack round, per defence), ``ledger.db``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import ConfigError
+from shared.iucn import IUCNCategory
+from shared.models import radio_unet
+from shared.radio import (
+    PathLossModel,
+    RadioMapGeometry,
+    RadioMapSet,
+    SCENES,
+    cached_maps,
+    city_tiles,
+    generate_maps,
+    outdoor_position,
+    scene_tiles,
+    site_maps,
+)
+
+from edge_sdk.privacy.adaptive_noise import DEFENCES
+from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator
+from edge_sdk.privacy.randomness import SecureRandom
+from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
+
+from coordinator.experiments.fedsofim import _opt, _parse_list, mean_std
+
+__all__ = ["RadioMapSettings", "SiteData", "ExperimentData", "prepare_data", "pretrain", "make_site", "local_update", "fit_attacker",
+           "run_federation", "summarise", "markdown_table", "run_radiomap_experiment", "radiomap_command",
+           "RADIO_CATEGORY"]
+
+RADIO_CATEGORY = IUCNCategory.NE
+"""The ledger key of radio-map uploads. The ledger keeps one event stream per (site, IUCN category); a radio
+record (one map) has no species, so its stream is filed under NE, "Not Evaluated"."""
+
+
+@dataclass(frozen=True)
+class RadioMapSettings:
+    """The experiment's settings (module docstring); defaults are the seed's protocol.
+
+    Raises:
+        ConfigError: a count or rate out of range, naming the field.
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    defences: tuple[str, ...] = DEFENCES
+    clients: int = 14
+    active: int = 6
+    rounds: int = 50
+    maps_per_client: int = 50
+    validation_maps: int = 100
+    pretrain_tiles: int = 20
+    pretrain_maps_per_tile: int = 30
+    pretrain_epochs: int = 10
+    shadow_sites: int = 24
+    proxy_sites: int = 12
+    proxy_maps: int = 8
+    site_radius_m: float = 20.0
+    noise_multiplier: float = 3.0
+    clipping_norm: float = 0.005
+    floor_fraction: float = 0.5
+    local_epochs: int = 1
+    batch_size: int = 16
+    local_lr: float = 5e-4
+    pretrain_lr: float = 2e-3
+    server_lr: float = 1.0
+    width: int = 8
+    attack_every: int = 10
+    allocator_every: int = 5
+    allocator: AllocatorTraining = AllocatorTraining()
+    target_delta: float = 1e-5
+    size_px: int = 64
+    metres_per_pixel: float = 4.0
+    max_walls: int | None = 4
+    city: str = "munich"
+    out_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "active", "rounds", "maps_per_client", "validation_maps", "pretrain_tiles",
+                     "pretrain_maps_per_tile", "shadow_sites", "proxy_sites", "proxy_maps", "local_epochs",
+                     "batch_size", "width", "attack_every", "allocator_every", "size_px"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if type(self.pretrain_epochs) is not int or self.pretrain_epochs < 0:
+            raise ConfigError(f"pretrain_epochs must be a non-negative integer, got {self.pretrain_epochs!r}",
+                              field="pretrain_epochs")
+        if self.active > self.clients:
+            raise ConfigError(f"active ({self.active}) exceeds clients ({self.clients})", field="active",
+                              fix="pick at most as many active clients per round as there are clients")
+        if self.shadow_sites < 4 or self.proxy_sites < 3:
+            raise ConfigError("the attacker needs >= 4 shadow sites and the allocator >= 3 proxy sites",
+                              field="shadow_sites")
+        bad = [d for d in self.defences if d not in DEFENCES]
+        if bad or not self.defences:
+            raise ConfigError(f"unknown defences {bad}", field="defences", fix=f"pick from {', '.join(DEFENCES)}")
+        if not self.seeds:
+            raise ConfigError("no seeds", field="seeds", fix="e.g. --seeds 0,1,2")
+        for name in ("noise_multiplier", "clipping_norm", "local_lr", "pretrain_lr", "server_lr", "site_radius_m",
+                     "metres_per_pixel"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}", field=name)
+        if self.city != "procedural" and self.city not in SCENES:
+            raise ConfigError(f"unknown city {self.city!r}", field="city",
+                              fix=f"use procedural or one of {', '.join(SCENES)}")
+        if not 0 < self.floor_fraction <= 1:
+            raise ConfigError(f"floor_fraction must be in (0, 1], got {self.floor_fraction}", field="floor_fraction")
+
+    @property
+    def geometry(self) -> RadioMapGeometry:
+        """Map size and resolution."""
+        return RadioMapGeometry(size_px=self.size_px, metres_per_pixel=self.metres_per_pixel)
+
+    @property
+    def pathloss(self) -> PathLossModel:
+        """The path-loss model of the generated maps."""
+        return PathLossModel(max_walls=self.max_walls)
+
+
+# ------------------------------------------------------------------------------------------------------ data
+@dataclass(frozen=True, eq=False)
+class SiteData:
+    """One (real or shadow) site: its maps and its secret centre (row, col) in pixels (float)."""
+
+    maps: RadioMapSet
+    centre_px: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class ExperimentData:
+    """One seed's data: the federation's city tile (bool (1, H, W); public), its clients, the validation maps on
+    the same city, and the public pretraining maps on other tiles."""
+
+    city: np.ndarray
+    clients: list[SiteData]
+    validation: RadioMapSet
+    pretraining: RadioMapSet
+
+
+def make_site(tiles: np.ndarray, tile_index: int, n_maps: int, settings: RadioMapSettings,
+              rng: np.random.Generator) -> SiteData:
+    """A site on ``tiles[tile_index]`` (:func:`shared.radio.site_maps`: a uniformly random outdoor centre, the first
+    draw from ``rng``, and ``n_maps`` maps with transmitters within ``site_radius_m`` of it)."""
+    maps, centre = site_maps(tiles, tile_index, n_maps, radius_m=settings.site_radius_m, rng=rng,
+                             model=settings.pathloss, geometry=settings.geometry)
+    return SiteData(maps, centre)
+
+
+def _uniform_maps(tiles: np.ndarray, per_tile: int, settings: RadioMapSettings, rng: np.random.Generator
+                  ) -> RadioMapSet:
+    specs = np.asarray([(t, *outdoor_position(tiles[t], rng)) for t in range(len(tiles)) for _ in range(per_tile)],
+                       dtype=np.int64)
+    return generate_maps(tiles, specs, model=settings.pathloss, geometry=settings.geometry)
+
+
+def prepare_data(settings: RadioMapSettings, seed: int, cache_dir: Path | None = None) -> ExperimentData:
+    """The seed's city, clients, validation and pretraining maps (module docstring, step 1); maps are cached as
+    safetensors under ``cache_dir`` when given."""
+    geometry = settings.geometry
+    rng = np.random.default_rng([seed, 7])
+    if settings.city == "procedural":
+        tiles = city_tiles(rng, 1 + settings.pretrain_tiles, geometry=geometry)
+    else:  # the federation's city is a crop of the real city; pretraining uses the other cities
+        others = [c for c in SCENES if c != settings.city]
+        counts = [len(range(i, settings.pretrain_tiles, len(others))) for i in range(len(others))]
+        tiles = np.concatenate([scene_tiles(settings.city, 1, rng, geometry=geometry)]
+                               + [scene_tiles(c, n, rng, geometry=geometry) for c, n in zip(others, counts) if n])
+    city = tiles[:1]
+    base = {"seed": seed, "city": settings.city, "geometry": asdict(geometry), "pathloss": asdict(settings.pathloss)}
+
+    def cached(name: str, build: Callable[[], RadioMapSet], **key: Any) -> RadioMapSet:
+        if cache_dir is None:
+            return build()
+        return cached_maps(cache_dir / f"seed{seed}-{name}.safetensors", build, key={**base, **key, "name": name})
+
+    clients = []
+    for k in range(settings.clients):
+        centre = np.asarray(outdoor_position(city[0], np.random.default_rng([seed, 11, k])), dtype=np.float64)
+        maps = cached(f"client{k:02d}", lambda k=k: make_site(city, 0, settings.maps_per_client, settings,
+                                                              np.random.default_rng([seed, 11, k])).maps,
+                      maps=settings.maps_per_client, radius_m=settings.site_radius_m)
+        clients.append(SiteData(maps, centre))
+    validation = cached("validation", lambda: _uniform_maps(city, settings.validation_maps, settings,
+                                                            np.random.default_rng([seed, 13])),
+                        maps=settings.validation_maps)
+    pretraining = cached("pretraining", lambda: _uniform_maps(tiles[1:], settings.pretrain_maps_per_tile, settings,
+                                                              np.random.default_rng([seed, 23])),
+                         tiles=settings.pretrain_tiles, maps=settings.pretrain_maps_per_tile)
+    return ExperimentData(city, clients, validation, pretraining)
+
+
+def pretrain(settings: RadioMapSettings, data: ExperimentData, seed: int, cache_dir: Path | None = None
+             ) -> np.ndarray:
+    """float64 (d,): the round-0 global model, ``initial_weights(seed)`` trained centrally (Adam, lr ``pretrain_lr``,
+    batch ``batch_size``) for ``pretrain_epochs`` on the public pretraining maps (other tiles than the
+    federation's city); cached under ``cache_dir``."""
+    from safetensors.numpy import load_file, save_file
+
+    model = radio_unet.build_model(width=settings.width)
+    radio_unet.load_numpy_state(model, radio_unet.initial_weights(width=settings.width, seed=seed))
+    theta = flat_weights(model)
+    if settings.pretrain_epochs == 0:
+        return theta
+    key = json.dumps({"seed": seed, "city": settings.city, "width": settings.width, "epochs": settings.pretrain_epochs,
+                      "tiles": settings.pretrain_tiles, "maps": settings.pretrain_maps_per_tile,
+                      "lr": settings.pretrain_lr, "pathloss": asdict(settings.pathloss)}, sort_keys=True)
+    path = cache_dir / f"seed{seed}-pretrained.safetensors" if cache_dir else None
+    if path is not None and path.exists():
+        try:
+            stored = load_file(str(path))
+            if bytes(stored["key"]).decode() == key:
+                return stored["theta"].astype(np.float64)
+        except Exception:  # noqa: BLE001 - a damaged cache is rebuilt, never trusted
+            pass
+    pretraining = settings_for_pretraining(settings)
+    theta = theta + local_update(model, theta, data.pretraining, pretraining, np.random.default_rng([seed, 29]))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"theta": theta.astype(np.float64), "key": np.frombuffer(key.encode(), dtype=np.uint8)},
+                  str(tmp))
+        tmp.replace(path)
+    return theta
+
+
+def settings_for_pretraining(settings: RadioMapSettings) -> RadioMapSettings:
+    """The same local trainer, run for ``pretrain_epochs`` epochs."""
+    from dataclasses import replace
+
+    return replace(settings, local_epochs=settings.pretrain_epochs, local_lr=settings.pretrain_lr)
+
+
+# ------------------------------------------------------------------------------------------- local training
+def local_update(model: Any, global_flat: np.ndarray, maps: RadioMapSet, settings: RadioMapSettings,
+                 rng: np.random.Generator) -> np.ndarray:
+    """float64 (d,): the gateway's local training (:func:`edge_sdk.radio.train_radio_maps`) with the
+    experiment's epochs, learning rate and batch size."""
+    return train_radio_maps(model, global_flat, maps, epochs=settings.local_epochs, learning_rate=settings.local_lr,
+                            batch_size=settings.batch_size, rng=rng)
+
+
+def validation_mse_db(model: Any, flat: np.ndarray, maps: RadioMapSet) -> float:
+    """10 log10 of stage 2's mean squared error on ``maps`` (normalised gain units), in dB."""
+    import torch
+
+    set_flat_weights(model, flat)
+    with torch.no_grad():
+        errors = []
+        for start in range(0, len(maps), 50):
+            _, fine = model(torch.from_numpy(maps.inputs[start:start + 50]))
+            errors.append(((fine.numpy() - maps.targets[start:start + 50]) ** 2).reshape(-1))
+    return float(10.0 * math.log10(float(np.concatenate(errors).mean())))
+
+
+# ------------------------------------------------------------------------------------------------ attacker
+def fit_attacker(features: np.ndarray, centres: np.ndarray, sensitive: np.ndarray
+                 ) -> tuple[Callable[[np.ndarray], np.ndarray], dict[str, Any]]:
+    """Kernel ridge regression from released updates to site centres, trained on shadow sites.
+
+    Args:
+        features: float (n, d), the shadow sites' released updates.
+        centres: float (n, 2), their centres (any unit; predictions come back in it).
+        sensitive: bool (d,), the transmitter-sensitive coordinates.
+
+    Kernel: k(x, x') = <x / s, x' / s> + mean diag, with s the per-coordinate root mean square over the shadows (a
+    linear kernel on scaled features plus a constant, i.e. a linear model with an intercept; features are not
+    centred, because centring on all n shadows makes each left-out update a combination of the others and leaks
+    its target into the leave-one-out estimate). The feature set (all coordinates or the sensitive ones) and the
+    ridge strength lambda (a grid of fractions of mean diag K) are chosen by leave-one-out squared error in closed
+    form (e_i = r_i / (1 - H_ii), H = K (K + lambda I)^-1; Hastie et al. 2009, Eq. 7.52, exact for this smoother).
+
+    Returns:
+        (predict: float (m, d) -> float (m, 2), {"features", "ridge", "loo_rmse"} of the chosen fit).
+    """
+    x = np.asarray(features, dtype=np.float64)
+    t = np.asarray(centres, dtype=np.float64)
+    best: tuple[float, str, float, np.ndarray, np.ndarray, float, np.ndarray] | None = None
+    for name, cols in (("all", np.ones(x.shape[1], dtype=bool)), ("sensitive", np.asarray(sensitive, bool))):
+        sub = x[:, cols]
+        rms = np.sqrt(np.mean(sub ** 2, axis=0))
+        # floor: a coordinate that (almost) never moves in the shadows (a dead unit) must not blow up a new update
+        rms = np.maximum(rms, 0.1 * float(np.median(rms)) or 1.0)
+        z = sub / rms
+        linear = z @ z.T
+        offset = float(np.mean(np.diag(linear))) or 1.0
+        k = linear + offset
+        for ridge in (1e-3, 1e-2, 1e-1, 1.0, 10.0):
+            inv = np.linalg.inv(k + ridge * offset * np.eye(len(k)))
+            hat = k @ inv
+            resid = (t - hat @ t) / (1.0 - np.diag(hat))[:, None]
+            loo = float(np.mean((resid ** 2).sum(axis=1)))
+            if best is None or loo < best[0]:
+                best = (loo, name, ridge, cols, rms, offset, inv @ t)
+    assert best is not None
+    loo, name, ridge, cols, rms, offset, alpha = best
+    train_z = x[:, cols] / rms
+
+    def predict(new: np.ndarray) -> np.ndarray:
+        z = np.asarray(new, dtype=np.float64)[:, cols] / rms
+        return (z @ train_z.T + offset) @ alpha
+
+    return predict, {"features": name, "ridge": ridge, "loo_rmse": math.sqrt(loo)}
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def _trainer(settings: RadioMapSettings, defence: str, maps: RadioMapSet, allocator: NoiseAllocator | None,
+             noise: Any) -> RadioSiteTrainer:
+    """The gateway's trainer (edge_sdk.radio) with the experiment's settings."""
+    return RadioSiteTrainer(maps=maps, defence=defence, clipping_norm=settings.clipping_norm,
+                            noise_multiplier=settings.noise_multiplier, floor_fraction=settings.floor_fraction,
+                            local_epochs=settings.local_epochs, learning_rate=settings.local_lr,
+                            batch_size=settings.batch_size, width=settings.width, allocator=allocator, noise=noise)
+
+
+def _public_site(data: ExperimentData, n_maps: int, settings: RadioMapSettings, rng: np.random.Generator
+                 ) -> SiteData:
+    """A shadow (or proxy) site on the public city map, at a centre the attacker (or the gateway) chooses."""
+    return make_site(data.city, 0, n_maps, settings, rng)
+
+
+def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: str, seed: int, *,
+                   initial: np.ndarray | None = None, ledger: Any = None, site_prefix: str = "", noise: Any = None,
+                   on_round: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One federated run of ``defence`` (module docstring, steps 2-5).
+
+    Returns:
+        ``{"val_mse_db": [round 0..R], "attack": [{"round", "rmse_m", "naive_rmse_m", "errors_m", ...}],
+        "allocator": [...], "shares": [...]}``.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    noise = noise if noise is not None else SecureRandom()
+    allocator = NoiseAllocator(seed=seed) if defence == "adaptive" else None
+    clients = [_trainer(settings, defence, site.maps, allocator, noise) for site in data.clients]
+    model, layout = clients[0].model, clients[0].layout
+    if initial is None:
+        radio_unet.load_numpy_state(model, radio_unet.initial_weights(width=settings.width, seed=seed))
+        initial = flat_weights(model)
+    theta = np.asarray(initial, dtype=np.float64).copy()
+    sensitive = np.isin(layout.index, [g for g, s in enumerate(layout.sensitive) if s])
+    schedule = np.random.default_rng([seed, 17])         # client selection and batch order: same for all defences
+    attack_rng = np.random.default_rng([seed, 19])       # shadow sites: same for all defences
+    proxy_rng = np.random.default_rng([seed, 31])        # the allocator's public proxy sites
+    mpp = settings.metres_per_pixel
+    out: dict[str, Any] = {"val_mse_db": [validation_mse_db(model, theta, data.validation)], "attack": [],
+                           "allocator": [], "shares": [], "update_norms": []}
+    for r in range(1, settings.rounds + 1):
+        active = np.sort(schedule.choice(settings.clients, size=settings.active, replace=False))
+        batch_seeds = schedule.integers(2**32, size=settings.active)
+        if allocator is not None and (r - 1) % settings.allocator_every == 0:
+            # Public inputs only, so every gateway of the round would train the same allocator: train it once.
+            proxies = [_public_site(data, settings.proxy_maps, settings, proxy_rng)
+                       for _ in range(settings.proxy_sites)]
+            stats = clients[0].refresh_allocator(theta, proxies=[(p.maps, p.centre_px) for p in proxies],
+                                                 round_index=r, total_rounds=settings.rounds,
+                                                 settings=settings.allocator, seed=int(proxy_rng.integers(2**31)))
+            out["allocator"].append({"round": r, **stats})
+        released, norms, shares = [], [], []
+        for k, bs in zip(active, batch_seeds):
+            upload, event = clients[k].train_round(theta, round_index=r, total_rounds=settings.rounds,
+                                                   rng=np.random.default_rng(bs))
+            if ledger is not None and event is not None:
+                ledger.record_round(f"{site_prefix}client{k:02d}", r, {RADIO_CATEGORY: event})
+            released.append(upload.update.astype(np.float64))
+            norms.append(upload.norm_before_clipping)
+            if upload.shares is not None:
+                shares.append(upload.shares.tolist())
+        out["update_norms"].append(float(np.median(norms)))
+        if shares:
+            out["shares"].append({"round": r, "mean": np.mean(shares, axis=0).tolist()})
+        if r == 1 or r % settings.attack_every == 0:
+            # The attacker runs the gateways' own code on shadow sites of the public city.
+            shadows = [_public_site(data, settings.maps_per_client, settings, attack_rng)
+                       for _ in range(settings.shadow_sites)]
+            shadow_updates = [_trainer(settings, defence, s.maps, allocator, noise).train_round(
+                theta, round_index=r, total_rounds=settings.rounds, rng=attack_rng)[0].update for s in shadows]
+            predict, info = fit_attacker(np.stack(shadow_updates), np.stack([s.centre_px for s in shadows]),
+                                         sensitive)
+            truth = np.stack([data.clients[k].centre_px for k in active])
+            errors = np.linalg.norm(predict(np.stack(released)) - truth, axis=1) * mpp
+            naive = np.linalg.norm(np.stack([s.centre_px for s in shadows]).mean(axis=0) - truth, axis=1) * mpp
+            out["attack"].append({"round": r, "rmse_m": float(np.sqrt(np.mean(errors ** 2))),
+                                  "naive_rmse_m": float(np.sqrt(np.mean(naive ** 2))),
+                                  "errors_m": errors.tolist(), "naive_errors_m": naive.tolist(), **info})
+        theta = theta + settings.server_lr * np.mean(released, axis=0)
+        out["val_mse_db"].append(validation_mse_db(model, theta, data.validation))
+        if on_round is not None:
+            on_round(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- summary
+def _overall_rmse(attacks: Sequence[dict[str, Any]], key: str = "errors_m") -> float:
+    errors = np.concatenate([np.asarray(a[key]) for a in attacks])
+    return float(np.sqrt(np.mean(errors ** 2)))
+
+
+def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> list[dict[str, Any]]:
+    """One entry per defence: final validation MSE (dB), attacker RMSE at the last attack round and over all attack
+    rounds (metres), the naive baseline, and the ledger's epsilon (max over clients), mean ± std over seeds."""
+    out = []
+    for defence in settings.defences:
+        mine = [r for r in runs if r["defence"] == defence]
+        out.append({
+            "defence": defence,
+            "val_mse_db": mean_std([r["val_mse_db"][-1] for r in mine]),
+            "rmse_final_m": mean_std([r["attack"][-1]["rmse_m"] for r in mine]),
+            "rmse_all_m": mean_std([_overall_rmse(r["attack"]) for r in mine]),
+            "naive_rmse_all_m": mean_std([_overall_rmse(r["attack"], "naive_errors_m") for r in mine]),
+            "epsilon": mean_std([r.get("epsilon") for r in mine]),
+            "seeds": [r["seed"] for r in mine],
+        })
+    return out
+
+
+HEADERS = ["defence", "validation MSE (dB), final", "attacker RMSE (m), final round", "attacker RMSE (m), all rounds",
+           "naive RMSE (m)", "eps per site (ledger, max)"]
+
+
+def _fmt(stat: dict[str, Any], digits: int = 2) -> str:
+    if stat["mean"] is None:
+        return "none"
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def _cells(entry: dict[str, Any]) -> list[str]:
+    eps = _fmt(entry["epsilon"]) if entry["epsilon"]["n"] else "no guarantee"
+    return [entry["defence"], _fmt(entry["val_mse_db"]), _fmt(entry["rmse_final_m"], 1),
+            _fmt(entry["rmse_all_m"], 1), _fmt(entry["naive_rmse_all_m"], 1), eps]
+
+
+def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
+    """The summary as a Markdown table (mean ± sample std over seeds)."""
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_cells(entry)) + " |" for entry in summary]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict[str, Any]], settings: RadioMapSettings, path: Path) -> None:
+    """Validation MSE per round and attacker RMSE per attack round, seed means, one line per defence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for defence in settings.defences:
+        mine = [r for r in runs if r["defence"] == defence]
+        if not mine:
+            continue
+        left.plot(np.mean([r["val_mse_db"] for r in mine], axis=0), label=defence)
+        rounds = [a["round"] for a in mine[0]["attack"]]
+        right.plot(rounds, np.mean([[a["rmse_m"] for a in r["attack"]] for r in mine], axis=0), marker="o",
+                   label=defence)
+    naive = [np.mean([[a["naive_rmse_m"] for a in r["attack"]] for r in runs], axis=0)]
+    right.plot([a["round"] for a in runs[0]["attack"]], naive[0], "k--", label="naive (shadow mean)")
+    left.set(xlabel="round", ylabel="validation MSE (dB)", title="utility (lower is better)")
+    right.set(xlabel="round", ylabel="attacker RMSE (m)", title="privacy (higher is better)")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- the driver
+@dataclass
+class RadioMapResult:
+    """Runs (one dict per (seed, defence)), the summary and where the files are."""
+
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    summary: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: Path | None = None
+    elapsed_s: float = 0.0
+
+
+def run_radiomap_experiment(settings: RadioMapSettings, *, console: Any = None) -> RadioMapResult:
+    """Every (seed, defence) run with the ledger; writes radiomap.json/.md/.png after each run."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from coordinator.ledger import PrivacyLedger
+    from coordinator.storage import Store
+
+    out_dir = settings.out_dir or Path("runs") / time.strftime("radiomap-%Y%m%dT%H%M%SZ", time.gmtime())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(f"sqlite:///{out_dir / 'ledger.db'}", out_dir / "data")
+    ledger = PrivacyLedger(store, target_delta=settings.target_delta)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    result = RadioMapResult(out_dir=out_dir)
+    start = time.monotonic()
+    total = len(settings.seeds) * len(settings.defences) * settings.rounds
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=console is None) as progress:
+        bar = progress.add_task("radio-map federation rounds", total=total)
+        for seed in settings.seeds:
+            data = prepare_data(settings, seed, cache_dir=out_dir / "data")
+            progress.update(bar, description=f"seed {seed}: public pretraining")
+            initial = pretrain(settings, data, seed, cache_dir=out_dir / "data")
+            for defence in settings.defences:
+                progress.update(bar, description=f"seed {seed}, {defence}")
+                prefix = f"seed{seed}-{defence}-"
+                run = run_federation(settings, data, defence, seed, initial=initial, ledger=ledger, site_prefix=prefix,
+                                     on_round=lambda _: progress.advance(bar))
+                spend = [ledger.spent(f"{prefix}client{k:02d}", RADIO_CATEGORY) for k in range(settings.clients)
+                         if ledger.events(f"{prefix}client{k:02d}", RADIO_CATEGORY)]
+                run.update(seed=seed, defence=defence, epsilon=max(spend) if spend else None)
+                result.runs.append(run)
+                result.summary = summarise(result.runs, settings)
+                result.elapsed_s = time.monotonic() - start
+                _write(result, settings, out_dir)
+    if console is not None:
+        from rich.table import Table
+
+        table = Table(title=f"radio maps: {settings.clients} clients, {settings.active} active, {settings.rounds} "
+                            f"rounds, z = {settings.noise_multiplier}, seeds {list(settings.seeds)}")
+        for h in HEADERS:
+            table.add_column(h)
+        for entry in result.summary:
+            table.add_row(*_cells(entry))
+        console.print(table)
+        console.log(f"written {out_dir / 'radiomap.json'}, .md, .png ({result.elapsed_s:.0f} s in all)")
+    return result
+
+
+def _write(result: RadioMapResult, settings: RadioMapSettings, out_dir: Path) -> None:
+    payload = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()},
+               "runs": result.runs, "summary": result.summary, "elapsed_s": result.elapsed_s}
+    (out_dir / "radiomap.json").write_text(json.dumps(payload, indent=1, default=str))
+    (out_dir / "radiomap.md").write_text(markdown_table(result.summary))
+    plot(result.runs, settings, out_dir / "radiomap.png")
+
+
+def radiomap_command(
+    seeds: str = _opt("0,1,2", "comma-separated seeds (tiles, transmitters, initial model, schedule; noise is "
+                      "never seeded)"),
+    defences: str = _opt(",".join(DEFENCES), "comma-separated defences"),
+    rounds: int = _opt(50, "federated rounds"),
+    clients: int = _opt(14, "clients (base-station sites), 50 maps each"),
+    active: int = _opt(6, "active clients per round"),
+    maps_per_client: int = _opt(50, "radio maps per client"),
+    noise_multiplier: float = _opt(3.0, "z: each upload's noise budget is d (z C)^2"),
+    clipping_norm: float = _opt(0.005, "C: L2 clipping norm of each upload (model delta)"),
+    floor_fraction: float = _opt(0.5, "phi: the adaptive defence's uniform noise floor, a fraction of the budget"),
+    shadow_sites: int = _opt(24, "shadow sites the attacker simulates per attack round"),
+    attack_every: int = _opt(10, "attack every this many rounds (and at round 1)"),
+    city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
+                     "needs `pip install --no-deps sionna-rt==2.2.0`) or procedural"),
+    out: Path | None = _opt(None, "output folder (default runs/radiomap-<UTC time>)"),
+) -> None:
+    """Federated RadioUNet radio maps with the seed's defences (none, clip-only, uniform, steered-uniform,
+    adaptive); attacker localisation RMSE (m) and validation MSE (dB) per round, 3 seeds. Writes radiomap.json,
+    .md, .png and the ledger."""
+    from rich.console import Console
+
+    settings = RadioMapSettings(
+        seeds=_parse_list(seeds, int, "seeds", "0,1,2"), defences=_parse_list(defences, str, "defences", "uniform"),
+        rounds=rounds, clients=clients, active=active, maps_per_client=maps_per_client,
+        noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
+        shadow_sites=shadow_sites, attack_every=attack_every, city=city, out_dir=out)
+    run_radiomap_experiment(settings, console=Console())
