@@ -394,7 +394,8 @@ app.command("serve", help="Alias of `run`.")(run)
 @app.command()
 @_friendly
 def demo(
-    sites: int = typer.Option(8, help="gateway sites, one process each"),
+    sites: int | None = typer.Option(None, help="gateway sites, one process each [default: 8; 6 with --task "
+                                     "radiomap]"),
     rounds: int = typer.Option(10, help="federated rounds"),
     privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD at each gateway), global (secure "
                                 "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
@@ -434,7 +435,7 @@ def demo(
     if task == "radiomap":
         from coordinator.experiments.radio_demo import RadioDemoSettings, run_radio_demo
 
-        radio_settings = RadioDemoSettings(sites=6 if sites == 8 else sites, rounds=rounds, defence=defence,
+        radio_settings = RadioDemoSettings(sites=6 if sites is None else sites, rounds=rounds, defence=defence,
                                            city=city, seed=seed, broker=broker, out_dir=out,
                                            round_deadline_s=round_deadline_s)
         try:
@@ -447,7 +448,7 @@ def demo(
         raise ConfigError(f"unknown task {task!r}", field="task", fix="use camera or radiomap")
     from coordinator.experiments.demo import DemoSettings, run_demo
 
-    settings = DemoSettings(sites=sites, rounds=rounds, privacy=privacy, gamma=gamma,
+    settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
