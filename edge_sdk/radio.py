@@ -22,6 +22,7 @@ The upload's wire format and the round protocol are the camera federation's (a f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,10 +80,12 @@ def set_flat_weights(model: "torch.nn.Module", flat: np.ndarray) -> None:
 
 
 def train_radio_maps(model: "torch.nn.Module", global_flat: np.ndarray, maps: RadioMapSet, *, epochs: int,
-                     learning_rate: float, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+                     learning_rate: float, batch_size: int, rng: np.random.Generator,
+                     on_epoch: Callable[[int], None] | None = None) -> np.ndarray:
     """float64 (d,): local minus global weights after ``epochs`` of Adam (``learning_rate``) on
     mse(stage 1) + mse(stage 2) over ``maps``, mini-batches of ``batch_size`` in an order drawn from ``rng``
-    (RadioUNet's loss, Levie et al. 2021, Sec. III, both stages in one pass).
+    (RadioUNet's loss, Levie et al. 2021, Sec. III, both stages in one pass). ``on_epoch(e)`` is called after
+    epoch e (1-based), e.g. for a progress bar.
 
     Raises:
         ValueError: epochs or batch_size below 1, or weights of the wrong length.
@@ -94,7 +97,7 @@ def train_radio_maps(model: "torch.nn.Module", global_flat: np.ndarray, maps: Ra
     set_flat_weights(model, global_flat)
     optimiser = torch.optim.Adam(model.parameters(), lr=learning_rate)
     x_all, y_all = torch.from_numpy(maps.inputs), torch.from_numpy(maps.targets)
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
         order = rng.permutation(len(maps))
         for start in range(0, len(order), batch_size):
             batch = torch.from_numpy(order[start:start + batch_size])
@@ -104,6 +107,8 @@ def train_radio_maps(model: "torch.nn.Module", global_flat: np.ndarray, maps: Ra
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
+        if on_epoch is not None:
+            on_epoch(epoch)
     return flat_weights(model) - np.asarray(global_flat, dtype=np.float64)
 
 
