@@ -576,11 +576,15 @@ def fedsofim(ctx: typer.Context) -> None:
     # so the coordinator CLI itself never imports edge_sdk.
     from coordinator.experiments.fedsofim import fedsofim_command
 
+    _run_inner_command(ctx, fedsofim_command, "wildfed-coordinator experiment fedsofim")
+
+
+def _run_inner_command(ctx: typer.Context, command: Any, prog_name: str) -> None:
+    """Run a lazily imported command function with the outer command's raw arguments (so its module, which may
+    import edge_sdk, loads only when the command runs); a non-zero exit code is passed on."""
     inner = typer.Typer(add_completion=False)
-    inner.command()(_friendly(fedsofim_command))
-    code = typer.main.get_command(inner).main(args=list(ctx.args),
-                                              prog_name="wildfed-coordinator experiment fedsofim",
-                                              standalone_mode=False)
+    inner.command()(_friendly(command))
+    code = typer.main.get_command(inner).main(args=list(ctx.args), prog_name=prog_name, standalone_mode=False)
     if isinstance(code, int) and code != 0:
         raise typer.Exit(code=code)
 
@@ -594,13 +598,7 @@ def radiomap(ctx: typer.Context) -> None:
     # Runs gateway-side code (edge_sdk: the mechanism and allocator) in-process; imported only here.
     from coordinator.experiments.radiomap import radiomap_command
 
-    inner = typer.Typer(add_completion=False)
-    inner.command()(_friendly(radiomap_command))
-    code = typer.main.get_command(inner).main(args=list(ctx.args),
-                                              prog_name="wildfed-coordinator experiment radiomap",
-                                              standalone_mode=False)
-    if isinstance(code, int) and code != 0:
-        raise typer.Exit(code=code)
+    _run_inner_command(ctx, radiomap_command, "wildfed-coordinator experiment radiomap")
 
 
 @app.command()

@@ -22,10 +22,11 @@ import this module's constants.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from shared.models.state import load_numpy_state, to_numpy_state
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -60,31 +61,6 @@ def build_model(num_classes: int = 10) -> "torch.nn.Module":
     if type(num_classes) is not int or num_classes < 2:
         raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
     return CameraCNN(num_classes)
-
-
-def to_numpy_state(model: "torch.nn.Module") -> dict[str, np.ndarray]:
-    """``{parameter name: float32 array}`` (copies), names like ``phi.0.weight``, ``psi.bias``."""
-    return {name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in model.named_parameters()}
-
-
-def load_numpy_state(model: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters in place.
-
-    Raises:
-        ValueError: names or shapes differ from the model's.
-    """
-    import torch
-
-    params = dict(model.named_parameters())
-    if set(params) != set(tensors):
-        raise ValueError(f"weights do not match the model: missing {sorted(set(params) - set(tensors))}, "
-                         f"unexpected {sorted(set(tensors) - set(params))}")
-    with torch.no_grad():
-        for name, p in params.items():
-            value = np.asarray(tensors[name])
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {value.shape} differs from the model's {tuple(p.shape)}")
-            p.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
 
 
 def initial_weights(num_classes: int = 10, seed: int = 0) -> dict[str, np.ndarray]:

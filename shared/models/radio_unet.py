@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shared.models.state import load_numpy_state, to_numpy_state
 from shared.radio.dataset import BUILDING_CHANNEL, TRANSMITTER_CHANNEL
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,31 +124,6 @@ def build_model(*, width: int = 8) -> "torch.nn.Module":
             return coarse, fine
 
     return RadioUNet(width)
-
-
-def to_numpy_state(model: "torch.nn.Module") -> dict[str, np.ndarray]:
-    """``{parameter name: float32 array}`` (copies), names like ``stage1.enc0.0.weight``."""
-    return {name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in model.named_parameters()}
-
-
-def load_numpy_state(model: "torch.nn.Module", tensors: Mapping[str, np.ndarray]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters in place.
-
-    Raises:
-        ValueError: names or shapes differ from the model's.
-    """
-    import torch
-
-    params = dict(model.named_parameters())
-    if set(params) != set(tensors):
-        raise ValueError(f"weights do not match the RadioUNet: missing {sorted(set(params) - set(tensors))}, "
-                         f"unexpected {sorted(set(tensors) - set(params))}")
-    with torch.no_grad():
-        for name, p in params.items():
-            value = np.asarray(tensors[name])
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {value.shape} differs from the model's {tuple(p.shape)}")
-            p.copy_(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)))
 
 
 def initial_weights(*, width: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
