@@ -18,15 +18,11 @@ from safetensors.numpy import save
 
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
-from shared.protocol import RadioTask
+from shared.protocol import RADIO_CATEGORY, RadioTask
 
 from coordinator.config import CoordinatorConfig, RadioConfig
 
 __all__ = ["RADIO_CATEGORY", "radio_task", "city_raster", "city_artifact", "expected_events", "initial_weights"]
-
-RADIO_CATEGORY = IUCNCategory.NE
-"""The ledger key of radio uploads: the ledger keeps one stream per (site, IUCN category) and a radio map has no
-species, so its stream is NE, "Not Evaluated"."""
 
 
 def radio_task(radio: RadioConfig) -> RadioTask:

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shared.errors import PayloadError
-from shared.iucn import IUCNCategory
 from shared.models import radio_unet
 from shared.privacy.events import DPSGDEvent
 from shared.profiles import GatewayKind, GatewayProfile, load_profile
-from shared.protocol import RadioTask, TrainingTask, UpdateReport, canonical_flatten, canonical_unflatten
+from shared.protocol import (RADIO_CATEGORY, RadioTask, TrainingTask, UpdateReport, canonical_flatten,
+                             canonical_unflatten)
 from shared.radio import PathLossModel, RadioMapGeometry, RadioMapSet, site_maps
 
 from edge_sdk.privacy.adaptive_noise import AdaptiveGroupedNoise, PrivatisedUpload
@@ -46,9 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["train_radio_maps", "flat_weights", "set_flat_weights", "RadioSiteTrainer", "ALLOCATOR_FILE",
            "read_city_artifact", "proxy_sites", "run_radio_task", "RADIO_CATEGORY"]
-
-RADIO_CATEGORY = IUCNCategory.NE
-"""The IUCN key of a radio upload's event: a radio map has no species, so it is "Not Evaluated"."""
 
 ALLOCATOR_FILE = "allocator.safetensors"
 

@@ -30,7 +30,7 @@ __all__ = ["TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", 
            "decode_task_with_artifacts", "Detection", "DetectionRecord",
            "encode_detection", "decode_detection", "SecAggSettings", "SecAggMessage", "SITE_STAGES",
            "COORDINATOR_STAGES", "encode_secagg", "decode_secagg", "canonical_flatten", "canonical_unflatten",
-           "RadioTask", "RADIO_DEFENCES", "GUARANTEED_RADIO_DEFENCES"]
+           "RadioTask", "RADIO_DEFENCES", "GUARANTEED_RADIO_DEFENCES", "RADIO_CATEGORY"]
 
 METADATA_KEY = "wildfed"
 # TASK tensors whose name starts with this are opaque files (uint8), not weights: e.g. ONNX Runtime training
@@ -44,6 +44,9 @@ RADIO_DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive")
 """The upload defences of a radio task (edge_sdk.privacy.adaptive_noise), weakest first."""
 GUARANTEED_RADIO_DEFENCES = ("uniform", "adaptive")
 """The radio defences that noise every coordinate, hence state an (eps, delta): privacy ``"grouped"``."""
+RADIO_CATEGORY = IUCNCategory.NE
+"""The IUCN key of a radio upload's DP event and budget: the ledger keeps one stream per (site, IUCN category) and a
+radio map has no species, so its stream is NE, "Not Evaluated"."""
 
 
 def _category(value: Any) -> IUCNCategory:

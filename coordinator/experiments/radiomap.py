@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
-from shared.iucn import IUCNCategory
+from shared.protocol import RADIO_CATEGORY
 from shared.models import radio_unet
 from shared.radio import (
     PathLossModel,
@@ -75,9 +75,6 @@ __all__ = ["RadioMapSettings", "SiteData", "ExperimentData", "prepare_data", "pr
            "run_federation", "summarise", "markdown_table", "run_radiomap_experiment", "radiomap_command",
            "RADIO_CATEGORY"]
 
-RADIO_CATEGORY = IUCNCategory.NE
-"""The ledger key of radio-map uploads. The ledger keeps one event stream per (site, IUCN category); a radio
-record (one map) has no species, so its stream is filed under NE, "Not Evaluated"."""
 
 
 @dataclass(frozen=True)

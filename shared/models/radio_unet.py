@@ -32,7 +32,6 @@ torch is imported lazily so that a coordinator without torch can import the cons
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["INPUT_CHANNELS", "BUILDING_CHANNEL", "TRANSMITTER_CHANNEL", "STAGES", "build_model", "initial_weights",
-           "to_numpy_state", "load_numpy_state", "GroupLayout", "parameter_groups", "parameter_count"]
+           "to_numpy_state", "load_numpy_state", "GroupLayout", "parameter_groups"]
 
 INPUT_CHANNELS = 2  # the two channels of shared.radio.model_inputs
 STAGES = (1, 2)
@@ -135,10 +134,6 @@ def initial_weights(*, width: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
         return to_numpy_state(build_model(width=width))
 
 
-def parameter_count(weights: Mapping[str, np.ndarray]) -> int:
-    """d, the number of scalar parameters in ``weights``."""
-    return int(sum(np.asarray(v).size for v in weights.values()))
-
 
 @dataclass(frozen=True, eq=False)
 class GroupLayout:
@@ -182,14 +177,6 @@ class GroupLayout:
     def dimension(self) -> int:
         """d, the flat vector's length."""
         return int(self.index.size)
-
-    def mask(self, name: str) -> np.ndarray:
-        """bool (d,): the coordinates of group ``name``.
-
-        Raises:
-            KeyError: no such group.
-        """
-        return self.index == self.names.index(name)
 
 
 def parameter_groups(model: "torch.nn.Module") -> GroupLayout:
