@@ -205,9 +205,9 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
 
 
 def _check_broker_url(url: str) -> str:
-    if not url.startswith("mqtt://"):
-        raise ConfigError(f"broker URL {url!r} is not mqtt://host:port", field="broker_url",
-                          fix="the gateway's MQTT transport speaks mqtt:// (TLS to the broker is not wired yet)")
+    if not url.startswith(("mqtt://", "mqtts://")):
+        raise ConfigError(f"broker URL {url!r} is not mqtt://host:port or mqtts://host:port", field="broker_url",
+                          fix="use mqtts://host:8883 (TLS, with --broker-ca) or mqtt://host:1883")
     return url
 
 

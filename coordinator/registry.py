@@ -4,13 +4,22 @@ Enrolment binds a ``site_id`` to a public key (PEM, shared.keys) and to metadata
 *public*: the site's species list (used later by NIRA clustering; CR/EN species are left out by default, see
 DESIGN.md "Privacy semantics"), ``num_examples`` (the FedAvg weight N_k), biome, monitoring period. Nothing else
 about a site's data is stored here.
+
+Key rotation and revocation (docs/security.md): a site's *current* key is the one in ``sites`` (what
+:meth:`SiteRegistry.get_public_key` returns). :meth:`SiteRegistry.rotate_key` makes a new key current and keeps
+the old one valid for a grace period (default 24 h), so updates signed just before the gateway switched keys still
+verify; :meth:`SiteRegistry.revoke_key` ends one key, or all of a site's keys, at once. What verifies a site's
+messages is :meth:`SiteRegistry.verification_keys`: it re-reads the database on every call, so a key revoked by
+another process (the CLI) stops verifying at once, with no cache to outlive it. Times are naive UTC
+(coordinator.storage.utcnow); tests inject a clock.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +30,14 @@ from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.keys import key_fingerprint, public_key_from_pem, public_key_to_pem
 
-from coordinator.storage import SiteRow, Store, dumps
+from coordinator.storage import SiteKeyRow, SiteRow, Store, dumps, utcnow
 
-__all__ = ["Site", "SiteRegistry", "EnrolmentError", "UnknownSiteError", "SITE_ID_PATTERN"]
+__all__ = ["Site", "SiteKey", "SiteRegistry", "EnrolmentError", "UnknownSiteError", "KeyRotationError",
+           "SITE_ID_PATTERN", "DEFAULT_GRACE_S"]
+
+#: Default grace period of a rotated-out key, seconds (24 h: a gateway offline for a day can still deliver an
+#: update it signed with its old key before it learned of the rotation).
+DEFAULT_GRACE_S = 24 * 3600.0
 
 #: Site ids travel inside MQTT topics and file names (shared.envelope.validate_identifier): no wildcards, no
 #: slashes, no spaces, at most 64 characters.
@@ -36,6 +50,44 @@ class EnrolmentError(ConfigError):
 
 class UnknownSiteError(ConfigError):
     """A site id that was never enrolled."""
+
+
+class KeyRotationError(ConfigError):
+    """A key rotation or revocation was refused (bad key, key already used or revoked, unknown fingerprint)."""
+
+
+@dataclass(frozen=True)
+class SiteKey:
+    """One key of a site and its validity.
+
+    Attributes:
+        fingerprint: hex SHA-256 of the raw key (shared.keys.key_fingerprint).
+        public_key: the Ed25519 verification key.
+        current: whether it is the site's current key (``sites.public_key_pem``).
+        created_at: when it was recorded (naive UTC; for a key never rotated: the enrolment time).
+        valid_until: end of its grace period after a rotation (naive UTC), or None.
+        revoked_at: when it was revoked (naive UTC), or None.
+    """
+
+    fingerprint: str
+    public_key: Ed25519PublicKey
+    current: bool
+    created_at: _dt.datetime | None
+    valid_until: _dt.datetime | None = None
+    revoked_at: _dt.datetime | None = None
+
+    def valid_at(self, now: _dt.datetime) -> bool:
+        """Whether the key verifies at ``now`` (naive UTC): not revoked, and before ``valid_until`` if set."""
+        if self.revoked_at is not None and self.revoked_at <= now:
+            return False
+        return self.valid_until is None or now < self.valid_until
+
+
+def _naive_utc(moment: _dt.datetime) -> _dt.datetime:
+    """``moment`` as naive UTC (aware times are converted; naive ones are taken as UTC already)."""
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(_dt.timezone.utc).replace(tzinfo=None)
+    return moment
 
 
 @dataclass(frozen=True)
@@ -97,12 +149,18 @@ class SiteRegistry:
     """Enrol, list and look up sites in a :class:`~coordinator.storage.Store`.
 
     Public keys are parsed once and cached; the cache is rebuilt from the database on a miss, so a second
-    process that enrols a site is seen by a running coordinator.
+    process that enrols a site is seen by a running coordinator. Key validity (:meth:`verification_keys`) is never
+    cached: it is read from the database on each call, so a revocation by another process takes effect at once.
+
+    Args:
+        store: the coordinator's store.
+        clock: current time as naive UTC (default :func:`coordinator.storage.utcnow`); tests inject one.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, clock: Callable[[], _dt.datetime] = utcnow) -> None:
         self._store = store
         self._cache: dict[str, Site] = {}
+        self._clock = clock
 
     def enrol(self, site_id: str, public_key_pem: str, metadata: Mapping[str, Any] | None = None) -> Site:
         """Enrol a new site.
@@ -179,3 +237,159 @@ class SiteRegistry:
         with self._store.session() as s:
             rows = list(s.scalars(select(SiteRow).order_by(SiteRow.site_id)))
             return [self._from_row(r) for r in rows]
+
+    # ---- key rotation and revocation ---------------------------------------------------------------------------
+    def _now(self, now: _dt.datetime | None) -> _dt.datetime:
+        return _naive_utc(now if now is not None else self._clock())
+
+    @staticmethod
+    def _unknown(site_id: str) -> UnknownSiteError:
+        return UnknownSiteError(f"site {site_id!r} is not enrolled", field="site_id",
+                                fix="enrol it with `wildfed-coordinator enrol SITE --public-key FILE`")
+
+    @staticmethod
+    def _key_rows(s: Any, site_id: str) -> list[SiteKeyRow]:
+        return list(s.scalars(select(SiteKeyRow).where(SiteKeyRow.site_id == site_id).order_by(SiteKeyRow.id)))
+
+    @staticmethod
+    def _materialise_current(s: Any, row: SiteRow, rows: list[SiteKeyRow]) -> SiteKeyRow:
+        """The ``site_keys`` row of the site's current key, added (valid, created at enrolment) if missing."""
+        current_fp = key_fingerprint(public_key_from_pem(row.public_key_pem))
+        for key_row in rows:
+            if key_row.fingerprint == current_fp:
+                return key_row
+        key_row = SiteKeyRow(site_id=row.site_id, fingerprint=current_fp, public_key_pem=row.public_key_pem,
+                             created_at=row.enrolled_at or utcnow())
+        s.add(key_row)
+        rows.append(key_row)
+        return key_row
+
+    def keys(self, site_id: str) -> list[SiteKey]:
+        """Every key the site has had (current first, then newest first), valid or not; read from the database.
+
+        Raises:
+            UnknownSiteError: ``site_id`` is not enrolled.
+        """
+        with self._store.session() as s:
+            row = s.get(SiteRow, site_id)
+            if row is None:
+                raise self._unknown(site_id)
+            current = public_key_from_pem(row.public_key_pem)
+            current_fp = key_fingerprint(current)
+            out: dict[str, SiteKey] = {}
+            for key_row in self._key_rows(s, site_id):
+                out[key_row.fingerprint] = SiteKey(
+                    fingerprint=key_row.fingerprint, public_key=public_key_from_pem(key_row.public_key_pem),
+                    current=key_row.fingerprint == current_fp, created_at=key_row.created_at,
+                    valid_until=key_row.valid_until, revoked_at=key_row.revoked_at)
+            if current_fp not in out:  # never rotated or revoked: the enrolment key, valid
+                out[current_fp] = SiteKey(fingerprint=current_fp, public_key=current, current=True,
+                                          created_at=row.enrolled_at)
+        newest_first = sorted(out.values(), key=lambda k: k.created_at or _dt.datetime.min, reverse=True)
+        return sorted(newest_first, key=lambda k: not k.current)  # stable: current first, then newest first
+
+    def verification_keys(self, site_id: str, now: _dt.datetime | None = None) -> list[tuple[str, Ed25519PublicKey]]:
+        """The keys that verify ``site_id``'s messages at ``now``: ``[(fingerprint, key), ...]``, current first.
+
+        Read from the database on every call (no cache), so a revocation by another process counts at once. An
+        empty list means the site may not send anything (every key revoked or past its grace period).
+
+        Args:
+            site_id: the site.
+            now: the time to judge validity at (naive or aware UTC); default the registry's clock.
+
+        Raises:
+            UnknownSiteError: ``site_id`` is not enrolled.
+        """
+        moment = self._now(now)
+        return [(k.fingerprint, k.public_key) for k in self.keys(site_id) if k.valid_at(moment)]
+
+    def rotate_key(self, site_id: str, new_public_key_pem: str, *, grace_s: float = DEFAULT_GRACE_S,
+                   now: _dt.datetime | None = None) -> SiteKey:
+        """Make ``new_public_key_pem`` the site's current key; the old current key stays valid for ``grace_s``.
+
+        Keys still in an earlier grace period keep their own (earlier) end. The new key becomes what
+        :meth:`get_public_key` returns, here at once and in other processes after their cache is refreshed
+        (verification uses :meth:`verification_keys`, which has no cache).
+
+        Args:
+            site_id: an enrolled site.
+            new_public_key_pem: the site's new Ed25519 public key (PEM, shared.keys.public_key_to_pem).
+            grace_s: seconds the old key stays valid (>= 0; 0 ends it at once).
+            now: the rotation time (naive or aware UTC); default the registry's clock.
+
+        Returns:
+            The new current :class:`SiteKey`.
+
+        Raises:
+            UnknownSiteError: ``site_id`` is not enrolled.
+            KeyRotationError: the PEM does not parse, ``grace_s`` is negative or not finite, or the key is the
+                current one or was used by this site before (a key is never brought back after rotation or
+                revocation).
+        """
+        if not isinstance(grace_s, (int, float)) or not grace_s >= 0 or grace_s == float("inf"):
+            raise KeyRotationError(f"grace period {grace_s!r} s is not a finite number >= 0", field="grace_s",
+                                   fix="give the hours the old key stays valid, e.g. --grace-hours 24")
+        try:
+            new_key = public_key_from_pem(new_public_key_pem)
+        except (ValueError, TypeError) as exc:
+            raise KeyRotationError(f"new public key of site {site_id!r} does not parse: {getattr(exc, 'message', exc)}",
+                                   field="public_key", fix="pass the site's new Ed25519 public key PEM (.pub)") from exc
+        new_fp = key_fingerprint(new_key)
+        moment = self._now(now)
+        with self._store.session() as s:
+            row = s.get(SiteRow, site_id, with_for_update=True)
+            if row is None:
+                raise self._unknown(site_id)
+            rows = self._key_rows(s, site_id)
+            old = self._materialise_current(s, row, rows)
+            if any(r.fingerprint == new_fp for r in rows):
+                raise KeyRotationError(f"key {new_fp[:16]} was already used by site {site_id!r}", field="public_key",
+                                       fix="generate a fresh key pair on the gateway (`wildfed-edge keygen`)")
+            end = moment + _dt.timedelta(seconds=float(grace_s))
+            if old.valid_until is None or end < old.valid_until:
+                old.valid_until = end
+            pem = public_key_to_pem(new_key)
+            s.add(SiteKeyRow(site_id=site_id, fingerprint=new_fp, public_key_pem=pem, created_at=moment))
+            row.public_key_pem = pem
+            meta = json.loads(row.metadata_json or "{}")
+        self._cache[site_id] = Site(site_id=site_id, public_key=new_key, metadata=meta)
+        return SiteKey(fingerprint=new_fp, public_key=new_key, current=True, created_at=moment)
+
+    def revoke_key(self, site_id: str, fingerprint: str | None = None, *,
+                   now: _dt.datetime | None = None) -> list[str]:
+        """Revoke one key of a site (``fingerprint``: the full hex or a unique prefix of >= 8 characters), or,
+        with ``fingerprint=None``, every key of the site, effective at ``now``. A site with no valid key left
+        cannot send anything until it is rotated to a fresh key.
+
+        Returns:
+            The fingerprints revoked by this call (already-revoked keys are not repeated; empty if none was left).
+
+        Raises:
+            UnknownSiteError: ``site_id`` is not enrolled.
+            KeyRotationError: no key, or more than one, of the site matches ``fingerprint``.
+        """
+        moment = self._now(now)
+        with self._store.session() as s:
+            row = s.get(SiteRow, site_id, with_for_update=True)
+            if row is None:
+                raise self._unknown(site_id)
+            rows = self._key_rows(s, site_id)
+            self._materialise_current(s, row, rows)
+            if fingerprint is None:
+                targets = rows
+            else:
+                wanted = fingerprint.strip().lower()
+                targets = [r for r in rows if r.fingerprint.startswith(wanted)] if len(wanted) >= 8 else []
+                if len(targets) != 1:
+                    known = ", ".join(r.fingerprint[:16] for r in rows)
+                    raise KeyRotationError(
+                        f"{'no' if not targets else 'more than one'} key of site {site_id!r} matches fingerprint "
+                        f"{fingerprint!r}", field="fingerprint",
+                        fix=f"give the full fingerprint or a unique prefix of >= 8 hex characters (keys: {known})")
+            revoked = []
+            for key_row in targets:
+                if key_row.revoked_at is None:
+                    key_row.revoked_at = moment
+                    revoked.append(key_row.fingerprint)
+        return revoked

@@ -7,20 +7,33 @@ re-subscribing after every reconnect). :class:`InMemoryTransport` delivers in-pr
 filter semantics (``+`` one level, ``#`` the rest).
 
 The gateway has its own transport (edge_sdk/uplink); the two sides share nothing but the wire.
+
+Security (docs/security.md): ``mqtts://host:port`` (default port 8883) connects over TLS 1.2+ with the broker's
+certificate checked against ``ca_file`` (system CAs when None) and the URL's host; ``cert_file``/``key_file`` add a
+client certificate (mutual TLS); ``username``/``password`` authenticate the coordinator (its credentials file is
+written by ``wildfed-coordinator broker-config``). :func:`transport_from_config` builds the transport from a
+:class:`~coordinator.config.CoordinatorConfig`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 import threading
+import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from shared.errors import ConfigError, WildFedError
 
+if TYPE_CHECKING:
+    from coordinator.config import CoordinatorConfig
+
 __all__ = ["Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
-           "parse_broker_url"]
+           "parse_broker_url", "client_tls_context", "transport_from_config"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +106,16 @@ class InMemoryTransport:
             self._subs.clear()
 
 
+def _unshared(topic_filter: str) -> str:
+    """The filter a shared subscription ``$share/<group>/<filter>`` (MQTT 5.0 sec. 4.8.2; Mosquitto also accepts
+    it from MQTT 3.1.1 clients) matches messages with: ``<filter>``. Other filters are returned unchanged."""
+    if topic_filter.startswith("$share/"):
+        parts = topic_filter.split("/", 2)
+        if len(parts) == 3:
+            return parts[2]
+    return topic_filter
+
+
 def parse_broker_url(url: str) -> tuple[str, int, bool]:
     """``mqtt://host:port`` (or ``mqtts://``) -> ``(host, port, tls)``; default ports 1883 / 8883.
 
@@ -107,6 +130,31 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
 
 
+def client_tls_context(*, ca_file: str | os.PathLike[str] | None, cert_file: str | os.PathLike[str] | None = None,
+                       key_file: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """A client TLS context: broker certificate verified against ``ca_file`` (system CAs when None), hostname
+    checked, TLS 1.2 minimum, optional client certificate (``cert_file`` + ``key_file``, both or neither).
+
+    Raises:
+        ConfigError: a file is missing or not PEM, or only one of ``cert_file``/``key_file`` is given.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise ConfigError("a client certificate needs both its certificate and its key", field="broker_cert_file",
+                          fix="set both broker_cert_file and broker_key_file, or neither")
+    for name, value in (("broker_ca_file", ca_file), ("broker_cert_file", cert_file), ("broker_key_file", key_file)):
+        if value is not None and not Path(value).is_file():
+            raise ConfigError("file not found", source=value, field=name, fix="check the path in the config")
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None if ca_file is None else str(ca_file))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if cert_file is not None and key_file is not None:
+            ctx.load_cert_chain(str(cert_file), str(key_file))
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"cannot load TLS material: {exc}", source=ca_file or cert_file, field="broker_ca_file",
+                          fix="pass PEM files written by `wildfed-coordinator broker-config`") from exc
+    return ctx
+
+
 class MqttTransport:
     """paho-mqtt 2.x client (``CallbackAPIVersion.VERSION2``), QoS 1, auto re-subscribe after reconnects.
 
@@ -115,25 +163,40 @@ class MqttTransport:
     update in its outbox and re-sends it until a signed ACK arrives.
 
     Args:
-        broker_url: ``mqtt://host:port``.
+        broker_url: ``mqtt://host:port`` or ``mqtts://host:port`` (TLS).
         client_id: MQTT client id (unique per coordinator worker).
         connect_timeout_s: how long :meth:`connect` waits for CONNACK.
+        ca_file: PEM CA bundle of the broker's certificate (``mqtts://`` only; default: system CAs).
+        cert_file, key_file: PEM client certificate and key (mutual TLS; both or neither).
+        username, password: MQTT credentials.
 
     Raises:
-        TransportError: from :meth:`connect` when the broker cannot be reached.
+        ConfigError: bad URL, TLS files with a plain URL, unreadable TLS files, a password without a username.
+        TransportError: from :meth:`connect` when the broker cannot be reached or refuses the connection.
     """
 
     def __init__(self, broker_url: str, *, client_id: str = "wildfed-coordinator",
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, ca_file: str | os.PathLike[str] | None = None,
+                 cert_file: str | os.PathLike[str] | None = None, key_file: str | os.PathLike[str] | None = None,
+                 username: str | None = None, password: str | None = None) -> None:
         import paho.mqtt.client as mqtt  # paho only here: nothing else in the coordinator sees it
 
         self._mqtt = mqtt
         self.host, self.port, tls = parse_broker_url(broker_url)
+        if not tls and any(v is not None for v in (ca_file, cert_file, key_file)):
+            raise ConfigError(f"TLS files given for a plain broker URL {broker_url!r}", field="broker_url",
+                              fix="use mqtts://host:8883 with broker_ca_file / broker_cert_file / broker_key_file")
+        if password is not None and not username:
+            raise ConfigError("a broker password needs a username", field="broker_username",
+                              fix="set broker_username or broker_password_file")
         self.connect_timeout_s = connect_timeout_s
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
                                    protocol=mqtt.MQTTv311, clean_session=True)
         if tls:
-            self._client.tls_set()
+            self._client.tls_set_context(client_tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
+        if username:
+            self._client.username_pw_set(username, password)
+        self._refused: str | None = None
         self._client.max_inflight_messages_set(64)
         self._subs: list[tuple[str, Callback]] = []
         self._lock = threading.Lock()
@@ -148,8 +211,10 @@ class MqttTransport:
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._loop_thread = threading.get_ident()
         if reason_code.is_failure:
+            self._refused = str(reason_code)
             log.error("mqtt: connection refused: %s", reason_code)
             return
+        self._refused = None
         with self._lock:
             filters = sorted({f for f, _ in self._subs})
         for f in filters:
@@ -166,7 +231,7 @@ class MqttTransport:
     def _on_message(self, client, userdata, message) -> None:  # noqa: ANN001
         self._loop_thread = threading.get_ident()
         with self._lock:
-            targets = [cb for f, cb in self._subs if topic_matches(f, message.topic)]
+            targets = [cb for f, cb in self._subs if topic_matches(_unshared(f), message.topic)]
         for cb in targets:
             try:
                 cb(message.topic, bytes(message.payload))
@@ -186,9 +251,17 @@ class MqttTransport:
             raise TransportError(f"cannot reach MQTT broker {self.host}:{self.port}: {exc} "
                                  "(fix: start mosquitto or set broker_url)") from exc
         self._client.loop_start()
-        if not self._connected.wait(self.connect_timeout_s):
-            self._client.loop_stop()
-            raise TransportError(f"no CONNACK from {self.host}:{self.port} within {self.connect_timeout_s} s")
+        deadline = time.monotonic() + self.connect_timeout_s
+        while not self._connected.wait(0.05):
+            if self._refused is not None or time.monotonic() >= deadline:
+                self._closing = True
+                self._client.disconnect()
+                self._client.loop_stop()
+                if self._refused is not None:
+                    raise TransportError(f"MQTT broker {self.host}:{self.port} refused the connection: "
+                                         f"{self._refused} (fix: check broker_username / broker_password_file and "
+                                         "the TLS client certificate)")
+                raise TransportError(f"no CONNACK from {self.host}:{self.port} within {self.connect_timeout_s} s")
 
     def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
         """Publish and wait until the broker has it (PUBACK for QoS 1), except when called from paho's own
@@ -206,7 +279,10 @@ class MqttTransport:
             info.wait_for_publish(timeout=self.connect_timeout_s)
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
-        """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect)."""
+        """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect).
+
+        ``topic_filter`` may be a shared subscription, ``$share/<group>/<filter>`` (several coordinator workers
+        splitting the messages; DESIGN.md "Scale"): ``callback`` then gets the messages matching ``<filter>``."""
         with self._lock:
             self._subs.append((topic_filter, callback))
         if self._connected.is_set():
@@ -217,3 +293,26 @@ class MqttTransport:
         self._closing = True
         self._client.disconnect()
         self._client.loop_stop()
+
+
+def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = None) -> MqttTransport:
+    """The coordinator's :class:`MqttTransport` from its config: ``broker_url``, ``broker_ca_file``,
+    ``broker_cert_file``/``broker_key_file`` and credentials (``broker_username``, else the username in
+    ``broker_password_file``; the password from that file).
+
+    Args:
+        config: the (resolved) coordinator config.
+        client_id: MQTT client id (default ``wildfed-coordinator-<federation>``, as the service always used).
+
+    Raises:
+        ConfigError: bad URL, TLS files or credentials file.
+    """
+    from coordinator.broker_config import load_broker_credentials
+
+    username, password = config.broker_username, None
+    if config.broker_password_file is not None:
+        creds = load_broker_credentials(config.broker_password_file)
+        username, password = username or creds.username, creds.password
+    return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-coordinator-{config.federation_id}",
+                         ca_file=config.broker_ca_file, cert_file=config.broker_cert_file,
+                         key_file=config.broker_key_file, username=username, password=password)

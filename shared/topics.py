@@ -7,6 +7,7 @@
     wildfed/v1/{federation_id}/site/{site_id}/ack         coordinator -> site   signed ACK
     wildfed/v1/{federation_id}/site/{site_id}/detection   site -> coordinator   signed DETECTION
     wildfed/v1/{federation_id}/site/{site_id}/secagg      site -> coordinator   signed SECAGG (Global DP mode)
+    wildfed/v1/{federation_id}/site/{site_id}/status      site (or the broker) -> coordinator   UNSIGNED presence
 
 The coordinator's SECAGG messages to a site (key list, share inbox, recovery request, round end) ride on the
 site's ``task`` topic: a gateway reads only that topic and ``ack``.
@@ -14,18 +15,30 @@ site's ``task`` topic: a gateway reads only that topic and ``ack``.
 One topic per site and direction keeps broker ACLs simple (a site may publish only under its own ``site/{id}/``
 and read only its own task/ack topics) and lets the coordinator subscribe to ``site/+/update`` with one filter,
 or as a shared subscription (``$share/coordinators/...``) when several coordinator workers ingest.
+
+``status`` carries a small UTF-8 JSON presence message, ``{"site_id": ..., "state": "online" | "offline"}``
+(:func:`status_payload`), published *retained*: the gateway publishes ``online`` after every (re)connect, and the
+broker publishes the gateway's MQTT last will (``offline``) when the link drops without a DISCONNECT. The will
+is sent by the broker, so it cannot carry the site's signature: status messages are **advisory only** (monitoring,
+dashboards); the coordinator never bases a protocol or privacy decision on them. The broker ACL lets only the site
+itself write its status topic (docs/security.md), which is all the authenticity they have.
 """
 
 from __future__ import annotations
+
+import json
 
 from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError
 
 __all__ = ["PREFIX", "CHANNELS", "task_topic", "update_topic", "ack_topic", "detection_topic",
-           "secagg_topic", "updates_filter", "detections_filter", "secagg_filter", "parse_topic"]
+           "secagg_topic", "status_topic", "updates_filter", "detections_filter", "secagg_filter", "status_filter",
+           "status_payload", "parse_status_payload", "STATUS_STATES", "parse_topic"]
 
 PREFIX = "wildfed/v1"
-CHANNELS = ("task", "update", "ack", "detection", "secagg")
+CHANNELS = ("task", "update", "ack", "detection", "secagg", "status")
+#: The states a presence message (:func:`status_payload`) may carry.
+STATUS_STATES = ("online", "offline")
 
 
 def _topic(federation_id: str, site_id: str, channel: str) -> str:
@@ -59,6 +72,11 @@ def secagg_topic(federation_id: str, site_id: str) -> str:
     return _topic(federation_id, site_id, "secagg")
 
 
+def status_topic(federation_id: str, site_id: str) -> str:
+    """Topic of ``site_id``'s retained, unsigned presence messages (online / last-will offline); advisory only."""
+    return _topic(federation_id, site_id, "status")
+
+
 def updates_filter(federation_id: str) -> str:
     """Subscription filter matching every site's update topic."""
     validate_identifier(federation_id, "federation_id")
@@ -75,6 +93,42 @@ def secagg_filter(federation_id: str) -> str:
     """Subscription filter matching every site's secure-aggregation topic."""
     validate_identifier(federation_id, "federation_id")
     return f"{PREFIX}/{federation_id}/site/+/secagg"
+
+
+def status_filter(federation_id: str) -> str:
+    """Subscription filter matching every site's status (presence) topic."""
+    validate_identifier(federation_id, "federation_id")
+    return f"{PREFIX}/{federation_id}/site/+/status"
+
+
+def status_payload(site_id: str, state: str) -> bytes:
+    """The presence message ``{"site_id": site_id, "state": state}`` as compact UTF-8 JSON (sorted keys).
+
+    Unsigned on purpose: the ``offline`` one is the MQTT last will, which the broker publishes for the site.
+
+    Raises:
+        MalformedEnvelopeError: ``site_id`` is not topic-safe or ``state`` is not in :data:`STATUS_STATES`.
+    """
+    validate_identifier(site_id, "site_id")
+    if state not in STATUS_STATES:
+        raise MalformedEnvelopeError(f"status state {state!r} is not one of {STATUS_STATES}")
+    return json.dumps({"site_id": site_id, "state": state}, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def parse_status_payload(payload: bytes) -> tuple[str, str]:
+    """``(site_id, state)`` of a presence message (advisory: never trust it for anything that matters).
+
+    Raises:
+        MalformedEnvelopeError: not UTF-8 JSON of that shape.
+    """
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MalformedEnvelopeError(f"status payload is not UTF-8 JSON: {exc}") from exc
+    if not isinstance(obj, dict) or obj.get("state") not in STATUS_STATES or not isinstance(obj.get("site_id"), str):
+        raise MalformedEnvelopeError(f"status payload {obj!r} is not {{'site_id': str, 'state': online|offline}}")
+    validate_identifier(obj["site_id"], "site_id")
+    return obj["site_id"], obj["state"]
 
 
 def parse_topic(topic: str) -> tuple[str, str, str]:

@@ -1,60 +1,219 @@
 """MQTT transport on paho-mqtt 2.x (the only module of the gateway that imports paho).
 
-QoS 1 (MQTT 3.1.1, OASIS 2014, sec. 4.3.2): :meth:`MqttTransport.publish` blocks until the broker's PUBACK.
-paho's network thread (``loop_start``) reconnects on its own with exponential back-off
-(``reconnect_delay_set``); on every CONNACK this transport resubscribes every filter, and once every SUBACK is in it
-counts as connected and calls the connect listeners (the agent resends its outbox then). So :meth:`connect`
-returning means that messages published to the subscribed topics from then on reach this client. Callbacks run on paho's thread and must not block.
+QoS 1 (MQTT 3.1.1, OASIS 2014, sec. 4.3.2): :meth:`MqttTransport.publish` blocks until the broker's PUBACK. On every
+CONNACK this transport publishes the site's retained ``online`` status (when it has a status topic), resubscribes
+every filter, and once every SUBACK is in it counts as connected and calls the connect listeners (the agent resends
+its outbox then). So :meth:`connect` returning means that messages published to the subscribed topics from then on
+reach this client. Callbacks run on paho's thread and must not block.
 
-URL form: ``mqtt://host:port`` (port defaults to 1883).
+URL forms: ``mqtt://host:port`` (port defaults to 1883) and ``mqtts://host:port`` (TLS, port defaults to 8883).
+
+Security (docs/security.md):
+
+* TLS: the broker's certificate must chain to ``ca_file`` (or the system's CAs when none is given) and name the
+  host of the URL (hostname checking on); TLS 1.2 is the minimum. ``cert_file``/``key_file`` add a client
+  certificate (mutual TLS; the broker can take the certificate's CN as the username).
+* Credentials: ``username``/``password`` (MQTT CONNECT); :func:`load_broker_credentials` reads the 0600 YAML file
+  ``wildfed-coordinator broker-config`` writes for each site.
+* Presence: with ``status_topic`` the broker holds a last will, ``{"site_id": ..., "state": "offline"}`` retained
+  at QoS 1, which it publishes when the link dies without a DISCONNECT; after every (re)connect the transport
+  publishes ``online`` retained, and :meth:`MqttTransport.close` publishes ``offline`` itself (a clean DISCONNECT
+  discards the will). The will is not signed (the broker sends it), so status is advisory only.
+
+Reconnection: paho's own reconnect loop (a fixed doubling from ``reconnect_delay_set``) is switched off
+(``reconnect_on_failure=False``: paho's network thread ends when the link drops). A supervisor thread then waits
+``uniform(0, min(cap, base * 2**n))`` seconds before attempt ``n`` (n = 0, 1, ... since the last CONNACK): "full
+jitter" (M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015), which spreads the reconnects of
+hundreds of gateways after a broker restart instead of synchronising them.
+
+In-flight window: a :meth:`MqttTransport.publish` that is waiting for its PUBACK when the link drops raises
+:class:`TransportError` at once (within about 50 ms), instead of waiting out its timeout. The message may or may
+not have reached the broker; paho also keeps it and sends it again (DUP) after the reconnect. Either way the
+gateway's outbox still holds the update and re-sends it on the next connect, and the coordinator deduplicates by
+(site, round) and envelope sequence, so at-least-once delivery holds and duplicates are harmless.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
+import ssl
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
+import yaml
 
 from shared.errors import ConfigError
+from shared.topics import status_payload, status_topic
 
 from edge_sdk.uplink.transport import MessageCallback, Transport, TransportError, topic_matches
 
-__all__ = ["MqttTransport", "parse_mqtt_url"]
+if TYPE_CHECKING:
+    from edge_sdk.config import SiteConfig
+
+__all__ = ["MqttTransport", "BrokerCredentials", "parse_mqtt_url", "parse_mqtt_url_tls", "full_jitter_delay",
+           "load_broker_credentials", "tls_context", "transport_from_config"]
 
 log = logging.getLogger(__name__)
 
+_URL_FIX = "use mqtt://host:port, or mqtts://host:port for TLS"
 
-def parse_mqtt_url(url: str) -> tuple[str, int]:
-    """``mqtt://host:port`` -> ``(host, port)``.
+
+def parse_mqtt_url_tls(url: str) -> tuple[str, int, bool]:
+    """``mqtt://host:port`` or ``mqtts://host:port`` -> ``(host, port, tls)``; default ports 1883 / 8883.
 
     Raises:
         ConfigError: another scheme or no host.
     """
     parsed = urlparse(url)
-    if parsed.scheme != "mqtt" or not parsed.hostname:
-        raise ConfigError(f"bad broker URL {url!r}", field="broker_url", fix="use mqtt://host:port")
-    return parsed.hostname, parsed.port or 1883
+    if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
+        raise ConfigError(f"bad broker URL {url!r}", field="broker_url", fix=_URL_FIX)
+    tls = parsed.scheme == "mqtts"
+    return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """``mqtt://host:port`` (or ``mqtts://``) -> ``(host, port)``.
+
+    Raises:
+        ConfigError: another scheme or no host.
+    """
+    host, port, _ = parse_mqtt_url_tls(url)
+    return host, port
+
+
+def full_jitter_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Seconds to wait before reconnect attempt ``attempt`` (0-based): uniform in ``[0, min(cap_s, base_s * 2**attempt)]``.
+
+    "Full jitter" from M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog (2015).
+    """
+    ceiling = min(cap_s, base_s * (2.0 ** min(attempt, 62)))
+    return rng.uniform(0.0, ceiling)
+
+
+@dataclass(frozen=True)
+class BrokerCredentials:
+    """MQTT username and password of one client (a secret: never log ``password``)."""
+
+    username: str
+    password: str
+
+    def __repr__(self) -> str:  # keep the password out of logs and tracebacks
+        return f"BrokerCredentials(username={self.username!r}, password=<hidden>)"
+
+
+def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
+    """Read the YAML credentials file ``{username: ..., password: ...}`` that ``wildfed-coordinator broker-config``
+    writes per site (``sites/<id>/broker-credentials.yaml``).
+
+    Raises:
+        ConfigError: the file is missing, readable by group/others (it must be mode 0600), not YAML, or lacks
+            a non-empty ``username`` or ``password`` string.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("broker credentials file not found", source=path, field="broker_password_file",
+                          fix="copy sites/<SITE>/broker-credentials.yaml from `wildfed-coordinator broker-config`")
+    if os.name == "posix" and path.stat().st_mode & 0o077:
+        raise ConfigError(f"broker credentials are accessible by group/others (mode "
+                          f"{oct(path.stat().st_mode & 0o777)})", source=path, field="broker_password_file",
+                          fix=f"run `chmod 600 {path}`")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"not valid YAML: {exc}", source=path, field="broker_password_file",
+                          fix="use the file broker-config wrote") from exc
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) and raw.get(k) for k in ("username",
+                                                                                                 "password")):
+        raise ConfigError("expected a mapping with non-empty 'username' and 'password'", source=path,
+                          field="broker_password_file", fix="use the file broker-config wrote")
+    return BrokerCredentials(username=raw["username"], password=raw["password"])
+
+
+def tls_context(*, ca_file: str | os.PathLike[str] | None, cert_file: str | os.PathLike[str] | None = None,
+                key_file: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """A client TLS context: server certificate verified against ``ca_file`` (system CAs when None), hostname
+    checked, TLS 1.2 minimum, and an optional client certificate (``cert_file`` + ``key_file``, both or neither).
+
+    Raises:
+        ConfigError: a file is missing or unreadable as PEM, or only one of ``cert_file``/``key_file`` is given.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise ConfigError("a client certificate needs both its certificate and its key", field="broker_cert_file",
+                          fix="set both broker_cert_file and broker_key_file, or neither")
+    for name, value in (("broker_ca_file", ca_file), ("broker_cert_file", cert_file), ("broker_key_file", key_file)):
+        if value is not None and not Path(value).is_file():
+            raise ConfigError("file not found", source=value, field=name, fix="check the path")
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None if ca_file is None else str(ca_file))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if cert_file is not None and key_file is not None:
+            ctx.load_cert_chain(str(cert_file), str(key_file))
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"cannot load TLS material: {exc}", source=ca_file or cert_file, field="broker_ca_file",
+                          fix="pass PEM files written by `wildfed-coordinator broker-config`") from exc
+    return ctx
 
 
 class MqttTransport(Transport):
-    """:class:`~edge_sdk.uplink.transport.Transport` over a paho-mqtt 2.x client.
+    """:class:`~edge_sdk.uplink.transport.Transport` over a paho-mqtt 2.x client (MQTT 3.1.1, clean session).
 
     Args:
-        url: ``mqtt://host:port``.
+        url: ``mqtt://host:port`` or ``mqtts://host:port``.
         client_id: MQTT client id (default: ``wildfed-<random>``).
-        keepalive_s: MQTT keep-alive in seconds.
+        keepalive_s: MQTT keep-alive in seconds (a dead link is noticed after about 1.5 times this).
+        ca_file: PEM CA bundle that signs the broker's certificate (``mqtts://`` only; default: system CAs).
+        cert_file, key_file: PEM client certificate and key for mutual TLS (``mqtts://`` only; both or neither).
+        username, password: MQTT credentials (password only with a username).
+        status_topic: the site's presence topic (shared.topics.status_topic); with ``site_id``, enables the
+            last will and the retained ``online``/``offline`` messages.
+        site_id: the site the presence messages name.
+        backoff_base_s, backoff_cap_s: full-jitter reconnect delays, seconds (see the module docstring).
+        rng: random source of the jitter (default: a fresh ``random.Random``; not security-relevant).
+
+    Raises:
+        ConfigError: bad URL, TLS options with ``mqtt://``, unreadable TLS files, a password without a username,
+            or only one of ``status_topic``/``site_id``.
     """
 
-    def __init__(self, url: str, *, client_id: str | None = None, keepalive_s: int = 30) -> None:
-        self._host, self._port = parse_mqtt_url(url)
+    def __init__(self, url: str, *, client_id: str | None = None, keepalive_s: int = 30,
+                 ca_file: str | os.PathLike[str] | None = None, cert_file: str | os.PathLike[str] | None = None,
+                 key_file: str | os.PathLike[str] | None = None, username: str | None = None,
+                 password: str | None = None, status_topic: str | None = None, site_id: str | None = None,
+                 backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0, rng: random.Random | None = None) -> None:
+        self._host, self._port, tls = parse_mqtt_url_tls(url)
+        if not tls and any(v is not None for v in (ca_file, cert_file, key_file)):
+            raise ConfigError(f"TLS files given for a plain broker URL {url!r}", field="broker_url",
+                              fix="use mqtts://host:8883 with broker_ca_file / broker_cert_file / broker_key_file")
+        if password is not None and not username:
+            raise ConfigError("a broker password needs a username", field="broker_username",
+                              fix="set broker_username (or use the credentials file broker-config wrote)")
+        if (status_topic is None) != (site_id is None):
+            raise ConfigError("status_topic and site_id go together", field="status_topic",
+                              fix="pass both (shared.topics.status_topic(federation, site), site) or neither")
+        if not (backoff_base_s > 0 and backoff_cap_s >= backoff_base_s):
+            raise ConfigError(f"bad reconnect back-off base {backoff_base_s} s / cap {backoff_cap_s} s",
+                              field="backoff_base_s", fix="use base > 0 and cap >= base, e.g. 1 and 60")
         self._keepalive = keepalive_s
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                                   client_id=client_id or f"wildfed-{uuid.uuid4().hex[:12]}")
-        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+                                   client_id=client_id or f"wildfed-{uuid.uuid4().hex[:12]}",
+                                   reconnect_on_failure=False)
+        if tls:
+            self._client.tls_set_context(tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
+        if username:
+            self._client.username_pw_set(username, password)
+        self._status_topic = status_topic
+        self._site_id = site_id
+        if status_topic is not None and site_id is not None:
+            self._client.will_set(status_topic, status_payload(site_id, "offline"), qos=1, retain=True)
         self._client.max_inflight_messages_set(20)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
@@ -67,13 +226,27 @@ class MqttTransport(Transport):
         self._awaiting_suback: set[int] = set()
         self._started = False
         self._closing = False
+        self._stop = threading.Event()
+        self._link_down = threading.Event()
+        self._generation = 0  # incremented on every disconnect: publishes in flight compare it
+        self._attempt = 0  # reconnect attempts since the last successful CONNACK
+        self._last_failure: str | None = None
+        self._backoff = (backoff_base_s, backoff_cap_s)
+        self._rng = rng or random.Random()
+        self._supervisor: threading.Thread | None = None
+        self.reconnect_delays: list[float] = []  # the delays actually waited (observability, tests)
 
     # paho callbacks (network thread) -------------------------------------------------------------------------
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason_code: object,
                     properties: object) -> None:
         if getattr(reason_code, "is_failure", False):
+            self._last_failure = f"connection refused by the broker: {reason_code}"
             log.warning("MQTT connect to %s:%s refused: %s", self._host, self._port, reason_code)
             return
+        self._attempt = 0
+        self._last_failure = None
+        if self._status_topic is not None and self._site_id is not None:
+            client.publish(self._status_topic, status_payload(self._site_id, "online"), qos=1, retain=True)
         with self._lock:
             filters = [f for f, _ in self._filters]
             self._awaiting_suback = set()
@@ -107,10 +280,15 @@ class MqttTransport(Transport):
     def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason_code: object,
                        properties: object) -> None:
         self._connected.clear()
+        self._generation += 1
+        if self._last_failure is None:
+            self._last_failure = f"link closed ({reason_code})"
         if self._closing:
             log.info("MQTT disconnected from %s:%s", self._host, self._port)
         else:
-            log.warning("MQTT disconnected from %s:%s (%s); paho reconnects", self._host, self._port, reason_code)
+            log.warning("MQTT disconnected from %s:%s (%s); reconnecting with jittered back-off", self._host,
+                        self._port, reason_code)
+        self._link_down.set()
 
     def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
         with self._lock:
@@ -121,38 +299,103 @@ class MqttTransport(Transport):
             except Exception:  # a bad callback must not kill paho's network thread
                 log.exception("message callback failed for %s", message.topic)
 
+    # reconnection (supervisor thread) --------------------------------------------------------------------------
+    def _stop_network_thread(self) -> None:
+        """Make sure paho's network thread has ended (it ends by itself after a drop: reconnect_on_failure=False)."""
+        try:
+            self._client.loop_stop()
+        except AttributeError:  # paho cleared its thread handle between its check and its join: already gone
+            pass
+
+    def _supervise(self) -> None:
+        """Wait for a dropped link, then reconnect with full-jitter back-off until connected or closed."""
+        base, cap = self._backoff
+        while not self._stop.is_set():
+            self._link_down.wait()
+            if self._stop.is_set():
+                return
+            self._link_down.clear()
+            self._stop_network_thread()
+            while not self._stop.is_set():
+                delay = full_jitter_delay(self._attempt, base_s=base, cap_s=cap, rng=self._rng)
+                self._attempt += 1
+                self.reconnect_delays.append(delay)
+                log.info("MQTT reconnect attempt %d to %s:%s in %.2f s", self._attempt, self._host, self._port,
+                         delay)
+                if self._stop.wait(delay):
+                    return
+                try:
+                    self._client.reconnect()
+                except OSError as exc:  # includes ssl.SSLError
+                    self._last_failure = f"cannot reach {self._host}:{self._port}: {exc}"
+                    log.warning("MQTT reconnect to %s:%s failed: %s", self._host, self._port, exc)
+                    continue
+                self._client.loop_start()
+                if self._stop.is_set():  # closed while reconnecting: undo
+                    self._client.disconnect()
+                    self._stop_network_thread()
+                    return
+                break
+
     # Transport -----------------------------------------------------------------------------------------------
     def connect(self, timeout_s: float = 10.0) -> None:
-        """Connect and start paho's network thread; block until CONNACK and every SUBACK.
+        """Connect and start the network threads; block until CONNACK and every SUBACK.
 
         Raises:
-            TransportError: broker unreachable or no CONNACK within ``timeout_s``.
+            TransportError: broker unreachable, TLS handshake failed, the broker refused the connection (bad
+                credentials or certificate: the transport is then closed) or closed it before CONNACK, or no
+                CONNACK within ``timeout_s`` (the transport keeps retrying in the background then).
         """
+        deadline = time.monotonic() + timeout_s
         if not self._started:
+            self._stop.clear()
+            self._last_failure = None
+            generation = self._generation
             try:
                 self._client.connect(self._host, self._port, keepalive=self._keepalive)
-            except OSError as exc:
+            except OSError as exc:  # includes ssl.SSLError (e.g. certificate verification failed)
                 raise TransportError(f"cannot reach MQTT broker {self._host}:{self._port}: {exc}") from exc
             self._client.loop_start()
             self._started = True
-        if not self._connected.wait(timeout_s):
-            raise TransportError(f"no CONNACK from {self._host}:{self._port} within {timeout_s} s")
+            self._supervisor = threading.Thread(target=self._supervise, name="wildfed-mqtt-reconnect", daemon=True)
+            self._supervisor.start()
+            while not self._connected.wait(0.05):
+                if self._generation != generation:  # refused, or closed by the broker before CONNACK
+                    reason = self._last_failure or "link closed before CONNACK"
+                    self.close()
+                    raise TransportError(f"MQTT broker {self._host}:{self._port}: {reason} (fix: check the "
+                                         "broker username/password file, TLS client certificate and CA)")
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"no CONNACK from {self._host}:{self._port} within {timeout_s} s")
+            return
+        if not self._connected.wait(max(0.0, deadline - time.monotonic())):
+            raise TransportError(f"no CONNACK from {self._host}:{self._port} within {timeout_s} s"
+                                 + (f" ({self._last_failure})" if self._last_failure else ""))
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = 10.0) -> None:
-        """Publish and wait for PUBACK.
+    def publish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = 10.0, *,
+                retain: bool = False) -> None:
+        """Publish and wait for PUBACK (QoS 1).
 
         Raises:
-            TransportError: not connected, queue full, or no PUBACK within ``timeout_s``.
+            TransportError: not connected, queue full, the link dropped before the PUBACK (see "In-flight window"
+                in the module docstring), or no PUBACK within ``timeout_s``.
         """
         if not self._connected.is_set():
             raise TransportError(f"not connected to {self._host}:{self._port}: cannot publish to {topic}")
-        info = self._client.publish(topic, bytes(payload), qos=qos)
+        generation = self._generation
+        info = self._client.publish(topic, bytes(payload), qos=qos, retain=retain)
+        deadline = time.monotonic() + timeout_s
         try:
-            info.wait_for_publish(timeout=timeout_s)
+            while not info.is_published():
+                if self._generation != generation:
+                    raise TransportError(f"link to {self._host}:{self._port} dropped before the PUBACK for {topic}; "
+                                         "the outbox re-sends it after the reconnect")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(f"no PUBACK for {topic} within {timeout_s} s")
+                info.wait_for_publish(timeout=min(remaining, 0.05))
         except (ValueError, RuntimeError) as exc:
             raise TransportError(f"publish to {topic} failed: {exc}") from exc
-        if not info.is_published():
-            raise TransportError(f"no PUBACK for {topic} within {timeout_s} s")
 
     def subscribe(self, topic_filter: str, callback: MessageCallback) -> None:
         """Subscribe with QoS 1 now (if connected) and after every reconnect."""
@@ -167,10 +410,78 @@ class MqttTransport(Transport):
             self._listeners.append(listener)
 
     def close(self) -> None:
-        """Disconnect and stop the network thread (idempotent)."""
+        """Publish ``offline`` (retained, when there is a status topic and a link), disconnect cleanly and stop the
+        network and reconnect threads (idempotent)."""
+        self._stop.set()
+        self._link_down.set()  # wake the supervisor so that it sees the stop
         if self._started:
             self._closing = True
+            if self._connected.is_set() and self._status_topic is not None and self._site_id is not None:
+                try:
+                    self.publish(self._status_topic, status_payload(self._site_id, "offline"), timeout_s=2.0,
+                                 retain=True)
+                except TransportError as exc:
+                    log.info("could not publish offline status: %s", exc)
             self._client.disconnect()
-            self._client.loop_stop()
+            self._stop_network_thread()
             self._started = False
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
+            self._supervisor = None
         self._connected.clear()
+
+
+def _profile_broker(config: SiteConfig) -> dict[str, Path | None] | None:
+    """The ``broker`` section of the site's firmware profile when ``profile`` is a file (an installed bundle's
+    ``profile.yaml``), with paths made absolute against the profile's folder; else None."""
+    if not config.profile or not str(config.profile).endswith((".yaml", ".yml")):
+        return None
+    path = Path(config.profile)
+    if not path.is_file():
+        return None
+    from edge_sdk.profiles import load_profile
+
+    broker = getattr(load_profile(path), "broker", None)
+    if broker is None:
+        return None
+
+    def absolute(p: Path | None) -> Path | None:
+        return None if p is None else (p if Path(p).is_absolute() else (path.parent / p).resolve())
+
+    return {"ca_file": absolute(getattr(broker, "ca_file", None)),
+            "client_cert": absolute(getattr(broker, "client_cert", None)),
+            "client_key": absolute(getattr(broker, "client_key", None))}
+
+
+def transport_from_config(config: SiteConfig, *, client_id: str | None = None,
+                          presence: bool = True) -> MqttTransport:
+    """The gateway's :class:`MqttTransport`, built from its site config: broker URL, TLS files, credentials and the
+    site's status topic (last will + retained online/offline).
+
+    TLS files come from ``broker_ca_file`` / ``broker_cert_file`` / ``broker_key_file``, else from the installed
+    profile's ``broker`` section (``ca_file``, ``client_cert``, ``client_key``) for ``mqtts://`` URLs. The username
+    is ``broker_username``, else the one in ``broker_password_file``.
+
+    Args:
+        config: the site config.
+        client_id: MQTT client id (default ``wildfed-<federation>-<site>``, as the agent always used).
+        presence: set the last will and publish status (False for a second, auxiliary client of the same site,
+            e.g. ``wildfed-edge detect``, whose coming and going says nothing about the gateway).
+
+    Raises:
+        ConfigError: bad URL, TLS files or credentials file.
+    """
+    ca, cert, key = config.broker_ca_file, config.broker_cert_file, config.broker_key_file
+    tls = parse_mqtt_url_tls(config.broker_url)[2]
+    if tls and ca is None and cert is None:
+        fallback = _profile_broker(config)
+        if fallback:
+            ca, cert, key = fallback["ca_file"], fallback["client_cert"], fallback["client_key"]
+    username, password = config.broker_username, None
+    if config.broker_password_file is not None:
+        creds = load_broker_credentials(config.broker_password_file)
+        username, password = username or creds.username, creds.password
+    return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-{config.federation_id}-{config.site_id}",
+                         ca_file=ca, cert_file=cert, key_file=key, username=username, password=password,
+                         status_topic=status_topic(config.federation_id, config.site_id) if presence else None,
+                         site_id=config.site_id if presence else None)

@@ -1,0 +1,641 @@
+"""Mosquitto 2.x broker configuration generated from the site registry: TLS listener, per-site credentials, ACL.
+
+``wildfed-coordinator broker-config --out DIR`` calls :func:`generate_broker_config`, which writes::
+
+    DIR/mosquitto.conf                       the broker config (absolute paths to everything below)
+    DIR/acl                                  the ACL (render_acl): each site may write only its own topics
+    DIR/passwd                               Mosquitto password file, PBKDF2-SHA512 ("$7$") hashes, mode 0600
+    DIR/tls/ca.crt, ca.key (0600)            the federation's broker CA (or a copy of an operator's CA certificate)
+    DIR/tls/server.crt, server.key (0600)    the broker's certificate for the given host names / IP addresses
+    DIR/coordinator/broker-credentials.yaml  the coordinator's MQTT username and password (0600)
+    DIR/coordinator/client.crt, client.key   its client certificate (with --client-certs)
+    DIR/sites/<id>/broker-credentials.yaml   each site's MQTT username and password (0600), for provisioning
+    DIR/sites/<id>/broker-ca.pem             the CA certificate the site's gateway verifies the broker with
+    DIR/sites/<id>/client.crt, client.key    the site's client certificate, CN = its username (--client-certs)
+
+Names: a site's broker username is ``site-<site_id>`` (:func:`site_username`), the coordinator's is
+``coordinator-<federation_id>`` (:func:`coordinator_username`); the prefixes keep the two name spaces apart, so no
+site id can ever be the coordinator's username. One generated configuration serves one federation.
+
+Which sites: every enrolled site with at least one valid key (coordinator.registry.SiteRegistry.verification_keys);
+a site whose keys are all revoked loses its broker account on the next run.
+
+ACL semantics (Mosquitto 2.0 ``acl_file``, read from its source, src/security_default.c): a client is checked when
+it *publishes* (``write``) and when a message is *delivered* to it (``read``), each time against the message's
+actual topic; subscription filters themselves are not checked (subscribing to ``#`` succeeds, but nothing the ACL
+does not allow is delivered). A denied publish is acknowledged and dropped silently. A shared subscription
+``$share/<group>/wildfed/v1/<fed>/site/+/update`` therefore needs no ``$share`` ACL entry: each delivery is checked
+against the underlying topic ``wildfed/v1/<fed>/site/<id>/update``, which the coordinator may read. The last will
+is checked as a ``write`` of the will topic when the client connects.
+
+Re-running is safe: the CA, the server certificate (while it matches the host names, verifies with the CA and has
+more than 30 days left), the client certificates and every existing credential are kept; ``rotate_passwords=True``
+draws new passwords for every account. Password hashes whose password is unchanged are kept byte for byte.
+
+Password hashing: ``mosquitto_passwd -U`` when the binary exists (Mosquitto 2.0's default, PBKDF2-HMAC-SHA512 with
+101 iterations and a 12-byte salt); otherwise the same ``$7$<iterations>$<b64 salt>$<b64 hash>`` line is computed
+with :func:`hashlib.pbkdf2_hmac` (format from Mosquitto 2.0's ``apps/mosquitto_passwd`` and
+``src/security_default.c``; checked against ``mosquitto_passwd`` 2.0.11 output in the tests). The passwords are
+``secrets.token_urlsafe(32)`` (256 random bits), so the low iteration count does not make guessing feasible.
+
+TLS material is made with ``cryptography`` (RFC 5280 profiles): an ECDSA P-256 CA (basicConstraints CA, pathlen 0,
+keyCertSign), a server certificate with the host names and IP addresses as subjectAltName and extendedKeyUsage
+serverAuth, client certificates with CN = the broker username and extendedKeyUsage clientAuth.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import hashlib
+import ipaddress
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from shared.errors import ConfigError
+from shared.keys import write_file_atomic
+from shared.topics import PREFIX
+
+from coordinator.registry import SiteRegistry
+
+__all__ = ["BrokerConfigResult", "BrokerCredentials", "generate_broker_config", "render_acl", "render_mosquitto_conf",
+           "site_username", "coordinator_username", "hash_password_pbkdf2", "verify_password_pbkdf2",
+           "load_broker_credentials", "validate_hostname", "SITE_WRITE_CHANNELS", "SITE_READ_CHANNELS",
+           "MOSQUITTO_PBKDF2_ITERATIONS"]
+
+#: Channels a site publishes on (its own topics only).
+SITE_WRITE_CHANNELS = ("update", "detection", "secagg", "status")
+#: Channels a site reads (its own topics only).
+SITE_READ_CHANNELS = ("task", "ack")
+#: Mosquitto 2.0's default PBKDF2 iteration count (``mosquitto_passwd``).
+MOSQUITTO_PBKDF2_ITERATIONS = 101
+_SALT_BYTES = 12
+_RENEW_BEFORE = _dt.timedelta(days=30)
+_DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_KEY_MODE = 0o600
+
+
+def site_username(site_id: str) -> str:
+    """The broker username of a site: ``site-<site_id>`` (also the CN of its client certificate)."""
+    return f"site-{site_id}"
+
+
+def coordinator_username(federation_id: str) -> str:
+    """The broker username of the federation's coordinator: ``coordinator-<federation_id>``."""
+    return f"coordinator-{federation_id}"
+
+
+@dataclass(frozen=True)
+class BrokerCredentials:
+    """An MQTT username and password (a secret: ``repr`` hides the password)."""
+
+    username: str
+    password: str
+
+    def __repr__(self) -> str:
+        return f"BrokerCredentials(username={self.username!r}, password=<hidden>)"
+
+
+def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
+    """Read a credentials YAML file ``{username: ..., password: ...}`` written by :func:`generate_broker_config`.
+
+    Raises:
+        ConfigError: missing file, readable by group/others (must be 0600), not YAML, or no non-empty username and
+            password strings.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("broker credentials file not found", source=path, field="broker_password_file",
+                          fix="run `wildfed-coordinator broker-config` and point broker_password_file at "
+                          "coordinator/broker-credentials.yaml")
+    if os.name == "posix" and path.stat().st_mode & 0o077:
+        raise ConfigError(f"broker credentials are accessible by group/others (mode {oct(path.stat().st_mode & 0o777)})",
+                          source=path, field="broker_password_file", fix=f"run `chmod 600 {path}`")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"not valid YAML: {exc}", source=path, field="broker_password_file",
+                          fix="use the file broker-config wrote") from exc
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) and raw.get(k) for k in ("username",
+                                                                                                 "password")):
+        raise ConfigError("expected a mapping with non-empty 'username' and 'password'", source=path,
+                          field="broker_password_file", fix="use the file broker-config wrote")
+    return BrokerCredentials(username=raw["username"], password=raw["password"])
+
+
+def _write_credentials(path: Path, creds: BrokerCredentials, *, who: str) -> None:
+    text = (f"# MQTT broker credentials of {who}, written by `wildfed-coordinator broker-config`.\n"
+            "# A secret: keep this file mode 0600 and install it only on that machine.\n"
+            + yaml.safe_dump({"username": creds.username, "password": creds.password}, sort_keys=False))
+    write_file_atomic(path, text.encode("utf-8"), _KEY_MODE)
+
+
+# ---- ACL and mosquitto.conf ----------------------------------------------------------------------------------------
+def render_acl(federation_id: str, site_ids: Sequence[str]) -> str:
+    """The Mosquitto ACL file of a federation.
+
+    Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status}`` and read
+    ``.../site/<id>/{task,ack}``; the coordinator user may read every site's update, detection, secagg and status
+    topics and write every site's task and ack topics. Nothing else (no anonymous section, no patterns, no ``$SYS``).
+    Sites are listed sorted by id, so the text depends only on the set of sites.
+    """
+    base = f"{PREFIX}/{federation_id}/site"
+    lines = [f"# Mosquitto ACL of WildFed federation {federation_id}, written by `wildfed-coordinator broker-config`.",
+             "# Mosquitto checks 'write' when a client publishes and 'read' when a message is delivered to it, against",
+             "# the message's topic (also for $share/... subscriptions). Regenerate rather than edit.",
+             "",
+             f"user {coordinator_username(federation_id)}"]
+    lines += [f"topic read {base}/+/{channel}" for channel in SITE_WRITE_CHANNELS]
+    lines += [f"topic write {base}/+/{channel}" for channel in SITE_READ_CHANNELS]
+    for site_id in sorted(site_ids):
+        lines += ["", f"user {site_username(site_id)}"]
+        lines += [f"topic write {base}/{site_id}/{channel}" for channel in SITE_WRITE_CHANNELS]
+        lines += [f"topic read {base}/{site_id}/{channel}" for channel in SITE_READ_CHANNELS]
+    return "\n".join(lines) + "\n"
+
+
+def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, certfile: Path, keyfile: Path,
+                          tls_port: int = 8883, bind_address: str | None = None, client_certs: bool = False,
+                          loopback_port: int | None = None, persistence_dir: Path | None = None,
+                          broker_user: str | None = None, federation_id: str = "") -> str:
+    """The text of a Mosquitto 2.x ``mosquitto.conf``.
+
+    Global: ``per_listener_settings false``, ``allow_anonymous false``, ``password_file``, ``acl_file`` (the same
+    authentication and ACL on every listener). A TLS listener on ``tls_port`` (``cafile``/``certfile``/``keyfile``,
+    ``tls_version tlsv1.2``, which Mosquitto 2.0 takes as the minimum); with ``client_certs``, ``require_certificate
+    true`` and ``use_identity_as_username true`` (the certificate's CN is the username, no password is asked on that
+    listener). With ``loopback_port``, a plain listener on 127.0.0.1 for local tests and tools (still
+    authenticated, but the password crosses the loopback interface unencrypted). Paths must be absolute.
+
+    Raises:
+        ConfigError: a relative path, or a port outside 1..65535.
+    """
+    for name, path in (("password_file", password_file), ("acl_file", acl_file), ("cafile", cafile),
+                       ("certfile", certfile), ("keyfile", keyfile)):
+        if not Path(path).is_absolute():
+            raise ConfigError(f"{name} {path} is not absolute", field=name, fix="pass an absolute path")
+    for name, port in (("tls_port", tls_port), ("loopback_port", loopback_port)):
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ConfigError(f"{name} {port!r} is not a TCP port", field=name, fix="use a port in 1..65535")
+    lines = [f"# Mosquitto 2.x configuration of WildFed federation {federation_id}, written by",
+             "# `wildfed-coordinator broker-config`. Regenerate after enrolling, rotating or revoking sites, then",
+             "# reload mosquitto (SIGHUP re-reads the password and ACL files). Reference: mosquitto.conf(5), 2.0.",
+             "per_listener_settings false",
+             "allow_anonymous false",
+             f"password_file {password_file}",
+             f"acl_file {acl_file}"]
+    if broker_user:
+        lines.append(f"user {broker_user}")
+    if persistence_dir is not None:
+        lines += ["persistence true", f"persistence_location {str(persistence_dir).rstrip('/')}/"]
+    else:
+        lines.append("persistence false")
+    lines += ["", f"listener {tls_port}" + (f" {bind_address}" if bind_address else ""), "protocol mqtt",
+              f"cafile {cafile}", f"certfile {certfile}", f"keyfile {keyfile}", "tls_version tlsv1.2"]
+    if client_certs:
+        lines += ["require_certificate true", "use_identity_as_username true"]
+    if loopback_port is not None:
+        lines += ["", "# plain MQTT on loopback only (local tests and tools); still authenticated",
+                  f"listener {loopback_port} 127.0.0.1", "protocol mqtt"]
+    return "\n".join(lines) + "\n"
+
+
+# ---- passwords -----------------------------------------------------------------------------------------------------
+def hash_password_pbkdf2(password: str, *, salt: bytes | None = None,
+                         iterations: int = MOSQUITTO_PBKDF2_ITERATIONS) -> str:
+    """Mosquitto's ``$7$`` hash of ``password``: ``$7$<iterations>$<base64 salt>$<base64 PBKDF2-HMAC-SHA512>``
+    (64-byte digest, 12-byte random salt), as ``mosquitto_passwd`` 2.0 writes it after ``username:``."""
+    salt = secrets.token_bytes(_SALT_BYTES) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode("utf-8"), salt, iterations)
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def verify_password_pbkdf2(password: str, hashed: str) -> bool:
+    """Whether a ``$7$`` hash (:func:`hash_password_pbkdf2`) is that of ``password``; False for other formats."""
+    parts = hashed.split("$")
+    if len(parts) != 5 or parts[1] != "7":
+        return False
+    try:
+        iterations, salt, digest = int(parts[2]), base64.b64decode(parts[3]), base64.b64decode(parts[4])
+    except ValueError:
+        return False
+    calc = hashlib.pbkdf2_hmac("sha512", password.encode("utf-8"), salt, iterations, dklen=len(digest))
+    return secrets.compare_digest(calc, digest)
+
+
+def _read_password_file(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if ":" in line and not line.startswith("#"):
+                user, hashed = line.split(":", 1)
+                out[user] = hashed
+    return out
+
+
+def _write_password_file(path: Path, accounts: Mapping[str, str], mosquitto_passwd: str | None) -> bool:
+    """Write ``user:$7$...`` lines for ``accounts`` (username -> password), keeping the existing hash of each
+    unchanged password; new hashes by ``mosquitto_passwd -U`` when given, else by :func:`hash_password_pbkdf2`.
+    Returns whether ``mosquitto_passwd`` was run."""
+    existing = _read_password_file(path)
+    kept = {u: existing[u] for u, p in accounts.items() if u in existing and verify_password_pbkdf2(p, existing[u])}
+    fresh = {u: p for u, p in accounts.items() if u not in kept}
+    hashed: dict[str, str] = dict(kept)
+    used_binary = False
+    if fresh and mosquitto_passwd:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".passwd-plain-")
+        try:
+            os.fchmod(fd, _KEY_MODE)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write("".join(f"{u}:{p}\n" for u, p in sorted(fresh.items())))
+            proc = subprocess.run([mosquitto_passwd, "-U", tmp], capture_output=True, text=True, timeout=60)
+            if proc.returncode != 0:
+                raise ConfigError(f"mosquitto_passwd -U failed ({proc.returncode}): {proc.stderr.strip()[:200]}",
+                                  field="mosquitto_passwd", fix="check the mosquitto installation, or pass "
+                                  "--no-mosquitto-passwd to hash in Python")
+            hashed.update(_read_password_file(Path(tmp)))
+            used_binary = True
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    else:
+        hashed.update({u: hash_password_pbkdf2(p) for u, p in fresh.items()})
+    text = "".join(f"{u}:{hashed[u]}\n" for u in sorted(accounts))
+    write_file_atomic(path, text.encode("utf-8"), _KEY_MODE)
+    return used_binary
+
+
+# ---- TLS -----------------------------------------------------------------------------------------------------------
+def validate_hostname(name: str) -> str:
+    """A host name (RFC 1123 labels) or an IP address, returned as given.
+
+    Raises:
+        ConfigError: anything else (names the ``hostname`` field).
+    """
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
+    labels = name.rstrip(".").split(".") if name else []
+    if not labels or len(name) > 253 or not all(_DNS_LABEL.match(label) for label in labels):
+        raise ConfigError(f"{name!r} is neither a host name nor an IP address", field="hostname",
+                          fix="pass the names clients use to reach the broker, e.g. --hostname broker.example.org "
+                          "--hostname 10.0.0.5")
+    return name
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _load_cert(path: Path) -> x509.Certificate | None:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError):
+        return None
+    return key  # type: ignore[return-value]
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _make_ca(federation_id: str, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "WildFed"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"WildFed broker CA ({federation_id})")])
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    return cert, key
+
+
+def _issue(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, *, common_name: str, days: int,
+           server_names: Sequence[str] | None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A leaf certificate (RFC 5280): server (``server_names`` as subjectAltName, serverAuth) or client
+    (clientAuth)."""
+    key = _new_key()
+    now = _now()
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "WildFed"),
+                                        x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+               .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                            data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                            crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()),  # type: ignore[arg-type]
+                              critical=False))
+    if server_names is not None:
+        alt: list[x509.GeneralName] = []
+        for name in server_names:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(name)))
+            except ValueError:
+                alt.append(x509.DNSName(name))
+        builder = (builder.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    else:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return builder.sign(ca_key, hashes.SHA256()), key
+
+
+def _san_names(cert: x509.Certificate) -> set[str]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(v) for v in san.get_values_for_type(x509.DNSName)} | {
+        str(v) for v in san.get_values_for_type(x509.IPAddress)}
+
+
+def _leaf_ok(cert_path: Path, key_path: Path, ca: x509.Certificate, *, common_name: str,
+             server_names: Sequence[str] | None) -> bool:
+    """Whether an existing leaf certificate can be kept: readable with its key, issued by ``ca``, for the same
+    name(s), and valid for more than 30 more days."""
+    cert, key = _load_cert(cert_path), _load_key(key_path)
+    if cert is None or key is None or not _issued_by(cert, ca):
+        return False
+    if cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
+            key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+        return False
+    if cert.not_valid_after_utc - _now() < _RENEW_BEFORE:
+        return False
+    cns = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if server_names is not None:
+        wanted = {str(ipaddress.ip_address(n)) if _is_ip(n) else n for n in server_names}
+        return _san_names(cert) == wanted
+    return cns == [common_name]
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _ensure_leaf(cert_path: Path, key_path: Path, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, *,
+                 common_name: str, days: int, server_names: Sequence[str] | None) -> bool:
+    """Keep or (re)issue a leaf certificate; returns True when a new one was written."""
+    if _leaf_ok(cert_path, key_path, ca, common_name=common_name, server_names=server_names):
+        return False
+    cert, key = _issue(ca, ca_key, common_name=common_name, days=days, server_names=server_names)
+    write_file_atomic(key_path, _key_pem(key), _KEY_MODE)
+    write_file_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return True
+
+
+def _ensure_ca(tls_dir: Path, federation_id: str, *, ca_cert: Path | None, ca_key: Path | None,
+               days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
+    """The CA certificate and key: the operator's (``ca_cert`` + ``ca_key``, copied as ``tls/ca.crt``), else the
+    existing ``tls/ca.crt``/``tls/ca.key``, else a new one. Returns ``(cert, key, path of tls/ca.crt)``."""
+    out_cert, out_key = tls_dir / "ca.crt", tls_dir / "ca.key"
+    if (ca_cert is None) != (ca_key is None):
+        raise ConfigError("an existing CA needs both its certificate and its key", field="ca_cert",
+                          fix="pass both --ca-cert and --ca-key, or neither (a CA is then generated and kept)")
+    if ca_cert is not None and ca_key is not None:
+        cert, key = _load_cert(Path(ca_cert)), _load_key(Path(ca_key))
+        if cert is None:
+            raise ConfigError("not a PEM X.509 certificate", source=ca_cert, field="ca_cert", fix="pass the CA's PEM")
+        if not isinstance(key, (ec.EllipticCurvePrivateKey, rsa.RSAPrivateKey)):
+            raise ConfigError("not an unencrypted PEM EC or RSA private key", source=ca_key, field="ca_key",
+                              fix="pass the CA's unencrypted PEM key (EC or RSA)")
+        basic = None
+        try:
+            basic = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        except x509.ExtensionNotFound:
+            pass
+        if basic is None or not basic.ca:
+            raise ConfigError("certificate is not a CA (basicConstraints CA:TRUE missing)", source=ca_cert,
+                              field="ca_cert", fix="pass a CA certificate (RFC 5280 sec. 4.2.1.9)")
+        if cert.public_key().public_bytes(serialization.Encoding.DER,
+                                          serialization.PublicFormat.SubjectPublicKeyInfo) != \
+                key.public_key().public_bytes(serialization.Encoding.DER,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo):
+            raise ConfigError("the CA key does not match the CA certificate", source=ca_key, field="ca_key",
+                              fix="pass the key of that certificate")
+        write_file_atomic(out_cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        return cert, key, out_cert
+    if out_cert.is_file() and out_key.is_file():
+        cert, key = _load_cert(out_cert), _load_key(out_key)
+        if cert is None or key is None:
+            raise ConfigError("the existing CA in the output folder does not load", source=tls_dir, field="out",
+                              fix="restore tls/ca.crt and tls/ca.key, or move them away to make a new CA (every "
+                              "gateway then needs the new ca.crt)")
+        return cert, key, out_cert
+    cert, key = _make_ca(federation_id, days)
+    write_file_atomic(out_key, _key_pem(key), _KEY_MODE)
+    write_file_atomic(out_cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return cert, key, out_cert
+
+
+# ---- the whole configuration ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BrokerConfigResult:
+    """What :func:`generate_broker_config` wrote (absolute paths).
+
+    Attributes:
+        conf, acl, password_file: the Mosquitto files.
+        ca_cert, server_cert, server_key: TLS material of the broker.
+        coordinator_credentials: the coordinator's credentials YAML.
+        site_credentials: site id -> its credentials YAML.
+        usernames: site id -> broker username.
+        new_accounts: usernames whose password was drawn by this run.
+        issued: certificates (re)issued by this run (paths).
+        used_mosquitto_passwd: whether ``mosquitto_passwd`` hashed the new passwords.
+    """
+
+    conf: Path
+    acl: Path
+    password_file: Path
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    coordinator_credentials: Path
+    site_credentials: dict[str, Path] = field(default_factory=dict)
+    usernames: dict[str, str] = field(default_factory=dict)
+    new_accounts: tuple[str, ...] = ()
+    issued: tuple[Path, ...] = ()
+    used_mosquitto_passwd: bool = False
+
+
+def _check_out_dir(out: Path) -> Path:
+    out = Path(out).expanduser().absolute()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write into {out}: {exc.strerror or exc}", source=out, field="out",
+                          fix="pass --out a folder you can write (created if absent)") from exc
+    return out
+
+
+def _credentials(path: Path, username: str, *, rotate: bool, who: str) -> tuple[BrokerCredentials, bool]:
+    """Existing credentials at ``path`` (unless ``rotate`` or the username changed), else fresh ones written 0600."""
+    if path.is_file() and not rotate:
+        try:
+            creds = load_broker_credentials(path)
+        except ConfigError:
+            creds = None
+        if creds is not None and creds.username == username:
+            return creds, False
+    creds = BrokerCredentials(username=username, password=secrets.token_urlsafe(32))
+    _write_credentials(path, creds, who=who)
+    return creds, True
+
+
+def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: str | os.PathLike[str],
+                           hostnames: Sequence[str] = ("127.0.0.1", "localhost"), tls_port: int = 8883,
+                           bind_address: str | None = None, loopback_port: int | None = None,
+                           client_certs: bool = False, ca_cert: str | os.PathLike[str] | None = None,
+                           ca_key: str | os.PathLike[str] | None = None, rotate_passwords: bool = False,
+                           persistence: bool = True, broker_user: str | None = None,
+                           use_mosquitto_passwd: bool = True, ca_days: int = 3650,
+                           cert_days: int = 825) -> BrokerConfigResult:
+    """Write a Mosquitto 2.x configuration for the federation's enrolled sites into ``out`` (see the module
+    docstring for the files, names and semantics). Idempotent; never logs a password.
+
+    Args:
+        registry: the site registry (sites with at least one valid key get an account).
+        federation_id: the federation (topic prefix ``wildfed/v1/<federation_id>/``).
+        out: output folder (created if absent).
+        hostnames: DNS names and IP addresses clients use to reach the broker (server certificate subjectAltName).
+        tls_port: port of the TLS listener.
+        bind_address: address the TLS listener binds (default: all).
+        loopback_port: also a plain, authenticated listener on 127.0.0.1 at this port (local tests), or None.
+        client_certs: require client certificates on the TLS listener (CN = username) and issue one per account.
+        ca_cert, ca_key: an existing CA (PEM certificate and unencrypted key) instead of a generated one.
+        rotate_passwords: draw new passwords for every account (default: keep existing ones).
+        persistence: keep retained messages (site status) across broker restarts in ``out/persistence/``.
+        broker_user: ``user`` line of the config (the account mosquitto drops root privileges to; it must be able
+            to read the key and password files); None leaves Mosquitto's default (``mosquitto``).
+        use_mosquitto_passwd: hash with ``mosquitto_passwd -U`` when it is on PATH (else in Python).
+        ca_days, cert_days: validity of a new CA and of new leaf certificates, days.
+
+    Returns:
+        A :class:`BrokerConfigResult`.
+
+    Raises:
+        ConfigError: no site with a valid key is enrolled (field ``sites``), ``out`` cannot be written (``out``),
+            a bad host name (``hostname``), bad CA files (``ca_cert``/``ca_key``), a bad port, or
+            ``mosquitto_passwd`` failed.
+    """
+    names = [validate_hostname(h) for h in hostnames]
+    if not names:
+        raise ConfigError("no host name for the server certificate", field="hostname",
+                          fix="pass --hostname once per name or address clients use, e.g. --hostname 127.0.0.1")
+    for name, days in (("ca_days", ca_days), ("cert_days", cert_days)):
+        if not isinstance(days, int) or days < 1:
+            raise ConfigError(f"{name} {days!r} is not a positive number of days", field=name, fix="e.g. 825")
+    sites = [s.site_id for s in registry.list() if registry.verification_keys(s.site_id)]
+    if not sites:
+        raise ConfigError("no site with a valid key is enrolled: the broker would admit only the coordinator",
+                          field="sites", fix="enrol sites first (`wildfed-coordinator enrol` or `provision`), "
+                          "then run broker-config again")
+    root = _check_out_dir(Path(out))
+    tls_dir = root / "tls"
+    ca, ca_private, ca_path = _ensure_ca(tls_dir, federation_id, ca_cert=Path(ca_cert) if ca_cert else None,
+                                         ca_key=Path(ca_key) if ca_key else None, days=ca_days)
+    issued: list[Path] = []
+    server_cert, server_key = tls_dir / "server.crt", tls_dir / "server.key"
+    if _ensure_leaf(server_cert, server_key, ca, ca_private, common_name=names[0], days=cert_days,
+                    server_names=names):
+        issued.append(server_cert)
+
+    accounts: dict[str, str] = {}
+    new_accounts: list[str] = []
+    coord_user = coordinator_username(federation_id)
+    coord_dir = root / "coordinator"
+    coord_creds_path = coord_dir / "broker-credentials.yaml"
+    creds, fresh = _credentials(coord_creds_path, coord_user, rotate=rotate_passwords,
+                                who=f"the coordinator of federation {federation_id}")
+    accounts[creds.username] = creds.password
+    if fresh:
+        new_accounts.append(creds.username)
+    if client_certs and _ensure_leaf(coord_dir / "client.crt", coord_dir / "client.key", ca, ca_private,
+                                     common_name=coord_user, days=cert_days, server_names=None):
+        issued.append(coord_dir / "client.crt")
+
+    site_creds: dict[str, Path] = {}
+    usernames: dict[str, str] = {}
+    for site_id in sites:
+        user = site_username(site_id)
+        site_dir = root / "sites" / site_id
+        path = site_dir / "broker-credentials.yaml"
+        creds, fresh = _credentials(path, user, rotate=rotate_passwords, who=f"site {site_id}")
+        accounts[user] = creds.password
+        if fresh:
+            new_accounts.append(user)
+        site_creds[site_id], usernames[site_id] = path, user
+        write_file_atomic(site_dir / "broker-ca.pem", ca.public_bytes(serialization.Encoding.PEM), 0o644)
+        if client_certs and _ensure_leaf(site_dir / "client.crt", site_dir / "client.key", ca, ca_private,
+                                         common_name=user, days=cert_days, server_names=None):
+            issued.append(site_dir / "client.crt")
+
+    binary = shutil.which("mosquitto_passwd") if use_mosquitto_passwd else None
+    password_file = root / "passwd"
+    used_binary = _write_password_file(password_file, accounts, binary)
+    acl = root / "acl"
+    write_file_atomic(acl, render_acl(federation_id, sites).encode("utf-8"), 0o644)
+    conf = root / "mosquitto.conf"
+    persistence_dir = root / "persistence" if persistence else None
+    if persistence_dir is not None:
+        persistence_dir.mkdir(exist_ok=True)
+    text = render_mosquitto_conf(password_file=password_file, acl_file=acl, cafile=ca_path, certfile=server_cert,
+                                 keyfile=server_key, tls_port=tls_port, bind_address=bind_address,
+                                 client_certs=client_certs, loopback_port=loopback_port,
+                                 persistence_dir=persistence_dir, broker_user=broker_user,
+                                 federation_id=federation_id)
+    write_file_atomic(conf, text.encode("utf-8"), 0o644)
+    return BrokerConfigResult(conf=conf, acl=acl, password_file=password_file, ca_cert=ca_path,
+                              server_cert=server_cert, server_key=server_key, coordinator_credentials=coord_creds_path,
+                              site_credentials=site_creds, usernames=usernames, new_accounts=tuple(new_accounts),
+                              issued=tuple(issued), used_mosquitto_passwd=used_binary)

@@ -1,0 +1,187 @@
+"""Key rotation and revocation in the site registry (coordinator/registry.py), on SQLite and PostgreSQL, and the
+rotate-key / revoke-key / keys CLI commands."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from shared.keys import generate_signing_key, key_fingerprint, public_key_to_pem
+
+from coordinator.registry import KeyRotationError, SiteRegistry, UnknownSiteError
+from coordinator.storage import SiteRow, Store
+from tests.coordinator import test_postgres as _postgres
+
+PG_URL = _postgres.PG_URL
+pg_schema = _postgres.pg_schema  # the fixture: a throw-away PostgreSQL schema (skips without PostgreSQL)
+
+T0 = dt.datetime(2026, 1, 1, 12, 0, 0)
+HOUR = dt.timedelta(hours=1)
+
+
+class Clock:
+    """An injectable clock (naive UTC)."""
+
+    def __init__(self, now: dt.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+def _pem():
+    key = generate_signing_key().public_key()
+    return public_key_to_pem(key), key_fingerprint(key)
+
+
+def _fps(reg: SiteRegistry, site: str, now: dt.datetime | None = None) -> list[str]:
+    return [fp for fp, _ in reg.verification_keys(site, now=now)]
+
+
+def _rotation_scenario(store: Store) -> None:
+    # Prepare
+    clock = Clock(T0)
+    reg = SiteRegistry(store, clock=clock)
+    old_pem, old_fp = _pem()
+    new_pem, new_fp = _pem()
+    reg.enrol("s1", old_pem)
+    assert _fps(reg, "s1") == [old_fp]
+    # Execute: rotate with a 2-hour grace period
+    key = reg.rotate_key("s1", new_pem, grace_s=2 * 3600)
+    # Assert: both valid inside the grace period (current first), only the new one after it
+    assert key.fingerprint == new_fp and key_fingerprint(reg.get_public_key("s1")) == new_fp
+    clock.now = T0 + HOUR
+    assert _fps(reg, "s1") == [new_fp, old_fp]
+    clock.now = T0 + 2 * HOUR
+    assert _fps(reg, "s1") == [new_fp]
+    assert _fps(reg, "s1", now=T0 + HOUR) == [new_fp, old_fp]  # an explicit time wins over the clock
+    # aware times are taken as UTC
+    assert _fps(reg, "s1", now=(T0 + HOUR).replace(tzinfo=dt.timezone.utc)) == [new_fp, old_fp]
+
+
+def test_rotation_grace_period_with_injected_clock(tmp_path: Path) -> None:
+    _rotation_scenario(Store("sqlite://", tmp_path / "d"))
+
+
+def test_revocation_is_immediate_and_seen_by_another_registry(tmp_path: Path) -> None:
+    # Prepare: two registries on one database file, as the service and the CLI are two processes
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    running, cli = SiteRegistry(Store(url, tmp_path / "d")), SiteRegistry(Store(url, tmp_path / "d"))
+    old_pem, old_fp = _pem()
+    new_pem, new_fp = _pem()
+    running.enrol("s1", old_pem)
+    assert _fps(running, "s1") == [old_fp]  # the running registry has now cached s1
+    cli.rotate_key("s1", new_pem)  # default grace: 24 h
+    assert _fps(running, "s1") == [new_fp, old_fp]
+    # Execute: revoke the old key in the other "process"
+    assert cli.revoke_key("s1", old_fp[:12]) == [old_fp]
+    # Assert
+    assert _fps(running, "s1") == [new_fp]
+    assert cli.revoke_key("s1") == [new_fp]  # all the rest
+    assert running.verification_keys("s1") == []
+    assert cli.revoke_key("s1") == []
+    keys = running.keys("s1")
+    assert [k.fingerprint for k in keys] == [new_fp, old_fp] and keys[0].current and all(k.revoked_at for k in keys)
+
+
+def test_errors(tmp_path: Path) -> None:
+    reg = SiteRegistry(Store("sqlite://", tmp_path / "d"))
+    pem, fp = _pem()
+    reg.enrol("s1", pem)
+    with pytest.raises(UnknownSiteError):
+        reg.verification_keys("nope")
+    with pytest.raises(UnknownSiteError):
+        reg.rotate_key("nope", _pem()[0])
+    with pytest.raises(UnknownSiteError):
+        reg.revoke_key("nope")
+    with pytest.raises(KeyRotationError, match="already used"):
+        reg.rotate_key("s1", pem)
+    with pytest.raises(KeyRotationError) as exc:
+        reg.rotate_key("s1", "not a pem")
+    assert exc.value.field == "public_key"
+    with pytest.raises(KeyRotationError) as exc:
+        reg.rotate_key("s1", _pem()[0], grace_s=-1)
+    assert exc.value.field == "grace_s"
+    with pytest.raises(KeyRotationError) as exc:
+        reg.revoke_key("s1", "0" * 64)
+    assert exc.value.field == "fingerprint"
+    with pytest.raises(KeyRotationError):
+        reg.revoke_key("s1", fp[:4])  # too short a prefix
+    reg.revoke_key("s1", fp)
+    with pytest.raises(KeyRotationError, match="already used"):  # a revoked key never comes back
+        reg.rotate_key("s1", pem)
+    assert _fps(reg, "s1") == []
+
+
+def test_zero_grace_ends_old_key_at_once_and_earlier_grace_is_kept(tmp_path: Path) -> None:
+    clock = Clock(T0)
+    reg = SiteRegistry(Store("sqlite://", tmp_path / "d"), clock=clock)
+    (p1, f1), (p2, _), (p3, f3) = _pem(), _pem(), _pem()
+    reg.enrol("s1", p1)
+    reg.rotate_key("s1", p2, grace_s=3600)
+    clock.now = T0 + dt.timedelta(minutes=30)
+    reg.rotate_key("s1", p3, grace_s=0)
+    assert _fps(reg, "s1") == [f3, f1]  # f1 keeps its own grace (until T0 + 1 h); f2 ended at once
+    clock.now = T0 + HOUR
+    assert _fps(reg, "s1") == [f3]
+
+
+def test_data_survives_reopening_and_old_rows_stay_readable(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    (p1, f1), (p2, f2) = _pem(), _pem()
+    store = Store(url, tmp_path / "d")
+    reg = SiteRegistry(store, clock=Clock(T0))
+    reg.enrol("s1", p1)
+    reg.rotate_key("s1", p2, grace_s=3600)
+    # a site written straight into ``sites`` (as provisioning does, or a database from before site_keys existed)
+    p3, f3 = _pem()
+    with store.session() as s:
+        s.add(SiteRow(site_id="legacy", public_key_pem=p3, metadata_json="{}"))
+    store.dispose()
+    reopened = SiteRegistry(Store(url, tmp_path / "d"), clock=Clock(T0 + dt.timedelta(minutes=59)))
+    assert _fps(reopened, "s1") == [f2, f1]
+    assert _fps(reopened, "s1", now=T0 + HOUR) == [f2]
+    assert _fps(reopened, "legacy") == [f3] and key_fingerprint(reopened.get_public_key("legacy")) == f3
+    assert reopened.revoke_key("legacy") == [f3] and _fps(reopened, "legacy") == []
+
+
+def test_rotation_and_revocation_on_postgres(pg_schema, tmp_path: Path) -> None:
+    store = Store(PG_URL, tmp_path / "d", schema=pg_schema)
+    try:
+        _rotation_scenario(store)
+        reg = SiteRegistry(store, clock=Clock(T0 + HOUR))
+        assert len(reg.verification_keys("s1")) == 2
+        reg.revoke_key("s1")
+        assert reg.verification_keys("s1") == []
+        with store.engine.connect() as conn:
+            n = conn.execute(text(f'SELECT count(*) FROM "{pg_schema}".site_keys')).scalar()
+        assert n == 2
+    finally:
+        store.dispose()
+
+
+def test_cli_rotate_revoke_and_list(tmp_path: Path) -> None:
+    from coordinator.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
+    cfg = str(tmp_path / "c" / "coordinator.yaml")
+    (p1, f1), (p2, f2) = _pem(), _pem()
+    (tmp_path / "1.pub").write_text(p1)
+    (tmp_path / "2.pub").write_text(p2)
+    assert runner.invoke(app, ["enrol", "s1", "--public-key", str(tmp_path / "1.pub"), "-c", cfg]).exit_code == 0
+    res = runner.invoke(app, ["rotate-key", "s1", "--public-key", str(tmp_path / "2.pub"), "--grace-hours", "1",
+                              "-c", cfg])
+    assert res.exit_code == 0 and "2 key(s) valid" in res.output, res.output
+    res = runner.invoke(app, ["revoke-key", "s1", "--fingerprint", f1[:16], "-c", cfg])
+    assert res.exit_code == 0 and "1 key(s) still valid" in res.output, res.output
+    res = runner.invoke(app, ["keys", "s1", "-c", cfg])
+    assert res.exit_code == 0 and f2[:16] in res.output and f1[:16] in res.output
+    res = runner.invoke(app, ["revoke-key", "s1", "--fingerprint", "deadbeefdeadbeef", "-c", cfg])
+    assert res.exit_code == 2 and "fingerprint" in res.output
+    res = runner.invoke(app, ["revoke-key", "nope", "-c", cfg])
+    assert res.exit_code == 2 and "not enrolled" in res.output
