@@ -4,6 +4,12 @@ Commands::
 
     wildfed-coordinator init DIR --federation-id ID     config + coordinator key pair (0600) + database
     wildfed-coordinator enrol SITE --public-key FILE [--metadata JSON]
+    wildfed-coordinator rotate-key SITE --public-key FILE [--grace-hours H]   new current key; old one valid H hours
+    wildfed-coordinator revoke-key SITE [--fingerprint F]                     revoke one key, or all of the site's
+    wildfed-coordinator keys SITE                                             a site's keys and their validity
+    wildfed-coordinator broker-config --out DIR [--hostname H ...] [--client-certs] ...
+                                                        Mosquitto 2.x config, ACL, passwords and TLS material from
+                                                        the registry (coordinator/broker_config.py, docs/security.md)
     wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
     wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
                                                         site x IUCN category: budget, spent, remaining, rounds left;
@@ -163,6 +169,133 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
         console.print(f"[yellow]warning:[/] the public metadata of {site.site_id} lists CR/EN species {listed}: "
                       "species lists are public (NIRA clustering), and a threatened species' presence can locate "
                       "it; leave them out unless that is intended")
+
+
+@app.command("rotate-key")
+@_friendly
+def rotate_key(site_id: str = typer.Argument(..., help="an enrolled site"),
+               public_key: Path = typer.Option(..., "--public-key", help="the site's NEW Ed25519 public key PEM"),
+               grace_hours: float = typer.Option(24.0, "--grace-hours", help="hours the old key stays valid (0: "
+                                                 "ends now)"),
+               config: Path = _config_option()) -> None:
+    """Make a new key the site's current key; its old key keeps verifying for --grace-hours (docs/security.md)."""
+    cfg = load_config(config)
+    if not public_key.is_file():
+        raise ConfigError("public key file not found", source=public_key, field="public_key",
+                          fix="pass the new .pub file the gateway wrote (`wildfed-edge keygen`)")
+    store, registry, _ = _open_state(cfg)
+    try:
+        key = registry.rotate_key(site_id, public_key.read_text(), grace_s=grace_hours * 3600.0)
+        valid = registry.verification_keys(site_id)
+    finally:
+        store.dispose()
+    console.print(f"[green]rotated[/] {site_id}: current key {key.fingerprint[:16]}; "
+                  f"{len(valid)} key(s) valid now (old key until {grace_hours:g} h from now)")
+
+
+@app.command("revoke-key")
+@_friendly
+def revoke_key(site_id: str = typer.Argument(..., help="an enrolled site"),
+               fingerprint: str | None = typer.Option(None, "--fingerprint", help="the key to revoke (full hex or a "
+                                                      "unique prefix of >= 8 characters); default: ALL the site's "
+                                                      "keys"),
+               config: Path = _config_option()) -> None:
+    """Revoke one key of a site, or all of them, at once: messages signed with it stop verifying. A site with no
+    valid key cannot send until `rotate-key` gives it a fresh one; rerun `broker-config` to remove its broker
+    account too."""
+    cfg = load_config(config)
+    store, registry, _ = _open_state(cfg)
+    try:
+        revoked = registry.revoke_key(site_id, fingerprint)
+        valid = registry.verification_keys(site_id)
+    finally:
+        store.dispose()
+    console.print(f"[yellow]revoked[/] {len(revoked)} key(s) of {site_id}: "
+                  f"{', '.join(f[:16] for f in revoked) or 'none left to revoke'}; {len(valid)} key(s) still valid")
+    if not valid:
+        err_console.print(f"[bold yellow]warning:[/] {site_id} has no valid key: it cannot send until rotated")
+
+
+@app.command("keys")
+@_friendly
+def keys_command(site_id: str = typer.Argument(..., help="an enrolled site"),
+                 config: Path = _config_option()) -> None:
+    """List a site's keys: fingerprint, current or not, valid-until (grace period end), revoked-at (UTC)."""
+    cfg = load_config(config)
+    store, registry, _ = _open_state(cfg)
+    try:
+        keys = registry.keys(site_id)
+        valid = {fp for fp, _ in registry.verification_keys(site_id)}
+    finally:
+        store.dispose()
+    table = Table(title=f"keys of {site_id} (times UTC)")
+    for col in ("fingerprint", "current", "valid now", "created", "valid until", "revoked at"):
+        table.add_column(col, no_wrap=col == "fingerprint")
+    for k in keys:
+        table.add_row(k.fingerprint[:16], "yes" if k.current else "", "yes" if k.fingerprint in valid else "[red]no[/]",
+                      f"{k.created_at:%Y-%m-%d %H:%M}" if k.created_at else "",
+                      f"{k.valid_until:%Y-%m-%d %H:%M}" if k.valid_until else "",
+                      f"{k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "")
+    console.print(table)
+
+
+@app.command("broker-config")
+@_friendly
+def broker_config(
+    out: Path = typer.Option(..., "--out", "-o", help="output folder (created; re-running keeps the CA, "
+                             "certificates and credentials)"),
+    hostname: list[str] = typer.Option(["127.0.0.1", "localhost"], "--hostname", help="DNS name or IP address of "
+                                       "the broker in its certificate (repeat the option)"),
+    port: int = typer.Option(8883, "--port", help="TLS listener port"),
+    bind: str | None = typer.Option(None, "--bind", help="address the TLS listener binds (default: all)"),
+    loopback_port: int | None = typer.Option(None, "--loopback-port", help="also a plain, authenticated listener "
+                                             "on 127.0.0.1:PORT (local tests and tools)"),
+    client_certs: bool = typer.Option(False, "--client-certs", help="require TLS client certificates (CN = "
+                                      "username) and issue one per site and for the coordinator"),
+    ca_cert: Path | None = typer.Option(None, "--ca-cert", help="use this CA certificate (PEM) instead of a "
+                                        "generated one (with --ca-key)"),
+    ca_key: Path | None = typer.Option(None, "--ca-key", help="the unencrypted PEM key of --ca-cert"),
+    rotate_passwords: bool = typer.Option(False, "--rotate-passwords", help="draw new passwords for every account "
+                                          "(gateways need their new credentials file)"),
+    persistence: bool = typer.Option(True, "--persistence/--no-persistence", help="keep retained status messages "
+                                     "across broker restarts (OUT/persistence/)"),
+    broker_user: str | None = typer.Option(None, "--broker-user", help="`user` line: account mosquitto runs as "
+                                           "(must read OUT's key and password files; default mosquitto's own)"),
+    mosquitto_passwd: bool = typer.Option(True, "--mosquitto-passwd/--no-mosquitto-passwd", help="hash with "
+                                          "mosquitto_passwd when installed (else in Python, same $7$ format)"),
+    config: Path = _config_option(),
+) -> None:
+    """Write a Mosquitto 2.x config (TLS listener, no anonymous access), a per-site ACL, a password file with one
+    random credential per enrolled site, and TLS material, from the registry (docs/security.md). Plain credentials
+    go only to OUT/sites/<id>/broker-credentials.yaml and OUT/coordinator/broker-credentials.yaml (mode 0600)."""
+    from coordinator.broker_config import coordinator_username, generate_broker_config
+
+    cfg = load_config(config)
+    store, registry, _ = _open_state(cfg)
+    try:
+        result = generate_broker_config(registry=registry, federation_id=cfg.federation_id, out=out,
+                                        hostnames=hostname, tls_port=port, bind_address=bind,
+                                        loopback_port=loopback_port, client_certs=client_certs, ca_cert=ca_cert,
+                                        ca_key=ca_key, rotate_passwords=rotate_passwords, persistence=persistence,
+                                        broker_user=broker_user, use_mosquitto_passwd=mosquitto_passwd)
+    finally:
+        store.dispose()
+    table = Table(title=f"broker accounts of {cfg.federation_id} ({len(result.usernames)} site(s))")
+    for col in ("site", "username", "credentials file", "password"):
+        table.add_column(col)
+    table.add_row("(coordinator)", coordinator_username(cfg.federation_id), str(result.coordinator_credentials),
+                  "new" if coordinator_username(cfg.federation_id) in result.new_accounts else "kept")
+    for site_id, user in result.usernames.items():
+        table.add_row(site_id, user, str(result.site_credentials[site_id]),
+                      "new" if user in result.new_accounts else "kept")
+    console.print(table)
+    console.print(f"[green]written[/] {result.conf} (ACL {result.acl.name}, passwords {result.password_file.name}, "
+                  f"CA {result.ca_cert}); {len(result.issued)} certificate(s) issued")
+    console.print(f"  start:  mosquitto -c {result.conf}   (or reload a running one with SIGHUP)")
+    console.print(f"  coordinator.yaml: broker_url: mqtts://{hostname[0] if hostname else 'HOST'}:{port}, "
+                  f"broker_ca_file: {result.ca_cert}, broker_password_file: {result.coordinator_credentials}")
+    console.print("  each gateway: copy sites/<id>/broker-credentials.yaml and broker-ca.pem; in site.yaml set "
+                  "broker_password_file and broker_ca_file")
 
 
 @app.command()
@@ -389,6 +522,42 @@ def run(config: Path = _config_option(),
 
 
 app.command("serve", help="Alias of `run`.")(run)
+
+
+@app.command("ingest-worker")
+@_friendly
+def ingest_worker(config: Path = _config_option(),
+                  worker_id: str = typer.Option(..., "--worker-id", help="unique name of this worker (letters, digits, "
+                                                "_.-); its partial sums are stored under it"),
+                  log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR")) -> None:
+    """Ingest updates on the MQTT shared subscription until stopped (Ctrl-C / SIGTERM): one of the N workers of a
+    coordinator with `ingest_workers: N` (docs/transport.md, "Scale-out")."""
+    import signal as _signal
+    import threading
+
+    from coordinator.workers import IngestWorker
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not worker_id or not all(c.isalnum() or c in "_.-" for c in worker_id) or len(worker_id) > 64:
+        raise ConfigError(f"worker id {worker_id!r} is not 1-64 characters of letters, digits, _.-",
+                          field="--worker-id", fix="e.g. --worker-id ingest-1")
+    cfg = load_config(config)
+    if cfg.ingest_workers == 0:
+        console.print("[yellow]note:[/] this config has ingest_workers: 0, so the coordinator ingests updates itself "
+                      "and the worker shares them with it; set ingest_workers to the number of workers")
+    worker = IngestWorker(cfg, worker_id)
+    stop = threading.Event()
+    _signal.signal(_signal.SIGTERM, lambda *_: stop.set())
+    worker.start()
+    console.print(f"ingest worker {worker_id} listening (federation {cfg.federation_id}); Ctrl-C stops it")
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()
 
 
 @app.command()

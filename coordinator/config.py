@@ -7,7 +7,12 @@ Example (``wildfed-coordinator init`` writes this)::
     database_url: null                    # null -> sqlite:///<data_dir>/coordinator.db; or postgresql+psycopg2://...
     signing_key_path: keys/coordinator.key
     public_key_path: keys/coordinator.pub
-    broker_url: mqtt://127.0.0.1:1883
+    broker_url: mqtt://127.0.0.1:1883     # or mqtts://host:8883 with the broker_* files below (docs/security.md)
+    broker_ca_file: null                  # PEM CA of the broker's certificate (broker-config: tls/ca.crt)
+    broker_cert_file: null                # mutual TLS: coordinator/client.crt (and broker_key_file)
+    broker_key_file: null
+    broker_username: null                 # default: the one in broker_password_file
+    broker_password_file: null            # broker-config: coordinator/broker-credentials.yaml (0600)
     rounds: 10
     quorum_fraction: 1.0                  # fraction of selected sites whose updates close a round early
     round_deadline_s: 600
@@ -31,6 +36,8 @@ Example (``wildfed-coordinator init`` writes this)::
     model: camera_cnn                     # or radio_unet (base-station radio maps) with privacy grouped and:
     radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
                                           #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
+    transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300}
+    ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -51,7 +58,7 @@ from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
 __all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
-           "ServerSGDConfig", "FedSOFIMConfig", "CoordinatorConfig", "load_config", "save_config"]
+           "ServerSGDConfig", "FedSOFIMConfig", "TransferConfig", "CoordinatorConfig", "load_config", "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -214,6 +221,29 @@ class RadioConfig(StrictModel):
         return self.defence in ("uniform", "adaptive")
 
 
+class TransferConfig(StrictModel):
+    """Chunked transfers, size limits and the replay window (``coordinator.transfers``, ``shared.transfer``)."""
+
+    chunk_size_bytes: int = Field(256 * 1024, ge=1024, description="chunk size of task downloads (bytes); well "
+                                  "under the broker's packet limit (EMQX 1 MB by default)")
+    max_chunk_bytes: int = Field(1 << 20, ge=1024, description="largest upload chunk accepted (bytes)")
+    max_update_bytes: int = Field(256 << 20, ge=1024, description="largest update a manifest may announce (bytes)")
+    max_message_bytes: int = Field((1 << 20) + 65536, ge=2048, description="largest MQTT payload looked at, "
+                                   "checked before parsing (bytes); at least max_chunk_bytes + 40")
+    ttl_s: float = Field(48 * 3600.0, gt=0, description="seconds after which an incomplete upload expires")
+    max_clock_skew_s: float = Field(300.0, ge=0, description="seconds a message may be signed in the future")
+    max_message_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="seconds after signing at which a "
+                                     "message is refused as stale")
+
+    @model_validator(mode="after")
+    def _fits(self) -> "TransferConfig":
+        if self.max_message_bytes < self.max_chunk_bytes + 40:
+            raise ValueError("transfer.max_message_bytes must be at least max_chunk_bytes + 40 (fix: raise it)")
+        if self.chunk_size_bytes > self.max_chunk_bytes:
+            raise ValueError("transfer.chunk_size_bytes must not exceed max_chunk_bytes (fix: lower it)")
+        return self
+
+
 class CoordinatorConfig(StrictModel):
     """Everything a :class:`coordinator.service.Coordinator` is built from (units in field descriptions).
 
@@ -227,6 +257,14 @@ class CoordinatorConfig(StrictModel):
     signing_key_path: Path = Path("keys/coordinator.key")
     public_key_path: Path = Path("keys/coordinator.pub")
     broker_url: str = "mqtt://127.0.0.1:1883"
+    broker_ca_file: Path | None = Field(None, description="PEM CA bundle of the broker's TLS certificate (mqtts://)")
+    broker_cert_file: Path | None = Field(None, description="PEM client certificate (mutual TLS; with "
+                                          "broker_key_file)")
+    broker_key_file: Path | None = Field(None, description="PEM key of broker_cert_file")
+    broker_username: str | None = Field(None, min_length=1, description="MQTT username (default: the one in "
+                                        "broker_password_file)")
+    broker_password_file: Path | None = Field(None, description="YAML {username, password}, mode 0600, written by "
+                                              "`wildfed-coordinator broker-config` (coordinator/broker-credentials.yaml)")
     rounds: int = Field(10, ge=1)
     sites_per_round: int | None = Field(None, ge=1, description="None -> every non-halted site")
     quorum_fraction: float = Field(1.0, gt=0, le=1)
@@ -259,6 +297,11 @@ class CoordinatorConfig(StrictModel):
                                                "head rows")
     model: Literal["camera_cnn", "radio_unet"] = Field("camera_cnn", description="camera traps or radio maps")
     radio: RadioConfig | None = Field(None, description="radio-map settings (model: radio_unet)")
+    transfer: TransferConfig = Field(default_factory=TransferConfig, description="chunked transfers, size limits, "
+                                     "replay window")
+    ingest_workers: int = Field(0, ge=0, description="0: this process ingests updates; N >= 1: N processes run "
+                                "`wildfed-coordinator ingest-worker` on an MQTT shared subscription and this one "
+                                "only opens, finalises (merges their partial sums) and closes rounds")
 
     @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
     @classmethod
@@ -287,6 +330,15 @@ class CoordinatorConfig(StrictModel):
         return v
 
     @model_validator(mode="after")
+    def _broker_tls_consistent(self) -> "CoordinatorConfig":
+        if (self.broker_cert_file is None) != (self.broker_key_file is None):
+            raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
+        tls_files = (self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
+        if self.broker_url.startswith("mqtt://") and any(f is not None for f in tls_files):
+            raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+        return self
+
+    @model_validator(mode="after")
     def _radio_consistent(self) -> "CoordinatorConfig":
         if self.model == "radio_unet":
             if self.radio is None:
@@ -299,6 +351,16 @@ class CoordinatorConfig(StrictModel):
                 raise ValueError("radio maps use strategy fedavg (NIRA's heads are the camera model's)")
         elif self.privacy == "grouped" or self.radio is not None:
             raise ValueError("privacy grouped and the radio: block are for model: radio_unet")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_consistent(self) -> "CoordinatorConfig":
+        if self.ingest_workers > 0:
+            if getattr(self.strategy, "kind", "fedavg") != "fedavg":
+                raise ValueError("ingest_workers merge FedAvg partial sums only: use strategy {kind: fedavg}, or "
+                                 "ingest_workers: 0 with NIRA")
+            if self.privacy == "global":
+                raise ValueError("privacy global runs secure aggregation in this process: use ingest_workers: 0")
         return self
 
     # -- derived -------------------------------------------------------------------------------------------------
@@ -322,8 +384,12 @@ class CoordinatorConfig(StrictModel):
 
         data_dir = fix(self.data_dir)
         url = self.database_url or f"sqlite:///{data_dir / 'coordinator.db'}"
+        broker_files = {name: fix(getattr(self, name)) for name in ("broker_ca_file", "broker_cert_file",
+                                                                   "broker_key_file", "broker_password_file")
+                        if getattr(self, name) is not None}
         return self.model_copy(update={"data_dir": data_dir, "signing_key_path": fix(self.signing_key_path),
-                                       "public_key_path": fix(self.public_key_path), "database_url": url})
+                                       "public_key_path": fix(self.public_key_path), "database_url": url,
+                                       **broker_files})
 
 
 def load_config(path: str | os.PathLike[str]) -> CoordinatorConfig:

@@ -42,6 +42,9 @@ from shared.errors import PayloadError
 from shared.protocol import DetectionRecord, decode_detection
 
 from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope, verify_site_envelope
+
+#: A detection record carries boxes and species scores, never the image: anything over 1 MiB is refused unparsed.
+MAX_DETECTION_BYTES = 1 << 20
 from coordinator.registry import SiteRegistry
 from coordinator.storage import DetectionRow, Store
 
@@ -106,7 +109,8 @@ class DetectionIngestor:
 
     # ---- checks --------------------------------------------------------------------------------------------
     def _parse(self, topic: str, raw: bytes) -> Envelope:
-        return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.DETECTION)
+        return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.DETECTION,
+                                   max_bytes=MAX_DETECTION_BYTES)
 
     def _verify(self, env: Envelope) -> None:
         verify_site_envelope(env, self._registry)

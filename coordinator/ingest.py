@@ -1,6 +1,8 @@
 """Ingest: turn one raw MQTT message into an accepted update or a counted, stored rejection.
 
-:meth:`Ingestor.handle` checks, in this order (the first failure decides the reason code):
+:class:`coordinator.transfers.TransferReceiver` comes first on the update topic: it refuses a payload over the size
+limit before parsing (``oversized``), reassembles chunked uploads (``bad_transfer``, ``unknown_transfer``) and hands
+whole envelopes here. :meth:`Ingestor.handle` then checks, in this order (the first failure decides the reason code):
 
 ==== ======================================================================== =====================
  #    check                                                                    reason on failure
@@ -11,7 +13,9 @@
  4    federation id of header and topic is ours                                 ``wrong_federation``
  5    site in the topic == site in the header                                   ``topic_mismatch``
  6    site is enrolled                                                          ``unknown_site``
+      and has a valid key (not revoked; a rotated-out key only in its grace)   ``no_valid_key``
  7    Ed25519 signature, payload length and SHA-256 verify (site's key)         ``bad_signature``
+ 7b   timestamp within the replay window (ReplayWindow)                         ``bad_timestamp``
  8    a round is open and the header's round is it                              ``wrong_round``
       (an update for a *past* round that selected the site is ``late``: its
       reported events are charged to the ledger, it is never aggregated)      ``late``
@@ -40,7 +44,8 @@ An accepted update is handled in this order: payload stored durably (blob fsync-
 ACK is published on the site's ack topic, THEN the delta is folded into the round's running sum. A site whose
 signature verified but whose update was refused gets a signed negative ACK with the reason; a re-delivery of an
 already stored update (same payload hash; MQTT QoS 1 is at-least-once) is counted as ``duplicate`` and re-ACKed
-positively so the gateway can drop it from its outbox.
+positively so the gateway can drop it from its outbox. Every ACK echoes the update's sequence (the idempotency key
+is site, round, sequence; docs/transport.md).
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ import enum
 import json
 import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +78,7 @@ from coordinator.storage import RoundRow, Store, UpdateRow
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport, TransportError
 
-__all__ = ["RejectReason", "Accepted", "Rejected", "RoundContext", "Ingestor"]
+__all__ = ["RejectReason", "ReplayWindow", "Accepted", "Rejected", "RoundContext", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +105,27 @@ class RejectReason(str, enum.Enum):
     HALTED_CATEGORY = "halted_category"
     OVER_BUDGET = "over_budget"
     SECAGG_PROTOCOL = "secagg_protocol"
+    OVERSIZED = "oversized"
+    BAD_TRANSFER = "bad_transfer"
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    NO_VALID_KEY = "no_valid_key"
+    REPLAYED = "replayed"
+    BAD_TIMESTAMP = "bad_timestamp"
+
+
+@dataclass(frozen=True)
+class ReplayWindow:
+    """How far a signed timestamp may stray from the coordinator's clock (``transfer:`` in the config).
+
+    Attributes:
+        max_clock_skew_s: seconds a message may be signed in the future (gateway clocks drift; GPS/NTP fix them).
+        max_message_age_s: seconds after signing at which a message is refused as stale. An outbox keeps an update
+            across outages of hours to days, so the default is 7 days; the round binding (round number and model
+            hash) is what refuses an old update for a new round.
+    """
+
+    max_clock_skew_s: float = 300.0
+    max_message_age_s: float = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -193,20 +220,49 @@ class _Reject(Exception):
         self.error_kind = type(error).__name__ if error is not None else "check"
 
 
-def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: MessageKind) -> Envelope:
+#: Largest message any site handler parses (bytes): a whole update, a detection record or a secure-aggregation stage.
+#: Update topics have their own, smaller limit (coordinator.transfers.TransferLimits).
+MAX_SITE_MESSAGE_BYTES = (256 << 20) + 65536
+
+
+MAX_HEADER_ROUND = 2 ** 31 - 1
+"""Largest round number a site envelope may carry (an SQL INTEGER column, 32-bit in PostgreSQL)."""
+MAX_HEADER_INT = 2 ** 63 - 1
+"""Largest sequence and timestamp a site envelope may carry (an SQL BIGINT column)."""
+
+
+def check_header_ranges(env: Envelope) -> None:
+    """Refuse header integers the database or a float cannot hold (the format allows any non-negative JSON
+    integer; a round of 2**64 would otherwise crash the rejection's own INSERT).
+
+    Raises:
+        _Reject: ``malformed_envelope``.
+    """
+    h = env.header
+    if h.round > MAX_HEADER_ROUND or h.sequence > MAX_HEADER_INT or h.timestamp > MAX_HEADER_INT:
+        raise _Reject(RejectReason.MALFORMED_ENVELOPE, f"header round, sequence or timestamp out of range (round <= "
+                      f"{MAX_HEADER_ROUND}, sequence and timestamp <= {MAX_HEADER_INT})")
+
+
+def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: MessageKind,
+                        max_bytes: int = MAX_SITE_MESSAGE_BYTES) -> Envelope:
     """Parse a message a site sent on its own topic and check everything that needs no key: the envelope parses,
     the topic is a WildFed topic of channel ``kind``, the header's kind, federation and site match the topic.
 
     Args:
         topic: the MQTT topic it arrived on. raw: the wire bytes. federation_id: ours. kind: UPDATE or DETECTION.
+        max_bytes: longer messages are refused before any parsing (``oversized``).
 
     Raises:
         _Reject: with the reason code (malformed envelope, bad topic, wrong kind, wrong federation, topic mismatch).
     """
+    if len(raw) > max_bytes:
+        raise _Reject(RejectReason.OVERSIZED, f"message of {len(raw)} bytes exceeds the limit of {max_bytes}")
     try:
         env = Envelope.from_bytes(raw)
     except MalformedEnvelopeError as exc:
         raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+    check_header_ranges(env)
     try:
         t_fed, t_site, channel = parse_topic(topic)
     except (MalformedEnvelopeError, ConfigError) as exc:
@@ -223,20 +279,48 @@ def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: Mes
     return env
 
 
-def verify_site_envelope(env: Envelope, registry: SiteRegistry) -> None:
-    """Check ``env`` against the enrolled public key of the site its header names.
+def _decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]:
+    """:func:`decode_update`, refusing report numbers no float holds (a JSON integer such as 10**400 passes
+    shared.protocol's checks but raises OverflowError where it is used: the weight, the ledger's accountant) and
+    JSON integers too long for Python to parse (ValueError).
 
     Raises:
-        _Reject: unknown site, or a signature / payload hash that does not verify.
+        _Reject: ``malformed_payload``.
     """
     try:
-        key = registry.get_public_key(env.header.site_id)
+        report, delta = decode_update(payload)
+        for ev in (*report.events.values(), *report.count_events.values()):
+            float(ev.noise_multiplier), float(ev.sampling_rate)
+    except (PayloadError, ValueError, OverflowError) as exc:  # ValueError: a JSON integer of > 4300 digits
+        raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+    return report, delta
+
+
+def verify_site_envelope(env: Envelope, registry: SiteRegistry) -> str:
+    """Check ``env`` against the currently valid keys of the site its header names (its current key, and during a
+    rotation's grace period the previous one; revoked keys never: ``SiteRegistry.verification_keys``).
+
+    Returns:
+        the hex fingerprint of the key that verified.
+
+    Raises:
+        _Reject: unknown site, a site with no valid key (revoked), or a signature / payload hash that does not verify.
+    """
+    try:
+        keys = registry.verification_keys(env.header.site_id)
     except UnknownSiteError as exc:
         raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
-    try:
-        verify(env, key)
-    except SignatureError as exc:
-        raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+    if not keys:
+        raise _Reject(RejectReason.NO_VALID_KEY, f"site {env.header.site_id!r} has no valid key (revoked or expired); "
+                      "an operator must rotate in a new one")
+    error: SignatureError | None = None
+    for fingerprint, key in keys:
+        try:
+            verify(env, key)
+            return fingerprint
+        except SignatureError as exc:
+            error = exc
+    raise _Reject(RejectReason.BAD_SIGNATURE, str(error), error)
 
 
 class Ingestor:
@@ -253,8 +337,14 @@ class Ingestor:
     """
 
     def __init__(self, *, federation_id: str, store: Store, registry: SiteRegistry, ledger: PrivacyLedger,
-                 transport: Transport, signing_key: Ed25519PrivateKey) -> None:
+                 transport: Transport, signing_key: Ed25519PrivateKey,
+                 replay_window: ReplayWindow | None = None, clock: Callable[[], float] = time.time) -> None:
         self.federation_id = federation_id
+        self.replay_window = replay_window or ReplayWindow()
+        self._clock = clock
+        #: ``callback(ctx, accepted)`` after an update is stored, ACKed and accumulated (an ingest worker writes its
+        #: partial sum there, ``coordinator.workers``); None: nothing.
+        self.on_accepted: Callable[[RoundContext, Accepted], None] | None = None
         self._store = store
         self._registry = registry
         self._ledger = ledger
@@ -293,17 +383,85 @@ class Ingestor:
                 env = self._parse(topic, raw)
                 self._verify(env)
                 verified = True
+                self.check_replay(env)
                 result: Accepted | Rejected = self._admit(env)
             except _Reject as rej:
-                h = env.header if env is not None else None
-                result = Rejected(reason=rej.reason, detail=rej.detail, error_kind=rej.error_kind,
-                                  site_id=h.site_id if h is not None else None,
-                                  round=h.round if h is not None else None)
-                self._record_rejection(topic, result)
-                if verified and env is not None:
-                    self._nack(env, result)
+                result = self._refuse(topic, rej, env, verified)
             self.changed.notify_all()
             return result
+
+    def _refuse(self, topic: str, rej: _Reject, env: Envelope | None, verified: bool) -> Rejected:
+        h = env.header if env is not None else None
+        result = Rejected(reason=rej.reason, detail=rej.detail, error_kind=rej.error_kind,
+                          site_id=h.site_id if h is not None else None, round=h.round if h is not None else None)
+        self._record_rejection(topic, result)
+        if verified and env is not None:
+            self._nack(env, result)
+        return result
+
+    def record_rejection(self, topic: str, rej: _Reject) -> Rejected:
+        """Count, log and store a rejection found before any envelope verified (e.g. by
+        :class:`coordinator.transfers.TransferReceiver`); no NACK is sent (the sender is not authenticated)."""
+        with self._lock:
+            return self._refuse(topic, rej, None, False)
+
+    def check_replay(self, env: Envelope) -> None:
+        """The time window of replay protection for a verified site envelope: its timestamp is at most
+        ``max_clock_skew_s`` in the future and at most ``max_message_age_s`` old.
+
+        The rest of replay protection is the binding of every update to (federation, site, round, base model hash)
+        under the site's signature, and its idempotency key (site, round, sequence): a replayed update is either a
+        duplicate of the stored one (re-ACKed, never aggregated or charged again), or an update for a closed round
+        (charged once: ledger rows are unique per site, round and category), or for a round that did not select the
+        site (refused). A strict per-site sequence floor is *not* applied to updates: it would refuse a genuine
+        late update whose events must still be charged.
+
+        Raises:
+            _Reject: ``bad_timestamp``.
+        """
+        h = env.header
+        now_ms = self._clock() * 1000.0
+        w = self.replay_window
+        if h.timestamp > now_ms + w.max_clock_skew_s * 1000.0:
+            raise _Reject(RejectReason.BAD_TIMESTAMP, f"signed {(h.timestamp - now_ms) / 1000:.0f} s in the future "
+                          f"(allowed clock skew {w.max_clock_skew_s:.0f} s); fix the gateway's clock (NTP/GPS)")
+        if h.timestamp < now_ms - w.max_message_age_s * 1000.0:
+            raise _Reject(RejectReason.BAD_TIMESTAMP, f"signed {(now_ms - h.timestamp) / 3600e3:.1f} h ago, older "
+                          f"than the allowed {w.max_message_age_s / 3600:.0f} h")
+
+    def precheck(self, env: Envelope) -> Rejected | None:
+        """The checks of an update that need only its (verified) header, for a MANIFEST announcing it: the round is
+        open (or is a past round that selected the site: a late update is still received, to be charged), the
+        site was selected, the model version matches, and no update of the site is stored for the round (an
+        announcement of the stored update itself is ACKed again). Refusals are recorded and NACKed.
+
+        Returns:
+            None when the chunks may come, else the :class:`Rejected`.
+        """
+        with self._lock:
+            h = env.header
+            ctx = self._ctx
+            try:
+                if ctx is None or h.round != ctx.round:
+                    if self._selected_in_past_round(h.round, h.site_id):
+                        row = self._stored(h.round, h.site_id)
+                        if row is None:
+                            return None
+                        raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored round {h.round}")
+                    open_r = "none" if ctx is None else str(ctx.round)
+                    raise _Reject(RejectReason.WRONG_ROUND, f"update for round {h.round}, open round is {open_r}")
+                if h.site_id not in ctx.selected:
+                    raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round "
+                                  f"{ctx.round}")
+                if h.base_model_hash != ctx.expected_hash(h.site_id):
+                    raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, "
+                                  f"round {ctx.round} trains from {ctx.expected_hash(h.site_id)[:12]}")
+                if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
+                    raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for "
+                                  f"round {ctx.round}")
+            except _Reject as rej:
+                return self._refuse(f"manifest of {h.site_id}", rej, env, True)
+            return None
 
     def __call__(self, topic: str, raw: bytes) -> None:
         """Transport callback form of :meth:`handle`."""
@@ -338,26 +496,27 @@ class Ingestor:
         # PayloadError: here they get their own reason codes.
         try:
             raw_tensors, _ = decode_tensors(env.payload)
-        except PayloadError as exc:
+        except (PayloadError, ValueError) as exc:  # ValueError: a JSON integer of > 4300 digits in the header
             raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
         self._check_tensors(ctx, raw_tensors)
         del raw_tensors
-        try:
-            report, delta = decode_update(env.payload)
-        except PayloadError as exc:
-            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+        report, delta = _decode_update(env.payload)
         events = self._check_report(ctx, h.site_id, report)
         weight = float(report.num_examples)  # N_k: declared public (shared.protocol.UpdateReport, docs/privacy.md)
 
         # 1. durable storage first
         digest = self._store.put_blob(env.payload)
         try:
-            with self._store.session() as s:
-                s.add(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
-                                num_examples=int(report.num_examples), payload_sha256=digest))
+            stored = self._store.add_update_if_open(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
+                                                              num_examples=int(report.num_examples),
+                                                              payload_sha256=digest))
         except IntegrityError as exc:  # another worker stored one first (unique round+site)
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored for round {ctx.round}",
                           exc) from exc
+        if not stored:  # the finaliser closed the round meanwhile (scale-out): a late update, charged
+            self._charge(h.site_id, ctx.round, events, {IUCNCategory(c): e for c, e in report.count_events.items()})
+            raise _Reject(RejectReason.LATE, f"round {ctx.round} closed while this update was checked; its events "
+                          "were charged to the ledger, it is not aggregated")
         accepted = Accepted(site_id=h.site_id, round=ctx.round, sequence=h.sequence,
                             num_examples=int(report.num_examples), weight=weight, payload_sha256=digest,
                             events=events, count_events=dict(report.count_events),
@@ -368,6 +527,8 @@ class Ingestor:
         # 3. then the running sum
         ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight),
                                 species_counts=report.species_counts or None)
+        if self.on_accepted is not None:
+            self.on_accepted(ctx, accepted)
         self.counts["accepted"] += 1
         log.info("ingest: accepted round %d update from %s (N=%d, %d bytes)", ctx.round, h.site_id,
                  report.num_examples, len(env.payload))
@@ -395,7 +556,7 @@ class Ingestor:
     def _check_report(self, ctx: RoundContext, site_id: str, report: UpdateReport
                       ) -> dict[IUCNCategory, DPSGDEvent]:
         n, steps = report.num_examples, report.local_steps
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HEADER_ROUND:
             raise _Reject(RejectReason.BAD_REPORT, f"num_examples is {n!r}, must be a positive integer")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= ctx.local_steps:
             raise _Reject(RejectReason.BAD_REPORT, f"local_steps is {steps!r}, task asked for {ctx.local_steps}")
@@ -461,10 +622,7 @@ class Ingestor:
         if self._stored(h.round, h.site_id) is not None:
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{h.round}")
-        try:
-            report, _ = decode_update(env.payload)
-        except PayloadError as exc:
-            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+        report, _ = _decode_update(env.payload)
         self._charge(h.site_id, h.round, report.events, report.count_events)
 
     def _charge(self, site_id: str, round: int, events: Mapping[IUCNCategory, DPSGDEvent],
@@ -489,7 +647,10 @@ class Ingestor:
     def _nack(self, env: Envelope, rej: Rejected) -> None:
         if rej.reason is RejectReason.DUPLICATE:
             row = self._stored(env.header.round, env.header.site_id)
-            if row is not None and row.payload_sha256 == env.header.payload_sha256:
+            same = row is not None and (row.payload_sha256 == env.header.payload_sha256
+                                        or (env.header.kind == MessageKind.MANIFEST
+                                            and row.sequence == env.header.sequence))
+            if same:
                 self._send_ack(env, Ack(round=env.header.round, accepted=True, reason="duplicate: already stored"))
                 return
         self._send_ack(env, Ack(round=env.header.round, accepted=False, reason=f"{rej.reason.value}: {rej.detail}"))

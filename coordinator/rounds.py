@@ -37,10 +37,12 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -51,6 +53,7 @@ from shared.envelope import MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.topics import task_topic
+from shared.transfer import NO_TRANSFER, Receipt, send
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
@@ -64,7 +67,8 @@ from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport
 
-__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
+__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories", "answer_download_receipt",
+           "outgoing_task_path", "send_task_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,47 @@ def _test_crash_point(name: str) -> None:
     """TEST ONLY: SIGKILL this process here when ``$WILDFED_TEST_CRASH_AT == name`` (see the module docstring)."""
     if os.environ.get(_CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
+    """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends):
+    ``<data_dir>/outgoing/<r>/<site>.task``."""
+    return config.data_dir / "outgoing" / str(r) / f"{site_id}.task"
+
+
+def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey, site_id: str,
+                    data: bytes, *, missing: tuple[int, ...] | None = None) -> int:
+    """Publish a sealed task on the site's task topic, chunked past ``transfer.chunk_size_bytes``
+    (``shared.transfer.send``); returns the number of messages."""
+    topic = task_topic(config.federation_id, site_id)
+    return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
+                chunk_size=config.transfer.chunk_size_bytes, missing=missing)
+
+
+def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey,
+                            ctx: RoundContext | None, site_id: str, round: int, receipt: Receipt) -> None:
+    """Answer a site's download receipt (``coordinator.transfers``): resend the missing chunks of its task for the
+    open round ``ctx``, or the whole task when the site holds nothing yet (``shared.transfer.NO_TRANSFER``: it was
+    offline when the round opened). Receipts with no open round, from a site not selected, or from a site whose
+    update is already in, are ignored (logged). Ingest workers answer them too: the task files are in the shared
+    ``data_dir``."""
+    if ctx is None or site_id not in ctx.selected or site_id in ctx.accepted:
+        log.info("rounds: receipt from %s for round %d ignored (no open round for it)", site_id, round)
+        return
+    try:
+        data = outgoing_task_path(config, ctx.round, site_id).read_bytes()
+    except FileNotFoundError:
+        log.warning("rounds: no stored task of round %d for %s to resend", ctx.round, site_id)
+        return
+    if receipt.transfer_id == NO_TRANSFER:
+        sent = send_task_bytes(config, transport, key, site_id, data)
+    elif receipt.transfer_id == hashlib.sha256(data).hexdigest():
+        sent = send_task_bytes(config, transport, key, site_id, data, missing=receipt.missing)
+    else:
+        log.info("rounds: receipt from %s names transfer %s, not its round-%d task", site_id, receipt.transfer_id[:12],
+                 ctx.round)
+        return
+    log.info("rounds: resent round %d task to %s (%d messages)", ctx.round, site_id, sent)
 
 
 class RoundManager:
@@ -306,6 +351,13 @@ class RoundManager:
         """
         need = self.quorum(len(ctx.selected))
         deadline = self._clock() + (self.config.round_deadline_s if timeout_s is None else timeout_s)
+        if self.config.ingest_workers > 0:  # the workers store; this process watches the updates table
+            while True:
+                have = len(self._store.updates_for_round(ctx.round))
+                left = deadline - self._clock()
+                if have >= need or left <= 0:
+                    return have >= need
+                time.sleep(min(left, 0.2))
         with self._ingestor.changed:
             while len(ctx.accepted) < need:
                 left = deadline - self._clock()
@@ -319,11 +371,29 @@ class RoundManager:
         t0 = self._clock()
         self._ingestor.close_round()
         weights = ctx.bundle if ctx.bundle is not None else ctx.template
+        if self.config.ingest_workers > 0:
+            self._finalise_from_workers(ctx, weights)
         status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
         return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
                            accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
                            duration_s=self._clock() - t0,
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
+
+    def _finalise_from_workers(self, ctx: RoundContext, weights: Mapping[str, np.ndarray]) -> None:
+        """Scale-out close (``coordinator.workers``): mark the round ``closing`` under the round row's lock (from then
+        on a worker charges an update as late instead of storing it), then take the merged partial sums and the
+        stored updates' reports as this round's aggregate and accepted set."""
+        from coordinator.workers import collect_round
+
+        with self._store.session() as s:
+            row = s.scalars(select(RoundRow).where(RoundRow.round == ctx.round).with_for_update()).first()
+            assert row is not None
+            row.status = "closing"
+        merged, accepted = collect_round(self._store, ctx.round, weights)
+        ctx.strategy.begin_round(weights)
+        ctx.strategy.absorb(merged)  # type: ignore[attr-defined] - FedAvg (the config refuses other strategies)
+        ctx.accepted.clear()
+        ctx.accepted.update(accepted)
 
     def run_global_round(self) -> RoundResult:
         """One Global DP round (:mod:`coordinator.global_dp`): select, send tasks with secagg settings, run secure
@@ -440,7 +510,22 @@ class RoundManager:
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
                    base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
                    payload=encode_task(task, weights, artifacts))
-        self._transport.publish(task_topic(cfg.federation_id, site_id), env.to_bytes(), qos=1)
+        data = env.to_bytes()
+        path = self._outgoing_path(r, site_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)  # kept for resends while the round is open (resend_task); no fsync needed
+        self._send_bytes(site_id, data)
+
+    def _send_bytes(self, site_id: str, data: bytes) -> int:
+        return send_task_bytes(self.config, self._transport, self._key, site_id, data)
+
+    def _outgoing_path(self, r: int, site_id: str) -> Path:
+        return outgoing_task_path(self.config, r, site_id)
+
+    def resend_task(self, site_id: str, round: int, receipt: Receipt) -> None:
+        """Answer a site's download receipt (see :func:`answer_download_receipt`) for this process's open round."""
+        answer_download_receipt(self.config, self._transport, self._key, self._ingestor.context, site_id, round,
+                                receipt)
 
     def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
         """Ledger first (durable), then aggregate + step + store. Returns ``(status, model hash after)``."""
@@ -471,6 +556,7 @@ class RoundManager:
             row.closed_at = utcnow()
         log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
                  new_hash[:12])
+        shutil.rmtree(self.config.data_dir / "outgoing" / str(ctx.round), ignore_errors=True)
         if status == "closed":
             for line in ctx.strategy.end_round(ctx.round):
                 log.info("rounds: round %d: %s", ctx.round, line)
@@ -481,7 +567,8 @@ class RoundManager:
         """Close every round a previous process left ``open``, from its durably stored updates."""
         results = []
         with self._store.session() as s:
-            open_rows = list(s.scalars(select(RoundRow).where(RoundRow.status == "open").order_by(RoundRow.round)))
+            open_rows = list(s.scalars(select(RoundRow).where(RoundRow.status.in_(("open", "closing")))
+                                       .order_by(RoundRow.round)))
         for row in open_rows:
             t0 = self._clock()
             if row.privacy == "global":

@@ -10,7 +10,8 @@
 
 Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
 :class:`~coordinator.registry.SiteRegistry`, :class:`~coordinator.ledger.PrivacyLedger`,
-:class:`~coordinator.ingest.Ingestor` (subscribed to ``shared.topics.updates_filter``),
+:class:`~coordinator.transfers.TransferReceiver` (subscribed to ``shared.topics.updates_filter``: size limits,
+chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
 :class:`~coordinator.detections.DetectionIngestor` (subscribed to ``shared.topics.detections_filter``),
 :class:`~coordinator.global_dp.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
 :class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
@@ -36,7 +37,7 @@ from shared.topics import detections_filter, secagg_filter, updates_filter
 from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionIngestor
 from coordinator.global_dp import SecAggCollector
-from coordinator.ingest import Ingestor
+from coordinator.ingest import Ingestor, ReplayWindow
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
@@ -45,7 +46,8 @@ from coordinator.rounds import RoundManager, RoundResult
 from coordinator.storage import Store
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transport import MqttTransport, Transport
+from coordinator.transfers import TransferLimits, TransferReceiver
+from coordinator.transport import MqttTransport, Transport, transport_from_config
 
 __all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy", "build_optimizer"]
 
@@ -114,12 +116,13 @@ class Coordinator:
         self.registry = SiteRegistry(self.store)
         self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
         self._owns_transport = transport is None
-        self.transport: Transport = transport if transport is not None else MqttTransport(
-            config.broker_url, client_id=f"wildfed-coordinator-{config.federation_id}")
+        self.transport: Transport = transport if transport is not None else transport_from_config(config)
         self._key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)
         self._initial_weights = initial_weights
+        t = config.transfer
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
-                                 ledger=self.ledger, transport=self.transport, signing_key=self._key)
+                                 ledger=self.ledger, transport=self.transport, signing_key=self._key,
+                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
         self.detections = DetectionIngestor(federation_id=config.federation_id, store=self.store,
                                             registry=self.registry)
         if strategy is None:
@@ -130,6 +133,12 @@ class Coordinator:
                                    strategy=strategy,
                                    optimizer=optimizer or build_optimizer(config),
                                    signing_key=self._key, secagg_collector=self.secagg)
+        self.transfers = TransferReceiver(
+            federation_id=config.federation_id, store=self.store, registry=self.registry, ingestor=self.ingestor,
+            transport=self.transport, signing_key=self._key,
+            limits=TransferLimits(max_chunk_bytes=t.max_chunk_bytes, max_update_bytes=t.max_update_bytes,
+                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s),
+            on_download_receipt=self.rounds.resend_task)
         self._started = False
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -161,7 +170,8 @@ class Coordinator:
             return []
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
-        self.transport.subscribe(updates_filter(self.config.federation_id), self.ingestor)
+        if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
+            self.transport.subscribe(updates_filter(self.config.federation_id), self.transfers)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         self.ensure_initial_model()

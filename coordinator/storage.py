@@ -6,7 +6,10 @@ writes through :class:`Store`; none of them builds an engine or touches the blob
 Tables (SQLite by default, PostgreSQL by URL):
 
 ============== ===========================================================================================
-``sites``       enrolled gateways: site id, Ed25519 public key (PEM), public metadata (JSON), enrol time
+``sites``       enrolled gateways: site id, current Ed25519 public key (PEM), public metadata (JSON), enrol time
+``site_keys``   every key a site has had since rotation/revocation began (coordinator.registry): fingerprint,
+                PEM, created, ``valid_until`` (end of a rotation's grace period), ``revoked_at``; a site with no
+                row here (enrolled before this table existed, or by provisioning) has exactly its ``sites`` key
 ``rounds``      one row per round: status (``open`` / ``closed`` / ``failed``), base and new model hash,
                 selected sites, accepted count, open/close times
 ``updates``     accepted updates: round, site, envelope sequence, ``num_examples``, payload SHA-256 (the
@@ -18,6 +21,9 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``halts``       (site, IUCN category) pairs whose budget is exhausted, with the round that halted them
 ``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
                 the record as JSON plus indexed columns for the ranger view
+``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
+``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
+                (coordinator.workers)
 ============== ===========================================================================================
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
@@ -46,6 +52,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -63,6 +70,7 @@ from shared.errors import ConfigError
 __all__ = [
     "Base",
     "SiteRow",
+    "SiteKeyRow",
     "RoundRow",
     "StrategyStateRow",
     "UpdateRow",
@@ -71,6 +79,8 @@ __all__ = [
     "ModelVersionRow",
     "HaltRow",
     "DetectionRow",
+    "TransferRow",
+    "PartialSumRow",
     "Store",
     "utcnow",
 ]
@@ -93,6 +103,25 @@ class SiteRow(Base):
     public_key_pem: Mapped[str] = mapped_column(Text)
     metadata_json: Mapped[str] = mapped_column(Text, default="{}")
     enrolled_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class SiteKeyRow(Base):
+    """One Ed25519 key of a site, for rotation and revocation (coordinator.registry.SiteRegistry).
+
+    ``valid_until`` (naive UTC) is set on the *old* key when the site rotates (end of the grace period; None: no
+    end); ``revoked_at`` (naive UTC) ends it at once. Rows are added by the registry only when a key is rotated
+    or revoked, so databases written before this table existed stay readable: their ``sites`` key is valid.
+    """
+
+    __tablename__ = "site_keys"
+    __table_args__ = (UniqueConstraint("site_id", "fingerprint", name="uq_site_keys_site_fp"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), ForeignKey("sites.site_id"), index=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    public_key_pem: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    valid_until: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    revoked_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class RoundRow(Base):
@@ -214,6 +243,38 @@ class DetectionRow(Base):
     payload_sha256: Mapped[str] = mapped_column(String(64))
     sent_at: Mapped[_dt.datetime] = mapped_column(DateTime)
     received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class TransferRow(Base):
+    """An incomplete chunked upload (coordinator.transfers): the verified manifest payload and its expiry. The
+    chunk data lives in ``<data_dir>/transfers/<transfer_id>/``; the row is deleted once the update is reassembled
+    and handed to ingest, or when it expires."""
+
+    __tablename__ = "transfers"
+    transfer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    sequence: Mapped[int] = mapped_column(BigInteger)
+    manifest_payload: Mapped[bytes] = mapped_column(LargeBinary)
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    expires_at: Mapped[_dt.datetime] = mapped_column(DateTime, index=True)
+
+
+class PartialSumRow(Base):
+    """One ingest worker's partial FedAvg sum for one round (coordinator.workers): the running weighted sum as a
+    blob (float64 safetensors), the sites it covers with what their updates reported (JSON), and its total weight.
+    The finaliser merges the rows of a round (aggregation is associative)."""
+
+    __tablename__ = "partial_sums"
+    __table_args__ = (UniqueConstraint("round", "worker_id", name="uq_partial_round_worker"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    round: Mapped[int] = mapped_column(Integer, index=True)
+    worker_id: Mapped[str] = mapped_column(String(64))
+    blob_sha256: Mapped[str] = mapped_column(String(64))
+    sites_json: Mapped[str] = mapped_column(Text)
+    total_weight: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -376,6 +437,24 @@ class Store:
         """All round rows, oldest first."""
         with self.session() as s:
             return list(s.scalars(select(RoundRow).order_by(RoundRow.round)))
+
+    def add_update_if_open(self, row: UpdateRow) -> bool:
+        """Insert an accepted update's row only while its round is ``open``, under a lock on the round's row
+        (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite serialises writers anyway), so that an ingest worker and
+        the finaliser closing the round agree on which updates the round holds.
+
+        Returns:
+            False when the round is no longer open (nothing is written).
+
+        Raises:
+            sqlalchemy.exc.IntegrityError: an update of this (round, site) is already stored.
+        """
+        with self.session() as s:
+            status = s.scalars(select(RoundRow.status).where(RoundRow.round == row.round).with_for_update()).first()
+            if status is not None and status != "open":
+                return False
+            s.add(row)
+        return True
 
     def updates_for_round(self, round: int) -> list[UpdateRow]:
         """Accepted-update rows of one round, in arrival order."""

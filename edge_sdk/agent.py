@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
+import random
+import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,8 @@ from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, Up
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
+from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, TransferError, decode_manifest, decode_receipt,
+                             encode_receipt, is_chunk, send)
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
@@ -56,6 +61,17 @@ __all__ = ["EdgeAgent", "build_backend", "requested_backend", "update_message_id
 log = logging.getLogger(__name__)
 
 _LAST_ROUND = "last_round"
+_CRASH_ENV = "WILDFED_TEST_CRASH_AT"
+
+
+def _test_crash_point(name: str) -> None:
+    """TEST ONLY: SIGKILL this process here when ``$WILDFED_TEST_CRASH_AT == name``. The one point is
+    ``mid_upload``: after the manifest and two chunks of a chunked upload went out (tests/test_faults.py). Never set
+    it in production."""
+    if os.environ.get(_CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 _SEQUENCE = "sequence"
 
 
@@ -171,6 +187,9 @@ class EdgeAgent:
         self._secagg_topic = secagg_topic(config.federation_id, config.site_id)
         self._secagg: _SecAggRound | None = None
         self._radio_trainer: RadioSiteTrainer | None = None
+        self._downloads: dict[str, Reassembly] = {}  # transfer id -> chunked task download in progress
+        self._completed_downloads: deque[str] = deque(maxlen=16)  # recent transfer ids (repeats are ignored)
+        self._next_resend = time.monotonic() + self._resend_delay()
 
     @classmethod
     def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
@@ -196,9 +215,9 @@ class EdgeAgent:
         log.info("site %s: %d %s loaded from %s", config.site_id, len(dataset),
                  "radio maps" if config.task == "radiomap" else "records", config.dataset)
         if transport is None:
-            from edge_sdk.uplink.mqtt import MqttTransport
+            from edge_sdk.uplink.mqtt import transport_from_config
 
-            transport = MqttTransport(config.broker_url, client_id=f"wildfed-{config.federation_id}-{config.site_id}")
+            transport = transport_from_config(config)  # TLS, credentials, last will (docs/security.md)
         return cls(config=config, transport=transport, signing_key=signing_key, coordinator_key=coordinator_key,
                    dataset=dataset)
 
@@ -256,6 +275,10 @@ class EdgeAgent:
             if (max_rounds is not None and trained >= max_rounds and not self.outbox.pending()
                     and self._secagg is None):
                 break
+            if time.monotonic() >= self._next_resend:
+                self._next_resend = time.monotonic() + self._resend_delay()
+                if self.outbox.pending():
+                    self.resend_pending()
             try:
                 kind, payload = self._inbox.get(timeout=0.1)
             except queue.Empty:
@@ -264,15 +287,112 @@ class EdgeAgent:
                     break
                 continue
             last_activity = time.monotonic()
-            if kind == "task" and self._is_secagg(payload):
-                self.handle_secagg(payload)
-            elif kind == "task":
-                trained += int(self.handle_task(payload))
+            if kind == "task":
+                trained += int(self.handle_task_message(payload))
+            elif kind == "ack" and self._kind_of(payload) == MessageKind.RECEIPT:
+                self.handle_receipt(payload)
             elif kind == "ack":
                 self.handle_ack(payload)
             elif kind == "connected":
                 self.resend_pending()
+                self.request_downloads()
         return trained
+
+    def _resend_delay(self) -> float:
+        """Seconds to the next periodic resend of unacknowledged updates: the interval with +-50 % jitter, so that
+        gateways cut off together do not all resend at once (AWS Architecture Blog, "Exponential Backoff And
+        Jitter", 2015)."""
+        return self.config.resend_interval_s * random.uniform(0.5, 1.5)
+
+    @staticmethod
+    def _kind_of(data: bytes) -> MessageKind | None:
+        """The kind an envelope claims (verified later, by its handler), or None for anything else."""
+        try:
+            return Envelope.from_bytes(data).header.kind
+        except MalformedEnvelopeError:
+            return None
+
+    def handle_task_message(self, data: bytes) -> bool:
+        """One message from the task topic: a whole TASK, the manifest or a chunk of a chunked one
+        (``shared.transfer``), or a secure-aggregation stage. Returns True if the site trained."""
+        if is_chunk(data):
+            return self._download_chunk(data)
+        kind = self._kind_of(data)
+        if kind == MessageKind.MANIFEST:
+            self._download_manifest(data)
+            return False
+        if kind == MessageKind.SECAGG:
+            self.handle_secagg(data)
+            return False
+        return self.handle_task(data)
+
+    # -- chunked task downloads ----------------------------------------------------------------------------
+    def _download_manifest(self, data: bytes) -> None:
+        envelope = self._open(data, MessageKind.MANIFEST, "manifest")
+        if envelope is None:
+            return
+        try:
+            manifest = decode_manifest(envelope.payload)
+        except TransferError as exc:
+            self._reject("manifest", exc.reason, str(exc))
+            return
+        if manifest.kind != MessageKind.TASK or manifest.total_length > self.config.max_task_bytes:
+            self._reject("manifest", "oversized" if manifest.kind == MessageKind.TASK else "wrong_kind",
+                         f"{manifest.kind.value} of {manifest.total_length} bytes (this site takes tasks of at most "
+                         f"{self.config.max_task_bytes} bytes)")
+            return
+        last = int(self.outbox.get_state(_LAST_ROUND, "-1"))
+        if envelope.header.round <= last:
+            self._reject("manifest", "stale_round", f"round {envelope.header.round} <= last trained round {last}")
+            return
+        for tid in [t for t, r in self._downloads.items() if r.expired()]:
+            del self._downloads[tid]
+            self.stats["downloads_expired"] += 1
+        if manifest.transfer_id in self._downloads or manifest.transfer_id in self._completed_downloads:
+            return  # a repeat: the chunks held are kept
+        self._downloads[manifest.transfer_id] = Reassembly(manifest, envelope, ttl_s=self.config.download_ttl_s)
+        log.info("site %s: round %d task announced (%d bytes in %d chunks)", self.config.site_id,
+                 envelope.header.round, manifest.total_length, manifest.num_chunks)
+
+    def _download_chunk(self, data: bytes) -> bool:
+        try:
+            chunk = Chunk.from_bytes(data, max_data_bytes=max(self.config.chunk_size_bytes, 1 << 20))
+            reassembly = self._downloads.get(chunk.transfer_id)
+            if reassembly is None:
+                if chunk.transfer_id not in self._completed_downloads:
+                    self._reject("chunk", "unknown_transfer", f"chunk {chunk.index} of {chunk.transfer_id[:12]}")
+                return False
+            if not reassembly.add(chunk):
+                return False
+            inner = reassembly.assemble()
+        except TransferError as exc:
+            self._reject("chunk", exc.reason, str(exc))
+            return False
+        del self._downloads[chunk.transfer_id]
+        self._completed_downloads.append(chunk.transfer_id)
+        return self.handle_task(inner)
+
+    def request_downloads(self) -> int:
+        """After a (re)connect: ask the coordinator for the missing chunks of every unfinished task download, or,
+        when none is in progress and no update waits for its ACK, for the open round's task (a site that was
+        offline when the round opened). Returns the number of receipts sent."""
+        receipts = [(r.envelope.header.round, r.envelope.header.base_model_hash, Receipt(t, r.missing()))
+                    for t, r in self._downloads.items() if not r.expired()]
+        if not receipts and not self.outbox.pending() and self._secagg is None:
+            nxt = int(self.outbox.get_state(_LAST_ROUND, "-1")) + 1
+            receipts = [(nxt, "", Receipt(NO_TRANSFER, ()))]
+        sent = 0
+        for round_, base_hash, receipt in receipts:
+            envelope = seal(private_key=self._signing_key, federation_id=self.config.federation_id,
+                            site_id=self.config.site_id, round=round_, base_model_hash=base_hash,
+                            kind=MessageKind.RECEIPT, sequence=self._next_sequence(), payload=encode_receipt(receipt))
+            try:
+                self.transport.publish(self._update_topic, envelope.to_bytes(), qos=1)
+                sent += 1
+            except TransportError as exc:
+                log.warning("site %s: receipt not sent (%s); asked again at the next reconnect", self.config.site_id,
+                            exc)
+        return sent
 
     # -- message handling ----------------------------------------------------------------------------------
     def _reject(self, what: str, reason: str, detail: str) -> None:
@@ -298,14 +418,6 @@ class EdgeAgent:
             self._reject(what, "wrong_site", f"addressed to {header.site_id!r}")
             return None
         return envelope
-
-    @staticmethod
-    def _is_secagg(data: bytes) -> bool:
-        """Whether a message on the task topic claims to be a SECAGG envelope (verified later, in its handler)."""
-        try:
-            return Envelope.from_bytes(data).header.kind == MessageKind.SECAGG
-        except MalformedEnvelopeError:
-            return False
 
     def _randomness(self, task: TrainingTask) -> RandomSource:
         if task.seed is None:
@@ -562,9 +674,22 @@ class EdgeAgent:
             return False
         return True
 
-    def _publish(self, message_id: str, topic: str, payload: bytes) -> bool:
+    def _publish(self, message_id: str, topic: str, payload: bytes, *, resume: bool = False,
+                 missing: tuple[int, ...] | None = None) -> bool:
+        """Publish an outbox message: whole, or as a manifest and chunks when it is larger than
+        ``config.chunk_size_bytes``; ``resume`` sends only the manifest (the coordinator answers with a receipt),
+        ``missing`` only those chunks (``shared.transfer.send``)."""
+        published = [0]
+
+        def publish(t: str, p: bytes) -> None:
+            self.transport.publish(t, p, qos=1)
+            published[0] += 1
+            if published[0] == 3 and is_chunk(p):
+                _test_crash_point("mid_upload")
+
         try:
-            self.transport.publish(topic, payload, qos=1)
+            send(publish, topic, payload, private_key=self._signing_key, chunk_size=self.config.chunk_size_bytes,
+                 resume=resume, missing=missing)
         except TransportError as exc:
             self.stats["publish_failed"] += 1
             log.warning("site %s: publish of %s failed (%s); it stays in the outbox", self.config.site_id,
@@ -587,6 +712,11 @@ class EdgeAgent:
         if ack.round != envelope.header.round:
             self._reject("ack", "header_mismatch", f"ack round {ack.round} != header round {envelope.header.round}")
             return False
+        pending = self.outbox.get(update_message_id(ack.round))
+        if pending is not None and Envelope.from_bytes(pending.payload).header.sequence != envelope.header.sequence:
+            self._reject("ack", "stale_ack", f"ack for sequence {envelope.header.sequence}, the pending update of round "
+                         f"{ack.round} has another sequence")
+            return False
         removed = self.outbox.remove(update_message_id(ack.round))
         if ack.accepted:
             self.stats["acks_accepted"] += 1
@@ -598,11 +728,34 @@ class EdgeAgent:
                       ack.reason or "no reason given")
         return removed
 
+    def handle_receipt(self, data: bytes) -> bool:
+        """Verify the coordinator's RECEIPT for a chunked upload and send the chunks it lists as missing; returns
+        True if chunks were sent."""
+        envelope = self._open(data, MessageKind.RECEIPT, "receipt")
+        if envelope is None:
+            return False
+        try:
+            receipt = decode_receipt(envelope.payload)
+        except TransferError as exc:
+            self._reject("receipt", exc.reason, str(exc))
+            return False
+        for message in self.outbox.pending():
+            if hashlib.sha256(message.payload).hexdigest() == receipt.transfer_id:
+                log.info("site %s: resuming %s: %d chunk(s) missing", self.config.site_id, message.message_id,
+                         len(receipt.missing))
+                self.stats["uploads_resumed"] += 1
+                return self._publish(message.message_id, message.topic, message.payload, missing=receipt.missing)
+        self._reject("receipt", "unknown_transfer", f"no pending upload {receipt.transfer_id[:12]}")
+        return False
+
     def resend_pending(self) -> int:
-        """Publish every pending outbox message again (after a (re)connect); returns how many went out."""
+        """Publish every pending outbox message again (after a (re)connect, and every ``resend_interval_s``):
+        a small one whole, a chunked one as a resume manifest (only the missing chunks follow, on the coordinator's
+        receipt). Returns how many went out."""
         sent = 0
         for message in self.outbox.pending():
             log.info("site %s: resending %s", self.config.site_id, message.message_id)
-            sent += int(self._publish(message.message_id, message.topic, message.payload))
+            sent += int(self._publish(message.message_id, message.topic, message.payload,
+                                      resume=len(message.payload) > self.config.chunk_size_bytes))
         return sent
 

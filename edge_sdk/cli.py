@@ -301,9 +301,10 @@ def detect(
         site = load_site_config(config) if config is not None else None
         class_names = {s.class_index: s.scientific_name for s in site.species} if site is not None else None
         if publish and site is not None:
-            from edge_sdk.uplink.mqtt import MqttTransport
+            from edge_sdk.uplink.mqtt import transport_from_config
 
-            transport = MqttTransport(site.broker_url, client_id=f"wildfed-{site.federation_id}-{site.site_id}-detect")
+            transport = transport_from_config(site, client_id=f"wildfed-{site.federation_id}-{site.site_id}-detect",
+                                              presence=False)
             transport.connect()
             publisher = DetectionPublisher(transport, private_key=load_private_key(site.private_key),
                                            federation_id=site.federation_id, site_id=site.site_id)

@@ -14,7 +14,10 @@ Example::
       - {scientific_name: Equus quagga, class_index: 9, iucn_category: NT}
     private_key: keys/site.key       # Ed25519 PEM, 0600
     coordinator_public_key: keys/coordinator.pub
-    broker_url: mqtt://127.0.0.1:1883
+    broker_url: mqtt://127.0.0.1:1883     # or mqtts://broker.example.org:8883 (TLS) with:
+    # broker_ca_file: keys/broker-ca.pem            the CA that signed the broker's certificate
+    # broker_password_file: keys/broker-credentials.yaml   {username, password}, mode 0600 (broker-config)
+    # broker_cert_file / broker_key_file: keys/client.crt / keys/client.key   (mutual TLS, optional)
     outbox: state/outbox.sqlite
     profile: jetson-orin-nano        # optional: firmware_configs/jetson-orin-nano.yaml
     threads: 2                       # overrides the profile
@@ -92,7 +95,13 @@ class SiteConfig(BaseModel):
             CCDP categories.
         private_key: the site's Ed25519 private key (PEM).
         coordinator_public_key: the coordinator's Ed25519 public key (PEM); tasks and acks must verify with it.
-        broker_url: ``mqtt://host:port``.
+        broker_url: ``mqtt://host:port``, or ``mqtts://host:port`` for TLS (default port 8883).
+        broker_ca_file: PEM CA bundle that signs the broker's certificate (``mqtts://``; default: system CAs, or the
+            installed profile's ``broker.ca_file``).
+        broker_cert_file, broker_key_file: PEM client certificate and key (mutual TLS; both or neither).
+        broker_username: MQTT username (default: the one in ``broker_password_file``).
+        broker_password_file: YAML ``{username, password}`` (mode 0600) written by ``wildfed-coordinator
+            broker-config`` as ``sites/<id>/broker-credentials.yaml``; read when the transport is built.
         outbox: path of the SQLite outbox (created if absent).
         profile: a firmware profile name (``firmware_configs/<name>.yaml``) or path; it supplies ``backend``,
             ``device``, ``threads`` and ``microbatch_size`` where this config leaves them unset.
@@ -113,6 +122,12 @@ class SiteConfig(BaseModel):
         allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
             cryptographically secure source).
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
+        chunk_size_bytes: uploads larger than this go as a signed manifest and chunks of this many bytes
+            (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit).
+        resend_interval_s: seconds between resends of an unacknowledged update (with +-50 % jitter); it is also
+            resent at every reconnect.
+        max_task_bytes: largest task download accepted, bytes (checked on its manifest, before any chunk).
+        download_ttl_s: seconds after which an incomplete task download is dropped.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -125,6 +140,11 @@ class SiteConfig(BaseModel):
     private_key: Path
     coordinator_public_key: Path
     broker_url: str = "mqtt://127.0.0.1:1883"
+    broker_ca_file: Path | None = None
+    broker_cert_file: Path | None = None
+    broker_key_file: Path | None = None
+    broker_username: str | None = Field(default=None, min_length=1)
+    broker_password_file: Path | None = None
     outbox: Path
     profile: str | None = None
     backend: str | None = None
@@ -138,6 +158,10 @@ class SiteConfig(BaseModel):
     allow_global_dp: bool = False
     allow_seeded_noise: bool = False
     missing_media: str = "error"
+    chunk_size_bytes: int = Field(default=256 * 1024, ge=1024, le=1 << 20)
+    resend_interval_s: float = Field(default=60.0, gt=0)
+    max_task_bytes: int = Field(default=512 << 20, ge=1024)
+    download_ttl_s: float = Field(default=48 * 3600.0, gt=0)
 
     @field_validator("federation_id", "site_id")
     @classmethod
@@ -150,9 +174,18 @@ class SiteConfig(BaseModel):
     @field_validator("broker_url")
     @classmethod
     def _mqtt_url(cls, value: str) -> str:
-        if not value.startswith("mqtt://"):
-            raise ValueError("must look like mqtt://host:port")
+        if not value.startswith(("mqtt://", "mqtts://")):
+            raise ValueError("must look like mqtt://host:port or mqtts://host:port")
         return value
+
+    @model_validator(mode="after")
+    def _broker_tls_consistent(self) -> SiteConfig:
+        if (self.broker_cert_file is None) != (self.broker_key_file is None):
+            raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
+        tls_files = (self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
+        if self.broker_url.startswith("mqtt://") and any(f is not None for f in tls_files):
+            raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+        return self
 
     @field_validator("missing_media")
     @classmethod
@@ -199,7 +232,8 @@ class SiteConfig(BaseModel):
         return max(2, max((s.class_index for s in self.species), default=0) + 1)
 
 
-_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache")
+_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "broker_ca_file",
+                "broker_cert_file", "broker_key_file", "broker_password_file")
 
 
 def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SiteConfig:

@@ -54,14 +54,18 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 class MessageKind(str, Enum):
     """What an envelope carries: a training task (coordinator → site), a model update (site → coordinator),
-    an acknowledgement of an update (coordinator → site), a detection record (site → coordinator), or one stage
-    of secure aggregation in Global DP mode (both directions; ``shared.protocol.SecAggMessage``)."""
+    an acknowledgement of an update (coordinator → site), a detection record (site → coordinator), one stage
+    of secure aggregation in Global DP mode (both directions; ``shared.protocol.SecAggMessage``), the manifest of
+    a chunked transfer or a receipt listing the chunks a receiver still lacks (both directions;
+    :mod:`shared.transfer`). A reader that does not know a kind rejects the envelope (rule 3 below)."""
 
     TASK = "task"
     UPDATE = "update"
     ACK = "ack"
     DETECTION = "detection"
     SECAGG = "secagg"
+    MANIFEST = "manifest"
+    RECEIPT = "receipt"
 
 
 def validate_identifier(value: str, field: str) -> str:

@@ -111,3 +111,16 @@ class FedAvg(Strategy):
     def running_sum(self) -> RunningWeightedSum | None:
         """The current accumulator (for merging partial sums across workers)."""
         return self._acc
+
+    def absorb(self, partial: RunningWeightedSum) -> None:
+        """Add a partial sum (e.g. the merge of the ingest workers' sums, ``coordinator.workers``) to this round's.
+
+        Raises:
+            ValueError: called before :meth:`begin_round`, or the partial's tensors differ from the template.
+        """
+        if self._acc is None:
+            raise ValueError("FedAvg.absorb called before begin_round")
+        if set(partial.sums) != set(self._acc.sums) or any(partial.sums[k].shape != v.shape
+                                                           for k, v in self._acc.sums.items()):
+            raise ValueError("partial sum tensors differ from the model")
+        self._acc = merge(self._acc, partial)

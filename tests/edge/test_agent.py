@@ -37,24 +37,29 @@ class FakeCoordinator:
         self.transport.subscribe(updates_filter(FED), self._on_update)
         self.transport.connect()
         self.updates: list[Envelope] = []
+        self.receipts: list[Envelope] = []  # what sites ask for after connecting (shared.transfer receipts)
         self.ack = ack
         self.weights = initial_weights(num_classes=2, seed=0)
 
     def _on_update(self, topic: str, payload: bytes) -> None:
         envelope = Envelope.from_bytes(payload)
         verify(envelope, self.site_public_key)
+        if envelope.header.kind == MessageKind.RECEIPT:
+            self.receipts.append(envelope)
+            return
         self.updates.append(envelope)
         if self.ack:
             _, site, _ = parse_topic(topic)
-            data = self.sealed_ack(envelope.header.round, site).to_bytes()
+            data = self.sealed_ack(envelope.header.round, site, sequence=envelope.header.sequence).to_bytes()
             if self.ack_in_thread:
                 threading.Thread(target=self.transport.publish, args=(ack_topic(FED, site), data)).start()
             else:
                 self.transport.publish(ack_topic(FED, site), data)
 
-    def sealed_ack(self, round_: int, site: str = SITE) -> Envelope:
+    def sealed_ack(self, round_: int, site: str = SITE, *, sequence: int) -> Envelope:
+        """A signed ACK of the update with this sequence (as the real coordinator's: the ACK echoes it)."""
         return seal(private_key=self.key, federation_id=FED, site_id=site, round=round_, base_model_hash="0" * 64,
-                    kind=MessageKind.ACK, sequence=round_, payload=encode_ack(Ack(round=round_, accepted=True)))
+                    kind=MessageKind.ACK, sequence=sequence, payload=encode_ack(Ack(round=round_, accepted=True)))
 
     def task(self, round_: int, *, site: str = SITE, key=None, **overrides) -> bytes:
         h = model_hash(self.weights)
@@ -171,7 +176,12 @@ def test_forged_ack_does_not_drop_the_update(world) -> None:
                   base_model_hash="0" * 64, kind=MessageKind.ACK, sequence=1,
                   payload=encode_ack(Ack(round=1, accepted=True)))
     assert agent.handle_ack(forged.to_bytes()) is False and len(agent.outbox.pending()) == 1
-    assert agent.handle_ack(coordinator.sealed_ack(1).to_bytes()) is True and agent.outbox.pending() == []
+    sequence = Envelope.from_bytes(agent.outbox.pending()[0].payload).header.sequence
+    # A genuine ACK of another upload (another sequence) for the same round does not drop this one.
+    assert agent.handle_ack(coordinator.sealed_ack(1, sequence=sequence + 7).to_bytes()) is False
+    assert agent.stats["rejected:stale_ack"] == 1 and len(agent.outbox.pending()) == 1
+    assert agent.handle_ack(coordinator.sealed_ack(1, sequence=sequence).to_bytes()) is True
+    assert agent.outbox.pending() == []
     agent.close()
 
 

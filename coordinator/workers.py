@@ -1,0 +1,269 @@
+"""Scale-out ingest: several worker processes on one MQTT shared subscription, partial sums merged at close.
+
+DESIGN.md "Scale": past a few hundred gateways, updates are ingested by N workers. Each worker
+
+* subscribes to ``$share/<group>/wildfed/v1/<federation>/site/+/update`` (MQTT 5.0, sec. 4.8.2; Mosquitto >= 1.6
+  and EMQX also serve shared subscriptions to MQTT 3.1.1 clients), so the broker hands each message to one worker;
+* runs the same :class:`~coordinator.transfers.TransferReceiver` and :class:`~coordinator.ingest.Ingestor` as a
+  single coordinator, with the round it ingests for read from the database (the round row the finaliser opened);
+* keeps a FedAvg running sum of what it accepted and, after every accepted update, writes it durably as its
+  *partial sum* (``partial_sums`` table + a blob), with the sites it covers and what they reported.
+
+The finaliser (the coordinator process that opens and closes rounds, ``ingest_workers > 0`` in its config) does not
+subscribe to updates. It waits until the round's ``updates`` rows reach the quorum, then closes the round in the
+database (under a lock on the round row, so a worker either stored its update before the close or sees the round
+closed and charges the update as late: :meth:`coordinator.storage.Store.add_update_if_open`) and merges: the sum of
+the workers' partial sums (``coordinator.strategies.fedavg.merge``; addition is associative) plus, for any stored
+update that no partial covers (a worker died between storing it and writing its partial), the update itself, read
+from its blob. Each stored update is therefore aggregated exactly once, and its events are charged once (ledger
+rows are unique per site, round and category).
+
+State shared by the workers and the finaliser: the database (PostgreSQL; SQLite only on one machine) and the blob
+directory ``data_dir`` (accepted payloads, partial sums, chunk staging), which must be one shared folder. The path
+to an MQTT cluster: point every worker and gateway at the cluster's listener (EMQX cluster, or Mosquitto bridges);
+shared subscriptions are then balanced cluster-wide (EMQX) or per node (bridged Mosquitto: give each node's
+workers the same group name). Only FedAvg is merged this way; NIRA's per-cluster heads are sums too, but are not
+wired for workers (the config refuses ``strategy: nira`` with workers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+
+from shared.codec import decode_tensors, encode_tensors
+from shared.iucn import IUCNCategory
+from shared.keys import load_private_key
+from shared.privacy.events import DPSGDEvent
+from shared.protocol import decode_update
+from shared.topics import updates_filter
+
+from coordinator.config import CoordinatorConfig
+from coordinator.ingest import Accepted, Ingestor, ReplayWindow, RoundContext
+from coordinator.ledger import PrivacyLedger
+from coordinator.radio import expected_events
+from coordinator.registry import SiteRegistry
+from coordinator.rounds import answer_download_receipt
+from coordinator.storage import HaltRow, PartialSumRow, RoundRow, Store
+from coordinator.strategies.fedavg import FedAvg, RunningWeightedSum, add_weighted, merge, new_running_sum
+from coordinator.transfers import TransferLimits, TransferReceiver
+from coordinator.transport import MqttTransport, Transport, transport_from_config
+
+__all__ = ["SHARE_GROUP", "shared_updates_filter", "encode_partial", "decode_partial", "IngestWorker",
+           "collect_round"]
+
+log = logging.getLogger(__name__)
+
+SHARE_GROUP = "wildfed-ingest"
+
+
+def shared_updates_filter(federation_id: str, group: str = SHARE_GROUP) -> str:
+    """``$share/<group>/<updates filter>``: the broker gives each update message to one member of ``group``."""
+    return f"$share/{group}/{updates_filter(federation_id)}"
+
+
+def _event_json(e: DPSGDEvent) -> list[float]:
+    return [e.noise_multiplier, e.sampling_rate, e.steps]
+
+
+def _event(v: list) -> DPSGDEvent:
+    return DPSGDEvent(float(v[0]), float(v[1]), int(v[2]))
+
+
+def _accepted_json(a: Accepted) -> dict[str, Any]:
+    return {"site_id": a.site_id, "sequence": a.sequence, "num_examples": a.num_examples, "weight": a.weight,
+            "payload_sha256": a.payload_sha256, "events": {c.value: _event_json(e) for c, e in a.events.items()},
+            "count_events": {c.value: _event_json(e) for c, e in a.count_events.items()},
+            "species_counts": {str(k): v for k, v in a.species_counts.items()}}
+
+
+def _accepted_from_json(round: int, d: Mapping[str, Any]) -> Accepted:
+    return Accepted(site_id=d["site_id"], round=round, sequence=int(d["sequence"]),
+                    num_examples=int(d["num_examples"]), weight=float(d["weight"]),
+                    payload_sha256=d["payload_sha256"],
+                    events={IUCNCategory(c): _event(e) for c, e in d["events"].items()},
+                    count_events={IUCNCategory(c): _event(e) for c, e in d["count_events"].items()},
+                    species_counts={int(k): float(v) for k, v in d["species_counts"].items()})
+
+
+def encode_partial(acc: RunningWeightedSum) -> bytes:
+    """A partial sum as safetensors: the float64 sums, with total weight, count, contributors and the template
+    dtypes in the metadata (never pickled)."""
+    meta = {"total_weight": repr(float(acc.total_weight)), "count": str(acc.count),
+            "contributors": json.dumps(acc.contributors),
+            "dtypes": json.dumps({k: np.dtype(v).str for k, v in acc.dtypes.items()})}
+    return encode_tensors(acc.sums, meta)
+
+
+def decode_partial(data: bytes) -> RunningWeightedSum:
+    """Inverse of :func:`encode_partial`.
+
+    Raises:
+        PayloadError: not a partial-sum blob.
+    """
+    sums, meta = decode_tensors(data)
+    return RunningWeightedSum(sums={k: np.asarray(v, dtype=np.float64) for k, v in sums.items()},
+                              dtypes={k: np.dtype(v) for k, v in json.loads(meta["dtypes"]).items()},
+                              total_weight=float(meta["total_weight"]), count=int(meta["count"]),
+                              contributors=list(json.loads(meta["contributors"])))
+
+
+class IngestWorker:
+    """One ingest worker (see the module docstring). ``wildfed-coordinator ingest-worker`` runs it.
+
+    Args:
+        config: the federation's coordinator config (same database, data_dir, keys, transfer limits).
+        worker_id: unique name of this worker (its partial-sum rows are keyed by it).
+        transport: default: an MQTT client on ``config.broker_url`` subscribed to :func:`shared_updates_filter`.
+        signing_key: the coordinator's key (signs ACKs and receipts); default: ``config.signing_key_path``.
+        schema: PostgreSQL schema (tests).
+
+    Raises:
+        ConfigError: unreachable database, unsafe key file, or a strategy other than FedAvg.
+    """
+
+    def __init__(self, config: CoordinatorConfig, worker_id: str, *, transport: Transport | None = None,
+                 signing_key: Ed25519PrivateKey | None = None, schema: str | None = None) -> None:
+        from shared.errors import ConfigError
+
+        if config.strategy.kind != "fedavg":
+            raise ConfigError(f"ingest workers merge FedAvg sums only, the config asks for {config.strategy.kind}",
+                              field="strategy", fix="use strategy: {kind: fedavg} with ingest_workers")
+        self.config = config
+        self.worker_id = worker_id
+        self.store = Store(config.database_url or "", config.data_dir, schema=schema)
+        self.registry = SiteRegistry(self.store)
+        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
+        self._owns_transport = transport is None
+        self.transport: Transport = transport if transport is not None else transport_from_config(
+            config, client_id=f"wildfed-ingest-{config.federation_id}-{worker_id}")
+        key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)
+        t = config.transfer
+        self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
+                                 ledger=self.ledger, transport=self.transport, signing_key=key,
+                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
+        self.ingestor.on_accepted = self._write_partial
+        self.receiver = TransferReceiver(
+            federation_id=config.federation_id, store=self.store, registry=self.registry, ingestor=self.ingestor,
+            transport=self.transport, signing_key=key,
+            limits=TransferLimits(max_chunk_bytes=t.max_chunk_bytes, max_update_bytes=t.max_update_bytes,
+                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s),
+            on_download_receipt=lambda site, r, receipt: answer_download_receipt(
+                config, self.transport, key, self.ingestor.context, site, r, receipt))
+        self._lock = threading.Lock()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect (MQTT) and join the shared subscription."""
+        if isinstance(self.transport, MqttTransport):
+            self.transport.connect()
+        self.transport.subscribe(shared_updates_filter(self.config.federation_id), self.on_message)
+        log.info("ingest worker %s: listening on %s", self.worker_id,
+                 shared_updates_filter(self.config.federation_id))
+
+    def close(self) -> None:
+        """Disconnect (if this worker built the transport) and release the database."""
+        if self._owns_transport and isinstance(self.transport, MqttTransport):
+            self.transport.close()
+        self.store.dispose()
+
+    # ---- messages ----------------------------------------------------------------------------------------------
+    def on_message(self, topic: str, raw: bytes) -> object:
+        """Transport callback: bring the round context up to date with the database, then receive the message."""
+        with self._lock:
+            self.refresh_round()
+            return self.receiver.handle(topic, raw)
+
+    def refresh_round(self) -> RoundContext | None:
+        """Open ingest for the round the finaliser has open in the database (a new FedAvg sum per round), or close
+        it when none is open. Returns the current context."""
+        with self.store.session() as s:
+            row = s.scalars(select(RoundRow).where(RoundRow.status == "open").order_by(RoundRow.round.desc())).first()
+            halts = list(s.scalars(select(HaltRow))) if row is not None else []
+        ctx = self.ingestor.context
+        if row is None:
+            if ctx is not None:
+                self.ingestor.close_round()
+            return None
+        if ctx is not None and ctx.round == row.round:
+            return ctx
+        weights, _ = decode_tensors(self.store.get_model(row.base_model_hash))
+        halted: dict[str, set[IUCNCategory]] = {}
+        for h in halts:
+            halted.setdefault(h.site_id, set()).add(IUCNCategory(h.category))
+        strategy = FedAvg()
+        strategy.begin_round(weights)
+        cfg = self.config
+        ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights,
+                           selected=frozenset(json.loads(row.selected_json)),
+                           halted={k: frozenset(v) for k, v in halted.items()}, budgets=cfg.budgets(),
+                           privacy=cfg.privacy, local_steps=_local_steps(cfg), strategy=strategy, bundle=weights,
+                           expected_events=expected_events(cfg))
+        self.ingestor.open_round(ctx)
+        log.info("ingest worker %s: ingesting round %d", self.worker_id, row.round)
+        return ctx
+
+    def _write_partial(self, ctx: RoundContext, accepted: Accepted) -> None:
+        """After each accepted update: this worker's partial sum and covered sites, durably (blob, then row)."""
+        acc = ctx.strategy.running_sum  # type: ignore[attr-defined] - FedAvg
+        digest = self.store.put_blob(encode_partial(acc))
+        sites = [_accepted_json(a) for a in ctx.accepted.values()]
+        with self.store.session() as s:
+            row = s.scalars(select(PartialSumRow).where(PartialSumRow.round == ctx.round,
+                                                        PartialSumRow.worker_id == self.worker_id)).first()
+            if row is None:
+                s.add(PartialSumRow(round=ctx.round, worker_id=self.worker_id, blob_sha256=digest,
+                                    sites_json=json.dumps(sites), total_weight=acc.total_weight))
+            else:
+                row.blob_sha256, row.sites_json, row.total_weight = digest, json.dumps(sites), acc.total_weight
+
+
+def _local_steps(config: CoordinatorConfig) -> int:
+    radio = config.radio if config.model == "radio_unet" else None
+    return radio.local_epochs if radio is not None else config.local_steps
+
+
+def collect_round(store: Store, round: int, template: Mapping[str, np.ndarray]
+                  ) -> tuple[RunningWeightedSum, dict[str, Accepted]]:
+    """The finaliser's merge (module docstring): the workers' partial sums of ``round``, plus every stored update no
+    partial covers, read from its blob. Only updates with a row in ``updates`` count (a partial never covers more).
+
+    Returns:
+        ``(merged running sum, {site: Accepted})`` over exactly the round's stored updates.
+    """
+    stored = {u.site_id: u for u in store.updates_for_round(round)}
+    with store.session() as s:
+        partials = list(s.scalars(select(PartialSumRow).where(PartialSumRow.round == round)
+                                  .order_by(PartialSumRow.worker_id)))
+    acc = new_running_sum(template)
+    accepted: dict[str, Accepted] = {}
+    for p in partials:
+        covered = [_accepted_from_json(round, d) for d in json.loads(p.sites_json)]
+        if not covered or any(a.site_id not in stored for a in covered):
+            continue  # cannot happen (partials are written after the rows), but never merge unstored updates
+        if any(a.site_id in accepted for a in covered):
+            continue  # a site in two partials cannot happen (unique round+site rows); skip rather than double
+        acc = merge(acc, decode_partial(store.get_blob(p.blob_sha256)))
+        for a in covered:
+            accepted[a.site_id] = a
+    for site_id, upd in stored.items():
+        if site_id in accepted:
+            continue
+        report, delta = decode_update(store.get_blob(upd.payload_sha256))
+        add_weighted(acc, delta, float(report.num_examples))
+        acc.contributors.append(site_id)
+        accepted[site_id] = Accepted(site_id=site_id, round=round, sequence=upd.sequence,
+                                     num_examples=upd.num_examples, weight=float(report.num_examples),
+                                     payload_sha256=upd.payload_sha256, events=report.events,
+                                     count_events=dict(report.count_events),
+                                     species_counts=dict(report.species_counts))
+        log.warning("collect: round %d update of %s was in no partial sum (its worker stopped?); read from its blob",
+                    round, site_id)
+    return acc, accepted
