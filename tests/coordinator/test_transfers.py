@@ -374,3 +374,46 @@ def test_gateway_and_coordinator_fill_chunk_gaps_in_both_directions(tmp_path: Pa
     agent.close()
     coord.close()
 
+
+
+def test_a_gateway_offline_when_the_round_opened_gets_its_task_after_connecting(tmp_path: Path) -> None:
+    """The task went out while the gateway was away (clean MQTT session: the broker kept nothing for it); after
+    connecting it sends a "no transfer" receipt and the coordinator resends the open round's task."""
+    from edge_sdk.agent import EdgeAgent
+    from tests.edge.conftest import write_package
+
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    config = make_config(tmp_path, rounds=1, round_deadline_s=60.0, local_steps=2, expected_batch_size=2,
+                         num_classes=2, ship_ort_artifacts=False)
+    coord = Coordinator(config, transport=bus, signing_key=key)
+    root = tmp_path / "site"
+    site_key = generate_signing_key()
+    save_private_key(site_key, root / "keys" / "site.key")
+    save_public_key(key.public_key(), root / "keys" / "coordinator.pub")
+    write_package(root / "pkg")
+    (root / "site.yaml").write_text(yaml.safe_dump({
+        "federation_id": "testfed", "site_id": "late", "dataset": "pkg",
+        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
+                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
+        "outbox": "state/outbox.sqlite", "threads": 1}))
+    coord.enrol("late", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
+    coord.start()
+    ctx = coord.rounds.open_round()  # the task is published now, to nobody
+    assert ctx is not None
+    tasks_before = sum(1 for t, _ in bus.published if t.endswith("/late/task"))
+    bridge = LossyBridge(bus)
+    bridge._lose = lambda payload: False  # a clean link this time
+    agent = EdgeAgent.from_config(root / "site.yaml", transport=bridge)
+    runner = threading.Thread(target=agent.run, kwargs={"max_rounds": 1, "idle_timeout_s": 60})
+    runner.start()
+    try:
+        assert coord.rounds.wait_for_quorum(ctx, timeout_s=60)
+        result = coord.rounds.close_round(ctx)
+    finally:
+        runner.join(timeout=60)
+    assert result.status == "closed" and result.accepted == ("late",)
+    assert sum(1 for t, _ in bus.published if t.endswith("/late/task")) > tasks_before  # resent on its receipt
+    agent.close()
+    coord.close()
