@@ -176,6 +176,7 @@ class Coordinator:
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         self.ensure_initial_model()
         self.rounds.restore_optimizer_state()
+        self.transfers.sweep()  # expired uploads, and staging a killed process left for a stored update
         self._started = True
         return self.rounds.recover()
 

@@ -48,7 +48,7 @@ from shared.transfer import (CHUNK_HEADER_LENGTH, Chunk, Manifest, Receipt, Tran
 
 from coordinator.ingest import Ingestor, RejectReason, _Reject, check_header_ranges, verify_site_envelope
 from coordinator.registry import SiteRegistry
-from coordinator.storage import Store, TransferRow
+from coordinator.storage import Store, TransferRow, UpdateRow
 from coordinator.transport import Transport, TransportError
 
 __all__ = ["TransferLimits", "TransferReceiver"]
@@ -318,14 +318,20 @@ class TransferReceiver:
         return _dt.datetime.fromtimestamp(self._clock(), tz=_dt.timezone.utc).replace(tzinfo=None)
 
     def sweep(self) -> list[str]:
-        """Delete transfers past their expiry (rows and chunk files); returns their ids."""
+        """Delete transfers past their expiry, and staging left for an update that is already stored (a process
+        killed between storing a reassembled update and deleting its chunks); returns the expired ids."""
         now = self._now()
         with self._store.session() as s:
             expired = list(s.scalars(select(TransferRow.transfer_id).where(TransferRow.expires_at < now)))
+            done = list(s.scalars(select(TransferRow.transfer_id).join(
+                UpdateRow, (UpdateRow.round == TransferRow.round) & (UpdateRow.site_id == TransferRow.site_id))))
         for tid in expired:
             self._drop(tid)
             self._ingestor.counts["expired"] += 1
             log.warning("transfers: transfer %s expired incomplete", tid[:12])
+        for tid in set(done) - set(expired):
+            self._drop(tid)
+            log.info("transfers: staging of %s dropped: its update is stored", tid[:12])
         return expired
 
     def pending(self) -> list[tuple[str, str, int, int]]:

@@ -417,3 +417,22 @@ def test_a_gateway_offline_when_the_round_opened_gets_its_task_after_connecting(
     assert sum(1 for t, _ in bus.published if t.endswith("/late/task")) > tasks_before  # resent on its receipt
     agent.close()
     coord.close()
+
+
+def test_sweep_drops_staging_left_for_a_stored_update(tmp_path: Path) -> None:
+    """A process killed between storing a reassembled update and deleting its chunks leaves staging behind; the
+    next sweep (run at start) removes it, and leaves an unrelated transfer alone."""
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    out: list[bytes] = []
+    send(lambda t, p: out.append(p), topic, raw, private_key=s.key, chunk_size=CHUNK)
+    for p in out[:3]:
+        assert coord.transfers.handle(topic, p) is None  # manifest + 2 chunks staged
+    assert coord.ingestor.handle(topic, raw).__class__.__name__ == "Accepted"  # the whole update stored meanwhile
+    tid = split(raw, CHUNK, kind="update")[0].transfer_id
+    assert [p[0] for p in coord.transfers.pending()] == [tid]
+    assert coord.transfers.sweep() == [] and coord.transfers.pending() == []
+    assert not (coord.store.data_dir / "transfers" / tid).exists()
+    coord.close()
