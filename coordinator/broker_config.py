@@ -171,8 +171,15 @@ def render_acl(federation_id: str, site_ids: Sequence[str]) -> str:
 def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, certfile: Path, keyfile: Path,
                           tls_port: int = 8883, bind_address: str | None = None, client_certs: bool = False,
                           loopback_port: int | None = None, persistence_dir: Path | None = None,
-                          broker_user: str | None = None, federation_id: str = "") -> str:
+                          broker_user: str | None = None, federation_id: str = "",
+                          max_queued_messages: int = 100_000, max_queued_bytes: int = 1 << 30) -> str:
     """The text of a Mosquitto 2.x ``mosquitto.conf``.
+
+    Queue limits (per client): Mosquitto's default ``max_queued_messages 1000`` drops QoS 1 messages for a
+    subscriber that falls behind ("Outgoing messages are being dropped for client ..."). At the default chunk size a
+    1M-parameter update is 17 messages, so 200 gateways uploading at once queue 3,400 messages for the coordinator:
+    the default made 199 of 200 gateways resend (benchmarks/load_200.py). The limits here (100,000 messages, 1 GiB)
+    keep a round's uploads queued; ``max_queued_bytes`` bounds the broker's memory.
 
     Global: ``per_listener_settings false``, ``allow_anonymous false``, ``password_file``, ``acl_file`` (the same
     authentication and ACL on every listener). A TLS listener on ``tls_port`` (``cafile``/``certfile``/``keyfile``,
@@ -200,6 +207,7 @@ def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, 
              f"acl_file {acl_file}"]
     if broker_user:
         lines.append(f"user {broker_user}")
+    lines += [f"max_queued_messages {int(max_queued_messages)}", f"max_queued_bytes {int(max_queued_bytes)}"]
     if persistence_dir is not None:
         lines += ["persistence true", f"persistence_location {str(persistence_dir).rstrip('/')}/"]
     else:

@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
 from shared.codec import decode_tensors, encode_tensors, model_hash
-from shared.envelope import MessageKind, seal
+from shared.envelope import Envelope, MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.topics import task_topic
@@ -119,9 +119,35 @@ def _test_crash_point(name: str) -> None:
 
 
 def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
-    """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends):
-    ``<data_dir>/outgoing/<r>/<site>.task``."""
-    return config.data_dir / "outgoing" / str(r) / f"{site_id}.task"
+    """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends): the envelope's
+    head (magic, header, signature) in ``<data_dir>/outgoing/<r>/<site>.head``, which names the payload file
+    ``payload-<sha256>.bin`` beside it (shared by every site whose task payload is the same)."""
+    return config.data_dir / "outgoing" / str(r) / f"{site_id}.head"
+
+
+def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, data: bytes, payload_length: int) -> None:
+    """Keep a sealed task for resends: its head per site, its payload once per content (no fsync: a lost file only
+    means the site waits for the next round)."""
+    head_path = outgoing_task_path(config, r, site_id)
+    head_path.parent.mkdir(parents=True, exist_ok=True)
+    split_at = len(data) - payload_length
+    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_sha256}.bin"
+    if not payload_path.exists():
+        tmp = payload_path.with_suffix(".tmp")
+        tmp.write_bytes(data[split_at:])
+        tmp.replace(payload_path)
+    head_path.write_bytes(data[:split_at])
+
+
+def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes:
+    """The sealed task bytes kept by :func:`store_outgoing_task`.
+
+    Raises:
+        FileNotFoundError: none kept for (r, site).
+    """
+    head = outgoing_task_path(config, r, site_id).read_bytes()
+    digest = Envelope.from_bytes(head).header.payload_sha256  # the head parses: the payload is empty there
+    return head + (outgoing_task_path(config, r, site_id).parent / f"payload-{digest}.bin").read_bytes()
 
 
 def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey, site_id: str,
@@ -144,7 +170,7 @@ def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key
         log.info("rounds: receipt from %s for round %d ignored (no open round for it)", site_id, round)
         return
     try:
-        data = outgoing_task_path(config, ctx.round, site_id).read_bytes()
+        data = load_outgoing_task(config, ctx.round, site_id)
     except FileNotFoundError:
         log.warning("rounds: no stored task of round %d for %s to resend", ctx.round, site_id)
         return
@@ -324,7 +350,14 @@ class RoundManager:
             base_hash = model_hash(bundle)
             self._store.put_model(base_hash, encode_tensors(bundle), round=r - 1)
         site_models = {site: self._strategy.site_weights(bundle, site) for site in selected}
-        site_hashes = {site: model_hash(w) for site, w in site_models.items()}
+        by_arrays: dict[tuple[int, ...], str] = {}  # FedAvg gives every site the same arrays: hash them once
+        site_hashes = {}
+        for site, w in site_models.items():
+            key = tuple(id(v) for v in w.values())
+            if key not in by_arrays:
+                by_arrays[key] = model_hash(w)
+            site_hashes[site] = by_arrays[key]
+        self._payloads: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # one encoded task per distinct content
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy=self.config.privacy))
@@ -507,13 +540,16 @@ class RoundManager:
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,
                    weights: Mapping[str, np.ndarray], artifacts: Mapping[str, bytes] | None) -> None:
         cfg = self.config
+        memo = getattr(self, "_payloads", {})
+        key = (model_hash_, json.dumps(task.to_json(), sort_keys=True),
+               tuple(sorted(artifact_digests(artifacts or {}).values())))
+        payload = memo.get(key)
+        if payload is None:
+            payload = memo[key] = encode_task(task, weights, artifacts)
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
-                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
-                   payload=encode_task(task, weights, artifacts))
+                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r, payload=payload)
         data = env.to_bytes()
-        path = self._outgoing_path(r, site_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)  # kept for resends while the round is open (resend_task); no fsync needed
+        store_outgoing_task(cfg, r, site_id, data, len(payload))  # for resends while the round is open
         self._send_bytes(site_id, data)
 
     def _send_bytes(self, site_id: str, data: bytes) -> int:

@@ -47,7 +47,7 @@ from coordinator.storage import Store
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.transfers import TransferLimits, TransferReceiver
-from coordinator.transport import MqttTransport, Transport, transport_from_config
+from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
 
 __all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy", "build_optimizer"]
 
@@ -140,6 +140,7 @@ class Coordinator:
                                   max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s),
             on_download_receipt=self.rounds.resend_task)
         self._started = False
+        self._update_queue: QueuedCallback | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def ensure_initial_model(self) -> str:
@@ -171,7 +172,10 @@ class Coordinator:
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
         if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
-            self.transport.subscribe(updates_filter(self.config.federation_id), self.transfers)
+            handler: Any = self.transfers
+            if isinstance(self.transport, MqttTransport):  # off paho's network thread (in-process buses stay sync)
+                handler = self._update_queue = QueuedCallback(self.transfers, name="wildfed-ingest")
+            self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         self.ensure_initial_model()
@@ -184,6 +188,8 @@ class Coordinator:
         """Disconnect the transport (if the coordinator built it) and release database connections."""
         if self._owns_transport and isinstance(self.transport, MqttTransport):
             self.transport.close()
+        if self._update_queue is not None:
+            self._update_queue.close()
         self.store.dispose()
 
     def __enter__(self) -> "Coordinator":

@@ -32,7 +32,7 @@ from shared.errors import ConfigError, WildFedError
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
 
-__all__ = ["Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
+__all__ = ["QueuedCallback", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
            "parse_broker_url", "client_tls_context", "transport_from_config"]
 
 log = logging.getLogger(__name__)
@@ -316,3 +316,74 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
     return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-coordinator-{config.federation_id}",
                          ca_file=config.broker_ca_file, cert_file=config.broker_cert_file,
                          key_file=config.broker_key_file, username=username, password=password)
+
+
+class QueuedCallback:
+    """Runs a transport callback on its own thread, so that slow work (verify, decode, fsync) never runs on paho's
+    network thread, which must keep reading the socket and completing PUBACKs (paho-mqtt docs: "do not block in
+    callbacks").
+
+    Messages are handled one at a time, in arrival order. The queue is bounded in bytes: when ``max_bytes`` are
+    waiting, the network thread blocks in :meth:`__call__`, which stops reading the socket, and TCP back-pressure
+    holds the rest at the broker.
+
+    Args:
+        callback: ``callback(topic, payload)``; its exceptions are logged, never propagated.
+        name: thread name (logs).
+        max_bytes: payload bytes that may wait, default 256 MiB.
+    """
+
+    def __init__(self, callback: Callback, *, name: str = "wildfed-ingest", max_bytes: int = 256 << 20) -> None:
+        import queue
+
+        self._callback = callback
+        self._max_bytes = int(max_bytes)
+        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def __call__(self, topic: str, payload: bytes) -> None:
+        """Enqueue (blocks while ``max_bytes`` are already waiting)."""
+        with self._cond:
+            while self._waiting and self._waiting + len(payload) > self._max_bytes:
+                self._cond.wait()
+            self._waiting += len(payload)
+        self._queue.put((topic, payload))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            topic, payload = item
+            with self._cond:
+                self._busy = True
+            try:
+                self._callback(topic, payload)
+            except Exception:  # noqa: BLE001 - a handler bug must not stop ingest
+                log.exception("queued handler for %s raised", topic)
+            finally:
+                with self._cond:
+                    self._waiting -= len(payload)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every enqueued message was handled; returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._waiting or self._busy or not self._queue.empty():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+        return True
+
+    def close(self) -> None:
+        """Stop the thread after the messages already queued (messages not yet handled are resent by gateways,
+        which keep them until ACKed)."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)

@@ -54,7 +54,7 @@ from coordinator.rounds import answer_download_receipt
 from coordinator.storage import HaltRow, PartialSumRow, RoundRow, Store
 from coordinator.strategies.fedavg import FedAvg, RunningWeightedSum, add_weighted, merge, new_running_sum
 from coordinator.transfers import TransferLimits, TransferReceiver
-from coordinator.transport import MqttTransport, Transport, transport_from_config
+from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
 
 __all__ = ["SHARE_GROUP", "shared_updates_filter", "encode_partial", "decode_partial", "IngestWorker",
            "collect_round"]
@@ -158,13 +158,17 @@ class IngestWorker:
             on_download_receipt=lambda site, r, receipt: answer_download_receipt(
                 config, self.transport, key, self.ingestor.context, site, r, receipt))
         self._lock = threading.Lock()
+        self._queue: QueuedCallback | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Connect (MQTT) and join the shared subscription."""
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
-        self.transport.subscribe(shared_updates_filter(self.config.federation_id), self.on_message)
+        handler = self.on_message
+        if isinstance(self.transport, MqttTransport):  # off paho's network thread (coordinator.transport)
+            handler = self._queue = QueuedCallback(self.on_message, name=f"wildfed-ingest-{self.worker_id}")
+        self.transport.subscribe(shared_updates_filter(self.config.federation_id), handler)
         log.info("ingest worker %s: listening on %s", self.worker_id,
                  shared_updates_filter(self.config.federation_id))
 
@@ -172,6 +176,8 @@ class IngestWorker:
         """Disconnect (if this worker built the transport) and release the database."""
         if self._owns_transport and isinstance(self.transport, MqttTransport):
             self.transport.close()
+        if self._queue is not None:
+            self._queue.close()
         self.store.dispose()
 
     # ---- messages ----------------------------------------------------------------------------------------------
