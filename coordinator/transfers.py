@@ -51,7 +51,10 @@ from coordinator.registry import SiteRegistry
 from coordinator.storage import Store, TransferRow, UpdateRow
 from coordinator.transport import Transport, TransportError
 
-__all__ = ["TransferLimits", "TransferReceiver"]
+__all__ = ["TransferLimits", "TransferReceiver", "SWEEP_INTERVAL_S"]
+
+SWEEP_INTERVAL_S = 60.0
+"""Seconds between expiry sweeps triggered by incoming manifests (the coordinator also sweeps at start)."""
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,11 @@ class TransferReceiver:
         self._lock = threading.RLock()
         self.staging_dir = store.data_dir / "transfers"
         self._receipt_floor: dict[str, int] = {}  # per site, the sequence of its last receipt (replays refused)
+        # Verified manifests of transfers in progress (the table is the truth; this saves a query and a decode per
+        # chunk). An entry of a transfer another worker finished is harmless: its chunks land in a folder that
+        # the sweep removes.
+        self._manifests: dict[str, tuple[str, Manifest]] = {}
+        self._last_sweep = float("-inf")
 
     def __call__(self, topic: str, raw: bytes) -> None:
         """Transport callback form of :meth:`handle`."""
@@ -189,7 +197,8 @@ class TransferReceiver:
         verdict = self._ingestor.precheck(env)  # round, selection, model version, duplicate (ACKs/NACKs itself)
         if verdict is not None:
             return verdict
-        self.sweep()
+        if self._clock() - self._last_sweep > SWEEP_INTERVAL_S:
+            self.sweep()
         now = self._now()
         try:
             with self._store.session() as s:
@@ -204,6 +213,7 @@ class TransferReceiver:
         except IntegrityError:  # another worker recorded the same manifest first
             row = True
         if row is None:
+            self._manifests[manifest.transfer_id] = (site_id, manifest)
             log.info("transfers: %s announced round %d update %s (%d bytes in %d chunks)", site_id, h.round,
                      manifest.transfer_id[:12], manifest.total_length, manifest.num_chunks)
         if not manifest.resume:
@@ -239,14 +249,20 @@ class TransferReceiver:
             _, t_site, channel = parse_topic(topic)
         except (MalformedEnvelopeError, ConfigError) as exc:
             raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
-        with self._store.session() as s:
-            row = s.get(TransferRow, chunk.transfer_id)
-        if row is None or channel != "update":
+        known = self._manifests.get(chunk.transfer_id)
+        if known is None:
+            with self._store.session() as s:
+                row = s.get(TransferRow, chunk.transfer_id)
+                if row is not None:
+                    known = (row.site_id, decode_manifest(row.manifest_payload))
+            if known is not None:
+                self._manifests[chunk.transfer_id] = known
+        if known is None or channel != "update":
             raise _Reject(RejectReason.UNKNOWN_TRANSFER, f"chunk {chunk.index} of transfer {chunk.transfer_id[:12]}, "
                           "which has no (unexpired) manifest; the site resends after its manifest is answered")
-        if row.site_id != t_site:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, f"chunk of {row.site_id!r}'s transfer on {t_site!r}'s topic")
-        manifest = decode_manifest(row.manifest_payload)
+        owner, manifest = known
+        if owner != t_site:
+            raise _Reject(RejectReason.TOPIC_MISMATCH, f"chunk of {owner!r}'s transfer on {t_site!r}'s topic")
         try:
             check_chunk(manifest, chunk)
         except TransferError as exc:
@@ -291,6 +307,7 @@ class TransferReceiver:
         return result
 
     def _drop(self, transfer_id: str) -> None:
+        self._manifests.pop(transfer_id, None)
         with self._store.session() as s:
             s.execute(delete(TransferRow).where(TransferRow.transfer_id == transfer_id))
         shutil.rmtree(self.staging_dir / transfer_id, ignore_errors=True)
@@ -321,7 +338,9 @@ class TransferReceiver:
         """Delete transfers past their expiry, and staging left for an update that is already stored (a process
         killed between storing a reassembled update and deleting its chunks); returns the expired ids."""
         now = self._now()
+        self._last_sweep = self._clock()
         with self._store.session() as s:
+            live = set(s.scalars(select(TransferRow.transfer_id)))
             expired = list(s.scalars(select(TransferRow.transfer_id).where(TransferRow.expires_at < now)))
             done = list(s.scalars(select(TransferRow.transfer_id).join(
                 UpdateRow, (UpdateRow.round == TransferRow.round) & (UpdateRow.site_id == TransferRow.site_id))))
@@ -332,6 +351,13 @@ class TransferReceiver:
         for tid in set(done) - set(expired):
             self._drop(tid)
             log.info("transfers: staging of %s dropped: its update is stored", tid[:12])
+        try:  # chunk folders without a manifest row (another worker finished or expired that transfer)
+            orphans = [n for n in os.listdir(self.staging_dir) if len(n) == 64 and n not in live]
+        except FileNotFoundError:
+            orphans = []
+        for tid in orphans:
+            self._manifests.pop(tid, None)
+            shutil.rmtree(self.staging_dir / tid, ignore_errors=True)
         return expired
 
     def pending(self) -> list[tuple[str, str, int, int]]:
