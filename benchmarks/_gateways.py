@@ -1,0 +1,180 @@
+"""Simulated gateways for the MQTT benchmarks (round_mqtt.py, load_200.py), run in worker processes so that their
+publishing does not share a GIL with the coordinator or the counting subscriber they are measured against.
+
+A worker holds one paho client per gateway (its own MQTT connection and client id, QoS 1, subscribed to the
+gateway's ACK topic) and is driven over a ``multiprocessing`` pipe:
+
+- ``("seal", round, model_hash)``: make every gateway's signed UPDATE and record the MQTT messages
+  ``shared.transfer.send`` publishes for it (one whole envelope, or a signed manifest + 256 KiB chunks); untimed;
+- ``("updates", resend_interval_s)``: every gateway (one thread each, like independent devices) publishes its
+  recorded messages on its update topic, each waiting for its PUBACK as the edge agent's uplink does, then waits for
+  the coordinator's signed ACK (verified with the coordinator's public key). Like the edge agent
+  (``EdgeAgent.resend_pending``), a gateway with no ACK after ``resend_interval_s`` (+-50 % jitter) publishes a
+  resume manifest; the coordinator's signed RECEIPT lists the chunks it lacks, which the gateway then resends
+  (``shared.transfer.send(missing=...)``): a broker that dropped messages is recovered from this way;
+- ``("raw", prefix)``: the same messages, same sizes and order, on ``<prefix>/<site>`` (the baseline: nobody
+  parses them);
+- ``("quit",)``.
+
+Times are ``time.time()`` (wall clock), comparable across processes.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["worker_main"]
+
+
+def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple[str, bytes, int]],  # noqa: ANN001
+                coordinator_public_pem: str, params: int, chunk_size: int, ack_timeout_s: float) -> None:
+    """Entry point of a gateway worker process (see the module docstring). ``sites``: (site id, raw Ed25519
+    private key bytes, index of the gateway in the federation: its delta and N_k, so every payload differs)."""
+    import paho.mqtt.client as mqtt
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    from coordinator.transport import parse_broker_url
+    from shared.envelope import Envelope, MessageKind, verify
+    from shared.protocol import decode_ack
+    from shared.topics import ack_topic, update_topic
+    from shared.transfer import decode_receipt, send
+
+    from _federation import model_template, seal_update, update_delta
+
+    host, port, _ = parse_broker_url(broker_url)
+    coord_key = load_pem_public_key(coordinator_public_pem.encode())
+    keys = {s: Ed25519PrivateKey.from_private_bytes(raw) for s, raw, _ in sites}
+    index = {s: i for s, _, i in sites}
+    template = model_template(params)
+    deltas = [update_delta(template, i) for i in range(4)]
+    lock = threading.Lock()
+    acks: dict[str, tuple[float, bool]] = {}
+    all_acked = threading.Event()
+    clients: dict[str, mqtt.Client] = {}
+
+    inbox: dict[str, queue.Queue] = {s: queue.Queue() for s in keys}
+    inners: dict[str, bytes] = {}
+    stats = {"resume_manifests": 0, "receipts": 0, "chunks_resent": 0}
+
+    def on_ack(client, userdata, message) -> None:  # noqa: ANN001
+        t = time.time()
+        env = Envelope.from_bytes(bytes(message.payload))
+        verify(env, coord_key)
+        if env.header.kind == MessageKind.RECEIPT:
+            inbox[env.header.site_id].put(("receipt", decode_receipt(env.payload).missing))
+            return
+        ack = decode_ack(env.payload)
+        with lock:
+            acks.setdefault(env.header.site_id, (t, ack.accepted))
+            if len(acks) == len(keys):
+                all_acked.set()
+        inbox[env.header.site_id].put(("ack",))
+
+    for site_id in keys:
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{federation_id}-{site_id}",
+                        protocol=mqtt.MQTTv311, clean_session=True)
+        c.on_message = on_ack
+        connected = threading.Event()
+        c.on_connect = lambda client, u, f, rc, p, ev=connected, s=site_id: (
+            client.subscribe(ack_topic(federation_id, s), qos=1), ev.set())
+        c.connect(host, port, keepalive=60)
+        c.loop_start()
+        if not connected.wait(30):
+            raise RuntimeError(f"gateway {site_id}: no CONNACK")
+        clients[site_id] = c
+    messages: dict[str, list[bytes]] = {}
+
+    def publish_all(topic_of, results: dict, resend_interval_s: float | None = None) -> None:  # noqa: ANN001
+        def publish(c, topic: str, payload: bytes) -> None:  # noqa: ANN001
+            info = c.publish(topic, payload, qos=1)
+            info.wait_for_publish(timeout=120)
+            if not info.is_published():
+                raise RuntimeError(f"{topic}: no PUBACK")
+
+        def one(site_id: str) -> None:
+            c, topic = clients[site_id], topic_of(site_id)
+            t0 = time.time()
+            for payload in messages[site_id]:
+                publish(c, topic, payload)
+            with lock:
+                results[site_id] = (t0, time.time())
+            if resend_interval_s is None:
+                return
+            deadline = t0 + ack_timeout_s
+            next_resend = time.time() + resend_interval_s * random.uniform(0.5, 1.5)
+            while True:
+                now = time.time()
+                try:
+                    item = inbox[site_id].get(timeout=max(0.01, min(next_resend, deadline) - now))
+                except queue.Empty:
+                    if time.time() >= deadline:
+                        return
+                    send(lambda t, p: publish(c, t, p), topic, inners[site_id], private_key=keys[site_id],
+                         resume=True)
+                    with lock:
+                        stats["resume_manifests"] += 1
+                    next_resend = time.time() + resend_interval_s * random.uniform(0.5, 1.5)
+                    continue
+                if item[0] == "ack":
+                    return
+                with lock:
+                    stats["receipts"] += 1
+                    stats["chunks_resent"] += len(item[1])
+                if item[1]:
+                    send(lambda t, p: publish(c, t, p), topic, inners[site_id], private_key=keys[site_id],
+                         missing=item[1])
+                next_resend = time.time() + resend_interval_s * random.uniform(0.5, 1.5)
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in keys]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+    conn.send(("connected", len(clients)))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "seal":
+            _, round_, model_hash = cmd
+            messages.clear()
+            for site_id, key in keys.items():
+                i = index[site_id]  # distinct payloads: the coordinator's content-addressed blobs are all written
+                raw = seal_update(key=key, federation_id=federation_id, site_id=site_id, round=round_,
+                                  model_hash=model_hash, delta=deltas[i % 4], num_examples=100 + i, sequence=round_)
+                out: list[bytes] = []
+                send(lambda t, p, out=out: out.append(bytes(p)), update_topic(federation_id, site_id), raw,
+                     private_key=key, chunk_size=chunk_size)
+                messages[site_id] = out
+                inners[site_id] = raw
+            conn.send(("sealed", sum(len(p) for m in messages.values() for p in m),
+                       sum(len(m) for m in messages.values())))
+        elif cmd[0] in ("updates", "raw"):
+            with lock:
+                acks.clear()
+                all_acked.clear()
+                stats.update(resume_manifests=0, receipts=0, chunks_resent=0)
+                for q in inbox.values():
+                    while not q.empty():
+                        q.get_nowait()
+            results: dict[str, tuple[float, float]] = {}
+            if cmd[0] == "updates":
+                publish_all(lambda s: update_topic(federation_id, s), results, cmd[1] if len(cmd) > 1 else None)
+                all_acked.wait(ack_timeout_s)
+            else:
+                prefix = cmd[1]
+                publish_all(lambda s: f"{prefix}/{s}", results)
+            with lock:
+                conn.send(("done", {"first_publish": min(r[0] for r in results.values()),
+                                    "last_puback": max(r[1] for r in results.values()),
+                                    "acks": dict(acks), **stats}))
+    for c in clients.values():
+        c.disconnect()
+        c.loop_stop()
+    conn.send(("bye",))

@@ -1,0 +1,308 @@
+"""Coordinator ingest throughput (bytes/s of model updates) against a plain numpy add, and ingest peak memory vs K.
+
+Run by hand (not part of the tests)::
+
+    .venv/bin/python benchmarks/ingest.py [--k 10,20,50] [--params 1000000] [--repeats 3] [--no-memory]
+
+A float32 model of ``--params`` parameters in six tensors (``_federation.model_template``); K sites enrolled in a
+real :class:`~coordinator.registry.SiteRegistry` on SQLite in a temporary folder; each site's update is a signed
+UPDATE envelope (safetensors delta + report, Ed25519, ``shared.envelope.seal``) made before the timed part. Timed,
+per K, over all K updates of one round:
+
+- ``(a) Ingestor.handle``: the full path of an update that travels whole, as ``TransferReceiver`` hands it over:
+  parse, topic/federation checks, Ed25519 signature + SHA-256 of the payload, replay window, round checks, decode
+  (safetensors) + tensor/finite checks + ``decode_update``, report checks, durable blob write (fsync + rename), DB
+  row (SQLite commit), signed ACK published on an ``InMemoryTransport``, accumulation into FedAvg's float64 running
+  sum. Each repeat is a new round (the blobs of the previous one are deleted, untimed);
+- ``(b) verify + decode + accumulate``: the same work without storage, checks or ACK: ``Envelope.from_bytes``,
+  ``shared.envelope.verify`` (signature + SHA-256), ``shared.protocol.decode_update``,
+  ``coordinator.strategies.fedavg.add_weighted``; each piece is also timed on its own;
+- ``(c) numpy add``: the baseline, ``np.add(acc, x_k, out=acc)`` over K float32 arrays of the same number of bytes.
+
+Throughput is (K x payload bytes) / time. Variants run in rotating, interleaved order (``_timing`` style) so that
+load from other processes falls on all of them alike; medians and minima of ``--repeats`` repeats are printed with
+the ratios (a)/(c) and (b)/(c) (issue target: (b) >= 50 % of (c)).
+
+Peak memory vs K: each K runs again in a fresh subprocess (``--child-memory K``), which feeds K updates through
+``Ingestor.handle``, each envelope made just before it is handed over and dropped after (as a network thread
+would), and reports the growth of ``ru_maxrss`` over the round and the ``tracemalloc`` peak (numpy buffers, Python
+objects; not the Rust allocations of safetensors or OpenSSL's) above what was allocated before the round. Flat in K
+means a streaming sum: never K updates in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from _federation import MiB, load_average, model_template, num_bytes, peak_rss_mib, print_table, reset_peak_rss, \
+    rss_mib, seal_update, update_delta
+
+FED = "benchfed"
+
+
+class Bench:
+    """A coordinator's ingest side on SQLite in ``root``: store, registry with K sites, ledger, in-memory transport,
+    ingestor; ``open_round(r)`` opens round r with a fresh FedAvg running sum."""
+
+    def __init__(self, root: Path, k: int, params: int) -> None:
+        from coordinator.ingest import Ingestor
+        from coordinator.ledger import PrivacyLedger
+        from coordinator.registry import SiteRegistry
+        from coordinator.storage import Store
+        from coordinator.transport import InMemoryTransport
+        from shared.codec import model_hash
+        from shared.keys import generate_signing_key, public_key_to_pem
+
+        self.root = root
+        self.store = Store(f"sqlite:///{root / 'coordinator.db'}", root / "data")
+        self.registry = SiteRegistry(self.store)
+        self.ledger = PrivacyLedger(self.store, target_delta=1e-5)
+        self.transport = InMemoryTransport()
+        self.acks = 0
+
+        def count_ack(topic: str, raw: bytes) -> None:
+            self.acks += 1
+
+        from shared.topics import PREFIX
+
+        self.transport.subscribe(f"{PREFIX}/{FED}/site/+/ack", count_ack)
+        self.ingestor = Ingestor(federation_id=FED, store=self.store, registry=self.registry, ledger=self.ledger,
+                                 transport=self.transport, signing_key=generate_signing_key())
+        self.template = model_template(params)
+        self.model_hash = model_hash(self.template)
+        self.sites = [f"site{i:03d}" for i in range(k)]
+        self.keys = {s: generate_signing_key() for s in self.sites}
+        for s in self.sites:
+            self.registry.enrol(s, public_key_to_pem(self.keys[s].public_key()), {"num_examples": 100})
+        self.deltas = [update_delta(self.template, i) for i in range(min(k, 4))]  # 4 distinct deltas, reused
+        self.strategy = None
+
+    def envelope(self, i: int, round: int) -> bytes:
+        s = self.sites[i]
+        return seal_update(key=self.keys[s], federation_id=FED, site_id=s, round=round, model_hash=self.model_hash,
+                           delta=self.deltas[i % len(self.deltas)], num_examples=100 + i, sequence=round)
+
+    def open_round(self, r: int) -> None:
+        from coordinator.ingest import RoundContext
+        from coordinator.storage import RoundRow, dumps
+        from coordinator.strategies.fedavg import FedAvg
+
+        self.ingestor.close_round()
+        shutil.rmtree(self.store.blob_dir, ignore_errors=True)  # keep the disk small between rounds
+        with self.store.session() as s:
+            s.add(RoundRow(round=r, status="open", base_model_hash=self.model_hash, selected_json=dumps(self.sites),
+                           privacy="none"))
+        self.strategy = FedAvg()
+        self.strategy.begin_round(self.template)
+        self.ingestor.open_round(RoundContext(round=r, model_hash=self.model_hash, template=self.template,
+                                              selected=frozenset(self.sites), halted={}, budgets={}, privacy="none",
+                                              local_steps=5, strategy=self.strategy))
+
+    def topic(self, i: int) -> str:
+        from shared.topics import update_topic
+
+        return update_topic(FED, self.sites[i])
+
+
+def child_memory(k: int, params: int) -> None:
+    """Peak memory of one round of K updates through ``Ingestor.handle`` (prints one JSON line)."""
+    from coordinator.ingest import Accepted
+
+    root = Path(tempfile.mkdtemp(prefix="wildfed-ingest-mem-"))
+    try:
+        bench = Bench(root, k, params)
+        bench.open_round(1)  # warm-up round: one update, so that lazy imports and caches are in the baseline
+        raw = bench.envelope(0, 1)
+        assert isinstance(bench.ingestor.handle(bench.topic(0), raw), Accepted)
+        del raw
+        bench.open_round(2)
+        reset = reset_peak_rss()
+        rss0 = rss_mib() if reset else peak_rss_mib()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(k):
+            raw = bench.envelope(i, 2)
+            result = bench.ingestor.handle(bench.topic(i), raw)
+            assert isinstance(result, Accepted), result
+            del raw, result
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        rss1 = peak_rss_mib()
+        assert bench.strategy.count == k
+        print(json.dumps({"k": k, "update_bytes": len(bench.envelope(0, 2)), "rss_before_mib": rss0, "hwm_reset": reset,
+                          "rss_peak_mib": rss1, "rss_growth_mib": rss1 - rss0,
+                          "tracemalloc_peak_mib": (peak - base) / MiB, "tracemalloc_left_mib": (current - base) / MiB}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def interleaved_prepared(steps: dict[str, tuple[Callable[[int], None], Callable[[], None]]], repeats: int,
+                         warmup: int = 1) -> dict[str, np.ndarray]:
+    """As ``_timing.interleaved``, but each step has an untimed ``prepare(repeat)`` run just before its timed call."""
+    names = list(steps)
+    for w in range(warmup):
+        for name in names:
+            prepare, run = steps[name]
+            prepare(-1 - w)
+            run()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            prepare, run = steps[name]
+            prepare(r)
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
+    from coordinator.ingest import Accepted
+    from coordinator.strategies.fedavg import add_weighted, new_running_sum
+    from shared.envelope import Envelope, verify
+    from shared.protocol import decode_update
+
+    root = Path(tempfile.mkdtemp(prefix="wildfed-ingest-"))
+    try:
+        bench = Bench(root, k, params)
+        payload_bytes = len(Envelope.from_bytes(bench.envelope(0, 0)).payload)
+        keys = {s: bench.keys[s].public_key() for s in bench.sites}
+
+        # (c) numpy add: K float32 arrays of the payload's tensor bytes into one accumulator.
+        n = sum(v.size for v in bench.template.values())
+        rng = np.random.default_rng(1)
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in range(k)]
+        acc32 = np.zeros(n, np.float32)
+
+        def numpy_add() -> None:
+            for x in xs:
+                np.add(acc32, x, out=acc32)
+
+        # (b) verify + decode + accumulate, pieces timed too.
+        raws_b = [bench.envelope(i, 0) for i in range(k)]
+        pieces: dict[str, list[float]] = {"Envelope.from_bytes": [], "verify (Ed25519 + SHA-256)": [],
+                                          "decode_update": [], "add_weighted (FedAvg)": []}
+
+        def vda() -> None:
+            acc = new_running_sum(bench.template)
+            t = [0.0, 0.0, 0.0, 0.0]
+            for i, raw in enumerate(raws_b):
+                t0 = time.perf_counter()
+                env = Envelope.from_bytes(raw)
+                t1 = time.perf_counter()
+                verify(env, keys[env.header.site_id])
+                t2 = time.perf_counter()
+                report, delta = decode_update(env.payload)
+                t3 = time.perf_counter()
+                add_weighted(acc, delta, float(report.num_examples))
+                t4 = time.perf_counter()
+                t = [t[0] + t1 - t0, t[1] + t2 - t1, t[2] + t3 - t2, t[3] + t4 - t3]
+            for name, v in zip(pieces, t):
+                pieces[name].append(v)
+
+        # (a) the full path: a new round per repeat, K fresh envelopes sealed (untimed) for it.
+        state = {"round": 10, "raws": []}
+
+        def prepare_full(r: int) -> None:
+            state["raws"] = []
+            state["round"] += 1
+            bench.open_round(state["round"])
+            state["raws"] = [bench.envelope(i, state["round"]) for i in range(k)]
+
+        def full() -> None:
+            for i, raw in enumerate(state["raws"]):
+                result = bench.ingestor.handle(bench.topic(i), raw)
+                if not isinstance(result, Accepted):
+                    raise RuntimeError(f"update {i} refused: {result}")
+
+        def nothing(r: int) -> None:
+            pass
+
+        names = {"a": "(a) Ingestor.handle (full path)", "b": "(b) verify + decode + accumulate",
+                 "c": "(c) numpy add (baseline)"}
+        times = interleaved_prepared({names["a"]: (prepare_full, full), names["b"]: (nothing, vda),
+                                      names["c"]: (nothing, numpy_add)}, repeats)
+        for name in pieces:
+            pieces[name] = pieces[name][1:]  # drop the warm-up call
+        assert bench.acks >= k * (repeats + 1)
+        return {"k": k, "payload_bytes": payload_bytes, "tensor_bytes": num_bytes(bench.template), "times": times,
+                "pieces": {name: np.asarray(v) for name, v in pieces.items()}, "names": names}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", default="10,20,50", help="comma-separated numbers of updates per round")
+    parser.add_argument("--params", type=int, default=1_000_000, help="model parameters (float32)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--child-memory", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_memory is not None:
+        child_memory(args.child_memory, args.params)
+        return
+
+    ks = [int(x) for x in args.k.split(",") if x.strip()]
+    print(f"ingest benchmark: model {args.params:,} float32 parameters, K = {ks}, {args.repeats} interleaved "
+          f"repeats; {load_average()}", flush=True)
+    rows, piece_rows, ratio_rows = [], [], []
+    for k in ks:
+        print(f"  K={k}: timing ...", flush=True)
+        res = time_k(k, args.params, args.repeats)
+        total = k * res["payload_bytes"]
+        names = res["names"]
+        med = {n: float(np.median(t)) for n, t in res["times"].items()}
+        low = {n: float(np.min(t)) for n, t in res["times"].items()}
+        for n, t in res["times"].items():
+            rows.append([f"K={k:<3d} {n}", f"{med[n] * 1e3:.1f}", f"{low[n] * 1e3:.1f}", f"{med[n] / k * 1e3:.2f}",
+                         f"{total / med[n] / MiB:.0f}", f"{total / low[n] / MiB:.0f}"])
+        for n, t in res["pieces"].items():
+            piece_rows.append([f"K={k:<3d} {n}", f"{np.median(t) / k * 1e3:.2f}",
+                               f"{total / np.median(t) / MiB:.0f}"])
+        a, b, c = names["a"], names["b"], names["c"]
+        ratio_rows.append([f"K={k}", f"{med[c] / med[a]:.3f} ({low[c] / low[a]:.3f})",
+                           f"{med[c] / med[b]:.3f} ({low[c] / low[b]:.3f})",
+                           "yes" if med[c] / med[b] >= 0.5 else "no"])
+    payload_mib = res["payload_bytes"] / MiB
+    print(f"\nthroughput (payload {payload_mib:.2f} MiB per update = {res['tensor_bytes'] / MiB:.2f} MiB of tensors "
+          "+ safetensors header; numpy add over the same number of bytes):")
+    print_table(["variant", "median ms", "min ms", "ms/update", "MiB/s (median)", "MiB/s (min)"], rows)
+    print("\npieces of (b), per update (medians):")
+    print_table(["piece", "ms/update", "MiB/s"], piece_rows)
+    print("\nthroughput ratios vs numpy add, medians (minima in brackets); target: (b)/(c) >= 0.5")
+    print_table(["K", "(a)/(c)", "(b)/(c)", "(b) target met"], ratio_rows)
+
+    if not args.no_memory:
+        print("\npeak memory of one round through Ingestor.handle, each K in a fresh subprocess:", flush=True)
+        mem_rows = []
+        here = Path(__file__).resolve()
+        for k in ks:
+            print(f"  K={k}: memory ...", flush=True)
+            out = subprocess.run([sys.executable, str(here), "--child-memory", str(k), "--params", str(args.params)],
+                                 capture_output=True, text=True, check=True, cwd=os.getcwd())
+            m = json.loads(out.stdout.strip().splitlines()[-1])
+            mem_rows.append([f"K={k}", f"{k * m['update_bytes'] / MiB:.0f}", f"{m['rss_before_mib']:.0f}",
+                             f"{m['rss_peak_mib']:.0f}", f"{m['rss_growth_mib']:.1f}",
+                             f"{m['tracemalloc_peak_mib']:.1f}", f"{m['tracemalloc_left_mib']:.1f}"])
+        print_table(["K", "K x update MiB", "RSS before MiB", "RSS peak MiB", "RSS growth MiB",
+                     "tracemalloc peak MiB", "still held MiB"], mem_rows)
+        print("(flat RSS growth and tracemalloc peak across K = streaming sum; 'K x update' is what holding every "
+              "update would cost)")
+    print(f"\nfinished; {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

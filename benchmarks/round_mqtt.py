@@ -1,0 +1,195 @@
+"""One federated round of N gateways over a real MQTT broker, against the raw transfer of the same bytes.
+
+Run by hand (not part of the tests; needs a broker, e.g. the Mosquitto on 127.0.0.1:1883)::
+
+    .venv/bin/python benchmarks/round_mqtt.py [--gateways 20] [--params 1000000] [--repeats 3]
+                                              [--broker mqtt://127.0.0.1:1883] [--workers 1]
+
+A real :class:`~coordinator.service.Coordinator` (SQLite and blobs in a temporary folder, paho transport, FedAvg,
+server SGD, privacy ``none``) runs in this process with N enrolled gateways. The gateways run in ``--workers``
+separate processes (``_gateways.py``), one paho connection each. Training is not measured: every gateway's signed
+UPDATE (a 1M-parameter float32 delta, ~3.8 MiB) and the MQTT messages ``shared.transfer.send`` makes of it (signed
+manifest + 256 KiB chunks, as the edge agent sends them) are made before the clock starts, after the round is open
+and its tasks published.
+
+Timed, in rotating order each repeat:
+
+- ``WildFed round``: from the first gateway's first publish to the coordinator's round close
+  (``RoundManager.wait_for_quorum`` with quorum 1.0, then ``close_round``: ledger, FedAvg mean, server step, new
+  model stored). Every chunk goes through ``TransferReceiver`` (staged as a file), each reassembled update through
+  ``Ingestor.handle`` (verify, decode, checks, fsync-ed blob, DB row, signed ACK, running sum). Also printed: the
+  time until the last gateway has its (verified) ACK;
+- ``raw transfer`` (baseline): the same gateways publish the same messages (same sizes, same order, QoS 1, each
+  waiting for its PUBACK) to a plain topic; a plain paho subscriber in this process (QoS 1) only counts bytes. From
+  the first publish to the last byte received.
+
+Printed: per repeat and as medians, both times, their MiB/s and the ratio round / raw (issue target <= 1.5x). The
+machine's load average is printed before and after (other processes disturb both variants alike, not equally
+within one repeat: compare several repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from _federation import MiB, load_average, model_template, print_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gateways", type=int, default=20)
+    parser.add_argument("--params", type=int, default=1_000_000, help="model parameters (float32)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (each with its baseline transfer)")
+    parser.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument("--chunk-size", type=int, default=256 * 1024, help="bytes per chunk (shared.transfer)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a round may take")
+    args = parser.parse_args()
+
+    import paho.mqtt.client as mqtt
+
+    from coordinator.config import config_from_dict
+    from coordinator.service import Coordinator
+    from coordinator.transport import parse_broker_url
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+    from shared.keys import generate_signing_key, public_key_to_pem
+
+    from _gateways import worker_main
+
+    fed = f"bench{uuid.uuid4().hex[:8]}"
+    template = model_template(args.params)
+    tmp = Path(tempfile.mkdtemp(prefix="wildfed-round-"))
+    key = generate_signing_key()
+    cfg = config_from_dict({
+        "federation_id": fed, "data_dir": str(tmp / "data"), "broker_url": args.broker, "rounds": 10 ** 6,
+        "quorum_fraction": 1.0, "round_deadline_s": args.timeout, "local_steps": 5, "privacy": "none",
+        "ship_ort_artifacts": False, "seed": 0, "signing_key_path": str(tmp / "k.key"),
+        "public_key_path": str(tmp / "k.pub"), "transfer": {"chunk_size_bytes": args.chunk_size}}).resolved(tmp)
+    coord = Coordinator(cfg, signing_key=key, initial_weights=template)
+    sites = [(f"gw{i:03d}", generate_signing_key()) for i in range(args.gateways)]
+    for site_id, k in sites:
+        coord.enrol(site_id, public_key_to_pem(k.public_key()), {"num_examples": 100})
+    coord.start()
+    print(f"round_mqtt: {args.gateways} gateways in {args.workers} worker process(es), model {args.params:,} float32 "
+          f"parameters, broker {args.broker}, chunks of {args.chunk_size} bytes, federation {fed}; {load_average()}",
+          flush=True)
+
+    # The baseline's plain subscriber: counts bytes, notes when the expected total is in.
+    host, port, _ = parse_broker_url(args.broker)
+    raw_prefix = f"bench/{fed}/raw"
+    counter = {"bytes": 0, "expected": None, "last": 0.0}
+    done = threading.Event()
+    sub_ready = threading.Event()
+
+    def on_raw(client, userdata, message) -> None:  # noqa: ANN001
+        counter["bytes"] += len(message.payload)
+        counter["last"] = time.time()
+        if counter["expected"] is not None and counter["bytes"] >= counter["expected"]:
+            done.set()
+
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{fed}-counter", protocol=mqtt.MQTTv311,
+                      clean_session=True)
+    sub.on_message = on_raw
+    sub.on_subscribe = lambda *a: sub_ready.set()
+    sub.on_connect = lambda client, *a: client.subscribe(f"{raw_prefix}/+", qos=1)
+    sub.connect(host, port, keepalive=60)
+    sub.loop_start()
+    if not sub_ready.wait(30):
+        raise SystemExit("the counting subscriber could not subscribe")
+
+    # Gateway workers.
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    raw_key = lambda k: k.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())  # noqa: E731
+    for w in range(args.workers):
+        mine = [(s, raw_key(k), i) for i, (s, k) in enumerate(sites) if i % args.workers == w]
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(child, args.broker, fed, mine, public_key_to_pem(key.public_key()),
+                                                  args.params, args.chunk_size, args.timeout), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    for pipe in pipes:
+        assert pipe.recv()[0] == "connected"
+
+    def broadcast(cmd: tuple) -> list:
+        for pipe in pipes:
+            pipe.send(cmd)
+        return [pipe.recv() for pipe in pipes]
+
+    rows, ratios = [], []
+    try:
+        for rep in range(args.repeats):
+            r, h = coord.rounds.next_round(), coord.rounds.current_model()[0]
+            sealed = broadcast(("seal", r, h))
+            total_bytes, total_msgs = sum(s[1] for s in sealed), sum(s[2] for s in sealed)
+            order = ["raw", "round"] if rep % 2 == 0 else ["round", "raw"]
+            times: dict[str, float] = {}
+            for variant in order:
+                if variant == "raw":
+                    counter.update(bytes=0, expected=total_bytes, last=0.0)
+                    done.clear()
+                    out = broadcast(("raw", raw_prefix))
+                    if not done.wait(args.timeout):
+                        raise SystemExit(f"raw transfer incomplete: {counter['bytes']} of {total_bytes} bytes")
+                    first = min(o[1]["first_publish"] for o in out)
+                    times["raw"] = counter["last"] - first
+                    print(f"  repeat {rep + 1}: raw transfer of {total_bytes / MiB:.1f} MiB in {total_msgs} messages: "
+                          f"{times['raw']:.2f} s", flush=True)
+                else:
+                    t_open = time.time()
+                    rctx = coord.rounds.open_round()
+                    t_tasks = time.time() - t_open
+                    assert rctx is not None and rctx.round == r and rctx.model_hash == h
+                    for pipe in pipes:
+                        pipe.send(("updates", 60.0))  # the edge agent's default resend interval
+                    coord.rounds.wait_for_quorum(rctx)
+                    result = coord.rounds.close_round(rctx)
+                    t_close = time.time()
+                    out = [pipe.recv() for pipe in pipes]
+                    first = min(o[1]["first_publish"] for o in out)
+                    acks = {s: a for o in out for s, a in o[1]["acks"].items()}
+                    ok = sum(1 for _, accepted in acks.values() if accepted)
+                    if result.status != "closed" or len(result.accepted) != args.gateways or ok != args.gateways:
+                        raise SystemExit(f"round {r} {result.status}: {len(result.accepted)} accepted, {ok} positive "
+                                         f"ACKs of {args.gateways}; rejections {coord.status().rejections}")
+                    times["acked"] = max(t for t, _ in acks.values()) - first
+                    times["round"] = t_close - first
+                    print(f"  repeat {rep + 1}: round {r} closed with {len(result.accepted)} updates: all ACKed "
+                          f"{times['acked']:.2f} s, closed {times['round']:.2f} s after the first publish (tasks "
+                          f"published in {t_tasks:.2f} s before)", flush=True)
+            ratios.append(times["round"] / times["raw"])
+            rows.append([f"repeat {rep + 1}", f"{total_bytes / MiB:.1f}", f"{times['raw']:.2f}",
+                         f"{total_bytes / MiB / times['raw']:.0f}", f"{times['acked']:.2f}", f"{times['round']:.2f}",
+                         f"{total_bytes / MiB / times['round']:.0f}", f"{times['acked'] / times['raw']:.2f}",
+                         f"{ratios[-1]:.2f}"])
+    finally:
+        for pipe in pipes:
+            try:
+                pipe.send(("quit",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in procs:
+            p.join(timeout=10)
+        sub.disconnect()
+        sub.loop_stop()
+        coord.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{args.gateways} gateways x 1 update, model {args.params:,} parameters; {load_average()}")
+    print_table(["", "MiB", "raw s", "raw MiB/s", "all ACKed s", "round closed s", "round MiB/s", "ACKed/raw",
+                 "closed/raw"], rows)
+    med = float(np.median(ratios))
+    print(f"median ratio round closed / raw transfer: {med:.2f}x (target <= 1.5x: {'met' if med <= 1.5 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
