@@ -64,7 +64,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from shared.codec import decode_tensors
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError, PayloadError, SignatureError
 from shared.iucn import IUCNCategory
@@ -279,7 +278,7 @@ def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: Mes
     return env
 
 
-def _decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]:
+def _decode_update(payload: bytes, *, check_weights: bool = True) -> tuple[UpdateReport, dict[str, np.ndarray]]:
     """:func:`decode_update`, refusing report numbers no float holds (a JSON integer such as 10**400 passes
     shared.protocol's checks but raises OverflowError where it is used: the weight, the ledger's accountant) and
     JSON integers too long for Python to parse (ValueError).
@@ -288,7 +287,7 @@ def _decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]
         _Reject: ``malformed_payload``.
     """
     try:
-        report, delta = decode_update(payload)
+        report, delta = decode_update(payload, check_weights=check_weights)
         for ev in (*report.events.values(), *report.count_events.values()):
             float(ev.noise_multiplier), float(ev.sampling_rate)
     except (PayloadError, ValueError, OverflowError) as exc:  # ValueError: a JSON integer of > 4300 digits
@@ -399,6 +398,12 @@ class Ingestor:
             self._nack(env, result)
         return result
 
+    def refuse_verified(self, topic: str, rej: _Reject, env: Envelope) -> Rejected:
+        """Count, log, store and NACK a refusal of a message whose signature verified (e.g. a manifest refused by
+        :class:`coordinator.transfers.TransferReceiver`)."""
+        with self._lock:
+            return self._refuse(topic, rej, env, True)
+
     def record_rejection(self, topic: str, rej: _Reject) -> Rejected:
         """Count, log and store a rejection found before any envelope verified (e.g. by
         :class:`coordinator.transfers.TransferReceiver`); no NACK is sent (the sender is not authenticated)."""
@@ -492,20 +497,15 @@ class Ingestor:
         if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{ctx.round}")
-        # Tensors are checked before decode_update, which folds wrong dtypes and non-finite values into one
-        # PayloadError: here they get their own reason codes.
-        try:
-            raw_tensors, _ = decode_tensors(env.payload)
-        except (PayloadError, ValueError) as exc:  # ValueError: a JSON integer of > 4300 digits in the header
-            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
-        self._check_tensors(ctx, raw_tensors)
-        del raw_tensors
-        report, delta = _decode_update(env.payload)
+        # Decoded once, tensors unchecked: they are checked here against the model, with their own reason codes
+        # (decode_update would fold wrong dtypes and non-finite values into one PayloadError).
+        report, delta = _decode_update(env.payload, check_weights=False)
+        self._check_tensors(ctx, delta)
         events = self._check_report(ctx, h.site_id, report)
         weight = float(report.num_examples)  # N_k: declared public (shared.protocol.UpdateReport, docs/privacy.md)
 
         # 1. durable storage first
-        digest = self._store.put_blob(env.payload)
+        digest = self._store.put_blob(env.payload, sha256_hex=h.payload_sha256)  # verified against the signature
         try:
             stored = self._store.add_update_if_open(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
                                                               num_examples=int(report.num_examples),

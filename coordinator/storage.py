@@ -148,7 +148,7 @@ class UpdateRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     round: Mapped[int] = mapped_column(Integer, index=True)
     site_id: Mapped[str] = mapped_column(String(128), ForeignKey("sites.site_id"))
-    sequence: Mapped[int] = mapped_column(Integer)
+    sequence: Mapped[int] = mapped_column(BigInteger)
     num_examples: Mapped[int] = mapped_column(Integer)
     payload_sha256: Mapped[str] = mapped_column(String(64))
     received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
@@ -362,9 +362,14 @@ class Store:
         """Path of the blob named ``sha256_hex`` (two-character fan-out folder)."""
         return self.blob_dir / sha256_hex[:2] / f"{sha256_hex}.bin"
 
-    def put_blob(self, data: bytes) -> str:
-        """Store ``data`` durably (fsync + atomic rename) and return its hex SHA-256; idempotent."""
-        digest = hashlib.sha256(data).hexdigest()
+    def put_blob(self, data: bytes, *, sha256_hex: str | None = None) -> str:
+        """Store ``data`` durably (fsync + atomic rename) and return its hex SHA-256; idempotent.
+
+        Args:
+            data: the bytes. sha256_hex: their SHA-256 when the caller has just verified it (e.g. an envelope's
+                payload, checked against its signed header), to save hashing them again; otherwise computed.
+        """
+        digest = sha256_hex if sha256_hex is not None else hashlib.sha256(data).hexdigest()
         path = self.blob_path(digest)
         if not path.exists():
             _fsync_write(path, data)

@@ -181,19 +181,22 @@ class TransferReceiver:
     def _manifest(self, topic: str, raw: bytes) -> object:
         env, site_id = self._open_site_envelope(topic, raw, MessageKind.MANIFEST)
         h = env.header
-        self._ingestor.check_replay(env)
-        try:
-            manifest = decode_manifest(env.payload)
-        except TransferError as exc:
-            raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
-        if manifest.kind != MessageKind.UPDATE:
-            raise _Reject(RejectReason.BAD_TRANSFER, f"a site may only upload updates, not {manifest.kind.value}")
-        if manifest.total_length > self.limits.max_update_bytes:
-            raise _Reject(RejectReason.OVERSIZED, f"transfer of {manifest.total_length} bytes exceeds the limit of "
-                          f"{self.limits.max_update_bytes}")
-        if manifest.chunk_size > self.limits.max_chunk_bytes:
-            raise _Reject(RejectReason.OVERSIZED, f"chunk size {manifest.chunk_size} exceeds the limit of "
-                          f"{self.limits.max_chunk_bytes} bytes")
+        try:  # the sender is authenticated from here on: a refusal is NACKed, so the gateway stops resending
+            self._ingestor.check_replay(env)
+            try:
+                manifest = decode_manifest(env.payload)
+            except TransferError as exc:
+                raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+            if manifest.kind != MessageKind.UPDATE:
+                raise _Reject(RejectReason.BAD_TRANSFER, f"a site may only upload updates, not {manifest.kind.value}")
+            if manifest.total_length > self.limits.max_update_bytes:
+                raise _Reject(RejectReason.OVERSIZED, f"transfer of {manifest.total_length} bytes exceeds the limit "
+                              f"of {self.limits.max_update_bytes}")
+            if manifest.chunk_size > self.limits.max_chunk_bytes:
+                raise _Reject(RejectReason.OVERSIZED, f"chunk size {manifest.chunk_size} exceeds the limit of "
+                              f"{self.limits.max_chunk_bytes} bytes")
+        except _Reject as rej:
+            return self._ingestor.refuse_verified(topic, rej, env)
         verdict = self._ingestor.precheck(env)  # round, selection, model version, duplicate (ACKs/NACKs itself)
         if verdict is not None:
             return verdict
@@ -296,12 +299,19 @@ class TransferReceiver:
         try:
             inner = assemble(manifest, pieces)
         except TransferError as exc:  # a torn chunk file: drop the bad pieces, the site resends them
+            damaged = 0
             for i, piece in enumerate(pieces):
                 try:
                     check_chunk(manifest, Chunk(manifest.transfer_id, i, piece))
                 except TransferError:
                     (folder / f"{i}.part").unlink(missing_ok=True)
-            raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed ({exc}); damaged chunks dropped", exc) from exc
+                    damaged += 1
+            if not damaged:  # every chunk matches its digest, yet the whole is not the transfer: a bad manifest
+                self._drop(manifest.transfer_id)
+                raise _Reject(RejectReason.BAD_TRANSFER, f"the chunks match their digests but not the transfer id "
+                              f"({exc}): the manifest is inconsistent; transfer dropped", exc) from exc
+            raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed ({exc}); {damaged} damaged chunk(s) dropped",
+                          exc) from exc
         result = self._ingestor.handle(topic, inner)
         self._drop(manifest.transfer_id)
         return result
@@ -320,11 +330,11 @@ class TransferReceiver:
         if floor is not None and env.header.sequence <= floor:
             raise _Reject(RejectReason.REPLAYED, f"receipt sequence {env.header.sequence} is not above {floor}, the "
                           "site's last one: a replay")
-        self._receipt_floor[site_id] = env.header.sequence
         try:
             receipt = decode_receipt(env.payload)
         except TransferError as exc:
             raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+        self._receipt_floor[site_id] = env.header.sequence  # only a well-formed receipt moves the floor
         if self._on_download_receipt is not None:
             self._on_download_receipt(site_id, env.header.round, receipt)
         return None

@@ -78,7 +78,9 @@ def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         tensors = _st_load(data)
     except (SafetensorError, ValueError, TypeError) as exc:
         raise PayloadError(f"payload is not valid safetensors: {exc}") from exc
-    return {name: np.array(array, copy=True) for name, array in tensors.items()}, metadata
+    # safetensors' numpy loader returns arrays that own their memory and are writable; copy only one that is not
+    return {name: array if array.flags.writeable else np.array(array, copy=True)
+            for name, array in tensors.items()}, metadata
 
 
 def model_hash(tensors: Mapping[str, np.ndarray]) -> str:

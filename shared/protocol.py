@@ -540,8 +540,14 @@ def encode_update(report: UpdateReport, delta: Mapping[str, np.ndarray]) -> byte
     return encode_tensors(_check_weights(delta), _metadata(report.to_json()))
 
 
-def decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]:
+def decode_update(payload: bytes, *, check_weights: bool = True) -> tuple[UpdateReport, dict[str, np.ndarray]]:
     """Inverse of :func:`encode_update`.
+
+    Args:
+        payload: the UPDATE payload bytes.
+        check_weights: refuse non-float32 or non-finite tensors (default). False returns the tensors as stored, for
+            a caller that checks them against the model itself (the coordinator's ingest, which gives those
+            failures their own reason codes) without decoding the payload twice.
 
     Raises:
         PayloadError: as :func:`decode_task`, or a malformed DP event.
@@ -560,7 +566,7 @@ def decode_update(payload: bytes) -> tuple[UpdateReport, dict[str, np.ndarray]]:
                               count_events={k: DPSGDEvent.from_json(v) for k, v in count_events.items()})
     except TypeError as exc:
         raise PayloadError(f"update fields wrong: {exc}") from exc
-    return report, _check_weights(tensors)
+    return report, _check_weights(tensors) if check_weights else tensors
 
 
 def encode_ack(ack: Ack) -> bytes:

@@ -538,7 +538,9 @@ def adversarial_envelopes(draw: st.DrawFn, h: Harness) -> Message:
         kind = draw(st.sampled_from([MessageKind.TASK, MessageKind.ACK, MessageKind.DETECTION, MessageKind.SECAGG,
                                      MessageKind.MANIFEST]))
         reasons.update({R.WRONG_KIND, R.BAD_TRANSFER})
-        authenticated = False  # a MANIFEST refused after verification is not NACKed either
+        # A site-signed MANIFEST whose payload is not a manifest verifies, and is NACKed (bad_transfer); any other
+        # kind on an update topic is refused before its signature is looked at, with no answer.
+        authenticated = authenticated and kind == MessageKind.MANIFEST
     if "bad_topic" in header:
         topic = draw(BAD_TOPICS)
         reasons.add(R.BAD_TOPIC)
@@ -681,9 +683,9 @@ class StreamModel:
         return self._complete(t)
 
     def _complete(self, t: Transfer) -> Outcome:
-        if not t.assembles:
-            return Outcome(frozenset({R.BAD_TRANSFER}), False, False)
         del self.kept[t.manifest.transfer_id]
+        if not t.assembles:  # every chunk matched its digest, the whole did not: the transfer is dropped
+            return Outcome(frozenset({R.BAD_TRANSFER}), False, False)
         return Outcome(t.inner_reasons, False, True)
 
 
