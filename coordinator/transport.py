@@ -265,8 +265,10 @@ class MqttTransport:
 
     def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
         """Publish and wait until the broker has it (PUBACK for QoS 1), except when called from paho's own
-        network thread (a message handler publishing an ACK), where waiting would block the loop that delivers
-        the PUBACK: paho then completes the QoS 1 exchange in the background.
+        network thread or from a :class:`QueuedCallback` handler (an ACK or a receipt), where waiting could block
+        the loop that delivers the PUBACK (the network thread may itself be waiting for room in that handler's
+        queue): paho then completes the QoS 1 exchange in the background. Such a reply, if lost, is sent again when
+        the gateway resends (a duplicate is re-ACKed).
 
         Raises:
             TransportError: paho refused the publish.
@@ -275,7 +277,8 @@ class MqttTransport:
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
             raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).
-        if info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread:
+        if (info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread
+                and not getattr(_HANDLER_THREAD, "active", False)):
             info.wait_for_publish(timeout=self.connect_timeout_s)
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
@@ -318,6 +321,10 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
                          key_file=config.broker_key_file, username=username, password=password)
 
 
+_HANDLER_THREAD = threading.local()
+"""``active`` is True on a :class:`QueuedCallback`'s thread."""
+
+
 class QueuedCallback:
     """Runs a transport callback on its own thread, so that slow work (verify, decode, fsync) never runs on paho's
     network thread, which must keep reading the socket and completing PUBACKs (paho-mqtt docs: "do not block in
@@ -330,10 +337,10 @@ class QueuedCallback:
     Args:
         callback: ``callback(topic, payload)``; its exceptions are logged, never propagated.
         name: thread name (logs).
-        max_bytes: payload bytes that may wait, default 256 MiB.
+        max_bytes: payload bytes that may wait, default 64 MiB (the rest waits at the broker: TCP back-pressure).
     """
 
-    def __init__(self, callback: Callback, *, name: str = "wildfed-ingest", max_bytes: int = 256 << 20) -> None:
+    def __init__(self, callback: Callback, *, name: str = "wildfed-ingest", max_bytes: int = 64 << 20) -> None:
         import queue
 
         self._callback = callback
@@ -354,6 +361,7 @@ class QueuedCallback:
         self._queue.put((topic, payload))
 
     def _run(self) -> None:
+        _HANDLER_THREAD.active = True  # publishes from here do not wait for their PUBACK (MqttTransport.publish)
         while True:
             item = self._queue.get()
             if item is None:
