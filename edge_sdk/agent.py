@@ -275,13 +275,15 @@ class EdgeAgent:
             if (max_rounds is not None and trained >= max_rounds and not self.outbox.pending()
                     and self._secagg is None):
                 break
-            if time.monotonic() >= self._next_resend:
-                self._next_resend = time.monotonic() + self._resend_delay()
-                if self.outbox.pending():
-                    self.resend_pending()
             try:
                 kind, payload = self._inbox.get(timeout=0.1)
             except queue.Empty:
+                # Resend only when idle (an ACK waiting in the inbox is read first), and only an update that has
+                # waited a whole interval since it was last sent (_publish restarts the interval).
+                if time.monotonic() >= self._next_resend:
+                    self._next_resend = time.monotonic() + self._resend_delay()
+                    if self.outbox.pending():
+                        self.resend_pending()
                 if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
                     log.info("site %s: idle for %.1f s, stopping", self.config.site_id, idle_timeout_s)
                     break
@@ -696,6 +698,7 @@ class EdgeAgent:
                         message_id, exc)
             return False
         self.stats["updates_published"] += 1
+        self._next_resend = time.monotonic() + self._resend_delay()  # the interval counts from the last send
         log.info("site %s: published %s (%d bytes)", self.config.site_id, message_id, len(payload))
         return True
 

@@ -45,6 +45,21 @@ def test_artifact_set_contents_and_cache(tmp_path) -> None:
     assert set(artifact_digests(files)) == set(ARTIFACT_FILES)
 
 
+def published_task(transport: InMemoryTransport) -> bytes:
+    """The last task published, reassembled when it went as a manifest and chunks (shared.transfer): a task with
+    ONNX Runtime artifacts is larger than the 256 KiB chunk size."""
+    from shared.transfer import Chunk, assemble, decode_manifest, is_chunk
+
+    messages = [p for t, p in transport.published if t.endswith("/task")]
+    if not is_chunk(messages[-1]):
+        return messages[-1]
+    start = max(i for i, p in enumerate(messages) if not is_chunk(p))
+    manifest = decode_manifest(Envelope.from_bytes(messages[start]).payload)
+    chunks = sorted((Chunk.from_bytes(p, max_data_bytes=manifest.chunk_size) for p in messages[start + 1:]),
+                    key=lambda c: c.index)
+    return assemble(manifest, [c.data for c in chunks])
+
+
 @pytest.mark.parametrize("ship", [True, False])
 def test_tasks_carry_artifacts_only_when_configured(tmp_path, ship: bool) -> None:
     config = make_config(tmp_path, ship_ort_artifacts=ship)
@@ -55,7 +70,7 @@ def test_tasks_carry_artifacts_only_when_configured(tmp_path, ship: bool) -> Non
     coordinator.enrol("site-a", public_key_to_pem(generate_signing_key().public_key()))
     ctx = coordinator.rounds.open_round()
     assert ctx is not None
-    payload = Envelope.from_bytes(transport.published[-1][1]).payload
+    payload = Envelope.from_bytes(published_task(transport)).payload
     task, got_weights, files = decode_task_with_artifacts(payload)
     assert model_hash(got_weights) == h == task.model_hash
     if ship:
