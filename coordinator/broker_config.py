@@ -66,6 +66,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.broker import BrokerCredentials, load_broker_credentials
 from shared.errors import ConfigError
 from shared.keys import write_file_atomic
 from shared.topics import PREFIX
@@ -97,44 +98,6 @@ def site_username(site_id: str) -> str:
 def coordinator_username(federation_id: str) -> str:
     """The broker username of the federation's coordinator: ``coordinator-<federation_id>``."""
     return f"coordinator-{federation_id}"
-
-
-@dataclass(frozen=True)
-class BrokerCredentials:
-    """An MQTT username and password (a secret: ``repr`` hides the password)."""
-
-    username: str
-    password: str
-
-    def __repr__(self) -> str:
-        return f"BrokerCredentials(username={self.username!r}, password=<hidden>)"
-
-
-def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
-    """Read a credentials YAML file ``{username: ..., password: ...}`` written by :func:`generate_broker_config`.
-
-    Raises:
-        ConfigError: missing file, readable by group/others (must be 0600), not YAML, or no non-empty username and
-            password strings.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("broker credentials file not found", source=path, field="broker_password_file",
-                          fix="run `wildfed-coordinator broker-config` and point broker_password_file at "
-                          "coordinator/broker-credentials.yaml")
-    if os.name == "posix" and path.stat().st_mode & 0o077:
-        raise ConfigError(f"broker credentials are accessible by group/others (mode {oct(path.stat().st_mode & 0o777)})",
-                          source=path, field="broker_password_file", fix=f"run `chmod 600 {path}`")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"not valid YAML: {exc}", source=path, field="broker_password_file",
-                          fix="use the file broker-config wrote") from exc
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) and raw.get(k) for k in ("username",
-                                                                                                 "password")):
-        raise ConfigError("expected a mapping with non-empty 'username' and 'password'", source=path,
-                          field="broker_password_file", fix="use the file broker-config wrote")
-    return BrokerCredentials(username=raw["username"], password=raw["password"])
 
 
 def _write_credentials(path: Path, creds: BrokerCredentials, *, who: str) -> None:

@@ -53,6 +53,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from shared.broker import check_broker_fields
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
@@ -331,11 +332,7 @@ class CoordinatorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> "CoordinatorConfig":
-        if (self.broker_cert_file is None) != (self.broker_key_file is None):
-            raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
-        tls_files = (self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
-        if self.broker_url.startswith("mqtt://") and any(f is not None for f in tls_files):
-            raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+        check_broker_fields(self.broker_url, self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
         return self
 
     @model_validator(mode="after")

@@ -64,7 +64,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.envelope import Envelope, EnvelopeHeader, MessageKind, seal, verify
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError, PayloadError, SignatureError
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
@@ -445,25 +445,9 @@ class Ingestor:
         """
         with self._lock:
             h = env.header
-            ctx = self._ctx
             try:
-                if ctx is None or h.round != ctx.round:
-                    if self._selected_in_past_round(h.round, h.site_id):
-                        row = self._stored(h.round, h.site_id)
-                        if row is None:
-                            return None
-                        raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored round {h.round}")
-                    open_r = "none" if ctx is None else str(ctx.round)
-                    raise _Reject(RejectReason.WRONG_ROUND, f"update for round {h.round}, open round is {open_r}")
-                if h.site_id not in ctx.selected:
-                    raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round "
-                                  f"{ctx.round}")
-                if h.base_model_hash != ctx.expected_hash(h.site_id):
-                    raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, "
-                                  f"round {ctx.round} trains from {ctx.expected_hash(h.site_id)[:12]}")
-                if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
-                    raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for "
-                                  f"round {ctx.round}")
+                if self._check_binding(h) is None and self._stored(h.round, h.site_id) is not None:
+                    raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored round {h.round}")
             except _Reject as rej:
                 return self._refuse(f"manifest of {h.site_id}", rej, env, True)
             return None
@@ -479,15 +463,22 @@ class Ingestor:
     def _verify(self, env: Envelope) -> None:
         verify_site_envelope(env, self._registry)
 
-    def _admit(self, env: Envelope) -> Accepted:
-        h = env.header
+    def _check_binding(self, h: EnvelopeHeader) -> RoundContext | None:
+        """The checks that need only the (verified) header: the round is open, the site was selected, the update
+        was trained from the model the site was sent, and no update of the site is in for the round.
+
+        Returns:
+            the open round's context, or None for an update of a past round that selected the site (a late update:
+            the caller charges it, or lets its chunks come so that it can be charged).
+
+        Raises:
+            _Reject: ``wrong_round``, ``not_selected``, ``stale_model`` or ``duplicate``.
+        """
         ctx = self._ctx
         if ctx is None or h.round != ctx.round:
-            open_r = "none" if ctx is None else str(ctx.round)
             if self._selected_in_past_round(h.round, h.site_id):
-                self._charge_late(env)
-                raise _Reject(RejectReason.LATE, f"update for closed round {h.round} (open round is {open_r}); "
-                              "its events were charged to the ledger, it is not aggregated")
+                return None
+            open_r = "none" if ctx is None else str(ctx.round)
             raise _Reject(RejectReason.WRONG_ROUND, f"update for round {h.round}, open round is {open_r}")
         if h.site_id not in ctx.selected:
             raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round {ctx.round}")
@@ -497,6 +488,16 @@ class Ingestor:
         if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{ctx.round}")
+        return ctx
+
+    def _admit(self, env: Envelope) -> Accepted:
+        h = env.header
+        ctx = self._check_binding(h)
+        if ctx is None:
+            open_r = "none" if self._ctx is None else str(self._ctx.round)
+            self._charge_late(env)
+            raise _Reject(RejectReason.LATE, f"update for closed round {h.round} (open round is {open_r}); "
+                          "its events were charged to the ledger, it is not aggregated")
         # Decoded once, tensors unchecked: they are checked here against the model, with their own reason codes
         # (decode_update would fold wrong dtypes and non-finite values into one PayloadError).
         report, delta = _decode_update(env.payload, check_weights=False)

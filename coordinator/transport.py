@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
+from shared.broker import load_broker_credentials, tls_context
 from shared.errors import ConfigError, WildFedError
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
 
 __all__ = ["QueuedCallback", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
-           "parse_broker_url", "client_tls_context", "transport_from_config"]
+           "parse_broker_url", "transport_from_config"]
 
 log = logging.getLogger(__name__)
 
@@ -130,29 +129,6 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
     return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
 
 
-def client_tls_context(*, ca_file: str | os.PathLike[str] | None, cert_file: str | os.PathLike[str] | None = None,
-                       key_file: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
-    """A client TLS context: broker certificate verified against ``ca_file`` (system CAs when None), hostname
-    checked, TLS 1.2 minimum, optional client certificate (``cert_file`` + ``key_file``, both or neither).
-
-    Raises:
-        ConfigError: a file is missing or not PEM, or only one of ``cert_file``/``key_file`` is given.
-    """
-    if (cert_file is None) != (key_file is None):
-        raise ConfigError("a client certificate needs both its certificate and its key", field="broker_cert_file",
-                          fix="set both broker_cert_file and broker_key_file, or neither")
-    for name, value in (("broker_ca_file", ca_file), ("broker_cert_file", cert_file), ("broker_key_file", key_file)):
-        if value is not None and not Path(value).is_file():
-            raise ConfigError("file not found", source=value, field=name, fix="check the path in the config")
-    try:
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None if ca_file is None else str(ca_file))
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if cert_file is not None and key_file is not None:
-            ctx.load_cert_chain(str(cert_file), str(key_file))
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"cannot load TLS material: {exc}", source=ca_file or cert_file, field="broker_ca_file",
-                          fix="pass PEM files written by `wildfed-coordinator broker-config`") from exc
-    return ctx
 
 
 class MqttTransport:
@@ -193,7 +169,7 @@ class MqttTransport:
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
                                    protocol=mqtt.MQTTv311, clean_session=True)
         if tls:
-            self._client.tls_set_context(client_tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
+            self._client.tls_set_context(tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
         if username:
             self._client.username_pw_set(username, password)
         self._refused: str | None = None
@@ -310,7 +286,6 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
     Raises:
         ConfigError: bad URL, TLS files or credentials file.
     """
-    from coordinator.broker_config import load_broker_credentials
 
     username, password = config.broker_username, None
     if config.broker_password_file is not None:

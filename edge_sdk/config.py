@@ -38,6 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shared.broker import check_broker_fields
 from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
@@ -180,11 +181,7 @@ class SiteConfig(BaseModel):
 
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> SiteConfig:
-        if (self.broker_cert_file is None) != (self.broker_key_file is None):
-            raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
-        tls_files = (self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
-        if self.broker_url.startswith("mqtt://") and any(f is not None for f in tls_files):
-            raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+        check_broker_fields(self.broker_url, self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
         return self
 
     @field_validator("missing_media")

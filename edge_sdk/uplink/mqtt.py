@@ -38,19 +38,17 @@ from __future__ import annotations
 import logging
 import os
 import random
-import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
-import yaml
 
+from shared.broker import BrokerCredentials, load_broker_credentials, tls_context
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
@@ -99,68 +97,6 @@ def full_jitter_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.
     return rng.uniform(0.0, ceiling)
 
 
-@dataclass(frozen=True)
-class BrokerCredentials:
-    """MQTT username and password of one client (a secret: never log ``password``)."""
-
-    username: str
-    password: str
-
-    def __repr__(self) -> str:  # keep the password out of logs and tracebacks
-        return f"BrokerCredentials(username={self.username!r}, password=<hidden>)"
-
-
-def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
-    """Read the YAML credentials file ``{username: ..., password: ...}`` that ``wildfed-coordinator broker-config``
-    writes per site (``sites/<id>/broker-credentials.yaml``).
-
-    Raises:
-        ConfigError: the file is missing, readable by group/others (it must be mode 0600), not YAML, or lacks
-            a non-empty ``username`` or ``password`` string.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("broker credentials file not found", source=path, field="broker_password_file",
-                          fix="copy sites/<SITE>/broker-credentials.yaml from `wildfed-coordinator broker-config`")
-    if os.name == "posix" and path.stat().st_mode & 0o077:
-        raise ConfigError(f"broker credentials are accessible by group/others (mode "
-                          f"{oct(path.stat().st_mode & 0o777)})", source=path, field="broker_password_file",
-                          fix=f"run `chmod 600 {path}`")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"not valid YAML: {exc}", source=path, field="broker_password_file",
-                          fix="use the file broker-config wrote") from exc
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) and raw.get(k) for k in ("username",
-                                                                                                 "password")):
-        raise ConfigError("expected a mapping with non-empty 'username' and 'password'", source=path,
-                          field="broker_password_file", fix="use the file broker-config wrote")
-    return BrokerCredentials(username=raw["username"], password=raw["password"])
-
-
-def tls_context(*, ca_file: str | os.PathLike[str] | None, cert_file: str | os.PathLike[str] | None = None,
-                key_file: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
-    """A client TLS context: server certificate verified against ``ca_file`` (system CAs when None), hostname
-    checked, TLS 1.2 minimum, and an optional client certificate (``cert_file`` + ``key_file``, both or neither).
-
-    Raises:
-        ConfigError: a file is missing or unreadable as PEM, or only one of ``cert_file``/``key_file`` is given.
-    """
-    if (cert_file is None) != (key_file is None):
-        raise ConfigError("a client certificate needs both its certificate and its key", field="broker_cert_file",
-                          fix="set both broker_cert_file and broker_key_file, or neither")
-    for name, value in (("broker_ca_file", ca_file), ("broker_cert_file", cert_file), ("broker_key_file", key_file)):
-        if value is not None and not Path(value).is_file():
-            raise ConfigError("file not found", source=value, field=name, fix="check the path")
-    try:
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=None if ca_file is None else str(ca_file))
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        if cert_file is not None and key_file is not None:
-            ctx.load_cert_chain(str(cert_file), str(key_file))
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"cannot load TLS material: {exc}", source=ca_file or cert_file, field="broker_ca_file",
-                          fix="pass PEM files written by `wildfed-coordinator broker-config`") from exc
-    return ctx
 
 
 class MqttTransport(Transport):

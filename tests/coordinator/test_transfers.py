@@ -284,6 +284,23 @@ def test_incomplete_transfers_expire(tmp_path: Path) -> None:
 
 
 # ---- a real gateway and a real coordinator over a lossy link -----------------------------------------------------
+def camera_site(root: Path, site_id: str, coordinator_key, **settings) -> object:
+    """A camera site folder (keys, a tiny Camtrap DP package, site.yaml with ``settings``); returns its key."""
+    from tests.edge.conftest import write_package
+
+    site_key = generate_signing_key()
+    save_private_key(site_key, root / "keys" / "site.key")
+    save_public_key(coordinator_key.public_key(), root / "keys" / "coordinator.pub")
+    write_package(root / "pkg")
+    (root / "site.yaml").write_text(yaml.safe_dump({
+        "federation_id": "testfed", "site_id": site_id, "dataset": "pkg",
+        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
+                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
+        "outbox": "state/outbox.sqlite", "threads": 1, **settings}))
+    return site_key
+
+
 class LossyBridge:
     """An edge Transport on the coordinator's bus that loses chunks whose index is a multiple of 4 the first time
     they are published (both directions: the gateway's uploads through ``publish``, the coordinator's task chunks
@@ -326,7 +343,6 @@ class LossyBridge:
 
 def test_gateway_and_coordinator_fill_chunk_gaps_in_both_directions(tmp_path: Path) -> None:
     from edge_sdk.agent import EdgeAgent
-    from tests.edge.conftest import write_package
 
     key = generate_signing_key()
     bus = InMemoryTransport()
@@ -334,16 +350,7 @@ def test_gateway_and_coordinator_fill_chunk_gaps_in_both_directions(tmp_path: Pa
                          num_classes=2, ship_ort_artifacts=False, transfer={"chunk_size_bytes": CHUNK})
     coord = Coordinator(config, transport=bus, signing_key=key)
     root = tmp_path / "site"
-    site_key = generate_signing_key()
-    save_private_key(site_key, root / "keys" / "site.key")
-    save_public_key(key.public_key(), root / "keys" / "coordinator.pub")
-    write_package(root / "pkg")
-    (root / "site.yaml").write_text(yaml.safe_dump({
-        "federation_id": "testfed", "site_id": "g1", "dataset": "pkg",
-        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
-                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
-        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-        "outbox": "state/outbox.sqlite", "threads": 1, "chunk_size_bytes": CHUNK, "resend_interval_s": 0.5}))
+    site_key = camera_site(root, "g1", key, chunk_size_bytes=CHUNK, resend_interval_s=0.5)
     coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
     bridge = LossyBridge(bus)
     agent = EdgeAgent.from_config(root / "site.yaml", transport=bridge)
@@ -380,7 +387,6 @@ def test_a_gateway_offline_when_the_round_opened_gets_its_task_after_connecting(
     """The task went out while the gateway was away (clean MQTT session: the broker kept nothing for it); after
     connecting it sends a "no transfer" receipt and the coordinator resends the open round's task."""
     from edge_sdk.agent import EdgeAgent
-    from tests.edge.conftest import write_package
 
     key = generate_signing_key()
     bus = InMemoryTransport()
@@ -388,16 +394,7 @@ def test_a_gateway_offline_when_the_round_opened_gets_its_task_after_connecting(
                          num_classes=2, ship_ort_artifacts=False)
     coord = Coordinator(config, transport=bus, signing_key=key)
     root = tmp_path / "site"
-    site_key = generate_signing_key()
-    save_private_key(site_key, root / "keys" / "site.key")
-    save_public_key(key.public_key(), root / "keys" / "coordinator.pub")
-    write_package(root / "pkg")
-    (root / "site.yaml").write_text(yaml.safe_dump({
-        "federation_id": "testfed", "site_id": "late", "dataset": "pkg",
-        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
-                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
-        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-        "outbox": "state/outbox.sqlite", "threads": 1}))
+    site_key = camera_site(root, "late", key)
     coord.enrol("late", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
     coord.start()
     ctx = coord.rounds.open_round()  # the task is published now, to nobody
