@@ -17,7 +17,6 @@ private mosquitto. Waits poll a real outcome until a deadline; nothing is assert
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -28,13 +27,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import dp_accounting
 import numpy as np
 import pytest
 import yaml
-from dp_accounting import rdp
 
-from shared.codec import decode_tensors, encode_tensors, model_hash
+from shared.codec import decode_tensors
 from shared.envelope import Envelope, MessageKind
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
@@ -42,13 +39,13 @@ from shared.protocol import decode_ack, decode_update
 from shared.topics import ack_topic, update_topic
 from shared.transfer import Chunk, decode_manifest, decode_receipt, is_chunk, send, split
 
-from coordinator.config import save_config
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.service import Coordinator
 from coordinator.storage import LedgerRow, ModelVersionRow, Store, TransferRow
 from coordinator.transport import MqttTransport as CoordinatorMqtt
 from tests.coordinator.helpers import EVENT, FakeSite, make_config
+from tests.coordinator.test_crash import direct_epsilon, prepare_federation, run_coordinator, subprocess_env
 from tests.coordinator.test_mqtt import _port_open
 from tests.edge.conftest import write_package
 from tests.edge.test_mqtt import MOSQUITTO, Broker
@@ -73,27 +70,12 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> ob
         time.sleep(0.05)
 
 
-def subprocess_env(crash_at: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "WILDFED_TEST_CRASH_AT"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["COLUMNS"] = "200"
-    if crash_at is not None:
-        env["WILDFED_TEST_CRASH_AT"] = crash_at
-    return env
-
-
 def run_gateway(site_yaml: Path, *, max_rounds: int, crash_at: str | None = None,
                 timeout_s: float = 90.0) -> subprocess.CompletedProcess:
     """``python -m edge_sdk.cli run`` as a real process (idle timeout 30 s, so it never outlives the test)."""
     return subprocess.run([sys.executable, "-m", "edge_sdk.cli", "run", "--config", str(site_yaml), "--max-rounds",
                            str(max_rounds), "--idle-timeout", "30"], cwd=ROOT, env=subprocess_env(crash_at),
                           capture_output=True, text=True, timeout=timeout_s)
-
-
-def run_coordinator(cfg_path: Path, crash_at: str | None) -> subprocess.CompletedProcess:
-    """``python -m coordinator.cli run`` as a real process (as tests/coordinator/test_crash.py runs it)."""
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--config", str(cfg_path)], cwd=ROOT,
-                          env=subprocess_env(crash_at), capture_output=True, text=True, timeout=120)
 
 
 def gateway_config(tmp_path: Path, broker_url: str, **overrides: object):
@@ -393,12 +375,6 @@ class ChunkingMqtt(CoordinatorMqtt):
         super().publish(topic, payload, qos)
 
 
-def direct_epsilon(rounds: int) -> float:
-    acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    for _ in range(rounds):
-        acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-            EVENT.sampling_rate, dp_accounting.GaussianDpEvent(EVENT.noise_multiplier)), EVENT.steps))
-    return acc.get_epsilon(1e-5)
 
 
 def test_coordinator_killed_after_ingest_of_chunked_updates_counts_each_once(tmp_path: Path,
@@ -406,15 +382,8 @@ def test_coordinator_killed_after_ingest_of_chunked_updates_counts_each_once(tmp
     # Prepare: config, key, round-0 model, two fake sites whose updates go as manifest + 17 chunks
     fed = f"fcrash{uuid.uuid4().hex[:8]}"
     sites_spec = (("s1", 1.0, 10), ("s2", 4.0, 30))  # FedAvg mean (10 * 1 + 30 * 4) / 40 = 3.25
-    cfg = make_config(tmp_path, federation_id=fed, broker_url=mqtt_url, rounds=2, round_deadline_s=30.0,
-                      quorum_fraction=1.0, ship_ort_artifacts=False)
-    cfg_path = save_config(cfg, tmp_path / "coordinator.yaml")
-    key = generate_signing_key()
-    save_private_key(key, cfg.signing_key_path)
-    save_public_key(key.public_key(), cfg.public_key_path)
-    store = Store(cfg.database_url, cfg.data_dir)
     w0 = model()
-    store.put_model(model_hash(w0), encode_tensors(w0), round=0)
+    cfg, cfg_path, key, store = prepare_federation(tmp_path, mqtt_url, fed, w0)
     transports, sites = [], []
     try:
         for sid, value, n in sites_spec:

@@ -50,20 +50,9 @@ def direct_epsilon(rounds: int) -> float:
     return acc.get_epsilon(1e-5)
 
 
-def run_coordinator(cfg_path: Path, crash_at: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "WILDFED_TEST_CRASH_AT"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["COLUMNS"] = "200"
-    if crash_at is not None:
-        env["WILDFED_TEST_CRASH_AT"] = crash_at
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--config", str(cfg_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.parametrize("crash_at", ["after_ingest", "after_ledger"])
-def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, broker_url, crash_at):  # noqa: F811
-    # Prepare: config, coordinator key, round-0 model and two enrolled fake sites listening on the broker
-    fed = f"crash{uuid.uuid4().hex[:8]}"
+def prepare_federation(tmp_path: Path, broker_url: str, fed: str, weights):
+    """A coordinator config (2 rounds, quorum 1, 30 s deadline) saved as YAML, its key pair on disk, and a store
+    holding the round-0 model ``weights``; returns ``(config, config path, key, store)``."""
     cfg = make_config(tmp_path, federation_id=fed, broker_url=broker_url, rounds=2, round_deadline_s=30.0,
                       quorum_fraction=1.0, ship_ort_artifacts=False)
     cfg_path = save_config(cfg, tmp_path / "coordinator.yaml")
@@ -71,8 +60,33 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
     save_private_key(key, cfg.signing_key_path)
     save_public_key(key.public_key(), cfg.public_key_path)
     store = Store(cfg.database_url, cfg.data_dir)
+    store.put_model(model_hash(weights), encode_tensors(weights), round=0)
+    return cfg, cfg_path, key, store
+
+
+def subprocess_env(crash_at: str | None) -> dict[str, str]:
+    """The environment of a coordinator or gateway subprocess: this checkout on PYTHONPATH, wide rich output, and
+    the test-only crash hook set to ``crash_at`` (or cleared)."""
+    env = {k: v for k, v in os.environ.items() if k != "WILDFED_TEST_CRASH_AT"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "200"
+    if crash_at is not None:
+        env["WILDFED_TEST_CRASH_AT"] = crash_at
+    return env
+
+
+def run_coordinator(cfg_path: Path, crash_at: str | None) -> subprocess.CompletedProcess:
+    """``python -m coordinator.cli run`` as a real process, killed by the hook at ``crash_at`` if given."""
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--config", str(cfg_path)], cwd=ROOT,
+                          env=subprocess_env(crash_at), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("crash_at", ["after_ingest", "after_ledger"])
+def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, broker_url, crash_at):  # noqa: F811
+    # Prepare: config, coordinator key, round-0 model and two enrolled fake sites listening on the broker
+    fed = f"crash{uuid.uuid4().hex[:8]}"
     w0 = tiny_weights()
-    store.put_model(model_hash(w0), encode_tensors(w0), round=0)
+    cfg, cfg_path, key, store = prepare_federation(tmp_path, broker_url, fed, w0)
     transports, sites = [], []
     try:
         for sid, value, n in SITES:
