@@ -178,3 +178,38 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
         c.disconnect()
         c.loop_stop()
     conn.send(("bye",))
+
+
+def spawn_workers(sites, *, workers: int, broker_url: str, federation_id: str, coordinator_public_pem: str,  # noqa: ANN001
+                  params: int, chunk_size: int, timeout_s: float):
+    """Start ``workers`` gateway processes (spawned, so no paho state is inherited), sites dealt round-robin.
+
+    Args:
+        sites: ``[(site id, Ed25519PrivateKey)]``. Other args: as :func:`worker_main`.
+
+    Returns:
+        ``(pipes, processes)``: one pipe per worker for :func:`broadcast_to`.
+    """
+    import multiprocessing as mp
+
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for w in range(workers):
+        mine = [(s, k.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()), i)
+                for i, (s, k) in enumerate(sites) if i % workers == w]
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(child, broker_url, federation_id, mine, coordinator_public_pem,
+                                                  params, chunk_size, timeout_s), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    return pipes, procs
+
+
+def broadcast_to(pipes, cmd: tuple) -> list:  # noqa: ANN001
+    """Send ``cmd`` to every worker and return their answers, in worker order."""
+    for pipe in pipes:
+        pipe.send(cmd)
+    return [pipe.recv() for pipe in pipes]

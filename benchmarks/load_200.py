@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -100,7 +99,6 @@ def main() -> None:
 
     import paho.mqtt.client as mqtt
     import psutil
-    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
     from coordinator.config import config_from_dict, load_config, save_config
     from coordinator.registry import SiteRegistry
@@ -110,7 +108,7 @@ def main() -> None:
     from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
     from shared.topics import task_topic
 
-    from _gateways import worker_main
+    from _gateways import broadcast_to, spawn_workers
 
     fed = f"load{uuid.uuid4().hex[:8]}"
     tmp = Path(tempfile.mkdtemp(prefix="wildfed-load-"))
@@ -140,22 +138,12 @@ def main() -> None:
         registry.enrol(site_id, public_key_to_pem(k.public_key()), {"num_examples": 100})
 
     # Gateway workers: connect, then make their signed updates for round 1.
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    raw_key = lambda k: k.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())  # noqa: E731
-    for w in range(args.workers):
-        mine = [(s, raw_key(k), i) for i, (s, k) in enumerate(sites) if i % args.workers == w]
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker_main, args=(child, args.broker, fed, mine, public_key_to_pem(key.public_key()),
-                                                  args.params, args.chunk_size, args.timeout), daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
+    pipes, procs = spawn_workers(sites, workers=args.workers, broker_url=args.broker, federation_id=fed,
+                                 coordinator_public_pem=public_key_to_pem(key.public_key()), params=args.params,
+                                 chunk_size=args.chunk_size, timeout_s=args.timeout)
 
     def broadcast(cmd: tuple) -> list:
-        for pipe in pipes:
-            pipe.send(cmd)
-        return [pipe.recv() for pipe in pipes]
+        return broadcast_to(pipes, cmd)
 
     for pipe in pipes:
         assert pipe.recv()[0] == "connected"

@@ -31,7 +31,6 @@ within one repeat: compare several repeats).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import shutil
 import tempfile
 import threading
@@ -60,10 +59,9 @@ def main() -> None:
     from coordinator.config import config_from_dict
     from coordinator.service import Coordinator
     from coordinator.transport import parse_broker_url
-    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
     from shared.keys import generate_signing_key, public_key_to_pem
 
-    from _gateways import worker_main
+    from _gateways import broadcast_to, spawn_workers
 
     fed = f"bench{uuid.uuid4().hex[:8]}"
     template = model_template(args.params)
@@ -107,24 +105,14 @@ def main() -> None:
         raise SystemExit("the counting subscriber could not subscribe")
 
     # Gateway workers.
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    raw_key = lambda k: k.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())  # noqa: E731
-    for w in range(args.workers):
-        mine = [(s, raw_key(k), i) for i, (s, k) in enumerate(sites) if i % args.workers == w]
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker_main, args=(child, args.broker, fed, mine, public_key_to_pem(key.public_key()),
-                                                  args.params, args.chunk_size, args.timeout), daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
+    pipes, procs = spawn_workers(sites, workers=args.workers, broker_url=args.broker, federation_id=fed,
+                                 coordinator_public_pem=public_key_to_pem(key.public_key()), params=args.params,
+                                 chunk_size=args.chunk_size, timeout_s=args.timeout)
     for pipe in pipes:
         assert pipe.recv()[0] == "connected"
 
     def broadcast(cmd: tuple) -> list:
-        for pipe in pipes:
-            pipe.send(cmd)
-        return [pipe.recv() for pipe in pipes]
+        return broadcast_to(pipes, cmd)
 
     rows, ratios = [], []
     try:
