@@ -66,7 +66,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.broker import BrokerCredentials, load_broker_credentials
+from shared.broker import BrokerCredentials, coordinator_username, load_broker_credentials, site_username
 from shared.errors import ConfigError
 from shared.keys import write_file_atomic
 from shared.topics import PREFIX
@@ -88,16 +88,6 @@ _SALT_BYTES = 12
 _RENEW_BEFORE = _dt.timedelta(days=30)
 _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _KEY_MODE = 0o600
-
-
-def site_username(site_id: str) -> str:
-    """The broker username of a site: ``site-<site_id>`` (also the CN of its client certificate)."""
-    return f"site-{site_id}"
-
-
-def coordinator_username(federation_id: str) -> str:
-    """The broker username of the federation's coordinator: ``coordinator-<federation_id>``."""
-    return f"coordinator-{federation_id}"
 
 
 def _write_credentials(path: Path, creds: BrokerCredentials, *, who: str) -> None:

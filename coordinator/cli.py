@@ -292,10 +292,14 @@ def broker_config(
     console.print(f"[green]written[/] {result.conf} (ACL {result.acl.name}, passwords {result.password_file.name}, "
                   f"CA {result.ca_cert}); {len(result.issued)} certificate(s) issued")
     console.print(f"  start:  mosquitto -c {result.conf}   (or reload a running one with SIGHUP)")
+    if broker_user is None and hasattr(os, "geteuid") and os.geteuid() == 0:
+        console.print("[yellow]note:[/] started as root, mosquitto drops to the `mosquitto` user, which cannot read "
+                      f"these 0600 files: rerun with --broker-user <the account mosquitto runs as>, or `chown -R "
+                      f"mosquitto {result.conf.parent}`")
     console.print(f"  coordinator.yaml: broker_url: mqtts://{hostname[0] if hostname else 'HOST'}:{port}, "
                   f"broker_ca_file: {result.ca_cert}, broker_password_file: {result.coordinator_credentials}")
     console.print("  each gateway: copy sites/<id>/broker-credentials.yaml and broker-ca.pem; in site.yaml set "
-                  "broker_password_file and broker_ca_file")
+                  f"broker_url: mqtts://HOST:{port}, broker_password_file and broker_ca_file")
 
 
 @app.command()
@@ -543,9 +547,11 @@ def ingest_worker(config: Path = _config_option(),
         raise ConfigError(f"worker id {worker_id!r} is not 1-64 characters of letters, digits, _.-",
                           field="--worker-id", fix="e.g. --worker-id ingest-1")
     cfg = load_config(config)
-    if cfg.ingest_workers == 0:
-        console.print("[yellow]note:[/] this config has ingest_workers: 0, so the coordinator ingests updates itself "
-                      "and the worker shares them with it; set ingest_workers to the number of workers")
+    if cfg.ingest_workers == 0:  # the coordinator would ingest the same updates on its plain subscription
+        raise ConfigError("this config has ingest_workers: 0, so the coordinator ingests every update itself; a "
+                          "worker beside it would store updates the coordinator then refuses as duplicates",
+                          source=config, field="ingest_workers",
+                          fix="set ingest_workers to the number of workers you run, and restart the coordinator")
     worker = IngestWorker(cfg, worker_id)
     stop = threading.Event()
     _signal.signal(_signal.SIGTERM, lambda *_: stop.set())

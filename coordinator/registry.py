@@ -380,7 +380,11 @@ class SiteRegistry:
                 targets = rows
             else:
                 wanted = fingerprint.strip().lower()
-                targets = [r for r in rows if r.fingerprint.startswith(wanted)] if len(wanted) >= 8 else []
+                if len(wanted) < 8:
+                    raise KeyRotationError(f"fingerprint prefix {fingerprint!r} is shorter than 8 characters",
+                                           field="fingerprint", fix="give at least 8 hex characters (see "
+                                           "`wildfed-coordinator keys SITE`)")
+                targets = [r for r in rows if r.fingerprint.startswith(wanted)]
                 if len(targets) != 1:
                     known = ", ".join(r.fingerprint[:16] for r in rows)
                     raise KeyRotationError(

@@ -288,7 +288,8 @@ class RoundManager:
 
     # ---- selection ---------------------------------------------------------------------------------------------
     def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]:
-        """Halt what must be halted, then choose this round's sites.
+        """Halt what must be halted, then choose this round's sites: those with a valid key (not revoked) and a
+        category that is not halted.
 
         Returns:
             ``(selected site ids, {site: halted categories})`` for every enrolled site.
@@ -297,6 +298,9 @@ class RoundManager:
         halted: dict[str, frozenset[IUCNCategory]] = {}
         eligible: list[str] = []
         for site in self._registry.list():
+            if not self._registry.verification_keys(site.site_id):
+                log.warning("rounds: site %s has no valid key (revoked); it is not selected", site.site_id)
+                continue
             if self.config.privacy != "none":
                 halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round)
             else:
@@ -406,11 +410,31 @@ class RoundManager:
         weights = ctx.bundle if ctx.bundle is not None else ctx.template
         if self.config.ingest_workers > 0:
             self._finalise_from_workers(ctx, weights)
+        else:
+            self._absorb_stored(ctx)
         status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
         return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
                            accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
                            duration_s=self._clock() - t0,
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
+
+    def _absorb_stored(self, ctx: RoundContext) -> None:
+        """Make every stored update of the round count once: one stored by another process (e.g. a misconfigured
+        ingest worker beside this coordinator) is aggregated and charged like the ones this process accepted, never
+        lost from the ledger. Normally there is none."""
+        for upd in self._store.updates_for_round(ctx.round):
+            if upd.site_id in ctx.accepted:
+                continue
+            report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
+            ctx.strategy.accumulate(upd.site_id, delta, num_examples=int(report.num_examples),
+                                    species_counts=report.species_counts or None)
+            ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=ctx.round, sequence=upd.sequence,
+                                                 num_examples=upd.num_examples, weight=float(report.num_examples),
+                                                 payload_sha256=upd.payload_sha256, events=report.events,
+                                                 count_events=dict(report.count_events),
+                                                 species_counts=dict(report.species_counts))
+            log.warning("rounds: round %d: %s's update was stored by another process; counted here once", ctx.round,
+                        upd.site_id)
 
     def _finalise_from_workers(self, ctx: RoundContext, weights: Mapping[str, np.ndarray]) -> None:
         """Scale-out close (``coordinator.workers``): mark the round ``closing`` under the round row's lock (from then

@@ -16,7 +16,19 @@ import yaml
 
 from shared.errors import ConfigError
 
-__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields"]
+__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "site_username",
+           "coordinator_username"]
+
+
+def site_username(site_id: str) -> str:
+    """The broker username of a site: ``site-<site_id>`` (also the CN of its client certificate). The prefixes keep
+    a site id from ever being the coordinator's username."""
+    return f"site-{site_id}"
+
+
+def coordinator_username(federation_id: str) -> str:
+    """The broker username of the federation's coordinator: ``coordinator-<federation_id>``."""
+    return f"coordinator-{federation_id}"
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-from shared.broker import BrokerCredentials, load_broker_credentials, tls_context
+from shared.broker import BrokerCredentials, load_broker_credentials, site_username, tls_context
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
@@ -416,6 +416,12 @@ def transport_from_config(config: SiteConfig, *, client_id: str | None = None,
     username, password = config.broker_username, None
     if config.broker_password_file is not None:
         creds = load_broker_credentials(config.broker_password_file)
+        if creds.username != site_username(config.site_id):
+            raise ConfigError(f"the credentials are for broker user {creds.username!r}, this site's is "
+                              f"{site_username(config.site_id)!r}: the broker's ACL would drop everything it "
+                              "publishes", source=config.broker_password_file, field="broker_password_file",
+                              fix=f"use sites/{config.site_id}/broker-credentials.yaml from `wildfed-coordinator "
+                              "broker-config`")
         username, password = username or creds.username, creds.password
     return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-{config.federation_id}-{config.site_id}",
                          ca_file=ca, cert_file=cert, key_file=key, username=username, password=password,

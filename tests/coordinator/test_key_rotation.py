@@ -185,3 +185,39 @@ def test_cli_rotate_revoke_and_list(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "fingerprint" in res.output
     res = runner.invoke(app, ["revoke-key", "nope", "-c", cfg])
     assert res.exit_code == 2 and "not enrolled" in res.output
+
+
+def test_a_site_with_every_key_revoked_is_not_selected(tmp_path: Path) -> None:
+    """Revocation also takes the site out of the rounds (it could not send a verifiable update), so a round does
+    not wait for it until its deadline."""
+    import numpy as np
+
+    from shared.iucn import IUCNCategory
+
+    from coordinator.service import Coordinator
+    from coordinator.transport import InMemoryTransport
+    from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
+
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord = Coordinator(make_config(tmp_path, rounds=1, ship_ort_artifacts=False,
+                                    budget={"kind": "from_anchor", "category": "VU", "epsilon": 50.0, "gamma": 1.0}),
+                        transport=bus, signing_key=key, initial_weights=tiny_weights())
+    for sid in ("kept", "revoked"):
+        s = FakeSite(sid, bus, key.public_key(), value=1.0, num_examples=10, events={IUCNCategory.VU: EVENT}).attach()
+        coord.enrol(sid, s.public_pem, {"num_examples": 10, "categories": ["VU"]})
+    coord.registry.revoke_key("revoked")
+    result = coord.run_round()
+    assert result.selected == ("kept",) and result.status == "closed" and result.accepted == ("kept",)
+    _, after = coord.rounds.current_model()
+    np.testing.assert_allclose(after["psi.b"], tiny_weights()["psi.b"] + 1.0, atol=1e-6)
+    coord.close()
+
+
+def test_ingest_worker_refuses_to_start_beside_a_coordinator_that_ingests(tmp_path: Path) -> None:
+    from coordinator.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
+    res = runner.invoke(app, ["ingest-worker", "--worker-id", "w1", "-c", str(tmp_path / "c" / "coordinator.yaml")])
+    assert res.exit_code == 2 and "ingest_workers" in res.output, res.output

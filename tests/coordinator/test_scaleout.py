@@ -158,3 +158,36 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
     for k in w:
         np.testing.assert_allclose(merged.sums[k] / merged.total_weight, expected, rtol=1e-12)
     assert accepted["s3"].events == {IUCNCategory.VU: EVENT}
+
+
+def test_an_update_stored_by_another_process_is_aggregated_and_charged_once(tmp_path) -> None:
+    """A second ingesting process (a worker started beside a coordinator with ingest_workers: 0) stores a site's
+    update first; the coordinator refuses its own copy as a duplicate, yet counts the stored one at the close: it is
+    aggregated and charged once, never left out of the ledger."""
+    from coordinator.ingest import Ingestor
+    from coordinator.transport import InMemoryTransport
+
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    budget = {"kind": "from_anchor", "category": "VU", "epsilon": 50.0, "gamma": 1.0}
+    coord = Coordinator(make_config(tmp_path, rounds=1, budget=budget, ship_ort_artifacts=False), transport=bus,
+                        signing_key=key, initial_weights=tiny_weights())
+    other = Ingestor(federation_id="testfed", store=coord.store, registry=coord.registry, ledger=coord.ledger,
+                     transport=InMemoryTransport(), signing_key=key)
+    s = FakeSite("x1", bus, key.public_key(), value=2.0, num_examples=10, events={IUCNCategory.VU: EVENT})
+    coord.enrol("x1", s.public_pem, {"num_examples": 10, "categories": ["VU"]})
+    coord.start()
+    ctx = coord.rounds.open_round()
+    assert ctx is not None
+    other.open_round(type(ctx)(**{**ctx.__dict__, "accepted": {}, "strategy": type(ctx.strategy)()}))
+    other.context.strategy.begin_round(tiny_weights())
+    raw = s.envelope(ctx.round, ctx.model_hash, s.payload({k: np.full_like(v, 2.0) for k, v in tiny_weights().items()}))
+    assert type(other.handle(update_topic("testfed", "x1"), raw)).__name__ == "Accepted"
+    assert coord.ingestor.handle(update_topic("testfed", "x1"), raw).reason.value == "duplicate"
+    result = coord.rounds.close_round(ctx)
+    assert result.status == "closed" and result.accepted == ("x1",)
+    assert coord.ledger.events("x1", IUCNCategory.VU) == [EVENT]
+    _, after = coord.rounds.current_model()
+    for name, w in tiny_weights().items():
+        np.testing.assert_allclose(after[name], w + 2.0, atol=1e-6)
+    coord.close()

@@ -499,3 +499,16 @@ def test_status_topic_and_payload() -> None:
             parse_status_payload(bad)
     with pytest.raises(MalformedEnvelopeError):
         status_payload("a", "asleep")
+
+
+def test_another_sites_credentials_are_refused_before_connecting(tmp_path: Path) -> None:
+    """With site b's credentials file, site a would log in and have everything it publishes dropped by the ACL:
+    the transport refuses to build, naming broker_password_file."""
+    from shared.errors import ConfigError
+
+    creds = tmp_path / "broker-credentials.yaml"
+    creds.write_text("username: site-b\npassword: secret\n")
+    creds.chmod(0o600)
+    with pytest.raises(ConfigError, match="broker_password_file") as info:
+        transport_from_config(_site_config(tmp_path, broker_password_file=creds))
+    assert "site-a" in str(info.value) and "sites/a/broker-credentials.yaml" in str(info.value)
