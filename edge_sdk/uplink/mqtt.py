@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import ssl
 import threading
 import time
 import uuid
@@ -290,7 +291,10 @@ class MqttTransport(Transport):
             try:
                 self._client.connect(self._host, self._port, keepalive=self._keepalive)
             except OSError as exc:  # includes ssl.SSLError (e.g. certificate verification failed)
-                raise TransportError(f"cannot reach MQTT broker {self._host}:{self._port}: {exc}") from exc
+                hint = (" (fix: set broker_ca_file to the CA that signed the broker's certificate, e.g. the ca.pem "
+                        "of `wildfed-coordinator broker-config`, and connect by a host name the certificate lists)"
+                        if isinstance(exc, ssl.SSLCertVerificationError) else "")
+                raise TransportError(f"cannot reach MQTT broker {self._host}:{self._port}: {exc}{hint}") from exc
             self._client.loop_start()
             self._started = True
             self._supervisor = threading.Thread(target=self._supervise, name="wildfed-mqtt-reconnect", daemon=True)
