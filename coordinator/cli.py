@@ -15,6 +15,8 @@ Commands::
                                                         site x IUCN category: budget, spent, remaining, rounds left;
                                                         textbook / seed formulas beside them (comparison only)
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
+    wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
+    wildfed-coordinator user add|list|set-role|disable|enable   web-view accounts (Argon2id; coordinator/web/auth.py)
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
     wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
@@ -935,6 +937,83 @@ def audit(
 from coordinator.cli_clusters import clusters_app  # noqa: E402 - registered last: it reuses this module's helpers
 
 app.add_typer(clusters_app, name="clusters")
+
+user_app = typer.Typer(name="user", help="Accounts of the rangers' web view: add, list, set-role, disable, enable.",
+                       no_args_is_help=True, add_completion=False)
+app.add_typer(user_app, name="user")
+
+
+def _accounts(config: Path):  # noqa: ANN202 - (Store, AccountStore)
+    from coordinator.web.auth import AccountStore
+
+    cfg = load_config(config)
+    store = Store(cfg.database_url or "", cfg.data_dir)
+    return store, AccountStore(store)
+
+
+@user_app.command("add")
+@_friendly
+def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0-9, _.-"),
+             role: str = typer.Option(..., "--role", help="operator, ranger (exact locations), partner or public "
+                                      "(sensitive locations fuzzed)"),
+             config: Path = _config_option()) -> None:
+    """Create a web-view account; the password is asked twice and never echoed (Argon2id hash stored)."""
+    password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
+    store, accounts = _accounts(config)
+    try:
+        account = accounts.create(username, password, role)
+    finally:
+        store.dispose()
+    console.print(f"[green]created[/] {account.username} ({account.role.value})")
+
+
+@user_app.command("list")
+@_friendly
+def user_list(config: Path = _config_option()) -> None:
+    """List the web-view accounts and their roles."""
+    store, accounts = _accounts(config)
+    try:
+        rows = accounts.list()
+    finally:
+        store.dispose()
+    table = Table(title=f"{len(rows)} account(s)")
+    for col in ("user", "role", "state"):
+        table.add_column(col)
+    for a in rows:
+        table.add_row(a.username, a.role.value, "disabled" if a.disabled else "active")
+    console.print(table)
+
+
+def _user_update(username: str, config: Path, **change: object) -> None:
+    store, accounts = _accounts(config)
+    try:
+        account = accounts.update(username, **change)  # type: ignore[arg-type]
+    finally:
+        store.dispose()
+    console.print(f"[green]updated[/] {account.username}: {account.role.value}, "
+                  f"{'disabled' if account.disabled else 'active'}")
+
+
+@user_app.command("set-role")
+@_friendly
+def user_set_role(username: str = typer.Argument(...), role: str = typer.Argument(..., help="operator, ranger, "
+                  "partner or public"), config: Path = _config_option()) -> None:
+    """Change an account's role."""
+    _user_update(username, config, role=role)
+
+
+@user_app.command("disable")
+@_friendly
+def user_disable(username: str = typer.Argument(...), config: Path = _config_option()) -> None:
+    """Disable an account (it can no longer log in; nothing is deleted)."""
+    _user_update(username, config, disabled=True)
+
+
+@user_app.command("enable")
+@_friendly
+def user_enable(username: str = typer.Argument(...), config: Path = _config_option()) -> None:
+    """Enable a disabled account again."""
+    _user_update(username, config, disabled=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,7 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
                 the record as JSON plus indexed columns for the ranger view
 ``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
+``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
                 (coordinator.workers)
 ============== ===========================================================================================
@@ -48,6 +49,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -81,6 +83,7 @@ __all__ = [
     "DetectionRow",
     "TransferRow",
     "PartialSumRow",
+    "UserRow",
     "Store",
     "utcnow",
 ]
@@ -275,6 +278,18 @@ class PartialSumRow(Base):
     sites_json: Mapped[str] = mapped_column(Text)
     total_weight: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class UserRow(Base):
+    """An account of the rangers' web view (coordinator.web.auth): the Argon2id hash of its password (never the
+    password), its role, and whether it is disabled."""
+
+    __tablename__ = "users"
+    username: Mapped[str] = mapped_column(String(64), primary_key=True)
+    password_hash: Mapped[str] = mapped_column(String(256))
+    role: Mapped[str] = mapped_column(String(16))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
