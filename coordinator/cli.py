@@ -17,6 +17,7 @@ Commands::
     wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
     wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
     wildfed-coordinator user add|list|set-role|disable|enable   web-view accounts (Argon2id; coordinator/web/auth.py)
+    wildfed-coordinator import-deployments PATH [--format camtrap-dp|wildlife-insights]   deployments for the map
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
     wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
@@ -1007,6 +1008,28 @@ def user_set_role(username: str = typer.Argument(...), role: str = typer.Argumen
 def user_disable(username: str = typer.Argument(...), config: Path = _config_option()) -> None:
     """Disable an account (it can no longer log in; nothing is deleted)."""
     _user_update(username, config, disabled=True)
+
+
+@app.command("import-deployments")
+@_friendly
+def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP package folder or a Wildlife Insights "
+                                                   "project export folder"),
+                       source: str = typer.Option("camtrap-dp", "--format", help="camtrap-dp or wildlife-insights"),
+                       config: Path = _config_option()) -> None:
+    """Import deployments (coordinates and the IUCN categories of what they recorded, from the config's species
+    table) for the web view's map; sensitive ones are shown fuzzed to partners (docs/location-privacy.md)."""
+    from coordinator.web.deployments import import_camtrap_dp, import_wildlife_insights, species_table_categories
+
+    cfg = load_config(config)
+    importer = {"camtrap-dp": import_camtrap_dp, "wildlife-insights": import_wildlife_insights}.get(source)
+    if importer is None:
+        raise ConfigError(f"format {source!r} is unknown", field="--format", fix="use camtrap-dp or wildlife-insights")
+    store = Store(cfg.database_url or "", cfg.data_dir)
+    try:
+        n = importer(store, path, species_table_categories(cfg.species))
+    finally:
+        store.dispose()
+    console.print(f"[green]imported[/] {n} deployment(s) from {path}")
 
 
 @user_app.command("enable")

@@ -22,6 +22,7 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
                 the record as JSON plus indexed columns for the ranger view
 ``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
+``deployments`` camera deployments for the web view's map: coordinates, name, IUCN categories recorded
 ``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
                 (coordinator.workers)
@@ -84,6 +85,7 @@ __all__ = [
     "TransferRow",
     "PartialSumRow",
     "UserRow",
+    "DeploymentRow",
     "Store",
     "utcnow",
 ]
@@ -290,6 +292,20 @@ class UserRow(Base):
     role: Mapped[str] = mapped_column(String(16))
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class DeploymentRow(Base):
+    """A camera deployment for the web view's map (coordinator.web.deployments): true WGS 84 coordinates (shown
+    exactly only to rangers and operators), a name, where it was imported from, and the IUCN categories of the
+    species it recorded (JSON list), which decide whether its location is protected."""
+
+    __tablename__ = "deployments"
+    deployment_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    latitude: Mapped[float] = mapped_column(Float)
+    longitude: Mapped[float] = mapped_column(Float)
+    location_name: Mapped[str] = mapped_column(String(256), default="")
+    source: Mapped[str] = mapped_column(String(256), default="")
+    categories_json: Mapped[str] = mapped_column(Text, default="[]")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:

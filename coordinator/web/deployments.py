@@ -1,0 +1,133 @@
+"""Deployments for the rangers' web view: imported with their coordinates and the IUCN categories they recorded,
+and shown to each role with sensitive locations protected (:mod:`coordinator.web.location_privacy`; issue 9).
+
+Import sources (read with the csv module; only the columns named here are used):
+
+* a Camtrap DP 1.0 package (``deployments.csv``: ``deploymentID``, ``latitude``, ``longitude``, ``locationName``;
+  ``observations.csv``: ``deploymentID``, ``scientificName``), https://camtrap-dp.tdwg.org/ (TDWG 2023);
+* a Wildlife Insights project export (``deployments.csv``: ``deployment_id``, ``latitude``, ``longitude``,
+  ``placename``; ``images.csv``: ``deployment_id``, ``genus``, ``species``).
+
+A species' category comes from ``category_of`` (the federation's species table, the same one that sets privacy
+budgets); a species it does not know counts as NE (IUCN "Not Evaluated"). Re-importing a deployment replaces its
+row (idempotent).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from sqlalchemy import select
+
+from shared.errors import DatasetError
+from shared.iucn import IUCNCategory
+
+from coordinator.storage import DeploymentRow, Store
+from coordinator.web.auth import Role
+from coordinator.web.location_privacy import LocationPolicy, protect
+
+__all__ = ["CategoryOf", "species_table_categories", "import_camtrap_dp", "import_wildlife_insights",
+           "deployments_for"]
+
+CategoryOf = Callable[[str], IUCNCategory]
+"""``category_of(scientific name) -> IUCN category`` (NE when unknown)."""
+
+
+def species_table_categories(species: Iterable[object] | None) -> CategoryOf:
+    """A :data:`CategoryOf` from the coordinator config's species table (entries with ``scientific_name`` and
+    ``iucn_category``); names compare case-insensitively, unknown names are NE."""
+    table = {str(getattr(s, "scientific_name")).strip().lower(): IUCNCategory(getattr(s, "iucn_category"))
+             for s in species or []}
+    return lambda name: table.get((name or "").strip().lower(), IUCNCategory.NE)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        raise DatasetError(f"{path.name} not found", source=path, fix="point at the package's folder")
+    with path.open(newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _coordinate(row: Mapping[str, str], name: str, bound: float, source: Path) -> float:
+    try:
+        value = float(row[name])
+    except (KeyError, TypeError, ValueError):
+        raise DatasetError(f"deployment {row!r:.80} has no numeric {name}", source=source, field=name,
+                           fix="give decimal degrees (WGS 84)") from None
+    if not math.isfinite(value) or abs(value) > bound:
+        raise DatasetError(f"{name} {value} is outside [-{bound}, {bound}]", source=source, field=name,
+                           fix="give decimal degrees (WGS 84)")
+    return value
+
+
+def _store(store: Store, deployments: Mapping[str, tuple[float, float, str]],
+           categories: Mapping[str, set[IUCNCategory]], source: str) -> int:
+    with store.session() as s:
+        for dep_id, (lat, lon, name) in deployments.items():
+            row = s.get(DeploymentRow, dep_id) or DeploymentRow(deployment_id=dep_id)
+            row.latitude, row.longitude, row.location_name, row.source = lat, lon, name, source
+            row.categories_json = json.dumps(sorted(c.value for c in categories.get(dep_id, set())))
+            s.merge(row)
+    return len(deployments)
+
+
+def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf) -> int:
+    """Import a Camtrap DP package's deployments; returns how many.
+
+    Raises:
+        DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
+    """
+    root = Path(package)
+    deployments = {r["deploymentID"]: (_coordinate(r, "latitude", 90, root / "deployments.csv"),
+                                       _coordinate(r, "longitude", 180, root / "deployments.csv"),
+                                       r.get("locationName") or r["deploymentID"])
+                   for r in _rows(root / "deployments.csv")}
+    categories: dict[str, set[IUCNCategory]] = {}
+    for r in _rows(root / "observations.csv"):
+        if r.get("scientificName"):
+            categories.setdefault(r["deploymentID"], set()).add(category_of(r["scientificName"]))
+    return _store(store, deployments, categories, f"camtrap-dp:{root.name}")
+
+
+def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf) -> int:
+    """Import a Wildlife Insights project export's deployments; returns how many.
+
+    Raises:
+        DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
+    """
+    root = Path(project)
+    deployments = {r["deployment_id"]: (_coordinate(r, "latitude", 90, root / "deployments.csv"),
+                                        _coordinate(r, "longitude", 180, root / "deployments.csv"),
+                                        r.get("placename") or r["deployment_id"])
+                   for r in _rows(root / "deployments.csv")}
+    categories: dict[str, set[IUCNCategory]] = {}
+    for r in _rows(root / "images.csv"):
+        genus, species = (r.get("genus") or "").strip(), (r.get("species") or "").strip()
+        if genus and species and genus.lower() not in ("no cv result", "nan"):
+            categories.setdefault(r["deployment_id"], set()).add(category_of(f"{genus} {species}"))
+    return _store(store, deployments, categories, f"wildlife-insights:{root.name}")
+
+
+def deployments_for(store: Store, role: Role, *, policy: LocationPolicy, secret: bytes) -> list[dict[str, object]]:
+    """Every deployment as the role may see it: ``{"deployment_id", "name", "latitude", "longitude", "fuzzed",
+    "method"}``, by id. Rangers and operators get true coordinates; the others get sensitive deployments protected
+    by ``policy``. The IUCN categories recorded are not shown to roles that see fuzzed locations (they would say
+    which markers hide a sensitive species)."""
+    with store.session() as s:
+        rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
+    out = []
+    for r in rows:
+        recorded = [IUCNCategory(c) for c in json.loads(r.categories_json or "[]")]
+        shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=recorded,
+                        exact_allowed=role.sees_exact_locations, policy=policy, secret=secret)
+        item: dict[str, object] = {"deployment_id": r.deployment_id, "name": r.location_name,
+                                   "latitude": shown.latitude, "longitude": shown.longitude, "fuzzed": shown.fuzzed,
+                                   "method": shown.method}
+        if role.sees_exact_locations:
+            item["categories"] = [c.value for c in recorded]
+        out.append(item)
+    return out

@@ -1,0 +1,116 @@
+"""Deployments for the web view (coordinator.web.deployments): imported from Camtrap DP and Wildlife Insights with
+their coordinates and recorded IUCN categories, shown exactly to rangers and protected for partners. Counts are
+those of the CSV files (by hand for the synthetic package); distances by the haversine formula."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shared.errors import DatasetError
+from shared.iucn import IUCNCategory as Cat
+
+from coordinator.storage import DeploymentRow, Store
+from coordinator.web.auth import Role
+from coordinator.web.deployments import (deployments_for, import_camtrap_dp, import_wildlife_insights,
+                                         species_table_categories)
+from coordinator.web.location_privacy import LocationPolicy, haversine_m
+
+SECRET = bytes(range(32))
+DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+TABLE = species_table_categories([SimpleNamespace(scientific_name="Panthera onca", iucn_category="NT"),
+                                  SimpleNamespace(scientific_name="Tapirus bairdii", iucn_category="EN"),
+                                  SimpleNamespace(scientific_name="Anas platyrhynchos", iucn_category="EN")])
+
+
+def _package(root: Path, *, latitude: str = "3.5") -> Path:
+    root.mkdir(parents=True)
+    (root / "deployments.csv").write_text("deploymentID,locationName,latitude,longitude\n"
+                                          f"d1,river,{latitude},-77.2\nd2,ridge,3.6,-77.3\n")
+    (root / "observations.csv").write_text("observationID,deploymentID,scientificName\n"
+                                           "o1,d1,Tapirus bairdii\no2,d1,Panthera onca\no3,d2,Panthera onca\n"
+                                           "o4,d2,\n")
+    return root
+
+
+def test_camtrap_import_and_what_each_role_sees(tmp_path: Path) -> None:
+    store = Store("sqlite://", tmp_path / "data")
+    assert import_camtrap_dp(store, _package(tmp_path / "pkg"), TABLE) == 2
+    ranger = {d["deployment_id"]: d for d in deployments_for(store, Role.RANGER, policy=LocationPolicy(),
+                                                             secret=SECRET)}
+    partner = {d["deployment_id"]: d for d in deployments_for(store, Role.PARTNER, policy=LocationPolicy(),
+                                                              secret=SECRET)}
+    assert (ranger["d1"]["latitude"], ranger["d1"]["longitude"], ranger["d1"]["fuzzed"]) == (3.5, -77.2, False)
+    assert ranger["d1"]["categories"] == ["EN", "NT"]
+    # d1 recorded an endangered tapir: fuzzed within 1 km for a partner, the same point on every view
+    assert partner["d1"]["fuzzed"] and 0 < haversine_m(3.5, -77.2, partner["d1"]["latitude"],
+                                                       partner["d1"]["longitude"]) <= 1000.0
+    assert deployments_for(store, Role.PUBLIC, policy=LocationPolicy(), secret=SECRET)[0] == partner["d1"]
+    # d2 recorded only a near-threatened jaguar: exact for everyone; partners never see the categories
+    assert (partner["d2"]["latitude"], partner["d2"]["longitude"], partner["d2"]["fuzzed"]) == (3.6, -77.3, False)
+    assert "categories" not in partner["d1"] and "categories" not in partner["d2"]
+    assert import_camtrap_dp(store, tmp_path / "pkg", TABLE) == 2  # idempotent
+    with store.session() as s:
+        assert s.query(DeploymentRow).count() == 2
+
+
+def test_bad_coordinates_write_nothing(tmp_path: Path) -> None:
+    store = Store("sqlite://", tmp_path / "data")
+    with pytest.raises(DatasetError, match="latitude"):
+        import_camtrap_dp(store, _package(tmp_path / "pkg", latitude="95"), TABLE)
+    with store.session() as s:
+        assert s.query(DeploymentRow).count() == 0
+    with pytest.raises(DatasetError, match="not found"):
+        import_camtrap_dp(store, tmp_path / "missing", TABLE)
+
+
+def _need(path: Path) -> None:
+    if not path.exists():
+        pytest.skip(f"real data not present at {path} (a fresh clone has no ../shared/data)")
+
+
+def test_real_camtrap_dp_example(tmp_path: Path) -> None:
+    pkg = DATA_ROOT / "camtrap-dp-example"
+    _need(pkg)
+    with (pkg / "deployments.csv").open(newline="", encoding="utf-8") as f:
+        expected = {r["deploymentID"]: (float(r["latitude"]), float(r["longitude"])) for r in csv.DictReader(f)}
+    with (pkg / "observations.csv").open(newline="", encoding="utf-8") as f:
+        with_mallard = {r["deploymentID"] for r in csv.DictReader(f) if r["scientificName"] == "Anas platyrhynchos"}
+    store = Store("sqlite://", tmp_path / "data")
+    assert import_camtrap_dp(store, pkg, TABLE) == len(expected)
+    for d in deployments_for(store, Role.PARTNER, policy=LocationPolicy(), secret=SECRET):
+        lat, lon = expected[d["deployment_id"]]
+        if d["deployment_id"] in with_mallard:  # marked EN in this test's table
+            assert d["fuzzed"] and 0 < haversine_m(lat, lon, d["latitude"], d["longitude"]) <= 1000.0
+        else:
+            assert not d["fuzzed"] and (d["latitude"], d["longitude"]) == (lat, lon)
+    assert with_mallard  # the example does record mallards
+
+
+def test_real_wildlife_insights_project(tmp_path: Path) -> None:
+    project = DATA_ROOT / "wildlife-insights" / "cajambre"
+    _need(project)
+    with (project / "deployments.csv").open(newline="", encoding="utf-8") as f:
+        ids = {r["deployment_id"] for r in csv.DictReader(f)}
+    store = Store("sqlite://", tmp_path / "data")
+    assert import_wildlife_insights(store, project, TABLE) == len(ids)
+    shown = deployments_for(store, Role.RANGER, policy=LocationPolicy(), secret=SECRET)
+    assert {d["deployment_id"] for d in shown} == ids and not any(d["fuzzed"] for d in shown)
+    assert all(set(d["categories"]) <= {c.value for c in Cat} for d in shown)
+
+
+def test_import_deployments_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
+    cfg = str(tmp_path / "c" / "coordinator.yaml")
+    res = runner.invoke(app, ["import-deployments", str(_package(tmp_path / "pkg")), "-c", cfg])
+    assert res.exit_code == 0 and "imported 2 deployment(s)" in res.output, res.output
+    res = runner.invoke(app, ["import-deployments", str(tmp_path / "pkg"), "--format", "gbif", "-c", cfg])
+    assert res.exit_code == 2 and "--format" in res.output
