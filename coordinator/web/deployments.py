@@ -75,6 +75,22 @@ def _store(store: Store, deployments: Mapping[str, tuple[float, float, str]],
     return len(deployments)
 
 
+def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str], records: str, record_id: str,
+            species_of: Callable[[Mapping[str, str]], str], category_of: CategoryOf, source: str) -> int:
+    """Read ``deployments.csv`` (columns: id, latitude, longitude, name) and the ``records`` file (its
+    ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none), then store."""
+    dep_id, lat, lon, name = columns
+    deployments = {r[dep_id]: (_coordinate(r, lat, 90, root / "deployments.csv"),
+                               _coordinate(r, lon, 180, root / "deployments.csv"), r.get(name) or r[dep_id])
+                   for r in _rows(root / "deployments.csv")}
+    categories: dict[str, set[IUCNCategory]] = {}
+    for r in _rows(root / records):
+        species = species_of(r)
+        if species:
+            categories.setdefault(r[record_id], set()).add(category_of(species))
+    return _store(store, deployments, categories, source)
+
+
 def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf) -> int:
     """Import a Camtrap DP package's deployments; returns how many.
 
@@ -82,15 +98,15 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
         DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
     """
     root = Path(package)
-    deployments = {r["deploymentID"]: (_coordinate(r, "latitude", 90, root / "deployments.csv"),
-                                       _coordinate(r, "longitude", 180, root / "deployments.csv"),
-                                       r.get("locationName") or r["deploymentID"])
-                   for r in _rows(root / "deployments.csv")}
-    categories: dict[str, set[IUCNCategory]] = {}
-    for r in _rows(root / "observations.csv"):
-        if r.get("scientificName"):
-            categories.setdefault(r["deploymentID"], set()).add(category_of(r["scientificName"]))
-    return _store(store, deployments, categories, f"camtrap-dp:{root.name}")
+    return _import(store, root, columns=("deploymentID", "latitude", "longitude", "locationName"),
+                   records="observations.csv", record_id="deploymentID",
+                   species_of=lambda r: (r.get("scientificName") or "").strip(), category_of=category_of,
+                   source=f"camtrap-dp:{root.name}")
+
+
+def _wi_species(row: Mapping[str, str]) -> str:
+    genus, species = (row.get("genus") or "").strip(), (row.get("species") or "").strip()
+    return f"{genus} {species}" if genus and species and genus.lower() not in ("no cv result", "nan") else ""
 
 
 def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf) -> int:
@@ -100,16 +116,9 @@ def import_wildlife_insights(store: Store, project: str | Path, category_of: Cat
         DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
     """
     root = Path(project)
-    deployments = {r["deployment_id"]: (_coordinate(r, "latitude", 90, root / "deployments.csv"),
-                                        _coordinate(r, "longitude", 180, root / "deployments.csv"),
-                                        r.get("placename") or r["deployment_id"])
-                   for r in _rows(root / "deployments.csv")}
-    categories: dict[str, set[IUCNCategory]] = {}
-    for r in _rows(root / "images.csv"):
-        genus, species = (r.get("genus") or "").strip(), (r.get("species") or "").strip()
-        if genus and species and genus.lower() not in ("no cv result", "nan"):
-            categories.setdefault(r["deployment_id"], set()).add(category_of(f"{genus} {species}"))
-    return _store(store, deployments, categories, f"wildlife-insights:{root.name}")
+    return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename"),
+                   records="images.csv", record_id="deployment_id", species_of=_wi_species,
+                   category_of=category_of, source=f"wildlife-insights:{root.name}")
 
 
 def deployments_for(store: Store, role: Role, *, policy: LocationPolicy, secret: bytes) -> list[dict[str, object]]:
