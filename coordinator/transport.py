@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-from shared.broker import load_broker_credentials, tls_context
+from shared.broker import check_client_options, load_broker_credentials, tls_context
 from shared.errors import ConfigError, WildFedError
 
 if TYPE_CHECKING:
@@ -159,12 +159,8 @@ class MqttTransport:
 
         self._mqtt = mqtt
         self.host, self.port, tls = parse_broker_url(broker_url)
-        if not tls and any(v is not None for v in (ca_file, cert_file, key_file)):
-            raise ConfigError(f"TLS files given for a plain broker URL {broker_url!r}", field="broker_url",
-                              fix="use mqtts://host:8883 with broker_ca_file / broker_cert_file / broker_key_file")
-        if password is not None and not username:
-            raise ConfigError("a broker password needs a username", field="broker_username",
-                              fix="set broker_username or broker_password_file")
+        check_client_options(broker_url, tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
+                             username=username, password=password)
         self.connect_timeout_s = connect_timeout_s
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
                                    protocol=mqtt.MQTTv311, clean_session=True)

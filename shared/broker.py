@@ -16,7 +16,7 @@ import yaml
 
 from shared.errors import ConfigError
 
-__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "site_username",
+__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "check_client_options", "site_username",
            "coordinator_username"]
 
 
@@ -106,3 +106,19 @@ def check_broker_fields(url: str, ca_file: object, cert_file: object, key_file: 
         raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
     if url.startswith("mqtt://") and any(f is not None for f in (ca_file, cert_file, key_file)):
         raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+
+
+def check_client_options(url: str, *, tls: bool, ca_file: object, cert_file: object, key_file: object,
+                         username: str | None, password: str | None) -> None:
+    """The options an MQTT client (gateway or coordinator) is built with agree: TLS files only with a TLS URL, a
+    password only with a username.
+
+    Raises:
+        ConfigError: naming ``broker_url`` or ``broker_username`` and the fix.
+    """
+    if not tls and any(v is not None for v in (ca_file, cert_file, key_file)):
+        raise ConfigError(f"TLS files given for a plain broker URL {url!r}", field="broker_url",
+                          fix="use mqtts://host:8883 with broker_ca_file / broker_cert_file / broker_key_file")
+    if password is not None and not username:
+        raise ConfigError("a broker password needs a username", field="broker_username",
+                          fix="set broker_username, or use the credentials file broker-config wrote")

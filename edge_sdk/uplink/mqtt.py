@@ -49,7 +49,8 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-from shared.broker import BrokerCredentials, load_broker_credentials, site_username, tls_context
+from shared.broker import (BrokerCredentials, check_client_options, load_broker_credentials, site_username,
+                           tls_context)
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
@@ -127,12 +128,8 @@ class MqttTransport(Transport):
                  password: str | None = None, status_topic: str | None = None, site_id: str | None = None,
                  backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0, rng: random.Random | None = None) -> None:
         self._host, self._port, tls = parse_mqtt_url_tls(url)
-        if not tls and any(v is not None for v in (ca_file, cert_file, key_file)):
-            raise ConfigError(f"TLS files given for a plain broker URL {url!r}", field="broker_url",
-                              fix="use mqtts://host:8883 with broker_ca_file / broker_cert_file / broker_key_file")
-        if password is not None and not username:
-            raise ConfigError("a broker password needs a username", field="broker_username",
-                              fix="set broker_username (or use the credentials file broker-config wrote)")
+        check_client_options(url, tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
+                             username=username, password=password)
         if (status_topic is None) != (site_id is None):
             raise ConfigError("status_topic and site_id go together", field="status_topic",
                               fix="pass both (shared.topics.status_topic(federation, site), site) or neither")
