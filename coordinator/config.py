@@ -245,6 +245,41 @@ class TransferConfig(StrictModel):
         return self
 
 
+class WebConfig(StrictModel):
+    """The rangers' web view (``wildfed-coordinator serve``, coordinator.web; docs/web.md)."""
+
+    host: str = Field("127.0.0.1", description="address to listen on (put a TLS proxy in front, or give "
+                      "tls_cert_file/tls_key_file, before exposing it)")
+    port: int = Field(8080, ge=1, le=65535)
+    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve HTTPS directly (with tls_key_file)")
+    tls_key_file: Path | None = Field(None, description="PEM key of tls_cert_file")
+    cookie_secure: bool = Field(True, description="mark the session cookie Secure (sent over HTTPS only; browsers "
+                                "also send it to http://localhost and 127.0.0.1). false only for plain HTTP on a "
+                                "trusted network")
+    session_ttl_s: float = Field(8 * 3600.0, gt=0, description="seconds a login lasts (absolute)")
+    session_idle_s: float = Field(3600.0, gt=0, description="seconds without a request after which a login ends")
+    login_max_failures: int = Field(5, ge=1, description="failed logins per account and per address allowed "
+                                    "within login_window_s before further attempts are refused")
+    login_window_s: float = Field(900.0, gt=0, description="seconds of the login-throttle window")
+    location_method: Literal["displace", "grid"] = Field("displace", description="how sensitive deployments are "
+                                                         "shown to partner/public: displace (random point within "
+                                                         "location_radius_m, fixed per deployment) or grid (cell "
+                                                         "centre; stronger, docs/location-privacy.md)")
+    location_radius_m: float = Field(1000.0, gt=0, description="displacement radius (metres)")
+    location_cell_m: float = Field(10_000.0, gt=0, description="grid cell side (metres)")
+    sensitive_categories: list[IUCNCategory] = Field(
+        default_factory=lambda: [IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU],
+        description="IUCN categories whose deployments are protected for viewers without the ranger role")
+    location_secret_path: Path | None = Field(None, description="0600 file with the displacement key; None -> "
+                                              "data_dir/location-secret (created on first use)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "WebConfig":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("web.tls_cert_file and web.tls_key_file go together (fix: give both, or neither)")
+        return self
+
+
 class CoordinatorConfig(StrictModel):
     """Everything a :class:`coordinator.service.Coordinator` is built from (units in field descriptions).
 
@@ -300,6 +335,7 @@ class CoordinatorConfig(StrictModel):
     radio: RadioConfig | None = Field(None, description="radio-map settings (model: radio_unet)")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="chunked transfers, size limits, "
                                      "replay window")
+    web: WebConfig = Field(default_factory=WebConfig, description="the rangers' web view (serve)")
     ingest_workers: int = Field(0, ge=0, description="0: this process ingests updates; N >= 1: N processes run "
                                 "`wildfed-coordinator ingest-worker` on an MQTT shared subscription and this one "
                                 "only opens, finalises (merges their partial sums) and closes rounds")
@@ -384,9 +420,14 @@ class CoordinatorConfig(StrictModel):
         broker_files = {name: fix(getattr(self, name)) for name in ("broker_ca_file", "broker_cert_file",
                                                                    "broker_key_file", "broker_password_file")
                         if getattr(self, name) is not None}
+        web_files = {name: fix(getattr(self.web, name)) for name in ("tls_cert_file", "tls_key_file")
+                     if getattr(self.web, name) is not None}
+        web_files["location_secret_path"] = (fix(self.web.location_secret_path)
+                                             if self.web.location_secret_path is not None
+                                             else data_dir / "location-secret")
         return self.model_copy(update={"data_dir": data_dir, "signing_key_path": fix(self.signing_key_path),
                                        "public_key_path": fix(self.public_key_path), "database_url": url,
-                                       **broker_files})
+                                       "web": self.web.model_copy(update=web_files), **broker_files})
 
 
 def load_config(path: str | os.PathLike[str]) -> CoordinatorConfig:

@@ -126,6 +126,8 @@ class DetectionIngestor:
                       top_species=top.species if top is not None else None,
                       top_species_confidence=top.species_confidence if top is not None else None,
                       failure=record.failure, record_json=json.dumps(record.to_json(), sort_keys=True),
+                      species_json=json.dumps(sorted({d.species for d in record.detections if d.species})),
+                      source="gateway",
                       sequence=h.sequence, payload_sha256=h.payload_sha256, sent_at=sent_at)
         status = "stored"
         try:

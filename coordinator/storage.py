@@ -24,6 +24,7 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
 ``deployments`` camera deployments for the web view's map: coordinates, name, IUCN categories recorded
 ``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
+``web_sessions`` logged-in web-view sessions: SHA-256 of the cookie token, account, CSRF token, expiry
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
                 (coordinator.workers)
 ============== ===========================================================================================
@@ -85,6 +86,7 @@ __all__ = [
     "TransferRow",
     "PartialSumRow",
     "UserRow",
+    "WebSessionRow",
     "DeploymentRow",
     "Store",
     "utcnow",
@@ -228,6 +230,11 @@ class DetectionRow(Base):
 
     ``record_json`` is the whole record; the other columns are copies for queries. ``captured_at`` is the
     record's ISO 8601 capture time as sent (with its UTC offset); ``sent_at`` is the envelope's timestamp.
+    ``species_json`` lists the distinct species of its boxes (they decide which deployments are sensitive).
+    ``source`` is ``gateway`` for a record that came in a verified signed envelope, ``import:<file>`` for one an
+    operator imported (coordinator.web.formats; ``sequence`` 0, ``payload_sha256`` the record's own SHA-256).
+    ``image_sha256`` names the image in the blob directory when the coordinator holds a copy (imports), else None
+    (gateways keep their images).
     """
 
     __tablename__ = "detections"
@@ -248,6 +255,9 @@ class DetectionRow(Base):
     payload_sha256: Mapped[str] = mapped_column(String(64))
     sent_at: Mapped[_dt.datetime] = mapped_column(DateTime)
     received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    species_json: Mapped[str] = mapped_column(Text, default="[]")
+    source: Mapped[str] = mapped_column(String(256), default="gateway")
+    image_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class TransferRow(Base):
@@ -292,6 +302,19 @@ class UserRow(Base):
     role: Mapped[str] = mapped_column(String(16))
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class WebSessionRow(Base):
+    """A logged-in web-view session (coordinator.web.sessions): the SHA-256 of its cookie token (the token itself
+    is never stored), the account, its CSRF token, and when it was created, last used and expires (naive UTC)."""
+
+    __tablename__ = "web_sessions"
+    token_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    username: Mapped[str] = mapped_column(String(64), ForeignKey("users.username"), index=True)
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    last_seen_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    expires_at: Mapped[_dt.datetime] = mapped_column(DateTime, index=True)
 
 
 class DeploymentRow(Base):

@@ -1,0 +1,311 @@
+"""What one viewer may see: every page, API route and export of the web view reads through :class:`Viewer`, so the
+rules of each role are written once (issue 9; the roles are in :mod:`coordinator.web.auth`).
+
+For a role that does not see exact locations (partner, public), a deployment is *sensitive* when it recorded a
+species of a sensitive IUCN category, from either source:
+
+* the categories its import recorded (``deployments.categories_json``, :mod:`coordinator.web.deployments`), or
+* the species in the detection records stored for it (``detections.species_json``), looked up in the federation's
+  species table (the one that sets privacy budgets; unknown species are NE).
+
+Then, for those roles, everything that could place a sensitive deployment is withheld or protected:
+
+============================ ========================================================================
+ field                        shown to partner/public
+============================ ========================================================================
+ coordinates                  displaced within the radius, or the grid-cell centre (``fuzzed`` true)
+ deployment's location name   replaced by its id (names such as "waterhole north" place a camera)
+ IUCN categories recorded     withheld (they would say which markers hide a sensitive species)
+ image file path at the site  withheld (folder names often name places)
+ capture time of a record     the date only, for records of a sensitive deployment
+ image EXIF                   GPS tags removed (:func:`coordinator.web.media.strip_gps`)
+============================ ========================================================================
+
+Only records stored by the verified ingest path (a good Ed25519 signature of an enrolled site,
+:mod:`coordinator.detections`) or imported by an operator (:mod:`coordinator.web.formats`) are in the table;
+rejected ones are in ``rejections`` and no view reads that table except the operator's.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+
+from shared.errors import ConfigError
+from shared.iucn import IUCNCategory
+
+from coordinator.storage import DeploymentRow, DetectionRow, Store
+from coordinator.web.auth import Role
+from coordinator.web.deployments import CategoryOf
+from coordinator.web.location_privacy import LocationPolicy, protect
+
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE"]
+
+MAX_PAGE_SIZE = 500
+
+
+def _parse_date(value: str | None, name: str) -> _dt.date | None:
+    if value in (None, ""):
+        return None
+    try:
+        return _dt.date.fromisoformat(str(value))
+    except ValueError:
+        raise ConfigError(f"{name} {value!r} is not a date", field=name, fix="use YYYY-MM-DD") from None
+
+
+@dataclass(frozen=True)
+class DetectionFilter:
+    """Filters of the detection list; every field optional.
+
+    Attributes:
+        site: site id. species: exact species name (case-insensitive). category: IUCN category of the record's
+            top species. date_from, date_to: capture date range, inclusive (the record's local date as sent).
+        min_confidence: lowest top detector confidence in [0, 1]. limit: rows per page (1..500). offset: >= 0.
+    """
+
+    site: str | None = None
+    species: str | None = None
+    category: IUCNCategory | None = None
+    date_from: _dt.date | None = None
+    date_to: _dt.date | None = None
+    min_confidence: float | None = None
+    limit: int = 50
+    offset: int = 0
+
+    @classmethod
+    def parse(cls, *, site: str | None = None, species: str | None = None, category: str | None = None,
+              date_from: str | None = None, date_to: str | None = None, min_confidence: str | float | None = None,
+              limit: str | int | None = None, offset: str | int | None = None) -> "DetectionFilter":
+        """Build from query-string values ("" means unset).
+
+        Raises:
+            ConfigError: a bad category, date, confidence, limit or offset (names the field and the fix).
+        """
+        cat = None
+        if category not in (None, ""):
+            try:
+                cat = IUCNCategory(str(category).upper())
+            except ValueError:
+                raise ConfigError(f"category {category!r} is not an IUCN category", field="category",
+                                  fix=f"use one of {[c.value for c in IUCNCategory]}") from None
+        conf = None
+        if min_confidence not in (None, ""):
+            try:
+                conf = float(min_confidence)  # type: ignore[arg-type]
+            except ValueError:
+                conf = float("nan")
+            if not 0.0 <= conf <= 1.0:
+                raise ConfigError(f"min_confidence {min_confidence!r} is not in [0, 1]", field="min_confidence",
+                                  fix="give a number between 0 and 1")
+
+        def integer(value: Any, name: str, default: int, lo: int, hi: int) -> int:
+            if value in (None, ""):
+                return default
+            try:
+                n = int(value)
+            except (TypeError, ValueError):
+                n = lo - 1
+            if not lo <= n <= hi:
+                raise ConfigError(f"{name} {value!r} is not in [{lo}, {hi}]", field=name, fix=f"give {lo}..{hi}")
+            return n
+
+        d_from, d_to = _parse_date(date_from, "date_from"), _parse_date(date_to, "date_to")
+        if d_from and d_to and d_from > d_to:
+            raise ConfigError("date_from is after date_to", field="date_from", fix="swap the dates")
+        return cls(site=site or None, species=(species or "").strip() or None, category=cat, date_from=d_from,
+                   date_to=d_to, min_confidence=conf, limit=integer(limit, "limit", 50, 1, MAX_PAGE_SIZE),
+                   offset=integer(offset, "offset", 0, 0, 10**9))
+
+
+class Viewer:
+    """The web view's data as one role may see it (module docstring).
+
+    Args:
+        store: coordinator state. role: the viewer's :class:`~coordinator.web.auth.Role`.
+        policy: :class:`~coordinator.web.location_privacy.LocationPolicy`. secret: the location secret (32 bytes).
+        category_of: species name -> IUCN category (the federation's species table).
+    """
+
+    def __init__(self, store: Store, role: Role, *, policy: LocationPolicy, secret: bytes,
+                 category_of: CategoryOf) -> None:
+        self.store = store
+        self.role = role
+        self.policy = policy
+        self._secret = secret
+        self._category_of = category_of
+
+    # ---- deployments ---------------------------------------------------------------------------------------
+    def _detected_categories(self) -> dict[str, set[IUCNCategory]]:
+        """deployment id -> IUCN categories of the species its stored records contain."""
+        out: dict[str, set[IUCNCategory]] = defaultdict(set)
+        with self.store.session() as s:
+            for dep, species_json in s.execute(select(DetectionRow.deployment_id, DetectionRow.species_json)
+                                               .distinct()):
+                for name in json.loads(species_json or "[]"):
+                    out[dep].add(self._category_of(name))
+        return out
+
+    def deployments(self) -> list[dict[str, Any]]:
+        """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
+        ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (the
+        displacement radius when displaced, else 0), ``detections`` (records stored), and for rangers and
+        operators ``categories`` (IUCN codes recorded) and ``source``."""
+        detected = self._detected_categories()
+        with self.store.session() as s:
+            rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
+            counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
+                DetectionRow.deployment_id)).all())
+        out = []
+        for r in rows:
+            recorded = {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")} | detected.get(
+                r.deployment_id, set())
+            shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=recorded,
+                            exact_allowed=self.role.sees_exact_locations, policy=self.policy, secret=self._secret)
+            item: dict[str, Any] = {
+                "deployment_id": r.deployment_id,
+                "name": r.deployment_id if shown.fuzzed else (r.location_name or r.deployment_id),
+                "latitude": shown.latitude, "longitude": shown.longitude, "fuzzed": shown.fuzzed,
+                "method": shown.method, "radius_m": self.policy.radius_m if shown.method == "displace" else 0.0,
+                "detections": int(counts.get(r.deployment_id, 0))}
+            if self.role.sees_exact_locations:
+                item["categories"] = sorted(c.value for c in recorded)
+                item["source"] = r.source
+            out.append(item)
+        return out
+
+    def _deployment_index(self) -> dict[str, dict[str, Any]]:
+        return {d["deployment_id"]: d for d in self.deployments()}
+
+    # ---- detections ----------------------------------------------------------------------------------------
+    def _row_view(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        record = json.loads(row.record_json)
+        dep = deployments.get(row.deployment_id)
+        fuzzed = bool(dep and dep["fuzzed"])
+        top = row.top_species
+        # an unplaced deployment has no coordinates to fuzz, but its sensitive records still lose their time
+        sensitive = fuzzed or (not self.role.sees_exact_locations and any(
+            self._category_of(n) in self.policy.categories for n in json.loads(row.species_json or "[]")))
+        item: dict[str, Any] = {
+            "id": row.id, "site_id": row.site_id, "media_id": row.media_id, "deployment_id": row.deployment_id,
+            "deployment_name": dep["name"] if dep else row.deployment_id,
+            "latitude": dep["latitude"] if dep else None, "longitude": dep["longitude"] if dep else None,
+            "fuzzed": fuzzed,
+            "captured_at": row.captured_at[:10] if sensitive else row.captured_at,
+            "num_detections": row.num_detections, "max_confidence": row.max_confidence,
+            "top_species": top, "top_species_confidence": row.top_species_confidence,
+            "category": self._category_of(top).value if top else None,
+            "failure": row.failure, "has_image": row.image_sha256 is not None,
+            "source": "gateway" if row.source == "gateway" else "import",
+            "width": record.get("width"), "height": record.get("height"),
+            "detections": [{"category": d.get("category"), "confidence": d.get("confidence"),
+                            "bbox": d.get("bbox"), "species": d.get("species"),
+                            "species_confidence": d.get("species_confidence"),
+                            "iucn_category": self._category_of(d["species"]).value if d.get("species") else None}
+                           for d in record.get("detections", [])],
+            "detector": record.get("detector", ""),
+        }
+        if self.role.sees_exact_locations:
+            item["file"] = row.file
+            item["timestamp_source"] = record.get("timestamp_source")
+        return item
+
+    def _query(self, f: DetectionFilter):  # noqa: ANN202 - a Select
+        q = select(DetectionRow)
+        if f.site:
+            q = q.where(DetectionRow.site_id == f.site)
+        if f.species:
+            q = q.where(func.lower(DetectionRow.top_species) == f.species.lower())
+        if f.min_confidence is not None:
+            q = q.where(DetectionRow.max_confidence >= f.min_confidence)
+        if f.date_from:
+            q = q.where(func.substr(DetectionRow.captured_at, 1, 10) >= f.date_from.isoformat())
+        if f.date_to:
+            q = q.where(func.substr(DetectionRow.captured_at, 1, 10) <= f.date_to.isoformat())
+        return q
+
+    def _matching_rows(self, f: DetectionFilter) -> list[DetectionRow]:
+        with self.store.session() as s:
+            rows = list(s.scalars(self._query(f).order_by(DetectionRow.captured_at.desc(), DetectionRow.id.desc())))
+        if f.category is not None:
+            rows = [r for r in rows if r.top_species and self._category_of(r.top_species) is f.category]
+        return rows
+
+    def detections(self, f: DetectionFilter = DetectionFilter()) -> tuple[list[dict[str, Any]], int]:
+        """One page of records matching ``f`` (newest capture first) as this role may see them, and the number
+        that match in all. Each item: ``id``, ``site_id``, ``media_id``, ``deployment_id``, ``deployment_name``,
+        ``latitude``/``longitude`` (the deployment's, as shown to this role; None when unknown), ``fuzzed``,
+        ``captured_at``, ``num_detections``, ``max_confidence``, ``top_species``, ``top_species_confidence``,
+        ``category``, ``failure``, ``has_image``, ``source``, ``width``/``height`` (pixels), ``detections`` (boxes:
+        ``bbox`` normalised ``[x_min, y_min, width, height]``, ``confidence``, ``species``, ...), ``detector``;
+        rangers and operators also get ``file`` and ``timestamp_source``."""
+        rows = self._matching_rows(f)
+        deployments = self._deployment_index()
+        page = rows[f.offset:f.offset + f.limit]
+        return [self._row_view(r, deployments) for r in page], len(rows)
+
+    def detection(self, detection_id: int) -> dict[str, Any] | None:
+        """One record as :meth:`detections` shows it, or None when there is none with that id."""
+        with self.store.session() as s:
+            row = s.get(DetectionRow, int(detection_id))
+        return None if row is None else self._row_view(row, self._deployment_index())
+
+    def image_sha256(self, detection_id: int) -> str | None:
+        """The blob name of a record's image when the coordinator holds one, else None."""
+        with self.store.session() as s:
+            row = s.get(DetectionRow, int(detection_id))
+            return None if row is None else row.image_sha256
+
+    def species_names(self) -> list[str]:
+        """Top species of the stored records, sorted (for the filter form)."""
+        with self.store.session() as s:
+            return sorted(n for n in s.scalars(select(DetectionRow.top_species).distinct()) if n)
+
+    def site_ids(self) -> list[str]:
+        """Sites that have stored records, sorted."""
+        with self.store.session() as s:
+            return sorted(s.scalars(select(DetectionRow.site_id).distinct()))
+
+    # ---- summaries -----------------------------------------------------------------------------------------
+    def species_counts(self) -> dict[str, dict[str, int]]:
+        """``{species: {"YYYY-MM": records whose top species it is, captured that month}}`` (records without
+        a species are left out). Months, not days: exact days of sensitive species are withheld from some roles."""
+        out: dict[str, Counter[str]] = defaultdict(Counter)
+        with self.store.session() as s:
+            for species, captured in s.execute(select(DetectionRow.top_species, DetectionRow.captured_at)):
+                if species:
+                    out[species][captured[:7]] += 1
+        return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
+
+    def site_summaries(self) -> list[dict[str, Any]]:
+        """Per site: ``site_id``, ``records``, ``with_animals`` (records with at least one box), ``failures``,
+        ``deployments`` (ids), ``top_species`` (up to 5 ``[name, records]``), ``first``/``last`` capture date."""
+        per: dict[str, dict[str, Any]] = {}
+        with self.store.session() as s:
+            for site, dep, n, species, captured, failure in s.execute(select(
+                    DetectionRow.site_id, DetectionRow.deployment_id, DetectionRow.num_detections,
+                    DetectionRow.top_species, DetectionRow.captured_at, DetectionRow.failure)):
+                e = per.setdefault(site, {"site_id": site, "records": 0, "with_animals": 0, "failures": 0,
+                                          "deployments": set(), "species": Counter(), "first": None, "last": None})
+                e["records"] += 1
+                e["with_animals"] += int(n > 0)
+                e["failures"] += int(failure is not None)
+                e["deployments"].add(dep)
+                if species:
+                    e["species"][species] += 1
+                day = captured[:10]
+                e["first"] = day if e["first"] is None or day < e["first"] else e["first"]
+                e["last"] = day if e["last"] is None or day > e["last"] else e["last"]
+        out = []
+        for site in sorted(per):
+            e = per[site]
+            out.append({"site_id": site, "records": e["records"], "with_animals": e["with_animals"],
+                        "failures": e["failures"], "deployments": sorted(e["deployments"]),
+                        "top_species": [list(x) for x in e["species"].most_common(5)], "first": e["first"],
+                        "last": e["last"]})
+        return out
