@@ -38,7 +38,6 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,16 +50,11 @@ from rich.table import Table
 from shared.errors import ConfigError, WildFedError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, save_private_key, save_public_key
-from shared.privacy.accounting import AccountantName
-from shared.privacy.comparison import (
-    seed_advanced_composition_epsilon,
-    textbook_formula_valid,
-    textbook_gaussian_noise_multiplier,
-)
 
 from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
-from coordinator.ledger import PrivacyLedger, composed_epsilon
+from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
+from coordinator.reports import ROUNDS_LEFT_CAP, BudgetReportRow, budget_report, plot_burn_down  # noqa: F401
 from coordinator.rounds import known_categories
 from coordinator.service import Coordinator, status_report
 from coordinator.storage import Store
@@ -351,100 +345,6 @@ def status(config: Path = _config_option()) -> None:
     console.print(hal)
     for site_id in left:
         console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
-
-
-@dataclass(frozen=True)
-class BudgetReportRow:
-    """One (site, IUCN category) line of ``wildfed-coordinator budget``.
-
-    Attributes:
-        spent: epsilon of all recorded events under the chosen accountant; remaining = max(0, budget - spent).
-        rounds_left: further rounds of the site's last round's event that fit the budget (a dry-run composition,
-            :meth:`coordinator.ledger.PrivacyLedger.rounds_left`); None when the category never ran there.
-        z_calibrated: noise multiplier of the site's last event of the category (calibrated with dp-accounting).
-        eps_rdp: RDP epsilon of the same events (beside the seed's bound).
-        COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
-        (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
-    """
-
-    site_id: str
-    category: IUCNCategory
-    budget: float
-    spent: float
-    remaining: float
-    rounds_left: int | None
-    halted: bool
-    z_calibrated: float | None
-    eps_rdp: float
-    eps_seed_bound: float
-    z_textbook: float
-    textbook_valid: bool
-
-
-ROUNDS_LEFT_CAP = 10_000
-
-
-def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger,
-                  accountant: AccountantName) -> list[BudgetReportRow]:
-    """The rows of ``wildfed-coordinator budget``: every enrolled site (and any site with ledger rows) x every
-    IUCN category."""
-    budgets = cfg.budgets()
-    delta = cfg.target_delta
-    sites = sorted({s.site_id for s in registry.list()} | set(ledger.sites()))
-    out = []
-    for site_id in sites:
-        halted = ledger.halted(site_id)
-        _, last = ledger.last_round_events(site_id)
-        for cat in IUCNCategory:
-            events = ledger.events(site_id, cat)
-            nxt = last.get(cat) or (events[-1] if events else None)
-            spent = ledger.spent(site_id, cat, accountant)
-            out.append(BudgetReportRow(
-                site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
-                remaining=max(0.0, budgets[cat] - spent),
-                rounds_left=ledger.rounds_left(site_id, cat, budgets[cat], next_event=nxt, accountant=accountant,
-                                               cap=ROUNDS_LEFT_CAP) if nxt is not None else None,
-                halted=cat in halted, z_calibrated=None if nxt is None else float(nxt.noise_multiplier),
-                eps_rdp=spent if accountant == "rdp" else ledger.spent(site_id, cat, "rdp"),
-                eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
-                z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
-                textbook_valid=textbook_formula_valid(budgets[cat])))
-    return out
-
-
-def plot_burn_down(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: AccountantName, path: Path) -> Path:
-    """Write a burn-down PNG: per IUCN category, each site's cumulative epsilon after each round vs the budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    budgets = cfg.budgets()
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
-    for ax, cat in zip(axes.flat, IUCNCategory):
-        for site_id in ledger.sites():
-            history = ledger.round_events(site_id, cat)
-            if not history:
-                continue
-            rounds = [r for r, _ in history]
-            spent = [composed_epsilon(tuple(e for _, e in history[:i + 1]), cfg.target_delta, accountant)
-                     for i in range(len(history))]
-            ax.plot(rounds, spent, marker="o", markersize=3, label=site_id)
-        ax.axhline(budgets[cat], color="red", linestyle="--", label=f"budget {budgets[cat]:.2f}")
-        ax.set_title(f"{cat.value}")
-        ax.set_ylabel("epsilon spent")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        if len(ax.get_legend_handles_labels()[0]) <= 10:
-            ax.legend(fontsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel("round")
-    fig.suptitle(f"{cfg.federation_id}: privacy burn-down ({accountant}, delta={cfg.target_delta:g})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 @app.command()

@@ -84,4 +84,4 @@ def test_only_the_budget_report_uses_the_comparison_formulas():
             list((ROOT / "shared").rglob("*.py")):
         if re.search(r"privacy\.comparison|privacy import comparison", path.read_text(encoding="utf-8")):
             users.append(path.relative_to(ROOT).as_posix())
-    assert users == ["coordinator/cli.py"]
+    assert users == ["coordinator/reports.py"]
