@@ -14,10 +14,11 @@ Commands::
     wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
                                                         site x IUCN category: budget, spent, remaining, rounds left;
                                                         textbook / seed formulas beside them (comparison only)
-    wildfed-coordinator run   (alias: serve)            run the configured rounds with a progress bar
+    wildfed-coordinator run                             run the configured rounds with a progress bar
     wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
     wildfed-coordinator user add|list|set-role|disable|enable   web-view accounts (Argon2id; coordinator/web/auth.py)
     wildfed-coordinator import-deployments PATH [--format camtrap-dp|wildlife-insights]   deployments for the map
+    wildfed-coordinator serve [--host H] [--port P]    the rangers' web view (FastAPI; docs/web.md)
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
     wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
@@ -428,7 +429,26 @@ def run(config: Path = _config_option(),
     _run(config, rounds)
 
 
-app.command("serve", help="Alias of `run`.")(run)
+
+
+@app.command()
+@_friendly
+def serve(config: Path = _config_option(),
+          host: str | None = typer.Option(None, help="address to listen on [default: web.host, 127.0.0.1]"),
+          port: int | None = typer.Option(None, help="TCP port [default: web.port, 8080]")) -> None:
+    """Serve the rangers' web view (map, detections, species, sites; budgets and rounds for operators) until
+    interrupted. Make accounts first with `user add`; docs/web.md."""
+    from coordinator.web.app import serve as serve_web
+
+    cfg = load_config(config)
+    where = host or cfg.web.host
+    scheme = "https" if cfg.web.tls_cert_file else "http"
+    if scheme == "http" and where not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {where}: passwords and session cookies cross "
+                          "the network in the clear, and browsers drop Secure cookies over HTTP. Put a TLS proxy "
+                          "in front or set web.tls_cert_file and web.tls_key_file.")
+    console.print(f"web view on {scheme}://{where}:{port or cfg.web.port}/ (Ctrl-C stops it)")
+    serve_web(cfg, host=host, port=port)
 
 
 @app.command("ingest-worker")
@@ -937,6 +957,79 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
 def user_enable(username: str = typer.Argument(...), config: Path = _config_option()) -> None:
     """Enable a disabled account again."""
     _user_update(username, config, disabled=False)
+
+
+@app.command("import-detections")
+@_friendly
+def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batch output .json (format 1.x)"),
+                      site: str = typer.Option(..., "--site", help="the enrolled site the images come from"),
+                      deployment: str = typer.Option(..., "--deployment", help="the Camtrap DP deployment (camera "
+                                                     "placement) of every image in the file"),
+                      images: Path | None = typer.Option(None, "--images", help="the folder the detector ran on: "
+                                                         "images found there are stored for the web view (never "
+                                                         "those with a person or vehicle)"),
+                      config: Path = _config_option()) -> None:
+    """Import detections from a MegaDetector results file for the web view (coordinator/web/formats.py); the whole
+    file is checked before anything is written, and re-importing it changes nothing."""
+    from coordinator.web.deployments import species_table_categories
+    from coordinator.web.formats import import_megadetector
+
+    cfg = load_config(config)
+    store = Store(cfg.database_url or "", cfg.data_dir)
+    try:
+        with Progress(TextColumn("importing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as bar:
+            task = bar.add_task("import", total=None)
+            summary = import_megadetector(store, path, site_id=site, deployment_id=deployment, images_dir=images,
+                                          category_of=species_table_categories(cfg.species),
+                                          progress=lambda done, total: bar.update(task, completed=done,
+                                                                                  total=total))
+    finally:
+        store.dispose()
+    console.print(f"[green]imported[/] {summary.images} image(s) from {path}: {summary.stored} new, "
+                  f"{summary.replaced} replaced, {summary.unchanged} unchanged, {summary.kept_gateway} kept "
+                  f"(gateway rows), {summary.duplicates} duplicate(s), {summary.failures} failure(s), "
+                  f"{summary.boxes} box(es)")
+    if images is not None:
+        console.print(f"images: {summary.images_stored} stored, {summary.images_missing} missing, "
+                      f"{summary.images_unreadable} unreadable, {summary.images_withheld} withheld "
+                      "(person/vehicle)")
+    if summary.categories:
+        console.print("boxes per IUCN category: " + ", ".join(f"{k} {v}" for k, v in summary.categories.items()))
+
+
+@app.command("export-camtrap-dp")
+@_friendly
+def export_camtrap_dp_command(out_dir: Path = typer.Argument(..., help="folder for the Camtrap DP package"),
+                              role: str = typer.Option(..., "--role", help="operator or ranger (exact locations), "
+                                                       "partner or public (sensitive locations fuzzed, their "
+                                                       "times cut to dates)"),
+                              config: Path = _config_option()) -> None:
+    """Export the detections as a Camtrap DP 1.0 package, as the given role sees them in the web view."""
+    from coordinator.web.auth import Role
+    from coordinator.web.deployments import species_table_categories
+    from coordinator.web.formats import export_camtrap_dp
+    from coordinator.web.location_privacy import LocationPolicy, load_or_create_secret
+    from coordinator.web.views import Viewer
+
+    try:
+        viewer_role = Role(role.strip().lower())
+    except ValueError:
+        raise ConfigError(f"role {role!r} is unknown", field="--role",
+                          fix=f"use one of {[r.value for r in Role]}") from None
+    cfg = load_config(config)
+    policy = LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
+                            cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories))
+    secret = load_or_create_secret(cfg.web.location_secret_path)
+    store = Store(cfg.database_url or "", cfg.data_dir)
+    try:
+        viewer = Viewer(store, viewer_role, policy=policy, secret=secret,
+                        category_of=species_table_categories(cfg.species))
+        with console.status("exporting"):
+            package = export_camtrap_dp(viewer, out_dir)
+    finally:
+        store.dispose()
+    console.print(f"[green]wrote[/] {package} (as {viewer_role.value})")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from shared.errors import ConfigError
 
-from coordinator.storage import Store, UserRow
+from coordinator.storage import Store, UserRow, WebSessionRow
 
 __all__ = ["Role", "Account", "AccountError", "AccountStore", "LoginThrottle", "MIN_PASSWORD_LENGTH"]
 
@@ -148,7 +148,8 @@ class AccountStore:
 
     def update(self, username: str, *, role: str | Role | None = None, password: str | None = None,
                disabled: bool | None = None) -> Account:
-        """Change an account's role, password or disabled flag.
+        """Change an account's role, password or disabled flag. A new password or disabling ends the account's web
+        sessions (a role change applies at the next request, since sessions read the role each time).
 
         Raises:
             AccountError: unknown user, unknown role, or a password shorter than :data:`MIN_PASSWORD_LENGTH`.
@@ -168,6 +169,9 @@ class AccountStore:
                 row.password_hash = self._hasher.hash(password)
             if disabled is not None:
                 row.disabled = bool(disabled)
+            if password is not None or row.disabled:
+                # a new password or a disabled account ends every web session of the account at once
+                s.execute(delete(WebSessionRow).where(WebSessionRow.username == username))
             return Account(row.username, Role(row.role), row.disabled)
 
 

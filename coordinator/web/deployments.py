@@ -1,5 +1,6 @@
 """Deployments for the rangers' web view: imported with their coordinates and the IUCN categories they recorded,
-and shown to each role with sensitive locations protected (:mod:`coordinator.web.location_privacy`; issue 9).
+shown to each role by :class:`coordinator.web.views.Viewer` with sensitive locations protected
+(:mod:`coordinator.web.location_privacy`; issue 9).
 
 Import sources (read with the csv module; only the columns named here are used):
 
@@ -21,17 +22,13 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from sqlalchemy import select
 
 from shared.errors import DatasetError
 from shared.iucn import IUCNCategory
 
 from coordinator.storage import DeploymentRow, Store
-from coordinator.web.auth import Role
-from coordinator.web.location_privacy import LocationPolicy, protect
 
-__all__ = ["CategoryOf", "species_table_categories", "import_camtrap_dp", "import_wildlife_insights",
-           "deployments_for"]
+__all__ = ["CategoryOf", "species_table_categories", "import_camtrap_dp", "import_wildlife_insights"]
 
 CategoryOf = Callable[[str], IUCNCategory]
 """``category_of(scientific name) -> IUCN category`` (NE when unknown)."""
@@ -119,24 +116,3 @@ def import_wildlife_insights(store: Store, project: str | Path, category_of: Cat
     return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename"),
                    records="images.csv", record_id="deployment_id", species_of=_wi_species,
                    category_of=category_of, source=f"wildlife-insights:{root.name}")
-
-
-def deployments_for(store: Store, role: Role, *, policy: LocationPolicy, secret: bytes) -> list[dict[str, object]]:
-    """Every deployment as the role may see it: ``{"deployment_id", "name", "latitude", "longitude", "fuzzed",
-    "method"}``, by id. Rangers and operators get true coordinates; the others get sensitive deployments protected
-    by ``policy``. The IUCN categories recorded are not shown to roles that see fuzzed locations (they would say
-    which markers hide a sensitive species)."""
-    with store.session() as s:
-        rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
-    out = []
-    for r in rows:
-        recorded = [IUCNCategory(c) for c in json.loads(r.categories_json or "[]")]
-        shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=recorded,
-                        exact_allowed=role.sees_exact_locations, policy=policy, secret=secret)
-        item: dict[str, object] = {"deployment_id": r.deployment_id, "name": r.location_name,
-                                   "latitude": shown.latitude, "longitude": shown.longitude, "fuzzed": shown.fuzzed,
-                                   "method": shown.method}
-        if role.sees_exact_locations:
-            item["categories"] = [c.value for c in recorded]
-        out.append(item)
-    return out

@@ -13,7 +13,8 @@ Then, for those roles, everything that could place a sensitive deployment is wit
 ============================ ========================================================================
  field                        shown to partner/public
 ============================ ========================================================================
- coordinates                  displaced within the radius, or the grid-cell centre (``fuzzed`` true)
+ coordinates                  displaced within the radius, or the grid-cell centre (``fuzzed`` true);
+                              per place: neighbours within the radius of a sensitive deployment too
  deployment's location name   replaced by its id (names such as "waterhole north" place a camera)
  IUCN categories recorded     withheld (they would say which markers hide a sensitive species)
  image file path at the site  withheld (folder names often name places)
@@ -43,11 +44,17 @@ from shared.iucn import IUCNCategory
 from coordinator.storage import DeploymentRow, DetectionRow, Store
 from coordinator.web.auth import Role
 from coordinator.web.deployments import CategoryOf
-from coordinator.web.location_privacy import LocationPolicy, protect
+from coordinator.web.location_privacy import LocationPolicy, haversine_m, protect
 
-__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE"]
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "place_key"]
 
 MAX_PAGE_SIZE = 500
+
+
+def place_key(latitude: float, longitude: float) -> str:
+    """The key of a place for the fixed displacement: true coordinates rounded to 1e-4 degrees (about 11 m of
+    latitude), so deployments at one camera station share one displaced point."""
+    return f"place:{latitude:.4f},{longitude:.4f}"
 
 
 def _parse_date(value: str | None, name: str) -> _dt.date | None:
@@ -155,17 +162,31 @@ class Viewer:
         """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
         ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (the
         displacement radius when displaced, else 0), ``detections`` (records stored), and for rangers and
-        operators ``categories`` (IUCN codes recorded) and ``source``."""
+        operators ``categories`` (IUCN codes recorded) and ``source``.
+
+        Protection is per *place*, not per deployment id: a camera station used for several deployments (the same
+        coordinates, re-deployed each season) would otherwise show its exact position through a deployment that
+        happened to record nothing sensitive. So, for roles without exact locations,
+
+        * a deployment is protected when it, or any deployment within ``policy.radius_m`` of it, recorded a
+          sensitive species (a neighbour shown exactly would point at the protected one); and
+        * the displaced point is keyed on the place (true coordinates rounded to 1e-4 degrees, about 11 m), so
+          co-located deployments share one point and cannot be averaged toward the truth.
+        """
         detected = self._detected_categories()
         with self.store.session() as s:
             rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
             counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
                 DetectionRow.deployment_id)).all())
+        recorded = {r.deployment_id: {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")}
+                    | detected.get(r.deployment_id, set()) for r in rows}
+        sensitive = [r for r in rows if recorded[r.deployment_id] & self.policy.categories]
         out = []
         for r in rows:
-            recorded = {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")} | detected.get(
-                r.deployment_id, set())
-            shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=recorded,
+            near_sensitive = any(haversine_m(r.latitude, r.longitude, o.latitude, o.longitude)
+                                 <= self.policy.radius_m for o in sensitive)
+            shown = protect(r.latitude, r.longitude, deployment_id=place_key(r.latitude, r.longitude),
+                            recorded=set(self.policy.categories) if near_sensitive else set(),
                             exact_allowed=self.role.sees_exact_locations, policy=self.policy, secret=self._secret)
             item: dict[str, Any] = {
                 "deployment_id": r.deployment_id,
@@ -174,7 +195,7 @@ class Viewer:
                 "method": shown.method, "radius_m": self.policy.radius_m if shown.method == "displace" else 0.0,
                 "detections": int(counts.get(r.deployment_id, 0))}
             if self.role.sees_exact_locations:
-                item["categories"] = sorted(c.value for c in recorded)
+                item["categories"] = sorted(c.value for c in recorded[r.deployment_id])
                 item["source"] = r.source
             out.append(item)
         return out

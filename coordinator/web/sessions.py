@@ -1,0 +1,101 @@
+"""Logged-in sessions of the web view, kept in the coordinator's database (``web_sessions`` table; issue 9).
+
+A login creates a 256-bit random token (``secrets.token_urlsafe(32)``) that goes to the browser in a cookie marked
+``HttpOnly``, ``SameSite=Strict`` and (by default) ``Secure``; the table keeps only its SHA-256, so a copy of the
+database does not let anyone log in. Each session has its own CSRF token (the synchronizer-token pattern of the
+OWASP CSRF Prevention Cheat Sheet) that every form carries in a hidden field and every POST must echo.
+
+A session ends at logout, ``ttl_s`` seconds after login (absolute), after ``idle_s`` seconds without a request,
+when its account is disabled or deleted, or when the account's password or role changes
+(:meth:`SessionManager.revoke_user`). The account's role is read from ``users`` on every request, so a role change
+applies at once.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import delete
+
+from shared.errors import ConfigError
+
+from coordinator.storage import Store, UserRow, WebSessionRow, utcnow
+from coordinator.web.auth import Account, Role
+
+__all__ = ["WebSession", "SessionManager"]
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class WebSession:
+    """A valid session: the account (with its current role) and the session's CSRF token."""
+
+    account: Account
+    csrf_token: str
+
+
+class SessionManager:
+    """Create, look up and end sessions (module docstring).
+
+    Args:
+        store: the coordinator's store. ttl_s: absolute lifetime in seconds (> 0). idle_s: idle timeout in
+            seconds (> 0). clock: naive-UTC ``datetime`` now (tests inject one).
+
+    Raises:
+        ConfigError: a non-positive lifetime.
+    """
+
+    def __init__(self, store: Store, *, ttl_s: float = 8 * 3600.0, idle_s: float = 3600.0,
+                 clock: Callable[[], _dt.datetime] = utcnow) -> None:
+        if not (ttl_s > 0 and idle_s > 0):
+            raise ConfigError("session lifetimes must be positive", field="web.session_ttl_s/session_idle_s",
+                              fix="e.g. 28800 and 3600 seconds")
+        self._store = store
+        self.ttl = _dt.timedelta(seconds=ttl_s)
+        self.idle = _dt.timedelta(seconds=idle_s)
+        self._clock = clock
+
+    def create(self, account: Account) -> tuple[str, str]:
+        """Start a session for ``account``; returns ``(cookie token, CSRF token)``. Also drops expired rows."""
+        token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        now = self._clock()
+        with self._store.session() as s:
+            s.execute(delete(WebSessionRow).where(WebSessionRow.expires_at <= now))
+            s.add(WebSessionRow(token_sha256=_digest(token), username=account.username, csrf_token=csrf,
+                                created_at=now, last_seen_at=now, expires_at=now + self.ttl))
+        return token, csrf
+
+    def get(self, token: str | None) -> WebSession | None:
+        """The session of a cookie token, or None when there is none, it has expired or been idle too long, or
+        its account is disabled or gone (such a row is deleted). Marks the session used."""
+        if not token or len(token) > 256:
+            return None
+        now = self._clock()
+        with self._store.session() as s:
+            row = s.get(WebSessionRow, _digest(token))
+            if row is None:
+                return None
+            user = s.get(UserRow, row.username)
+            if row.expires_at <= now or now - row.last_seen_at > self.idle or user is None or user.disabled:
+                s.delete(row)
+                return None
+            row.last_seen_at = now
+            return WebSession(Account(user.username, Role(user.role), user.disabled), row.csrf_token)
+
+    def revoke(self, token: str | None) -> None:
+        """End one session (logout); unknown tokens are ignored."""
+        if token:
+            with self._store.session() as s:
+                s.execute(delete(WebSessionRow).where(WebSessionRow.token_sha256 == _digest(token)))
+
+    def revoke_user(self, username: str) -> int:
+        """End every session of an account (after a password change or when it is disabled); returns how many."""
+        with self._store.session() as s:
+            return s.execute(delete(WebSessionRow).where(WebSessionRow.username == username)).rowcount or 0

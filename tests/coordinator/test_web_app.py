@@ -1,0 +1,365 @@
+"""The web view's server (coordinator.web.app) through FastAPI's TestClient: every route as every role (the access
+matrix), what partners may never receive (exact coordinates and names of sensitive deployments, the categories
+they recorded, file paths, exact times of sensitive records), sessions and their cookies, CSRF, login throttling,
+and that a record with a bad signature appears nowhere.
+
+Expected values come from the seed (tests/coordinator/web_fixtures.py, which reads the real Wildlife Insights
+files with the csv module when ../shared/data is present) and from the module docstring's table of routes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import re
+import zipfile
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.storage import DetectionRow, RejectionRow, WebSessionRow
+from coordinator.web.app import LOGIN_CSRF_COOKIE, SESSION_COOKIE, create_app
+from coordinator.web.auth import AccountStore, LoginThrottle
+from coordinator.web.location_privacy import haversine_m
+from tests.coordinator.web_fixtures import FORGED_SPECIES, HASHER, PASSWORDS, ROLES, seed
+
+BASE = "https://testserver"
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    return seed(tmp_path_factory.mktemp("web"))
+
+
+@pytest.fixture(scope="module")
+def app(state):
+    return create_app(state.config, store=state.store, hasher=HASHER)
+
+
+def login(app, user: str, password: str | None = None, *, client: TestClient | None = None):
+    c = client or TestClient(app, base_url=BASE)
+    page = c.get("/login")
+    token = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+    r = c.post("/login", data={"username": user, "password": password or PASSWORDS[user], "csrf_token": token,
+                               "next": "/map"}, follow_redirects=False)
+    return c, r
+
+
+@pytest.fixture(scope="module")
+def clients(app):
+    out = {}
+    for user in ROLES:
+        c, r = login(app, user)
+        assert r.status_code == 303 and r.headers["location"] == "/map"
+        out[ROLES[user]] = c
+    out["anonymous"] = TestClient(app, base_url=BASE)
+    return out
+
+
+def csrf_of(client: TestClient) -> str:
+    return re.search(r'name="csrf_token" value="([^"]+)"', client.get("/map").text).group(1)
+
+
+# ---- the access matrix ------------------------------------------------------------------------------------------
+EVERY_ROLE = {"operator": 200, "ranger": 200, "partner": 200, "public": 200}
+OPERATOR_ONLY = {"operator": 200, "ranger": 403, "partner": 403, "public": 403}
+
+
+def matrix(detection_id: int) -> dict[str, tuple[dict[str, int], int]]:
+    """GET path -> (status per role, status for an anonymous client). Anonymous pages redirect to the login
+    (303); anonymous API and export calls get 401."""
+    return {
+        "/": ({r: 303 for r in EVERY_ROLE}, 303),
+        "/map": (EVERY_ROLE, 303),
+        "/detections": (EVERY_ROLE, 303),
+        f"/detections/{detection_id}": (EVERY_ROLE, 303),
+        f"/detections/{detection_id}/image": ({r: 404 for r in EVERY_ROLE}, 303),  # gateways keep images
+        "/species": (EVERY_ROLE, 303),
+        "/plots/species.svg": (EVERY_ROLE, 303),
+        "/sites": (EVERY_ROLE, 303),
+        "/operator/budgets": (OPERATOR_ONLY, 303),
+        "/plots/budgets.svg": (OPERATOR_ONLY, 303),
+        "/operator/rounds": (OPERATOR_ONLY, 303),
+        "/export/camtrap-dp.zip": (EVERY_ROLE, 401),
+        "/api/me": (EVERY_ROLE, 401),
+        "/api/deployments": (EVERY_ROLE, 401),
+        "/api/detections": (EVERY_ROLE, 401),
+        f"/api/detections/{detection_id}": (EVERY_ROLE, 401),
+        "/api/species-counts": (EVERY_ROLE, 401),
+        "/api/sites": (EVERY_ROLE, 401),
+        "/api/operator/budgets": (OPERATOR_ONLY, 401),
+        "/api/operator/rounds": (OPERATOR_ONLY, 401),
+        "/login": ({r: 200 for r in EVERY_ROLE}, 200),
+        "/healthz": ({r: 200 for r in EVERY_ROLE}, 200),
+    }
+
+
+def test_every_get_route_is_in_the_access_matrix(app, state):
+    paths = {re.sub(r"\{[^}]+\}", "1", r.path) for r in app.routes
+             if "GET" in getattr(r, "methods", set()) and not r.path.startswith("/static")}
+    assert paths == set(matrix(1))
+
+
+def test_every_route_as_every_role(clients, state):
+    det = next(iter(state.detections.values()))
+    for path, (per_role, anonymous) in matrix(det).items():
+        for role, expected in per_role.items():
+            r = clients[role].get(path, follow_redirects=False)
+            assert r.status_code == expected, (path, role, r.status_code)
+        r = clients["anonymous"].get(path, follow_redirects=False)
+        assert r.status_code == anonymous, (path, "anonymous", r.status_code)
+        if anonymous == 303 and path != "/":
+            assert r.headers["location"].startswith("/login?next=")
+
+
+def _everything(client: TestClient, state) -> str:
+    """Every byte a client can get from every GET route (the export unzipped)."""
+    parts = []
+    for path in matrix(next(iter(state.detections.values()))):
+        r = client.get(path)
+        if path.endswith(".zip") and r.status_code == 200:
+            with zipfile.ZipFile(io.BytesIO(r.content)) as z:
+                parts += [z.read(n).decode("utf-8") for n in z.namelist()]
+        else:
+            parts.append(r.text)
+    for det in state.detections.values():
+        parts += [client.get(f"/detections/{det}").text, client.get(f"/api/detections/{det}").text]
+    return "\n".join(parts)
+
+
+def _coordinate_strings(lat: float, lon: float) -> list[str]:
+    """How an exact coordinate could be written: 5 or 6 decimals (about 1 m) and Python's repr. (Fewer decimals
+    match other deployments of the same reserve by chance.)"""
+    out = [repr(lat), repr(lon)]
+    for n in (5, 6):
+        out += [f"{lat:.{n}f}", f"{lon:.{n}f}"]
+    return out
+
+
+def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(clients, state):
+    with state.store.session() as s:
+        names = {d: n for d, n in s.execute(__import__("sqlalchemy").text(
+            "SELECT deployment_id, location_name FROM deployments"))}
+    sensitive = {d: v for d, v in state.deployments.items() if v[2]}
+    plain = {d: v for d, v in state.deployments.items() if not v[2]}
+    assert sensitive and plain
+    used = {r.deployment_id for r in state.store.session().__enter__().query(DetectionRow)}
+    for role in ("partner", "public"):
+        text = _everything(clients[role], state)
+        for dep, (lat, lon, _) in sensitive.items():
+            for s in _coordinate_strings(lat, lon):  # as a whole number (not the prefix of a longer one)
+                assert not re.search(rf"{re.escape(s)}(?!\d)", text), (role, dep, s)
+            if names[dep] != dep:  # as a whole token (WI place names are prefixes of the deployment ids)
+                assert not re.search(rf"(?<![\w-]){re.escape(names[dep])}(?![\w-])", text), (role, dep, names[dep])
+        assert '"categories"' not in text and "IUCN categories recorded" not in text
+        assert "IMG_" not in text  # the file path at the site
+        # sensitive records carry their date only: no capture time of day of a record at a sensitive deployment
+        assert "T06:12:00" not in text and "T22:40:00" not in text
+        # non-sensitive deployments stay exact for them
+        for dep, (lat, lon, _) in plain.items():
+            if dep in used:
+                assert f"{lat:.5f}" in text
+    ranger = _everything(clients["ranger"], state)
+    for dep, (lat, lon, _) in sensitive.items():
+        assert f"{lat:.5f}" in ranger and f"{lon:.5f}" in ranger
+    assert "T06:12:00" in ranger and "IMG_" in ranger
+
+
+def test_the_api_fuzzes_within_the_radius_and_the_same_way_every_time(clients, state):
+    first = {d["deployment_id"]: d for d in clients["partner"].get("/api/deployments").json()}
+    again = {d["deployment_id"]: d for d in clients["public"].get("/api/deployments").json()}
+    assert first == again
+    for dep, (lat, lon, sensitive) in state.deployments.items():
+        d = first[dep]
+        assert d["fuzzed"] is sensitive
+        dist = haversine_m(lat, lon, d["latitude"], d["longitude"])
+        assert (0 < dist <= 1000.0) if sensitive else dist == 0.0
+    exact = {d["deployment_id"]: d for d in clients["ranger"].get("/api/deployments").json()}
+    assert all((exact[d]["latitude"], exact[d]["longitude"]) == v[:2] for d, v in state.deployments.items())
+
+
+def test_a_record_with_a_bad_signature_appears_nowhere(clients, state):
+    with state.store.session() as s:
+        assert s.query(RejectionRow).filter_by(reason="bad_signature").count() == 1
+        assert s.query(DetectionRow).count() == len(state.detections) == 5
+    for role in ("operator", "ranger", "partner", "public"):
+        assert FORGED_SPECIES not in _everything(clients[role], state)
+        assert clients[role].get("/api/detections").json()["total"] == 5
+
+
+def test_operators_see_budgets_and_rounds_others_do_not_even_as_links(clients):
+    assert "/operator/budgets" in clients["operator"].get("/map").text
+    for role in ("ranger", "partner", "public"):
+        assert "/operator/budgets" not in clients[role].get("/map").text
+    rows = clients["operator"].get("/api/operator/budgets").json()
+    assert {r["site_id"] for r in rows} == {"site-a", "site-b"} and len(rows) == 2 * 6  # 6 IUCN categories
+
+
+# ---- filters -----------------------------------------------------------------------------------------------------
+def test_filters_select_exactly_the_matching_records(clients, state):
+    c = clients["ranger"]
+    got = c.get("/api/detections", params={"species": "cuniculus paca"}).json()
+    assert got["total"] == 2 and {i["media_id"][:2] for i in got["items"]} == {"a2", "a3"}
+    got = c.get("/api/detections", params={"category": "VU"}).json()
+    assert [i["media_id"][:2] for i in got["items"]] == ["a1"]
+    got = c.get("/api/detections", params={"site": "site-b"}).json()
+    assert {i["media_id"][:2] for i in got["items"]} == {"b1", "b2"}
+    got = c.get("/api/detections", params={"date_from": "2024-03-10", "date_to": "2024-04-10"}).json()
+    assert {i["media_id"][:2] for i in got["items"]} == {"a2", "a3"}
+    got = c.get("/api/detections", params={"min_confidence": "0.95"}).json()
+    assert got["total"] == 0  # every seeded top confidence is 0.9
+    got = c.get("/api/detections", params={"limit": "2", "offset": "1"}).json()
+    assert got["total"] == 5 and len(got["items"]) == 2
+    # newest capture first
+    dates = [i["captured_at"] for i in c.get("/api/detections").json()["items"]]
+    assert dates == sorted(dates, reverse=True)
+
+
+@pytest.mark.parametrize("params,field", [({"category": "XX"}, "category"), ({"date_from": "yesterday"}, "date_from"),
+                                          ({"min_confidence": "2"}, "min_confidence"), ({"limit": "0"}, "limit"),
+                                          ({"date_from": "2024-05-01", "date_to": "2024-04-01"}, "date_from")])
+def test_bad_filters_are_refused_naming_the_field(clients, params, field):
+    r = clients["ranger"].get("/api/detections", params=params)
+    assert r.status_code == 422 and r.json()["detail"].startswith(field)
+    page = clients["ranger"].get("/detections", params=params)
+    assert page.status_code == 422 and field in page.text
+
+
+def test_a_detection_page_shows_its_boxes_and_species(clients, state):
+    det = state.detections["a1" * 16]
+    item = clients["ranger"].get(f"/api/detections/{det}").json()
+    assert item["num_detections"] == 2 and [d["species"] for d in item["detections"]] == ["Tayassu pecari"] * 2
+    assert item["category"] == "VU"
+    page = clients["ranger"].get(f"/detections/{det}").text
+    # box 2 of the 400x300 image: bbox (0.3, 0.2, 0.25, 0.4) -> x 120, y 60, w 100, h 120 pixels
+    assert re.search(r'<rect x="120\.0+\d*" y="60\.0+\d*" width="100\.0+\d*" height="120\.0+\d*" class="box"', page)
+    assert clients["ranger"].get("/detections/999999").status_code == 404
+
+
+# ---- sessions, cookies, CSRF, throttling -------------------------------------------------------------------------
+def test_the_session_cookie_is_secure_httponly_strict_and_only_its_hash_is_stored(app, state):
+    _, r = login(app, "rita")
+    cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith(SESSION_COOKIE + "="))
+    flags = {p.strip().lower() for p in cookie.split(";")}
+    assert {"httponly", "secure", "samesite=strict", "path=/"} <= flags
+    token = cookie.split(";")[0].split("=", 1)[1]
+    import hashlib
+    with state.store.session() as s:
+        stored = {row.token_sha256 for row in s.query(WebSessionRow)}
+    assert hashlib.sha256(token.encode()).hexdigest() in stored and token not in stored
+
+
+def test_login_refuses_a_missing_or_wrong_csrf_token_and_cross_origin_posts(app):
+    c = TestClient(app, base_url=BASE)
+    assert c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"]}).status_code == 403
+    c.get("/login")
+    assert c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"],
+                                  "csrf_token": "guess"}).status_code == 403
+    token = c.cookies.get(LOGIN_CSRF_COOKIE)
+    r = c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"], "csrf_token": token},
+               headers={"Origin": "https://evil.example"}, follow_redirects=False)
+    assert r.status_code == 403 and SESSION_COOKIE not in c.cookies
+
+
+def test_logout_needs_the_session_csrf_token(app):
+    c, _ = login(app, "paul")
+    assert c.post("/logout", data={"csrf_token": "wrong"}).status_code == 403
+    assert c.get("/api/me").json() == {"username": "paul", "role": "partner"}  # still logged in
+    r = c.post("/logout", data={"csrf_token": csrf_of(c)}, follow_redirects=False)
+    assert r.status_code == 303 and c.get("/api/me").status_code == 401
+
+
+def test_login_is_throttled_after_repeated_failures_even_with_the_right_password(state):
+    now = [0.0]
+    throttle = LoginThrottle(max_failures=3, window_s=600, clock=lambda: now[0])
+    app = create_app(state.config, store=state.store, hasher=HASHER, throttle=throttle)
+    for _ in range(3):
+        assert login(app, "rita", "not-the-password")[1].status_code == 401
+    c, r = login(app, "rita")
+    assert r.status_code == 429 and "Too many failed logins" in r.text and SESSION_COOKIE not in c.cookies
+    now[0] = 601.0  # the window has passed
+    assert login(app, "rita")[1].status_code == 303
+
+
+def test_a_session_ends_when_idle_expired_disabled_or_the_password_changes(state):
+    now = [_dt.datetime(2026, 1, 1, 12, 0)]
+    cfg = state.config.model_copy(update={"web": state.config.web.model_copy(
+        update={"session_idle_s": 600.0, "session_ttl_s": 3600.0})})
+    app = create_app(cfg, store=state.store, hasher=HASHER, clock=lambda: now[0])
+    accounts = AccountStore(state.store, hasher=HASHER)
+    accounts.create("sam", "public-password-2", "public")  # its own account: the others' sessions stay
+    c, _ = login(app, "sam", "public-password-2")
+    now[0] += _dt.timedelta(seconds=599)
+    assert c.get("/api/me").status_code == 200
+    now[0] += _dt.timedelta(seconds=601)  # idle for more than 600 s
+    assert c.get("/api/me").status_code == 401
+    c, _ = login(app, "sam", "public-password-2")
+    for _ in range(6):  # used every 550 s: never idle, but 3850 s after login the absolute limit has passed
+        now[0] += _dt.timedelta(seconds=550)
+        assert c.get("/api/me").status_code == 200
+    now[0] += _dt.timedelta(seconds=550)
+    assert c.get("/api/me").status_code == 401
+    c, _ = login(app, "sam", "public-password-2")
+    accounts.update("sam", disabled=True)
+    assert c.get("/api/me").status_code == 401
+    accounts.update("sam", disabled=False)
+    c, _ = login(app, "sam", "public-password-2")
+    accounts.update("sam", password="a-new-public-password")
+    assert c.get("/api/me").status_code == 401
+
+
+def test_a_role_change_applies_at_the_next_request(app, state):
+    accounts = AccountStore(state.store, hasher=HASHER)
+    accounts.create("tom", "temporary-password-1", "ranger")
+    c, _ = login(app, "tom", "temporary-password-1")
+    assert c.get("/api/deployments").json()[0].get("categories") is not None
+    accounts.update("tom", role="public")
+    assert c.get("/api/me").json()["role"] == "public"
+    assert all("categories" not in d for d in c.get("/api/deployments").json())
+
+
+@pytest.mark.parametrize("target", ["//evil.example/x", "https://evil.example", "/\\evil.example", "map"])
+def test_login_never_redirects_off_site(app, target):
+    c = TestClient(app, base_url=BASE)
+    c.get("/login")
+    r = c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"], "next": target,
+                               "csrf_token": c.cookies.get(LOGIN_CSRF_COOKIE)}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/map"
+
+
+def test_security_headers_forbid_scripts_framing_and_caching(clients):
+    r = clients["ranger"].get("/map")
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "script-src 'none'" in csp and "frame-ancestors 'none'" in csp
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["cache-control"] == "no-store"
+    assert "<script" not in r.text and "http://" not in r.text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_the_map_draws_every_deployment_with_its_shown_coordinates(clients, state):
+    for role in ("ranger", "partner"):
+        shown = {d["deployment_id"]: d for d in clients[role].get("/api/deployments").json()}
+        page = clients[role].get("/map").text
+        markers = re.findall(r'data-deployment="([^"]+)" data-lat="([^"]+)" data-lon="([^"]+)" '
+                             r'data-fuzzed="(true|false)"', page)
+        assert {m[0] for m in markers} == set(state.deployments)
+        for dep, lat, lon, fuzzed in markers:
+            assert float(lat) == pytest.approx(shown[dep]["latitude"], abs=1e-6)
+            assert float(lon) == pytest.approx(shown[dep]["longitude"], abs=1e-6)
+            assert (fuzzed == "true") is shown[dep]["fuzzed"]
+
+
+def test_species_counts_and_site_summaries_match_the_seed(clients):
+    counts = clients["partner"].get("/api/species-counts").json()
+    assert counts == {"Cuniculus paca": {"2024-03": 1, "2024-04": 1}, "Dasypus novemcinctus": {"2024-04": 1},
+                      "Tayassu pecari": {"2024-03": 1}}
+    sites = {s["site_id"]: s for s in clients["public"].get("/api/sites").json()}
+    assert (sites["site-a"]["records"], sites["site-a"]["with_animals"]) == (3, 3)
+    assert (sites["site-b"]["records"], sites["site-b"]["with_animals"]) == (2, 1)
+    assert json.loads(json.dumps(sites["site-a"]["top_species"])) == [["Cuniculus paca", 2], ["Tayassu pecari", 1]]
+
+
+def test_the_app_never_fetches_from_the_internet(clients):
+    for path in ("/map", "/detections", "/species", "/sites", "/operator/budgets", "/operator/rounds"):
+        text = clients["operator"].get(path).text
+        assert not re.search(r'(src|href)="(https?:)?//', text), path
