@@ -631,6 +631,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                                                   "monitoring_months": spec.monitoring_months})
             site_configs.append(path)
         console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
+        _import_demo_deployments(coordinator.store, run_dir, specs, config, console)
 
         stack.enter_context(_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
         budgets = config.budgets()
@@ -713,4 +714,19 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
           run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
     console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
                 f"({result.elapsed_s:.0f} s in all)")
+    coord_yaml = coord_dir / "coordinator.yaml"
+    console.log(f"web view of this run (map of the sites' deployments, budgets, rounds): "
+                f"wildfed-coordinator user add me --role operator --config {coord_yaml} && "
+                f"wildfed-coordinator serve --config {coord_yaml}")
     return result
+
+
+def _import_demo_deployments(store: Any, run_dir: Path, specs: Any, config: Any, console: Any) -> None:
+    """Put every demo site's deployments (the fictional but plausible coordinates of its Camtrap DP package,
+    coordinator.experiments.ecology) into the web view's map, with the IUCN categories they recorded."""
+    from coordinator.web.deployments import import_camtrap_dp, species_table_categories
+
+    category_of = species_table_categories(config.species)
+    n = sum(import_camtrap_dp(store, run_dir / "sites" / spec.site_id / "camtrap-dp", category_of)
+            for spec in specs)
+    console.log(f"{n} deployments on the web view's map (wildfed-coordinator serve)")

@@ -363,3 +363,48 @@ def test_the_app_never_fetches_from_the_internet(clients):
     for path in ("/map", "/detections", "/species", "/sites", "/operator/budgets", "/operator/rounds"):
         text = clients["operator"].get(path).text
         assert not re.search(r'(src|href)="(https?:)?//', text), path
+
+
+def _jpeg_with_gps(path) -> dict:
+    """A 64x48 JPEG whose EXIF has a GPS block (latitude 2 deg 14' 26.06" N); returns the GPS tags written."""
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 48), (90, 120, 60))
+    exif = Image.Exif()
+    exif[0x010F] = "Reconyx"  # Make: must survive
+    gps = {1: "N", 2: (2.0, 14.0, 26.06), 3: "W", 4: (73.0, 46.0, 32.7)}
+    exif.get_ifd(0x8825).update(gps)
+    img.save(path, "JPEG", exif=exif, quality=95)
+    return gps
+
+
+def test_images_lose_their_gps_for_roles_without_exact_locations(tmp_path):
+    from PIL import Image
+
+    from coordinator.web.formats import import_megadetector
+
+    st = seed(tmp_path, real_data=False)
+    images = tmp_path / "images"
+    images.mkdir()
+    gps = _jpeg_with_gps(images / "IMG_0001.JPG")
+    batch = {"info": {"format_version": "1.4", "detector": "md_v5a"}, "detection_categories": {"1": "animal"},
+             "images": [{"file": "IMG_0001.JPG", "detections": [
+                 {"category": "1", "conf": 0.93, "bbox": [0.1, 0.2, 0.3, 0.4]}]}]}
+    (tmp_path / "md.json").write_text(json.dumps(batch))
+    import_megadetector(st.store, tmp_path / "md.json", site_id="site-a", deployment_id="dep-river",
+                        images_dir=images)
+    with st.store.session() as s:
+        det = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one().id
+    app = create_app(st.config, store=st.store, hasher=HASHER)
+    for user, keeps_gps in (("rita", True), ("olga", True), ("paul", False), ("pia", False)):
+        c, _ = login(app, user)
+        assert f'href="/detections/{det}/image"' in c.get(f"/detections/{det}").text
+        r = c.get(f"/detections/{det}/image")
+        assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+        exif = Image.open(io.BytesIO(r.content)).getexif()
+        got = dict(exif.get_ifd(0x8825))
+        assert exif[0x010F] == "Reconyx"
+        if keeps_gps:
+            assert got[1] == "N" and [float(x) for x in got[2]] == pytest.approx(list(gps[2]))
+        else:
+            assert got == {}
