@@ -26,7 +26,7 @@ need the operator role; what each role sees inside a page is decided by :class:`
 
 Security headers on every response: a Content-Security-Policy that allows only this origin
 (``default-src 'self'``, no scripts at all, ``frame-ancestors 'none'``), ``X-Content-Type-Options: nosniff``,
-``Referrer-Policy: no-referrer``; pages behind a login are ``Cache-Control: no-store``. POST requests must carry the
+``Referrer-Policy: same-origin`` (nothing sent to other sites); pages behind a login are ``Cache-Control: no-store``. POST requests must carry the
 right CSRF token and, when the browser sends an ``Origin`` header, come from this origin.
 """
 
@@ -251,7 +251,9 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         response = await call_next(request)
         response.headers.setdefault("Content-Security-Policy", _CSP)
         response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
+        # same-origin, not no-referrer: under no-referrer Chromium sends "Origin: null" on same-site form posts
+        # (Fetch standard), which the CSRF origin check must refuse; other sites still get no referrer
+        response.headers["Referrer-Policy"] = "same-origin"
         response.headers["X-Frame-Options"] = "DENY"
         if not request.url.path.startswith("/static"):
             response.headers["Cache-Control"] = "no-store"
@@ -281,6 +283,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         origin = request.headers.get("origin")
         if origin is None:  # not sent by non-browser clients; SameSite=Strict and the token still apply
             return True
+        if origin == "null":  # an opaque origin (sandboxed frame, data: URL, cross-site redirect): never ours
+            return False
         parsed = urllib.parse.urlsplit(origin)
         return parsed.netloc == request.headers.get("host", "")
 

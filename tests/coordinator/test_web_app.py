@@ -260,6 +260,12 @@ def test_login_refuses_a_missing_or_wrong_csrf_token_and_cross_origin_posts(app)
     r = c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"], "csrf_token": token},
                headers={"Origin": "https://evil.example"}, follow_redirects=False)
     assert r.status_code == 403 and SESSION_COOKIE not in c.cookies
+    r = c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"], "csrf_token": token},
+               headers={"Origin": "null"}, follow_redirects=False)  # an opaque origin is never ours
+    assert r.status_code == 403 and SESSION_COOKIE not in c.cookies
+    r = c.post("/login", data={"username": "rita", "password": PASSWORDS["rita"], "csrf_token": token},
+               headers={"Origin": BASE}, follow_redirects=False)  # what a browser sends from our own page
+    assert r.status_code == 303 and SESSION_COOKIE in c.cookies
 
 
 def test_logout_needs_the_session_csrf_token(app):
@@ -333,6 +339,8 @@ def test_security_headers_forbid_scripts_framing_and_caching(clients):
     csp = r.headers["content-security-policy"]
     assert "default-src 'self'" in csp and "script-src 'none'" in csp and "frame-ancestors 'none'" in csp
     assert r.headers["x-content-type-options"] == "nosniff" and r.headers["cache-control"] == "no-store"
+    # not no-referrer: under it Chromium sends "Origin: null" on same-site form posts, which the CSRF check refuses
+    assert r.headers["referrer-policy"] == "same-origin"
     assert "<script" not in r.text and "http://" not in r.text.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
 
