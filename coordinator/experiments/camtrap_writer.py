@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS,
+                               MEDIA_COLUMNS, OBSERVATIONS_COLUMNS, schema_url)
 from shared.errors import WildFedError
 
 from .animal_mnist import PACKAGE_SPEC, SPECIES_TABLE, SpeciesTable
@@ -45,31 +47,6 @@ __all__ = [
     "CamtrapWriteError",
     "write_camtrap_dp",
 ]
-
-CAMTRAP_DP_VERSION = "1.0.2"
-CAMTRAP_DP_PROFILE = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/camtrap-dp-profile.json"
-_SCHEMA_URL = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/{{}}-table-schema.json"
-
-DEPLOYMENTS_COLUMNS: tuple[str, ...] = (
-    "deploymentID", "locationID", "locationName", "latitude", "longitude", "coordinateUncertainty",
-    "deploymentStart", "deploymentEnd", "setupBy", "cameraID", "cameraModel", "cameraDelay", "cameraHeight",
-    "cameraDepth", "cameraTilt", "cameraHeading", "detectionDistance", "timestampIssues", "baitUse", "featureType",
-    "habitat", "deploymentGroups", "deploymentTags", "deploymentComments",
-)
-"""Camtrap DP 1.0 ``deployments`` columns, in the standard's order."""
-MEDIA_COLUMNS: tuple[str, ...] = (
-    "mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName", "fileMediatype",
-    "exifData", "favorite", "mediaComments",
-)
-"""Camtrap DP 1.0 ``media`` columns, in the standard's order."""
-OBSERVATIONS_COLUMNS: tuple[str, ...] = (
-    "observationID", "deploymentID", "mediaID", "eventID", "eventStart", "eventEnd", "observationLevel",
-    "observationType", "cameraSetupType", "scientificName", "count", "lifeStage", "sex", "behavior", "individualID",
-    "individualPositionRadius", "individualPositionAngle", "individualSpeed", "bboxX", "bboxY", "bboxWidth",
-    "bboxHeight", "classificationMethod", "classifiedBy", "classificationTimestamp", "classificationProbability",
-    "observationTags", "observationComments",
-)
-"""Camtrap DP 1.0 ``observations`` columns, in the standard's order."""
 
 DAYS_PER_MONTH = 30.4375  # mean Gregorian month
 
@@ -215,7 +192,7 @@ def write_camtrap_dp(
         "resources": [
             {
                 "name": name, "path": f"{name}.csv", "profile": "tabular-data-resource", "format": "csv",
-                "mediatype": "text/csv", "encoding": "utf-8", "schema": _SCHEMA_URL.format(name),
+                "mediatype": "text/csv", "encoding": "utf-8", "schema": schema_url(name),
             }
             for name in ("deployments", "media", "observations")
         ],

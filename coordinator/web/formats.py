@@ -79,6 +79,8 @@ from typing import Any
 
 from sqlalchemy import select
 
+from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, MEDIA_TYPES,
+                               OBSERVATIONS_COLUMNS, schema_url)
 from shared.errors import ConfigError, DatasetError, PayloadError
 from shared.iucn import IUCNCategory
 from shared.protocol import Detection, DetectionRecord
@@ -95,29 +97,12 @@ __all__ = ["ImportSummary", "HUMAN_CATEGORIES", "import_megadetector", "CAMTRAP_
 HUMAN_CATEGORIES = frozenset({"person", "human", "vehicle"})
 """Detector categories whose images the coordinator never stores (see the module docstring)."""
 
-CAMTRAP_DP_PROFILE = "https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0/camtrap-dp-profile.json"
-CAMTRAP_DP_SCHEMAS = {name: f"https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0/{name}-table-schema.json"
-                      for name in ("deployments", "media", "observations")}
-# Field names of the Camtrap DP 1.0 table schemas, in schema order (the gateway writes the same media and
-# observation columns: edge_sdk.inference.formats; coordinator and edge_sdk do not import each other).
-DEPLOYMENT_COLUMNS: tuple[str, ...] = (
-    "deploymentID", "locationID", "locationName", "latitude", "longitude", "coordinateUncertainty",
-    "deploymentStart", "deploymentEnd", "setupBy", "cameraID", "cameraModel", "cameraDelay", "cameraHeight",
-    "cameraDepth", "cameraTilt", "cameraHeading", "detectionDistance", "timestampIssues", "baitUse", "featureType",
-    "habitat", "deploymentGroups", "deploymentTags", "deploymentComments")
-MEDIA_COLUMNS: tuple[str, ...] = (
-    "mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName",
-    "fileMediatype", "exifData", "favorite", "mediaComments")
-OBSERVATION_COLUMNS: tuple[str, ...] = (
-    "observationID", "deploymentID", "mediaID", "eventID", "eventStart", "eventEnd", "observationLevel",
-    "observationType", "cameraSetupType", "scientificName", "count", "lifeStage", "sex", "behavior",
-    "individualID", "individualPositionRadius", "individualPositionAngle", "individualSpeed", "bboxX", "bboxY",
-    "bboxWidth", "bboxHeight", "classificationMethod", "classifiedBy", "classificationTimestamp",
-    "classificationProbability", "observationTags", "observationComments")
+CAMTRAP_DP_SCHEMAS = {name: schema_url(name) for name in ("deployments", "media", "observations")}
+# Camtrap DP columns, in schema order: shared.camtrap_dp (the gateway and the demo write the same)
+DEPLOYMENT_COLUMNS, OBSERVATION_COLUMNS = DEPLOYMENTS_COLUMNS, OBSERVATIONS_COLUMNS
 
 _BBOX_SLACK = 1e-4  # MegaDetector rounds boxes to 4 decimals: x + w may pass 1 by that much
-_MEDIATYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".tif": "image/tiff",
-               ".tiff": "image/tiff", ".bmp": "image/bmp", ".webp": "image/webp", ".gif": "image/gif"}
+_MEDIATYPES = MEDIA_TYPES
 _MD_FIX = "see https://lila.science/megadetector-output-format (MegaDetector batch output 1.x)"
 
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shared.camtrap_dp import MEDIA_COLUMNS, MEDIA_TYPES, OBSERVATIONS_COLUMNS
 from shared.protocol import DetectionRecord
 
 from edge_sdk.inference.detector import CATEGORY, CONFIDENCE_THRESHOLD
@@ -48,17 +49,8 @@ FORMAT_VERSION = "1.4"
 DETECTION_CATEGORIES = {"1": CATEGORY}
 _CATEGORY_IDS = {name: cid for cid, name in DETECTION_CATEGORIES.items()}
 
-OBSERVATION_COLUMNS: tuple[str, ...] = (
-    "observationID", "deploymentID", "mediaID", "eventID", "eventStart", "eventEnd", "observationLevel",
-    "observationType", "cameraSetupType", "scientificName", "count", "lifeStage", "sex", "behavior",
-    "individualID", "individualPositionRadius", "individualPositionAngle", "individualSpeed", "bboxX", "bboxY",
-    "bboxWidth", "bboxHeight", "classificationMethod", "classifiedBy", "classificationTimestamp",
-    "classificationProbability", "observationTags", "observationComments")
-MEDIA_COLUMNS: tuple[str, ...] = (
-    "mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName",
-    "fileMediatype", "exifData", "favorite", "mediaComments")
-_MEDIATYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".tif": "image/tiff",
-               ".tiff": "image/tiff", ".bmp": "image/bmp"}
+OBSERVATION_COLUMNS = OBSERVATIONS_COLUMNS  # Camtrap DP columns: shared.camtrap_dp
+_MEDIATYPES = MEDIA_TYPES
 
 
 def _now() -> str:

@@ -371,9 +371,9 @@ def test_export_follows_the_role_and_the_standard(tmp_path: Path) -> None:
         assert out[role]["media.csv"][0] == CAMTRAP_MEDIA
         assert out[role]["observations.csv"][0] == CAMTRAP_OBSERVATIONS
         meta = json.loads(package.read_text())
-        assert meta["profile"] == "https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0/camtrap-dp-profile.json"
+        assert meta["profile"] == "https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/camtrap-dp-profile.json"
         assert {r["name"]: r["schema"] for r in meta["resources"]} == {
-            n: f"https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0/{n}-table-schema.json"
+            n: f"https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/{n}-table-schema.json"
             for n in ("deployments", "media", "observations")}
         assert meta["temporal"] == {"start": "2021-03-04", "end": "2021-04-01"}
         assert meta["taxonomic"] == [{"scientificName": "Panthera onca"}, {"scientificName": "Tapirus bairdii"}]

@@ -1,0 +1,49 @@
+"""Camtrap DP 1.0 (TDWG 2023, https://camtrap-dp.tdwg.org): the table columns and schema addresses, written once
+for every writer of the project (the gateway's detection output, edge_sdk.inference.formats; the demo's site
+packages, coordinator.experiments.camtrap_writer; the web view's export, coordinator.web.formats).
+
+Column names are the field names of the standard's table schemas, in schema order (version 1.0.2, whose fields
+equal those of 1.0).
+"""
+
+from __future__ import annotations
+
+__all__ = ["CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url", "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS",
+           "OBSERVATIONS_COLUMNS", "MEDIA_TYPES"]
+
+CAMTRAP_DP_VERSION = "1.0.2"
+CAMTRAP_DP_PROFILE = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/camtrap-dp-profile.json"
+"""The ``profile`` of a package's ``datapackage.json``."""
+
+
+def schema_url(table: str) -> str:
+    """The table schema address of ``deployments``, ``media`` or ``observations`` (a resource's ``schema``).
+
+    Raises:
+        ValueError: another table name.
+    """
+    if table not in ("deployments", "media", "observations"):
+        raise ValueError(f"Camtrap DP has no table {table!r} (deployments, media, observations)")
+    return f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/{table}-table-schema.json"
+
+
+DEPLOYMENTS_COLUMNS: tuple[str, ...] = (
+    "deploymentID", "locationID", "locationName", "latitude", "longitude", "coordinateUncertainty",
+    "deploymentStart", "deploymentEnd", "setupBy", "cameraID", "cameraModel", "cameraDelay", "cameraHeight",
+    "cameraDepth", "cameraTilt", "cameraHeading", "detectionDistance", "timestampIssues", "baitUse", "featureType",
+    "habitat", "deploymentGroups", "deploymentTags", "deploymentComments")
+"""``deployments`` columns."""
+MEDIA_COLUMNS: tuple[str, ...] = (
+    "mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName",
+    "fileMediatype", "exifData", "favorite", "mediaComments")
+"""``media`` columns."""
+OBSERVATIONS_COLUMNS: tuple[str, ...] = (
+    "observationID", "deploymentID", "mediaID", "eventID", "eventStart", "eventEnd", "observationLevel",
+    "observationType", "cameraSetupType", "scientificName", "count", "lifeStage", "sex", "behavior",
+    "individualID", "individualPositionRadius", "individualPositionAngle", "individualSpeed", "bboxX", "bboxY",
+    "bboxWidth", "bboxHeight", "classificationMethod", "classifiedBy", "classificationTimestamp",
+    "classificationProbability", "observationTags", "observationComments")
+"""``observations`` columns."""
+MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".tif": "image/tiff",
+               ".tiff": "image/tiff", ".bmp": "image/bmp", ".webp": "image/webp", ".gif": "image/gif"}
+"""``fileMediatype`` (IANA media type) by lower-case file suffix."""
