@@ -16,8 +16,13 @@ Commands::
                                                         textbook / seed formulas beside them (comparison only)
     wildfed-coordinator run                             run the configured rounds with a progress bar
     wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
-    wildfed-coordinator user add|list|set-role|disable|enable   web-view accounts (Argon2id; coordinator/web/auth.py)
+    wildfed-coordinator user add|list|set-role|set-password|disable|enable
+                                                        web-view accounts (Argon2id; coordinator/web/auth.py)
     wildfed-coordinator import-deployments PATH [--format camtrap-dp|wildlife-insights]   deployments for the map
+    wildfed-coordinator import-detections FILE --site S --deployment D [--images DIR] [--utc-offset +HH:MM]
+                                                        MegaDetector batch output for the web view
+    wildfed-coordinator export-camtrap-dp OUT --role R  the detections as a Camtrap DP 1.0 package, as role R sees
+                                                        them (sensitive locations fuzzed for partner/public)
     wildfed-coordinator serve [--host H] [--port P]    the rangers' web view (FastAPI; docs/web.md)
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
@@ -45,6 +50,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -84,10 +90,34 @@ def _friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except WildFedError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}")
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
             raise typer.Exit(code=2) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def _parse_utc_offset(text: str) -> Any:
+    """The ``--utc-offset`` option: ``+HH:MM`` or ``-HH:MM`` (``Z`` for UTC) as a :class:`datetime.timezone`.
+
+    Raises:
+        ConfigError: not that form, or outside UTC-12:00 .. UTC+14:00.
+    """
+    import datetime as _dt
+    import re
+
+    value = (text or "").strip()
+    if value.upper() in ("Z", "UTC"):
+        return _dt.timezone.utc
+    m = re.fullmatch(r"([+-])([0-9]{2}):?([0-9]{2})", value)
+    fix = "give the camera clock's offset from UTC as +HH:MM or -HH:MM, e.g. --utc-offset -05:00"
+    if m is None:
+        raise ConfigError(f"--utc-offset {text!r} is not +HH:MM or -HH:MM", field="utc-offset", fix=fix)
+    sign, hours, minutes = (-1 if m.group(1) == "-" else 1), int(m.group(2)), int(m.group(3))
+    offset = sign * _dt.timedelta(hours=hours, minutes=minutes)
+    if minutes >= 60 or not _dt.timedelta(hours=-12) <= offset <= _dt.timedelta(hours=14):
+        raise ConfigError(f"--utc-offset {text!r} is not a UTC offset (-12:00 to +14:00, minutes below 60)",
+                          field="utc-offset", fix=fix)
+    return _dt.timezone(offset)
 
 
 def _open_state(config: CoordinatorConfig) -> tuple[Store, SiteRegistry, PrivacyLedger]:
@@ -434,10 +464,13 @@ def run(config: Path = _config_option(),
 @app.command()
 @_friendly
 def serve(config: Path = _config_option(),
-          host: str | None = typer.Option(None, help="address to listen on [default: web.host, 127.0.0.1]"),
-          port: int | None = typer.Option(None, help="TCP port [default: web.port, 8080]")) -> None:
+          host: str | None = typer.Option(None, help="address to listen on (default: web.host, 127.0.0.1)"),
+          port: int | None = typer.Option(None, help="TCP port (default: web.port, 8080)")) -> None:
     """Serve the rangers' web view (map, detections, species, sites; budgets and rounds for operators) until
-    interrupted. Make accounts first with `user add`; docs/web.md."""
+    interrupted. Make accounts first with `user add`; docs/web.md. Listens on the config's web.host and web.port
+    (defaults 127.0.0.1 and 8080: http://127.0.0.1:8080/); --host and --port override them. For HTTPS set
+    web.tls_cert_file and web.tls_key_file (PEM files) in the config; without them it serves plain HTTP, safe only
+    on loopback or behind a TLS proxy."""
     from coordinator.web.app import serve as serve_web
 
     cfg = load_config(config)
@@ -492,8 +525,8 @@ def ingest_worker(config: Path = _config_option(),
 @app.command()
 @_friendly
 def demo(
-    sites: int | None = typer.Option(None, help="gateway sites, one process each [default: 8; 6 with --task "
-                                     "radiomap]"),
+    sites: int | None = typer.Option(None, help="gateway sites, one process each (default: 8; 6 with --task "
+                                     "radiomap)"),
     rounds: int = typer.Option(10, help="federated rounds"),
     privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD at each gateway), global (secure "
                                 "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
@@ -859,7 +892,8 @@ from coordinator.cli_clusters import clusters_app  # noqa: E402 - registered las
 
 app.add_typer(clusters_app, name="clusters")
 
-user_app = typer.Typer(name="user", help="Accounts of the rangers' web view: add, list, set-role, disable, enable.",
+user_app = typer.Typer(name="user", help="Accounts of the rangers' web view: add, list, set-role, set-password, "
+                       "disable, enable.",
                        no_args_is_help=True, add_completion=False)
 app.add_typer(user_app, name="user")
 
@@ -879,13 +913,34 @@ def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0
                                       "(sensitive locations fuzzed)"),
              config: Path = _config_option()) -> None:
     """Create a web-view account; the password is asked twice and never echoed (Argon2id hash stored)."""
-    password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
-    store, accounts = _accounts(config)
+    store, accounts = _accounts(config)  # a broken config fails before the password is asked
     try:
+        password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
         account = accounts.create(username, password, role)
     finally:
         store.dispose()
-    console.print(f"[green]created[/] {account.username} ({account.role.value})")
+    console.print(f"[green]created[/] {escape(account.username)} ({account.role.value})")
+
+
+@user_app.command("set-password")
+@_friendly
+def user_set_password(username: str = typer.Argument(..., help="an existing account"),
+                      config: Path = _config_option()) -> None:
+    """Give an account a new password (asked twice, never echoed); its web sessions end at once."""
+    from coordinator.web.auth import AccountError
+
+    store, accounts = _accounts(config)
+    try:
+        if accounts.get(username) is None:
+            raise AccountError(f"user {username!r} does not exist", field="username",
+                               fix="list the accounts with `wildfed-coordinator user list`, or create it with "
+                                   "`wildfed-coordinator user add NAME --role ROLE`")
+        password = typer.prompt("new password", hide_input=True, confirmation_prompt=True)
+        account = accounts.update(username, password=password)
+    finally:
+        store.dispose()
+    console.print(f"[green]password changed[/] for {escape(account.username)}; its web sessions have ended "
+                  "(log in again with the new password)")
 
 
 @user_app.command("list")
@@ -911,7 +966,7 @@ def _user_update(username: str, config: Path, **change: object) -> None:
         account = accounts.update(username, **change)  # type: ignore[arg-type]
     finally:
         store.dispose()
-    console.print(f"[green]updated[/] {account.username}: {account.role.value}, "
+    console.print(f"[green]updated[/] {escape(account.username)}: {account.role.value}, "
                   f"{'disabled' if account.disabled else 'active'}")
 
 
@@ -938,18 +993,32 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
                        config: Path = _config_option()) -> None:
     """Import deployments (coordinates and the IUCN categories of what they recorded, from the config's species
     table) for the web view's map; sensitive ones are shown fuzzed to partners (docs/location-privacy.md)."""
-    from coordinator.web.deployments import import_camtrap_dp, import_wildlife_insights, species_table_categories
+    from coordinator.web.deployments import (import_camtrap_dp, import_wildlife_insights, species_table_categories,
+                                             unknown_species)
 
     cfg = load_config(config)
     importer = {"camtrap-dp": import_camtrap_dp, "wildlife-insights": import_wildlife_insights}.get(source)
     if importer is None:
         raise ConfigError(f"format {source!r} is unknown", field="--format", fix="use camtrap-dp or wildlife-insights")
+    category_of = species_table_categories(cfg.species)
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:
-        n = importer(store, path, species_table_categories(cfg.species))
+        n = importer(store, path, category_of)
+        # the importer's source string (coordinator.web.deployments): "<format>:<folder name>"
+        unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}")
     finally:
         store.dispose()
-    console.print(f"[green]imported[/] {n} deployment(s) from {path}")
+    console.print(f"[green]imported[/] {n} deployment(s) from {escape(str(path))}")
+    if unknown:
+        names = ", ".join(f"{escape(name)} ({k} deployment{'s' * (k != 1)})" for name, k in unknown.items())
+        if getattr(cfg.web, "unknown_species", "protect") == "ne":
+            effect = ("they count as NE (web.unknown_species: ne), so the web view shows the places that recorded "
+                      "them exactly to partners and the public, until you add them")
+        else:
+            effect = ("the web view protects the places that recorded them (web.unknown_species: protect) until "
+                      "you add them")
+        err_console.print(f"[yellow]warning:[/] {len(unknown)} species {'is' if len(unknown) == 1 else 'are'} not "
+                          f"in the species table; {effect} to `species:` with their IUCN category: {names}")
 
 
 @user_app.command("enable")
@@ -968,12 +1037,19 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
                       images: Path | None = typer.Option(None, "--images", help="the folder the detector ran on: "
                                                          "images found there are stored for the web view (never "
                                                          "those with a person or vehicle)"),
+                      utc_offset: str = typer.Option("+00:00", "--utc-offset", help="the camera clock's offset from "
+                                                     "UTC as +HH:MM or -HH:MM, for capture times written without "
+                                                     "one (e.g. -05:00)"),
                       config: Path = _config_option()) -> None:
     """Import detections from a MegaDetector results file for the web view (coordinator/web/formats.py); the whole
-    file is checked before anything is written, and re-importing it changes nothing."""
+    file is checked before anything is written, and re-importing it changes nothing. Import the deployment's
+    coordinates with `import-deployments` too: without them the map cannot place its records and
+    `export-camtrap-dp` leaves them out."""
+    from coordinator.storage import DeploymentRow
     from coordinator.web.deployments import species_table_categories
     from coordinator.web.formats import import_megadetector
 
+    zone = _parse_utc_offset(utc_offset)
     cfg = load_config(config)
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:
@@ -981,21 +1057,29 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
                       console=console) as bar:
             task = bar.add_task("import", total=None)
             summary = import_megadetector(store, path, site_id=site, deployment_id=deployment, images_dir=images,
-                                          category_of=species_table_categories(cfg.species),
+                                          category_of=species_table_categories(cfg.species), utc_offset=zone,
                                           progress=lambda done, total: bar.update(task, completed=done,
                                                                                   total=total))
+        with store.session() as s:
+            placed = s.get(DeploymentRow, deployment) is not None
     finally:
         store.dispose()
-    console.print(f"[green]imported[/] {summary.images} image(s) from {path}: {summary.stored} new, "
+    console.print(f"[green]imported[/] {summary.images} image(s) from {escape(str(path))}: {summary.stored} new, "
                   f"{summary.replaced} replaced, {summary.unchanged} unchanged, {summary.kept_gateway} kept "
                   f"(gateway rows), {summary.duplicates} duplicate(s), {summary.failures} failure(s), "
                   f"{summary.boxes} box(es)")
     if images is not None:
-        console.print(f"images: {summary.images_stored} stored, {summary.images_missing} missing, "
-                      f"{summary.images_unreadable} unreadable, {summary.images_withheld} withheld "
-                      "(person/vehicle)")
+        console.print(f"images: {summary.images_stored} held ({summary.images_new} new), "
+                      f"{summary.images_missing} missing, {summary.images_unreadable} unreadable, "
+                      f"{summary.images_withheld} withheld (person/vehicle)")
     if summary.categories:
         console.print("boxes per IUCN category: " + ", ".join(f"{k} {v}" for k, v in summary.categories.items()))
+    if not placed:
+        err_console.print(f"[yellow]warning:[/] deployment {escape(repr(deployment))} is not in the deployments "
+                          "table: its records have no coordinates, so the map cannot place them and "
+                          "export-camtrap-dp leaves them out (fix: import the deployments first: "
+                          "`wildfed-coordinator import-deployments PATH`, from the Camtrap DP package or Wildlife "
+                          "Insights export that lists it; the records are placed as soon as it is there)")
 
 
 @app.command("export-camtrap-dp")
@@ -1019,7 +1103,8 @@ def export_camtrap_dp_command(out_dir: Path = typer.Argument(..., help="folder f
                           fix=f"use one of {[r.value for r in Role]}") from None
     cfg = load_config(config)
     policy = LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
-                            cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories))
+                            cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
+                            protect_unknown=getattr(cfg.web, "unknown_species", "protect") == "protect")
     secret = load_or_create_secret(cfg.web.location_secret_path)
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:
@@ -1029,7 +1114,13 @@ def export_camtrap_dp_command(out_dir: Path = typer.Argument(..., help="folder f
             package = export_camtrap_dp(viewer, out_dir)
     finally:
         store.dispose()
-    console.print(f"[green]wrote[/] {package} (as {viewer_role.value})")
+    console.print(f"[green]wrote[/] {escape(str(package))} (as {viewer_role.value})")
+    extra = json.loads(package.read_text(encoding="utf-8")).get("wildfed", {})
+    left_out, unplaced = int(extra.get("recordsLeftOut", 0)), list(extra.get("unplacedDeployments", []))
+    if left_out:
+        err_console.print(f"[yellow]warning:[/] {left_out} record(s) left out: their deployment(s) "
+                          f"{escape(', '.join(map(str, unplaced)))} have no coordinates (Camtrap DP requires them; "
+                          "fix: `wildfed-coordinator import-deployments PATH` for them, then export again)")
 
 
 if __name__ == "__main__":  # pragma: no cover

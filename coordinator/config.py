@@ -270,6 +270,10 @@ class WebConfig(StrictModel):
     sensitive_categories: list[IUCNCategory] = Field(
         default_factory=lambda: [IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU],
         description="IUCN categories whose deployments are protected for viewers without the ranger role")
+    unknown_species: Literal["protect", "ne"] = Field("protect", description="a species the species table does not "
+                                                      "list: protect (its places are shown like a sensitive "
+                                                      "species', failing closed) or ne (IUCN Not Evaluated: shown "
+                                                      "exactly)")
     location_secret_path: Path | None = Field(None, description="0600 file with the displacement key; None -> "
                                               "data_dir/location-secret (created on first use)")
 

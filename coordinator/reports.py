@@ -95,16 +95,22 @@ def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: 
     import matplotlib.pyplot as plt
 
     budgets = cfg.budgets()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
+    sites = ledger.sites()
+    palette = plt.get_cmap("tab20" if len(sites) > 10 else "tab10")
+    colour = {s: palette(i % palette.N) for i, s in enumerate(sites)}  # one colour per site in every panel
     for ax, cat in zip(axes.flat, IUCNCategory):
-        for site_id in ledger.sites():
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+        for site_id in sites:
             history = ledger.round_events(site_id, cat)
             if not history:
                 continue
             rounds = [r for r, _ in history]
             spent = [composed_epsilon(tuple(e for _, e in history[:i + 1]), cfg.target_delta, accountant)
                      for i in range(len(history))]
-            ax.plot(rounds, spent, marker="o", markersize=3, label=site_id)
+            ax.plot(rounds, spent, marker="o", markersize=3, label=site_id, color=colour[site_id])
         ax.axhline(budgets[cat], color="red", linestyle="--", label=f"budget {budgets[cat]:.2f}")
         ax.set_title(f"{cat.value}")
         ax.set_ylabel("epsilon spent")

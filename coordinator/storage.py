@@ -319,8 +319,9 @@ class WebSessionRow(Base):
 
 class DeploymentRow(Base):
     """A camera deployment for the web view's map (coordinator.web.deployments): true WGS 84 coordinates (shown
-    exactly only to rangers and operators), a name, where it was imported from, and the IUCN categories of the
-    species it recorded (JSON list), which decide whether its location is protected."""
+    exactly only to rangers and operators), a name, where it was imported from, and the species it recorded with
+    their IUCN categories at import (JSON lists); the view re-reads the species against the current species table,
+    which decides whether its location is protected."""
 
     __tablename__ = "deployments"
     deployment_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -329,6 +330,7 @@ class DeploymentRow(Base):
     location_name: Mapped[str] = mapped_column(String(256), default="")
     source: Mapped[str] = mapped_column(String(256), default="")
     categories_json: Mapped[str] = mapped_column(Text, default="[]")
+    species_json: Mapped[str] = mapped_column(Text, default="[]")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:

@@ -714,10 +714,17 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
           run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
     console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
                 f"({result.elapsed_s:.0f} s in all)")
-    coord_yaml = coord_dir / "coordinator.yaml"
-    console.log(f"web view of this run (map of the sites' deployments, budgets, rounds): "
-                f"wildfed-coordinator user add me --role operator --config {coord_yaml} && "
-                f"wildfed-coordinator serve --config {coord_yaml}")
+    import shlex
+
+    coord_yaml = shlex.quote(str(coord_dir / "coordinator.yaml"))
+    exe = sys.argv[0] if sys.argv and sys.argv[0].endswith("wildfed-coordinator") else "wildfed-coordinator"
+    exe = shlex.quote(exe)
+    console.log("web view of this run (map of the sites' deployments, budgets, rounds): make an account, serve, "
+                "then open http://127.0.0.1:8080/")
+    # one command per line, never wrapped, so that each can be copied whole
+    console.print(f"{exe} user add me --role operator --config {coord_yaml}", soft_wrap=True, markup=False,
+                  highlight=False)
+    console.print(f"{exe} serve --config {coord_yaml}", soft_wrap=True, markup=False, highlight=False)
     return result
 
 

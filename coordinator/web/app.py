@@ -80,7 +80,8 @@ class _NeedLogin(Exception):
 def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
     """The :class:`LocationPolicy` of a coordinator config's ``web`` block."""
     return LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
-                          cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories))
+                          cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
+                          protect_unknown=cfg.web.unknown_species == "protect")
 
 
 # ---- the offline map -----------------------------------------------------------------------------------------------
@@ -129,12 +130,17 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
         while v <= hi:
             if horizontal:
                 _, yy = px(cx, v * ky)
-                parts.append(f'<line x1="0" y1="{yy:.1f}" x2="{width}" y2="{yy:.1f}" class="grid"/>'
-                             f'<text x="4" y="{yy - 2:.1f}" class="grid-label">{v:.4g}°</text>')
+                parts.append(f'<line x1="0" y1="{yy:.1f}" x2="{width}" y2="{yy:.1f}" class="grid"/>')
+                if 14 < yy < height - 18:  # keep clear of the longitude labels along the bottom
+                    parts.append(f'<text x="4" y="{yy - 2:.1f}" class="grid-label">{v:.6g}°</text>')
             else:
                 xx, _ = px(v * kx, cy)
-                parts.append(f'<line x1="{xx:.1f}" y1="0" x2="{xx:.1f}" y2="{height}" class="grid"/>'
-                             f'<text x="{xx + 2:.1f}" y="{height - 4}" class="grid-label">{v:.4g}°</text>')
+                parts.append(f'<line x1="{xx:.1f}" y1="0" x2="{xx:.1f}" y2="{height}" class="grid"/>')
+                if 40 < xx < width - 4:  # keep clear of the latitude labels along the left edge
+                    anchor = ' text-anchor="end"' if xx > width - 60 else ""
+                    dx = -2 if anchor else 2
+                    parts.append(f'<text x="{xx + dx:.1f}" y="{height - 4}" class="grid-label"{anchor}>'
+                                 f'{v:.6g}°</text>')
             v += step
     for d, x, y in zip(pts, xs, ys):
         X, Y = px(x, y)
@@ -143,8 +149,8 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
                        + (" fuzzed" if fuzzed else ""))
         attrs = (f'data-deployment="{escape(d["deployment_id"])}" data-lat="{float(d["latitude"]):.6f}" '
                  f'data-lon="{float(d["longitude"]):.6f}" data-fuzzed="{str(fuzzed).lower()}"')
-        if fuzzed and d.get("radius_m"):
-            parts.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="{max(float(d["radius_m"]) * scale, 3):.1f}" '
+        if fuzzed and d.get("radius_m") and float(d["radius_m"]) * scale > 8:  # drawn when it shows beyond the marker
+            parts.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="{float(d["radius_m"]) * scale:.1f}" '
                          'class="fuzz-radius"/>')
         parts.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="6" class="marker{" fuzzed" if fuzzed else ""}" '
                      f'{attrs}><title>{title}</title></circle>')
@@ -304,7 +310,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
                                          min_confidence=q.get("min_confidence"), limit=q.get("limit"),
                                          offset=q.get("offset"))
         except ConfigError as exc:
-            raise HTTPException(status_code=422, detail=f"{exc.field}: {exc}") from None
+            raise HTTPException(status_code=422, detail=str(exc)) from None  # "field: message (fix: ...)"
 
     @app.exception_handler(_NeedLogin)
     async def _to_login(request: Request, exc: _NeedLogin) -> Response:
@@ -335,7 +341,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     @app.get("/login", response_class=HTMLResponse)
     def login_form(request: Request, next: str = "/map") -> Response:
         token = secrets.token_urlsafe(32)
-        response = page(request, "login.html", None, csrf_token=token, next=safe_next(next), error=None)
+        response = page(request, "login.html", None, csrf_token=token, next=safe_next(next), error=None, username="")
         response.set_cookie(LOGIN_CSRF_COOKIE, token, max_age=3600, **cookie_kwargs())
         return response
 
@@ -349,13 +355,13 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         if not throttle.allowed(*keys):
             log.warning("web: login throttled for %s from %s", username, keys[1])
             return page(request, "login.html", None, status_code=429, csrf_token=cookie, next=safe_next(next),
-                        error=f"Too many failed logins: wait {int(throttle.window_s // 60)} minutes and try again.")
+                        username=username, error=f"Too many failed logins: wait {int(throttle.window_s // 60)} minutes and try again.")
         account = accounts.authenticate(username.strip().lower(), password)
         if account is None:
             throttle.failed(*keys)
             log.info("web: failed login for %r from %s", username, keys[1])
             return page(request, "login.html", None, status_code=401, csrf_token=cookie, next=safe_next(next),
-                        error="Wrong user name or password, or the account is disabled.")
+                        username=username, error="Wrong user name or password, or the account is disabled.")
         throttle.succeeded(*keys)
         token, _ = sessions.create(account)
         log.info("web: %s (%s) logged in from %s", account.username, account.role.value, keys[1])
@@ -383,7 +389,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     def map_page(request: Request) -> Response:
         ws = need(request)
         deployments = viewer(ws).deployments()
-        return page(request, "map.html", ws, deployments=deployments, svg=map_svg(deployments), policy=policy)
+        return page(request, "map.html", ws, deployments=deployments, svg=map_svg(deployments), policy=policy,
+                    any_fuzzed=any(d["fuzzed"] for d in deployments))
 
     @app.get("/detections", response_class=HTMLResponse)
     def detections_page(request: Request) -> Response:
@@ -422,7 +429,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
 
         data = store.get_blob(digest)
         if not ws.account.role.sees_exact_locations:
-            data = strip_gps(data)
+            item = v.detection(detection_id) or {}
+            data = strip_gps(data, times=bool(item.get("time_withheld", True)))
         _, _, mime = image_info(data)
         return Response(data, media_type=mime)
 

@@ -118,7 +118,9 @@ class ImportSummary:
             already stored. kept_gateway: rows of a gateway left as they were. duplicates: images of the file with the
             same media id as an earlier one of the file (same bytes twice), skipped.
         failures: images the detector could not process (rows kept, with ``failure``). boxes: detections imported.
-        images_stored: image blobs held. images_missing: ``images_dir`` given but the file absent (or outside it).
+        images_stored: image blobs the rows name (held now: written by this import or already there).
+        images_new: of those, blobs this import wrote (0 on a re-import).
+        images_missing: ``images_dir`` given but the file absent (or outside it).
         images_unreadable: present but not a readable image. images_withheld: not stored because of a
             person/vehicle box. categories: IUCN category -> boxes whose species has it (via ``category_of``).
     """
@@ -133,6 +135,7 @@ class ImportSummary:
     failures: int = 0
     boxes: int = 0
     images_stored: int = 0
+    images_new: int = 0
     images_missing: int = 0
     images_unreadable: int = 0
     images_withheld: int = 0
@@ -430,6 +433,7 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
     for values in rows.values():  # blobs first: a row never names an image that is not on disk
         data = values.pop("_data")
         if data is not None:
+            summary.images_new += int(not store.blob_path(values["image_sha256"]).exists())
             store.put_blob(data, sha256_hex=values["image_sha256"])
             summary.images_stored += 1
     with store.session() as s:
@@ -615,9 +619,21 @@ def export_camtrap_dp(viewer: Viewer, out_dir: str | Path) -> Path:
     Args:
         viewer: a :class:`coordinator.web.views.Viewer` (its role decides which locations and times are protected).
         out_dir: the package folder.
+
+    Raises:
+        ConfigError: ``out_dir`` (or a folder above it) is a file, or it cannot be created (nothing is written).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    fix = "give a folder for the package (a new one, or one of an earlier export), not a file"
+    if out.exists() and not out.is_dir():
+        raise ConfigError("exists and is not a folder", source=out, field="OUT_DIR", fix=fix)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError("a folder on this path is a file", source=out, field="OUT_DIR", fix=fix) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot create the folder: {exc.strerror or exc}", source=out, field="OUT_DIR",
+                          fix="give a folder you can write to") from None
     for name, data in camtrap_dp_files(viewer).items():
         with tempfile.NamedTemporaryFile(dir=out, prefix=f".{name}-", delete=False) as fh:
             fh.write(data)

@@ -51,6 +51,8 @@ class LocationPolicy:
         radius_m: displacement radius in metres (> 0), default 1,000.
         cell_m: grid cell side in metres (> 0), default 10,000.
         categories: the sensitive IUCN categories (default CR, EN, VU).
+        protect_unknown: treat a species the species table does not list as sensitive (default True: a table
+            that lags behind the species a camera records must not expose their places).
 
     Raises:
         ConfigError: a radius or cell size that is not a positive finite number, or an unknown method.
@@ -60,6 +62,7 @@ class LocationPolicy:
     radius_m: float = 1000.0
     cell_m: float = 10_000.0
     categories: frozenset[IUCNCategory] = field(default_factory=lambda: DEFAULT_SENSITIVE)
+    protect_unknown: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("displace", "grid"):

@@ -67,8 +67,16 @@ def image_info(data: bytes) -> tuple[int, int, str]:
     return int(width), int(height), Image.MIME.get(img.format or "", "application/octet-stream")
 
 
-def strip_gps(data: bytes) -> bytes:
-    """The image with its EXIF GPS IFD (tag ``0x8825``) removed, in the same format.
+#: EXIF tags of capture time: DateTime (IFD0); DateTimeOriginal, DateTimeDigitized, OffsetTime*, SubSecTime* and
+#: MakerNote (vendor blocks can hold anything, times and positions included) in the Exif sub-IFD (EXIF 2.32).
+_TIME_TAGS_IFD0 = (0x0132,)
+_TIME_TAGS_EXIF = (0x9003, 0x9004, 0x9010, 0x9011, 0x9012, 0x9290, 0x9291, 0x9292, 0x927C)
+
+
+def strip_gps(data: bytes, *, times: bool = False) -> bytes:
+    """The image with its EXIF GPS IFD (tag ``0x8825``) removed, in the same format; with ``times`` also its
+    capture-time tags (DateTime, DateTimeOriginal, DateTimeDigitized, the offset and sub-second tags) and the
+    maker note (for a record whose time is withheld from the viewer, coordinator.web.views).
 
     The image is re-encoded with Pillow (JPEG at quality :data:`JPEG_QUALITY` with the original chroma
     subsampling), keeping every other EXIF tag (camera, time, orientation, the Exif sub-IFD) and the ICC colour
@@ -88,11 +96,18 @@ def strip_gps(data: bytes) -> bytes:
     img = _open(data)
     exif = img.getexif()
     has_xmp = any(k in img.info for k in ("xmp", "XML:com.adobe.xmp"))
-    if GPS_IFD_TAG not in exif and not has_xmp:
+    sub = exif.get_ifd(_EXIF_IFD_TAG) if _EXIF_IFD_TAG in exif else {}
+    has_times = times and (any(k in exif for k in _TIME_TAGS_IFD0) or any(k in sub for k in _TIME_TAGS_EXIF))
+    if GPS_IFD_TAG not in exif and not has_xmp and not has_times:
         return bytes(data)
     fmt = img.format or "PNG"
     if GPS_IFD_TAG in exif:
         del exif[GPS_IFD_TAG]
+    if times:
+        for k in _TIME_TAGS_IFD0:
+            exif.pop(k, None)
+        for k in _TIME_TAGS_EXIF:
+            sub.pop(k, None)
     kwargs: dict[str, object] = {"format": fmt}
     if len(exif):
         kwargs["exif"] = exif.tobytes()

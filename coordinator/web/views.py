@@ -4,9 +4,13 @@ rules of each role are written once (issue 9; the roles are in :mod:`coordinator
 For a role that does not see exact locations (partner, public), a deployment is *sensitive* when it recorded a
 species of a sensitive IUCN category, from either source:
 
-* the categories its import recorded (``deployments.categories_json``, :mod:`coordinator.web.deployments`), or
-* the species in the detection records stored for it (``detections.species_json``), looked up in the federation's
-  species table (the one that sets privacy budgets; unknown species are NE).
+* the species (and categories) its import recorded (``deployments.species_json``/``categories_json``,
+  :mod:`coordinator.web.deployments`), or
+* the species in the detection records stored for it (``detections.species_json``),
+
+looked up in the federation's species table (the one that sets privacy budgets). A species the table does not list
+counts as sensitive unless ``web.unknown_species`` is ``ne`` (fail closed: a table that lags behind what the cameras
+record must not expose those places).
 
 Then, for those roles, everything that could place a sensitive deployment is withheld or protected:
 
@@ -41,7 +45,7 @@ from sqlalchemy import func, select
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from coordinator.storage import DeploymentRow, DetectionRow, Store
+from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
 from coordinator.web.auth import Role
 from coordinator.web.deployments import CategoryOf
 from coordinator.web.location_privacy import LocationPolicy, haversine_m, protect
@@ -106,7 +110,8 @@ class DetectionFilter:
             try:
                 conf = float(min_confidence)  # type: ignore[arg-type]
             except ValueError:
-                conf = float("nan")
+                raise ConfigError(f"min_confidence {min_confidence!r} is not a number", field="min_confidence",
+                                  fix="give a number between 0 and 1") from None
             if not 0.0 <= conf <= 1.0:
                 raise ConfigError(f"min_confidence {min_confidence!r} is not in [0, 1]", field="min_confidence",
                                   fix="give a number between 0 and 1")
@@ -117,7 +122,8 @@ class DetectionFilter:
             try:
                 n = int(value)
             except (TypeError, ValueError):
-                n = lo - 1
+                raise ConfigError(f"{name} {value!r} is not a whole number", field=name,
+                                  fix=f"give {lo}..{hi}") from None
             if not lo <= n <= hi:
                 raise ConfigError(f"{name} {value!r} is not in [{lo}, {hi}]", field=name, fix=f"give {lo}..{hi}")
             return n
@@ -148,14 +154,23 @@ class Viewer:
         self._category_of = category_of
 
     # ---- deployments ---------------------------------------------------------------------------------------
-    def _detected_categories(self) -> dict[str, set[IUCNCategory]]:
-        """deployment id -> IUCN categories of the species its stored records contain."""
-        out: dict[str, set[IUCNCategory]] = defaultdict(set)
+    def sensitive_species(self, name: str | None) -> bool:
+        """Whether a species' places are protected: its category is sensitive under the policy, or the species
+        table does not list it and the policy protects unknown species."""
+        if not name:
+            return False
+        if self._category_of(name) in self.policy.categories:
+            return True
+        known = getattr(self._category_of, "known", None)
+        return bool(self.policy.protect_unknown and known is not None and not known(name))
+
+    def _detected_species(self) -> dict[str, set[str]]:
+        """deployment id -> species in its stored records."""
+        out: dict[str, set[str]] = defaultdict(set)
         with self.store.session() as s:
             for dep, species_json in s.execute(select(DetectionRow.deployment_id, DetectionRow.species_json)
                                                .distinct()):
-                for name in json.loads(species_json or "[]"):
-                    out[dep].add(self._category_of(name))
+                out[dep].update(json.loads(species_json or "[]"))
         return out
 
     def deployments(self) -> list[dict[str, Any]]:
@@ -173,14 +188,17 @@ class Viewer:
         * the displaced point is keyed on the place (true coordinates rounded to 1e-4 degrees, about 11 m), so
           co-located deployments share one point and cannot be averaged toward the truth.
         """
-        detected = self._detected_categories()
+        detected = self._detected_species()
         with self.store.session() as s:
             rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
             counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
                 DetectionRow.deployment_id)).all())
+        species = {r.deployment_id: set(json.loads(r.species_json or "[]")) | detected.get(r.deployment_id, set())
+                   for r in rows}
         recorded = {r.deployment_id: {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")}
-                    | detected.get(r.deployment_id, set()) for r in rows}
-        sensitive = [r for r in rows if recorded[r.deployment_id] & self.policy.categories]
+                    | {self._category_of(n) for n in species[r.deployment_id]} for r in rows}
+        sensitive = [r for r in rows if recorded[r.deployment_id] & self.policy.categories
+                     or any(self.sensitive_species(n) for n in species[r.deployment_id])]
         out = []
         for r in rows:
             near_sensitive = any(haversine_m(r.latitude, r.longitude, o.latitude, o.longitude)
@@ -211,13 +229,13 @@ class Viewer:
         top = row.top_species
         # an unplaced deployment has no coordinates to fuzz, but its sensitive records still lose their time
         sensitive = fuzzed or (not self.role.sees_exact_locations and any(
-            self._category_of(n) in self.policy.categories for n in json.loads(row.species_json or "[]")))
+            self.sensitive_species(n) for n in json.loads(row.species_json or "[]")))
         item: dict[str, Any] = {
             "id": row.id, "site_id": row.site_id, "media_id": row.media_id, "deployment_id": row.deployment_id,
             "deployment_name": dep["name"] if dep else row.deployment_id,
             "latitude": dep["latitude"] if dep else None, "longitude": dep["longitude"] if dep else None,
             "fuzzed": fuzzed,
-            "captured_at": row.captured_at[:10] if sensitive else row.captured_at,
+            "captured_at": row.captured_at[:10] if sensitive else row.captured_at, "time_withheld": sensitive,
             "num_detections": row.num_detections, "max_confidence": row.max_confidence,
             "top_species": top, "top_species_confidence": row.top_species_confidence,
             "category": self._category_of(top).value if top else None,
@@ -304,29 +322,34 @@ class Viewer:
         return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
 
     def site_summaries(self) -> list[dict[str, Any]]:
-        """Per site: ``site_id``, ``records``, ``with_animals`` (records with at least one box), ``failures``,
-        ``deployments`` (ids), ``top_species`` (up to 5 ``[name, records]``), ``first``/``last`` capture date."""
+        """Per enrolled site (and any site with records), by id: ``site_id``, ``records``, ``with_animals``
+        (records with at least one ``animal`` box), ``failures``, ``deployments`` (ids), ``top_species`` (up to 5
+        ``[name, records]``), ``first``/``last`` capture date (None when no record has a time)."""
         per: dict[str, dict[str, Any]] = {}
+
+        def entry(site: str) -> dict[str, Any]:
+            return per.setdefault(site, {"site_id": site, "records": 0, "with_animals": 0, "failures": 0,
+                                         "deployments": set(), "species": Counter(), "first": None, "last": None})
+
         with self.store.session() as s:
-            for site, dep, n, species, captured, failure in s.execute(select(
-                    DetectionRow.site_id, DetectionRow.deployment_id, DetectionRow.num_detections,
-                    DetectionRow.top_species, DetectionRow.captured_at, DetectionRow.failure)):
-                e = per.setdefault(site, {"site_id": site, "records": 0, "with_animals": 0, "failures": 0,
-                                          "deployments": set(), "species": Counter(), "first": None, "last": None})
+            for site in s.scalars(select(SiteRow.site_id)):
+                entry(site)
+            for site, dep, species, captured, failure, record_json in s.execute(select(
+                    DetectionRow.site_id, DetectionRow.deployment_id, DetectionRow.top_species,
+                    DetectionRow.captured_at, DetectionRow.failure, DetectionRow.record_json)):
+                e = entry(site)
                 e["records"] += 1
-                e["with_animals"] += int(n > 0)
+                e["with_animals"] += int(any(d.get("category") == "animal"
+                                             for d in json.loads(record_json).get("detections", [])))
                 e["failures"] += int(failure is not None)
                 e["deployments"].add(dep)
                 if species:
                     e["species"][species] += 1
-                day = captured[:10]
-                e["first"] = day if e["first"] is None or day < e["first"] else e["first"]
-                e["last"] = day if e["last"] is None or day > e["last"] else e["last"]
-        out = []
-        for site in sorted(per):
-            e = per[site]
-            out.append({"site_id": site, "records": e["records"], "with_animals": e["with_animals"],
-                        "failures": e["failures"], "deployments": sorted(e["deployments"]),
-                        "top_species": [list(x) for x in e["species"].most_common(5)], "first": e["first"],
-                        "last": e["last"]})
-        return out
+                day = (captured or "")[:10]
+                if day:
+                    e["first"] = day if e["first"] is None or day < e["first"] else e["first"]
+                    e["last"] = day if e["last"] is None or day > e["last"] else e["last"]
+        return [{"site_id": site, "records": e["records"], "with_animals": e["with_animals"],
+                 "failures": e["failures"], "deployments": sorted(e["deployments"]),
+                 "top_species": [list(x) for x in e["species"].most_common(5)], "first": e["first"],
+                 "last": e["last"]} for site, e in sorted(per.items())]

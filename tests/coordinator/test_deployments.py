@@ -89,13 +89,21 @@ def test_real_camtrap_dp_example(tmp_path: Path) -> None:
     # protected: a deployment that recorded a mallard (EN in this test's table) and any within 1 km of one
     protected = {d for d, (lat, lon) in expected.items()
                  if any(haversine_m(lat, lon, *expected[m]) <= 1000.0 for m in with_mallard)}
-    for d in deployments_for(store, Role.PARTNER, policy=LocationPolicy(), secret=SECRET):
+    # species the 3-species table does not list count as NE here (protect_unknown False); by default they protect
+    for d in deployments_for(store, Role.PARTNER, policy=LocationPolicy(protect_unknown=False), secret=SECRET):
         lat, lon = expected[d["deployment_id"]]
         if d["deployment_id"] in protected:
             assert d["fuzzed"] and 0 < haversine_m(lat, lon, d["latitude"], d["longitude"]) <= 1000.0
         else:
             assert not d["fuzzed"] and (d["latitude"], d["longitude"]) == (lat, lon)
     assert with_mallard  # the example does record mallards
+    with (pkg / "observations.csv").open(newline="", encoding="utf-8") as f:
+        with_unlisted = {r["deploymentID"] for r in csv.DictReader(f)
+                         if r["scientificName"] and not TABLE.known(r["scientificName"])}
+    by_default = {d["deployment_id"]: d["fuzzed"] for d in
+                  deployments_for(store, Role.PARTNER, policy=LocationPolicy(), secret=SECRET)}
+    assert by_default == {d: d in protected or any(haversine_m(*expected[d], *expected[u]) <= 1000.0
+                                                   for u in with_unlisted) for d in expected}
 
 
 def test_real_wildlife_insights_project(tmp_path: Path) -> None:

@@ -128,13 +128,10 @@ def _everything(client: TestClient, state) -> str:
     return "\n".join(parts)
 
 
-def _coordinate_strings(lat: float, lon: float) -> list[str]:
+def _coordinate_strings(value: float) -> set[str]:
     """How an exact coordinate could be written: 5 or 6 decimals (about 1 m) and Python's repr. (Fewer decimals
     match other deployments of the same reserve by chance.)"""
-    out = [repr(lat), repr(lon)]
-    for n in (5, 6):
-        out += [f"{lat:.{n}f}", f"{lon:.{n}f}"]
-    return out
+    return {repr(value), f"{value:.5f}", f"{value:.6f}"}
 
 
 def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(clients, state):
@@ -148,8 +145,11 @@ def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(cl
     for role in ("partner", "public"):
         text = _everything(clients[role], state)
         for dep, (lat, lon, _) in sensitive.items():
-            for s in _coordinate_strings(lat, lon):  # as a whole number (not the prefix of a longer one)
-                assert not re.search(rf"{re.escape(s)}(?!\d)", text), (role, dep, s)
+            # the true position is the pair: one displaced coordinate can match the truth to a metre by chance
+            # (the displacement's east-west part is then under a metre), which leaves the point up to 1 km away
+            lat_forms, lon_forms = _coordinate_strings(lat), _coordinate_strings(lon)
+            found = {s for s in lat_forms | lon_forms if re.search(rf"{re.escape(s)}(?!\d)", text)}
+            assert not (found & lat_forms and found & lon_forms), (role, dep, found)
             if names[dep] != dep:  # as a whole token (WI place names are prefixes of the deployment ids)
                 assert not re.search(rf"(?<![\w-]){re.escape(names[dep])}(?![\w-])", text), (role, dep, names[dep])
         assert '"categories"' not in text and "IUCN categories recorded" not in text
@@ -416,3 +416,87 @@ def test_images_lose_their_gps_for_roles_without_exact_locations(tmp_path):
             assert got[1] == "N" and [float(x) for x in got[2]] == pytest.approx(list(gps[2]))
         else:
             assert got == {}
+
+
+def test_places_of_species_the_table_does_not_list_are_protected_by_default(tmp_path):
+    from coordinator.web.deployments import import_camtrap_dp, unknown_species
+
+    st = seed(tmp_path, real_data=False, unknown_species="protect")
+    pkg = tmp_path / "pkg2"
+    pkg.mkdir()
+    (pkg / "deployments.csv").write_text("deploymentID,locationName,latitude,longitude\n"
+                                         "dep-far,far pan,-2.5000,35.1000\n")
+    (pkg / "observations.csv").write_text("observationID,deploymentID,scientificName\no1,dep-far,Mystery beast\n")
+    import_camtrap_dp(st.store, pkg, st_category_of(st))
+    assert unknown_species(st.store, st_category_of(st)) == {"Mystery beast": 1}
+    shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
+    assert shown["dep-far"]["fuzzed"] and 0 < haversine_m(-2.5, 35.1, shown["dep-far"]["latitude"],
+                                                          shown["dep-far"]["longitude"]) <= 1000.0
+    assert not shown["dep-ridge"]["fuzzed"]  # Cuniculus paca: listed, LC
+    relaxed = st.config.model_copy(update={"web": st.config.web.model_copy(update={"unknown_species": "ne"})})
+    st.config = relaxed
+    shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
+    assert not shown["dep-far"]["fuzzed"] and (shown["dep-far"]["latitude"], shown["dep-far"]["longitude"]) == (
+        -2.5, 35.1)
+
+
+def st_category_of(st):
+    from coordinator.web.deployments import species_table_categories
+
+    return species_table_categories(st.config.species)
+
+
+def create_app_client(st, user):
+    return login(create_app(st.config, store=st.store, hasher=HASHER), user)[0]
+
+
+def test_partners_get_images_without_the_capture_time_of_protected_places(tmp_path):
+    from PIL import Image
+
+    from coordinator.web.formats import import_megadetector
+
+    st = seed(tmp_path, real_data=False)
+    images = tmp_path / "images"
+    images.mkdir()
+    img = Image.new("RGB", (64, 48), (10, 20, 30))
+    exif = Image.Exif()
+    exif[0x0132] = "2024:05:01 06:12:33"
+    exif.get_ifd(0x8769)[0x9003] = "2024:05:01 06:12:33"
+    img.save(images / "IMG_0002.JPG", "JPEG", exif=exif)
+    batch = {"info": {"format_version": "1.4"}, "detection_categories": {"1": "animal"},
+             "classification_categories": {"0": "Tayassu pecari"},
+             "images": [{"file": "IMG_0002.JPG", "detections": [
+                 {"category": "1", "conf": 0.9, "bbox": [0.1, 0.2, 0.3, 0.4], "classifications": [["0", 0.8]]}]}]}
+    (tmp_path / "md.json").write_text(json.dumps(batch))
+    import_megadetector(st.store, tmp_path / "md.json", site_id="site-a", deployment_id="dep-river",
+                        images_dir=images)
+    with st.store.session() as s:
+        det = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one().id
+    for user, keeps_time in (("rita", True), ("paul", False)):
+        c = create_app_client(st, user)
+        exif = Image.open(io.BytesIO(c.get(f"/detections/{det}/image").content)).getexif()
+        got = (exif.get(0x0132), exif.get_ifd(0x8769).get(0x9003))
+        assert got == (("2024:05:01 06:12:33",) * 2 if keeps_time else (None, None)), user
+        assert ("06:12:33" in c.get(f"/api/detections/{det}").text) is keeps_time
+
+
+def test_site_summary_counts_animals_only_and_ignores_records_without_a_time(tmp_path):
+    from coordinator.registry import SiteRegistry
+    from coordinator.web.formats import import_megadetector
+    from shared.keys import generate_signing_key, public_key_to_pem
+
+    st = seed(tmp_path, real_data=False)
+    SiteRegistry(st.store).enrol("site-c", public_key_to_pem(generate_signing_key().public_key()))
+    batch = {"info": {"format_version": "1.4"}, "detection_categories": {"1": "animal", "2": "person"},
+             "images": [{"file": "p.jpg", "datetime": "2024-06-01 10:00:00",
+                         "detections": [{"category": "2", "conf": 0.9, "bbox": [0.1, 0.1, 0.2, 0.2]}]},
+                        {"file": "x.jpg", "failure": "Failure image access"}]}
+    (tmp_path / "md.json").write_text(json.dumps(batch))
+    import_megadetector(st.store, tmp_path / "md.json", site_id="site-b", deployment_id="dep-ridge")
+    sites = {s["site_id"]: s for s in create_app_client(st, "rita").get("/api/sites").json()}
+    # site-b: seeded b1 (armadillo, 2024-04-20) and b2 (blank, 2024-05-01), plus the person (2024-06-01) and the
+    # failed image (no time): 4 records, 1 with an animal, 1 failure, dates from the timed records only
+    assert (sites["site-b"]["records"], sites["site-b"]["with_animals"], sites["site-b"]["failures"]) == (4, 1, 1)
+    assert (sites["site-b"]["first"], sites["site-b"]["last"]) == ("2024-04-20", "2024-06-01")
+    assert sites["site-c"] == {"site_id": "site-c", "records": 0, "with_animals": 0, "failures": 0,
+                               "deployments": [], "top_species": [], "first": None, "last": None}

@@ -491,3 +491,15 @@ def test_files_outside_the_images_folder_are_not_read(tmp_path: Path) -> None:
                                   deployment_id="dep1", images_dir=root)
     assert (summary.images_missing, summary.images_stored, _blobs(store)) == (3, 0, [])
     assert {r.media_id for r in _rows(store)} == {_sha(f"dep1/{f['file']}".encode())[:32] for f in results["images"]}
+
+
+def test_export_into_a_file_is_refused(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    viewer = Viewer(store, Role.RANGER, policy=LocationPolicy(), secret=SECRET, category_of=TABLE)
+    target = tmp_path / "out.txt"
+    target.write_text("keep me")
+    for out in (target, target / "pkg"):
+        with pytest.raises(ConfigError, match="fix: give a folder for the package") as err:
+            export_camtrap_dp(viewer, out)
+        assert err.value.source == str(out)
+    assert target.read_text() == "keep me"

@@ -89,9 +89,13 @@ def record(media: str, deployment: str, species: str | None, *, when: str, conf:
                            detector="yolox_tiny_640:abc", classifier_hash="")
 
 
-def seed(tmp_path: Path, *, real_data: bool = True) -> WebState:
-    """Build the state (module docstring); real Wildlife Insights deployments when present and ``real_data``."""
+def seed(tmp_path: Path, *, real_data: bool = True, unknown_species: str = "ne") -> WebState:
+    """Build the state (module docstring); real Wildlife Insights deployments when present and ``real_data``;
+    ``unknown_species`` is the config's ``web.unknown_species``."""
+    # unknown_species ne: the real projects record ~40 species and this table lists 6; the default (protect, fail
+    # closed) would protect every place, so it is tested on its own (test_web_app)
     cfg = config_from_dict({"federation_id": FED, "data_dir": str(tmp_path / "data"),
+                            "web": {"unknown_species": unknown_species},
                             "species": [{"scientific_name": n, "class_index": i, "iucn_category": c}
                                         for i, (n, c) in enumerate(SPECIES)]}).resolved(tmp_path)
     store = Store(cfg.database_url or "", cfg.data_dir)
