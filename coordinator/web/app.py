@@ -110,8 +110,10 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
     ky = EARTH_RADIUS_M * math.pi / 180.0
     xs = [lon * kx for lon in lons]
     ys = [lat * ky for lat in lats]
-    span_x = max(max(xs) - min(xs), 2000.0)
-    span_y = max(max(ys) - min(ys), 2000.0)
+    # the frame holds every marker and its dashed radius (a fuzzed marker may sit up to one radius off the truth)
+    margin = max([float(d.get("radius_m") or 0.0) for d in pts if d.get("fuzzed")] + [0.0])
+    span_x = max(max(xs) - min(xs) + 2 * margin, 2000.0)
+    span_y = max(max(ys) - min(ys) + 2 * margin, 2000.0)
     scale = min((width - 2 * pad) / span_x, (height - 2 * pad) / span_y)  # pixels per metre
     cx, cy = (max(xs) + min(xs)) / 2, (max(ys) + min(ys)) / 2
 
@@ -127,6 +129,7 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
     for lo, hi, horizontal in ((lat_min, lat_max, True), (lon_min, lon_max, False)):
         step = _nice_step((hi - lo) / 6)
         v = math.ceil(lo / step) * step
+        last_label = -1e9  # pixel position of the last longitude label: labels closer than 60 px are skipped
         while v <= hi:
             if horizontal:
                 _, yy = px(cx, v * ky)
@@ -136,11 +139,9 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
             else:
                 xx, _ = px(v * kx, cy)
                 parts.append(f'<line x1="{xx:.1f}" y1="0" x2="{xx:.1f}" y2="{height}" class="grid"/>')
-                if 40 < xx < width - 4:  # keep clear of the latitude labels along the left edge
-                    anchor = ' text-anchor="end"' if xx > width - 60 else ""
-                    dx = -2 if anchor else 2
-                    parts.append(f'<text x="{xx + dx:.1f}" y="{height - 4}" class="grid-label"{anchor}>'
-                                 f'{v:.6g}°</text>')
+                if 40 < xx < width - 60 and xx - last_label >= 60:  # clear of the edges and of the last label
+                    last_label = xx
+                    parts.append(f'<text x="{xx + 2:.1f}" y="{height - 4}" class="grid-label">{v:.6g}°</text>')
             v += step
     for d, x, y in zip(pts, xs, ys):
         X, Y = px(x, y)
