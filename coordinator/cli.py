@@ -1091,9 +1091,7 @@ def export_camtrap_dp_command(out_dir: Path = typer.Argument(..., help="folder f
                               config: Path = _config_option()) -> None:
     """Export the detections as a Camtrap DP 1.0 package, as the given role sees them in the web view."""
     from coordinator.web.auth import Role
-    from coordinator.web.deployments import species_table_categories
     from coordinator.web.formats import export_camtrap_dp
-    from coordinator.web.location_privacy import LocationPolicy, load_or_create_secret
     from coordinator.web.views import Viewer
 
     try:
@@ -1102,14 +1100,9 @@ def export_camtrap_dp_command(out_dir: Path = typer.Argument(..., help="folder f
         raise ConfigError(f"role {role!r} is unknown", field="--role",
                           fix=f"use one of {[r.value for r in Role]}") from None
     cfg = load_config(config)
-    policy = LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
-                            cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
-                            protect_unknown=getattr(cfg.web, "unknown_species", "protect") == "protect")
-    secret = load_or_create_secret(cfg.web.location_secret_path)
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:
-        viewer = Viewer(store, viewer_role, policy=policy, secret=secret,
-                        category_of=species_table_categories(cfg.species))
+        viewer = Viewer.for_config(store, viewer_role, cfg)
         with console.status("exporting"):
             package = export_camtrap_dp(viewer, out_dir)
     finally:

@@ -58,9 +58,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.storage import RoundRow, Store
 from coordinator.web.auth import AccountStore, LoginThrottle
 from coordinator.web.deployments import species_table_categories
-from coordinator.web.location_privacy import EARTH_RADIUS_M, LocationPolicy, load_or_create_secret
+from coordinator.web.location_privacy import EARTH_RADIUS_M, load_or_create_secret
 from coordinator.web.sessions import SessionManager, WebSession
-from coordinator.web.views import DetectionFilter, Viewer
+from coordinator.web.views import DetectionFilter, Viewer, policy_from_config
 
 __all__ = ["create_app", "map_svg", "SESSION_COOKIE", "LOGIN_CSRF_COOKIE"]
 
@@ -75,13 +75,6 @@ _CSP = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 
 
 class _NeedLogin(Exception):
     """Raised by a page that needs a session when there is none."""
-
-
-def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
-    """The :class:`LocationPolicy` of a coordinator config's ``web`` block."""
-    return LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
-                          cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
-                          protect_unknown=cfg.web.unknown_species == "protect")
 
 
 # ---- the offline map -----------------------------------------------------------------------------------------------

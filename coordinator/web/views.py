@@ -38,6 +38,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
@@ -47,12 +48,21 @@ from shared.iucn import IUCNCategory
 
 from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
 from coordinator.web.auth import Role
-from coordinator.web.deployments import CategoryOf
-from coordinator.web.location_privacy import LocationPolicy, haversine_m, protect
+from coordinator.config import CoordinatorConfig
+from coordinator.web.deployments import CategoryOf, species_table_categories
+from coordinator.web.location_privacy import LocationPolicy, haversine_m, load_or_create_secret, protect
 
-__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "place_key"]
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "place_key", "policy_from_config"]
 
 MAX_PAGE_SIZE = 500
+
+
+def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
+    """The :class:`LocationPolicy` of a coordinator config's ``web`` block (method, radius, cell, sensitive
+    categories, ``unknown_species``)."""
+    return LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
+                          cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
+                          protect_unknown=cfg.web.unknown_species == "protect")
 
 
 def place_key(latitude: float, longitude: float) -> str:
@@ -152,6 +162,18 @@ class Viewer:
         self.policy = policy
         self._secret = secret
         self._category_of = category_of
+
+    @classmethod
+    def for_config(cls, store: Store, role: Role, config: CoordinatorConfig) -> "Viewer":
+        """The viewer of a resolved coordinator config: its policy (:func:`policy_from_config`), location secret
+        (``web.location_secret_path``, created on first use) and species table.
+
+        Raises:
+            ConfigError: the location secret is unreadable or readable by group/others.
+        """
+        secret_path = config.web.location_secret_path or (Path(config.data_dir) / "location-secret")
+        return cls(store, role, policy=policy_from_config(config), secret=load_or_create_secret(secret_path),
+                   category_of=species_table_categories(config.species))
 
     # ---- deployments ---------------------------------------------------------------------------------------
     def sensitive_species(self, name: str | None) -> bool:
