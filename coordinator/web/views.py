@@ -33,8 +33,10 @@ rejected ones are in ``rejections`` and no view reads that table except the oper
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import json
+import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,7 +52,8 @@ from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
 from coordinator.web.auth import Role
 from coordinator.config import CoordinatorConfig
 from coordinator.web.deployments import CategoryOf, species_table_categories
-from coordinator.web.location_privacy import LocationPolicy, haversine_m, load_or_create_secret, protect
+from coordinator.web.location_privacy import (EARTH_RADIUS_M, LocationPolicy, haversine_m, load_or_create_secret,
+                                              protect)
 
 __all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "place_key", "policy_from_config"]
 
@@ -221,10 +224,15 @@ class Viewer:
                     | {self._category_of(n) for n in species[r.deployment_id]} for r in rows}
         sensitive = [r for r in rows if recorded[r.deployment_id] & self.policy.categories
                      or any(self.sensitive_species(n) for n in species[r.deployment_id])]
+        # neighbours within the radius: only sensitive deployments in the latitude band of +-radius are measured
+        sensitive.sort(key=lambda o: o.latitude)
+        lats = [o.latitude for o in sensitive]
+        band = math.degrees(self.policy.radius_m / EARTH_RADIUS_M) + 1e-9
         out = []
         for r in rows:
+            lo, hi = bisect.bisect_left(lats, r.latitude - band), bisect.bisect_right(lats, r.latitude + band)
             near_sensitive = any(haversine_m(r.latitude, r.longitude, o.latitude, o.longitude)
-                                 <= self.policy.radius_m for o in sensitive)
+                                 <= self.policy.radius_m for o in sensitive[lo:hi])
             shown = protect(r.latitude, r.longitude, deployment_id=place_key(r.latitude, r.longitude),
                             recorded=set(self.policy.categories) if near_sensitive else set(),
                             exact_allowed=self.role.sees_exact_locations, policy=self.policy, secret=self._secret)
