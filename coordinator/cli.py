@@ -913,8 +913,13 @@ def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0
                                       "(sensitive locations fuzzed)"),
              config: Path = _config_option()) -> None:
     """Create a web-view account; the password is asked twice and never echoed (Argon2id hash stored)."""
+    from coordinator.web.auth import AccountError
+
     store, accounts = _accounts(config)  # a broken config fails before the password is asked
     try:
+        if accounts.get(username) is not None:  # and so does a taken name
+            raise AccountError(f"user {username!r} exists", field="username",
+                               fix="choose another name, or use `user set-role` / `user set-password`")
         password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
         account = accounts.create(username, password, role)
     finally:

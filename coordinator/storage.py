@@ -331,6 +331,8 @@ class DeploymentRow(Base):
     source: Mapped[str] = mapped_column(String(256), default="")
     categories_json: Mapped[str] = mapped_column(Text, default="[]")
     species_json: Mapped[str] = mapped_column(Text, default="[]")
+    start: Mapped[str | None] = mapped_column(String(40), nullable=True)  # ISO 8601 with offset, as imported
+    end: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:

@@ -110,25 +110,41 @@ def _coordinate(row: Mapping[str, str], name: str, bound: float, source: Path) -
     return value
 
 
-def _store(store: Store, deployments: Mapping[str, tuple[float, float, str]],
+def _iso(value: str | None) -> str | None:
+    """A deployment's start or end as ISO 8601 with an offset: Camtrap DP values pass as they are; a Wildlife
+    Insights ``YYYY-MM-DD HH:MM:SS`` (no zone) is read as UTC; empty or "None" is None."""
+    text = (value or "").strip()
+    if not text or text.lower() in ("none", "nan", "na"):
+        return None
+    text = text.replace(" ", "T", 1)
+    if len(text) == 10:
+        text += "T00:00:00"
+    if not (text.endswith("Z") or text[-6:-5] in ("+", "-")):
+        text += "Z"
+    return text
+
+
+def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str | None, str | None]],
            categories: Mapping[str, set[IUCNCategory]], species: Mapping[str, set[str]], source: str) -> int:
     with store.session() as s:
-        for dep_id, (lat, lon, name) in deployments.items():
+        for dep_id, (lat, lon, name, start, end) in deployments.items():
             row = s.get(DeploymentRow, dep_id) or DeploymentRow(deployment_id=dep_id)
             row.latitude, row.longitude, row.location_name, row.source = lat, lon, name, source
+            row.start, row.end = _iso(start), _iso(end)
             row.categories_json = json.dumps(sorted(c.value for c in categories.get(dep_id, set())))
             row.species_json = json.dumps(sorted(species.get(dep_id, set())))
             s.merge(row)
     return len(deployments)
 
 
-def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str], records: str, record_id: str,
+def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str, str, str], records: str, record_id: str,
             species_of: Callable[[Mapping[str, str]], str], category_of: CategoryOf, source: str, fmt: str) -> int:
     """Read ``deployments.csv`` (columns: id, latitude, longitude, name) and the ``records`` file (its
     ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none), then store."""
-    dep_id, lat, lon, name = columns
+    dep_id, lat, lon, name, start, end = columns
     deployments = {r[dep_id]: (_coordinate(r, lat, 90, root / "deployments.csv"),
-                               _coordinate(r, lon, 180, root / "deployments.csv"), r.get(name) or r[dep_id])
+                               _coordinate(r, lon, 180, root / "deployments.csv"), r.get(name) or r[dep_id],
+                               r.get(start), r.get(end))
                    for r in _rows(root / "deployments.csv", (dep_id, lat, lon), fmt)}
     categories: dict[str, set[IUCNCategory]] = {}
     recorded: dict[str, set[str]] = {}
@@ -147,7 +163,8 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
         DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
     """
     root = Path(package)
-    return _import(store, root, columns=("deploymentID", "latitude", "longitude", "locationName"),
+    return _import(store, root, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
+                            "deploymentEnd"),
                    records="observations.csv", record_id="deploymentID",
                    species_of=lambda r: (r.get("scientificName") or "").strip(), category_of=category_of,
                    source=f"camtrap-dp:{root.name}", fmt="camtrap-dp")
@@ -165,6 +182,6 @@ def import_wildlife_insights(store: Store, project: str | Path, category_of: Cat
         DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
     """
     root = Path(project)
-    return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename"),
+    return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename", "start_date", "end_date"),
                    records="images.csv", record_id="deployment_id", species_of=_wi_species,
                    category_of=category_of, source=f"wildlife-insights:{root.name}", fmt="wildlife-insights")

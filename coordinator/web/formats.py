@@ -570,10 +570,15 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
     dep_rows = []
     for dep_id, d in sorted(deployments.items()):
         ts = sorted(times.get(dep_id, []))
+        # the deployment's own period when its import gave one (dates only for a fuzzed place), else the first
+        # and last record times exported for it
+        start = _timestamp(d["start"])[0] if d.get("start") else (ts[0] if ts else "")
+        end = _timestamp(d["end"])[0] if d.get("end") else (ts[-1] if ts else "")
+        days += [x[:10] for x in (start, end) if x]
         dep_rows.append({"deploymentID": dep_id, "locationName": d.get("name") or dep_id,
                          "latitude": repr(float(d["latitude"])), "longitude": repr(float(d["longitude"])),
                          "coordinateUncertainty": _uncertainty(d, viewer.policy),
-                         "deploymentStart": ts[0] if ts else "", "deploymentEnd": ts[-1] if ts else "",
+                         "deploymentStart": start, "deploymentEnd": end,
                          "timestampIssues": "true" if dep_id in withheld_deps else "false"})
 
     lats = [float(d["latitude"]) for d in deployments.values()]

@@ -80,7 +80,7 @@ def _parse_date(value: str | None, name: str) -> _dt.date | None:
     try:
         return _dt.date.fromisoformat(str(value))
     except ValueError:
-        raise ConfigError(f"{name} {value!r} is not a date", field=name, fix="use YYYY-MM-DD") from None
+        raise ConfigError(f"{value!r} is not a date", field=name, fix="use YYYY-MM-DD") from None
 
 
 @dataclass(frozen=True)
@@ -116,17 +116,17 @@ class DetectionFilter:
             try:
                 cat = IUCNCategory(str(category).upper())
             except ValueError:
-                raise ConfigError(f"category {category!r} is not an IUCN category", field="category",
+                raise ConfigError(f"{category!r} is not an IUCN category", field="category",
                                   fix=f"use one of {[c.value for c in IUCNCategory]}") from None
         conf = None
         if min_confidence not in (None, ""):
             try:
                 conf = float(min_confidence)  # type: ignore[arg-type]
             except ValueError:
-                raise ConfigError(f"min_confidence {min_confidence!r} is not a number", field="min_confidence",
+                raise ConfigError(f"{min_confidence!r} is not a number", field="min_confidence",
                                   fix="give a number between 0 and 1") from None
             if not 0.0 <= conf <= 1.0:
-                raise ConfigError(f"min_confidence {min_confidence!r} is not in [0, 1]", field="min_confidence",
+                raise ConfigError(f"{min_confidence!r} is not in [0, 1]", field="min_confidence",
                                   fix="give a number between 0 and 1")
 
         def integer(value: Any, name: str, default: int, lo: int, hi: int) -> int:
@@ -135,15 +135,15 @@ class DetectionFilter:
             try:
                 n = int(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{name} {value!r} is not a whole number", field=name,
+                raise ConfigError(f"{value!r} is not a whole number", field=name,
                                   fix=f"give {lo}..{hi}") from None
             if not lo <= n <= hi:
-                raise ConfigError(f"{name} {value!r} is not in [{lo}, {hi}]", field=name, fix=f"give {lo}..{hi}")
+                raise ConfigError(f"{value!r} is not in [{lo}, {hi}]", field=name, fix=f"give {lo}..{hi}")
             return n
 
         d_from, d_to = _parse_date(date_from, "date_from"), _parse_date(date_to, "date_to")
         if d_from and d_to and d_from > d_to:
-            raise ConfigError("date_from is after date_to", field="date_from", fix="swap the dates")
+            raise ConfigError("it is after date_to", field="date_from", fix="swap the dates")
         return cls(site=site or None, species=(species or "").strip() or None, category=cat, date_from=d_from,
                    date_to=d_to, min_confidence=conf, limit=integer(limit, "limit", 50, 1, MAX_PAGE_SIZE),
                    offset=integer(offset, "offset", 0, 0, 10**9))
@@ -202,7 +202,9 @@ class Viewer:
         """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
         ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (the
         displacement radius when displaced, else 0), ``detections`` (records stored), and for rangers and
-        operators ``categories`` (IUCN codes recorded) and ``source``.
+        operators ``categories`` (IUCN codes recorded), ``unlisted_species`` (recorded species the species table
+        does not list: their category is unknown, not "NE") and ``source``; ``start``/``end`` (ISO 8601, the date
+        only for a fuzzed place) of the deployment when its import gave them, else None.
 
         Protection is per *place*, not per deployment id: a camera station used for several deployments (the same
         coordinates, re-deployed each season) would otherwise show its exact position through a deployment that
@@ -239,11 +241,19 @@ class Viewer:
             item: dict[str, Any] = {
                 "deployment_id": r.deployment_id,
                 "name": r.deployment_id if shown.fuzzed else (r.location_name or r.deployment_id),
-                "latitude": shown.latitude, "longitude": shown.longitude, "fuzzed": shown.fuzzed,
+                # a fuzzed point to 1e-5 degrees (about a metre): more digits would only look like precision
+                "latitude": round(shown.latitude, 5) if shown.fuzzed else shown.latitude,
+                "longitude": round(shown.longitude, 5) if shown.fuzzed else shown.longitude,
+                "fuzzed": shown.fuzzed,
                 "method": shown.method, "radius_m": self.policy.radius_m if shown.method == "displace" else 0.0,
-                "detections": int(counts.get(r.deployment_id, 0))}
+                "detections": int(counts.get(r.deployment_id, 0)),
+                # the period of a protected place is given by its dates only, like its records' times
+                "start": (r.start or "")[:10] if shown.fuzzed else r.start,
+                "end": (r.end or "")[:10] if shown.fuzzed else r.end}
             if self.role.sees_exact_locations:
                 item["categories"] = sorted(c.value for c in recorded[r.deployment_id])
+                known = getattr(self._category_of, "known", None)
+                item["unlisted_species"] = sorted(n for n in species[r.deployment_id] if known and not known(n))
                 item["source"] = r.source
             out.append(item)
         return out

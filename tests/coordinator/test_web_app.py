@@ -221,7 +221,8 @@ def test_filters_select_exactly_the_matching_records(clients, state):
                                           ({"date_from": "2024-05-01", "date_to": "2024-04-01"}, "date_from")])
 def test_bad_filters_are_refused_naming_the_field(clients, params, field):
     r = clients["ranger"].get("/api/detections", params=params)
-    assert r.status_code == 422 and r.json()["detail"].startswith(field)
+    detail = r.json()["detail"]
+    assert r.status_code == 422 and detail.startswith(f"{field}: ") and detail.count(f"{field}:") == 1
     page = clients["ranger"].get("/detections", params=params)
     assert page.status_code == 422 and field in page.text
 
@@ -500,3 +501,33 @@ def test_site_summary_counts_animals_only_and_ignores_records_without_a_time(tmp
     assert (sites["site-b"]["first"], sites["site-b"]["last"]) == ("2024-04-20", "2024-06-01")
     assert sites["site-c"] == {"site_id": "site-c", "records": 0, "with_animals": 0, "failures": 0,
                                "deployments": [], "top_species": [], "first": None, "last": None}
+
+
+def test_deployment_periods_come_from_the_import_and_are_dates_only_at_protected_places(tmp_path):
+    import csv as _csv
+
+    from coordinator.web.auth import Role
+    from coordinator.web.deployments import import_camtrap_dp
+    from coordinator.web.formats import camtrap_dp_files
+    from coordinator.web.views import Viewer
+
+    st = seed(tmp_path, real_data=False)
+    pkg = tmp_path / "pkg3"
+    pkg.mkdir()
+    (pkg / "deployments.csv").write_text(
+        "deploymentID,locationName,latitude,longitude,deploymentStart,deploymentEnd\n"
+        "dep-river,river crossing,-2.3301,34.8302,2024-03-01T08:00:00-05:00,2024-05-31T17:30:00-05:00\n")
+    (pkg / "observations.csv").write_text("observationID,deploymentID,scientificName\no1,dep-river,Tayassu pecari\n")
+    import_camtrap_dp(st.store, pkg, st_category_of(st))
+    rows = {}
+    for role in (Role.RANGER, Role.PARTNER):
+        files = camtrap_dp_files(Viewer.for_config(st.store, role, st.config))
+        table = list(_csv.DictReader(io.StringIO(files["deployments.csv"].decode())))
+        rows[role] = {r["deploymentID"]: r for r in table}
+    assert (rows[Role.RANGER]["dep-river"]["deploymentStart"], rows[Role.RANGER]["dep-river"]["deploymentEnd"]) == (
+        "2024-03-01T08:00:00-05:00", "2024-05-31T17:30:00-05:00")
+    assert (rows[Role.PARTNER]["dep-river"]["deploymentStart"], rows[Role.PARTNER]["dep-river"]["deploymentEnd"]) == (
+        "2024-03-01T00:00:00Z", "2024-05-31T00:00:00Z")
+    # dep-ridge was imported without a period: its first and last record times (a3, b1, b2 of the seed plan)
+    assert (rows[Role.RANGER]["dep-ridge"]["deploymentStart"], rows[Role.RANGER]["dep-ridge"]["deploymentEnd"]) == (
+        "2024-04-02T03:05:00-05:00", "2024-05-01T12:00:00-05:00")

@@ -322,3 +322,22 @@ def test_module_docstring_lists_the_web_commands() -> None:
     doc = cli.__doc__ or ""
     for command in ("import-detections", "export-camtrap-dp", "set-password", "import-deployments", "serve"):
         assert command in doc
+
+
+def test_user_add_refuses_a_taken_name_before_asking_for_the_password(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "fed"), "--federation-id", "fx"]).exit_code == 0
+    cfg = str(tmp_path / "fed" / "coordinator.yaml")
+    from coordinator.config import load_config
+    from coordinator.storage import Store
+    from coordinator.web.auth import AccountStore
+    from tests.coordinator.web_fixtures import HASHER
+
+    c = load_config(cfg)
+    AccountStore(Store(c.database_url, c.data_dir), hasher=HASHER).create("olga", "operator-password-1", "operator")
+    r = runner.invoke(app, ["user", "add", "olga", "--role", "ranger", "--config", cfg], input="")
+    assert r.exit_code == 2 and "exists" in r.output and "password" not in r.output.split("exists")[0].lower()
