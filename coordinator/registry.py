@@ -44,6 +44,16 @@ DEFAULT_GRACE_S = 24 * 3600.0
 SITE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+
+def _parse_site_key(pem: str, error: type[Exception], what: str, *, fix: str) -> Ed25519PublicKey:
+    """The Ed25519 public key of ``pem``; raises ``error`` (a ConfigError subclass) naming ``what`` when it does not
+    parse."""
+    try:
+        return public_key_from_pem(pem)
+    except (ValueError, TypeError) as exc:
+        raise error(f"{what} does not parse: {getattr(exc, 'message', exc)}", field="public_key",
+                    fix=fix) from exc
+
 class EnrolmentError(ConfigError):
     """Enrolment refused (duplicate site, bad id, bad key or metadata); the message names the field and the fix."""
 
@@ -186,12 +196,9 @@ class SiteRegistry:
         if not site_id_ok:
             raise EnrolmentError(f"site id {site_id!r} is not topic-safe", field="site_id",
                                  fix="use letters, digits, '_', '.', '-' (no '/', '+', '#', spaces)")
-        try:
-            public_key = public_key_from_pem(public_key_pem)
-        except (ValueError, TypeError) as exc:
-            raise EnrolmentError(f"public key of site {site_id!r} does not parse: {getattr(exc, 'message', exc)}",
-                                 field="public_key",
-                                 fix="pass the site's Ed25519 public key PEM (the .pub file of `wildfed-edge keygen`)") from exc
+        public_key = _parse_site_key(public_key_pem, EnrolmentError, f"public key of site {site_id!r}",
+                                     fix="pass the site's Ed25519 public key PEM (the .pub file of `wildfed-edge "
+                                     "keygen`)")
         meta = _validate_metadata(site_id, metadata or {})
         with self._store.session() as s:
             if s.get(SiteRow, site_id) is not None:
@@ -330,11 +337,8 @@ class SiteRegistry:
         if not isinstance(grace_s, (int, float)) or not grace_s >= 0 or grace_s == float("inf"):
             raise KeyRotationError(f"grace period {grace_s!r} s is not a finite number >= 0", field="grace_s",
                                    fix="give the hours the old key stays valid, e.g. --grace-hours 24")
-        try:
-            new_key = public_key_from_pem(new_public_key_pem)
-        except (ValueError, TypeError) as exc:
-            raise KeyRotationError(f"new public key of site {site_id!r} does not parse: {getattr(exc, 'message', exc)}",
-                                   field="public_key", fix="pass the site's new Ed25519 public key PEM (.pub)") from exc
+        new_key = _parse_site_key(new_public_key_pem, KeyRotationError, f"new public key of site {site_id!r}",
+                                  fix="pass the site's new Ed25519 public key PEM (.pub)")
         new_fp = key_fingerprint(new_key)
         moment = self._now(now)
         with self._store.session() as s:
