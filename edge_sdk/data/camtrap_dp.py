@@ -11,10 +11,16 @@ resources ``deployments``, ``media``, ``observations``). This loader uses:
   usually a URL in published packages);
 - ``deployments.csv``: column ``deploymentID`` (every media row must point at a known deployment).
 
-One record = one media file (the DESIGN.md unit of privacy: one observation record/image). Several media-level
-animal observations of the same species on one image collapse to one record; an image with several species is
-left out (``multi_species="skip"``, the default, with a warning) or an error (``"error"``) so that a record
-stays in exactly one CCDP category. Images are converted to 8-bit grayscale (Pillow mode ``"L"``, ITU-R 601-2 luma) and resized to
+One record = one image (the DESIGN.md unit of privacy: one observation record/image). An image is identified by
+its file's bytes (SHA-256) as well as its path: several ``media.csv`` rows (different ``mediaID``) that resolve to
+the same file, or to byte-identical files at different paths, are ONE record, with the union of their
+observations and the first row's ``mediaID`` (one warning with the number of rows merged). Loading them as
+separate records would put the same pixels in the training data twice, possibly under two IUCN categories, so
+that image would be protected only by the composition of both mechanisms rather than by its category's budget.
+Several media-level animal observations of the same species on one image collapse to one record; an image with
+several species (counted over all the rows merged into it) is left out (``multi_species="skip"``, the default,
+with a warning) or an error (``"error"``) so that a record stays in exactly one CCDP category. (Images that
+differ in bytes but not in pixels, e.g. a re-encoded copy, are not detected.) Images are converted to 8-bit grayscale (Pillow mode ``"L"``, ITU-R 601-2 luma) and resized to
 ``image_size x image_size`` with bilinear filtering.
 
 The loader reads everything into memory and returns only a complete dataset; it writes nothing, so a failure
@@ -24,6 +30,7 @@ leaves nothing half-done behind.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import warnings
 from collections.abc import Mapping
@@ -166,6 +173,19 @@ def _resolve_media_file(package_dir: Path, row: dict[str, str]) -> Path:
     return package_dir / "media" / (row.get("fileName") or "").strip()
 
 
+def _file_sha256(path: Path) -> str:
+    """SHA-256 hex digest of a media file's bytes (streamed: the file is not held in memory)."""
+    try:
+        with path.open("rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError as exc:
+        raise DatasetError(
+            f"image cannot be read: {exc}",
+            source=str(path),
+            fix="make the file readable, or remove its rows from media.csv",
+        ) from exc
+
+
 def _load_image(path: Path, image_size: int) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
@@ -199,11 +219,13 @@ def load_camtrap_dp(
         missing_media: ``"error"``: an absent media file raises; ``"skip"``: its record is left out (one warning
             with the count).
         multi_species: ``"skip"`` (one warning with the count) or ``"error"`` for an image with observations of
-            several species (common in real packages: the TDWG example has 40 such images).
+            several species (common in real packages: the TDWG example has 40 such images), counted over every
+            media row that shows the same image (same file, or byte-identical files).
 
     Returns:
         LocalDataset with images uint8 (N, image_size, image_size), labels int64 (N,), categories int8 (N,),
-        ordered as the media appear in ``media.csv``.
+        one entry per distinct image, ordered as the images first appear in ``media.csv``; ``media_ids`` holds
+        the first row's ``mediaID`` of each image.
 
     Raises:
         DatasetError: a table or column is missing, a media row points at an unknown deployment, an observation
@@ -266,25 +288,14 @@ def load_camtrap_dp(
             )
         species_of_media.setdefault(media_id, set()).add(name)
 
-    images: list[np.ndarray] = []
-    labels: list[int] = []
-    ranks: list[int] = []
-    media_ids: list[str] = []
+    # Group the media rows by image: first by resolved path, then by the SHA-256 of the file's bytes, in media.csv
+    # order. Each group is one record whose species are the union over its rows.
+    groups: dict[str, dict] = {}  # sha256 hex -> {"media_id", "path", "names", "rows"}
+    by_path: dict[Path, str] = {}
     missing: list[str] = []
-    multi: list[str] = []
     for media_id, row in media_rows.items():  # media.csv order
         names = species_of_media.get(media_id)
         if not names:
-            continue
-        if len(names) > 1:
-            if multi_species == "error":
-                raise DatasetError(
-                    f"media {media_id!r} has observations of several species {sorted(names)}",
-                    source=str(paths["observations"]),
-                    field="scientificName",
-                    fix="split the image, or load with multi_species='skip' to leave such images out",
-                )
-            multi.append(media_id)
             continue
         image_path = _resolve_media_file(package_dir, row)
         if not image_path.is_file():
@@ -297,15 +308,51 @@ def load_camtrap_dp(
                 )
             missing.append(media_id)
             continue
+        resolved = image_path.resolve()
+        digest = by_path.get(resolved)
+        if digest is None:
+            digest = _file_sha256(image_path)
+            by_path[resolved] = digest
+            if digest not in groups:
+                groups[digest] = {"media_id": media_id, "path": image_path, "names": set(), "rows": 0}
+        group = groups[digest]
+        group["names"] |= names
+        group["rows"] += 1
+
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    ranks: list[int] = []
+    media_ids: list[str] = []
+    multi: list[str] = []
+    merged = 0
+    for group in groups.values():
+        names = group["names"]
+        merged += group["rows"] - 1
+        if len(names) > 1:
+            if multi_species == "error":
+                raise DatasetError(
+                    f"media {group['media_id']!r} has observations of several species {sorted(names)}"
+                    + (f" (over {group['rows']} media rows showing the same image)" if group["rows"] > 1 else ""),
+                    source=str(paths["observations"]),
+                    field="scientificName",
+                    fix="split the image, or load with multi_species='skip' to leave such images out",
+                )
+            multi.append(group["media_id"])
+            continue
         entry = table[next(iter(names))]
-        images.append(_load_image(image_path, image_size))
+        images.append(_load_image(group["path"], image_size))
         labels.append(entry.class_index)
         ranks.append(entry.iucn_category.rank)
-        media_ids.append(media_id)
+        media_ids.append(group["media_id"])
 
     if missing:
         warnings.warn(
             f"{package_dir}: {len(missing)} media file(s) missing were skipped (first: {missing[0]!r})", stacklevel=2
+        )
+    if merged:
+        warnings.warn(
+            f"{package_dir}: {merged} media row(s) show an image already listed (same file or identical bytes) and "
+            "were merged into its record (one image = one record)", stacklevel=2
         )
     if multi:
         warnings.warn(f"{package_dir}: {len(multi)} multi-species image(s) were skipped", stacklevel=2)

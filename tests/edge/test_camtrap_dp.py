@@ -126,3 +126,89 @@ def test_tdwg_example_package() -> None:
     assert data.images.shape == (10, 28, 28) and data.images.dtype == np.uint8
     assert np.all(data.categories == IUCNCategory.LC.rank)
     assert data.images.std() > 0  # real photographs, not blank frames
+
+
+# -- one image = one record (issue 16, item 3) -------------------------------------------------------------------
+def _add_media_rows(pkg: Path, rows: list[dict[str, str]], observations: list[dict[str, str]]) -> None:
+    """Append media and observation rows to a package written by ``write_package`` (same columns)."""
+    import csv
+
+    for name, extra in (("media", rows), ("observations", observations)):
+        path = pkg / f"{name}.csv"
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            columns, existing = list(reader.fieldnames or []), list(reader)
+        with path.open("w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            for row in existing + extra:
+                writer.writerow({c: row.get(c, "") for c in columns})
+
+
+def _animal(obs_id: str, media_id: str, name: str) -> dict[str, str]:
+    return {"observationID": obs_id, "deploymentID": "d1", "mediaID": media_id, "observationLevel": "media",
+            "observationType": "animal", "scientificName": name, "count": "1"}
+
+
+def test_two_media_rows_with_one_file_path_and_two_species_are_one_multi_species_image(package: Path) -> None:
+    # m5 is a second media row for m1's file (media/sub/m1.png) whose observation says zebra (NT) while m1's says
+    # elephant (CR). Before the fix they loaded as two records with identical pixels, one CR and one NT.
+    _add_media_rows(package, [{"mediaID": "m5", "deploymentID": "d1", "filePath": "media/sub/m1.png",
+                               "fileName": "m5.png"}], [_animal("o5", "m5", "Equus quagga")])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = load_camtrap_dp(package, SPECIES)
+    # The image shows two species: the project's rule leaves it out (it could not sit in one category).
+    assert data.media_ids == ("m2", "m4")
+    assert data.categories.tolist() == [4, 4]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "1 multi-species image" in messages and "1 media row(s)" in messages
+    with pytest.raises(DatasetError, match="several species") as info:
+        load_camtrap_dp(package, SPECIES, multi_species="error")
+    assert "m1" in str(info.value) and "2 media rows" in str(info.value)
+
+
+def test_same_file_listed_twice_with_one_species_is_one_record(package: Path) -> None:
+    _add_media_rows(package, [{"mediaID": "m5", "deploymentID": "d1", "filePath": "media/sub/m1.png",
+                               "fileName": "m5.png"}], [_animal("o5", "m5", "Loxodonta cyclotis")])
+
+    with pytest.warns(UserWarning, match="1 media row"):
+        data = load_camtrap_dp(package, SPECIES)
+    assert data.media_ids == ("m1", "m2", "m4")  # not ("m1", "m2", "m4", "m5")
+    assert data.category_counts() == {IUCNCategory.CR: 1, IUCNCategory.NT: 2}
+
+
+def test_byte_identical_files_at_two_paths_are_one_image(package: Path) -> None:
+    # m6 is a copy of m2's PNG at another path, labelled as an elephant (CR); m2 is a zebra (NT).
+    (package / "media" / "copies").mkdir()
+    copy = package / "media" / "copies" / "m6.png"
+    copy.write_bytes((package / "media" / "m2.png").read_bytes())
+    _add_media_rows(package, [{"mediaID": "m6", "deploymentID": "d1", "filePath": "media/copies/m6.png",
+                               "fileName": "m6.png"}], [_animal("o6", "m6", "Loxodonta cyclotis")])
+
+    with pytest.warns(UserWarning, match="multi-species"):
+        data = load_camtrap_dp(package, SPECIES)
+    assert data.media_ids == ("m1", "m4")
+    # The pixels of m2 appear in no record at all (each record's image is distinct).
+    assert not np.any(np.all(data.images == COLOURS["m2"][1], axis=(1, 2)))
+
+    # Same bytes, same species: one record, kept under the first mediaID.
+    obs = (package / "observations.csv").read_text(encoding="utf-8").replace(
+        "o6,d1,m6,,,,media,animal,Loxodonta cyclotis", "o6,d1,m6,,,,media,animal,Equus quagga")
+    (package / "observations.csv").write_text(obs, encoding="utf-8")
+    with pytest.warns(UserWarning, match="1 media row"):
+        data = load_camtrap_dp(package, SPECIES)
+    assert data.media_ids == ("m1", "m2", "m4")
+
+
+def test_distinct_files_with_equal_colours_but_different_bytes_stay_two_records(package: Path) -> None:
+    # m3.png and m4.png are both solid blue but m3 has only a blank observation; give m3 a zebra and check
+    # that two distinct files (same pixels, m3 re-saved with another PNG compression -> other bytes) stay two.
+    from PIL import Image
+
+    Image.new("RGB", (40, 30), COLOURS["m3"][0]).save(package / "media" / "m3.png", compress_level=0)
+    assert (package / "media" / "m3.png").read_bytes() != (package / "media" / "m4.png").read_bytes()
+    _add_media_rows(package, [], [_animal("o3b", "m3", "Equus quagga")])
+    data = load_camtrap_dp(package, SPECIES)
+    assert data.media_ids == ("m1", "m2", "m3", "m4")
