@@ -311,6 +311,7 @@ class LossyBridge:
         self.seen: set[tuple[str, int]] = set()
         self.lost = 0
         self.listeners = []
+        self.dropped = threading.Event()  # set on every loss; the test's reconnect thread waits on it
 
     def _lose(self, payload: bytes) -> bool:
         if not is_chunk(payload):
@@ -320,6 +321,7 @@ class LossyBridge:
         if c.index % 4 == 0 and k not in self.seen:
             self.seen.add(k)
             self.lost += 1
+            self.dropped.set()  # the link drops here, and comes back once the reconnect thread sees it
             return True
         return False
 
@@ -357,9 +359,11 @@ def test_gateway_and_coordinator_fill_chunk_gaps_in_both_directions(tmp_path: Pa
     agent.start()
     stop = threading.Event()
 
-    def reconnects() -> None:  # the link comes back every 0.3 s (the agent then asks for what it lacks)
-        while not stop.wait(0.3):
-            bridge.connect()
+    def reconnects() -> None:  # after each drop the link comes back (the agent then asks for what it lacks);
+        while not stop.is_set():  # driven by the losses themselves, not by a clock, so load cannot reorder it
+            if bridge.dropped.wait(timeout=1.0):
+                bridge.dropped.clear()
+                bridge.connect()
 
     threading.Thread(target=reconnects, daemon=True).start()
     runner = threading.Thread(target=agent.run, kwargs={"max_rounds": 1, "idle_timeout_s": 60})
