@@ -133,7 +133,7 @@ class Accepted:
 
     Attributes:
         site_id, round, sequence: from the verified header.
-        num_examples: N_k reported by the site (records in its non-halted categories; declared public metadata).
+        num_examples: N_k reported by the site (its public record count, every category; unchanged by halts).
         weight: the FedAvg weight used (= ``num_examples``).
         payload_sha256: name of the stored blob.
         events: ``{category: DPSGDEvent}`` the site ran (charged to the ledger when the round closes).

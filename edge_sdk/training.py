@@ -4,12 +4,15 @@ Global DP mode, the clipped gradient sum of one Poisson-sampled batch (:func:`cl
 This module wires the pieces and holds no maths of its own: sampling (``edge_sdk.privacy.sampling``), the
 mechanism and its calibration (``edge_sdk.privacy.ccdp``), and a training backend (``edge_sdk.backends``). Per step
 (Abadi et al. 2016, Alg. 1): sample a batch with rate q from the records of active categories, take per-example
-gradients, privatise them (clip, per-category noisy sums, normalise by q * N_active), take one SGD step.
+gradients, privatise them (clip, per-category noisy sums, normalise by q * N_site), take one SGD step.
 
-Sampling rate: q = min(1, B / N_active) with B the task's ``expected_batch_size`` and N_active the number of the
-site's records whose category is not halted (N_active is the site's declared public metadata, the FedAvg weight,
-as ``shared.protocol.UpdateReport`` states). Noise multipliers are calibrated for ``planned_rounds * local_steps``
-steps at that q; the events reported are those of the steps actually run.
+Sampling rate and normaliser (docs/privacy.md "What halting reveals"): q = min(1, B / N_site) with B the task's
+``expected_batch_size`` and N_site the number of the site's records, all categories together (the site's declared
+public count, the FedAvg weight reported as ``UpdateReport.num_examples``). Records of a halted category are simply
+not sampled, and each step is normalised by q * N_site, so neither q, nor the normaliser, nor ``num_examples``
+changes when a category halts: nothing that leaves the gateway is a function of a per-category count (only the noisy
+class counts NIRA may ask for, which are noised and charged). Noise multipliers are calibrated for
+``planned_rounds * local_steps`` steps at that q; the events reported are those of the steps actually run.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ class LocalTrainingResult:
 
     Attributes:
         delta: ``{name: float32 array}``, local minus global weights (same names and shapes as the global model).
-        report: the :class:`shared.protocol.UpdateReport` (num_examples = N_active, steps, DP events).
+        report: the :class:`shared.protocol.UpdateReport` (num_examples = N_site, the public count; steps; DP
+            events).
         noise_multipliers: ``{category: z_c}`` used (empty for privacy "none").
-        sampling_rate: q.
+        sampling_rate: q = min(1, B / N_site).
     """
 
     delta: dict[str, np.ndarray]
@@ -95,7 +99,10 @@ def local_step(
     idx = poisson_sample(eligible, sampling_rate, randomness)
     x, y = dataset.images[idx], dataset.labels[idx]
     if mechanism is not None:
-        step = mechanism.privatize(backend.per_example(x, y), dataset.categories[idx])
+        # an empty batch is a noise-only step (its (0, d) gradients need no backend call)
+        grads = (backend.per_example(x, y) if idx.size
+                 else np.zeros((0, backend.num_parameters), dtype=np.float32))
+        step = mechanism.privatize(grads, dataset.categories[idx])
     elif idx.size:
         step = backend.gradient(x, y)
     else:
@@ -106,20 +113,28 @@ def local_step(
 
 def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
                  ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
-    """``(active categories, eligible mask bool (N,), N_active, q = min(1, B / N_active))``.
+    """``(active categories, eligible mask bool (N,), N_site, q = min(1, B / N_site))``.
+
+    ``N_site = len(dataset)`` is the site's public record count (every category, halted or not); the mask marks the
+    records of active categories, the only ones ever sampled. q and N_site depend only on public values (B, the
+    site's public count), never on how many records a category holds: a halt changes neither (docs/privacy.md).
+    An active category with no records still trains (noise only), so whether the site trains is decided by public
+    facts alone (its species table and the halted list).
 
     Raises:
-        PrivacyBudgetError: every category is halted or has no records.
+        PrivacyBudgetError: every category of the site's species table is halted, or the site has no records.
     """
     active = active_categories(site_categories, task.halted)
-    eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
-    n_active = int(eligible.sum())
-    if not active or n_active == 0:
+    if not active:
         raise PrivacyBudgetError(
-            f"round {task.round}: no record is eligible (active categories {[c.value for c in active]}, "
-            f"halted {[c.value for c in task.halted]}): the site does not train"
+            f"round {task.round}: every category is halted (halted {[c.value for c in task.halted]}): "
+            "the site does not train"
         )
-    return active, eligible, n_active, min(1.0, task.expected_batch_size / n_active)
+    n_site = len(dataset)
+    if n_site == 0:
+        raise PrivacyBudgetError(f"round {task.round}: the site has no records: the site does not train")
+    eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
+    return active, eligible, n_site, min(1.0, task.expected_batch_size / n_site)
 
 
 def train_locally(
@@ -144,12 +159,12 @@ def train_locally(
         num_classes: length of the count vector when the task asks for counts (default: from ``psi.bias``).
 
     Raises:
-        PrivacyBudgetError: every category is halted or has no records, an active category has no budget, or the
-            count releases alone would exceed a budget.
+        PrivacyBudgetError: every category is halted or the site has no records, an active category has no
+            budget, or the count releases alone would exceed a budget.
         ConfigError: the weights do not fit the backend's model.
         PayloadError: counts asked for and the number of classes unknown.
     """
-    active, eligible, n_active, q = _eligibility(dataset, task, site_categories)
+    active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
     backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
     start = backend.get_weights()
 
@@ -168,7 +183,7 @@ def train_locally(
                 raise
             raise PrivacyBudgetError(f"round {task.round}: {exc}; the site does not train") from None
         mechanism = CCDPMechanism(clipping_norm=task.clipping_norm, noise_multipliers=z,
-                                  expected_batch_size=q * n_active, noise=randomness)
+                                  expected_batch_size=q * n_site, noise=randomness)
         log.info("round %d: CCDP q=%.4g, C=%g, z=%s", task.round, q, task.clipping_norm,
                  {c.value: round(v, 4) for c, v in z.items()})
 
@@ -191,7 +206,7 @@ def train_locally(
                                     randomness=randomness)
         if z_count > 0:
             count_events = {c: DPSGDEvent(float(z_count), 1.0, 1) for c in active}
-    report = UpdateReport(num_examples=n_active, local_steps=task.local_steps, events=events,
+    report = UpdateReport(num_examples=n_site, local_steps=task.local_steps, events=events,
                           species_counts=counts, count_events=count_events)
     return LocalTrainingResult(delta=delta, report=report, noise_multipliers=z, sampling_rate=q)
 
@@ -203,9 +218,9 @@ class ClippedSum:
     Attributes:
         gradient_sum: ``{name: float32 array}``, sum over one Poisson-sampled batch of the per-example gradients,
             each clipped to L2 norm C (same names and shapes as the global model).
-        num_examples: N_active, records in the active categories (declared public metadata).
+        num_examples: N_site, the site's public record count (every category; unchanged by a halt).
         categories: the active categories (public: species table minus halted ones), IUCN rank order.
-        sampling_rate: q = min(1, B / N_active).
+        sampling_rate: q = min(1, B / N_site).
         batch_size: the realised batch size (stays on the gateway: it is data-dependent).
     """
 
@@ -234,10 +249,10 @@ def clipped_sum_locally(
     Args: as :func:`train_locally`.
 
     Raises:
-        PrivacyBudgetError: every category is halted or has no records.
+        PrivacyBudgetError: every category is halted or the site has no records.
         ConfigError: the weights do not fit the backend's model.
     """
-    active, eligible, n_active, q = _eligibility(dataset, task, site_categories)
+    active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
     backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
     idx = poisson_sample(eligible, q, randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
@@ -248,4 +263,4 @@ def clipped_sum_locally(
     log.info("round %d: global DP: clipped sum of a Poisson batch at q=%.4g (C=%g), no local noise", task.round, q,
              task.clipping_norm)
     return ClippedSum(gradient_sum=unflatten(flat.astype(np.float32), backend.parameter_layout),
-                      num_examples=n_active, categories=active, sampling_rate=q, batch_size=int(idx.size))
+                      num_examples=n_site, categories=active, sampling_rate=q, batch_size=int(idx.size))

@@ -255,7 +255,8 @@ class TrainingTask:
     Attributes:
         federation_id, round, model_hash: identify the round and the global model version (hex SHA-256).
         local_steps: DP-SGD steps to run this round.
-        expected_batch_size: B; the site samples at rate q = min(1, B / N_active).
+        expected_batch_size: B; the site samples at rate q = min(1, B / N_site), N_site its public record count
+            (every category: a halted category's records are not sampled, but they stay in N_site).
         learning_rate: local SGD step size.
         clipping_norm: C, L2 bound of each per-example gradient.
         target_delta: delta of every category's (eps, delta) guarantee.
@@ -381,8 +382,9 @@ class UpdateReport:
     """What a site reports with its model delta (the payload tensors).
 
     Attributes:
-        num_examples: N_k, records in the site's non-halted categories: declared public metadata (it is the
-            FedAvg weight; docs/privacy.md).
+        num_examples: N_k, the site's record count over every category of its species table, halted or not:
+            declared public metadata (it is the FedAvg weight; docs/privacy.md). It never depends on which
+            categories are halted, so it reveals no per-category count.
         local_steps: steps actually run.
         events: per IUCN category, the DP-SGD event that was run (empty for privacy "none").
         species_counts: ``{class index: noisy record count}`` for every class of the model when the task asked

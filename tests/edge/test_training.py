@@ -66,18 +66,19 @@ def task(**kw) -> TrainingTask:
 
 
 def test_ccdp_step_hand_worked() -> None:
-    # EN is halted: N_active = 4, q = B / N_active = 2/4 = 0.5, expected batch size q * N_active = 2.
+    # EN is halted (its 2 records are not sampled, but stay in the public count): N_site = 6, q = B / N_site = 2/6,
+    # normaliser q * N_site = 2 (issue 16: nothing that leaves the gateway depends on the halted category's count).
     # Clipped (C = 1): (3,4) -> (0.6,0.8); (0,1); (6,8) -> (0.6,0.8); (0,0). Sum (1.2, 2.6); / 2 = (0.6, 1.3).
     # One step at lr 0.5 from w = (1, -1): delta = -0.5 * (0.6, 1.3) = (-0.3, -0.65).
     result = train_locally(backend=FakeBackend(), dataset=dataset(), task=task(),
                            global_weights={"w": np.array([1.0, -1.0], np.float32)},
                            site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
     np.testing.assert_allclose(result.delta["w"], [-0.3, -0.65], rtol=2e-5)  # 1e-5 clip margin
-    assert result.sampling_rate == 0.5
-    assert result.report.num_examples == 4 and result.report.local_steps == 1
+    assert result.sampling_rate == 2 / 6
+    assert result.report.num_examples == 6 and result.report.local_steps == 1
     assert set(result.report.events) == {Cat.CR, Cat.LC}  # the halted category reports nothing
     for cat, event in result.report.events.items():
-        assert event.sampling_rate == 0.5 and event.steps == 1
+        assert event.sampling_rate == 2 / 6 and event.steps == 1
         assert event.noise_multiplier == result.noise_multipliers[cat]
     assert result.noise_multipliers[Cat.CR] > result.noise_multipliers[Cat.LC]
 
@@ -134,7 +135,7 @@ def test_count_release_is_noised_charged_and_leaves_room_for_it_in_the_calibrati
         z = result.noise_multipliers[cat]
         assert z > plain.noise_multipliers[cat]
         acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-        acc.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(z)), 10)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(2 / 6, dp_accounting.GaussianDpEvent(z)), 10)
         acc.compose(dp_accounting.GaussianDpEvent(60.0), 10)
         assert budget * 0.995 <= acc.get_epsilon(1e-5) <= budget
 
