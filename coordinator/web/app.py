@@ -14,7 +14,8 @@ need the operator role; what each role sees inside a page is decided by :class:`
  ``GET /detections``              detection list; filters site, species, category, date_from, date_to,
                                   min_confidence; paged by limit and offset
  ``GET /detections/{id}``         one record: image (when held) with its boxes, top species per box
- ``GET /detections/{id}/image``   the image; EXIF GPS removed for roles without exact locations
+ ``GET /detections/{id}/image``   the image; re-encoded from its pixels alone (no metadata of any kind) for
+                                  roles without exact locations (:func:`coordinator.web.media.strip_metadata`)
  ``GET /species``                 records per species and month (plot and table)
  ``GET /sites``                   per-site summary
  ``GET /operator/budgets``        privacy budget burn-down per site and category (plot and table)
@@ -419,12 +420,12 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         if digest is None:
             raise HTTPException(status_code=404, detail="the coordinator holds no image for this record (gateways "
                                                         "keep their images)")
-        from coordinator.web.media import image_info, strip_gps
+        from coordinator.web.media import image_info, strip_metadata
 
         data = store.get_blob(digest)
         if not ws.account.role.sees_exact_locations:
-            item = v.detection(detection_id) or {}
-            data = strip_gps(data, times=bool(item.get("time_withheld", True)))
+            # an allow-list: the pixels (upright, sRGB) and nothing else of the file (issue 16, item 5)
+            data = strip_metadata(data)
         _, _, mime = image_info(data)
         return Response(data, media_type=mime)
 

@@ -29,8 +29,9 @@ field and builds every record *before* it writes anything; one bad field rejects
  humans                           a record with a ``person``/``human`` or ``vehicle`` box keeps its row but the
                                   coordinator never stores its image (``image_sha256`` None): people and number plates
                                   are personal data and the view has no need of them
- images                           stored byte for byte as blobs (``Store.put_blob``); GPS is removed when the image is
-                                  *served* to a role without exact locations (:func:`coordinator.web.media.strip_gps`).
+ images                           stored byte for byte as blobs (``Store.put_blob``); a role without exact locations is
+                                  served a copy re-encoded from the pixels alone, with no metadata
+                                  (:func:`coordinator.web.media.strip_metadata`).
                                   A file outside ``images_dir`` (``..``, absolute, symlink out) counts as missing;
                                   unreadable files are counted and not stored
  re-import                        idempotent: the same record again is ``unchanged``; a different record for the same

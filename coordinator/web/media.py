@@ -1,13 +1,20 @@
 """Images the coordinator holds (operator imports, :mod:`coordinator.web.formats`): size, type, capture time, and
-removal of the EXIF GPS block before an image is shown to a role that must not see exact locations.
+the metadata-free copy of an image that roles without exact locations are served (:func:`strip_metadata`).
 
 Every image is untrusted input: it is opened with Pillow only (never unpickled or executed), fully decoded before
 anything is believed about it, and refused when it is larger than ``PIL.Image.MAX_IMAGE_PIXELS`` (Pillow's
 decompression-bomb limit, about 89.5 megapixels by default; the warning Pillow gives above that is treated as an
 error here, not only the error it raises at twice the limit).
 
-EXIF is the Exif 2.32 / TIFF 6.0 layout that Pillow reads (``Image.getexif()``); the GPS block is the sub-IFD that
-tag ``0x8825`` (GPSInfo) points to.
+EXIF is the Exif 2.32 / TIFF 6.0 layout that Pillow reads (``Image.getexif()``).
+
+Why an allow-list (issue 16, item 5): a camera, a cataloguing tool or a person can write a position or a place name
+into almost any field: the GPS IFD, ImageDescription, Artist, XPComment, UserComment, the maker note, the JPEG
+comment (COM), XMP, IPTC, PNG ``tEXt``/``iTXt``/``zTXt`` chunks, even an ICC profile's description. Removing known
+fields one by one left "51.18400N 5.65900E" readable in every example image. So :func:`strip_metadata` keeps only
+the pixels: it decodes the image, applies the EXIF orientation to the pixels (so no tag is needed to show it the
+right way up), converts colours from an embedded ICC profile to sRGB, and encodes a brand-new image from the pixel
+values alone. Nothing of the original file but its pixels can reach the output.
 """
 
 from __future__ import annotations
@@ -17,16 +24,14 @@ import io
 import re
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
 from shared.errors import DatasetError
 
-__all__ = ["GPS_IFD_TAG", "JPEG_QUALITY", "strip_gps", "image_info", "exif_capture_time"]
+__all__ = ["JPEG_QUALITY", "strip_metadata", "image_info", "exif_capture_time"]
 
-GPS_IFD_TAG = 0x8825
-"""EXIF tag of the GPS IFD pointer (GPSInfo)."""
 JPEG_QUALITY = 95
-"""Quality a JPEG is re-encoded at by :func:`strip_gps`."""
+"""Quality a JPEG is re-encoded at by :func:`strip_metadata` when its own quantization tables cannot be reused."""
 
 _EXIF_IFD_TAG = 0x8769
 _DATETIME = 0x0132
@@ -67,63 +72,79 @@ def image_info(data: bytes) -> tuple[int, int, str]:
     return int(width), int(height), Image.MIME.get(img.format or "", "application/octet-stream")
 
 
-#: EXIF tags of capture time: DateTime (IFD0); DateTimeOriginal, DateTimeDigitized, OffsetTime*, SubSecTime* and
-#: MakerNote (vendor blocks can hold anything, times and positions included) in the Exif sub-IFD (EXIF 2.32).
-_TIME_TAGS_IFD0 = (0x0132,)
-_TIME_TAGS_EXIF = (0x9003, 0x9004, 0x9010, 0x9011, 0x9012, 0x9290, 0x9291, 0x9292, 0x927C)
+_PIXEL_MODES = ("1", "L", "LA", "RGB", "RGBA", "CMYK", "I", "I;16", "F")
 
 
-def strip_gps(data: bytes, *, times: bool = False) -> bytes:
-    """The image with its EXIF GPS IFD (tag ``0x8825``) removed, in the same format; with ``times`` also its
-    capture-time tags (DateTime, DateTimeOriginal, DateTimeDigitized, the offset and sub-second tags) and the
-    maker note (for a record whose time is withheld from the viewer, coordinator.web.views).
+def _pixels_only(img: Image.Image) -> Image.Image:
+    """A new image with ``img``'s pixels (oriented, in sRGB where a profile said otherwise) and no ``info`` at all:
+    built with ``Image.frombytes`` from the raw pixel values, so no metadata of the original object can follow."""
+    try:
+        img = ImageOps.exif_transpose(img)
+    except (ValueError, OSError, KeyError, TypeError, SyntaxError):
+        pass  # an unreadable orientation tag: the pixels as stored
+    icc = img.info.get("icc_profile")
+    if icc and img.mode in ("RGB", "RGBA", "L", "CMYK"):
+        try:
+            out_mode = "RGBA" if img.mode == "RGBA" else "RGB"
+            img = ImageCms.profileToProfile(img, ImageCms.ImageCmsProfile(io.BytesIO(icc)),
+                                            ImageCms.createProfile("sRGB"), outputMode=out_mode)
+        except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
+            pass  # a profile LittleCMS cannot read: the pixels as stored (colours may be a little off)
+    if img.mode in ("P", "PA"):
+        img = img.convert("RGBA" if img.mode == "PA" or "transparency" in img.info else "RGB")
+    elif img.mode not in _PIXEL_MODES:
+        img = img.convert("RGBA" if "A" in img.mode else "RGB")
+    transparency = img.info.get("transparency") if img.mode in ("L", "RGB") else None
+    clean = Image.frombytes(img.mode, img.size, img.tobytes())
+    if isinstance(transparency, (int, tuple)):  # a colour key is part of the pixels' meaning, not metadata
+        clean.info["transparency"] = transparency
+    return clean
 
-    The image is re-encoded with Pillow (JPEG at quality :data:`JPEG_QUALITY` with the original chroma
-    subsampling), keeping every other EXIF tag (camera, time, orientation, the Exif sub-IFD) and the ICC colour
-    profile. XMP packets are dropped too, because XMP can repeat the position (``exif:GPSLatitude``); IPTC blocks
-    and JPEG comments are not carried over by Pillow either. An image with neither a GPS IFD nor XMP is returned
-    unchanged (byte for byte, no second lossy encoding).
+
+def strip_metadata(data: bytes) -> bytes:
+    """The image re-encoded from its pixels alone: no EXIF (GPS, ImageDescription, Artist, XPComment, UserComment,
+    maker note, capture times), no XMP, IPTC, JPEG comment, PNG text chunk or ICC profile (module docstring).
+
+    An allow-list: what is kept is the first frame's pixels, turned upright by the EXIF Orientation tag (the tag
+    itself is then dropped) and converted to sRGB when the image carried an ICC profile. A JPEG (or MPO) stays a
+    JPEG, re-encoded with its own quantization tables and chroma subsampling where Pillow can reuse them (else at
+    quality :data:`JPEG_QUALITY`), so one more generation costs little; every other format becomes a PNG (lossless).
+    Used for every image shown to a role without exact locations (coordinator.web.app); rangers and operators get
+    the stored bytes.
 
     Args:
-        data: the encoded image (JPEG, PNG, TIFF, WebP, ...).
+        data: the encoded image (JPEG, PNG, TIFF, WebP, GIF, ...).
 
     Returns:
-        The encoded image without location metadata.
+        The encoded image (JPEG or PNG) with no metadata.
 
     Raises:
         DatasetError: the bytes are not a readable image, or it exceeds the decompression-bomb limit.
     """
     img = _open(data)
-    exif = img.getexif()
-    has_xmp = any(k in img.info for k in ("xmp", "XML:com.adobe.xmp"))
-    sub = exif.get_ifd(_EXIF_IFD_TAG) if _EXIF_IFD_TAG in exif else {}
-    has_times = times and (any(k in exif for k in _TIME_TAGS_IFD0) or any(k in sub for k in _TIME_TAGS_EXIF))
-    if GPS_IFD_TAG not in exif and not has_xmp and not has_times:
-        return bytes(data)
-    fmt = img.format or "PNG"
-    if GPS_IFD_TAG in exif:
-        del exif[GPS_IFD_TAG]
-    if times:
-        for k in _TIME_TAGS_IFD0:
-            exif.pop(k, None)
-        for k in _TIME_TAGS_EXIF:
-            sub.pop(k, None)
-    kwargs: dict[str, object] = {"format": fmt}
-    if len(exif):
-        kwargs["exif"] = exif.tobytes()
-    if img.info.get("icc_profile"):
-        kwargs["icc_profile"] = img.info["icc_profile"]
-    if fmt == "JPEG":
-        kwargs["quality"] = JPEG_QUALITY
-        kwargs["subsampling"] = "keep"
-    if getattr(img, "n_frames", 1) > 1:
-        kwargs["save_all"] = True
+    jpeg = img.format in ("JPEG", "MPO")
+    kwargs: dict[str, object] = {"format": "JPEG" if jpeg else "PNG"}
+    if jpeg:
+        from PIL import JpegImagePlugin
+
+        sampling = JpegImagePlugin.get_sampling(img)
+        tables = getattr(img, "quantization", None)
+        if sampling >= 0 and tables:
+            kwargs.update(subsampling=sampling, qtables=[list(tables[k]) for k in sorted(tables)])
+        else:
+            kwargs["quality"] = JPEG_QUALITY
+    clean = _pixels_only(img)
+    if jpeg and clean.mode not in ("L", "RGB", "CMYK"):
+        clean = clean.convert("RGB")
     out = io.BytesIO()
     try:
-        img.save(out, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise DatasetError(f"cannot re-encode the {fmt} image without its GPS tags: {exc}", field="image",
-                           fix="convert it to JPEG or PNG first") from None
+        clean.save(out, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError):
+        if not jpeg:
+            raise DatasetError("cannot re-encode the image without its metadata", field="image",
+                               fix="convert it to JPEG or PNG first") from None
+        out = io.BytesIO()  # tables Pillow would not take: a plain encoding at JPEG_QUALITY
+        clean.save(out, format="JPEG", quality=JPEG_QUALITY)
     return out.getvalue()
 
 

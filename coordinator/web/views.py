@@ -23,7 +23,7 @@ Then, for those roles, everything that could place a sensitive deployment is wit
  IUCN categories recorded     withheld (they would say which markers hide a sensitive species)
  image file path at the site  withheld (folder names often name places)
  capture time of a record     the date only, for records of a sensitive deployment
- image EXIF                   GPS tags removed (:func:`coordinator.web.media.strip_gps`)
+ image metadata               none: re-encoded from the pixels (:func:`coordinator.web.media.strip_metadata`)
 ============================ ========================================================================
 
 Only records stored by the verified ingest path (a good Ed25519 signature of an enrolled site,

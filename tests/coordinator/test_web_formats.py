@@ -1,5 +1,5 @@
 """Exchange formats of the web view (coordinator.web.formats, coordinator.web.media): MegaDetector batch output in,
-Camtrap DP 1.0 out, and GPS removal from images.
+Camtrap DP 1.0 out, and the metadata-free copies of images served to partners.
 
 Real photos are those of the Camtrap DP example package in ``../shared/data`` (tests that need them skip when it is
 absent). Expected values are computed independently: media ids and blob names by hashing the files, image sizes from
@@ -28,7 +28,7 @@ from coordinator.web.auth import Role
 from coordinator.web.deployments import species_table_categories
 from coordinator.web.formats import export_camtrap_dp, export_camtrap_dp_zip, import_megadetector
 from coordinator.web.location_privacy import LocationPolicy, haversine_m
-from coordinator.web.media import exif_capture_time, image_info, strip_gps
+from coordinator.web.media import exif_capture_time, image_info, strip_metadata
 from coordinator.web.views import Viewer
 
 DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -97,32 +97,25 @@ def _with_gps(src: bytes) -> bytes:
     return out.getvalue()
 
 
-def _tags(data: bytes) -> tuple[dict[int, object], dict[int, object]]:
-    """(base IFD without the GPS pointer and the Exif pointer offsets, Exif sub-IFD) of an image."""
-    exif = Image.open(io.BytesIO(data)).getexif()
-    base = {k: v for k, v in exif.items() if k not in (GPS, 0x8769)}
-    return base, dict(exif.get_ifd(0x8769))
-
-
 # ---- media -----------------------------------------------------------------------------------------------------
 
-def test_strip_gps_removes_exactly_the_gps_block_of_a_real_photo() -> None:
+def test_strip_metadata_of_a_real_photo_keeps_only_its_pixels() -> None:
     original = _need_media()[0].read_bytes()
     tagged = _with_gps(original)
     assert GPS in Image.open(io.BytesIO(tagged)).getexif()  # the fixture really carries a position
-    stripped = strip_gps(tagged)
-    exif = Image.open(io.BytesIO(stripped)).getexif()
-    assert GPS not in exif and not exif.get_ifd(GPS)
-    assert _tags(stripped) == _tags(tagged)  # every other tag, Exif sub-IFD included, kept
-    assert _tags(stripped)[0][271] == "RECONYX"  # the camera maker of the example package survives
-    a, b = Image.open(io.BytesIO(tagged)).convert("RGB"), Image.open(io.BytesIO(stripped)).convert("RGB")
-    assert a.size == b.size
-    assert max(ImageStat.Stat(ImageChops.difference(a, b)).mean) < 2.0  # one JPEG generation at quality 95
-    assert Image.open(io.BytesIO(stripped)).format == "JPEG"
-    assert strip_gps(original) == original  # nothing to remove: the same bytes, no second encoding
+    assert Image.open(io.BytesIO(original)).getexif()[271] == "RECONYX"  # and the camera its own tags
+    for source in (tagged, original):  # with or without a GPS block: the same treatment (issue 16, item 5)
+        stripped = strip_metadata(source)
+        out = Image.open(io.BytesIO(stripped))
+        assert out.format == "JPEG" and not dict(out.getexif())
+        assert set(out.info) <= {"jfif", "jfif_version", "jfif_unit", "jfif_density", "dpi"}
+        assert b"RECONYX" not in stripped and b"Exif" not in stripped
+        a, b = Image.open(io.BytesIO(source)).convert("RGB"), out.convert("RGB")
+        assert a.size == b.size
+        assert max(ImageStat.Stat(ImageChops.difference(a, b)).mean) < 2.0  # one generation, its own tables
 
 
-def test_strip_gps_png_is_lossless_and_non_images_are_refused() -> None:
+def test_strip_metadata_png_is_lossless_and_non_images_are_refused() -> None:
     img = Image.new("RGB", (40, 30), (10, 200, 30))
     img.putpixel((3, 4), (255, 0, 0))
     exif = Image.Exif()
@@ -130,14 +123,14 @@ def test_strip_gps_png_is_lossless_and_non_images_are_refused() -> None:
     exif.get_ifd(GPS).update({1: "S", 2: (3.0, 30.0, 0.0)})
     buf = io.BytesIO()
     img.save(buf, format="PNG", exif=exif.tobytes())
-    stripped = strip_gps(buf.getvalue())
+    stripped = strip_metadata(buf.getvalue())
     out = Image.open(io.BytesIO(stripped))
-    assert out.format == "PNG" and GPS not in out.getexif() and out.getexif()[271] == "TestCam"
+    assert out.format == "PNG" and not dict(out.getexif()) and b"TestCam" not in stripped
     assert out.convert("RGB").tobytes() == img.tobytes()
     assert image_info(stripped) == (40, 30, "image/png")
     for bad in (b"", b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20):
         with pytest.raises(DatasetError, match="image"):
-            strip_gps(bad)
+            strip_metadata(bad)
         with pytest.raises(DatasetError):
             image_info(bad)
 
