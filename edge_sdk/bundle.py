@@ -15,8 +15,19 @@ Layout under the prefix (default ``/opt/wildfed``)::
 
 ``wildfed-edge run --config <prefix>/site.yaml`` then starts the agent; the rendered systemd unit does the same
 with ``Restart=on-failure``. The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
-packages of the interpreter running the install, e.g. JetPack's torch) and ``pip install`` of the bundled wheel
-with the ``edge`` extra (``--no-deps``: the wheel alone, no index, no download).
+packages of the interpreter running the install, e.g. JetPack's torch), then (:func:`pip_install_commands`):
+
+1. ``pip install --no-deps --no-index --force-reinstall <prefix>/wheels/wildfed-*.whl`` (the SDK itself);
+2. ``pip install '<wheel>[<extras>]'`` with the extras of the profile's training backend
+   (:func:`edge_sdk.profiles.backend_extras`: ``edge,torch`` for torch, ``edge-ort`` for ort; ``auto`` is
+   ``edge-ort`` on an x86_64 CPU gateway, else torch). Offline (``--no-index --find-links``) from the bundle's
+   ``wheels/`` folder when the bundle carries wheels besides the SDK's, and from every ``--find-links DIR`` the
+   operator gives (e.g. a wheelhouse made with ``pip download`` on a connected machine); from the configured
+   package index otherwise. Packages already present (JetPack's torch through ``--system-site-packages``) are
+   kept. ``--no-deps`` skips this step.
+
+Afterwards the installed interpreter imports the profile's backend (:func:`edge_sdk.profiles.backend_import_problem`);
+when it does not, the result carries a warning with the install command (``check-config`` then fails too).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import site
 import subprocess
 import sys
@@ -37,9 +49,11 @@ from shared import bundle as fmt
 from shared.bundle import Bundle, BundleError, read_bundle
 from shared.keys import write_file_atomic
 from shared.errors import ConfigError
-from shared.profiles import GatewayProfile, check_profile_data
+from shared.profiles import JETSON_KINDS, GatewayProfile, check_profile_data
 
-__all__ = ["InstallResult", "install_bundle", "BundleError"]
+from edge_sdk.profiles import backend_extras
+
+__all__ = ["InstallResult", "install_bundle", "pip_install_commands", "BundleError"]
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +115,58 @@ def _make_venv(venv: Path, *, system_site_packages: bool, python: str) -> None:
         (purelib / "_wildfed_parent_site.pth").write_text("".join(f"{p}\n" for p in parents))
 
 
-def _pip_install(venv: Path, wheel: Path, *, no_deps: bool) -> None:
-    spec = str(wheel) if no_deps else f"{wheel}[edge]"
-    cmd = [str(_venv_python(venv)), "-m", "pip", "install", "-q", "--force-reinstall"]
-    cmd += ["--no-deps", "--no-index"] if no_deps else []
-    cmd += [spec]
-    log.info("installing the SDK: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def pip_install_commands(python: str | Path, wheel: Path, *, extras: tuple[str, ...], find_links: tuple[Path, ...] = (),
+                         no_deps: bool = False) -> list[list[str]]:
+    """The pip command lines that install the SDK wheel and its backend's dependencies (module docstring).
+
+    Args:
+        python: the interpreter of the target environment.
+        wheel: the ``wildfed-*.whl`` file.
+        extras: the wheel's extras to install (``("edge", "torch")``, ``("edge-ort",)``).
+        find_links: folders of wheels; when any is given, the dependencies are installed from them only
+            (``--no-index``): nothing is downloaded.
+        no_deps: the SDK wheel alone (first command only).
+
+    Returns:
+        One or two argument lists for :func:`subprocess.run`.
+    """
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    commands = [pip + ["--no-deps", "--no-index", "--force-reinstall", str(wheel)]]
+    if not no_deps:
+        offline = ["--no-index"] + [arg for d in find_links for arg in ("--find-links", str(d))] if find_links else []
+        commands.append(pip + offline + [f"{wheel}[{','.join(extras)}]"])
+    return commands
+
+
+def _pip_install(venv: Path, wheel: Path, *, extras: tuple[str, ...], find_links: tuple[Path, ...],
+                 no_deps: bool) -> None:
+    for cmd in pip_install_commands(_venv_python(venv), wheel, extras=extras, find_links=find_links,
+                                    no_deps=no_deps):
+        log.info("installing the SDK: %s", shlex.join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            where = (f"the wheels in {', '.join(map(str, find_links))} (add the missing ones: `pip download "
+                     f"'wildfed[{','.join(extras)}]'` on a connected machine of the same platform)" if find_links
+                     else "network access to the package index, or pass --find-links DIR (a folder of wheels)")
+            raise ConfigError(f"pip install of {wheel.name} failed ({shlex.join(cmd)}): "
+                              f"{(proc.stderr or proc.stdout).strip()[-800:]}", source=wheel,
+                              fix=f"check {where}; or pass --no-deps with --system-site-packages where the "
+                              "dependencies are installed already")
+
+
+def _backend_warning(python: str | Path, backend: str, device: str) -> str | None:
+    """Run :func:`edge_sdk.profiles.backend_import_problem` in the installed interpreter; its message or None.
+    (In this process when that interpreter is this one.)"""
+    if str(python) == sys.executable:
+        from edge_sdk.profiles import backend_import_problem
+
+        return backend_import_problem(backend, device=device)
+    code = ("import sys; from edge_sdk.profiles import backend_import_problem as p; "
+            "print(p(sys.argv[1], device=sys.argv[2], python=sys.executable) or '')")
+    proc = subprocess.run([str(python), "-c", code, backend, device], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ConfigError(f"pip install of {wheel.name} failed: {(proc.stderr or proc.stdout).strip()[-800:]}",
-                          source=wheel, fix="check network access to the package index, or pass --no-deps with "
-                          "--system-site-packages where the dependencies are installed already")
+        return f"the installed SDK does not import ({(proc.stderr or proc.stdout).strip()[-300:]})"
+    return proc.stdout.strip() or None
 
 
 def _profile(bundle: Bundle) -> GatewayProfile:
@@ -125,7 +180,8 @@ def _profile(bundle: Bundle) -> GatewayProfile:
 def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREFIX, venv: bool = True,
                    system_site_packages: bool = False, no_deps: bool = False, force: bool = False,
                    coordinator_fingerprint: str | None = None, service_user: str = "wildfed",
-                   python: str = sys.executable) -> InstallResult:
+                   python: str = sys.executable, find_links: tuple[str | Path, ...] = (),
+                   check_backend: bool = True) -> InstallResult:
     """Verify a bundle, then install it under ``prefix`` (module docstring).
 
     Args:
@@ -134,12 +190,16 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
         venv: create ``<prefix>/venv`` and pip-install the bundled wheel into it; ``False``: the SDK of this
             interpreter runs the agent (``python -m edge_sdk.cli``).
         system_site_packages: the venv also sees this interpreter's packages (JetPack torch; tests).
-        no_deps: install the wheel alone (no index, no download).
+        no_deps: install the wheel alone (no index, no download); the backend must be there already.
+        find_links: folders of wheels for the backend's dependencies (offline install, ``--no-index``), tried
+            with the bundle's own ``wheels/`` when it carries more than the SDK wheel.
         force: replace an existing install (its keys too; the outbox and data stay).
         coordinator_fingerprint: expected hex SHA-256 of the coordinator key (pinning); a prefix of at least 16
             hex digits is accepted.
         service_user: ``User=`` of the systemd unit.
-        python: interpreter that creates the venv.
+        python: interpreter that creates the venv (and, with ``venv=False``, runs the agent).
+        check_backend: import the profile's training backend in the installed interpreter afterwards and add a
+            warning naming the install command when it does not import.
 
     Raises:
         BundleError: the bundle fails verification (nothing is written).
@@ -173,9 +233,19 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
         ca_target = profile.broker.ca_file or Path(fmt.BROKER_CA)
         destinations.append((_inside(prefix, ca_target), bundle.members[fmt.BROKER_CA], 0o644))
     wheels = [(_inside(prefix, name), bundle.members[name]) for name in bundle.wheels()]
-    if not wheels:
-        raise BundleError("the bundle holds no SDK wheel", source=bundle_path, field=fmt.WHEELS_DIR,
-                          fix="ask for a fresh bundle")
+    sdk_wheels = [path for path, _ in wheels if path.name.startswith("wildfed-")]
+    if not sdk_wheels:
+        raise BundleError("the bundle holds no SDK wheel (wheels/wildfed-*.whl)", source=bundle_path,
+                          field=fmt.WHEELS_DIR, fix="ask for a fresh bundle")
+    links = [Path(d).expanduser().resolve() for d in find_links]
+    for folder in links:
+        if not folder.is_dir():
+            raise ConfigError("wheel folder not found", source=folder, field="find_links",
+                              fix="pass a folder of .whl files (pip download on a connected machine)")
+    if len(wheels) > len(sdk_wheels):  # the bundle carries dependency wheels: install from them, offline
+        links.insert(0, prefix / fmt.WHEELS_DIR)
+    backend = profile.training.backend.value
+    extras = backend_extras(backend, device=profile.training.device)
 
     prefix.mkdir(parents=True, exist_ok=True)
     for path, data in wheels:
@@ -185,14 +255,23 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
         venv_dir = prefix / "venv"
         if not _venv_python(venv_dir).exists():
             _make_venv(venv_dir, system_site_packages=system_site_packages, python=python)
-        _pip_install(venv_dir, wheels[0][0], no_deps=no_deps)
+        _pip_install(venv_dir, sdk_wheels[0], extras=extras, find_links=tuple(links), no_deps=no_deps)
         executable = str(venv_dir / "bin" / "wildfed-edge")
+        agent_python: str | Path = _venv_python(venv_dir)
     else:
         executable = f"{python} -m edge_sdk.cli"
+        agent_python = python
 
     for path, data, mode in destinations:
         write_file_atomic(path, data, mode)
     warnings: list[str] = []
+    if check_backend:
+        problem = _backend_warning(agent_python, backend, profile.training.device)
+        if problem is not None:
+            warnings.append(problem)
+    if profile.kind in JETSON_KINDS and venv and not system_site_packages:
+        warnings.append("a Jetson trains with NVIDIA's JetPack torch (PyPI's aarch64 torch has no CUDA): "
+                        "reinstall with --system-site-packages --force where JetPack's torch is installed")
     for folder in (profile.storage.outbox.parent, profile.storage.artifact_cache, profile.storage.engine_cache,
                    profile.storage.data):
         target = folder if folder.is_absolute() else prefix / folder

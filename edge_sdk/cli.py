@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from shared.errors import WildFedError
 from shared.keys import generate_signing_key, key_fingerprint, save_private_key, save_public_key
@@ -24,6 +25,12 @@ __all__ = ["app"]
 app = typer.Typer(help="WildFed gateway agent: trains on local camera-trap data with CCDP and uploads signed "
                        "updates.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True)
+
+
+def _error(message: object) -> None:
+    """Print ``error: <message>`` to stderr; the message is escaped, so ``[...]`` in an exception or a path (an
+    extra such as ``wildfed[torch]``) is shown, not taken for rich markup."""
+    console.print(f"[bold red]error:[/] {escape(str(message))}")
 
 
 def _setup_logging(level: str) -> None:
@@ -48,7 +55,7 @@ def run(
     try:
         agent = EdgeAgent.from_config(config)
     except WildFedError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         raise typer.Exit(code=2) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
@@ -60,12 +67,12 @@ def run(
     except KeyboardInterrupt:
         rounds = None
     except WildFedError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         raise typer.Exit(code=1) from None
     finally:
         agent.close()
-    console.print(f"stopped; rounds trained: {rounds if rounds is not None else 'interrupted'}; "
-                  f"stats: {dict(agent.stats)}")
+    console.print(escape(f"stopped; rounds trained: {rounds if rounds is not None else 'interrupted'}; "
+                         f"stats: {dict(agent.stats)}"))
 
 
 @app.command()
@@ -77,8 +84,7 @@ def keygen(
     """Create an Ed25519 key pair: ``<out>/<name>.key`` (PEM, mode 0600) and ``<out>/<name>.pub``."""
     private_path, public_path = out / f"{name}.key", out / f"{name}.pub"
     if private_path.exists() and not force:
-        console.print(f"[bold red]error:[/] {private_path} exists (fix: pass --force to replace it, which "
-                      "invalidates the site's enrolment)")
+        _error(f"{private_path} exists (fix: pass --force to replace it, which invalidates the site's enrolment)")
         raise typer.Exit(code=2)
     key = generate_signing_key()
     save_private_key(key, private_path)
@@ -115,6 +121,7 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
             problems.append(("profile", exc.message))
     if schema_only:
         return problems
+    problems += _backend_problems(cfg)
     for field, loader in (("private_key", load_private_key), ("coordinator_public_key", load_public_key)):
         try:
             loader(getattr(cfg, field))
@@ -135,6 +142,26 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
     return problems
 
 
+def _backend_problems(cfg: object) -> list[tuple[str, str]]:
+    """The site's training backend (its own ``backend``, else its profile's) must import here: ``[("backend",
+    message naming the backend and the install command)]`` or ``[]``."""
+    from edge_sdk.agent import requested_backend
+    from edge_sdk.profiles import TrainingBackendName, backend_import_problem, load_profile
+    from shared.errors import ConfigError
+
+    try:
+        backend = requested_backend(cfg)  # type: ignore[arg-type]
+        device = getattr(cfg, "device", None)
+        if device is None and getattr(cfg, "profile", None):
+            device = load_profile(cfg.profile).training.device  # type: ignore[attr-defined]
+    except ConfigError:
+        return []  # the profile's own problems are listed already
+    if backend not in {b.value for b in TrainingBackendName}:
+        return []  # another registered backend: the backend registry reports it when the agent starts
+    problem = backend_import_problem(backend, device=device or "cpu")
+    return [("backend", problem)] if problem else []
+
+
 @app.command("check-config")
 def check_config(
     file: Annotated[Path, typer.Argument(help="a gateway profile (firmware_configs/*.yaml) or a site config")],
@@ -150,28 +177,29 @@ def check_config(
 
     out = Console()
     if not file.is_file():
-        console.print(f"[bold red]error:[/] {file}: file not found")
+        _error(f"{file}: file not found")
         raise typer.Exit(code=2)
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        console.print(f"[bold red]error:[/] {file}: not valid YAML: {exc}")
+        _error(f"{file}: not valid YAML: {exc}")
         raise typer.Exit(code=2) from None
     if kind == "auto":
         keys = set(data) if isinstance(data, dict) else set()
         kind = "site" if keys & {"site_id", "federation_id", "dataset", "species"} else "profile"
     if kind not in ("profile", "site"):
-        console.print(f"[bold red]error:[/] --kind must be auto, profile or site, not {kind!r}")
+        _error(f"--kind must be auto, profile or site, not {kind!r}")
         raise typer.Exit(code=2)
     problems = profile_problems(data, FirmwareProfile) if kind == "profile" else _site_problems(file, schema_only)
     if not problems:
-        out.print(f"[green]OK[/] {file}: valid {'gateway profile' if kind == 'profile' else 'site config'}")
+        what = "gateway profile" if kind == "profile" else "site config"
+        out.print(f"[green]OK[/] {escape(str(file))}: valid {what}")
         return
-    table = Table(title=f"{file}: {len(problems)} problem(s) ({kind})")
+    table = Table(title=escape(f"{file}: {len(problems)} problem(s) ({kind})"))
     table.add_column("field", style="bold")
     table.add_column("problem")
     for field, message in problems:
-        table.add_row(field, message)
+        table.add_row(escape(field), escape(message))
     out.print(table)
     raise typer.Exit(code=2)
 
@@ -195,7 +223,7 @@ def doctor(
     for col in ("area", "component", "available", "detail"):
         table.add_column(col)
     for p in report.probes:
-        table.add_row(p.area, p.name, "[green]yes[/]" if p.available else "[red]no[/]", p.detail)
+        table.add_row(p.area, escape(p.name), "[green]yes[/]" if p.available else "[red]no[/]", escape(p.detail))
     out.print(table)
     directory = profiles_dir or default_dir()
     profiles = []
@@ -203,22 +231,23 @@ def doctor(
         try:
             profiles.append(load_profile(name, directory))
         except WildFedError as exc:
-            out.print(f"[yellow]skipping profile {name}:[/] {exc}")
+            out.print(f"[yellow]skipping profile {escape(name)}:[/] {escape(str(exc))}")
     fits = rank_profiles(report, profiles)
-    ptable = Table(title=f"profiles ({directory}); detected hardware: {detect_kind(report).value}")
+    ptable = Table(title=escape(f"profiles ({directory}); detected hardware: {detect_kind(report).value}"))
     for col in ("profile", "kind", "fits", "why"):
         ptable.add_column(col)
     for f in fits:
         why = "; ".join(f.problems + f.warnings) or "all requirements met"
-        ptable.add_row(f.name, f.kind.value, "[green]yes[/]" if f.fits else "[red]no[/]", why)
+        ptable.add_row(escape(f.name), f.kind.value, "[green]yes[/]" if f.fits else "[red]no[/]", escape(why))
     out.print(ptable)
     best = next((f for f in fits if f.fits), None)
     if best is not None:
-        out.print(f"recommended profile: [bold]{best.name}[/]")
+        out.print(f"recommended profile: [bold]{escape(best.name)}[/]")
     elif fits:
-        out.print(f"[yellow]no profile fits; closest: {fits[0].name} ({'; '.join(fits[0].problems)})[/]")
+        closest = f"no profile fits; closest: {fits[0].name} ({'; '.join(fits[0].problems)})"
+        out.print(f"[yellow]{escape(closest)}[/]")
     else:
-        out.print(f"[yellow]no profiles found in {directory}[/]")
+        out.print(f"[yellow]no profiles found in {escape(str(directory))}[/]")
 
 
 @app.command("install-bundle")
@@ -235,26 +264,31 @@ def install_bundle_command(
     coordinator_fingerprint: Annotated[Optional[str], typer.Option(help="expected SHA-256 fingerprint of the "
                                                                    "coordinator key (from the operator)")] = None,
     service_user: Annotated[str, typer.Option(help="User= of the systemd unit")] = "wildfed",
+    find_links: Annotated[Optional[list[Path]], typer.Option("--find-links", help="a folder of wheels for the "
+                                                             "training backend's dependencies: install offline "
+                                                             "from it (repeatable)")] = None,
 ) -> None:
-    """Verify a provisioning bundle (signed manifest, SHA-256 of every member, no unsafe paths) and install it."""
+    """Verify a provisioning bundle (signed manifest, SHA-256 of every member, no unsafe paths) and install it
+    with the profile's training backend (torch or onnxruntime-training; docs/gateways.md)."""
     from edge_sdk.bundle import install_bundle
 
     try:
         result = install_bundle(file, prefix=prefix, venv=venv, system_site_packages=system_site_packages,
                                 no_deps=no_deps, force=force, coordinator_fingerprint=coordinator_fingerprint,
-                                service_user=service_user)
+                                service_user=service_user, find_links=tuple(find_links or ()))
     except WildFedError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         raise typer.Exit(code=2) from None
     out = Console()
-    out.print(f"[green]installed[/] site [bold]{result.site_id}[/] of federation {result.federation_id} "
-              f"(profile {result.profile}) under {result.prefix}")
+    out.print(f"[green]installed[/] site [bold]{escape(result.site_id)}[/] "
+              + escape(f"of federation {result.federation_id} (profile {result.profile}) under {result.prefix}"))
     out.print(f"  coordinator key fingerprint {result.coordinator_fingerprint} (compare with the operator's)")
-    out.print(f"  start:   {result.executable} run --config {result.site_config}")
-    out.print(f"  service: sudo cp {result.unit} /etc/systemd/system/ && sudo systemctl enable --now wildfed-edge")
-    out.print(f"  delete the bundle now: it holds the site's private key ({file})")
+    out.print(escape(f"  start:   {result.executable} run --config {result.site_config}"))
+    out.print(escape(f"  service: sudo cp {result.unit} /etc/systemd/system/ && sudo systemctl enable --now "
+                     "wildfed-edge"))
+    out.print(escape(f"  delete the bundle now: it holds the site's private key ({file})"))
     for warning in result.warnings:
-        out.print(f"[yellow]todo:[/] {warning}")
+        out.print(f"[yellow]todo:[/] {escape(warning)}")
 
 
 @app.command()
@@ -291,10 +325,10 @@ def detect(
 
     _setup_logging(log_level)
     if engine not in ("auto", "tensorrt", "ort"):
-        console.print(f"[bold red]error:[/] --engine {engine!r} (fix: use auto, tensorrt or ort)")
+        _error(f"--engine {engine!r} (fix: use auto, tensorrt or ort)")
         raise typer.Exit(code=2)
     if publish and config is None:
-        console.print("[bold red]error:[/] --publish needs --config (fix: pass the site config YAML)")
+        _error("--publish needs --config (fix: pass the site config YAML)")
         raise typer.Exit(code=2)
     transport = publisher = None
     try:
@@ -303,8 +337,7 @@ def detect(
         if publish and site is not None:
             from edge_sdk.uplink.mqtt import transport_from_config
 
-            transport = transport_from_config(site, client_id=f"wildfed-{site.federation_id}-{site.site_id}-detect",
-                                              presence=False)
+            transport = transport_from_config(site, role="detect")  # its own broker account, no presence
             transport.connect()
             publisher = DetectionPublisher(transport, private_key=load_private_key(site.private_key),
                                            federation_id=site.federation_id, site_id=site.site_id)
@@ -316,9 +349,10 @@ def detect(
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
                 confidence=confidence, utc_offset=utc_offset, publisher=publisher,
                 on_start=lambda n: progress.update(task, total=n),
-                on_record=lambda r: progress.update(task, advance=1, last=f"{r.file}: {len(r.detections)}"))
+                on_record=lambda r: progress.update(task, advance=1,
+                                                    last=escape(f"{r.file}: {len(r.detections)}")))
     except (WildFedError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         raise typer.Exit(code=2) from None
     finally:
         if transport is not None:

@@ -7,6 +7,12 @@ reads (``backend``, ``device``, ``threads``, ``microbatch_size``; a site config'
 ``ort`` where ``onnxruntime.training`` imports and an ``ort`` backend is registered, ``torch`` otherwise (Jetson:
 ORT training ships no aarch64 wheel). The agent refines ``auto`` per task (ORT only for a model that has ORT
 training artifacts).
+
+What a gateway must install for its backend (:func:`install_backend`, :func:`backend_extras`): ``torch`` -> the
+``edge`` and ``torch`` extras of the ``wildfed`` wheel (on a Jetson, NVIDIA's JetPack torch seen through
+``--system-site-packages`` satisfies it); ``ort`` -> the ``edge-ort`` extra (onnxruntime-training-cpu, onnx, no
+torch); ``auto`` -> ``edge-ort`` on an x86_64 CPU gateway (what the x86 CPU profile documents), ``torch``
+elsewhere. :func:`backend_import_problem` imports the backend's framework for ``check-config``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import functools
 import importlib
 import logging
 import os
+import platform
+import shlex
+import sys
 from pathlib import Path
 
 from shared.profiles import (
@@ -45,7 +54,11 @@ __all__ = [
     "StoragePaths", "BrokerSettings", "IdentityFiles", "PrivacyDefaults", "GatewayProfile", "FirmwareProfile",
     "PROFILES_DIR", "GPU_KINDS", "JETSON_KINDS", "profiles_dir", "available_profiles", "profile_path",
     "profile_problems", "check_profile_data", "load_profile", "resolve_backend", "ort_training_importable",
+    "BACKEND_EXTRAS", "install_backend", "backend_extras", "backend_install_command", "backend_import_problem",
 ]
+
+#: The extras of the ``wildfed`` wheel (pyproject.toml) that provide each concrete training backend.
+BACKEND_EXTRAS: dict[str, tuple[str, ...]] = {"torch": ("edge", "torch"), "ort": ("edge-ort",)}
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +129,75 @@ def load_profile(name_or_path: str | os.PathLike[str], directory: Path | None = 
         ConfigError: no such profile, or the file is invalid (names the file, every bad field, and the fix).
     """
     return _load_profile(name_or_path, directory, model=FirmwareProfile)
+
+
+def install_backend(backend: str | TrainingBackendName, *, device: str = "cpu", arch: str | None = None) -> str:
+    """The concrete backend (``torch`` or ``ort``) a fresh gateway install must provide for a requested one.
+
+    ``torch`` and ``ort`` stand for themselves; ``auto`` is ``ort`` on an x86_64 machine training on the CPU
+    (onnxruntime-training-cpu has x86_64 wheels only and no CUDA provider) and ``torch`` otherwise.
+
+    Args:
+        backend: the profile's or site's ``training.backend``.
+        device: the training device (``cpu``, ``cuda[:N]``).
+        arch: ``platform.machine()`` of the gateway (default: this machine).
+
+    Raises:
+        ValueError: not a backend name.
+    """
+    value = TrainingBackendName(backend).value
+    if value != TrainingBackendName.AUTO.value:
+        return value
+    arch = (arch or platform.machine()).lower()
+    return "ort" if arch in ("x86_64", "amd64") and str(device) == "cpu" else "torch"
+
+
+def backend_extras(backend: str | TrainingBackendName, *, device: str = "cpu", arch: str | None = None
+                   ) -> tuple[str, ...]:
+    """The ``wildfed`` extras to install for ``backend`` (:data:`BACKEND_EXTRAS` of :func:`install_backend`)."""
+    return BACKEND_EXTRAS[install_backend(backend, device=device, arch=arch)]
+
+
+def backend_install_command(backend: str, *, python: str | None = None) -> str:
+    """The shell command that installs a concrete backend into ``python``'s environment (for error messages):
+    ``<python> -m pip install 'wildfed[edge,torch]'``; offline: add ``--no-index --find-links DIR``."""
+    spec = f"wildfed[{','.join(BACKEND_EXTRAS[backend])}]"
+    return f"{shlex.quote(python or sys.executable)} -m pip install {shlex.quote(spec)}"
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        if module == "onnxruntime.training":
+            from edge_sdk.backends.ort_backend import import_onnxruntime
+
+            import_onnxruntime()  # the training API without pulling torch (edge_sdk.backends.ort_backend)
+        else:
+            importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - missing, or a native library that does not load: both are "absent"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def backend_import_problem(backend: str | TrainingBackendName, *, device: str = "cpu",
+                           python: str | None = None) -> str | None:
+    """Import the framework of a requested training backend here; ``None`` when it imports, else a message that
+    names the backend, the import error and the install command (:func:`backend_install_command`).
+
+    ``torch`` needs ``import torch``; ``ort`` needs ``onnxruntime.training``; ``auto`` needs either (the one
+    :func:`install_backend` would install is named in the fix). Imports really run (a broken native library is
+    caught, not only a missing package), so this takes a second or two where torch is installed.
+    """
+    value = TrainingBackendName(backend).value
+    modules = {"torch": "torch", "ort": "onnxruntime.training"}
+    wanted = ["torch", "ort"] if value == TrainingBackendName.AUTO.value else [value]
+    errors = {}
+    for name in wanted:
+        error = _import_error(modules[name])
+        if error is None:
+            return None
+        errors[name] = error
+    target = install_backend(value, device=device)
+    what = " or ".join(f"{n} ({modules[n]}: {errors[n]})" for n in wanted)
+    return (f"training backend {value} cannot run here: {what} does not import; fix: "
+            f"{backend_install_command(target, python=python)} (offline: add --no-index --find-links DIR with the "
+            "wheels), or reinstall with `wildfed-edge install-bundle --force` (docs/gateways.md)")

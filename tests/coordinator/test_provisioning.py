@@ -397,3 +397,23 @@ def test_install_into_a_real_venv_without_downloads(fed, sdk_wheel, tmp_path) ->
                            text=True, cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"ExecStart={installed.executable} run" in installed.unit.read_text()
+
+
+@pytest.mark.slow
+def test_install_with_the_backend_offline_from_a_wheel_folder(fed, sdk_wheel, tmp_path) -> None:
+    """The real pip commands (issue 16, item 13): the SDK wheel, then `wildfed[edge-ort]` for the x86 CPU profile
+    (backend auto) with --no-index --find-links: every dependency is found without an index (here they are the
+    parent environment's, seen through --system-site-packages), and the installed gateway's backend imports."""
+    from edge_sdk.bundle import install_bundle
+
+    result = provision(fed, sdk_wheel, tmp_path)  # x86-cpu-gateway
+    prefix, wheelhouse = tmp_path / "gw", tmp_path / "wheelhouse"
+    wheelhouse.mkdir()
+    installed = install_bundle(result.bundle_path, prefix=prefix, venv=True, system_site_packages=True,
+                               find_links=(wheelhouse,))
+    assert not [w for w in installed.warnings if "training backend" in w], installed.warnings
+    venv_python = prefix / "venv" / "bin" / "python"
+    probe = subprocess.run([str(venv_python), "-c", "import edge_sdk; from edge_sdk.profiles import "
+                            "backend_import_problem as p; print(edge_sdk.__file__); print(p('auto') or 'ok')"],
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
+    assert str(prefix / "venv") in probe[0] and probe[1] == "ok"
