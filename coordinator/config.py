@@ -258,8 +258,12 @@ class WebConfig(StrictModel):
                                 "trusted network")
     session_ttl_s: float = Field(8 * 3600.0, gt=0, description="seconds a login lasts (absolute)")
     session_idle_s: float = Field(3600.0, gt=0, description="seconds without a request after which a login ends")
-    login_max_failures: int = Field(5, ge=1, description="failed logins per account and per address allowed "
-                                    "within login_window_s before further attempts are refused")
+    login_max_failures: int = Field(5, ge=1, description="failed logins per (account, client address) allowed "
+                                    "within login_window_s before that account is refused from that address")
+    login_max_failures_per_address: int = Field(50, ge=1, description="failed logins per client address, all "
+                                                "accounts together, within login_window_s before the address is "
+                                                "refused (against password spraying; keep it well above "
+                                                "login_max_failures: a ranger station shares one NAT address)")
     login_window_s: float = Field(900.0, gt=0, description="seconds of the login-throttle window")
     location_method: Literal["displace", "grid"] = Field("displace", description="how sensitive deployments are "
                                                          "shown to partner/public: displace (random point within "

@@ -8,7 +8,8 @@ Routes (every one but ``/login``, ``/healthz`` and ``/static`` needs a session; 
 need the operator role; what each role sees inside a page is decided by :class:`coordinator.web.views.Viewer`):
 
 =============================== ============================================================================
- ``GET /login``, ``POST /login``  form login (CSRF double-submit cookie, throttled per account and address)
+ ``GET /login``, ``POST /login``  form login (CSRF double-submit cookie, throttled per (account, address) and
+                                  more loosely per address: coordinator.web.auth)
  ``POST /logout``                 ends the session (CSRF token)
  ``GET /map``                     SVG map of deployments, table of coordinates with the ``fuzzed`` flag
  ``GET /detections``              detection list; filters site, species, category, date_from, date_to,
@@ -230,6 +231,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     sessions = SessionManager(store, ttl_s=config.web.session_ttl_s, idle_s=config.web.session_idle_s,
                               **({"clock": clock} if clock else {}))
     throttle = throttle or LoginThrottle(max_failures=config.web.login_max_failures,
+                                         max_failures_per_address=config.web.login_max_failures_per_address,
                                          window_s=config.web.login_window_s)
     templates = Jinja2Templates(directory=str(_HERE / "templates"))
     templates.env.filters["fmt"] = lambda v, spec=".3f": "–" if v is None else format(v, spec)
@@ -294,8 +296,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
             raise HTTPException(status_code=403, detail="CSRF check failed: reload the page and submit the form "
                                                         "again")
 
-    def client_key(request: Request) -> str:
-        return f"ip:{request.client.host if request.client else 'unknown'}"
+    def client_address(request: Request) -> str:
+        return request.client.host if request.client else "unknown"
 
     def filters(request: Request) -> DetectionFilter:
         q = request.query_params
@@ -346,20 +348,20 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         cookie = request.cookies.get(LOGIN_CSRF_COOKIE, "")
         if not same_origin(request) or not cookie or not csrf_token or not hmac.compare_digest(cookie, csrf_token):
             raise HTTPException(status_code=403, detail="CSRF check failed: reload the login page and try again")
-        keys = (f"user:{username.strip().lower()}", client_key(request))
-        if not throttle.allowed(*keys):
-            log.warning("web: login throttled for %s from %s", username, keys[1])
+        address = client_address(request)
+        if not throttle.allowed(username, address):  # per (account, address), and a looser ceiling per address
+            log.warning("web: login throttled for %r from %s", username, address)
             return page(request, "login.html", None, status_code=429, csrf_token=cookie, next=safe_next(next),
                         username=username, error=f"Too many failed logins: wait {int(throttle.window_s // 60)} minutes and try again.")
         account = accounts.authenticate(username.strip().lower(), password)
         if account is None:
-            throttle.failed(*keys)
-            log.info("web: failed login for %r from %s", username, keys[1])
+            throttle.failed(username, address)
+            log.info("web: failed login for %r from %s", username, address)
             return page(request, "login.html", None, status_code=401, csrf_token=cookie, next=safe_next(next),
                         username=username, error="Wrong user name or password, or the account is disabled.")
-        throttle.succeeded(*keys)
+        throttle.succeeded(username, address)
         token, _ = sessions.create(account)
-        log.info("web: %s (%s) logged in from %s", account.username, account.role.value, keys[1])
+        log.info("web: %s (%s) logged in from %s", account.username, account.role.value, address)
         response = RedirectResponse(safe_next(next), status_code=303)
         response.set_cookie(SESSION_COOKIE, token, max_age=int(config.web.session_ttl_s), **cookie_kwargs())
         response.delete_cookie(LOGIN_CSRF_COOKIE, path="/")

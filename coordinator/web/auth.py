@@ -13,9 +13,22 @@ Roles (what each may see is decided here, once, and used by every page and API r
 
 Passwords are hashed with Argon2id through ``argon2-cffi`` (RFC 9106; its default parameters: 64 MiB, 3
 passes, 4 lanes), never stored or logged; a hash made with older parameters is upgraded at the next login
-(``check_needs_rehash``). Logins are throttled per account and per client address: after ``max_failures``
-failures within ``window_s`` seconds, further attempts are refused until the window has passed, whether or not the
-password is right (OWASP Authentication Cheat Sheet, "Login Throttling").
+(``check_needs_rehash``).
+
+Logins are throttled (OWASP Authentication Cheat Sheet, "Login Throttling"; :class:`LoginThrottle`), by two limits
+on failed attempts within ``window_s`` seconds (default 15 minutes), after which attempts are refused until the
+window has passed, whether or not the password is right:
+
+* per (account, client address): ``max_failures`` (default 5). This is the brute-force limit on one account. It is
+  *not* per address alone: a ranger station reaches the coordinator through one NAT address, and one person
+  mistyping five times must not lock every ranger of the station out (issue 16, item 9). Nor is it per account
+  alone, which would let anyone on the internet lock a known account out by failing five times.
+* per client address, over all accounts: ``max_failures_per_address`` (default 50), a looser ceiling against
+  password spraying (one address trying a few passwords on many accounts).
+
+Not limited: one account attacked from many addresses gets ``max_failures`` guesses per address per window; each
+guess costs the attacker a full Argon2id verification on the server, and a per-account limit over all addresses
+would hand the same attacker a remote lock-out of that account.
 """
 
 from __future__ import annotations
@@ -176,46 +189,73 @@ class AccountStore:
 
 
 class LoginThrottle:
-    """Refuses login attempts for an account or a client address after ``max_failures`` failures within
-    ``window_s`` seconds (module docstring). Thread-safe; state is in memory (a restart clears it).
+    """Refuses login attempts after too many failures within ``window_s`` seconds: ``max_failures`` per (account,
+    client address) and ``max_failures_per_address`` per client address over all accounts (module docstring).
+    Thread-safe; state is in memory (a restart clears it) and bounded (keys with no failure left in the window are
+    dropped).
 
     Args:
-        max_failures: failures allowed per key within the window (>= 1). window_s: seconds (> 0).
-        clock: monotonic seconds (tests inject one).
+        max_failures: failures allowed per (account, address) within the window (>= 1).
+        max_failures_per_address: failures allowed per address, all accounts together (>= 1).
+        window_s: seconds (> 0). clock: monotonic seconds (tests inject one).
+
+    Raises:
+        ConfigError: a limit below 1 or a window that is not positive.
     """
 
-    def __init__(self, *, max_failures: int = 5, window_s: float = 900.0,
+    def __init__(self, *, max_failures: int = 5, max_failures_per_address: int = 50, window_s: float = 900.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_failures < 1 or not window_s > 0:
-            raise ConfigError("login throttle needs max_failures >= 1 and window_s > 0", field="login_throttle",
-                              fix="e.g. max_failures 5, window_s 900")
+        if max_failures < 1 or max_failures_per_address < 1 or not window_s > 0:
+            raise ConfigError("login throttle needs max_failures >= 1, max_failures_per_address >= 1 and "
+                              "window_s > 0", field="web.login_max_failures",
+                              fix="e.g. login_max_failures 5, login_max_failures_per_address 50, login_window_s 900")
         self.max_failures = max_failures
+        self.max_failures_per_address = max_failures_per_address
         self.window_s = window_s
         self._clock = clock
-        self._failures: dict[str, deque[float]] = {}
+        self._failures: dict[tuple[str, ...], deque[float]] = {}
         self._lock = threading.Lock()
 
-    def _recent(self, key: str, now: float) -> deque[float]:
-        q = self._failures.setdefault(key, deque())
+    @staticmethod
+    def _keys(username: str, address: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        name = (username or "").strip().lower()
+        return ("pair", name, address), ("address", address)
+
+    def _count(self, key: tuple[str, ...], now: float) -> int:
+        q = self._failures.get(key)
         while q and now - q[0] >= self.window_s:
             q.popleft()
-        return q
+        if q is not None and not q:
+            del self._failures[key]
+            return 0
+        return len(q) if q else 0
 
-    def allowed(self, *keys: str) -> bool:
-        """Whether an attempt for these keys (e.g. ``"user:alice"``, ``"ip:10.0.0.7"``) may be checked now."""
+    def _sweep(self, now: float) -> None:
+        """Drop every key whose failures have all left the window (bounds memory under a flood of names)."""
+        for key in [k for k, q in self._failures.items() if not q or now - q[-1] >= self.window_s]:
+            del self._failures[key]
+
+    def allowed(self, username: str, address: str) -> bool:
+        """Whether a login attempt for ``username`` from client ``address`` may be checked now."""
+        pair, addr = self._keys(username, address)
         now = self._clock()
         with self._lock:
-            return all(len(self._recent(k, now)) < self.max_failures for k in keys)
+            return (self._count(pair, now) < self.max_failures
+                    and self._count(addr, now) < self.max_failures_per_address)
 
-    def failed(self, *keys: str) -> None:
-        """Record a failed attempt for each key."""
+    def failed(self, username: str, address: str) -> None:
+        """Record a failed attempt for ``username`` from ``address``."""
         now = self._clock()
         with self._lock:
-            for k in keys:
-                self._recent(k, now).append(now)
+            if len(self._failures) > 100_000:
+                self._sweep(now)
+            for key in self._keys(username, address):
+                self._count(key, now)
+                self._failures.setdefault(key, deque()).append(now)
 
-    def succeeded(self, *keys: str) -> None:
-        """Forget the failures of these keys after a successful login."""
+    def succeeded(self, username: str, address: str) -> None:
+        """Forget the failures of this (account, address) after a successful login. The address's count over all
+        accounts stays: one valid password must not reset the ceiling against spraying."""
+        pair, _ = self._keys(username, address)
         with self._lock:
-            for k in keys:
-                self._failures.pop(k, None)
+            self._failures.pop(pair, None)

@@ -11,6 +11,8 @@ from argon2 import PasswordHasher
 from typer.testing import CliRunner
 
 from coordinator.storage import Store, UserRow
+from shared.errors import ConfigError
+
 from coordinator.web.auth import AccountError, AccountStore, LoginThrottle, Role
 
 CHEAP = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)  # fast for tests; the default is 64 MiB x 3
@@ -57,20 +59,27 @@ def test_roles_decide_what_is_seen() -> None:
 
 def test_login_throttle_by_hand() -> None:
     now = [0.0]
-    t = LoginThrottle(max_failures=3, window_s=60.0, clock=lambda: now[0])
-    for i in range(3):
-        assert t.allowed("user:ana", "ip:1.2.3.4")
-        t.failed("user:ana", "ip:1.2.3.4")
+    t = LoginThrottle(max_failures=3, max_failures_per_address=5, window_s=60.0, clock=lambda: now[0])
+    for _ in range(3):
+        assert t.allowed("ana", "1.2.3.4")
+        t.failed("ana", "1.2.3.4")
         now[0] += 10.0
-    assert not t.allowed("user:ana", "ip:9.9.9.9")  # the account is locked, from any address
-    assert not t.allowed("user:bo", "ip:1.2.3.4")  # the address is locked, for any account
-    assert t.allowed("user:bo", "ip:9.9.9.9")
-    now[0] = 60.0  # the first failure (t = 0) leaves the window: 2 of 3 remain
-    assert t.allowed("user:ana")
-    t.failed("user:ana")
-    assert not t.allowed("user:ana")
-    t.succeeded("user:ana")
-    assert t.allowed("user:ana")
+    assert not t.allowed("ana", "1.2.3.4") and not t.allowed(" ANA ", "1.2.3.4")  # names compare normalised
+    assert t.allowed("bo", "1.2.3.4")  # another account behind the same address (one NAT) is not locked out
+    assert t.allowed("ana", "9.9.9.9")  # nor is the account from elsewhere (no remote lock-out)
+    t.failed("bo", "1.2.3.4")
+    t.failed("cy", "1.2.3.4")  # 5 failures from 1.2.3.4 over all accounts: the spraying ceiling
+    assert not t.allowed("dee", "1.2.3.4") and t.allowed("dee", "5.5.5.5")
+    t.succeeded("bo", "1.2.3.4")  # a success clears its own pair only, never the address's ceiling
+    assert not t.allowed("bo", "1.2.3.4")
+    now[0] = 60.0  # the first failure (t = 0) leaves the window: 2 of 3 for ana, 4 of 5 for the address
+    assert t.allowed("ana", "1.2.3.4")
+    t.failed("ana", "1.2.3.4")
+    assert not t.allowed("ana", "1.2.3.4")
+    now[0] = 200.0  # every failure has left the window: nothing is kept
+    assert t.allowed("ana", "1.2.3.4") and t.allowed("dee", "1.2.3.4")
+    with pytest.raises(ConfigError, match="max_failures_per_address"):
+        LoginThrottle(max_failures_per_address=0)
 
 
 def test_user_cli(tmp_path: Path) -> None:

@@ -289,6 +289,33 @@ def test_login_is_throttled_after_repeated_failures_even_with_the_right_password
     assert login(app, "rita")[1].status_code == 303
 
 
+def station(app, address: str) -> TestClient:
+    """A browser at client ``address`` (a ranger station's NAT address, say)."""
+    return TestClient(app, base_url=BASE, client=(address, 40000))
+
+
+def test_one_person_failing_cannot_lock_out_a_whole_station_behind_one_address(state):
+    """Issue 16, item 9: five failures for one account from the station's address locked every account there."""
+    app = create_app(state.config, store=state.store, hasher=HASHER)  # the config's limits: 5, and 50 per address
+    assert (state.config.web.login_max_failures, state.config.web.login_max_failures_per_address) == (5, 50)
+    for _ in range(5):
+        assert login(app, "paul", "not-the-password", client=station(app, "10.20.30.40"))[1].status_code == 401
+    assert login(app, "paul", client=station(app, "10.20.30.40"))[1].status_code == 429  # paul, there: locked
+    for user in ("rita", "olga", "pia"):  # everyone else at the station logs in
+        assert login(app, user, client=station(app, "10.20.30.40"))[1].status_code == 303, user
+    assert login(app, "paul", client=station(app, "10.9.9.9"))[1].status_code == 303  # paul from elsewhere too
+
+
+def test_an_address_spraying_many_accounts_meets_the_looser_ceiling(state):
+    app = create_app(state.config, store=state.store, hasher=HASHER)
+    names = [f"sprayed{i}" for i in range(50)]  # 50 accounts, one wrong password each: no pair reaches 5
+    for name in names:
+        assert login(app, name, "Winter2024!", client=station(app, "203.0.113.9"))[1].status_code == 401
+    r = login(app, "rita", client=station(app, "203.0.113.9"))[1]
+    assert r.status_code == 429  # the address is refused for every account, the right password too
+    assert login(app, "rita", client=station(app, "198.51.100.1"))[1].status_code == 303
+
+
 def test_a_session_ends_when_idle_expired_disabled_or_the_password_changes(state):
     now = [_dt.datetime(2026, 1, 1, 12, 0)]
     cfg = state.config.model_copy(update={"web": state.config.web.model_copy(
