@@ -14,7 +14,9 @@ need the operator role; what each role sees inside a page is decided by :class:`
  ``GET /map``                     SVG map of deployments, table of coordinates with the ``fuzzed`` flag
  ``GET /detections``              detection list; filters site, species, category, date_from, date_to,
                                   min_confidence; paged by limit and offset
- ``GET /detections/{id}``         one record: image (when held) with its boxes, top species per box
+ ``GET /detections/{id}``         one record: image (when held) with its boxes, top species per box; ``id`` is
+                                  the row id for rangers and operators, ``SITE~MEDIA`` for partners and the
+                                  public (:meth:`coordinator.web.views.Viewer.record_ref`)
  ``GET /detections/{id}/image``   the image; re-encoded from its pixels alone (no metadata of any kind) for
                                   roles without exact locations (:func:`coordinator.web.media.strip_metadata`)
  ``GET /species``                 records per species and month (plot and table)
@@ -407,7 +409,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
                     next=link(f.offset + f.limit) if f.offset + f.limit < total else None)
 
     @app.get("/detections/{detection_id}", response_class=HTMLResponse)
-    def detection_page(request: Request, detection_id: int) -> Response:
+    def detection_page(request: Request, detection_id: str) -> Response:
         ws = need(request)
         item = viewer(ws).detection(detection_id)
         if item is None:
@@ -415,7 +417,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         return page(request, "detection.html", ws, d=item, boxes=_boxes(item))
 
     @app.get("/detections/{detection_id}/image")
-    def detection_image(request: Request, detection_id: int) -> Response:
+    def detection_image(request: Request, detection_id: str) -> Response:
         ws = need(request)
         v = viewer(ws)
         digest = v.image_sha256(detection_id)
@@ -517,7 +519,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         return {"total": total, "items": items}
 
     @app.get("/api/detections/{detection_id}")
-    def api_detection(request: Request, detection_id: int) -> dict[str, Any]:
+    def api_detection(request: Request, detection_id: str) -> dict[str, Any]:
         item = viewer(need(request)).detection(detection_id)
         if item is None:
             raise HTTPException(status_code=404, detail=f"no detection {detection_id}")

@@ -55,9 +55,12 @@ from coordinator.web.deployments import CategoryOf, species_table_categories
 from coordinator.web.location_privacy import (EARTH_RADIUS_M, LocationPolicy, haversine_m, load_or_create_secret,
                                               protect)
 
-__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "place_key", "policy_from_config"]
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "REF_SEPARATOR", "place_key", "policy_from_config"]
 
 MAX_PAGE_SIZE = 500
+REF_SEPARATOR = "~"
+"""Between the site id and the media id of a record reference (:meth:`Viewer.record_ref`): an unreserved URL
+character (RFC 3986) that site ids (``coordinator.registry.SITE_ID_PATTERN``) never contain."""
 
 
 def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
@@ -262,16 +265,28 @@ class Viewer:
         return {d["deployment_id"]: d for d in self.deployments()}
 
     # ---- detections ----------------------------------------------------------------------------------------
+    def _time_withheld(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> bool:
+        """Whether this role is shown only the date of ``row``'s capture: a record of a fuzzed place, or (an
+        unplaced deployment has no coordinates to fuzz) a record of a sensitive species."""
+        dep = deployments.get(row.deployment_id)
+        return bool(dep and dep["fuzzed"]) or (not self.role.sees_exact_locations and any(
+            self.sensitive_species(n) for n in json.loads(row.species_json or "[]")))
+
+    def record_ref(self, row: DetectionRow) -> int | str:
+        """How this role names a record in URLs and JSON: the row id for rangers and operators; for partners and
+        the public ``"<site id>~<media id>"``, since row ids are given out in arrival order, and arrival order
+        (gateways send records as they are captured) would bracket a withheld capture time between its neighbours'
+        exact ones. The media id is a hash of the image (or of its path), so it says nothing of time."""
+        return row.id if self.role.sees_exact_locations else f"{row.site_id}{REF_SEPARATOR}{row.media_id}"
+
     def _row_view(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         record = json.loads(row.record_json)
         dep = deployments.get(row.deployment_id)
         fuzzed = bool(dep and dep["fuzzed"])
         top = row.top_species
-        # an unplaced deployment has no coordinates to fuzz, but its sensitive records still lose their time
-        sensitive = fuzzed or (not self.role.sees_exact_locations and any(
-            self.sensitive_species(n) for n in json.loads(row.species_json or "[]")))
+        sensitive = self._time_withheld(row, deployments)
         item: dict[str, Any] = {
-            "id": row.id, "site_id": row.site_id, "media_id": row.media_id, "deployment_id": row.deployment_id,
+            "id": self.record_ref(row), "site_id": row.site_id, "media_id": row.media_id, "deployment_id": row.deployment_id,
             "deployment_name": dep["name"] if dep else row.deployment_id,
             "latitude": dep["latitude"] if dep else None, "longitude": dep["longitude"] if dep else None,
             "fuzzed": fuzzed,
@@ -315,9 +330,24 @@ class Viewer:
             rows = [r for r in rows if r.top_species and self._category_of(r.top_species) is f.category]
         return rows
 
+    def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[str, dict[str, Any]]) -> None:
+        """Sort ``rows`` in place by what this role may see (issue 16, item 6): newest date first; within a date,
+        the records shown with their time newest first, then the records shown by date only in the order of
+        (site id, media id), a key that says nothing of the withheld time. Sorting those by their full timestamp
+        among the others placed each between two exact times, about 30 minutes apart in a busy reserve."""
+        withheld = {r.id: self._time_withheld(r, deployments) for r in rows}
+        rows.sort(key=lambda r: (r.site_id, r.media_id))
+        rows.sort(key=lambda r: ((r.captured_at or "")[:10], not withheld[r.id],
+                                 "" if withheld[r.id] else (r.captured_at or "")), reverse=True)  # stable
+
     def detections(self, f: DetectionFilter = DetectionFilter()) -> tuple[list[dict[str, Any]], int]:
-        """One page of records matching ``f`` (newest capture first) as this role may see them, and the number
-        that match in all. Each item: ``id``, ``site_id``, ``media_id``, ``deployment_id``, ``deployment_name``,
+        """One page of records matching ``f`` as this role may see them, and the number that match in all.
+
+        Order: for rangers and operators newest capture first; for partners and the public by what they see
+        (:meth:`_visible_order`: newest date first, and within a date the records with a shown time before those
+        shown by date only), so neither the order nor the paging reveals a withheld time.
+
+        Each item: ``id`` (:meth:`record_ref`), ``site_id``, ``media_id``, ``deployment_id``, ``deployment_name``,
         ``latitude``/``longitude`` (the deployment's, as shown to this role; None when unknown), ``fuzzed``,
         ``captured_at``, ``num_detections``, ``max_confidence``, ``top_species``, ``top_species_confidence``,
         ``category``, ``failure``, ``has_image``, ``source``, ``width``/``height`` (pixels), ``detections`` (boxes:
@@ -325,20 +355,33 @@ class Viewer:
         rangers and operators also get ``file`` and ``timestamp_source``."""
         rows = self._matching_rows(f)
         deployments = self._deployment_index()
+        if not self.role.sees_exact_locations:
+            self._visible_order(rows, deployments)
         page = rows[f.offset:f.offset + f.limit]
         return [self._row_view(r, deployments) for r in page], len(rows)
 
-    def detection(self, detection_id: int) -> dict[str, Any] | None:
-        """One record as :meth:`detections` shows it, or None when there is none with that id."""
+    def _row(self, ref: int | str) -> DetectionRow | None:
+        """The row a reference of this role names (:meth:`record_ref`), or None. Partners and the public cannot
+        use row ids (they would enumerate records in arrival order)."""
+        text = str(ref).strip()
         with self.store.session() as s:
-            row = s.get(DetectionRow, int(detection_id))
+            if REF_SEPARATOR in text:
+                site, _, media = text.rpartition(REF_SEPARATOR)
+                return s.scalars(select(DetectionRow).where(DetectionRow.site_id == site,
+                                                            DetectionRow.media_id == media)).first()
+            if self.role.sees_exact_locations and text.isdigit() and len(text) < 19:
+                return s.get(DetectionRow, int(text))
+        return None
+
+    def detection(self, ref: int | str) -> dict[str, Any] | None:
+        """One record as :meth:`detections` shows it, or None when this role has no record of that reference."""
+        row = self._row(ref)
         return None if row is None else self._row_view(row, self._deployment_index())
 
-    def image_sha256(self, detection_id: int) -> str | None:
+    def image_sha256(self, ref: int | str) -> str | None:
         """The blob name of a record's image when the coordinator holds one, else None."""
-        with self.store.session() as s:
-            row = s.get(DetectionRow, int(detection_id))
-            return None if row is None else row.image_sha256
+        row = self._row(ref)
+        return None if row is None else row.image_sha256
 
     def species_names(self) -> list[str]:
         """Top species of the stored records, sorted (for the filter form)."""

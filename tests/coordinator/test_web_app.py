@@ -101,29 +101,47 @@ def test_every_get_route_is_in_the_access_matrix(app, state):
     assert paths == set(matrix(1))
 
 
+def ref_of(state, role: str, media: str) -> int | str:
+    """How ``role`` names the record of ``media``: the row id for rangers and operators, "site~media" for others
+    (row ids follow arrival order, which brackets capture times: issue 16, item 6)."""
+    return state.detections[media] if role in ("operator", "ranger") else state.refs[media]
+
+
 def test_every_route_as_every_role(clients, state):
-    det = next(iter(state.detections.values()))
-    for path, (per_role, anonymous) in matrix(det).items():
-        for role, expected in per_role.items():
+    media = next(iter(state.detections))
+    for role in (*EVERY_ROLE, "anonymous"):
+        det = ref_of(state, role, media)
+        for path, (per_role, anonymous) in matrix(det).items():
             r = clients[role].get(path, follow_redirects=False)
+            expected = anonymous if role == "anonymous" else per_role[role]
             assert r.status_code == expected, (path, role, r.status_code)
-        r = clients["anonymous"].get(path, follow_redirects=False)
-        assert r.status_code == anonymous, (path, "anonymous", r.status_code)
-        if anonymous == 303 and path != "/":
-            assert r.headers["location"].startswith("/login?next=")
+            if role == "anonymous" and anonymous == 303 and path != "/":
+                assert r.headers["location"].startswith("/login?next=")
 
 
-def _everything(client: TestClient, state) -> str:
+def test_partners_and_public_cannot_name_records_by_row_id(clients, state):
+    media = next(iter(state.detections))
+    for role in ("partner", "public"):
+        for path in (f"/detections/{state.detections[media]}", f"/api/detections/{state.detections[media]}"):
+            assert clients[role].get(path).status_code == 404, (role, path)
+        assert clients[role].get(f"/api/detections/{state.refs[media]}").json()["id"] == state.refs[media]
+        ids = [i["id"] for i in clients[role].get("/api/detections").json()["items"]]
+        assert ids and all(isinstance(i, str) and "~" in i for i in ids)
+    assert clients["ranger"].get(f"/api/detections/{state.refs[media]}").json()["id"] == state.detections[media]
+
+
+def _everything(client: TestClient, state, role: str = "partner") -> str:
     """Every byte a client can get from every GET route (the export unzipped)."""
     parts = []
-    for path in matrix(next(iter(state.detections.values()))):
+    for path in matrix(ref_of(state, role, next(iter(state.detections)))):
         r = client.get(path)
         if path.endswith(".zip") and r.status_code == 200:
             with zipfile.ZipFile(io.BytesIO(r.content)) as z:
                 parts += [z.read(n).decode("utf-8") for n in z.namelist()]
         else:
             parts.append(r.text)
-    for det in state.detections.values():
+    for media in state.detections:
+        det = ref_of(state, role, media)
         parts += [client.get(f"/detections/{det}").text, client.get(f"/api/detections/{det}").text]
     return "\n".join(parts)
 
@@ -143,7 +161,7 @@ def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(cl
     assert sensitive and plain
     used = {r.deployment_id for r in state.store.session().__enter__().query(DetectionRow)}
     for role in ("partner", "public"):
-        text = _everything(clients[role], state)
+        text = _everything(clients[role], state, role)
         for dep, (lat, lon, _) in sensitive.items():
             # the true position is the pair: one displaced coordinate can match the truth to a metre by chance
             # (the displacement's east-west part is then under a metre), which leaves the point up to 1 km away
@@ -160,7 +178,7 @@ def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(cl
         for dep, (lat, lon, _) in plain.items():
             if dep in used:
                 assert f"{lat:.5f}" in text
-    ranger = _everything(clients["ranger"], state)
+    ranger = _everything(clients["ranger"], state, "ranger")
     for dep, (lat, lon, _) in sensitive.items():
         assert f"{lat:.5f}" in ranger and f"{lon:.5f}" in ranger
     assert "T06:12:00" in ranger and "IMG_" in ranger
@@ -184,7 +202,7 @@ def test_a_record_with_a_bad_signature_appears_nowhere(clients, state):
         assert s.query(RejectionRow).filter_by(reason="bad_signature").count() == 1
         assert s.query(DetectionRow).count() == len(state.detections) == 5
     for role in ("operator", "ranger", "partner", "public"):
-        assert FORGED_SPECIES not in _everything(clients[role], state)
+        assert FORGED_SPECIES not in _everything(clients[role], state, role)
         assert clients[role].get("/api/detections").json()["total"] == 5
 
 
@@ -430,9 +448,10 @@ def test_images_lose_their_gps_for_roles_without_exact_locations(tmp_path):
     import_megadetector(st.store, tmp_path / "md.json", site_id="site-a", deployment_id="dep-river",
                         images_dir=images)
     with st.store.session() as s:
-        det = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one().id
+        row = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one()
     app = create_app(st.config, store=st.store, hasher=HASHER)
     for user, keeps_gps in (("rita", True), ("olga", True), ("paul", False), ("pia", False)):
+        det = row.id if keeps_gps else f"{row.site_id}~{row.media_id}"
         c, _ = login(app, user)
         assert f'href="/detections/{det}/image"' in c.get(f"/detections/{det}").text
         r = c.get(f"/detections/{det}/image")
@@ -499,8 +518,9 @@ def test_partners_get_images_without_the_capture_time_of_protected_places(tmp_pa
     import_megadetector(st.store, tmp_path / "md.json", site_id="site-a", deployment_id="dep-river",
                         images_dir=images)
     with st.store.session() as s:
-        det = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one().id
+        row = s.query(DetectionRow).filter(DetectionRow.source.like("import:%")).one()
     for user, keeps_time in (("rita", True), ("paul", False)):
+        det = row.id if keeps_time else f"{row.site_id}~{row.media_id}"
         c = create_app_client(st, user)
         exif = Image.open(io.BytesIO(c.get(f"/detections/{det}/image").content)).getexif()
         got = (exif.get(0x0132), exif.get_ifd(0x8769).get(0x9003))

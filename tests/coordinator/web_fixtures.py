@@ -44,13 +44,15 @@ FORGED_SPECIES = "Forged forgery"
 @dataclass
 class WebState:
     """What :func:`seed` built: the config, store, deployments (id -> (lat, lon, sensitive?)), and the ids of the
-    stored detection rows by media id."""
+    stored detection rows by media id (``detections``: row ids, as rangers name them; ``refs``: as partners and the
+    public name them, coordinator.web.views.Viewer.record_ref)."""
 
     config: CoordinatorConfig
     store: Store
     deployments: dict[str, tuple[float, float, bool]]
     detections: dict[str, int] = field(default_factory=dict)
     real_data: bool = False
+    refs: dict[str, str] = field(default_factory=dict)  # media id -> "site~media", how partners name a record
 
 
 def _synthetic_package(root: Path) -> Path:
@@ -145,4 +147,5 @@ def seed(tmp_path: Path, *, real_data: bool = True, unknown_species: str = "ne")
     from coordinator.storage import DetectionRow
     with store.session() as s:
         state.detections = {r.media_id: r.id for r in s.query(DetectionRow)}
+        state.refs = {r.media_id: f"{r.site_id}~{r.media_id}" for r in s.query(DetectionRow)}
     return state
