@@ -167,10 +167,11 @@ def init(directory: Path = typer.Argument(Path("."), help="folder for the config
         save_public_key(key.public_key(), resolved.public_key_path)
     store, _, _ = _open_state(resolved)
     store.dispose()
-    console.print(f"[green]initialised[/] federation [bold]{federation_id}[/] in {directory.resolve()}")
-    console.print(f"  config      {cfg_path}")
-    console.print(f"  public key  {resolved.public_key_path} (give this to gateways)")
-    console.print(f"  database    {resolved.database_url}")
+    console.print(f"[green]initialised[/] federation [bold]{escape(federation_id)}[/] in "
+                  f"{escape(str(directory.resolve()))}")
+    console.print(escape(f"  config      {cfg_path}"))
+    console.print(escape(f"  public key  {resolved.public_key_path} (give this to gateways)"))
+    console.print(escape(f"  database    {resolved.database_url}"))
 
 
 @app.command()
@@ -194,7 +195,8 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
     sensitive = {e.scientific_name for e in cfg.species or [] if e.iucn_category.value in ("CR", "EN")}
     listed = sorted(sensitive & {str(n) for n in meta.get("species", []) if isinstance(n, str)})
     if listed:
-        console.print(f"[yellow]warning:[/] the public metadata of {site.site_id} lists CR/EN species {listed}: "
+        console.print(f"[yellow]warning:[/] the public metadata of {site.site_id} lists CR/EN species "
+                      f"{escape(str(listed))}: "
                       "species lists are public (NIRA clustering), and a threatened species' presence can locate "
                       "it; leave them out unless that is intended")
 
@@ -308,24 +310,26 @@ def broker_config(
                                         broker_user=broker_user, use_mosquitto_passwd=mosquitto_passwd)
     finally:
         store.dispose()
-    table = Table(title=f"broker accounts of {cfg.federation_id} ({len(result.usernames)} site(s))")
+    table = Table(title=escape(f"broker accounts of {cfg.federation_id} ({len(result.usernames)} site(s))"))
     for col in ("site", "username", "credentials file", "password"):
         table.add_column(col)
-    table.add_row("(coordinator)", coordinator_username(cfg.federation_id), str(result.coordinator_credentials),
+    table.add_row("(coordinator)", coordinator_username(cfg.federation_id), escape(str(result.coordinator_credentials)),
                   "new" if coordinator_username(cfg.federation_id) in result.new_accounts else "kept")
     for site_id, user in result.usernames.items():
-        table.add_row(site_id, user, str(result.site_credentials[site_id]),
+        table.add_row(site_id, user, escape(str(result.site_credentials[site_id])),
                       "new" if user in result.new_accounts else "kept")
     console.print(table)
-    console.print(f"[green]written[/] {result.conf} (ACL {result.acl.name}, passwords {result.password_file.name}, "
-                  f"CA {result.ca_cert}); {len(result.issued)} certificate(s) issued")
-    console.print(f"  start:  mosquitto -c {result.conf}   (or reload a running one with SIGHUP)")
+    console.print("[green]written[/] " + escape(f"{result.conf} (ACL {result.acl.name}, passwords "
+                                                f"{result.password_file.name}, CA {result.ca_cert}); "
+                                                f"{len(result.issued)} certificate(s) issued"))
+    console.print(escape(f"  start:  mosquitto -c {result.conf}   (or reload a running one with SIGHUP)"))
     if broker_user is None and hasattr(os, "geteuid") and os.geteuid() == 0:
         console.print("[yellow]note:[/] started as root, mosquitto drops to the `mosquitto` user, which cannot read "
                       f"these 0600 files: rerun with --broker-user <the account mosquitto runs as>, or `chown -R "
-                      f"mosquitto {result.conf.parent}`")
-    console.print(f"  coordinator.yaml: broker_url: mqtts://{hostname[0] if hostname else 'HOST'}:{port}, "
-                  f"broker_ca_file: {result.ca_cert}, broker_password_file: {result.coordinator_credentials}")
+                      f"mosquitto {escape(str(result.conf.parent))}`")
+    console.print(escape(f"  coordinator.yaml: broker_url: mqtts://{hostname[0] if hostname else 'HOST'}:{port}, "
+                         f"broker_ca_file: {result.ca_cert}, broker_password_file: "
+                         f"{result.coordinator_credentials}"))
     console.print("  each gateway: copy sites/<id>/broker-credentials.yaml and broker-ca.pem; in site.yaml set "
                   f"broker_url: mqtts://HOST:{port}, broker_password_file and broker_ca_file")
 
@@ -344,7 +348,7 @@ def status(config: Path = _config_option()) -> None:
         site_ids = [site.site_id for site in registry.list()]
     finally:
         store.dispose()
-    console.print(f"federation [bold]{cfg.federation_id}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
+    console.print(f"federation [bold]{escape(cfg.federation_id)}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
                   f"{rep.accepted} accepted update(s), model {(rep.model_hash or '-')[:12]}")
     if site_ids:
         shown = ", ".join(site_ids[:30]) + (f", ... (+{len(site_ids) - 30})" if len(site_ids) > 30 else "")
@@ -354,7 +358,7 @@ def status(config: Path = _config_option()) -> None:
         table.add_column(col, overflow="fold")
     for r, st, n, h in rep.rounds:
         mode, detail = rep.details.get(r, (None, None))
-        table.add_row(str(r), st, str(n), (h or "-")[:12], mode or "-", detail or "")
+        table.add_row(str(r), escape(st), str(n), (h or "-")[:12], escape(mode or "-"), escape(detail or ""))
     console.print(table)
     if cfg.strategy.kind == "nira":
         console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
@@ -362,7 +366,7 @@ def status(config: Path = _config_option()) -> None:
     rej.add_column("reason")
     rej.add_column("count", justify="right")
     for reason, n in sorted(rep.rejections.items()):
-        rej.add_row(reason, str(n))
+        rej.add_row(escape(reason), str(n))
     if not rep.rejections:
         rej.add_row("(none)", "0")
     console.print(rej)
@@ -370,7 +374,7 @@ def status(config: Path = _config_option()) -> None:
     for col in ("site", "category", "from round", "why"):
         hal.add_column(col, overflow="fold")
     for h in halts:
-        hal.add_row(h.site_id, h.category.value, str(h.round), h.reason or "(no reason recorded)")
+        hal.add_row(h.site_id, h.category.value, str(h.round), escape(h.reason or "(no reason recorded)"))
     if not halts:
         hal.add_row("(none)", "-", "-", "-")
     console.print(hal)
@@ -427,7 +431,7 @@ def budget(config: Path = _config_option(),
                      "-" if r.z_calibrated is None else f"{r.z_calibrated:.3f}", z_text)
     console.print(cmp_)
     if plot is not None:
-        console.print(f"burn-down plot written to {plot}")
+        console.print(escape(f"burn-down plot written to {plot}"))
 
 
 def _run(config: Path, rounds: int | None) -> None:
@@ -436,7 +440,7 @@ def _run(config: Path, rounds: int | None) -> None:
     try:
         recovered = coord.start()
         for r in recovered:
-            console.print(f"recovered round {r.round}: {r.status}")
+            console.print(escape(f"recovered round {r.round}: {r.status}"))
         target = cfg.rounds if rounds is None else rounds
         first = coord.rounds.next_round()
         with Progress(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -477,10 +481,11 @@ def serve(config: Path = _config_option(),
     where = host or cfg.web.host
     scheme = "https" if cfg.web.tls_cert_file else "http"
     if scheme == "http" and where not in ("127.0.0.1", "localhost", "::1"):
-        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {where}: passwords and session cookies cross "
+        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {escape(where)}: passwords and session cookies "
+                          "cross "
                           "the network in the clear, and browsers drop Secure cookies over HTTP. Put a TLS proxy "
                           "in front or set web.tls_cert_file and web.tls_key_file.")
-    console.print(f"web view on {scheme}://{where}:{port or cfg.web.port}/ (Ctrl-C stops it)")
+    console.print(escape(f"web view on {scheme}://{where}:{port or cfg.web.port}/ (Ctrl-C stops it)"))
     serve_web(cfg, host=host, port=port)
 
 
@@ -512,7 +517,7 @@ def ingest_worker(config: Path = _config_option(),
     stop = threading.Event()
     _signal.signal(_signal.SIGTERM, lambda *_: stop.set())
     worker.start()
-    console.print(f"ingest worker {worker_id} listening (federation {cfg.federation_id}); Ctrl-C stops it")
+    console.print(escape(f"ingest worker {worker_id} listening (federation {cfg.federation_id}); Ctrl-C stops it"))
     try:
         while not stop.wait(1.0):
             pass
@@ -780,13 +785,14 @@ def provision(
     finally:
         store.dispose()
     console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")
-    console.print(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
-                  "install)")
+    console.print(escape(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
+                         "install)"))
     if result.broker_is_loopback:
-        err_console.print(f"[bold yellow]warning:[/] the gateway will connect to {result.broker_url}, its own loopback "
+        err_console.print(f"[bold yellow]warning:[/] the gateway will connect to {escape(result.broker_url)}, its own "
+                          "loopback "
                           "address; pass --broker-url mqtt://<broker host>:1883 for a gateway in the field")
-    console.print(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix /opt/wildfed "
-                  f"--coordinator-fingerprint {result.coordinator_fingerprint[:32]}")
+    console.print(escape(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix "
+                         f"/opt/wildfed --coordinator-fingerprint {result.coordinator_fingerprint[:32]}"))
 
 
 @app.command()
@@ -872,7 +878,8 @@ def audit(
                       f"{row.noise_multiplier:.3f}", f"{row.claimed_epsilon:.4f}", f"{row.lower_bound:.4f}",
                       f"{row.ceiling:.2f}", verdict)
     console.print(table)
-    console.print(f"written {run_dir / 'audit.json'} and {run_dir / 'canaries.csv'} ({result.wall_seconds:.1f} s)")
+    console.print(escape(f"written {run_dir / 'audit.json'} and {run_dir / 'canaries.csv'} "
+                         f"({result.wall_seconds:.1f} s)"))
     exceeded = [r.category.value for r in result.rows if r.exceeds_claim]
     if break_noise:
         if len(exceeded) == len(result.rows):
@@ -961,7 +968,7 @@ def user_list(config: Path = _config_option()) -> None:
     for col in ("user", "role", "state"):
         table.add_column(col)
     for a in rows:
-        table.add_row(a.username, a.role.value, "disabled" if a.disabled else "active")
+        table.add_row(escape(a.username), a.role.value, "disabled" if a.disabled else "active")
     console.print(table)
 
 

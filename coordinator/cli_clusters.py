@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shared.errors import ConfigError
@@ -83,7 +84,8 @@ def show(config: Path = _config_option(),
             within = (sub.sum() - np.trace(sub)) / (len(idx) * (len(idx) - 1)) if len(idx) > 1 else float("nan")
             pins = [m for m in members if m in assignment.pinned]
             shown = ", ".join(members[:8]) + (f", ... (+{len(members) - 8})" if len(members) > 8 else "")
-            table.add_row(label, str(len(members)), shown + (f"  [pinned: {', '.join(pins)}]" if pins else ""),
+            table.add_row(escape(label), str(len(members)),
+                          escape(shown + (f"  [pinned: {', '.join(pins)}]" if pins else "")),
                           "-" if np.isnan(within) else f"{within:.3f}")
         console.print(table)
         state = nira.state()
@@ -91,10 +93,10 @@ def show(config: Path = _config_option(),
             console.print("[yellow]a re-cluster from the species lists is requested: it runs before the next "
                           "round[/]")
         for change in state["changes"][-changes:] if changes > 0 else []:
-            console.print(f"round {change['round']}: {change['site']} {change['from'] or '(new)'} -> {change['to']}: "
-                          f"{change['reason']}")
+            console.print(escape(f"round {change['round']}: {change['site']} {change['from'] or '(new)'} -> "
+                                 f"{change['to']}: {change['reason']}"))
         if heatmap is not None:
-            console.print(f"heatmap written to {plot_similarity_heatmap(assignment, heatmap)}")
+            console.print(escape(f"heatmap written to {plot_similarity_heatmap(assignment, heatmap)}"))
         store.dispose()
 
     body()
@@ -113,7 +115,7 @@ def recluster(config: Path = _config_option()) -> None:
         console.print(f"re-cluster requested: {len(preview.clusters)} cluster(s) from the species lists "
                       "(labels are matched to the current heads by membership when it runs)")
         for label, members in preview.clusters.items():
-            console.print(f"  {label}: {', '.join(members)}")
+            console.print(escape(f"  {label}: {', '.join(members)}"))
         store.dispose()
 
     body()
@@ -133,7 +135,7 @@ def pin(site: str = typer.Argument(..., help="enrolled site id"),
             raise ConfigError(f"site {site!r} is not enrolled", field="site",
                               fix="see `wildfed-coordinator status` for the enrolled sites")
         nira.pin(site, cluster)
-        console.print(f"{site} pinned to {cluster}; applied before the next round")
+        console.print(escape(f"{site} pinned to {cluster}; applied before the next round"))
         store.dispose()
 
     body()
@@ -158,19 +160,20 @@ def check_metadata(data: Path = typer.Option(None, help="folder holding wildlife
     result = run_metadata_checks(data if data is not None else DEFAULT_DATA_ROOT, out_dir=out)
     for name, report in result.items():
         if "skipped" in report:
-            console.print(f"[yellow]{name}: skipped: {report['skipped']}[/]")
+            skipped = f"{name}: skipped: {report['skipped']}"
+            console.print(f"[yellow]{escape(skipped)}[/]")
             continue
         j = report["jaccard"]
         units = report.get("num_deployments", report.get("num_locations"))
-        console.print(f"[bold]{name}[/]: {units} sites, pairwise Jaccard min {j['min']:.3f}, median "
-                      f"{j['median']:.3f}, max {j['max']:.3f}; sensitive species left out: "
-                      f"{', '.join(report.get('removed_sensitive') or []) or 'none'}")
+        console.print(f"[bold]{escape(name)}[/]: " + escape(
+            f"{units} sites, pairwise Jaccard min {j['min']:.3f}, median {j['median']:.3f}, max {j['max']:.3f}; "
+            f"sensitive species left out: {', '.join(report.get('removed_sensitive') or []) or 'none'}"))
         cuts = report.get("cuts") or [{k: report[k] for k in ("cut", "num_clusters", "cluster_sizes") if k in report}]
-        table = Table(title=f"{name}: clusters")
+        table = Table(title=escape(f"{name}: clusters"))
         for col in ("cut", "clusters", "sizes", "purity", "ARI"):
             table.add_column(col)
         for c in cuts:
-            table.add_row(json.dumps(c.get("cut")), str(c.get("num_clusters")),
+            table.add_row(escape(json.dumps(c.get("cut"))), str(c.get("num_clusters")),
                           _sizes(c.get("cluster_sizes")),
                           "-" if c.get("purity") is None else f"{c['purity']:.3f}",
                           "-" if c.get("adjusted_rand_index") is None else f"{c['adjusted_rand_index']:.3f}")
@@ -179,6 +182,6 @@ def check_metadata(data: Path = typer.Option(None, help="folder holding wildlife
         out.mkdir(parents=True, exist_ok=True)
         (out / "metadata_checks.json").write_text(json.dumps(result, indent=2, default=str) + "\n",
                                                   encoding="utf-8")
-        console.print(f"written {out / 'metadata_checks.json'} (every number, the clusters and the heatmaps)")
+        console.print(escape(f"written {out / 'metadata_checks.json'} (every number, the clusters and the heatmaps)"))
     if all("skipped" in r for r in result.values()):
         raise typer.Exit(code=2)

@@ -116,7 +116,8 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
     if cfg.profile:
         try:
             ppath = profile_path(cfg.profile)
-            problems += [(f"profile.{f}", m) for f, m in profile_problems(read_profile_yaml(ppath), FirmwareProfile)]
+            problems += [(f"profile.{f}", m) for f, m in profile_problems(read_profile_yaml(ppath), FirmwareProfile,
+                                                                          file_stem=ppath.stem)]
         except ConfigError as exc:
             problems.append(("profile", exc.message))
     if schema_only:
@@ -190,7 +191,8 @@ def check_config(
     if kind not in ("profile", "site"):
         _error(f"--kind must be auto, profile or site, not {kind!r}")
         raise typer.Exit(code=2)
-    problems = profile_problems(data, FirmwareProfile) if kind == "profile" else _site_problems(file, schema_only)
+    problems = (profile_problems(data, FirmwareProfile, file_stem=file.stem) if kind == "profile"
+                else _site_problems(file, schema_only))
     if not problems:
         what = "gateway profile" if kind == "profile" else "site config"
         out.print(f"[green]OK[/] {escape(str(file))}: valid {what}")

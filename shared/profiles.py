@@ -16,7 +16,10 @@ installed from the bundle and must stay inside the prefix (relative, no ``..``).
 
 Validation reports every problem at once, each with its dotted field (``training.backend``, ...): field errors from
 pydantic and the cross-field rules below (:func:`profile_problems`), so ``wildfed-edge check-config`` can list them
-all. Cross-field rules:
+all. Pydantic's own wording ("Extra inputs are not permitted", a regular expression) is rewritten to name the
+allowed fields or values and the fix (``_explain``). A profile read from a file must carry the file's stem as its
+``name`` (``x86-cpu-gateway.yaml`` holds ``name: x86-cpu-gateway``), except the installed copy ``profile.yaml``
+in a gateway's install prefix. Cross-field rules:
 
 ====================================  =======================================================================
 rule                                   why
@@ -76,6 +79,7 @@ __all__ = [
     "load_profile",
     "profile_problems",
     "check_profile_data",
+    "INSTALLED_PROFILE_STEM",
 ]
 
 #: The shipped profiles (repository checkout). ``$WILDFED_PROFILES_DIR`` overrides it (see :func:`profiles_dir`).
@@ -341,17 +345,86 @@ class GatewayProfile(StrictModel):
             # a field that already failed is not reported twice
             failed = {".".join(str(p) for p in e["loc"]) for e in field_errors}
             extra = [(f, m) for f, m in cross if f not in failed]
-            raise _combined(cls.__name__, field_errors, extra, data) from None
+            raise _combined(cls.__name__, field_errors, extra, data, cls) from None
         cross = _cross_field_rules(_model_getter(model))
         if cross:
             raise _combined(cls.__name__, [], cross, data)
         return model
 
 
-def _combined(title: str, field_errors: list[Any], cross: Iterable[tuple[str, str]], data: Any) -> ValidationError:
+#: What a pattern-checked string field must look like, in words (pydantic would print the regular expression).
+_PATTERN_WORDS = {
+    "name": "1-64 characters: letters, digits, '_', '.', '-', starting with a letter or digit (the file's stem)",
+    "device": "cpu, cuda or cuda:N (N the GPU index)",
+}
+
+
+def _model_at(model: type[Any], loc: tuple[Any, ...]) -> tuple[type[Any] | None, Any]:
+    """``(the model class holding the last part of loc, that field's annotation)``; ``(None, None)`` off the schema."""
+    current: Any = model
+    for i, part in enumerate(loc):
+        fields = getattr(current, "model_fields", None)
+        if fields is None:
+            return None, None
+        if i == len(loc) - 1:
+            return current, (fields[part].annotation if part in fields else None)
+        if part not in fields:
+            return None, None
+        current = fields[part].annotation
+    return None, None
+
+
+def _choices(annotation: Any) -> list[str]:
+    """The allowed values of an Enum annotation (``X | None`` too); empty for anything else."""
+    import typing
+
+    candidates = [annotation, *typing.get_args(annotation)]
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, Enum):
+            return [str(m.value) for m in candidate]
+    return []
+
+
+def _explain(model: type[Any], error: Any) -> str:
+    """A field error in words that name the allowed fields or values and the fix (pydantic's own text says only
+    "Extra inputs are not permitted", "Field required", or prints a regular expression)."""
+    import difflib
+
+    loc = tuple(error["loc"])
+    kind, got = error["type"], error.get("input")
+    last = str(loc[-1]) if loc else "<root>"
+    holder, annotation = _model_at(model, loc)
+    fields = list(getattr(holder, "model_fields", {}) or {})
+    section = f"in {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else "at the top level"
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(last, fields, n=1)
+        hint = f"rename it to {close[0]!r}" if close else "remove it"
+        return (f"unknown field {last!r} {section}; allowed fields there: {', '.join(fields)}; fix: {hint} "
+                "(docs/gateways.md, Fields)")
+    choices = _choices(annotation)
+    if kind == "missing":
+        values = f" (one of: {', '.join(choices)})" if choices else ""
+        return f"required field {last!r} is missing; fix: add `{last}: ...`{values}"
+    if kind == "enum" or (choices and kind.endswith("_type")):
+        return f"{got!r} is not allowed; allowed values: {', '.join(choices)}; fix: use one of them"
+    if kind == "string_pattern_mismatch" and last in _PATTERN_WORDS:
+        return f"{got!r} is not allowed: it must be {_PATTERN_WORDS[last]}; fix: correct the value"
+    nested = getattr(annotation, "model_fields", None)
+    if kind in ("model_type", "dict_type") and nested is not None:
+        return (f"must be a mapping (key: value lines) with some of: {', '.join(nested)}; got {got!r}; fix: write "
+                f"`{last}:` and the fields below it, indented")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if kind.startswith(("int_", "float_", "bool_", "greater_", "less_", "string_")):
+        return f"{message} (got {got!r}); fix: correct the value"
+    return message
+
+
+def _combined(title: str, field_errors: list[Any], cross: Iterable[tuple[str, str]], data: Any,
+              model: type[Any] | None = None) -> ValidationError:
     details: list[InitErrorDetails] = []
     for e in field_errors:
-        details.append(InitErrorDetails(type=PydanticCustomError(e["type"], "{msg}", {"msg": e["msg"]}),
+        msg = _explain(model, e) if model is not None else e["msg"]
+        details.append(InitErrorDetails(type=PydanticCustomError(e["type"], "{msg}", {"msg": msg}),
                                         loc=tuple(e["loc"]), input=e.get("input")))
     raw = _raw_getter(data) if isinstance(data, dict) else (lambda _: None)
     for dotted, message in cross:
@@ -363,30 +436,61 @@ def _combined(title: str, field_errors: list[Any], cross: Iterable[tuple[str, st
 M = TypeVar("M", bound=GatewayProfile)
 
 
-def profile_problems(data: Any, model: type[GatewayProfile] = GatewayProfile) -> list[tuple[str, str]]:
-    """Every problem of raw profile data as ``[(dotted field, message), ...]`` (empty: valid)."""
-    if not isinstance(data, dict):
-        return [("<root>", "a profile is a YAML mapping of key: value pairs")]
-    try:
-        model.model_validate(data)
-    except ValidationError as exc:
-        return validation_errors(exc)
+#: The file name a bundle installs its profile under (``shared.bundle.PROFILE``): its stem is not the profile's name.
+INSTALLED_PROFILE_STEM = "profile"
+
+
+def _name_problems(data: Any, file_stem: str | None) -> list[tuple[str, str]]:
+    """``name`` must be the file's stem (profiles are looked up by file name; the coordinator copies ``name`` into
+    bundles and the ledger of provisioned sites). The installed copy ``<prefix>/profile.yaml`` is exempt."""
+    if file_stem is None or file_stem == INSTALLED_PROFILE_STEM or not isinstance(data, dict):
+        return []
+    name = data.get("name")
+    if isinstance(name, str) and name != file_stem:
+        return [("name", f"{name!r} differs from the file name {file_stem + '.yaml'!r}; fix: set `name: "
+                 f"{file_stem}`, or rename the file to {name + '.yaml'!r}")]
     return []
 
 
-def check_profile_data(data: Any, *, source: object = None, model: type[M] = GatewayProfile) -> M:  # type: ignore[assignment]
-    """Validate raw profile data.
+def profile_problems(data: Any, model: type[GatewayProfile] = GatewayProfile, *,
+                     file_stem: str | None = None) -> list[tuple[str, str]]:
+    """Every problem of raw profile data as ``[(dotted field, message), ...]`` (empty: valid); each message names
+    the allowed fields or values and the fix. With ``file_stem`` (the YAML file's name without ``.yaml``), ``name``
+    must equal it (:func:`_name_problems`)."""
+    if not isinstance(data, dict):
+        return [("<root>", "a profile is a YAML mapping of key: value pairs")]
+    problems: list[tuple[str, str]] = []
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        problems = validation_errors(exc)
+    failed = {f for f, _ in problems}
+    return problems + [p for p in _name_problems(data, file_stem) if p[0] not in failed]
+
+
+def check_profile_data(data: Any, *, source: object = None, model: type[M] = GatewayProfile,  # type: ignore[assignment]
+                       file_stem: str | None = None) -> M:
+    """Validate raw profile data (:func:`profile_problems`); a :class:`~pathlib.Path` ``source`` gives the
+    ``file_stem`` that ``name`` must equal.
 
     Raises:
         ConfigError: naming the source, every bad field (in the message) and the first one (``.field``).
     """
+    if file_stem is None and isinstance(source, Path):
+        file_stem = source.stem
+    profile: M | None = None
+    problems: list[tuple[str, str]] = []
     try:
-        return model.model_validate(data)
+        profile = model.model_validate(data)
     except ValidationError as exc:
         problems = validation_errors(exc)
+    failed = {f for f, _ in problems}
+    problems += [p for p in _name_problems(data, file_stem) if p[0] not in failed]
+    if problems or profile is None:
         detail = "; ".join(f"{f}: {m}" for f, m in problems)
         raise ConfigError(f"invalid gateway profile, {len(problems)} problem(s): {detail}", source=source,
-                          field=problems[0][0], fix="correct the listed fields (see docs/gateways.md)") from exc
+                          field=problems[0][0], fix="correct the listed fields (see docs/gateways.md)")
+    return profile
 
 
 def profiles_dir() -> Path:

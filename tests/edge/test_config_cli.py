@@ -111,3 +111,13 @@ def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypat
                                       "--ready-file", str(ready)])
     assert result.exit_code == 0, result.output
     assert ready.read_text().strip() == "site-1" and "rounds trained: 0" in result.output
+
+
+def test_cli_errors_keep_square_brackets(tmp_path: Path) -> None:
+    """Issue 16, item 14: rich took `[north]` in an error for markup and dropped it."""
+    absent = tmp_path / "site[north]" / "absent.yaml"
+    result = CliRunner().invoke(app, ["run", "--config", str(absent)])
+    assert result.exit_code == 2
+    assert "site[north]/absent.yaml" in "".join(result.output.split())  # rich may fold a long path anywhere
+    bad_engine = CliRunner().invoke(app, ["detect", str(tmp_path), "--engine", "[fast]"])
+    assert bad_engine.exit_code == 2 and "--engine '[fast]'" in " ".join(bad_engine.output.split())

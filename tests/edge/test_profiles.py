@@ -207,3 +207,62 @@ def test_check_config_reports_a_species_the_table_lacks(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["check-config", str(site)], terminal_width=200)
     assert result.exit_code == 2
     assert "dataset" in result.output and "Loxodonta cyclotis" in result.output
+
+
+# -- error messages that name the allowed fields and values, and the fix (issue 16, item 14) ---------------------
+WIDE = {"COLUMNS": "1000"}  # rich reads it: no wrapping inside table cells
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_check_config_profile_errors_name_allowed_fields_values_and_the_fix(tmp_path: Path) -> None:
+    data = raw("x86-cpu-gateway")
+    data.update(name="other-box", surprise=True, kind="toaster")
+    data["training"] = {"backnd": "torch", "device": "gpu"}
+    path = tmp_path / "my-box.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    result = CliRunner().invoke(app, ["check-config", "--kind", "profile", str(path)], env=WIDE)
+    out = _flat(result.output)
+
+    assert result.exit_code == 2, out
+    assert "Extra inputs are not permitted" not in out and "String should match pattern" not in out
+    # unknown keys: the allowed fields of their section, and the likely intended one
+    assert ("unknown field 'backnd' in training; allowed fields there: backend, device, microbatch_size; fix: "
+            "rename it to 'backend'") in out
+    assert ("unknown field 'surprise' at the top level; allowed fields there: name, kind, description, training, "
+            "inference, memory_cap_mib, threads, storage, broker, identity, privacy; fix: remove it") in out
+    # enum and pattern fields: the allowed values in words
+    assert ("'toaster' is not allowed; allowed values: jetson_orin_nano, jetson_xavier_nx, x86_gpu, x86_cpu, "
+            "radio_base_station") in out
+    assert "'gpu' is not allowed: it must be cpu, cuda or cuda:N" in out
+    # the name is checked against the file name
+    assert ("'other-box' differs from the file name 'my-box.yaml'; fix: set `name: my-box`, or rename the file to "
+            "'other-box.yaml'") in out
+
+
+def test_load_profile_checks_the_name_against_the_file(tmp_path: Path) -> None:
+    data = raw("radio-base-station")
+    (tmp_path / "rbs-2.yaml").write_text(yaml.safe_dump(data))  # name: radio-base-station
+    with pytest.raises(ConfigError) as info:
+        load_profile(tmp_path / "rbs-2.yaml")
+    assert info.value.field == "name" and "differs from the file name 'rbs-2.yaml'" in str(info.value)
+    # the copy a bundle installs as <prefix>/profile.yaml keeps the original name
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(data))
+    assert load_profile(tmp_path / "profile.yaml").name == "radio-base-station"
+    # a renamed copy whose name matches loads
+    data["name"] = "rbs-2"
+    (tmp_path / "rbs-2.yaml").write_text(yaml.safe_dump(data))
+    assert load_profile(tmp_path / "rbs-2.yaml").name == "rbs-2"
+
+
+def test_missing_and_non_mapping_fields_say_what_to_write() -> None:
+    problems = dict(profile_problems({"kind": "x86_cpu", "inference": 5}))
+    assert problems["name"] == "required field 'name' is missing; fix: add `name: ...`"
+    assert problems["inference"].startswith("must be a mapping (key: value lines) with some of: engine, precision, "
+                                            "batch_size; got 5")
+    assert dict(profile_problems({"name": "p"}))["kind"] == (
+        "required field 'kind' is missing; fix: add `kind: ...` (one of: jetson_orin_nano, jetson_xavier_nx, "
+        "x86_gpu, x86_cpu, radio_base_station)")
