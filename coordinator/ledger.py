@@ -23,9 +23,19 @@ Semantics (DESIGN.md "Privacy semantics"):
   durable and permanent, and each carries its reason (spend, budget, the dry-run's result), which
   :meth:`PrivacyLedger.halts` returns for ``wildfed-coordinator status``. A site whose every known category is
   halted is no longer selected.
-- Rounds left (:meth:`PrivacyLedger.rounds_left`, for ``wildfed-coordinator budget``): the same dry run repeated,
-  i.e. how many more rounds of the site's last round's event the accountant allows before the budget is passed
-  (composition through dp-accounting, never a linear extrapolation of epsilon).
+- Charges that can still arrive (:meth:`PrivacyLedger.pending_rounds`): a round whose task was sent to a site but
+  whose update has not been charged yet (the round closed at its deadline, or a coordinator crashed and
+  ``RoundManager.recover`` closed it) may still be charged when the site's update comes in late. The halt check
+  counts each such round as one more round of the predicted events, as if it were already spent, so that however
+  late those updates arrive (and whatever crashed) the spend never passes the budget. A pending round stops
+  counting once any event of the site for it is charged. A site that never delivers a round keeps it pending: it
+  only halts that site's categories up to one round early per round missed (conservative, never an overrun).
+- Rounds left (:meth:`PrivacyLedger.rounds_left`, for ``wildfed-coordinator budget``): the same dry run repeated
+  (the same predicted events, every mechanism, the same pending rounds), i.e. how many more rounds the accountant
+  allows before the budget is passed (composition through dp-accounting, never a linear extrapolation of epsilon).
+  It is 0 exactly when :meth:`PrivacyLedger.halt_if_needed` would halt the category.
+- At close (:meth:`PrivacyLedger.round_would_exceed`): the round's events are checked once more against every
+  other round's recorded events and pending rounds; an update that would pass its budget is not aggregated.
 """
 
 from __future__ import annotations
@@ -45,9 +55,10 @@ from shared.iucn import IUCNCategory, parse_category
 from shared.privacy.accounting import AccountantName, epsilon_spent
 from shared.privacy.events import DPSGDEvent
 
-from coordinator.storage import HaltRow, LedgerRow, Store, dumps
+from coordinator.storage import HaltRow, LedgerRow, RoundRow, Store, dumps
 
-__all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_epsilon"]
+__all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_epsilon", "repeat_rounds",
+           "UNCHARGEABLE_PRIVACY"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +73,19 @@ def coalesce(events: Iterable[DPSGDEvent]) -> tuple[DPSGDEvent, ...]:
         key = (float(ev.noise_multiplier), float(ev.sampling_rate))
         steps[key] = steps.get(key, 0) + int(ev.steps)
     return tuple(DPSGDEvent(z, q, t) for (z, q), t in steps.items())
+
+
+def repeat_rounds(per_round: Sequence[DPSGDEvent], k: int) -> tuple[DPSGDEvent, ...]:
+    """``k`` rounds of ``per_round`` (one round's events, every mechanism) as ``len(per_round)`` events with ``k``
+    times the steps: exact, by the definition of self-composition. ``k = 0`` gives ``()``."""
+    if k <= 0:
+        return ()
+    return tuple(DPSGDEvent(e.noise_multiplier, e.sampling_rate, e.steps * k) for e in per_round)
+
+
+# Round privacy modes whose updates are never charged after the round (no late charge can arrive): Global DP charges
+# the survivors before unmasking and drops its secure-aggregation state with the round; "none" charges nothing.
+UNCHARGEABLE_PRIVACY = frozenset({"global", "none"})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -151,16 +175,20 @@ class PrivacyLedger:
                 log.warning("ledger: halted %s at site %s from round %d (%s)", cat.value, site_id, round, reason)
 
     # ---- reads -----------------------------------------------------------------------------------------------
-    def events(self, site_id: str, category: IUCNCategory | str) -> list[DPSGDEvent]:
-        """Every recorded event of (site, category), in round order.
+    def events(self, site_id: str, category: IUCNCategory | str, *, mechanism: str | None = None
+               ) -> list[DPSGDEvent]:
+        """Every recorded event of (site, category) (of one ``mechanism``, ``"dpsgd"`` or ``"counts"``, if given;
+        all of them by default, as spend composes them), in round order.
 
         Raises:
             PayloadError: a stored row does not parse as a known event type (never skipped).
         """
         cat = parse_category(category)
         with self._store.session() as s:
-            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
-                             .order_by(LedgerRow.round, LedgerRow.id)).all()
+            q = select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
+            if mechanism is not None:
+                q = q.where(LedgerRow.mechanism == mechanism)
+            rows = s.scalars(q.order_by(LedgerRow.round, LedgerRow.id)).all()
             return [DPSGDEvent.from_json(json.loads(r.event_json)) for r in rows]
 
     def categories(self, site_id: str) -> set[IUCNCategory]:
@@ -252,18 +280,91 @@ class PrivacyLedger:
                 out[cat] = (*out.get(cat, ()), DPSGDEvent.from_json(json.loads(r.event_json)))
             return int(last), out
 
-    def rounds_left(self, site_id: str, category: IUCNCategory | str, budget: float, *,
-                    next_event: DPSGDEvent | None = None, accountant: AccountantName | None = None,
-                    cap: int = 10_000) -> int | None:
-        """How many more rounds of ``next_event`` (site, category) can run before its spend would pass ``budget``.
-
-        A dry run through the accountant, like :meth:`would_exceed` (which it equals for one round: ``0`` exactly
-        when the next halt check would halt the category): the largest ``k`` such that the composition of every
-        recorded event and ``k`` more rounds of ``next_event`` is at most ``budget``. Nothing is written.
+    def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None
+                       ) -> dict[str, tuple[int, ...]]:
+        """Rounds whose charges can still arrive, per site: the site was selected (its task was sent, or was about
+        to be: the round row is written before the tasks), the round's privacy mode charges updates (not Global
+        DP, not "none"), and no event of the site for that round is in the ledger yet. Its update may still come
+        late and be charged (``coordinator.ingest``: ``late``).
 
         Args:
-            next_event: one round's event; defaults to the category's events (every mechanism) in the site's last
-                round, else the category's last recorded event (what :meth:`halt_if_needed` dry-runs).
+            site_id: only this site (default: every site with a pending round).
+            before_round: only rounds before this one (default: every recorded round, the open one included).
+
+        Returns:
+            ``{site: (round, ...)}`` in round order; sites with none are left out.
+        """
+        with self._store.session() as s:
+            q = select(RoundRow.round, RoundRow.selected_json, RoundRow.privacy)
+            if before_round is not None:
+                q = q.where(RoundRow.round < before_round)
+            rounds = s.execute(q.order_by(RoundRow.round)).all()
+            q2 = select(LedgerRow.site_id, LedgerRow.round).distinct()
+            if site_id is not None:
+                q2 = q2.where(LedgerRow.site_id == site_id)
+            charged = {(str(a), int(b)) for a, b in s.execute(q2).all()}
+        out: dict[str, list[int]] = {}
+        for r, selected_json, privacy in rounds:
+            if (privacy or "ccdp") in UNCHARGEABLE_PRIVACY:
+                continue
+            for sid in json.loads(selected_json or "[]"):
+                if (site_id is None or sid == site_id) and (sid, int(r)) not in charged:
+                    out.setdefault(sid, []).append(int(r))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def next_round_events(self, site_id: str, category: IUCNCategory | str,
+                          last_sets: Mapping[IUCNCategory, tuple[DPSGDEvent, ...]] | None = None
+                          ) -> tuple[DPSGDEvent, ...] | None:
+        """The events one more round of (site, category) is predicted to charge, every mechanism: those of the
+        site's last recorded round (DP-SGD steps and, with NIRA's noisy counts, the count release; a calibrated
+        schedule repeats them every round), else the category's last recorded event; None when it never ran.
+        The halt check, rounds left and the pending rounds all use this one prediction."""
+        cat = parse_category(category)
+        sets = self.last_round_event_sets(site_id)[1] if last_sets is None else last_sets
+        if sets.get(cat):
+            return tuple(sets[cat])
+        history = self.events(site_id, cat)
+        return (history[-1],) if history else None
+
+    def round_would_exceed(self, site_id: str, category: IUCNCategory | str, round: int,
+                           events: Sequence[DPSGDEvent], budget: float, *, pending: int = 0,
+                           accountant: AccountantName | None = None) -> bool:
+        """The check at close: would (site, category) pass ``budget`` with ``events`` as round ``round``'s events?
+
+        Composes every recorded event of the other rounds (this round's own rows, if a replay already wrote them,
+        are replaced by ``events``, never counted twice), ``pending`` more rounds of ``events`` (other rounds whose
+        charges can still arrive) and ``events``. Nothing is written.
+
+        Raises:
+            PrivacyBudgetError: ``budget`` not a positive finite epsilon.
+        """
+        if not (budget > 0 and math.isfinite(budget)):
+            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        cat = parse_category(category)
+        with self._store.session() as s:
+            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value,
+                                                     LedgerRow.round != round)
+                             .order_by(LedgerRow.round, LedgerRow.id)).all()
+            others = tuple(DPSGDEvent.from_json(json.loads(r.event_json)) for r in rows)
+        mine = tuple(events)
+        eps = composed_epsilon((*others, *repeat_rounds(mine, pending), *mine), self.target_delta,
+                               accountant or self.accountant)
+        return eps > budget
+
+    def rounds_left(self, site_id: str, category: IUCNCategory | str, budget: float, *,
+                    next_event: DPSGDEvent | Sequence[DPSGDEvent] | None = None, pending: int | None = None,
+                    accountant: AccountantName | None = None, cap: int = 10_000) -> int | None:
+        """How many more rounds of ``next_event`` (site, category) can run before its spend would pass ``budget``.
+
+        The halt check's dry run (:meth:`halt_if_needed`) repeated: the largest ``k`` such that the composition of
+        every recorded event, the pending rounds and ``k`` more rounds of the predicted events is at most
+        ``budget``; ``0`` exactly when the next halt check would halt the category. Nothing is written.
+
+        Args:
+            next_event: one round's events (one event or every mechanism's); defaults to
+                :meth:`next_round_events`, exactly what :meth:`halt_if_needed` dry-runs.
+            pending: rounds whose charges can still arrive, counted as spent before the ``k`` rounds (default:
+                :meth:`pending_rounds` of the site, as the halt check counts them).
             cap: search limit; a return value of ``cap`` means "at least ``cap``".
 
         Returns:
@@ -276,20 +377,19 @@ class PrivacyLedger:
         history = tuple(self.events(site_id, cat))
         per_round: tuple[DPSGDEvent, ...] | None
         if next_event is not None:
-            per_round = (next_event,)
+            per_round = (next_event,) if isinstance(next_event, DPSGDEvent) else tuple(next_event)
         else:
-            per_round = self.last_round_event_sets(site_id)[1].get(cat) or ((history[-1],) if history else None)
+            per_round = self.next_round_events(site_id, cat)
         if per_round is None:
             return None
         if cat in self.halted(site_id):
             return 0
         acc = accountant or self.accountant
+        if pending is None:
+            pending = len(self.pending_rounds(site_id).get(site_id, ()))
 
         def eps(k: int) -> float:
-            if k == 0:
-                return composed_epsilon(history, self.target_delta, acc)
-            more = tuple(DPSGDEvent(e.noise_multiplier, e.sampling_rate, e.steps * k) for e in per_round)
-            return composed_epsilon((*history, *more), self.target_delta, acc)
+            return composed_epsilon((*history, *repeat_rounds(per_round, pending + k)), self.target_delta, acc)
 
         if eps(1) > budget:
             return 0
@@ -300,7 +400,8 @@ class PrivacyLedger:
             e0, e1 = eps(0), eps(1)
             guess = (budget ** 2 - e0 ** 2) / max(e1 ** 2 - e0 ** 2, 1e-12)
         else:
-            guess = self.rounds_left(site_id, cat, budget, next_event=next_event, accountant="rdp", cap=cap) or 1
+            guess = self.rounds_left(site_id, cat, budget, next_event=per_round, pending=pending, accountant="rdp",
+                                     cap=cap) or 1
         g = int(min(max(guess, 1), cap))
         step = max(1, g // 16)
         if eps(g) <= budget:  # grow until it passes, or stop at the cap
@@ -341,24 +442,30 @@ class PrivacyLedger:
 
     # ---- policy ----------------------------------------------------------------------------------------------
     def halt_if_needed(self, site_id: str, budgets: Mapping[IUCNCategory, float], *, round: int,
-                       next_events: Mapping[IUCNCategory, DPSGDEvent | Sequence[DPSGDEvent]] | None = None
-                       ) -> frozenset[IUCNCategory]:
+                       next_events: Mapping[IUCNCategory, DPSGDEvent | Sequence[DPSGDEvent]] | None = None,
+                       pending: int | None = None) -> frozenset[IUCNCategory]:
         """Halt every category whose next round would pass its budget; return the site's halted categories.
+
+        The dry run composes, per category: every recorded event, then ``pending`` rounds of the predicted events
+        (rounds whose tasks were sent and whose charges can still arrive, counted as spent), then one more round
+        of them (the round about to open). The category is halted when that passes its budget.
 
         Args:
             site_id: the site about to be offered ``round``.
             budgets: total epsilon budget per category (shared.iucn.CCDPBudget.table()).
             round: the round about to open (recorded on new halts).
             next_events: predicted events of the next round (one event or a round's events of every mechanism);
-                defaults to the category's events in the site's last recorded round (DP-SGD steps and, with NIRA's
-                noisy counts, the count release: a calibrated schedule repeats them every round), else its last
-                recorded event.
+                defaults to :meth:`next_round_events`.
+            pending: rounds of the site whose charges can still arrive (default: :meth:`pending_rounds` before
+                ``round``).
 
         Returns:
             The site's halted categories after this check.
         """
         already = self.halted(site_id)
         last_sets = self.last_round_event_sets(site_id)[1]
+        if pending is None:
+            pending = len(self.pending_rounds(site_id, before_round=round).get(site_id, ()))
         for cat in self.categories(site_id) | set(next_events or {}):
             if cat in already:
                 continue
@@ -367,19 +474,22 @@ class PrivacyLedger:
             if given is not None:
                 nxt = (given,) if isinstance(given, DPSGDEvent) else tuple(given)
             else:
-                history = self.events(site_id, cat)
-                nxt = last_sets.get(cat) or ((history[-1],) if history else None)
+                nxt = self.next_round_events(site_id, cat, last_sets)
             if not nxt:
                 continue
             budget = budgets.get(cat)
             if budget is None:
                 continue
-            if self.would_exceed(site_id, cat, nxt, budget):
-                after = composed_epsilon((*self.events(site_id, cat), *nxt), self.target_delta, self.accountant)
+            dry = (*repeat_rounds(nxt, pending), *nxt)
+            if self.would_exceed(site_id, cat, dry, budget):
+                after = composed_epsilon((*self.events(site_id, cat), *dry), self.target_delta, self.accountant)
                 first = nxt[0]
                 extra = f" + {len(nxt) - 1} other release(s)" if len(nxt) > 1 else ""
+                waiting = (f"; {pending} earlier round(s) sent but not yet charged count as spent (their updates "
+                           "can still arrive)" if pending else "")
                 self.halt(site_id, cat, round=round,
-                          reason=f"budget: spent eps={self.spent(site_id, cat):.4f} of {budget:.4f}; the next round "
-                                 f"(z={first.noise_multiplier:.4g}, q={first.sampling_rate:.4g}, {first.steps} steps"
-                                 f"{extra}) would make it {after:.4f} ({self.accountant}, delta={self.target_delta:g})")
+                          reason=f"budget: spent eps={self.spent(site_id, cat):.4f} of {budget:.4f}{waiting}; the "
+                                 f"next round (z={first.noise_multiplier:.4g}, q={first.sampling_rate:.4g}, "
+                                 f"{first.steps} steps{extra}) would make it {after:.4f} ({self.accountant}, "
+                                 f"delta={self.target_delta:g})")
         return self.halted(site_id)

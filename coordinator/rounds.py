@@ -21,12 +21,21 @@ Crash recovery (:meth:`RoundManager.recover`): a round left ``open`` is closed f
 Global DP round left open is marked ``failed``: its secure-aggregation state was in memory only; the spend it
 recorded before unmasking (if any) stays charged once.
 
+Budgets whatever crashes: the updates of a round that closed without them (its deadline passed, or ``recover``
+closed it after a crash) can still arrive and are then charged as ``late``. So the halt check of step 1 counts every
+such round as spent (:meth:`coordinator.ledger.PrivacyLedger.pending_rounds`), and step 5 checks each accepted
+update again against what is recorded by then (:meth:`coordinator.ledger.PrivacyLedger.round_would_exceed`): an
+update whose events would take its site past a budget is charged (the coordinator has seen it) but not aggregated,
+and is recorded as an ``over_budget`` rejection.
+
 Global DP mode (``privacy: global``) replaces steps 3-5 by secure aggregation and one coordinator-side noise draw:
 :mod:`coordinator.global_dp`.
 
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
-itself at that point of :meth:`RoundManager._close` (tests/coordinator/test_crash.py). Never set it in production.
+itself at that point of :meth:`RoundManager._close` (tests/coordinator/test_crash.py); set to ``after_publish``, it
+SIGKILLs itself once :meth:`RoundManager.open_round` has sent every task (tests/coordinator/test_recover_budget.py).
+Never set it in production.
 """
 
 from __future__ import annotations
@@ -297,12 +306,15 @@ class RoundManager:
         budgets = self.config.budgets()
         halted: dict[str, frozenset[IUCNCategory]] = {}
         eligible: list[str] = []
+        # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run
+        pending = self._ledger.pending_rounds(before_round=round) if self.config.privacy != "none" else {}
         for site in self._registry.list():
             if not self._registry.verification_keys(site.site_id):
                 log.warning("rounds: site %s has no valid key (revoked); it is not selected", site.site_id)
                 continue
             if self.config.privacy != "none":
-                halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round)
+                halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round,
+                                                                   pending=len(pending.get(site.site_id, ())))
             else:
                 halted[site.site_id] = frozenset()
             known = known_categories(site, self._ledger)
@@ -378,6 +390,7 @@ class RoundManager:
             artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
             self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
                                halted.get(site_id, frozenset()), artifacts)
+        _test_crash_point("after_publish")
         return ctx
 
     def wait_for_quorum(self, ctx: RoundContext, timeout_s: float | None = None) -> bool:
@@ -587,15 +600,61 @@ class RoundManager:
         answer_download_receipt(self.config, self._transport, self._key, self._ingestor.context, site_id, round,
                                 receipt)
 
-    def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
-        """Ledger first (durable), then aggregate + step + store. Returns ``(status, model hash after)``."""
-        _test_crash_point("after_ingest")
+    def _over_budget_at_close(self, ctx: RoundContext) -> dict[str, str]:
+        """The over-budget check repeated at close, against what the ledger holds NOW (late updates of earlier
+        rounds may have been charged since an update was admitted): per accepted update and category, its round's
+        events (every mechanism) after every other round's recorded events and the site's other pending rounds
+        (:meth:`coordinator.ledger.PrivacyLedger.round_would_exceed`).
+
+        Returns:
+            ``{site: reason}`` of the updates that must not be aggregated (empty when every one fits).
+        """
+        if ctx.privacy == "none":
+            return {}
+        budgets = ctx.budgets
+        pending = self._ledger.pending_rounds(before_round=ctx.round)
+        refused: dict[str, str] = {}
+        for site_id, acc in sorted(ctx.accepted.items()):
+            others = len(pending.get(site_id, ()))
+            for cat in sorted({*acc.events, *acc.count_events}, key=lambda c: c.rank):
+                budget = budgets.get(cat)
+                events = tuple(e for e in (acc.events.get(cat), acc.count_events.get(cat)) if e is not None)
+                if budget is None or not events:
+                    continue
+                if self._ledger.round_would_exceed(site_id, cat, ctx.round, events, budget, pending=others):
+                    refused[site_id] = (f"at close, round {ctx.round}'s events for {cat.value} would take site "
+                                        f"{site_id!r} past its budget eps={budget:.4f} (after {others} other "
+                                        "round(s) whose charges can still arrive); charged, not aggregated")
+                    break
+        return refused
+
+    def _rebuild_without(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], refused: Mapping[str, str]
+                         ) -> None:
+        """Drop ``refused`` from the round: rebuild the running sum from the stored blobs of the others."""
+        for site_id, reason in refused.items():
+            ctx.accepted.pop(site_id)
+            log.error("rounds: round %d: %s", ctx.round, reason)
+            self._store.add_rejection(round=ctx.round, site_id=site_id, topic="", reason="over_budget",
+                                      error_kind="close_check", detail=reason)
+        ctx.strategy.begin_round(weights)
         for acc in ctx.accepted.values():
+            report, delta = decode_update(self._store.get_blob(acc.payload_sha256))
+            ctx.strategy.accumulate(acc.site_id, delta, num_examples=int(report.num_examples),
+                                    species_counts=report.species_counts or None)
+
+    def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
+        """Check the budgets again, ledger first (durable), then aggregate + step + store. Returns ``(status,
+        model hash after)``."""
+        _test_crash_point("after_ingest")
+        refused = self._over_budget_at_close(ctx)
+        for acc in ctx.accepted.values():  # every update the coordinator has seen is charged, refused ones too
             if acc.events:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.events)
             if acc.count_events:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.count_events, mechanism="counts")
         _test_crash_point("after_ledger")
+        if refused:
+            self._rebuild_without(ctx, weights, refused)
         if len(ctx.accepted) >= need and ctx.strategy.count > 0:
             avg_delta = ctx.strategy.aggregate()
             new_weights = ctx.strategy.after_step(self._optimizer.step(weights, avg_delta))
