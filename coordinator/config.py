@@ -75,12 +75,15 @@ class BudgetFromMax(StrictModel):
 
 
 class BudgetFromAnchor(StrictModel):
-    """CCDP budget pinned at one category: ``eps_c = epsilon * (rank(c)/rank(category)) ** gamma``."""
+    """CCDP budget pinned at one category: ``eps_c = epsilon * (rank(c)/rank(category)) ** gamma``.
+
+    Defaults are the documented CCDP setting (README, docs/privacy.md): VU = 1.0 with gamma = 1, i.e. CR 0.33,
+    EN 0.67, VU 1.00, NT 1.33, LC 1.67, NE 2.00; ``gamma: 2`` must be asked for (NE 4.00)."""
 
     kind: Literal["from_anchor"] = "from_anchor"
     category: IUCNCategory = IUCNCategory.VU
     epsilon: float = Field(1.0, gt=0)
-    gamma: float = Field(2.0, ge=0)
+    gamma: float = Field(1.0, ge=0, description="steepness; 1 (default) is linear in rank, 2 quadratic")
 
     def to_budget(self) -> CCDPBudget:
         """The :class:`shared.iucn.CCDPBudget`."""

@@ -32,9 +32,12 @@ class BudgetReportRow:
 
     Attributes:
         spent: epsilon of all recorded events under the chosen accountant; remaining = max(0, budget - spent).
-        rounds_left: further rounds of the site's last round's event that fit the budget (a dry-run composition,
-            :meth:`coordinator.ledger.PrivacyLedger.rounds_left`); None when the category never ran there.
-        z_calibrated: noise multiplier of the site's last event of the category (calibrated with dp-accounting).
+        rounds_left: further rounds that fit the budget by exactly the halt check's dry run
+            (:meth:`coordinator.ledger.PrivacyLedger.rounds_left`: every release of a round, NIRA's noisy counts
+            included, after the rounds whose charges can still arrive); 0 exactly when the next halt check halts the
+            category; None when the category never ran there.
+        z_calibrated: noise multiplier of the site's last DP-SGD event of the category (calibrated with
+            dp-accounting).
         eps_rdp: RDP epsilon of the same events (beside the seed's bound).
         COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
         (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
@@ -67,17 +70,21 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
     out = []
     for site_id in sites:
         halted = ledger.halted(site_id)
-        _, last = ledger.last_round_events(site_id)
+        _, last_sets = ledger.last_round_event_sets(site_id)
+        pending = len(ledger.pending_rounds(site_id).get(site_id, ()))
         for cat in IUCNCategory:
             events = ledger.events(site_id, cat)
-            nxt = last.get(cat) or (events[-1] if events else None)
+            # the halt check's own prediction: every release of one more round (DP-SGD steps, NIRA's noisy counts)
+            nxt = ledger.next_round_events(site_id, cat, last_sets)
+            dpsgd = ledger.events(site_id, cat, mechanism="dpsgd")
             spent = ledger.spent(site_id, cat, accountant)
             out.append(BudgetReportRow(
                 site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
                 remaining=max(0.0, budgets[cat] - spent),
-                rounds_left=ledger.rounds_left(site_id, cat, budgets[cat], next_event=nxt, accountant=accountant,
-                                               cap=ROUNDS_LEFT_CAP) if nxt is not None else None,
-                halted=cat in halted, z_calibrated=None if nxt is None else float(nxt.noise_multiplier),
+                rounds_left=ledger.rounds_left(site_id, cat, budgets[cat], next_event=nxt, pending=pending,
+                                               accountant=accountant, cap=ROUNDS_LEFT_CAP)
+                if nxt is not None else None,
+                halted=cat in halted, z_calibrated=float(dpsgd[-1].noise_multiplier) if dpsgd else None,
                 eps_rdp=spent if accountant == "rdp" else ledger.spent(site_id, cat, "rdp"),
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),

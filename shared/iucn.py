@@ -100,8 +100,10 @@ class CCDPBudget:
 
     @classmethod
     def from_anchor(cls, category: IUCNCategory | str = IUCNCategory.VU, epsilon: float = 1.0,
-                    gamma: float = 2.0) -> "CCDPBudget":
+                    gamma: float = 1.0) -> "CCDPBudget":
         """Pin ``category`` to ``epsilon``: ``eps_c = epsilon * (rank(c)/rank(category)) ** gamma``.
+
+        The defaults are the documented CCDP setting (gamma = 1, VU = 1: NE 2.0), the same as :meth:`from_max`'s.
 
         Raises:
             ConfigError: unknown category or non-positive epsilon.
