@@ -6,14 +6,20 @@ bilinear filtering, scaled to [0, 1]. The output is the softmax over the model's
 
 The ONNX graph is written directly from the weights with ``onnx.helper`` (Conv, Tanh, MaxPool x 3, Flatten, Gemm,
 Tanh, Gemm: the architecture in ``shared.models.camera_cnn``), so a gateway needs neither torch nor an exporter
-to classify; the file is cached as ``<cache>/classifier/camera_cnn-<model_hash12>.onnx``. A test checks it against
-the torch model.
+to classify; the file is cached as ``<cache>/classifier/camera_cnn-<model_hash12>.onnx`` (the files of earlier
+model versions are deleted when a new one is written). A test checks it against the torch model.
+
+Its TensorRT engine lives in ONE cache slot, ``camera_cnn`` (:data:`ENGINE_SLOT`): a new global model version
+rebuilds the slot's engine and replaces the old one (the engine key holds the ONNX file's SHA-256), so the engine
+cache holds one classifier engine however many model versions the gateway has seen. Engines left by the earlier
+naming, one slot per version (``camera_cnn-<model_hash12>.engine``), are deleted on the next open.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,12 +38,15 @@ from edge_sdk.inference.weights import cache_dir
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
-__all__ = ["CLASSIFIER_OPSET", "load_classifier_weights", "build_classifier_onnx", "classifier_onnx", "crop",
-           "SpeciesClassifier"]
+__all__ = ["CLASSIFIER_OPSET", "ENGINE_SLOT", "load_classifier_weights", "build_classifier_onnx", "classifier_onnx",
+           "crop", "SpeciesClassifier"]
 
 log = logging.getLogger(__name__)
 
 CLASSIFIER_OPSET = 17
+#: The classifier's TensorRT engine cache slot (one engine, whatever the model version).
+ENGINE_SLOT = "camera_cnn"
+_VERSIONED = re.compile(r"^camera_cnn-[0-9a-f]{12}\.(onnx|engine|engine\.json)$")
 _CONVS = ("phi.0", "phi.3", "phi.6")
 _NAMES = {"phi.0.weight", "phi.0.bias", "phi.3.weight", "phi.3.bias", "phi.6.weight", "phi.6.bias",
           "phi.10.weight", "phi.10.bias", "psi.weight", "psi.bias"}
@@ -112,7 +121,16 @@ def classifier_onnx(weights: Mapping[str, np.ndarray]) -> Path:
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    _remove_versioned(target.parent, keep=target.name)
     return target
+
+
+def _remove_versioned(folder: Path, keep: str | None = None) -> None:
+    """Delete ``camera_cnn-<model_hash12>.*`` files of earlier model versions in ``folder`` (all but ``keep``)."""
+    for path in folder.glob("camera_cnn-*"):
+        if path.name != keep and _VERSIONED.match(path.name):
+            log.info("inference: removing %s (an earlier classifier model version)", path)
+            path.unlink(missing_ok=True)
 
 
 def crop(image: Image.Image, box: tuple[float, float, float, float], size: int = IMAGE_SIZE) -> np.ndarray:
@@ -147,11 +165,22 @@ class SpeciesClassifier:
     @classmethod
     def from_weights(cls, weights: Mapping[str, np.ndarray], *,
                      class_names: Mapping[int, str] | Sequence[str] | None = None,
-                     prefer: EnginePreference = "auto", threads: int | None = None) -> "SpeciesClassifier":
-        """Build (or reuse) the ONNX file of ``weights`` and open it on the best engine."""
+                     prefer: EnginePreference = "auto", threads: int | None = None,
+                     engine_options: Mapping[str, object] | None = None) -> "SpeciesClassifier":
+        """Build (or reuse) the ONNX file of ``weights`` and open it on the best engine, in the engine cache slot
+        :data:`ENGINE_SLOT` (module docstring).
+
+        Args:
+            engine_options: passed to :func:`~edge_sdk.inference.engines.open_engine` (``cache_root``,
+                ``builder_factory``, ``gpu_probe``; tests).
+        """
+        options = dict(engine_options or {})
         path = classifier_onnx(weights)
-        engine = open_engine(path, name=f"camera_cnn-{path.stem.split('-')[-1]}", prefer=prefer, max_batch=64,
-                             threads=threads)
+        engine_root = Path(options["cache_root"]) if options.get("cache_root") else cache_dir() / "engines"
+        if engine_root.is_dir():
+            _remove_versioned(engine_root)  # per-version engines of the earlier naming
+        engine = open_engine(path, name=ENGINE_SLOT, prefer=prefer, max_batch=64, threads=threads,
+                             **options)  # type: ignore[arg-type]
         return cls(engine, num_classes=int(weights["psi.weight"].shape[0]), class_names=class_names,
                    model_hash=model_hash(weights))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -87,7 +88,9 @@ def test_any_key_change_rebuilds(tmp_path, model, change, caplog):
         _, rebuilt = EngineCache(builder, root).ensure("cnn", model, gpu, max_batch=batch)
     assert rebuilt
     assert "changed:" in caplog.text
-    new_key = EngineCacheKey(**json.loads((root / "cnn.engine.json").read_text()))
+    sidecar = json.loads((root / "cnn.engine.json").read_text())
+    assert sidecar.pop("engine_sha256") == hashlib.sha256((root / "cnn.engine").read_bytes()).hexdigest()
+    new_key = EngineCacheKey(**sidecar)
     assert new_key == EngineCache(builder, root).key_for(model, gpu, max_batch=batch)
     assert list(root.glob("*.engine")) == [root / "cnn.engine"]  # one slot, the stale engine replaced
 
