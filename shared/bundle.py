@@ -16,7 +16,8 @@ Layout (every member a regular file; names relative, ``/``-separated, no ``..``,
     keys/coordinator.pub           the coordinator's public key
     keys/broker-ca.pem             the broker's CA (optional)
     systemd/wildfed-edge.service   unit template: @PREFIX@, @EXEC@, @USER@ are filled in at install
-    wheels/<name>.whl              the WildFed SDK wheel
+    wheels/<name>.whl              the WildFed SDK wheel (``wildfed-*.whl``), optionally with the wheels of its
+                                   dependencies: the gateway then installs offline from them
 
 What the checks buy: the per-member SHA-256 catches corruption and a member changed after signing; the signature
 catches a rewritten manifest unless the attacker also replaced ``keys/coordinator.pub``, which is why the
