@@ -306,7 +306,8 @@ class RoundManager:
         budgets = self.config.budgets()
         halted: dict[str, frozenset[IUCNCategory]] = {}
         eligible: list[str] = []
-        # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run
+        # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run. Read
+        # BEFORE the ledger's history: a late charge landing in between is then counted twice (safe), never missed.
         pending = self._ledger.pending_rounds(before_round=round) if self.config.privacy != "none" else {}
         for site in self._registry.list():
             if not self._registry.verification_keys(site.site_id):
