@@ -23,6 +23,8 @@ Commands::
                                                         MegaDetector batch output for the web view
     wildfed-coordinator export-camtrap-dp OUT --role R  the detections as a Camtrap DP 1.0 package, as role R sees
                                                         them (sensitive locations fuzzed for partner/public)
+    wildfed-coordinator places list|lift                the web view's protected places; lift earned protection
+                                                        (recorded; coordinator/web/places_cli.py)
     wildfed-coordinator serve [--host H] [--port P]    the rangers' web view (FastAPI; docs/web.md)
     wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
     wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
@@ -122,8 +124,12 @@ def _parse_utc_offset(text: str) -> Any:
 
 def _open_state(config: CoordinatorConfig) -> tuple[Store, SiteRegistry, PrivacyLedger]:
     store = Store(config.database_url or "", config.data_dir)
-    return store, SiteRegistry(store), PrivacyLedger(store, target_delta=config.target_delta,
-                                                     accountant=config.accountant)
+    registry = SiteRegistry(store)
+    if config.public_key_path.is_file():  # no site may be enrolled with the coordinator's own key
+        from shared.keys import load_public_key
+
+        registry.reserve(load_public_key(config.public_key_path))
+    return store, registry, PrivacyLedger(store, target_delta=config.target_delta, accountant=config.accountant)
 
 
 def _parse_metadata(text: str) -> dict[str, Any]:
@@ -899,6 +905,10 @@ from coordinator.cli_clusters import clusters_app  # noqa: E402 - registered las
 
 app.add_typer(clusters_app, name="clusters")
 
+from coordinator.web.places_cli import places_app  # noqa: E402 - it reuses this module's helpers too
+
+app.add_typer(places_app, name="places")
+
 user_app = typer.Typer(name="user", help="Accounts of the rangers' web view: add, list, set-role, set-password, "
                        "disable, enable.",
                        no_args_is_help=True, add_completion=False)
@@ -1012,10 +1022,12 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
     importer = {"camtrap-dp": import_camtrap_dp, "wildlife-insights": import_wildlife_insights}.get(source)
     if importer is None:
         raise ConfigError(f"format {source!r} is unknown", field="--format", fix="use camtrap-dp or wildlife-insights")
+    from coordinator.web.views import policy_from_config
+
     category_of = species_table_categories(cfg.species)
     store = Store(cfg.database_url or "", cfg.data_dir)
-    try:
-        n = importer(store, path, category_of)
+    try:  # with the policy: protection the stored data earned is kept (docs/location-privacy.md)
+        n = importer(store, path, category_of, policy=policy_from_config(cfg))
         # the importer's source string (coordinator.web.deployments): "<format>:<folder name>"
         unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}")
     finally:
@@ -1060,6 +1072,7 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
     from coordinator.storage import DeploymentRow
     from coordinator.web.deployments import species_table_categories
     from coordinator.web.formats import import_megadetector
+    from coordinator.web.views import policy_from_config
 
     zone = _parse_utc_offset(utc_offset)
     cfg = load_config(config)
@@ -1070,6 +1083,7 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
             task = bar.add_task("import", total=None)
             summary = import_megadetector(store, path, site_id=site, deployment_id=deployment, images_dir=images,
                                           category_of=species_table_categories(cfg.species), utc_offset=zone,
+                                          policy=policy_from_config(cfg),
                                           progress=lambda done, total: bar.update(task, completed=done,
                                                                                   total=total))
         with store.session() as s:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,15 +162,45 @@ class SiteRegistry:
     process that enrols a site is seen by a running coordinator. Key validity (:meth:`verification_keys`) is never
     cached: it is read from the database on each call, so a revocation by another process takes effect at once.
 
+    A site's key is its own (issue 16, item 8): enrolment and rotation refuse a key that another site has, or had
+    (a signature must name one site), and the coordinator's own key (:meth:`reserve`; the CLI and
+    :class:`coordinator.service.Coordinator` reserve it), which would let the coordinator's messages pass as the
+    site's and the site's as the coordinator's.
+
     Args:
         store: the coordinator's store.
         clock: current time as naive UTC (default :func:`coordinator.storage.utcnow`); tests inject one.
+        reserved_keys: keys no site may have (the coordinator's public key).
     """
 
-    def __init__(self, store: Store, *, clock: Callable[[], _dt.datetime] = utcnow) -> None:
+    def __init__(self, store: Store, *, clock: Callable[[], _dt.datetime] = utcnow,
+                 reserved_keys: Iterable[Ed25519PublicKey] = ()) -> None:
         self._store = store
         self._cache: dict[str, Site] = {}
         self._clock = clock
+        self._reserved = {key_fingerprint(k) for k in reserved_keys}
+
+    def reserve(self, public_key: Ed25519PublicKey) -> None:
+        """Refuse ``public_key`` as any site's key from now on (the coordinator's own key)."""
+        self._reserved.add(key_fingerprint(public_key))
+
+    def _check_key_is_new(self, s: Any, public_key: Ed25519PublicKey, site_id: str, error: type[ConfigError]) -> None:
+        """Refuse the coordinator's key and a key that another site has or had (every ``sites`` and ``site_keys``
+        row is read: a key rotated out stays another site's)."""
+        fp = key_fingerprint(public_key)
+        if fp in self._reserved:
+            raise error(f"the public key given for site {site_id!r} is the coordinator's own key", field="public_key",
+                        fix="pass the site's key: the .pub file `wildfed-edge keygen` wrote on the gateway, not "
+                            "the coordinator's keys/coordinator.pub")
+        holders = {r.site_id for r in s.scalars(select(SiteKeyRow).where(SiteKeyRow.fingerprint == fp))}
+        holders |= {sid for sid, pem in s.execute(select(SiteRow.site_id, SiteRow.public_key_pem))
+                    if key_fingerprint(public_key_from_pem(pem)) == fp}
+        holders.discard(site_id)
+        if holders:
+            raise error(f"the public key given for site {site_id!r} is already the key of site "
+                        f"{sorted(holders)[0]!r} (fingerprint {fp[:16]})", field="public_key",
+                        fix=f"generate a key pair on {site_id}'s own gateway (`wildfed-edge keygen`) and pass its "
+                            ".pub file: each site signs with its own key")
 
     def enrol(self, site_id: str, public_key_pem: str, metadata: Mapping[str, Any] | None = None) -> Site:
         """Enrol a new site.
@@ -184,8 +214,9 @@ class SiteRegistry:
             The enrolled :class:`Site`.
 
         Raises:
-            EnrolmentError: bad id, unparsable key, bad metadata, or the site id is already enrolled (re-enrolment
-                with a new key is a deliberate operator act and is not done silently).
+            EnrolmentError: bad id, unparsable key, bad metadata, the site id is already enrolled (re-enrolment
+                with a new key is a deliberate operator act and is not done silently), or the key is the
+                coordinator's or another site's (nothing is written then).
         """
         try:
             validate_identifier(site_id, "site_id")
@@ -204,6 +235,7 @@ class SiteRegistry:
             if s.get(SiteRow, site_id) is not None:
                 raise EnrolmentError(f"site {site_id!r} is already enrolled", field="site_id",
                                      fix="choose another site id, or remove the old enrolment deliberately first")
+            self._check_key_is_new(s, public_key, site_id, EnrolmentError)
             s.add(SiteRow(site_id=site_id, public_key_pem=public_key_to_pem(public_key), metadata_json=dumps(meta)))
         site = Site(site_id=site_id, public_key=public_key, metadata=meta)
         self._cache[site_id] = site
@@ -330,9 +362,9 @@ class SiteRegistry:
 
         Raises:
             UnknownSiteError: ``site_id`` is not enrolled.
-            KeyRotationError: the PEM does not parse, ``grace_s`` is negative or not finite, or the key is the
+            KeyRotationError: the PEM does not parse, ``grace_s`` is negative or not finite, the key is the
                 current one or was used by this site before (a key is never brought back after rotation or
-                revocation).
+                revocation), or it is the coordinator's or another site's.
         """
         if not isinstance(grace_s, (int, float)) or not grace_s >= 0 or grace_s == float("inf"):
             raise KeyRotationError(f"grace period {grace_s!r} s is not a finite number >= 0", field="grace_s",
@@ -350,6 +382,7 @@ class SiteRegistry:
             if any(r.fingerprint == new_fp for r in rows):
                 raise KeyRotationError(f"key {new_fp[:16]} was already used by site {site_id!r}", field="public_key",
                                        fix="generate a fresh key pair on the gateway (`wildfed-edge keygen`)")
+            self._check_key_is_new(s, new_key, site_id, KeyRotationError)
             end = moment + _dt.timedelta(seconds=float(grace_s))
             if old.valid_until is None or end < old.valid_until:
                 old.valid_until = end

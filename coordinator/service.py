@@ -118,6 +118,7 @@ class Coordinator:
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else transport_from_config(config)
         self._key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)
+        self.registry.reserve(self._key.public_key())  # no site may enrol with the coordinator's own key
         self._initial_weights = initial_weights
         t = config.transfer
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,

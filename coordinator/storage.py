@@ -23,6 +23,8 @@ Tables (SQLite by default, PostgreSQL by URL):
                 the record as JSON plus indexed columns for the ranger view
 ``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
 ``deployments`` camera deployments for the web view's map: coordinates, name, IUCN categories recorded
+``protected_places`` places the web view protects (coordinator.web.places): the fixed anchor of each one's
+                displaced point, its deployments, and when its protection was earned and (by an operator) lifted
 ``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
 ``web_sessions`` logged-in web-view sessions: SHA-256 of the cookie token, account, CSRF token, expiry
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
@@ -88,6 +90,7 @@ __all__ = [
     "UserRow",
     "WebSessionRow",
     "DeploymentRow",
+    "PlaceRow",
     "Store",
     "utcnow",
 ]
@@ -333,6 +336,28 @@ class DeploymentRow(Base):
     species_json: Mapped[str] = mapped_column(Text, default="[]")
     start: Mapped[str | None] = mapped_column(String(40), nullable=True)  # ISO 8601 with offset, as imported
     end: Mapped[str | None] = mapped_column(String(40), nullable=True)
+
+
+class PlaceRow(Base):
+    """A place the web view protects (coordinator.web.places): the true WGS 84 position of the deployment that
+    first made it protected (the fixed anchor of its one displaced point), its deployments (JSON list of ids), why
+    and when its protection was earned (``earned_at`` None: protected only as a neighbour) and the operator's last
+    lift of it (``lifted_at``, ``lifted_by``, ``lift_reason``; protection earned again later has a later
+    ``earned_at``). Rows are never deleted."""
+
+    __tablename__ = "protected_places"
+    __table_args__ = (UniqueConstraint("latitude", "longitude", name="uq_protected_places_anchor"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    latitude: Mapped[float] = mapped_column(Float)
+    longitude: Mapped[float] = mapped_column(Float)
+    location_name: Mapped[str] = mapped_column(String(256), default="")
+    members_json: Mapped[str] = mapped_column(Text, default="[]")
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+    earned_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    earned_reason: Mapped[str] = mapped_column(Text, default="")
+    lifted_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    lifted_by: Mapped[str] = mapped_column(String(256), default="")
+    lift_reason: Mapped[str] = mapped_column(Text, default="")
 
 
 def _fsync_write(path: Path, data: bytes) -> None:

@@ -11,12 +11,26 @@ Import sources (read with the csv module; only the columns named here are used):
 
 A species' category comes from ``category_of`` (the federation's species table, the same one that sets privacy
 budgets); a species it does not know counts as NE (IUCN "Not Evaluated"). Re-importing a deployment replaces its
-row (idempotent).
+row (idempotent), but never the protection its place has earned: with a ``policy``, the import first records the
+protection the stored data earned (:func:`coordinator.web.places.evaluate`), in the same transaction as its writes,
+so a package re-imported without its CR observation cannot make a protected place exact (issue 16, item 8; only
+``wildfed-coordinator places lift`` can).
+
+Both files are checked whole before anything is written, and a bad one is refused with an error naming the file,
+the line and the fix, leaving what is stored as it was (issue 16, item 8):
+
+* not UTF-8 (both formats are UTF-8; a byte-order mark is accepted, as spreadsheet programs write one);
+* a row with fewer or more fields than the header, or an unterminated quoted field (a file cut short mid-row);
+* a last row without a line break whose last field is a column the import reads (it may be cut in that field:
+  real Wildlife Insights exports end without a line break, so the break alone is not required);
+* a deployment id given twice, or a record that names a deployment the deployments file does not list (a Camtrap
+  DP foreign key: a deployments file cut at a row boundary shows up this way).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -28,6 +42,8 @@ from shared.errors import DatasetError
 from shared.iucn import IUCNCategory
 
 from coordinator.storage import DeploymentRow, Store
+from coordinator.web.location_privacy import LocationPolicy
+from coordinator.web.places import evaluate
 
 __all__ = ["CategoryOf", "SpeciesCategories", "species_table_categories", "import_camtrap_dp",
            "import_wildlife_insights", "unknown_species"]
@@ -84,18 +100,62 @@ def unknown_species(store: Store, category_of: CategoryOf, *, source: str | None
 _OTHER_FORMAT = {"camtrap-dp": "wildlife-insights", "wildlife-insights": "camtrap-dp"}
 
 
-def _rows(path: Path, required: Iterable[str], fmt: str) -> list[dict[str, str]]:
+def _decode(path: Path, fmt: str) -> str:
+    """The text of a UTF-8 file (a byte-order mark is dropped).
+
+    Raises:
+        DatasetError: the file is missing or is not UTF-8 (names the line and byte).
+    """
     if not path.is_file():
         raise DatasetError(f"{path.name} not found", source=path,
                            fix=f"point at the folder of a {fmt} export (it holds {path.name})")
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in required if c not in (reader.fieldnames or [])]
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DatasetError(f"{path.name} is not UTF-8: byte 0x{raw[exc.start]:02x} at line {line} (byte offset "
+                           f"{exc.start}) is not valid UTF-8", source=path, field=path.name,
+                           fix=f"save it as UTF-8 (a {fmt} file is UTF-8), e.g. `iconv -f latin1 -t utf-8 "
+                               f"{path.name} > fixed.csv`, or \"CSV UTF-8\" in a spreadsheet program") from None
+
+
+def _rows(path: Path, required: Iterable[str], fmt: str, *, used: Iterable[str] = ()) -> list[dict[str, str]]:
+    """Every row of a CSV file, checked whole (module docstring). ``required``: columns it must have; ``used``:
+    the other columns the import reads (a possibly cut last field matters only in those).
+
+    Raises:
+        DatasetError: missing file, not UTF-8, a missing column, a short or long row, an unterminated quote, or a
+            last row that may be cut in a column the import reads.
+    """
+    text = _decode(path, fmt)
+    cut_fix = f"the file looks cut short or damaged: export or copy {path.name} again"
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        missing = [c for c in required if c not in (header or [])]
         if missing:
             raise DatasetError(f"{path.name} has no {', '.join(missing)} column: it is not a {fmt} table",
                                source=path, field=missing[0],
                                fix=f"is this a {_OTHER_FORMAT[fmt]} export? then use --format {_OTHER_FORMAT[fmt]}")
-        return list(reader)
+        assert header is not None
+        rows: list[dict[str, str]] = []
+        for fields in reader:
+            if not fields:
+                continue  # a blank line
+            if len(fields) != len(header):
+                raise DatasetError(f"line {reader.line_num} of {path.name} has {len(fields)} fields, the header "
+                                   f"{len(header)}", source=path, field=f"line {reader.line_num}", fix=cut_fix)
+            rows.append(dict(zip(header, fields)))
+    except csv.Error as exc:
+        raise DatasetError(f"line {reader.line_num} of {path.name} does not parse as CSV: {exc}", source=path,
+                           field=f"line {reader.line_num}", fix=cut_fix) from None
+    if rows and not text.endswith(("\n", "\r")) and header[-1] in set(required) | set(used):
+        raise DatasetError(f"the last line of {path.name} ends without a line break in column {header[-1]!r}, which "
+                           "the import reads: the file may be cut in the middle of that value", source=path,
+                           field=f"line {reader.line_num}",
+                           fix=f"if the file is complete, add a line break at its end; else {cut_fix}")
+    return rows
 
 
 def _coordinate(row: Mapping[str, str], name: str, bound: float, source: Path) -> float:
@@ -125,8 +185,13 @@ def _iso(value: str | None) -> str | None:
 
 
 def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str | None, str | None]],
-           categories: Mapping[str, set[IUCNCategory]], species: Mapping[str, set[str]], source: str) -> int:
+           categories: Mapping[str, set[IUCNCategory]], species: Mapping[str, set[str]], source: str, *,
+           policy: LocationPolicy | None, category_of: CategoryOf) -> int:
+    """Write the deployments in one transaction; with a ``policy``, record the protection the stored data earned
+    before anything is replaced, and the protection the new data earns after (coordinator.web.places)."""
     with store.session() as s:
+        if policy is not None:
+            evaluate(s, policy, category_of)
         for dep_id, (lat, lon, name, start, end) in deployments.items():
             row = s.get(DeploymentRow, dep_id) or DeploymentRow(deployment_id=dep_id)
             row.latitude, row.longitude, row.location_name, row.source = lat, lon, name, source
@@ -134,40 +199,66 @@ def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str 
             row.categories_json = json.dumps(sorted(c.value for c in categories.get(dep_id, set())))
             row.species_json = json.dumps(sorted(species.get(dep_id, set())))
             s.merge(row)
+        if policy is not None:
+            s.flush()
+            evaluate(s, policy, category_of)
     return len(deployments)
 
 
 def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str, str, str], records: str, record_id: str,
-            species_of: Callable[[Mapping[str, str]], str], category_of: CategoryOf, source: str, fmt: str) -> int:
-    """Read ``deployments.csv`` (columns: id, latitude, longitude, name) and the ``records`` file (its
-    ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none), then store."""
+            species_of: Callable[[Mapping[str, str]], str], species_columns: tuple[str, ...],
+            category_of: CategoryOf, source: str, fmt: str, policy: LocationPolicy | None) -> int:
+    """Read ``deployments.csv`` (columns: id, latitude, longitude, name, start, end) and the ``records`` file (its
+    ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none), check them, then
+    store."""
     dep_id, lat, lon, name, start, end = columns
-    deployments = {r[dep_id]: (_coordinate(r, lat, 90, root / "deployments.csv"),
-                               _coordinate(r, lon, 180, root / "deployments.csv"), r.get(name) or r[dep_id],
-                               r.get(start), r.get(end))
-                   for r in _rows(root / "deployments.csv", (dep_id, lat, lon), fmt)}
+    dep_file, rec_file = root / "deployments.csv", root / records
+    table = _rows(dep_file, (dep_id, lat, lon), fmt, used=(name, start, end))
+    deployments: dict[str, tuple[float, float, str, str | None, str | None]] = {}
+    for n, r in enumerate(table, start=2):
+        key = r[dep_id].strip()
+        if not key:
+            raise DatasetError(f"line {n} of deployments.csv has an empty {dep_id}", source=dep_file, field=dep_id,
+                               fix="give every deployment its id")
+        if key in deployments:
+            raise DatasetError(f"deployment {key!r} is listed twice (the second time on line {n})", source=dep_file,
+                               field=dep_id, fix="keep one row per deployment")
+        deployments[key] = (_coordinate(r, lat, 90, dep_file), _coordinate(r, lon, 180, dep_file),
+                            r.get(name) or key, r.get(start), r.get(end))
     categories: dict[str, set[IUCNCategory]] = {}
     recorded: dict[str, set[str]] = {}
-    for r in _rows(root / records, (record_id,), fmt):
+    for n, r in enumerate(_rows(rec_file, (record_id,), fmt, used=species_columns), start=2):
+        key = r[record_id].strip()
+        if key not in deployments:
+            raise DatasetError(f"line {n} of {records} names deployment {key!r}, which deployments.csv does not list",
+                               source=rec_file, field=record_id,
+                               fix="is deployments.csv complete? export or copy the package again")
         species = species_of(r)
         if species:
-            categories.setdefault(r[record_id], set()).add(category_of(species))
-            recorded.setdefault(r[record_id], set()).add(species)
-    return _store(store, deployments, categories, recorded, source)
+            categories.setdefault(key, set()).add(category_of(species))
+            recorded.setdefault(key, set()).add(species)
+    return _store(store, deployments, categories, recorded, source, policy=policy, category_of=category_of)
 
 
-def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf) -> int:
+def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf, *,
+                      policy: LocationPolicy | None = None) -> int:
     """Import a Camtrap DP package's deployments; returns how many.
 
+    Args:
+        store: the coordinator's store. package: the package folder. category_of: the species table.
+        policy: the web view's location policy: given (as the CLI does), protection earned by the stored data is
+            recorded before it is replaced (module docstring).
+
     Raises:
-        DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
+        DatasetError: a missing, non-UTF-8 or damaged file, a duplicate or unknown deployment id, or a deployment
+            without valid coordinates (nothing is written then).
     """
     root = Path(package)
     return _import(store, root, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
                             "deploymentEnd"),
                    records="observations.csv", record_id="deploymentID",
-                   species_of=lambda r: (r.get("scientificName") or "").strip(), category_of=category_of,
-                   source=f"camtrap-dp:{root.name}", fmt="camtrap-dp")
+                   species_of=lambda r: (r.get("scientificName") or "").strip(), species_columns=("scientificName",),
+                   category_of=category_of, source=f"camtrap-dp:{root.name}", fmt="camtrap-dp", policy=policy)
 
 
 def _wi_species(row: Mapping[str, str]) -> str:
@@ -175,13 +266,17 @@ def _wi_species(row: Mapping[str, str]) -> str:
     return f"{genus} {species}" if genus and species and genus.lower() not in ("no cv result", "nan") else ""
 
 
-def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf) -> int:
-    """Import a Wildlife Insights project export's deployments; returns how many.
+def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf, *,
+                             policy: LocationPolicy | None = None) -> int:
+    """Import a Wildlife Insights project export's deployments; returns how many. Arguments as
+    :func:`import_camtrap_dp`.
 
     Raises:
-        DatasetError: a missing file, or a deployment without valid coordinates (nothing is written then).
+        DatasetError: a missing, non-UTF-8 or damaged file, a duplicate or unknown deployment id, or a deployment
+            without valid coordinates (nothing is written then).
     """
     root = Path(project)
     return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename", "start_date", "end_date"),
                    records="images.csv", record_id="deployment_id", species_of=_wi_species,
-                   category_of=category_of, source=f"wildlife-insights:{root.name}", fmt="wildlife-insights")
+                   species_columns=("genus", "species"), category_of=category_of,
+                   source=f"wildlife-insights:{root.name}", fmt="wildlife-insights", policy=policy)

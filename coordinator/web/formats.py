@@ -45,7 +45,8 @@ Export: :func:`export_camtrap_dp` writes a Camtrap DP 1.0 package (TDWG 2023, ht
 role's protections apply by construction:
 
 * ``deployments.csv``: coordinates as the viewer sees them; for a protected deployment ``coordinateUncertainty`` is
-  the displacement radius rounded up to whole metres (grid method: half the cell diagonal, rounded up), the
+  the most the shown point can be from the truth, rounded up to whole metres (the displacement radius, or half the
+  cell diagonal, plus the join distance of a place: ``LocationPolicy.shown_within_m``), the
   ``locationName`` is the one shown (its id), and ``timestampIssues`` is true when record times were cut to dates;
   ``deploymentStart``/``deploymentEnd`` are the first and last capture times exported for it;
 * ``media.csv``: one row per record; ``filePath`` is the path at the site for roles that see it, else
@@ -88,7 +89,9 @@ from shared.protocol import Detection, DetectionRecord
 
 from coordinator.storage import DetectionRow, SiteRow, Store, utcnow
 from coordinator.web.deployments import CategoryOf
+from coordinator.web.location_privacy import LocationPolicy
 from coordinator.web.media import exif_capture_time, image_info
+from coordinator.web.places import evaluate
 from coordinator.web.views import MAX_PAGE_SIZE, DetectionFilter, Viewer
 
 __all__ = ["ImportSummary", "HUMAN_CATEGORIES", "import_megadetector", "CAMTRAP_DP_PROFILE", "CAMTRAP_DP_SCHEMAS",
@@ -321,7 +324,8 @@ def _canonical(record: DetectionRecord) -> str:
 def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str, deployment_id: str | None = None,
                         images_dir: str | Path | None = None, category_of: CategoryOf | None = None,
                         utc_offset: _dt.timezone = _dt.timezone.utc,
-                        progress: Callable[[int, int], None] | None = None) -> ImportSummary:
+                        progress: Callable[[int, int], None] | None = None,
+                        policy: LocationPolicy | None = None) -> ImportSummary:
     """Import a MegaDetector batch output file (format 1.x, https://lila.science/megadetector-output-format) as
     detection rows of one enrolled site and deployment (rules in the module docstring).
 
@@ -332,6 +336,8 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
         category_of: species -> IUCN category, only for the summary's ``categories`` counts.
         utc_offset: zone of capture times written without an offset (the camera clock's).
         progress: called as ``progress(done, total)`` after each image (the CLI draws a bar with it).
+        policy: the web view's location policy (with ``category_of``): protection the stored records earned is
+            recorded before any of them is replaced (coordinator.web.places), in the same transaction.
 
     Returns:
         :class:`ImportSummary`.
@@ -438,6 +444,8 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
             store.put_blob(data, sha256_hex=values["image_sha256"])
             summary.images_stored += 1
     with store.session() as s:
+        if policy is not None and category_of is not None:
+            evaluate(s, policy, category_of)  # what the stored records earned, before any is replaced
         existing = {r.media_id: r for r in s.scalars(select(DetectionRow).where(
             DetectionRow.site_id == site_id, DetectionRow.media_id.in_(list(rows))))} if rows else {}
         for media_id, values in rows.items():
@@ -453,6 +461,9 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
                 for k, v in values.items():
                     setattr(row, k, v)
                 summary.replaced += 1
+        if policy is not None and category_of is not None:
+            s.flush()
+            evaluate(s, policy, category_of)
     return summary
 
 
@@ -467,11 +478,12 @@ def _timestamp(captured_at: str | None) -> tuple[str, bool]:
 
 
 def _uncertainty(dep: Mapping[str, Any], policy: Any) -> str:
+    """``coordinateUncertainty`` of a shown deployment, whole metres: "" when exact, else the most its shown point
+    can be from the truth (``LocationPolicy.shown_within_m``: radius or half a cell's diagonal, plus the distance
+    within which one place's deployments share its point), rounded up."""
     if not dep.get("fuzzed"):
         return ""
-    if dep.get("method") == "grid":
-        return str(max(1, math.ceil(float(policy.cell_m) * math.sqrt(2.0) / 2.0)))
-    return str(max(1, math.ceil(float(dep.get("radius_m") or policy.radius_m))))
+    return str(max(1, math.ceil(float(policy.shown_within_m))))
 
 
 def _num(value: float, digits: int = 6) -> str:

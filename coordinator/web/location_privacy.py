@@ -4,9 +4,9 @@ A deployment that recorded a species of a sensitive IUCN category (CR, EN, VU by
 privacy budgets, :mod:`shared.iucn`) is shown to partners and the public either
 
 * **displaced** to a random point within ``radius_m`` (default 1 km) of its true position, drawn uniformly by area
-  in the disc and *fixed per deployment*. The point is derived from HMAC-SHA256 of the deployment id under the
-  federation's secret key, so repeated views return the same point and cannot be averaged back to the truth (as
-  Wildlife Insights does); or
+  in the disc and *fixed per place* (coordinator.web.places: one point per camera station, however often it is
+  re-deployed). The point is derived from HMAC-SHA256 of the place's key under the federation's secret key, so
+  repeated views return the same point and cannot be averaged back to the truth (as Wildlife Insights does); or
 * **coarsened** to the centre of a grid cell of ``cell_m`` metres (the stronger option: random displacement can be
   undone in part with habitat rasters. Beery and Bondi (2021) cut the search area by 87 % that way; a cell gives
   the same answer for every deployment in it).
@@ -32,13 +32,16 @@ from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import write_file_atomic
 
-__all__ = ["EARTH_RADIUS_M", "DEFAULT_SENSITIVE", "LocationPolicy", "ProtectedLocation", "destination_point",
+__all__ = ["EARTH_RADIUS_M", "DEFAULT_SENSITIVE", "PLACE_JOIN_FRACTION", "LocationPolicy", "ProtectedLocation", "destination_point",
            "haversine_m", "displace", "coarsen_to_grid", "protect", "load_or_create_secret"]
 
 EARTH_RADIUS_M = 6_371_008.8
 """Mean Earth radius in metres (IUGG)."""
 DEFAULT_SENSITIVE = frozenset({IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU})
 """IUCN categories whose deployments are protected by default."""
+PLACE_JOIN_FRACTION = 0.1
+"""Deployments within this fraction of the radius of a protected place's anchor share its one shown point
+(coordinator.web.places: 100 m for the default 1 km, far above GPS jitter and far below the radius)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,18 @@ class LocationPolicy:
     cell_m: float = 10_000.0
     categories: frozenset[IUCNCategory] = field(default_factory=lambda: DEFAULT_SENSITIVE)
     protect_unknown: bool = True
+
+    @property
+    def join_m(self) -> float:
+        """Metres within which deployments share a protected place's point: ``PLACE_JOIN_FRACTION * radius_m``."""
+        return PLACE_JOIN_FRACTION * self.radius_m
+
+    @property
+    def shown_within_m(self) -> float:
+        """The most a protected deployment's shown point can be from its true position, metres: the radius (or half
+        a grid cell's diagonal) plus :attr:`join_m`, since a place's point is drawn around its anchor."""
+        spread = self.radius_m if self.method == "displace" else self.cell_m * math.sqrt(2.0) / 2.0
+        return spread + self.join_m
 
     def __post_init__(self) -> None:
         if self.method not in ("displace", "grid"):

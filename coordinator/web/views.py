@@ -17,8 +17,9 @@ Then, for those roles, everything that could place a sensitive deployment is wit
 ============================ ========================================================================
  field                        shown to partner/public
 ============================ ========================================================================
- coordinates                  displaced within the radius, or the grid-cell centre (``fuzzed`` true);
-                              per place: neighbours within the radius of a sensitive deployment too
+ coordinates                  displaced within the radius, or the grid-cell centre (``fuzzed`` true): one
+                              point per place (:mod:`coordinator.web.places`), neighbours within the radius
+                              protected too, protection once earned kept until an operator lifts it
  deployment's location name   replaced by its id (names such as "waterhole north" place a camera)
  IUCN categories recorded     withheld (they would say which markers hide a sensitive species)
  image file path at the site  withheld (folder names often name places)
@@ -33,10 +34,8 @@ rejected ones are in ``rejections`` and no view reads that table except the oper
 
 from __future__ import annotations
 
-import bisect
 import datetime as _dt
 import json
-import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
@@ -52,10 +52,10 @@ from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
 from coordinator.web.auth import Role
 from coordinator.config import CoordinatorConfig
 from coordinator.web.deployments import CategoryOf, species_table_categories
-from coordinator.web.location_privacy import (EARTH_RADIUS_M, LocationPolicy, haversine_m, load_or_create_secret,
-                                              protect)
+from coordinator.web.location_privacy import LocationPolicy, load_or_create_secret, protect
+from coordinator.web.places import Protection, evaluate, is_sensitive_species
 
-__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "REF_SEPARATOR", "place_key", "policy_from_config"]
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "REF_SEPARATOR", "policy_from_config"]
 
 MAX_PAGE_SIZE = 500
 REF_SEPARATOR = "~"
@@ -69,12 +69,6 @@ def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
     return LocationPolicy(method=cfg.web.location_method, radius_m=cfg.web.location_radius_m,
                           cell_m=cfg.web.location_cell_m, categories=frozenset(cfg.web.sensitive_categories),
                           protect_unknown=cfg.web.unknown_species == "protect")
-
-
-def place_key(latitude: float, longitude: float) -> str:
-    """The key of a place for the fixed displacement: true coordinates rounded to 1e-4 degrees (about 11 m of
-    latitude), so deployments at one camera station share one displaced point."""
-    return f"place:{latitude:.4f},{longitude:.4f}"
 
 
 def _parse_date(value: str | None, name: str) -> _dt.date | None:
@@ -184,63 +178,54 @@ class Viewer:
     # ---- deployments ---------------------------------------------------------------------------------------
     def sensitive_species(self, name: str | None) -> bool:
         """Whether a species' places are protected: its category is sensitive under the policy, or the species
-        table does not list it and the policy protects unknown species."""
-        if not name:
-            return False
-        if self._category_of(name) in self.policy.categories:
-            return True
-        known = getattr(self._category_of, "known", None)
-        return bool(self.policy.protect_unknown and known is not None and not known(name))
+        table does not list it and the policy protects unknown species
+        (:func:`coordinator.web.places.is_sensitive_species`)."""
+        return is_sensitive_species(name, self.policy, self._category_of)
 
-    def _detected_species(self) -> dict[str, set[str]]:
-        """deployment id -> species in its stored records."""
-        out: dict[str, set[str]] = defaultdict(set)
-        with self.store.session() as s:
-            for dep, species_json in s.execute(select(DetectionRow.deployment_id, DetectionRow.species_json)
-                                               .distinct()):
-                out[dep].update(json.loads(species_json or "[]"))
-        return out
+    def _protection(self) -> Protection:
+        """Evaluate (and record) which places are protected (:func:`coordinator.web.places.evaluate`). A
+        concurrent writer that created the same place first makes the insert fail: evaluated once more, it is
+        then found."""
+        for attempt in range(3):
+            try:
+                with self.store.session() as s:
+                    return evaluate(s, self.policy, self._category_of)
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def deployments(self) -> list[dict[str, Any]]:
         """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
-        ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (the
-        displacement radius when displaced, else 0), ``detections`` (records stored), and for rangers and
-        operators ``categories`` (IUCN codes recorded), ``unlisted_species`` (recorded species the species table
-        does not list: their category is unknown, not "NE") and ``source``; ``start``/``end`` (ISO 8601, the date
-        only for a fuzzed place) of the deployment when its import gave them, else None.
+        ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (for
+        a displaced point the most it can be from the truth, :attr:`LocationPolicy.shown_within_m`, else 0),
+        ``detections`` (records stored), and for rangers and operators ``categories`` (IUCN codes recorded),
+        ``unlisted_species`` (recorded species the species table does not list: their category is unknown, not
+        "NE"), ``place`` (the id of its protected place, or None) and ``source``; ``start``/``end`` (ISO 8601, the
+        date only for a fuzzed place) of the deployment when its import gave them, else None.
 
-        Protection is per *place*, not per deployment id: a camera station used for several deployments (the same
-        coordinates, re-deployed each season) would otherwise show its exact position through a deployment that
-        happened to record nothing sensitive. So, for roles without exact locations,
-
-        * a deployment is protected when it, or any deployment within ``policy.radius_m`` of it, recorded a
-          sensitive species (a neighbour shown exactly would point at the protected one); and
-        * the displaced point is keyed on the place (true coordinates rounded to 1e-4 degrees, about 11 m), so
-          co-located deployments share one point and cannot be averaged toward the truth.
+        Protection is per *place* (:mod:`coordinator.web.places`): a deployment is protected when it recorded a
+        sensitive species, belongs to a place that earned protection (never lifted by a later import), or lies
+        within ``policy.radius_m`` of either; every protected deployment of one place (a camera station, however
+        often re-deployed) is shown at the place's one point, so co-located deployments cannot be averaged toward
+        the truth. Evaluating this records protection earned, for every role.
         """
-        detected = self._detected_species()
+        protection = self._protection()
         with self.store.session() as s:
             rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
             counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
                 DetectionRow.deployment_id)).all())
-        species = {r.deployment_id: set(json.loads(r.species_json or "[]")) | detected.get(r.deployment_id, set())
-                   for r in rows}
-        recorded = {r.deployment_id: {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")}
-                    | {self._category_of(n) for n in species[r.deployment_id]} for r in rows}
-        sensitive = [r for r in rows if recorded[r.deployment_id] & self.policy.categories
-                     or any(self.sensitive_species(n) for n in species[r.deployment_id])]
-        # neighbours within the radius: only sensitive deployments in the latitude band of +-radius are measured
-        sensitive.sort(key=lambda o: o.latitude)
-        lats = [o.latitude for o in sensitive]
-        band = math.degrees(self.policy.radius_m / EARTH_RADIUS_M) + 1e-9
+        known = getattr(self._category_of, "known", None)
         out = []
         for r in rows:
-            lo, hi = bisect.bisect_left(lats, r.latitude - band), bisect.bisect_right(lats, r.latitude + band)
-            near_sensitive = any(haversine_m(r.latitude, r.longitude, o.latitude, o.longitude)
-                                 <= self.policy.radius_m for o in sensitive[lo:hi])
-            shown = protect(r.latitude, r.longitude, deployment_id=place_key(r.latitude, r.longitude),
-                            recorded=set(self.policy.categories) if near_sensitive else set(),
-                            exact_allowed=self.role.sees_exact_locations, policy=self.policy, secret=self._secret)
+            place = protection.place_of.get(r.deployment_id)
+            if place is None or self.role.sees_exact_locations:
+                shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=set(),
+                                exact_allowed=True, policy=self.policy, secret=self._secret)
+            else:  # the place's one point, drawn around its fixed anchor
+                shown = protect(place.latitude, place.longitude, deployment_id=place.key,
+                                recorded=set(self.policy.categories), exact_allowed=False, policy=self.policy,
+                                secret=self._secret)
             item: dict[str, Any] = {
                 "deployment_id": r.deployment_id,
                 "name": r.deployment_id if shown.fuzzed else (r.location_name or r.deployment_id),
@@ -248,15 +233,17 @@ class Viewer:
                 "latitude": round(shown.latitude, 5) if shown.fuzzed else shown.latitude,
                 "longitude": round(shown.longitude, 5) if shown.fuzzed else shown.longitude,
                 "fuzzed": shown.fuzzed,
-                "method": shown.method, "radius_m": self.policy.radius_m if shown.method == "displace" else 0.0,
+                "method": shown.method,
+                "radius_m": self.policy.shown_within_m if shown.method == "displace" else 0.0,
                 "detections": int(counts.get(r.deployment_id, 0)),
                 # the period of a protected place is given by its dates only, like its records' times
                 "start": (r.start or "")[:10] if shown.fuzzed else r.start,
                 "end": (r.end or "")[:10] if shown.fuzzed else r.end}
             if self.role.sees_exact_locations:
-                item["categories"] = sorted(c.value for c in recorded[r.deployment_id])
-                known = getattr(self._category_of, "known", None)
-                item["unlisted_species"] = sorted(n for n in species[r.deployment_id] if known and not known(n))
+                item["categories"] = sorted(c.value for c in protection.categories.get(r.deployment_id, set()))
+                item["unlisted_species"] = sorted(n for n in protection.species.get(r.deployment_id, set())
+                                                  if known and not known(n))
+                item["place"] = place.place_id if place is not None else None
                 item["source"] = r.source
             out.append(item)
         return out

@@ -126,7 +126,6 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
     from coordinator.workers import _accepted_json, collect_round
 
     store = Store("sqlite://", tmp_path / "d")
-    coord_key = generate_signing_key()
     from coordinator.registry import SiteRegistry
     from shared.keys import public_key_to_pem
 
@@ -137,7 +136,7 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
     acc = new_running_sum(w)
     covered = []
     for sid, value, n in (("s1", 1.0, 10), ("s2", -3.0, 30), ("s3", 5.0, 60)):
-        reg.enrol(sid, public_key_to_pem(coord_key.public_key()), {})
+        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {})  # each site its own key
         delta = {k: np.full_like(v, value) for k, v in w.items()}
         digest = store.put_blob(encode_update(UpdateReport(num_examples=n, local_steps=1,
                                                            events={IUCNCategory.VU: EVENT}), delta))

@@ -482,6 +482,14 @@ def test_places_of_species_the_table_does_not_list_are_protected_by_default(tmp_
     assert not shown["dep-ridge"]["fuzzed"]  # Cuniculus paca: listed, LC
     relaxed = st.config.model_copy(update={"web": st.config.web.model_copy(update={"unknown_species": "ne"})})
     st.config = relaxed
+    # the place earned its protection when it was seen protected: a relaxed setting does not lift it ...
+    shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
+    assert shown["dep-far"]["fuzzed"]
+    # ... an operator's explicit, recorded lift does (coordinator.web.places; tests/coordinator/test_web_places.py)
+    from coordinator.web.places import lift, list_places
+
+    place = next(p for p in list_places(st.store) if p.members == ("dep-far",))
+    lift(st.store, [place.place_id], by="olga", reason="Mystery beast is a domestic goat")
     shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
     assert not shown["dep-far"]["fuzzed"] and (shown["dep-far"]["latitude"], shown["dep-far"]["longitude"]) == (
         -2.5, 35.1)
