@@ -310,3 +310,37 @@ def test_the_app_and_export_still_answer_as_before_for_rangers(tmp_path: Path) -
     d = c.get("/api/deployments").json()[0]
     assert (d["latitude"], d["longitude"], d["fuzzed"], d["name"]) == (*TRUTH, False, "pan") and d["place"] == 1
     store.dispose()
+
+
+def test_a_megadetector_reimport_that_drops_the_cr_species_keeps_the_place_protected(tmp_path: Path) -> None:
+    """The same for detection records: `import-detections` again with the rhino relabelled replaces the record,
+    and the place it made protected stays protected (evaluated before the replacement, in its transaction)."""
+    import json
+
+    from shared.keys import generate_signing_key, save_public_key
+
+    runner, config = federation(tmp_path)
+    pub = save_public_key(generate_signing_key().public_key(), tmp_path / "site.pub")
+    assert runner.invoke(cli_app, ["enrol", "site-a", "--public-key", str(pub), "-c", config]).exit_code == 0
+    import_deployments(runner, config, package(tmp_path / "pkg", [("d1", "pan", *TRUTH)],
+                                               [("d1", "Phacochoerus africanus")]))
+
+    def results(species: str) -> Path:
+        path = tmp_path / f"md-{species.split()[0]}.json"
+        path.write_text(json.dumps({"info": {"format_version": "1.4"}, "detection_categories": {"1": "animal"},
+                                    "classification_categories": {"0": species},
+                                    "images": [{"file": "IMG_0001.JPG", "datetime": "2024-05-01 06:12:33",
+                                                "detections": [{"category": "1", "conf": 0.9,
+                                                                "bbox": [0.1, 0.2, 0.3, 0.4],
+                                                                "classifications": [["0", 0.8]]}]}]}))
+        return path
+
+    for species in ("Diceros bicornis", "Phacochoerus africanus"):
+        res = runner.invoke(cli_app, ["import-detections", str(results(species)), "--site", "site-a",
+                                      "--deployment", "d1", "-c", config])
+        assert res.exit_code == 0, res.output
+    assert "1 replaced" in _flat(res.output)
+    store, app = web(config)
+    seen = shown(app, "paul")
+    assert seen["d1"]["fuzzed"] and seen["d1"]["name"] == "d1"
+    store.dispose()
