@@ -200,7 +200,8 @@ class EmbeddingCache:
     # ---- lookups ---------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _keys(record_ids: Sequence[str], boxes: Sequence[Sequence[float] | None] | None) -> list[tuple[str, np.ndarray]]:
+    def _keys(record_ids: Sequence[str],
+              boxes: Sequence[Sequence[float] | None] | None) -> list[tuple[str, np.ndarray]]:
         ids = list(record_ids)
         if boxes is None:
             boxes = [None] * len(ids)

