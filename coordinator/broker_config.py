@@ -12,10 +12,33 @@
     DIR/sites/<id>/broker-credentials.yaml   each site's MQTT username and password (0600), for provisioning
     DIR/sites/<id>/broker-ca.pem             the CA certificate the site's gateway verifies the broker with
     DIR/sites/<id>/client.crt, client.key    the site's client certificate, CN = its username (--client-certs)
+    DIR/<identity>/roles/<role>/client.crt   a role account's client certificate, CN = its username (--client-certs)
 
 Names: a site's broker username is ``site-<site_id>`` (:func:`site_username`), the coordinator's is
 ``coordinator-<federation_id>`` (:func:`coordinator_username`); the prefixes keep the two name spaces apart, so no
 site id can ever be the coordinator's username. One generated configuration serves one federation.
+
+Client ids are bound to credentials: ``use_username_as_clientid true`` makes the broker replace the client id of
+every connection by its username (Mosquitto 2.0, mosquitto.conf(5)). Without it, MQTT's session takeover (a CONNECT
+with a client id in use disconnects the older connection, MQTT 3.1.1 sec. 3.1.4) let anyone with any site's
+password disconnect the coordinator over and over by connecting under its (predictable) client id. With it, site
+A's credentials can only ever take over site A's own session. So every client that runs beside another of the same
+identity has an account of its own, a *role account* ``<username>@<role>`` (shared.broker.role_username), kept in
+the identity's credentials file under ``roles``:
+
+* the coordinator's ingest workers: ``coordinator-<fed>@ingest-<i>`` for i = 1..``ingest_workers`` (run them with
+  ``--worker-id ingest-<i>``); they may read every site's update topic and write its task and ack topics;
+* each site's detection publisher (``wildfed-edge detect --publish``): ``site-<id>@detect``, which may only write
+  the site's detection topic.
+
+The ACL keys every rule by username (``user`` blocks), never by client id (``%c``), which the client chooses.
+
+Message size: ``max_packet_size`` (default :data:`shared.broker.DEFAULT_BROKER_MAX_PACKET_BYTES`). Mosquitto 2.0.11
+still accepts ``message_size_limit`` but says "It is recommended to replace `message_size_limit` with
+`max_packet_size`" at start-up; ``max_packet_size`` also counts the MQTT header and is checked on the packet's
+announced length, before the payload is read, and the sender is disconnected (``message_size_limit`` reads the
+whole payload, acknowledges it and drops it silently). Gateways and the coordinator check their chunk sizes against
+the same limit at start-up (``broker_max_packet_bytes`` in both configs).
 
 Which sites: every enrolled site with at least one valid key (coordinator.registry.SiteRegistry.verification_keys);
 a site whose keys are all revoked loses its broker account on the next run.
@@ -66,7 +89,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.broker import BrokerCredentials, coordinator_username, load_broker_credentials, site_username
+from shared.broker import (DEFAULT_BROKER_MAX_PACKET_BYTES, SITE_ROLES, BrokerCredentials, coordinator_username,
+                           load_broker_credentials, role_cert_paths, role_username, site_username, validate_role)
 from shared.errors import ConfigError
 from shared.keys import write_file_atomic
 from shared.topics import PREFIX
@@ -76,12 +100,18 @@ from coordinator.registry import SiteRegistry
 __all__ = ["BrokerConfigResult", "BrokerCredentials", "generate_broker_config", "render_acl", "render_mosquitto_conf",
            "site_username", "coordinator_username", "hash_password_pbkdf2", "verify_password_pbkdf2",
            "load_broker_credentials", "validate_hostname", "SITE_WRITE_CHANNELS", "SITE_READ_CHANNELS",
-           "MOSQUITTO_PBKDF2_ITERATIONS"]
+           "MOSQUITTO_PBKDF2_ITERATIONS", "WORKER_READ_CHANNELS", "WORKER_WRITE_CHANNELS", "ingest_worker_roles"]
 
 #: Channels a site publishes on (its own topics only).
 SITE_WRITE_CHANNELS = ("update", "detection", "secagg", "status")
 #: Channels a site reads (its own topics only).
 SITE_READ_CHANNELS = ("task", "ack")
+#: Channels an ingest worker reads (every site's).
+WORKER_READ_CHANNELS = ("update",)
+#: Channels an ingest worker writes (every site's): ACKs and receipts, and the task chunks it resends.
+WORKER_WRITE_CHANNELS = ("task", "ack")
+#: Channels a site's detection publisher (role ``detect``) writes (its own site's only).
+DETECT_WRITE_CHANNELS = ("detection",)
 #: Mosquitto 2.0's default PBKDF2 iteration count (``mosquitto_passwd``).
 MOSQUITTO_PBKDF2_ITERATIONS = 101
 _SALT_BYTES = 12
@@ -90,34 +120,65 @@ _DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _KEY_MODE = 0o600
 
 
-def _write_credentials(path: Path, creds: BrokerCredentials, *, who: str) -> None:
+def ingest_worker_roles(ingest_workers: int) -> tuple[str, ...]:
+    """The role names of the coordinator's ingest workers: ``ingest-1`` .. ``ingest-<ingest_workers>`` (each
+    worker runs with ``--worker-id`` set to its role and connects with that role's account)."""
+    return tuple(f"ingest-{i}" for i in range(1, int(ingest_workers) + 1))
+
+
+def _write_credentials(path: Path, creds: BrokerCredentials, *, who: str,
+                       roles: Mapping[str, BrokerCredentials] | None = None) -> None:
+    body: dict[str, object] = {"username": creds.username, "password": creds.password}
+    if roles:
+        body["roles"] = {r: {"username": c.username, "password": c.password} for r, c in sorted(roles.items())}
     text = (f"# MQTT broker credentials of {who}, written by `wildfed-coordinator broker-config`.\n"
             "# A secret: keep this file mode 0600 and install it only on that machine.\n"
-            + yaml.safe_dump({"username": creds.username, "password": creds.password}, sort_keys=False))
+            + ("# roles: accounts of further clients of the same identity (the broker uses the username as client\n"
+               "# id, so two clients sharing one account would disconnect each other).\n" if roles else "")
+            + yaml.safe_dump(body, sort_keys=False))
     write_file_atomic(path, text.encode("utf-8"), _KEY_MODE)
 
 
 # ---- ACL and mosquitto.conf ----------------------------------------------------------------------------------------
-def render_acl(federation_id: str, site_ids: Sequence[str]) -> str:
+def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles: Sequence[str] = (),
+               site_roles: Sequence[str] = ()) -> str:
     """The Mosquitto ACL file of a federation.
 
     Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status}`` and read
     ``.../site/<id>/{task,ack}``; the coordinator user may read every site's update, detection, secagg and status
-    topics and write every site's task and ack topics. Nothing else (no anonymous section, no patterns, no ``$SYS``).
-    Sites are listed sorted by id, so the text depends only on the set of sites.
+    topics and write every site's task and ack topics. Role accounts (module docstring): an ingest worker
+    (``coordinator_roles``) reads every site's update topic and writes every task and ack topic; a site's
+    ``detect`` role (in ``site_roles``) writes only that site's detection topic. Every rule is keyed by username
+    (``user`` blocks), never by the client-chosen client id. Nothing else (no anonymous section, no patterns, no
+    ``$SYS``). Sites and roles are listed sorted, so the text depends only on the sets.
+
+    Raises:
+        ConfigError: a bad role name, or a site role other than ``detect``.
     """
     base = f"{PREFIX}/{federation_id}/site"
+    coord = coordinator_username(federation_id)
     lines = [f"# Mosquitto ACL of WildFed federation {federation_id}, written by `wildfed-coordinator broker-config`.",
              "# Mosquitto checks 'write' when a client publishes and 'read' when a message is delivered to it, against",
              "# the message's topic (also for $share/... subscriptions). Regenerate rather than edit.",
              "",
-             f"user {coordinator_username(federation_id)}"]
+             f"user {coord}"]
     lines += [f"topic read {base}/+/{channel}" for channel in SITE_WRITE_CHANNELS]
     lines += [f"topic write {base}/+/{channel}" for channel in SITE_READ_CHANNELS]
+    for role in sorted(coordinator_roles):
+        lines += ["", f"user {role_username(coord, role)}"]
+        lines += [f"topic read {base}/+/{channel}" for channel in WORKER_READ_CHANNELS]
+        lines += [f"topic write {base}/+/{channel}" for channel in WORKER_WRITE_CHANNELS]
+    for role in site_roles:
+        if validate_role(role) not in SITE_ROLES:
+            raise ConfigError(f"site role {role!r} is not one of {list(SITE_ROLES)}", field="site_roles",
+                              fix=f"use {', '.join(SITE_ROLES)}")
     for site_id in sorted(site_ids):
         lines += ["", f"user {site_username(site_id)}"]
         lines += [f"topic write {base}/{site_id}/{channel}" for channel in SITE_WRITE_CHANNELS]
         lines += [f"topic read {base}/{site_id}/{channel}" for channel in SITE_READ_CHANNELS]
+        for role in sorted(site_roles):
+            lines += ["", f"user {role_username(site_username(site_id), role)}"]
+            lines += [f"topic write {base}/{site_id}/{channel}" for channel in DETECT_WRITE_CHANNELS]
     return "\n".join(lines) + "\n"
 
 
@@ -125,7 +186,8 @@ def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, 
                           tls_port: int = 8883, bind_address: str | None = None, client_certs: bool = False,
                           loopback_port: int | None = None, persistence_dir: Path | None = None,
                           broker_user: str | None = None, federation_id: str = "",
-                          max_queued_messages: int = 100_000, max_queued_bytes: int = 1 << 30) -> str:
+                          max_queued_messages: int = 100_000, max_queued_bytes: int = 1 << 30,
+                          max_packet_bytes: int = DEFAULT_BROKER_MAX_PACKET_BYTES) -> str:
     """The text of a Mosquitto 2.x ``mosquitto.conf``.
 
     Queue limits (per client): Mosquitto's default ``max_queued_messages 1000`` drops QoS 1 messages for a
@@ -135,15 +197,22 @@ def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, 
     keep a round's uploads queued; ``max_queued_bytes`` bounds the broker's memory.
 
     Global: ``per_listener_settings false``, ``allow_anonymous false``, ``password_file``, ``acl_file`` (the same
-    authentication and ACL on every listener). A TLS listener on ``tls_port`` (``cafile``/``certfile``/``keyfile``,
+    authentication and ACL on every listener) and ``max_packet_size`` = ``max_packet_bytes`` (larger packets are
+    refused and their sender disconnected; see the module docstring). Every listener sets
+    ``use_username_as_clientid true`` (client ids bound to credentials: no one can take over another account's
+    session); in Mosquitto 2.0 it is a listener setting, and written before the first ``listener`` it would open a
+    default listener on port 1883. A TLS listener on ``tls_port`` (``cafile``/``certfile``/``keyfile``,
     ``tls_version tlsv1.2``, which Mosquitto 2.0 takes as the minimum); with ``client_certs``, ``require_certificate
     true`` and ``use_identity_as_username true`` (the certificate's CN is the username, no password is asked on that
     listener). With ``loopback_port``, a plain listener on 127.0.0.1 for local tests and tools (still
     authenticated, but the password crosses the loopback interface unencrypted). Paths must be absolute.
 
     Raises:
-        ConfigError: a relative path, or a port outside 1..65535.
+        ConfigError: a relative path, a port outside 1..65535, or ``max_packet_bytes`` below 2 KiB.
     """
+    if not (isinstance(max_packet_bytes, int) and max_packet_bytes >= 2048):
+        raise ConfigError(f"max_packet_bytes {max_packet_bytes!r} is too small for any WildFed message",
+                          field="max_packet_bytes", fix=f"use the default {DEFAULT_BROKER_MAX_PACKET_BYTES}")
     for name, path in (("password_file", password_file), ("acl_file", acl_file), ("cafile", cafile),
                        ("certfile", certfile), ("keyfile", keyfile)):
         if not Path(path).is_absolute():
@@ -157,7 +226,10 @@ def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, 
              "per_listener_settings false",
              "allow_anonymous false",
              f"password_file {password_file}",
-             f"acl_file {acl_file}"]
+             f"acl_file {acl_file}",
+             "# larger MQTT packets are refused and their sender disconnected (gateways and the coordinator check",
+             "# their chunk sizes against broker_max_packet_bytes, which must equal this)",
+             f"max_packet_size {int(max_packet_bytes)}"]
     if broker_user:
         lines.append(f"user {broker_user}")
     lines += [f"max_queued_messages {int(max_queued_messages)}", f"max_queued_bytes {int(max_queued_bytes)}"]
@@ -165,13 +237,18 @@ def render_mosquitto_conf(*, password_file: Path, acl_file: Path, cafile: Path, 
         lines += ["persistence true", f"persistence_location {str(persistence_dir).rstrip('/')}/"]
     else:
         lines.append("persistence false")
+    # use_username_as_clientid is a listener setting in Mosquitto 2.0 (before any `listener` line it would open a
+    # default listener on 1883), so every listener carries it.
+    bind_ids = ["# client id := username: no account can take over another one's session (docs/security.md)",
+                "use_username_as_clientid true"]
     lines += ["", f"listener {tls_port}" + (f" {bind_address}" if bind_address else ""), "protocol mqtt",
               f"cafile {cafile}", f"certfile {certfile}", f"keyfile {keyfile}", "tls_version tlsv1.2"]
     if client_certs:
         lines += ["require_certificate true", "use_identity_as_username true"]
+    lines += bind_ids
     if loopback_port is not None:
         lines += ["", "# plain MQTT on loopback only (local tests and tools); still authenticated",
-                  f"listener {loopback_port} 127.0.0.1", "protocol mqtt"]
+                  f"listener {loopback_port} 127.0.0.1", "protocol mqtt", *bind_ids]
     return "\n".join(lines) + "\n"
 
 
@@ -479,18 +556,60 @@ def _check_out_dir(out: Path) -> Path:
     return out
 
 
-def _credentials(path: Path, username: str, *, rotate: bool, who: str) -> tuple[BrokerCredentials, bool]:
-    """Existing credentials at ``path`` (unless ``rotate`` or the username changed), else fresh ones written 0600."""
+def _credentials(path: Path, username: str, *, rotate: bool, who: str, roles: Sequence[str] = ()
+                 ) -> tuple[BrokerCredentials, dict[str, BrokerCredentials], list[str]]:
+    """The account ``username`` and its role accounts (``roles``) in the credentials file ``path``: existing ones
+    are kept (unless ``rotate`` or a username changed), missing ones drawn, roles no longer wanted dropped; the file
+    (0600) is rewritten only when something changed. Returns ``(account, {role: account}, new usernames)``."""
+    old: BrokerCredentials | None = None
+    old_roles: dict[str, BrokerCredentials] = {}
+    dropped = False
     if path.is_file() and not rotate:
         try:
-            creds = load_broker_credentials(path)
+            old = load_broker_credentials(path)
         except ConfigError:
-            creds = None
-        if creds is not None and creds.username == username:
-            return creds, False
-    creds = BrokerCredentials(username=username, password=secrets.token_urlsafe(32))
-    _write_credentials(path, creds, who=who)
-    return creds, True
+            old = None
+        if old is not None and old.username != username:
+            old = None
+        if old is not None:
+            for role in roles:
+                try:
+                    old_roles[role] = load_broker_credentials(path, role=role)
+                except ConfigError:
+                    pass
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            stored = raw.get("roles") if isinstance(raw, dict) else None
+            dropped = isinstance(stored, dict) and bool(set(stored) - set(roles))
+    fresh: list[str] = []
+    creds = old
+    if creds is None:
+        creds = BrokerCredentials(username=username, password=secrets.token_urlsafe(32))
+        fresh.append(username)
+    accounts: dict[str, BrokerCredentials] = {}
+    for role in roles:
+        if role in old_roles:
+            accounts[role] = old_roles[role]
+        else:
+            accounts[role] = BrokerCredentials(username=role_username(username, role),
+                                               password=secrets.token_urlsafe(32))
+            fresh.append(accounts[role].username)
+    if fresh or dropped:
+        _write_credentials(path, creds, who=who, roles=accounts)
+    return creds, accounts, fresh
+
+
+def _client_certs(folder: Path, username: str, roles: Mapping[str, BrokerCredentials], ca: x509.Certificate,
+                  ca_key: ec.EllipticCurvePrivateKey, *, days: int) -> list[Path]:
+    """Keep or issue the client certificate of an identity (``folder/client.crt``, CN = ``username``) and of each
+    of its roles (``folder/roles/<role>/client.crt``, CN = the role's username); returns those (re)issued."""
+    issued: list[Path] = []
+    wanted = [(folder / "client.crt", folder / "client.key", username)]
+    wanted += [(*role_cert_paths(folder / "client.crt", role), c.username) for role, c in sorted(roles.items())]
+    for cert, key, cn in wanted:
+        cert.parent.mkdir(parents=True, exist_ok=True)
+        if _ensure_leaf(cert, key, ca, ca_key, common_name=cn, days=days, server_names=None):
+            issued.append(cert)
+    return issued
 
 
 def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: str | os.PathLike[str],
@@ -500,7 +619,8 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
                            ca_key: str | os.PathLike[str] | None = None, rotate_passwords: bool = False,
                            persistence: bool = True, broker_user: str | None = None,
                            use_mosquitto_passwd: bool = True, ca_days: int = 3650,
-                           cert_days: int = 825) -> BrokerConfigResult:
+                           cert_days: int = 825, ingest_workers: int = 0, site_roles: Sequence[str] = SITE_ROLES,
+                           max_packet_bytes: int = DEFAULT_BROKER_MAX_PACKET_BYTES) -> BrokerConfigResult:
     """Write a Mosquitto 2.x configuration for the federation's enrolled sites into ``out`` (see the module
     docstring for the files, names and semantics). Idempotent; never logs a password.
 
@@ -520,15 +640,24 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
             to read the key and password files); None leaves Mosquitto's default (``mosquitto``).
         use_mosquitto_passwd: hash with ``mosquitto_passwd -U`` when it is on PATH (else in Python).
         ca_days, cert_days: validity of a new CA and of new leaf certificates, days.
+        ingest_workers: role accounts ``ingest-1`` .. ``ingest-<N>`` for the coordinator's ingest workers (the
+            coordinator config's ``ingest_workers``).
+        site_roles: role accounts of every site (default: ``detect``, for ``wildfed-edge detect --publish``).
+        max_packet_bytes: the broker's ``max_packet_size`` (both configs' ``broker_max_packet_bytes`` must match).
 
     Returns:
         A :class:`BrokerConfigResult`.
 
     Raises:
         ConfigError: no site with a valid key is enrolled (field ``sites``), ``out`` cannot be written (``out``),
-            a bad host name (``hostname``), bad CA files (``ca_cert``/``ca_key``), a bad port, or
-            ``mosquitto_passwd`` failed.
+            a bad host name (``hostname``), bad CA files (``ca_cert``/``ca_key``), a bad port, a bad role or
+            ``ingest_workers``, or ``mosquitto_passwd`` failed.
     """
+    if not isinstance(ingest_workers, int) or ingest_workers < 0:
+        raise ConfigError(f"ingest_workers {ingest_workers!r} is not a count", field="ingest_workers",
+                          fix="use the ingest_workers of the coordinator config (0 or more)")
+    coordinator_roles = ingest_worker_roles(ingest_workers)
+    render_acl("", [], site_roles=site_roles)  # validates the site roles before anything is written
     names = [validate_hostname(h) for h in hostnames]
     if not names:
         raise ConfigError("no host name for the server certificate", field="hostname",
@@ -556,14 +685,13 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
     coord_user = coordinator_username(federation_id)
     coord_dir = root / "coordinator"
     coord_creds_path = coord_dir / "broker-credentials.yaml"
-    creds, fresh = _credentials(coord_creds_path, coord_user, rotate=rotate_passwords,
-                                who=f"the coordinator of federation {federation_id}")
+    creds, roles, fresh = _credentials(coord_creds_path, coord_user, rotate=rotate_passwords,
+                                       who=f"the coordinator of federation {federation_id}", roles=coordinator_roles)
     accounts[creds.username] = creds.password
-    if fresh:
-        new_accounts.append(creds.username)
-    if client_certs and _ensure_leaf(coord_dir / "client.crt", coord_dir / "client.key", ca, ca_private,
-                                     common_name=coord_user, days=cert_days, server_names=None):
-        issued.append(coord_dir / "client.crt")
+    accounts.update({c.username: c.password for c in roles.values()})
+    new_accounts += fresh
+    if client_certs:
+        issued += _client_certs(coord_dir, coord_user, roles, ca, ca_private, days=cert_days)
 
     site_creds: dict[str, Path] = {}
     usernames: dict[str, str] = {}
@@ -571,21 +699,22 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
         user = site_username(site_id)
         site_dir = root / "sites" / site_id
         path = site_dir / "broker-credentials.yaml"
-        creds, fresh = _credentials(path, user, rotate=rotate_passwords, who=f"site {site_id}")
+        creds, roles, fresh = _credentials(path, user, rotate=rotate_passwords, who=f"site {site_id}",
+                                           roles=tuple(site_roles))
         accounts[user] = creds.password
-        if fresh:
-            new_accounts.append(user)
+        accounts.update({c.username: c.password for c in roles.values()})
+        new_accounts += fresh
         site_creds[site_id], usernames[site_id] = path, user
         write_file_atomic(site_dir / "broker-ca.pem", ca.public_bytes(serialization.Encoding.PEM), 0o644)
-        if client_certs and _ensure_leaf(site_dir / "client.crt", site_dir / "client.key", ca, ca_private,
-                                         common_name=user, days=cert_days, server_names=None):
-            issued.append(site_dir / "client.crt")
+        if client_certs:
+            issued += _client_certs(site_dir, user, roles, ca, ca_private, days=cert_days)
 
     binary = shutil.which("mosquitto_passwd") if use_mosquitto_passwd else None
     password_file = root / "passwd"
     used_binary = _write_password_file(password_file, accounts, binary)
     acl = root / "acl"
-    write_file_atomic(acl, render_acl(federation_id, sites).encode("utf-8"), 0o644)
+    write_file_atomic(acl, render_acl(federation_id, sites, coordinator_roles=coordinator_roles,
+                                      site_roles=site_roles).encode("utf-8"), 0o644)
     conf = root / "mosquitto.conf"
     persistence_dir = root / "persistence" if persistence else None
     if persistence_dir is not None:
@@ -594,7 +723,7 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
                                  keyfile=server_key, tls_port=tls_port, bind_address=bind_address,
                                  client_certs=client_certs, loopback_port=loopback_port,
                                  persistence_dir=persistence_dir, broker_user=broker_user,
-                                 federation_id=federation_id)
+                                 federation_id=federation_id, max_packet_bytes=max_packet_bytes)
     write_file_atomic(conf, text.encode("utf-8"), 0o644)
     return BrokerConfigResult(conf=conf, acl=acl, password_file=password_file, ca_cert=ca_path,
                               server_cert=server_cert, server_key=server_key, coordinator_credentials=coord_creds_path,

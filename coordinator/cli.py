@@ -313,7 +313,9 @@ def broker_config(
                                         hostnames=hostname, tls_port=port, bind_address=bind,
                                         loopback_port=loopback_port, client_certs=client_certs, ca_cert=ca_cert,
                                         ca_key=ca_key, rotate_passwords=rotate_passwords, persistence=persistence,
-                                        broker_user=broker_user, use_mosquitto_passwd=mosquitto_passwd)
+                                        broker_user=broker_user, use_mosquitto_passwd=mosquitto_passwd,
+                                        ingest_workers=cfg.ingest_workers,
+                                        max_packet_bytes=cfg.broker_max_packet_bytes)
     finally:
         store.dispose()
     table = Table(title=escape(f"broker accounts of {cfg.federation_id} ({len(result.usernames)} site(s))"))

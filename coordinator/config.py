@@ -13,6 +13,7 @@ Example (``wildfed-coordinator init`` writes this)::
     broker_key_file: null
     broker_username: null                 # default: the one in broker_password_file
     broker_password_file: null            # broker-config: coordinator/broker-credentials.yaml (0600)
+    broker_max_packet_bytes: 1115136      # the broker's message limit (broker-config's max_packet_size)
     rounds: 10
     quorum_fraction: 1.0                  # fraction of selected sites whose updates close a round early
     round_deadline_s: 600
@@ -53,7 +54,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from shared.broker import check_broker_fields
+from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
@@ -312,6 +313,10 @@ class CoordinatorConfig(StrictModel):
                                         "broker_password_file)")
     broker_password_file: Path | None = Field(None, description="YAML {username, password}, mode 0600, written by "
                                               "`wildfed-coordinator broker-config` (coordinator/broker-credentials.yaml)")
+    broker_max_packet_bytes: int = Field(DEFAULT_BROKER_MAX_PACKET_BYTES, ge=2048, description="the broker's limit "
+                                         "on one MQTT message (bytes; Mosquitto max_packet_size, EMQX "
+                                         "mqtt.max_packet_size): transfer.chunk_size_bytes must fit in it; "
+                                         "broker-config writes it as max_packet_size")
     rounds: int = Field(10, ge=1)
     sites_per_round: int | None = Field(None, ge=1, description="None -> every non-halted site")
     quorum_fraction: float = Field(1.0, gt=0, le=1)
@@ -380,6 +385,12 @@ class CoordinatorConfig(StrictModel):
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> "CoordinatorConfig":
         check_broker_fields(self.broker_url, self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
+        return self
+
+    @model_validator(mode="after")
+    def _chunks_fit_the_broker(self) -> "CoordinatorConfig":
+        check_chunk_fits(self.transfer.chunk_size_bytes, self.broker_max_packet_bytes,
+                         field="transfer.chunk_size_bytes", limit_field="broker_max_packet_bytes")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,12 @@ certificate checked against ``ca_file`` (system CAs when None) and the URL's hos
 client certificate (mutual TLS); ``username``/``password`` authenticate the coordinator (its credentials file is
 written by ``wildfed-coordinator broker-config``). :func:`transport_from_config` builds the transport from a
 :class:`~coordinator.config.CoordinatorConfig`.
+
+Client id = username: the generated broker config sets ``use_username_as_clientid true`` (shared.broker), so the
+broker binds every session to its account; this transport sends its username as client id too, so that it means
+the same on any broker. An ingest worker runs beside the coordinator, so it connects with a role account of its
+own (``transport_from_config(config, role="ingest-1")``: ``coordinator-<fed>@ingest-1``); sharing one account,
+the two would disconnect each other.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-from shared.broker import check_client_options, load_broker_credentials, tls_context
+from shared.broker import check_client_options, load_broker_credentials, role_cert_paths, tls_context
 from shared.errors import ConfigError, WildFedError
 
 if TYPE_CHECKING:
@@ -140,7 +146,8 @@ class MqttTransport:
 
     Args:
         broker_url: ``mqtt://host:port`` or ``mqtts://host:port`` (TLS).
-        client_id: MQTT client id (unique per coordinator worker).
+        client_id: MQTT client id; default the username (what a broker with ``use_username_as_clientid`` uses
+            anyway), else ``wildfed-coordinator``. Unique per connected client.
         connect_timeout_s: how long :meth:`connect` waits for CONNACK.
         ca_file: PEM CA bundle of the broker's certificate (``mqtts://`` only; default: system CAs).
         cert_file, key_file: PEM client certificate and key (mutual TLS; both or neither).
@@ -151,7 +158,7 @@ class MqttTransport:
         TransportError: from :meth:`connect` when the broker cannot be reached or refuses the connection.
     """
 
-    def __init__(self, broker_url: str, *, client_id: str = "wildfed-coordinator",
+    def __init__(self, broker_url: str, *, client_id: str | None = None,
                  connect_timeout_s: float = 10.0, ca_file: str | os.PathLike[str] | None = None,
                  cert_file: str | os.PathLike[str] | None = None, key_file: str | os.PathLike[str] | None = None,
                  username: str | None = None, password: str | None = None) -> None:
@@ -162,7 +169,8 @@ class MqttTransport:
         check_client_options(broker_url, tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
                              username=username, password=password)
         self.connect_timeout_s = connect_timeout_s
-        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+        self.client_id = client_id or username or "wildfed-coordinator"
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
                                    protocol=mqtt.MQTTv311, clean_session=True)
         if tls:
             self._client.tls_set_context(tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
@@ -175,6 +183,8 @@ class MqttTransport:
         self._connected = threading.Event()
         self._loop_thread: int | None = None
         self._closing = False
+        self.disconnects = 0
+        """Times the link dropped or was closed (observability: e.g. a session taken over by another client)."""
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -195,6 +205,7 @@ class MqttTransport:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._connected.clear()
+        self.disconnects += 1
         if self._closing:
             log.info("mqtt: disconnected (%s)", reason_code)
         else:
@@ -270,26 +281,47 @@ class MqttTransport:
         self._client.loop_stop()
 
 
-def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = None) -> MqttTransport:
+def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = None,
+                          role: str | None = None) -> MqttTransport:
     """The coordinator's :class:`MqttTransport` from its config: ``broker_url``, ``broker_ca_file``,
     ``broker_cert_file``/``broker_key_file`` and credentials (``broker_username``, else the username in
     ``broker_password_file``; the password from that file).
 
     Args:
         config: the (resolved) coordinator config.
-        client_id: MQTT client id (default ``wildfed-coordinator-<federation>``, as the service always used).
+        client_id: MQTT client id when the broker needs no credentials (default
+            ``wildfed-coordinator-<federation>``, plus ``-<role>`` for a role). With credentials the client id is
+            the username (module docstring).
+        role: a second client of the coordinator (an ingest worker: its ``--worker-id``, e.g. ``ingest-1``):
+            its role account from ``broker_password_file`` (shared.broker.load_broker_credentials), and with
+            client certificates ``roles/<role>/client.crt`` beside ``broker_cert_file``.
 
     Raises:
-        ConfigError: bad URL, TLS files or credentials file.
+        ConfigError: bad URL, TLS files or credentials file, or no account (or certificate) for ``role``.
     """
-
     username, password = config.broker_username, None
+    cert_file, key_file = config.broker_cert_file, config.broker_key_file
+    if role is not None and config.broker_username is not None and config.broker_password_file is None:
+        raise ConfigError(f"broker_username {config.broker_username!r} is the coordinator's own account; a second "
+                          f"client ({role}) on it would disconnect the coordinator", field="broker_username",
+                          fix="leave broker_username unset and point broker_password_file at the credentials file "
+                          "broker-config wrote (it holds the role accounts)")
     if config.broker_password_file is not None:
-        creds = load_broker_credentials(config.broker_password_file)
-        username, password = username or creds.username, creds.password
-    return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-coordinator-{config.federation_id}",
-                         ca_file=config.broker_ca_file, cert_file=config.broker_cert_file,
-                         key_file=config.broker_key_file, username=username, password=password)
+        creds = load_broker_credentials(config.broker_password_file, role=role)
+        if role is not None:
+            username, password = creds.username, creds.password
+        else:
+            username, password = username or creds.username, creds.password
+    if role is not None and cert_file is not None:
+        cert_file, key_file = role_cert_paths(cert_file, role)
+        if not (cert_file.is_file() and key_file.is_file()):
+            raise ConfigError(f"no client certificate for role {role!r} at {cert_file}", source=cert_file,
+                              field="broker_cert_file", fix=f"copy roles/{role}/ from the coordinator/ folder "
+                              "broker-config --client-certs wrote beside the coordinator's client.crt")
+    default_id = f"wildfed-coordinator-{config.federation_id}" + (f"-{role}" if role else "")
+    return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
+                         ca_file=config.broker_ca_file, cert_file=cert_file, key_file=key_file, username=username,
+                         password=password)
 
 
 _HANDLER_THREAD = threading.local()

@@ -143,7 +143,7 @@ class IngestWorker:
         self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else transport_from_config(
-            config, client_id=f"wildfed-ingest-{config.federation_id}-{worker_id}")
+            config, client_id=f"wildfed-ingest-{config.federation_id}-{worker_id}", role=worker_id)  # own account
         key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)
         t = config.transfer
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,

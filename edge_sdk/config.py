@@ -38,7 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shared.broker import check_broker_fields
+from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits
 from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
@@ -124,7 +124,15 @@ class SiteConfig(BaseModel):
             cryptographically secure source).
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
         chunk_size_bytes: uploads larger than this go as a signed manifest and chunks of this many bytes
-            (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit).
+            (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit). Checked
+            at load against ``broker_max_packet_bytes`` (a chunk adds 40 bytes, MQTT at most 256).
+        broker_max_packet_bytes: the broker's limit on one MQTT message, bytes (Mosquitto ``max_packet_size``,
+            EMQX ``mqtt.max_packet_size``); default what ``wildfed-coordinator broker-config`` sets,
+            1,115,136. A broker drops larger messages, so a chunk size that does not fit is refused at start-up.
+        max_chunk_requests: a chunk of an upload that this many of the coordinator's receipts still list although
+            it was sent before the probe each answers, or a chunk of a stalled task download this gateway asked
+            for this many times, is taken as dropped by the broker: the transfer is given up with an error naming
+            ``chunk_size_bytes`` instead of being retried forever (edge_sdk.agent); >= 2, default 5.
         resend_interval_s: seconds between resends of an unacknowledged update (with +-50 % jitter); it is also
             resent at every reconnect.
         max_task_bytes: largest task download accepted, bytes (checked on its manifest, before any chunk).
@@ -160,6 +168,8 @@ class SiteConfig(BaseModel):
     allow_seeded_noise: bool = False
     missing_media: str = "error"
     chunk_size_bytes: int = Field(default=256 * 1024, ge=1024, le=1 << 20)
+    broker_max_packet_bytes: int = Field(default=DEFAULT_BROKER_MAX_PACKET_BYTES, ge=2048)
+    max_chunk_requests: int = Field(default=5, ge=2)
     resend_interval_s: float = Field(default=60.0, gt=0)
     max_task_bytes: int = Field(default=512 << 20, ge=1024)
     download_ttl_s: float = Field(default=48 * 3600.0, gt=0)
@@ -182,6 +192,12 @@ class SiteConfig(BaseModel):
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> SiteConfig:
         check_broker_fields(self.broker_url, self.broker_ca_file, self.broker_cert_file, self.broker_key_file)
+        return self
+
+    @model_validator(mode="after")
+    def _chunks_fit_the_broker(self) -> SiteConfig:
+        check_chunk_fits(self.chunk_size_bytes, self.broker_max_packet_bytes, field="chunk_size_bytes",
+                         limit_field="broker_max_packet_bytes")  # a ConfigError (ValueError) naming both
         return self
 
     @field_validator("missing_media")
@@ -264,6 +280,10 @@ def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = Non
         return SiteConfig.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):  # one of our checks across fields: it names the field and the fix
+            raise ConfigError(f"invalid site config: {cause.message}", source=str(path), field=cause.field,
+                              fix=cause.fix) from exc
         field = ".".join(str(p) for p in first["loc"]) or None
         raise ConfigError(
             f"invalid site config: {first['msg']}",

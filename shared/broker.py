@@ -3,6 +3,18 @@
 
 Both sides read these from their own config; keeping one implementation here means the gateway and the coordinator
 refuse the same bad files with the same messages. Nothing here imports paho.
+
+Client ids are bound to credentials: the generated Mosquitto config sets ``use_username_as_clientid true``, so the
+broker replaces whatever client id a client sends by its username, and whoever holds site A's password can only
+ever take over site A's own session (docs/security.md, "Client ids"). Both transports therefore use the username as
+their client id. A second client of the same identity (an ingest worker beside the coordinator, ``wildfed-edge
+detect`` beside the gateway agent) needs an account of its own, or the two would keep disconnecting each other:
+a *role account* ``<identity username>@<role>`` (:func:`role_username`), stored in the identity's credentials file
+under ``roles`` and picked with ``load_broker_credentials(path, role=...)``.
+
+Message size: the broker refuses MQTT packets over its limit (Mosquitto 2.0 ``max_packet_size``, EMQX
+``mqtt.max_packet_size``; :data:`DEFAULT_BROKER_MAX_PACKET_BYTES` in the generated config), and a refused QoS 1
+message may vanish without a trace. :func:`check_chunk_fits` is run on both sides' configs at start-up.
 """
 
 from __future__ import annotations
@@ -15,9 +27,28 @@ from pathlib import Path
 import yaml
 
 from shared.errors import ConfigError
+from shared.transfer import CHUNK_HEADER_LENGTH
 
-__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "check_client_options", "site_username",
-           "coordinator_username"]
+__all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "check_client_options",
+           "site_username", "coordinator_username", "role_username", "validate_role", "role_cert_paths",
+           "check_chunk_fits", "DEFAULT_BROKER_MAX_PACKET_BYTES", "MQTT_PUBLISH_OVERHEAD", "CHUNK_HEADER_BYTES",
+           "SITE_ROLES", "DETECT_ROLE"]
+
+#: The broker's packet limit the generated Mosquitto config sets (``max_packet_size``), bytes: the coordinator's
+#: default ``transfer.max_message_bytes`` (1 MiB + 64 KiB of payload) plus room for the MQTT header. A 100 MB
+#: message is refused by the broker (the client is disconnected) before it reaches anyone.
+DEFAULT_BROKER_MAX_PACKET_BYTES = (1 << 20) + 65536 + 1024
+#: Bytes an MQTT 3.1.1 PUBLISH adds to its payload, bounded from above: fixed header (1 byte + up to 4 of
+#: remaining length), topic (2-byte length + at most 152 bytes: ``wildfed/v1/`` + a 64-character federation id +
+#: ``/site/`` + a 64-character site id + ``/update``), packet id (2 bytes); OASIS MQTT 3.1.1 sec. 2.2 and 3.3.
+#: Rounded up to 256.
+MQTT_PUBLISH_OVERHEAD = 256
+#: Bytes a chunk adds to its data (``shared.transfer.CHUNK_HEADER_LENGTH``: magic, transfer id, index).
+CHUNK_HEADER_BYTES = CHUNK_HEADER_LENGTH
+#: The role account every site gets beside its own: ``wildfed-edge detect --publish`` (detections only).
+DETECT_ROLE = "detect"
+#: Roles a site's credentials file carries (``broker-config`` makes one account per site and role).
+SITE_ROLES = (DETECT_ROLE,)
 
 
 def site_username(site_id: str) -> str:
@@ -31,6 +62,59 @@ def coordinator_username(federation_id: str) -> str:
     return f"coordinator-{federation_id}"
 
 
+def validate_role(role: str) -> str:
+    """A role name (1-64 of ``A-Za-z0-9_.-``, starting with a letter or digit), returned as given.
+
+    Raises:
+        ConfigError: anything else (field ``role``).
+    """
+    if (not isinstance(role, str) or not 0 < len(role) <= 64 or not role[0].isascii() or not role[0].isalnum()
+            or not all(c.isascii() and (c.isalnum() or c in "_.-") for c in role)):
+        raise ConfigError(f"role {role!r} is not 1-64 characters of A-Za-z0-9_.- starting with a letter or digit",
+                          field="role", fix="e.g. ingest-1 or detect")
+    return role
+
+
+def role_username(username: str, role: str) -> str:
+    """The broker username of ``role`` of the identity ``username``: ``<username>@<role>``, e.g.
+    ``coordinator-f@ingest-1`` or ``site-a@detect``. ``@`` never occurs in a site or federation id, so a role
+    account can never be another identity's account.
+
+    Raises:
+        ConfigError: a bad role name.
+    """
+    return f"{username}@{validate_role(role)}"
+
+
+def role_cert_paths(cert_file: str | os.PathLike[str], role: str) -> tuple[Path, Path]:
+    """Where ``broker-config --client-certs`` puts the client certificate and key of ``role`` of the identity whose
+    certificate is ``cert_file``: ``<its folder>/roles/<role>/client.crt`` and ``client.key``."""
+    folder = Path(cert_file).parent / "roles" / validate_role(role)
+    return folder / "client.crt", folder / "client.key"
+
+
+def check_chunk_fits(chunk_size: int, broker_max_packet_bytes: int, *, field: str, limit_field: str) -> None:
+    """Check that the largest message a sender makes with chunks of ``chunk_size`` bytes (a chunk: data + 40-byte
+    chunk header; a whole envelope is at most ``chunk_size``) fits the broker's packet limit with the MQTT header
+    (:data:`MQTT_PUBLISH_OVERHEAD`). A broker drops what does not fit, and the transfer would be retried forever.
+
+    Args:
+        chunk_size: bytes of data per chunk. broker_max_packet_bytes: the broker's limit on one MQTT packet.
+        field, limit_field: the config fields to name in the error.
+
+    Raises:
+        ConfigError: naming ``field``, the limit and the largest chunk size that fits.
+    """
+    largest = broker_max_packet_bytes - CHUNK_HEADER_BYTES - MQTT_PUBLISH_OVERHEAD
+    if chunk_size > largest:
+        raise ConfigError(
+            f"{chunk_size} bytes per chunk + {CHUNK_HEADER_BYTES} bytes of chunk header + {MQTT_PUBLISH_OVERHEAD} "
+            f"bytes of MQTT header do not fit the broker's limit of {broker_max_packet_bytes} bytes per message "
+            f"({limit_field}); the broker would drop every chunk", field=field,
+            fix=f"set {field} to at most {largest}, or, if the broker really takes larger messages, set "
+            f"{limit_field} to its limit (Mosquitto max_packet_size, EMQX mqtt.max_packet_size)")
+
+
 @dataclass(frozen=True)
 class BrokerCredentials:
     """An MQTT username and password (a secret: ``repr`` hides the password)."""
@@ -42,13 +126,18 @@ class BrokerCredentials:
         return f"BrokerCredentials(username={self.username!r}, password=<hidden>)"
 
 
-def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
-    """Read a credentials YAML file ``{username: ..., password: ...}`` written by ``wildfed-coordinator
-    broker-config`` (coordinator.broker_config): ``coordinator/`` or ``sites/<id>/broker-credentials.yaml``.
+def load_broker_credentials(path: str | os.PathLike[str], *, role: str | None = None) -> BrokerCredentials:
+    """Read a credentials YAML file ``{username: ..., password: ..., roles: {<role>: {username, password}}}``
+    written by ``wildfed-coordinator broker-config`` (coordinator.broker_config): ``coordinator/`` or
+    ``sites/<id>/broker-credentials.yaml``; ``roles`` is optional.
+
+    Args:
+        path: the file. role: None for the identity's own account, else one of its role accounts (its username
+            must be :func:`role_username` of the identity's).
 
     Raises:
-        ConfigError: missing file, readable by group/others (must be 0600), not YAML, or no non-empty username and
-            password strings.
+        ConfigError: missing file, readable by group/others (must be 0600), not YAML, no non-empty username and
+            password strings, or no account for ``role`` (field ``broker_password_file``).
     """
     path = Path(path)
     if not path.is_file():
@@ -67,7 +156,24 @@ def load_broker_credentials(path: str | os.PathLike[str]) -> BrokerCredentials:
                                                                                                  "password")):
         raise ConfigError("expected a mapping with non-empty 'username' and 'password'", source=path,
                           field="broker_password_file", fix="use the file broker-config wrote")
-    return BrokerCredentials(username=raw["username"], password=raw["password"])
+    if role is None:
+        return BrokerCredentials(username=raw["username"], password=raw["password"])
+    roles = raw.get("roles") or {}
+    entry = roles.get(validate_role(role)) if isinstance(roles, dict) else None
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) and entry.get(k)
+                                              for k in ("username", "password")):
+        known = sorted(roles) if isinstance(roles, dict) else []
+        raise ConfigError(f"no broker account for role {role!r} of {raw['username']!r} (accounts for: "
+                          f"{', '.join(map(str, known)) or 'none'}); sharing the identity's own account would make "
+                          "the two clients disconnect each other (the broker uses the username as client id)",
+                          source=path, field="broker_password_file",
+                          fix="re-run `wildfed-coordinator broker-config` (it makes ingest-1..ingest-N for "
+                          "ingest_workers: N and a detect account per site) and install the new file")
+    if entry["username"] != role_username(raw["username"], role):
+        raise ConfigError(f"role {role!r} names broker user {entry['username']!r}, expected "
+                          f"{role_username(raw['username'], role)!r}", source=path, field="broker_password_file",
+                          fix="use the file broker-config wrote")
+    return BrokerCredentials(username=entry["username"], password=entry["password"])
 
 
 def tls_context(*, ca_file: str | os.PathLike[str] | None, cert_file: str | os.PathLike[str] | None = None,

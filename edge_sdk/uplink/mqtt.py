@@ -15,6 +15,11 @@ Security (docs/security.md):
   certificate (mutual TLS; the broker can take the certificate's CN as the username).
 * Credentials: ``username``/``password`` (MQTT CONNECT); :func:`load_broker_credentials` reads the 0600 YAML file
   ``wildfed-coordinator broker-config`` writes for each site.
+* Client id = username: the generated broker config sets ``use_username_as_clientid true`` (shared.broker), so a
+  session is bound to its account and no other account can take it over; this transport sends its username as
+  client id as well. A second client of the same site (``wildfed-edge detect --publish`` beside the agent) uses
+  the site's role account ``site-<id>@detect`` (``transport_from_config(config, role="detect")``), else the two
+  would keep disconnecting each other.
 * Presence: with ``status_topic`` the broker holds a last will, ``{"site_id": ..., "state": "offline"}`` retained
   at QoS 1, which it publishes when the link dies without a DISCONNECT; after every (re)connect the transport
   publishes ``online`` retained, and :meth:`MqttTransport.close` publishes ``offline`` itself (a clean DISCONNECT
@@ -28,9 +33,12 @@ hundreds of gateways after a broker restart instead of synchronising them.
 
 In-flight window: a :meth:`MqttTransport.publish` that is waiting for its PUBACK when the link drops raises
 :class:`TransportError` at once (within about 50 ms), instead of waiting out its timeout. The message may or may
-not have reached the broker; paho also keeps it and sends it again (DUP) after the reconnect. Either way the
-gateway's outbox still holds the update and re-sends it on the next connect, and the coordinator deduplicates by
-(site, round) and envelope sequence, so at-least-once delivery holds and duplicates are harmless.
+not have reached the broker. paho would keep it and send it again (DUP) after the reconnect; this transport
+discards paho's copies of the messages in flight when the link drops instead, because a message the broker
+refuses by closing the connection (over its ``max_packet_size``) would otherwise be sent again on every reconnect,
+and the link would never carry anything else. The gateway's outbox still holds the update and re-sends it (or gives
+it up, edge_sdk.agent) on the next connect, and the coordinator deduplicates by (site, round) and envelope
+sequence, so at-least-once delivery holds and duplicates are harmless.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-from shared.broker import (BrokerCredentials, check_client_options, load_broker_credentials, site_username,
-                           tls_context)
+from shared.broker import (BrokerCredentials, check_client_options, load_broker_credentials, role_cert_paths,
+                           site_username, tls_context)
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
@@ -106,7 +114,8 @@ class MqttTransport(Transport):
 
     Args:
         url: ``mqtt://host:port`` or ``mqtts://host:port``.
-        client_id: MQTT client id (default: ``wildfed-<random>``).
+        client_id: MQTT client id (default: the username, what a broker with ``use_username_as_clientid`` uses
+            anyway; without one ``wildfed-<random>``).
         keepalive_s: MQTT keep-alive in seconds (a dead link is noticed after about 1.5 times this).
         ca_file: PEM CA bundle that signs the broker's certificate (``mqtts://`` only; default: system CAs).
         cert_file, key_file: PEM client certificate and key for mutual TLS (``mqtts://`` only; both or neither).
@@ -138,7 +147,7 @@ class MqttTransport(Transport):
                               field="backoff_base_s", fix="use base > 0 and cap >= base, e.g. 1 and 60")
         self._keepalive = keepalive_s
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                                   client_id=client_id or f"wildfed-{uuid.uuid4().hex[:12]}",
+                                   client_id=client_id or username or f"wildfed-{uuid.uuid4().hex[:12]}",
                                    reconnect_on_failure=False)
         if tls:
             self._client.tls_set_context(tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
@@ -169,6 +178,7 @@ class MqttTransport(Transport):
         self._rng = rng or random.Random()
         self._supervisor: threading.Thread | None = None
         self.reconnect_delays: list[float] = []  # the delays actually waited (observability, tests)
+        self.disconnects = 0  # times the link dropped or was closed (observability, tests)
 
     # paho callbacks (network thread) -------------------------------------------------------------------------
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason_code: object,
@@ -211,10 +221,27 @@ class MqttTransport(Transport):
         for listener in listeners:
             listener()
 
+    def _discard_in_flight(self) -> None:
+        """Drop paho's copies of the messages it has not seen acknowledged (module docstring, "In-flight window"),
+        so that it does not send them again after the reconnect; their publishers get a TransportError. paho 2.x
+        has no public call for it: this reads its ``_out_messages`` under its ``_out_message_mutex`` and does
+        nothing where a paho version lacks them."""
+        messages = getattr(self._client, "_out_messages", None)
+        mutex = getattr(self._client, "_out_message_mutex", None)
+        if messages is None or mutex is None:
+            return
+        with mutex:
+            dropped = len(messages)
+            messages.clear()
+        if dropped:
+            log.info("MQTT link down: %d unacknowledged message(s) discarded (the outbox re-sends updates)", dropped)
+
     def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason_code: object,
                        properties: object) -> None:
+        self._discard_in_flight()
         self._connected.clear()
         self._generation += 1
+        self.disconnects += 1
         if self._last_failure is None:
             self._last_failure = f"link closed ({reason_code})"
         if self._closing:
@@ -390,8 +417,8 @@ def _profile_broker(config: SiteConfig) -> dict[str, Path | None] | None:
             "client_key": absolute(getattr(broker, "client_key", None))}
 
 
-def transport_from_config(config: SiteConfig, *, client_id: str | None = None,
-                          presence: bool = True) -> MqttTransport:
+def transport_from_config(config: SiteConfig, *, client_id: str | None = None, presence: bool = True,
+                          role: str | None = None) -> MqttTransport:
     """The gateway's :class:`MqttTransport`, built from its site config: broker URL, TLS files, credentials and the
     site's status topic (last will + retained online/offline).
 
@@ -401,12 +428,16 @@ def transport_from_config(config: SiteConfig, *, client_id: str | None = None,
 
     Args:
         config: the site config.
-        client_id: MQTT client id (default ``wildfed-<federation>-<site>``, as the agent always used).
+        client_id: MQTT client id when the broker needs no credentials (default ``wildfed-<federation>-<site>``,
+            plus ``-<role>`` for a role). With credentials the client id is the username (module docstring).
         presence: set the last will and publish status (False for a second, auxiliary client of the same site,
-            e.g. ``wildfed-edge detect``, whose coming and going says nothing about the gateway).
+            e.g. ``wildfed-edge detect``, whose coming and going says nothing about the gateway). A role client
+            never has presence.
+        role: a second client of the site (``detect``): its role account from ``broker_password_file``, and
+            with a client certificate ``roles/<role>/client.crt`` beside ``broker_cert_file``.
 
     Raises:
-        ConfigError: bad URL, TLS files or credentials file.
+        ConfigError: bad URL, TLS files or credentials file, or no account (or certificate) for ``role``.
     """
     ca, cert, key = config.broker_ca_file, config.broker_cert_file, config.broker_key_file
     tls = parse_mqtt_url_tls(config.broker_url)[2]
@@ -415,16 +446,33 @@ def transport_from_config(config: SiteConfig, *, client_id: str | None = None,
         if fallback:
             ca, cert, key = fallback["ca_file"], fallback["client_cert"], fallback["client_key"]
     username, password = config.broker_username, None
+    if role is not None and config.broker_username is not None and config.broker_password_file is None:
+        raise ConfigError(f"broker_username {config.broker_username!r} is the gateway's own account; a second "
+                          f"client ({role}) on it would disconnect the gateway", field="broker_username",
+                          fix="leave broker_username unset and point broker_password_file at the site's "
+                          "broker-credentials.yaml from broker-config (it holds the role accounts)")
     if config.broker_password_file is not None:
-        creds = load_broker_credentials(config.broker_password_file)
-        if creds.username != site_username(config.site_id):
-            raise ConfigError(f"the credentials are for broker user {creds.username!r}, this site's is "
+        own = load_broker_credentials(config.broker_password_file)
+        if own.username != site_username(config.site_id):
+            raise ConfigError(f"the credentials are for broker user {own.username!r}, this site's is "
                               f"{site_username(config.site_id)!r}: the broker's ACL would drop everything it "
                               "publishes", source=config.broker_password_file, field="broker_password_file",
                               fix=f"use sites/{config.site_id}/broker-credentials.yaml from `wildfed-coordinator "
                               "broker-config`")
-        username, password = username or creds.username, creds.password
-    return MqttTransport(config.broker_url, client_id=client_id or f"wildfed-{config.federation_id}-{config.site_id}",
+        if role is not None:
+            creds = load_broker_credentials(config.broker_password_file, role=role)
+            username, password = creds.username, creds.password
+        else:
+            username, password = username or own.username, own.password
+    if role is not None and cert is not None:
+        cert, key = role_cert_paths(cert, role)
+        if not (cert.is_file() and key.is_file()):
+            raise ConfigError(f"no client certificate for role {role!r} at {cert}", source=cert,
+                              field="broker_cert_file", fix=f"copy roles/{role}/ from sites/{config.site_id}/ of "
+                              "broker-config --client-certs beside the site's client.crt")
+    presence = presence and role is None
+    default_id = f"wildfed-{config.federation_id}-{config.site_id}" + (f"-{role}" if role else "")
+    return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
                          ca_file=ca, cert_file=cert, key_file=key, username=username, password=password,
                          status_topic=status_topic(config.federation_id, config.site_id) if presence else None,
                          site_id=config.site_id if presence else None)

@@ -68,6 +68,28 @@ topic read wildfed/v1/f/site/b/ack
 """
 
 
+# What broker-config writes for the same sites: each site also has its detection publisher's account
+# (site-<id>@detect), which may write nothing but the site's detection topic; written out by hand.
+EXPECTED_GENERATED_ACL_TWO_SITES = EXPECTED_ACL_TWO_SITES.replace(
+    "topic read wildfed/v1/f/site/a/ack\n",
+    "topic read wildfed/v1/f/site/a/ack\n\nuser site-a@detect\ntopic write wildfed/v1/f/site/a/detection\n").replace(
+    "topic read wildfed/v1/f/site/b/ack\n",
+    "topic read wildfed/v1/f/site/b/ack\n\nuser site-b@detect\ntopic write wildfed/v1/f/site/b/detection\n")
+
+# Two ingest workers (ingest_workers: 2): each reads every site's update topic and writes every task and ack topic.
+EXPECTED_WORKER_BLOCKS = """\
+user coordinator-f@ingest-1
+topic read wildfed/v1/f/site/+/update
+topic write wildfed/v1/f/site/+/task
+topic write wildfed/v1/f/site/+/ack
+
+user coordinator-f@ingest-2
+topic read wildfed/v1/f/site/+/update
+topic write wildfed/v1/f/site/+/task
+topic write wildfed/v1/f/site/+/ack
+"""
+
+
 def _registry(tmp_path: Path, sites=("a", "b")) -> SiteRegistry:
     reg = SiteRegistry(Store("sqlite://", tmp_path / "data"))
     for site in sites:
@@ -91,11 +113,13 @@ def test_conf_has_the_required_settings_and_absolute_paths(tmp_path: Path) -> No
     lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     assert lines[:4] == ["per_listener_settings false", "allow_anonymous false", f"password_file {tmp_path}/passwd",
                          f"acl_file {tmp_path}/acl"]
+    assert "max_packet_size 1115136" in lines[:lines.index("listener 8883")]  # global: (1 MiB + 64 KiB) + 1 KiB
     tls = lines.index("listener 8883")
-    assert lines[tls:tls + 9] == ["listener 8883", "protocol mqtt", f"cafile {tmp_path}/ca.crt",
-                                  f"certfile {tmp_path}/s.crt", f"keyfile {tmp_path}/s.key", "tls_version tlsv1.2",
-                                  "require_certificate true", "use_identity_as_username true",
-                                  "listener 1884 127.0.0.1"]
+    # client ids bound to usernames on every listener (a listener setting in Mosquitto 2.0)
+    assert lines[tls:] == ["listener 8883", "protocol mqtt", f"cafile {tmp_path}/ca.crt",
+                           f"certfile {tmp_path}/s.crt", f"keyfile {tmp_path}/s.key", "tls_version tlsv1.2",
+                           "require_certificate true", "use_identity_as_username true", "use_username_as_clientid true",
+                           "listener 1884 127.0.0.1", "protocol mqtt", "use_username_as_clientid true"]
     plain = render_mosquitto_conf(password_file=tmp_path / "p", acl_file=tmp_path / "a", cafile=tmp_path / "c",
                                   certfile=tmp_path / "s", keyfile=tmp_path / "k")
     assert "require_certificate" not in plain and "127.0.0.1" not in plain and "listener 8883\n" in plain
@@ -139,22 +163,25 @@ def test_generate_writes_everything_with_safe_modes(tmp_path: Path, use_binary: 
                                  client_certs=True)
     # files
     assert res.used_mosquitto_passwd is use_binary
-    assert res.acl.read_text() == EXPECTED_ACL_TWO_SITES
+    assert res.acl.read_text() == EXPECTED_GENERATED_ACL_TWO_SITES
     conf = res.conf.read_text()
     assert f"password_file {out / 'passwd'}" in conf and f"cafile {out / 'tls' / 'ca.crt'}" in conf
     for secret in (res.password_file, out / "tls" / "ca.key", res.server_key, res.coordinator_credentials,
                    *res.site_credentials.values(), out / "sites" / "a" / "client.key",
-                   out / "coordinator" / "client.key"):
+                   out / "coordinator" / "client.key", out / "sites" / "a" / "roles" / "detect" / "client.key"):
         assert _mode(secret) == 0o600, secret
     # credentials: one random password per account, and the password file verifies each
     creds = {s: load_broker_credentials(p) for s, p in res.site_credentials.items()}
     coord = load_broker_credentials(res.coordinator_credentials)
+    detect = {s: load_broker_credentials(p, role="detect") for s, p in res.site_credentials.items()}
     assert {c.username for c in creds.values()} == {"site-a", "site-b"} and coord.username == "coordinator-f"
-    assert len({c.password for c in [*creds.values(), coord]}) == 3
+    assert {c.username for c in detect.values()} == {"site-a@detect", "site-b@detect"}
+    assert len({c.password for c in [*creds.values(), *detect.values(), coord]}) == 5
     assert all(len(c.password) >= 40 for c in creds.values())
     lines = dict(ln.split(":", 1) for ln in res.password_file.read_text().splitlines())
-    assert set(lines) == {"site-a", "site-b", "coordinator-f"}
+    assert set(lines) == {"site-a", "site-b", "site-a@detect", "site-b@detect", "coordinator-f"}
     assert all(verify_password_pbkdf2(creds[s].password, lines[f"site-{s}"]) for s in ("a", "b"))
+    assert all(verify_password_pbkdf2(detect[s].password, lines[f"site-{s}@detect"]) for s in ("a", "b"))
     assert "password" not in repr(coord).replace("password=<hidden>", "")
     # TLS: the server certificate names the default hosts and chains to the CA; client CN = username
     ca = x509.load_pem_x509_certificate(res.ca_cert.read_bytes())
@@ -167,6 +194,9 @@ def test_generate_writes_everything_with_safe_modes(tmp_path: Path, use_binary: 
     client = x509.load_pem_x509_certificate((out / "sites" / "b" / "client.crt").read_bytes())
     client.verify_directly_issued_by(ca)
     assert client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "site-b"
+    role_cert = x509.load_pem_x509_certificate((out / "sites" / "b" / "roles" / "detect" / "client.crt").read_bytes())
+    role_cert.verify_directly_issued_by(ca)
+    assert role_cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "site-b@detect"
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert (out / "sites" / "a" / "broker-ca.pem").read_bytes() == res.ca_cert.read_bytes()
 
@@ -184,8 +214,8 @@ def test_rerun_keeps_ca_certificates_and_credentials_and_adds_new_sites(tmp_path
     reg.enrol("c", public_key_to_pem(generate_signing_key().public_key()))
     third = generate_broker_config(registry=reg, federation_id="f", out=out, client_certs=True)
     # Assert
-    assert third.new_accounts == ("site-c",)
-    assert third.issued == (out / "sites" / "c" / "client.crt",)
+    assert third.new_accounts == ("site-c", "site-c@detect")
+    assert third.issued == (out / "sites" / "c" / "client.crt", out / "sites" / "c" / "roles" / "detect" / "client.crt")
     assert first.ca_cert.read_bytes() == before[first.ca_cert]
     assert all(p.read_bytes() == before[p] for p in first.site_credentials.values())
     assert "user site-c" in third.acl.read_text()
@@ -200,7 +230,8 @@ def test_rotate_passwords_and_new_hostnames(tmp_path: Path) -> None:
     second = generate_broker_config(registry=reg, federation_id="f", out=out, rotate_passwords=True,
                                     hostnames=["broker.example.org", "10.0.0.5"])
     new = load_broker_credentials(second.site_credentials["a"]).password
-    assert new != old and set(second.new_accounts) == {"site-a", "site-b", "coordinator-f"}
+    assert new != old and set(second.new_accounts) == {"site-a", "site-b", "site-a@detect", "site-b@detect",
+                                                       "coordinator-f"}
     lines = dict(ln.split(":", 1) for ln in second.password_file.read_text().splitlines())
     assert verify_password_pbkdf2(new, lines["site-a"]) and not verify_password_pbkdf2(old, lines["site-a"])
     assert second.server_cert.read_bytes() != old_server and second.issued == (second.server_cert,)
@@ -213,7 +244,7 @@ def test_sites_without_a_valid_key_get_no_account(tmp_path: Path) -> None:
     reg = _registry(tmp_path, sites=("a", "b", "gone"))
     reg.revoke_key("gone")
     res = generate_broker_config(registry=reg, federation_id="f", out=tmp_path / "out")
-    assert res.acl.read_text() == EXPECTED_ACL_TWO_SITES and "gone" not in res.usernames
+    assert res.acl.read_text() == EXPECTED_GENERATED_ACL_TWO_SITES and "gone" not in res.usernames
 
 
 def test_existing_ca_is_used(tmp_path: Path) -> None:

@@ -344,7 +344,9 @@ def test_last_will_offline_and_online_after_reconnect(broker: SecureBroker) -> N
         # a clean close publishes offline itself (a DISCONNECT discards the will)
         site.close()
         assert wait_for(lambda: states()[-1] == "offline", 3), states()
-        # retained: a late subscriber learns the last state
+        # retained: a late subscriber learns the last state (the first coordinator client leaves first: the
+        # broker binds the client id to the username, so a second one would take over its session)
+        coordinator.close()
         late = broker.coordinator()
         late_got, late_event, late_cb = collector()
         late.subscribe(status_topic(FED, "a"), late_cb)
