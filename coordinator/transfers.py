@@ -22,6 +22,11 @@ for again. The blob directory (``data_dir``) is shared by every worker already (
 
 Transfers not completed within ``ttl_s`` (default 48 h) expire: :meth:`TransferReceiver.sweep` deletes them, and
 a site whose transfer expired starts over (its next manifest is new again).
+
+A chunk that a broker drops (the site's ``chunk_size_bytes`` above the broker's message size limit) is listed in
+every receipt. The gateway, which knows what it sent before each resume probe, notices and gives the upload up
+(shared.transfer.ResendTracker, edge_sdk.agent); the receiver only answers, so it never stops a transfer that may
+still be making its way over a poor link (an unfinished one expires after ``ttl_s``).
 """
 
 from __future__ import annotations

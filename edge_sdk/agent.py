@@ -10,6 +10,19 @@ the site key; write it to the outbox; publish it (QoS 1). A verified ACK removes
 Transport callbacks only enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so nothing
 blocks the network thread.
 
+Asking for the open round's task (a gateway that was away when the round opened: the broker keeps nothing for a
+clean session): after every (re)connect, whatever the outbox holds, and again each time the outbox drains (the
+last pending update ACKed, refused or given up), :meth:`EdgeAgent.request_downloads` sends a "no transfer" receipt
+and the coordinator resends the open round's task if the site was selected and has not delivered yet.
+
+Chunks that never arrive: a chunk of an upload that ``max_chunk_requests`` receipts list although it was sent
+before the probe each answers (shared.transfer.ResendTracker), or a chunk of a task download still missing after
+``max_chunk_requests`` requests for a stalled download (no new chunk for ``resend_interval_s``; requests made on
+reconnecting do not count), is being dropped on the way, typically by a broker whose message limit is below the
+chunk size. The transfer is then given up with an error naming ``chunk_size_bytes`` (the coordinator's
+``transfer.chunk_size_bytes`` for downloads) instead of being retried forever: the update leaves the outbox (the
+reason stays in the agent state as ``abandoned/<message id>``), the download is dropped.
+
 Privacy defaults the coordinator cannot override: tasks with ``privacy: none`` are refused unless the site config
 sets ``allow_non_private``; a task's ``seed`` is ignored (secure randomness is used) unless the site config sets
 ``allow_seeded_noise`` (whoever knows the seed can reproduce and subtract the noise).
@@ -42,8 +55,9 @@ from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, Up
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
-from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, TransferError, decode_manifest, decode_receipt,
-                             encode_receipt, is_chunk, send)
+from shared.broker import MQTT_PUBLISH_OVERHEAD
+from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, ResendTracker, TransferError, decode_manifest,
+                             decode_receipt, encode_receipt, is_chunk, send)
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
@@ -189,6 +203,8 @@ class EdgeAgent:
         self._radio_trainer: RadioSiteTrainer | None = None
         self._downloads: dict[str, Reassembly] = {}  # transfer id -> chunked task download in progress
         self._completed_downloads: deque[str] = deque(maxlen=16)  # recent transfer ids (repeats are ignored)
+        self._upload_requests = ResendTracker(config.max_chunk_requests)  # receipts listing chunks sent before
+        self._download_requests: dict[str, Counter[int]] = {}  # stalled download -> requests per missing chunk
         self._next_resend = time.monotonic() + self._resend_delay()
 
     @classmethod
@@ -272,7 +288,7 @@ class EdgeAgent:
         trained = 0
         last_activity = time.monotonic()
         while not self._stop.is_set():
-            if (max_rounds is not None and trained >= max_rounds and not self.outbox.pending()
+            if (max_rounds is not None and trained >= max_rounds and not self.outbox.count()
                     and self._secagg is None):
                 break
             try:
@@ -282,8 +298,10 @@ class EdgeAgent:
                 # waited a whole interval since it was last sent (_publish restarts the interval).
                 if time.monotonic() >= self._next_resend:
                     self._next_resend = time.monotonic() + self._resend_delay()
-                    if self.outbox.pending():
+                    if self.outbox.count():
                         self.resend_pending()
+                    if self._stalled_downloads():
+                        self.request_downloads(open_round=False, only_stalled=True)
                 if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
                     log.info("site %s: idle for %.1f s, stopping", self.config.site_id, idle_timeout_s)
                     break
@@ -371,18 +389,54 @@ class EdgeAgent:
             self._reject("chunk", exc.reason, str(exc))
             return False
         del self._downloads[chunk.transfer_id]
+        self._download_requests.pop(chunk.transfer_id, None)
         self._completed_downloads.append(chunk.transfer_id)
         return self.handle_task(inner)
 
-    def request_downloads(self) -> int:
-        """After a (re)connect: ask the coordinator for the missing chunks of every unfinished task download, or,
-        when none is in progress and no update waits for its ACK, for the open round's task (a site that was
-        offline when the round opened). Returns the number of receipts sent."""
-        receipts = [(r.envelope.header.round, r.envelope.header.base_model_hash, Receipt(t, r.missing()))
-                    for t, r in self._downloads.items() if not r.expired()]
-        if not receipts and not self.outbox.pending() and self._secagg is None:
+    def _stalled_downloads(self) -> list[str]:
+        """Unexpired downloads with no new chunk for ``resend_interval_s`` (their transfer ids)."""
+        now = time.monotonic()
+        return [t for t, r in self._downloads.items()
+                if not r.expired() and now - r.last_progress > self.config.resend_interval_s]
+
+    def _abandon_download(self, transfer_id: str, index: int, times: int) -> None:
+        """Give up a task download whose chunk ``index`` never arrives although asked for ``times`` times."""
+        r = self._downloads.pop(transfer_id)
+        self._download_requests.pop(transfer_id, None)
+        self._completed_downloads.append(transfer_id)  # repeats of its manifest and chunks are ignored
+        self.stats["downloads_abandoned"] += 1
+        log.error("site %s: round %d task download given up: chunk %d (%d bytes + 40 of header) was asked for %d "
+                  "times and never arrived; the broker drops it, most likely because the coordinator's "
+                  "transfer.chunk_size_bytes (%d) is above the broker's message size limit (fix: lower "
+                  "transfer.chunk_size_bytes and set broker_max_packet_bytes to the broker's limit in the coordinator "
+                  "config)", self.config.site_id, r.envelope.header.round, index, r.manifest.chunk_size, times,
+                  r.manifest.chunk_size)
+
+    def request_downloads(self, *, open_round: bool = True, only_stalled: bool = False) -> int:
+        """Ask the coordinator for the missing chunks of every unfinished task download (``only_stalled``: of those
+        with no new chunk for ``resend_interval_s``), and, when none is in progress and no secure-aggregation round
+        is running, for the open round's task (``open_round``; a site that was offline when the round opened or
+        whose outbox just drained). Called after every (re)connect, whatever the outbox holds, when the outbox
+        drains, and for stalled downloads every ``resend_interval_s``. Requests for a stalled download are counted
+        per missing chunk; one asked for ``max_chunk_requests`` times gives the download up instead (module
+        docstring). Returns the number of receipts sent."""
+        stalled = set(self._stalled_downloads()) if only_stalled else None
+        receipts = []
+        for tid, r in list(self._downloads.items()):
+            if r.expired() or (stalled is not None and tid not in stalled):
+                continue
+            missing = r.missing()
+            if stalled is not None:  # nothing came for a whole interval: this request is evidence, count it
+                counts = self._download_requests.setdefault(tid, Counter())
+                counts.update(missing)
+                index, times = max(counts.items(), key=lambda kv: (kv[1], -kv[0]), default=(0, 0))
+                if times >= self.config.max_chunk_requests:
+                    self._abandon_download(tid, index, times)
+                    continue
+            receipts.append((r.envelope.header.round, r.envelope.header.base_model_hash, Receipt(tid, missing)))
+        if open_round and not self._downloads and self._secagg is None:
             nxt = int(self.outbox.get_state(_LAST_ROUND, "-1")) + 1
-            receipts = [(nxt, "", Receipt(NO_TRANSFER, ()))]
+            receipts.append((nxt, "", Receipt(NO_TRANSFER, ())))
         sent = 0
         for round_, base_hash, receipt in receipts:
             envelope = seal(private_key=self._signing_key, federation_id=self.config.federation_id,
@@ -576,6 +630,23 @@ class EdgeAgent:
         self._publish(message_id, self._update_topic, update.to_bytes())
         return True
 
+    def _drained(self) -> None:
+        """The outbox just became empty: ask for the open round's task (the site may have missed it while its
+        updates were pending, e.g. after a restart)."""
+        if not self.outbox.count():
+            self.request_downloads()
+
+    def _abandon_upload(self, message_id: str, detail: str) -> None:
+        """Give up an outbox message that cannot get through (``detail`` names the setting to change): drop it,
+        keep the reason in the agent state (``abandoned/<id>``), count it, log it as an error."""
+        entry = self.outbox.get_state(f"abandoned/{message_id}")
+        self.outbox.set_state(f"abandoned/{message_id}", detail if entry is None else f"{entry}; {detail}")
+        removed = self.outbox.remove(message_id)
+        self.stats["uploads_abandoned"] += 1
+        log.error("site %s: %s given up: %s", self.config.site_id, message_id, detail)
+        if removed:
+            self._drained()
+
     # -- Global DP: secure aggregation --------------------------------------------------------------------
     def _next_sequence(self) -> int:
         sequence = int(self.outbox.get_state(_SEQUENCE, "0")) + 1
@@ -691,7 +762,13 @@ class EdgeAgent:
 
         try:
             send(publish, topic, payload, private_key=self._signing_key, chunk_size=self.config.chunk_size_bytes,
-                 resume=resume, missing=missing)
+                 resume=resume, missing=missing,
+                 max_message_bytes=self.config.broker_max_packet_bytes - MQTT_PUBLISH_OVERHEAD,
+                 on_chunk=lambda tid, index: self._upload_requests.sent(tid, (index,)),
+                 on_probe=self._upload_requests.probed)
+        except TransferError as exc:  # a message the broker would drop (e.g. a manifest of too many chunks)
+            self._abandon_upload(message_id, f"{exc} (broker_max_packet_bytes {self.config.broker_max_packet_bytes})")
+            return False
         except TransportError as exc:
             self.stats["publish_failed"] += 1
             log.warning("site %s: publish of %s failed (%s); it stays in the outbox", self.config.site_id,
@@ -720,7 +797,10 @@ class EdgeAgent:
             self._reject("ack", "stale_ack", f"ack for sequence {envelope.header.sequence}, the pending update of round "
                          f"{ack.round} has another sequence")
             return False
+        entry = self.outbox.entry(update_message_id(ack.round))
         removed = self.outbox.remove(update_message_id(ack.round))
+        if entry is not None:
+            self._upload_requests.forget(entry.sha256)
         if ack.accepted:
             self.stats["acks_accepted"] += 1
             log.info("site %s: round %d update acknowledged%s", self.config.site_id, ack.round,
@@ -729,6 +809,8 @@ class EdgeAgent:
             self.stats["acks_refused"] += 1
             log.error("site %s: round %d update refused by the coordinator: %s", self.config.site_id, ack.round,
                       ack.reason or "no reason given")
+        if removed:
+            self._drained()
         return removed
 
     def handle_receipt(self, data: bytes) -> bool:
@@ -742,12 +824,27 @@ class EdgeAgent:
         except TransferError as exc:
             self._reject("receipt", exc.reason, str(exc))
             return False
-        for message in self.outbox.pending():
-            if hashlib.sha256(message.payload).hexdigest() == receipt.transfer_id:
-                log.info("site %s: resuming %s: %d chunk(s) missing", self.config.site_id, message.message_id,
-                         len(receipt.missing))
-                self.stats["uploads_resumed"] += 1
-                return self._publish(message.message_id, message.topic, message.payload, missing=receipt.missing)
+        for entry in self.outbox.pending():
+            if entry.sha256 != receipt.transfer_id:
+                continue
+            stuck = self._upload_requests.answered(receipt.transfer_id, receipt.missing)
+            if stuck is not None:
+                index, times = stuck
+                self._upload_requests.forget(receipt.transfer_id)
+                self._abandon_upload(entry.message_id, (
+                    f"chunk {index} ({self.config.chunk_size_bytes} bytes + 40 of header) was sent {times} times "
+                    f"and the coordinator asked for it again each time: the broker drops it, most likely because "
+                    f"chunk_size_bytes ({self.config.chunk_size_bytes}) is above the broker's message size limit "
+                    f"(fix: lower chunk_size_bytes and set broker_max_packet_bytes to the broker's limit, now "
+                    f"{self.config.broker_max_packet_bytes})"))
+                return False
+            message = self.outbox.get(entry.message_id)
+            if message is None:  # acknowledged meanwhile
+                return False
+            log.info("site %s: resuming %s: %d chunk(s) missing", self.config.site_id, message.message_id,
+                     len(receipt.missing))
+            self.stats["uploads_resumed"] += 1
+            return self._publish(message.message_id, message.topic, message.payload, missing=receipt.missing)
         self._reject("receipt", "unknown_transfer", f"no pending upload {receipt.transfer_id[:12]}")
         return False
 
@@ -756,9 +853,12 @@ class EdgeAgent:
         a small one whole, a chunked one as a resume manifest (only the missing chunks follow, on the coordinator's
         receipt). Returns how many went out."""
         sent = 0
-        for message in self.outbox.pending():
+        for entry in self.outbox.pending():
+            message = self.outbox.get(entry.message_id)
+            if message is None:  # acknowledged meanwhile
+                continue
             log.info("site %s: resending %s", self.config.site_id, message.message_id)
             sent += int(self._publish(message.message_id, message.topic, message.payload,
-                                      resume=len(message.payload) > self.config.chunk_size_bytes))
+                                      resume=entry.size > self.config.chunk_size_bytes))
         return sent
 

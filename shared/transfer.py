@@ -21,6 +21,14 @@ hashes in a signed metainfo, BEP 3; tus.io's offset-based resume), reduced to wh
 
 Size limits are checked before anything is parsed: a chunk longer than the manifest's chunk size plus its header,
 a manifest announcing more than the receiver's limit, or more than :data:`MAX_CHUNKS` chunks is refused.
+
+A broker drops a message over its size limit, and a QoS 1 publisher may never learn it (Mosquitto's
+``message_size_limit`` acknowledges and drops; EMQX drops; Mosquitto's ``max_packet_size`` disconnects the sender,
+which reconnects and sends the same chunk again). The chunk size is therefore checked against the broker's limit
+when a config is loaded (``shared.broker.check_chunk_fits``), :func:`send` refuses a message over
+``max_message_bytes`` before publishing anything, and a chunk the receiver keeps asking for after it was sent
+(:class:`ResendTracker` for uploads; stalled downloads are counted by the gateway agent) makes the gateway give the
+transfer up with an error naming the chunk size instead of retrying forever.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ __all__ = [
     "NO_TRANSFER",
     "chunks_to_send",
     "send",
+    "ResendTracker",
 ]
 
 CHUNK_MAGIC = b"WFC1"
@@ -346,6 +355,8 @@ class Reassembly:
     ttl_s: float
     started: float = field(default_factory=time.time)
     pieces: dict[int, bytes] = field(default_factory=dict)
+    last_progress: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the manifest or the latest new chunk arrived (a stalled download is asked for)."""
 
     def add(self, chunk: Chunk) -> bool:
         """Check and keep a chunk (a duplicate is ignored); returns whether the transfer is now complete.
@@ -354,7 +365,9 @@ class Reassembly:
             TransferError: the chunk does not belong to the manifest (see :func:`check_chunk`).
         """
         check_chunk(self.manifest, chunk)
-        self.pieces.setdefault(chunk.index, chunk.data)
+        if chunk.index not in self.pieces:
+            self.pieces[chunk.index] = chunk.data
+            self.last_progress = time.monotonic()
         return self.complete
 
     @property
@@ -384,7 +397,9 @@ def chunks_to_send(chunks: Iterable[Chunk], missing: Iterable[int] | None) -> li
 
 
 def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes, *, private_key: Ed25519PrivateKey,
-         chunk_size: int = DEFAULT_CHUNK_SIZE, resume: bool = False, missing: Iterable[int] | None = None) -> int:
+         chunk_size: int = DEFAULT_CHUNK_SIZE, resume: bool = False, missing: Iterable[int] | None = None,
+         max_message_bytes: int | None = None, on_chunk: Callable[[str, int], None] | None = None,
+         on_probe: Callable[[str], None] | None = None) -> int:
     """Publish a signed envelope whole when it fits in one chunk, else as a manifest and its chunks.
 
     Args:
@@ -394,26 +409,113 @@ def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes, *, pri
         resume: send only the manifest, marked ``resume`` (the receiver answers with a :class:`Receipt`).
         missing: send the manifest's chunks with these indices only, without the manifest (the answer to a
             receipt); None: the manifest and every chunk.
+        max_message_bytes: the largest MQTT payload the broker passes (its packet limit less the MQTT header);
+            a message over it is refused before anything is published. None: no check.
+        on_chunk: ``on_chunk(transfer_id, index)`` just before each chunk is published (:class:`ResendTracker`).
+        on_probe: ``on_probe(transfer_id)`` once a resume manifest was published (:class:`ResendTracker`).
 
     Returns:
         number of MQTT messages published.
 
     Raises:
-        TransferError: bad chunk size. Whatever ``publish`` raises.
+        TransferError: bad chunk size, or a manifest or chunk over ``max_message_bytes`` (reason ``oversized``;
+            the message names ``chunk_size_bytes``). Whatever ``publish`` raises.
     """
+    def check(payload: bytes, what: str) -> bytes:
+        if max_message_bytes is not None and len(payload) > max_message_bytes:
+            raise TransferError(f"{what} of {len(payload)} bytes exceeds the broker's limit of {max_message_bytes} "
+                                f"bytes: the broker would drop it; change chunk_size_bytes (now {chunk_size}) so "
+                                "that chunks, and the manifest listing one digest per chunk, fit", "oversized")
+        return payload
+
     if len(inner) <= chunk_size and not resume and missing is None:
-        publish(topic, inner)
+        publish(topic, check(inner, "message"))
         return 1
     header = Envelope.from_bytes(inner).header
     manifest, chunks = split(inner, chunk_size, kind=header.kind)
+    if max_message_bytes is not None and chunks:
+        check(chunks[0].to_bytes(), "a chunk")
     sent = 0
     if missing is None:
-        publish(topic, seal_manifest(private_key=private_key, inner=header, manifest=manifest,
-                                     resume=resume).to_bytes())
+        publish(topic, check(seal_manifest(private_key=private_key, inner=header, manifest=manifest,
+                                           resume=resume).to_bytes(), f"the manifest of {manifest.num_chunks} chunks"))
         sent += 1
         if resume:
+            if on_probe is not None:
+                on_probe(manifest.transfer_id)
             return sent
     for chunk in chunks_to_send(chunks, missing):
+        if on_chunk is not None:
+            on_chunk(chunk.transfer_id, chunk.index)
         publish(topic, chunk.to_bytes())
         sent += 1
     return sent
+
+
+class ResendTracker:
+    """The sender's evidence that a chunk is not getting through (typically a broker's message size limit below the
+    chunk size): it counts, per chunk, the receipts that still list it although it was sent before the resume
+    probe the receipt answers; a chunk counted ``limit`` times means the transfer should be given up with an error,
+    not retried forever.
+
+    The receiver answers each resume probe (a manifest marked ``resume``) with one receipt, in order, and MQTT keeps
+    the order of one client's messages: so a chunk published before a probe has reached the receiver before that
+    probe, and a receipt answering the probe that still lists it shows the chunk was lost on the way. Receipts are
+    matched to probes first in, first out; a burst of probes (reconnects in quick succession) with no chunk sent in
+    between counts once, not once per probe. Memory only: a restart starts the count again. Not thread-safe (the
+    agent calls it from its own thread).
+
+    Args:
+        limit: receipts listing one sent chunk at which :meth:`answered` reports it, >= 2.
+
+    Raises:
+        ValueError: ``limit`` below 2.
+    """
+
+    _MAX_PROBES = 64  # probes awaiting a receipt kept per transfer (the oldest are merged into the next)
+
+    def __init__(self, limit: int) -> None:
+        if int(limit) < 2:
+            raise ValueError(f"resend limit {limit} is below 2")
+        self.limit = int(limit)
+        self._counts: dict[str, dict[int, int]] = {}
+        self._unprobed: dict[str, set[int]] = {}  # chunks sent since the last probe
+        self._probes: dict[str, list[set[int]]] = {}  # per probe awaiting its receipt: the chunks sent before it
+
+    def sent(self, transfer_id: str, indices: Iterable[int]) -> None:
+        """Chunks ``indices`` of ``transfer_id`` are being published."""
+        self._unprobed.setdefault(transfer_id, set()).update(int(i) for i in indices)
+
+    def probed(self, transfer_id: str) -> None:
+        """A resume probe of ``transfer_id`` was published (the receiver answers it with a receipt)."""
+        probes = self._probes.setdefault(transfer_id, [])
+        probes.append(self._unprobed.pop(transfer_id, set()))
+        if len(probes) > self._MAX_PROBES:
+            oldest = probes.pop(0)
+            probes[0] |= oldest
+
+    def answered(self, transfer_id: str, missing: Iterable[int]) -> tuple[int, int] | None:
+        """A receipt of ``transfer_id`` lists ``missing``: each of them sent before the probe it answers counts.
+
+        Returns:
+            ``(index, receipts)`` of the most-counted chunk once some chunk reached ``limit``, else None.
+        """
+        probes = self._probes.get(transfer_id)
+        before = probes.pop(0) if probes else set()
+        counts = self._counts.setdefault(transfer_id, {})
+        for i in missing:
+            if i in before:
+                counts[i] = counts.get(i, 0) + 1
+        if not counts:
+            return None
+        index, n = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+        return (index, n) if n >= self.limit else None
+
+    def receipts(self, transfer_id: str, index: int) -> int:
+        """Receipts counted so far for chunk ``index`` of ``transfer_id``."""
+        return self._counts.get(transfer_id, {}).get(index, 0)
+
+    def forget(self, transfer_id: str) -> None:
+        """Drop what is kept about a finished or abandoned transfer."""
+        for table in (self._counts, self._unprobed, self._probes):
+            table.pop(transfer_id, None)

@@ -176,7 +176,7 @@ def test_forged_ack_does_not_drop_the_update(world) -> None:
                   base_model_hash="0" * 64, kind=MessageKind.ACK, sequence=1,
                   payload=encode_ack(Ack(round=1, accepted=True)))
     assert agent.handle_ack(forged.to_bytes()) is False and len(agent.outbox.pending()) == 1
-    sequence = Envelope.from_bytes(agent.outbox.pending()[0].payload).header.sequence
+    sequence = Envelope.from_bytes(agent.outbox.get(agent.outbox.pending()[0].message_id).payload).header.sequence
     # A genuine ACK of another upload (another sequence) for the same round does not drop this one.
     assert agent.handle_ack(coordinator.sealed_ack(1, sequence=sequence + 7).to_bytes()) is False
     assert agent.stats["rejected:stale_ack"] == 1 and len(agent.outbox.pending()) == 1
@@ -280,4 +280,49 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     expected = canonical_flatten(unflatten(grads.sum(axis=0), agent.backend.parameter_layout)) + 0.5
     np.testing.assert_allclose(total, expected, atol=2 / 2 ** 24 + 1e-6)
     assert agent._secagg is None and agent.stats["tasks_trained"] == 1
+    agent.close()
+
+
+def test_waiting_for_an_ack_with_max_rounds_reads_no_payload_per_message(world) -> None:
+    """Issue 16, item 12: with ``max_rounds`` set, the run loop asks after every message whether the outbox is
+    empty; that must not read the stored updates (a 40 MB update took 0.25 s per message). Counted two ways: the
+    SQL statements that select the payload column (SQLite's trace hook) and the outbox's own counter."""
+    import time
+
+    coordinator, make_agent = world
+    coordinator.ack = False  # the update stays pending until the test acknowledges it
+    agent, _ = make_agent()
+    payload_selects = []
+
+    def trace(sql: str) -> None:
+        words = sql.upper().split()
+        if words[:1] == ["SELECT"] and "PAYLOAD" in sql.upper().split("FROM")[0]:
+            payload_selects.append(sql)
+
+    agent.start()
+    coordinator.send(coordinator.task(1))
+    runner = threading.Thread(target=agent.run, kwargs={"max_rounds": 1, "idle_timeout_s": 60})
+    runner.start()
+    deadline = time.monotonic() + 60
+    while agent.stats["tasks_trained"] < 1 and time.monotonic() < deadline:  # trained: the update is pending
+        time.sleep(0.02)
+    assert agent.stats["tasks_trained"] == 1 and agent.outbox.count() == 1
+    agent.outbox._db.set_trace_callback(trace)
+    reads_before = agent.outbox.payload_reads
+    # Execute: 50 messages arrive while the update waits for its ACK (here: junk on the task topic)
+    for _ in range(50):
+        coordinator.send(b"junk")
+    while agent.stats["rejected:malformed"] < 50 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert agent.stats["rejected:malformed"] == 50
+    during_flood = len(payload_selects), agent.outbox.payload_reads - reads_before
+    # the ACK ends the run: reading the pending update once, to check the ACK's sequence, is allowed
+    sequence = coordinator.updates[0].header.sequence
+    coordinator.transport.publish(ack_topic(FED, SITE), coordinator.sealed_ack(1, sequence=sequence).to_bytes())
+    runner.join(timeout=30)
+    agent.outbox._db.set_trace_callback(None)
+    # Assert
+    assert not runner.is_alive() and agent.outbox.count() == 0
+    assert during_flood == (0, 0)
+    assert agent.outbox.payload_reads - reads_before == 1 and len(payload_selects) == 1
     agent.close()
