@@ -88,7 +88,11 @@ def role_username(username: str, role: str) -> str:
 
 def role_cert_paths(cert_file: str | os.PathLike[str], role: str) -> tuple[Path, Path]:
     """Where ``broker-config --client-certs`` puts the client certificate and key of ``role`` of the identity whose
-    certificate is ``cert_file``: ``<its folder>/roles/<role>/client.crt`` and ``client.key``."""
+    certificate is ``cert_file``: ``<its folder>/roles/<role>/client.crt`` and ``client.key``.
+
+    Raises:
+        ConfigError: a bad role name.
+    """
     folder = Path(cert_file).parent / "roles" / validate_role(role)
     return folder / "client.crt", folder / "client.key"
 
