@@ -46,7 +46,7 @@ def main() -> None:
 
     import torch
 
-    from coordinator.experiments.animal_mnist import fetch_animal_mnist
+    from wildfed_sim.animal_mnist import fetch_animal_mnist
     from edge_sdk.backends.torch_backend import TorchBackend
     from edge_sdk.data.camtrap_dp import LocalDataset
     from edge_sdk.privacy.ccdp import CCDPMechanism

@@ -30,7 +30,7 @@ from _timing import interleaved
 
 def _images(batch: int) -> tuple[np.ndarray, np.ndarray, str]:
     try:
-        from coordinator.experiments.animal_mnist import fetch_animal_mnist
+        from wildfed_sim.animal_mnist import fetch_animal_mnist
 
         data = fetch_animal_mnist()
         pick = np.random.default_rng(0).choice(len(data.labels), size=batch, replace=False)

@@ -26,18 +26,14 @@ Commands::
     wildfed-coordinator places list|lift                the web view's protected places; lift earned protection
                                                         (recorded; coordinator/web/places_cli.py)
     wildfed-coordinator serve [--host H] [--port P]    the rangers' web view (FastAPI; docs/web.md)
-    wildfed-coordinator demo ...                        the whole-federation demo (coordinator.experiments.demo)
-    wildfed-coordinator experiment privacy-utility ...  the seed's privacy-utility table on the demo federation
-    wildfed-coordinator experiment nira ...             FedAvg vs NIRA on the demo federation
-    wildfed-coordinator experiment fedsofim ...         DP-FedSOFIM vs DP-FedGD, frozen extractor, 20/100 clients
-    wildfed-coordinator experiment radiomap ...         radio maps: adaptive grouped noise vs the seed's defences
-    wildfed-coordinator clusters show|recluster|pin|check-metadata   NIRA's clusters (coordinator/cli_clusters.py)
-    wildfed-coordinator audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
-                                                        Steinke et al. 2023) beside the claimed epsilon per category
+    wildfed-coordinator clusters show|recluster|pin     NIRA's clusters (coordinator/cli_clusters.py)
 
-Every command but ``init``, ``demo``, ``experiment`` and ``audit`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or
+Every command but ``init`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or
 ``./coordinator.yaml``). User errors (:class:`shared.errors.WildFedError`) print one red line naming the file, field
 and fix, and exit with status 2.
+
+The laboratory's commands (the demo, the experiments, the privacy audit, the metadata checks) are ``wildfed``'s
+(wildfed_sim/cli.py): they run both sides on one machine, so they are not the operator's.
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shared.errors import ConfigError, WildFedError
-from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, save_private_key, save_public_key
 
 from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
@@ -537,216 +532,6 @@ def ingest_worker(config: Path = _config_option(),
 
 @app.command()
 @_friendly
-def demo(
-    sites: int | None = typer.Option(None, help="gateway sites, one process each (default: 8; 6 with --task "
-                                     "radiomap)"),
-    rounds: int = typer.Option(10, help="federated rounds"),
-    privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD at each gateway), global (secure "
-                                "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
-                                "(non-private reference)"),
-    gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
-    anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
-    anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
-    local_steps: int = typer.Option(10, help="DP-SGD steps per site per round"),
-    expected_batch_size: int = typer.Option(128, help="records per step in expectation (q = B / N_site)"),
-    learning_rate: float = typer.Option(0.5, help="local SGD step size"),
-    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),
-    target_delta: float = typer.Option(1e-5, help="delta of every category's guarantee"),
-    seed: int = typer.Option(0, help="data split, site design and model initialisation (noise stays random)"),
-    broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker (default: embedded amqtt)"),
-    out: Path | None = typer.Option(None, help="run folder (default runs/demo-<UTC time>)"),
-    centralised_epochs: int = typer.Option(0, help="also train on the pooled data for N epochs as a reference"),
-    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
-    pretrain_epochs: int = typer.Option(0, help="first pretrain the model (non-private) on the public split, the "
-                                        "training images no site holds, for N epochs (0: start from scratch)"),
-    strategy: str = typer.Option("fedavg", help="aggregation: fedavg, or nira (ecological clusters, shared phi, "
-                                 "one head per cluster)"),
-    recluster_every: int = typer.Option(0, help="nira: re-cluster from the sites' phi-updates every N rounds "
-                                        "(0: never)"),
-    embedding_merging: bool = typer.Option(True, "--embedding-merging/--no-embedding-merging",
-                                           help="nira: species-embedding merging (once per cluster and species, "
-                                           "aligned to the head; docs/nira.md)"),
-    task: str = typer.Option("camera", help="camera (camera traps, real images) or radiomap (base stations learn "
-                             "a radio map; uses --sites (default 6 then), --rounds, --seed, --broker, --out, "
-                             "--round-deadline-s, --defence, --city; docs/radiomap.md)"),
-    defence: str = typer.Option("adaptive", help="radiomap: none, clip-only, uniform, steered-uniform or adaptive"),
-    city: str = typer.Option("procedural", help="radiomap: procedural, or a sionna-rt scene (munich, florence, "
-                             "san_francisco, etoile; pip install --no-deps sionna-rt==2.2.0)"),
-) -> None:
-    """A whole federation on one machine, on real images: MQTT broker, coordinator and one gateway process per
-    site; prints accuracy and epsilon per IUCN category and writes report.json + report.png. With --task radiomap:
-    radio base stations learning a radio map with grouped-noise uploads."""
-    if task == "radiomap":
-        from coordinator.experiments.radio_demo import RadioDemoSettings, run_radio_demo
-
-        radio_settings = RadioDemoSettings(sites=6 if sites is None else sites, rounds=rounds, defence=defence,
-                                           city=city, seed=seed, broker=broker, out_dir=out,
-                                           round_deadline_s=round_deadline_s)
-        try:
-            run_radio_demo(radio_settings, console=console)
-        except KeyboardInterrupt:
-            err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped")
-            raise typer.Exit(code=130) from None
-        return
-    if task != "camera":
-        raise ConfigError(f"unknown task {task!r}", field="task", fix="use camera or radiomap")
-    from coordinator.experiments.demo import DemoSettings, run_demo
-
-    settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
-                            anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
-                            local_steps=local_steps, expected_batch_size=expected_batch_size,
-                            learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
-                            seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
-                            round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
-                            strategy=strategy, nira_recluster_every=recluster_every,
-                            nira_embedding_merging=embedding_merging)
-    try:
-        run_demo(settings, console=console)
-    except KeyboardInterrupt:
-        err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; the run folder keeps "
-                          "what was written so far")
-        raise typer.Exit(code=130) from None
-
-
-experiment_app = typer.Typer(name="experiment", help="Experiments on the demo federation (real images).",
-                             no_args_is_help=True, add_completion=False)
-app.add_typer(experiment_app, name="experiment")
-
-
-def _parse_seeds(text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise ConfigError(f"--seeds {text!r} is not a comma-separated list of integers", field="seeds",
-                          fix="e.g. --seeds 0,1,2") from None
-    return seeds
-
-
-@experiment_app.command("privacy-utility")
-@_friendly
-def privacy_utility(
-    seeds: str = typer.Option("0,1,2", help="comma-separated seeds; one full grid per seed"),
-    rounds: int = typer.Option(10, help="federated rounds per run"),
-    sites: int = typer.Option(8, help="gateway sites per run"),
-    pretrain_epochs: int = typer.Option(40, help="epochs of non-private pretraining on the public split; 0 = start "
-                                        "from scratch"),
-    public_per_class: int = typer.Option(100, help="class-balanced public split: this many training images of "
-                                         "every class, held out before the sites are designed (0: the training "
-                                         "images no site holds, not balanced)"),
-    out: Path | None = typer.Option(None, help="output folder (default runs/privacy-utility-<UTC time>)"),
-    local_steps: int = typer.Option(10, help="DP-SGD steps per site per round"),
-    expected_batch_size: int = typer.Option(128, help="records per step in expectation"),
-    learning_rate: float = typer.Option(0.02, help="local SGD step size (0.02: tuned on seed 7, see README)"),
-    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C"),
-    target_delta: float = typer.Option(1e-5, help="delta of every guarantee"),
-    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
-    pretrain_batch_size: int = typer.Option(64, help="batch size of pretraining"),
-    pretrain_learning_rate: float = typer.Option(0.1, help="SGD step size of pretraining"),
-    configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of none, "
-                                              "uniform-eps1, uniform-eps2, ccdp-gamma1, ccdp-gamma2 (default all)"),
-) -> None:
-    """The seed's privacy-utility table: no privacy, uniform DP eps 1 and 2, CCDP gamma 1 and 2 (VU = 1), each run
-    as the demo federation per seed; CR/EN, LC and overall accuracy and the epsilon spent for CR/EN and LC, mean ±
-    std over seeds. Writes privacy_utility.json, .md and .png."""
-    from coordinator.experiments.privacy_utility import CONFIGURATIONS, PrivacyUtilitySettings, run_privacy_utility
-
-    names = (tuple(c.strip() for c in configurations.split(",") if c.strip()) if configurations
-             else tuple(c.name for c in CONFIGURATIONS))
-    settings = PrivacyUtilitySettings(seeds=_parse_seeds(seeds), rounds=rounds, sites=sites,
-                                      pretrain_epochs=pretrain_epochs, pretrain_batch_size=pretrain_batch_size,
-                                      pretrain_learning_rate=pretrain_learning_rate, out_dir=out,
-                                      public_per_class=public_per_class, local_steps=local_steps,
-                                      expected_batch_size=expected_batch_size, learning_rate=learning_rate,
-                                      clipping_norm=clipping_norm, target_delta=target_delta,
-                                      round_deadline_s=round_deadline_s, configurations=names)
-    try:
-        run_privacy_utility(settings, console=console)
-    except KeyboardInterrupt:
-        err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; finished runs are kept")
-        raise typer.Exit(code=130) from None
-
-
-@experiment_app.command("nira")
-@_friendly
-def nira_experiment(
-    seeds: str = typer.Option("0,1,2", help="comma-separated seeds; one full grid per seed"),
-    rounds: int = typer.Option(10, help="federated rounds per run"),
-    sites: int = typer.Option(8, help="gateway sites per run"),
-    local_steps: int = typer.Option(10, help="local (DP-)SGD steps per site per round"),
-    expected_batch_size: int = typer.Option(128, help="records per step in expectation"),
-    learning_rate: float = typer.Option(0.5, help="local SGD step size"),
-    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C"),
-    target_delta: float = typer.Option(1e-5, help="delta of every guarantee"),
-    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
-    recluster_every: int = typer.Option(3, help="R: NIRA re-clusters every R rounds (in the configurations "
-                                        "with re-clustering)"),
-    distance_threshold: float | None = typer.Option(None, help="NIRA's Jaccard-distance cut of the species "
-                                                    "lists (default 0.7)"),
-    configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of fedavg, "
-                                              "nira, nira-no-recluster, nira-no-merging, nira-plain (default: all "
-                                              "but nira-plain)"),
-    privacy: str = typer.Option("none,ccdp", help="comma-separated subset of none, ccdp (CCDP gamma 1, VU = 1)"),
-    broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker that no other demo uses "
-                                      "(default: an embedded amqtt broker per run)"),
-    out: Path | None = typer.Option(None, help="output folder (default runs/nira-<UTC time>)"),
-) -> None:
-    """FedAvg vs NIRA (with and without re-clustering, with and without embedding merging), each without privacy
-    and with CCDP gamma 1, on the demo's ecological Animal-MNIST federation; macro, per-site (mean, worst decile)
-    and rare-species accuracy, mean ± std over seeds. Writes nira.json, .md and .png."""
-    from coordinator.experiments.nira import DEFAULT_CONFIGURATIONS, NiraSettings, run_nira_experiment
-
-    names = (tuple(c.strip() for c in configurations.split(",") if c.strip()) if configurations
-             else DEFAULT_CONFIGURATIONS)
-    settings = NiraSettings(seeds=_parse_seeds(seeds), rounds=rounds, sites=sites, local_steps=local_steps,
-                            expected_batch_size=expected_batch_size, learning_rate=learning_rate,
-                            clipping_norm=clipping_norm, target_delta=target_delta,
-                            round_deadline_s=round_deadline_s, recluster_every=recluster_every,
-                            distance_threshold=distance_threshold, broker=broker, out_dir=out,
-                            configurations=names,
-                            privacy=tuple(p.strip() for p in privacy.split(",") if p.strip()))
-    try:
-        run_nira_experiment(settings, console=console)
-    except KeyboardInterrupt:
-        err_console.print("[bold yellow]interrupted:[/] broker and gateway processes stopped; finished runs are kept")
-        raise typer.Exit(code=130) from None
-
-
-@experiment_app.command("fedsofim", add_help_option=False,
-                        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def fedsofim(ctx: typer.Context) -> None:
-    """DP-FedSOFIM vs DP-FedGD on a frozen, publicly pretrained feature extractor (issue 6): 20 and 100 clients,
-    eps 0.5-10, 3 seeds; writes fedsofim.json, .md and .png (options: --help)."""
-    # The experiment runs gateway-side DP code in-process (edge_sdk); it is imported only when this command runs,
-    # so the coordinator CLI itself never imports edge_sdk.
-    from coordinator.experiments.fedsofim import fedsofim_command
-
-    _run_inner_command(ctx, fedsofim_command, "wildfed-coordinator experiment fedsofim")
-
-
-def _run_inner_command(ctx: typer.Context, command: Any, prog_name: str) -> None:
-    """Run a lazily imported command function with the outer command's raw arguments (so its module, which may
-    import edge_sdk, loads only when the command runs); a non-zero exit code is passed on."""
-    inner = typer.Typer(add_completion=False)
-    inner.command()(_friendly(command))
-    code = typer.main.get_command(inner).main(args=list(ctx.args), prog_name=prog_name, standalone_mode=False)
-    if isinstance(code, int) and code != 0:
-        raise typer.Exit(code=code)
-
-
-@experiment_app.command("radiomap", add_help_option=False,
-                        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def radiomap(ctx: typer.Context) -> None:
-    """Federated RadioUNet radio maps with adaptive grouped noise (issue 7): 14 base-station sites, 6 per round,
-    50 rounds, 5 defences, 3 seeds; attacker localisation RMSE (m) and validation MSE (dB); writes radiomap.json,
-    .md and .png (options: --help)."""
-    # Runs gateway-side code (edge_sdk: the mechanism and allocator) in-process; imported only here.
-    from coordinator.experiments.radiomap import radiomap_command
-
-    _run_inner_command(ctx, radiomap_command, "wildfed-coordinator experiment radiomap")
-
-
-@app.command()
-@_friendly
 def provision(
     site_id: str = typer.Argument(..., help="the new site's id (letters, digits, _.-)"),
     profile: str = typer.Option(..., "--profile", "-p", help="gateway profile name (firmware_configs/) or path"),
@@ -801,106 +586,6 @@ def provision(
                           "address; pass --broker-url mqtt://<broker host>:1883 for a gateway in the field")
     console.print(escape(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix "
                          f"/opt/wildfed --coordinator-fingerprint {result.coordinator_fingerprint[:32]}"))
-
-
-@app.command()
-@_friendly
-def audit(
-    out: Path | None = typer.Option(None, help="output folder for audit.json and canaries.csv (default "
-                                    "runs/audit-<UTC time>; must be new or empty)"),
-    canaries_per_category: int = typer.Option(100, help="canary records added per audited IUCN category (m)"),
-    categories: str = typer.Option(",".join(c.value for c in IUCNCategory),
-                                   help="comma-separated IUCN categories to audit"),
-    site_records: int = typer.Option(500, help="real Animal-MNIST training images at the audited site"),
-    rounds: int = typer.Option(5, help="rounds (also the planned rounds the noise is calibrated for)"),
-    local_steps: int = typer.Option(10, help="DP-SGD steps per round"),
-    expected_batch_size: int = typer.Option(128, help="records per step in expectation (q = B / N_active)"),
-    learning_rate: float = typer.Option(0.5, help="local SGD step size"),
-    clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C (an 'in' canary's gradient has norm C)"),
-    target_delta: float = typer.Option(1e-5, help="delta of the claims and of the lower bounds"),
-    gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
-    anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
-    anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category"),
-    guess_fraction: float = typer.Option(0.6, help="share of each category's canaries guessed (half in, half out; "
-                                         "fixed in advance, no search)"),
-    confidence: float = typer.Option(0.95, help="confidence 1 - beta of the lower bound"),
-    accountant: str = typer.Option("rdp", help="accountant of the claimed epsilon: rdp or pld"),
-    break_noise: bool = typer.Option(False, "--break-noise", help="DIAGNOSTIC ONLY: silence the mechanism's "
-                                     "Gaussian noise, to show the audit detects a broken mechanism"),
-    seed: int | None = typer.Option(None, help="seed canaries, sampling and noise for a reproducible run (no "
-                                    "privacy guarantee then; default: secure randomness)"),
-    threads: int | None = typer.Option(None, help="torch threads"),
-) -> None:
-    """Empirical privacy audit (one run, Steinke et al. 2023): canaries per IUCN category in one site, the gateway's
-    own CCDP training, and an epsilon lower bound from a membership test, beside the claimed epsilon. Exit status 1
-    when a lower bound exceeds its claim on the real mechanism (a privacy bug, or a beta-probability fluke)."""
-    from coordinator.experiments.audit import AuditSettings, load_audit_site, run_audit
-    from coordinator.experiments.demo import new_run_dir
-    from shared.iucn import CCDPBudget, parse_category
-
-    if not 0 < confidence < 1:
-        raise ConfigError(f"--confidence must be in (0, 1), got {confidence}", field="confidence", fix="e.g. 0.95")
-    cats = tuple(parse_category(c, field="categories") for c in categories.split(",") if c.strip())
-    settings = AuditSettings(
-        canaries_per_category=canaries_per_category, categories=cats,
-        budget=CCDPBudget.from_anchor(anchor_category, anchor_epsilon, gamma), rounds=rounds,
-        local_steps=local_steps, expected_batch_size=expected_batch_size, learning_rate=learning_rate,
-        clipping_norm=clipping_norm, target_delta=target_delta, guess_fraction=guess_fraction,
-        beta=1.0 - confidence, accountant=accountant, break_noise=break_noise, seed=seed)  # type: ignore[arg-type]
-    if isinstance(site_records, bool) or site_records < 1:
-        raise ConfigError(f"--site-records must be >= 1, got {site_records}", field="site-records",
-                          fix="e.g. --site-records 500")
-    run_dir = new_run_dir(out, "audit")
-    with console.status("loading Animal-MNIST for the audited site"):
-        images, labels, ranks = load_audit_site(site_records, seed=seed)
-    with console.status(f"training {rounds} round(s) x {local_steps} step(s) with "
-                        f"{canaries_per_category * len(settings.categories)} canaries"
-                        + (" [bold red](noise OFF)[/]" if break_noise else "")):
-        result = run_audit(settings, images=images, labels=labels, categories=ranks, threads=threads)
-    (run_dir / "audit.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-    with (run_dir / "canaries.csv").open("w", encoding="utf-8") as fh:
-        fh.write("category,coordinate,included,score\n")
-        for rank, coord, inc, score in zip(result.design.categories, result.design.coordinates,
-                                           result.design.included, result.scores):
-            fh.write(f"{[c for c in IUCNCategory if c.rank == int(rank)][0].value},{int(coord)},{int(bool(inc))},"
-                     f"{float(score)!r}\n")
-
-    level = f"{confidence:.0%}"
-    table = Table(title=f"empirical privacy audit ({'NOISE OFF, diagnostic' if break_noise else 'real mechanism'}; "
-                        f"delta={target_delta:g}, q={result.sampling_rate:.4g}, "
-                        f"{rounds * local_steps} steps, N_active={result.num_active})",
-                  caption=f"m canaries (in: secretly included), r guesses, v correct; z: noise multiplier; ceiling: "
-                          "the bound if all r guesses were right (no larger epsilon can be detected). Lower "
-                          f"bound: Steinke, Nasr & Jagielski 2023, Thm 3.1, at {level} confidence: a lower bound, not "
-                          f"a proof of privacy. Claimed: the ledger's epsilon for the steps run ({accountant}).")
-    for col in ("cat.", "m", "in", "r", "v", "z", "claimed ε", f"ε lower bound ({level})", "ceiling", "verdict"):
-        table.add_column(col, justify="left" if col in ("cat.", "verdict") else "right")
-    for row in result.rows:
-        if row.exceeds_claim:
-            verdict = "[bold red]EXCEEDS[/]"
-        elif row.ceiling < row.claimed_epsilon:
-            verdict = "[yellow]inconclusive[/] (ceiling < claim)"
-        else:
-            verdict = "[green]ok[/]"
-        table.add_row(row.category.value, str(row.canaries), str(row.included), str(row.guesses), str(row.correct),
-                      f"{row.noise_multiplier:.3f}", f"{row.claimed_epsilon:.4f}", f"{row.lower_bound:.4f}",
-                      f"{row.ceiling:.2f}", verdict)
-    console.print(table)
-    console.print(escape(f"written {run_dir / 'audit.json'} and {run_dir / 'canaries.csv'} "
-                         f"({result.wall_seconds:.1f} s)"))
-    exceeded = [r.category.value for r in result.rows if r.exceeds_claim]
-    if break_noise:
-        if len(exceeded) == len(result.rows):
-            console.print("[green]noise off: the audit detects the broken mechanism in every category[/]")
-        else:
-            console.print(f"[yellow]noise off, yet no detection for "
-                          f"{[r.category.value for r in result.rows if not r.exceeds_claim]}: the audit lacks power "
-                          "here (more canaries, steps or a larger --guess-fraction)[/]")
-    elif exceeded:
-        err_console.print(f"[bold red]privacy audit: the lower bound exceeds the claimed epsilon for {exceeded}: "
-                          "investigate the mechanism (or rerun: this happens by chance with probability <= "
-                          f"{1 - confidence:.2g} per category)[/]")
-        raise typer.Exit(code=1)
 
 
 from coordinator.cli_clusters import clusters_app  # noqa: E402 - registered last: it reuses this module's helpers

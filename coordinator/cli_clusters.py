@@ -5,16 +5,14 @@
     wildfed-coordinator clusters show [--heatmap FILE]   clusters, members, mean Jaccard, recent changes
     wildfed-coordinator clusters recluster               re-cluster from the species lists before the next round
     wildfed-coordinator clusters pin SITE CLUSTER        keep SITE in CLUSTER (applied at the next round)
-    wildfed-coordinator clusters check-metadata          cluster the real Wildlife Insights / Snapshot Serengeti
-                                                         deployments (../shared/data) and compare with projects
 
-All but ``check-metadata`` read ``--config`` and need ``strategy: {kind: nira}`` in it. They work on the database
-alone, so they can run while the coordinator runs; requests take effect before its next round.
+They read ``--config`` and need ``strategy: {kind: nira}`` in it. They work on the database
+alone, so they can run while the coordinator runs; requests take effect before its next round. (Clustering the
+real public metadata of ../shared/data is lab work: ``wildfed clusters check-metadata``, wildfed_sim/cli.py.)
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -139,49 +137,3 @@ def pin(site: str = typer.Argument(..., help="enrolled site id"),
         store.dispose()
 
     body()
-
-
-def _sizes(sizes: object) -> str:
-    """Cluster sizes, largest first (a dict label -> size or a list), at most 12 shown."""
-    values = sorted((sizes.values() if isinstance(sizes, dict) else list(sizes or [])), reverse=True)
-    return ", ".join(str(v) for v in values[:12]) + (f", ... ({len(values)} clusters)" if len(values) > 12 else "")
-
-
-@clusters_app.command("check-metadata")
-def check_metadata(data: Path = typer.Option(None, help="folder holding wildlife-insights/ and snapshot-serengeti/ "
-                                             "(default: ../shared/data of the repository)"),
-                   out: Path | None = typer.Option(None, help="also write metadata_checks.json and heatmaps here")
-                   ) -> None:
-    """Cluster the real deployments of ../shared/data from their species lists: Wildlife Insights (38 deployments,
-    two projects: how the clusters line up with them) and Snapshot Serengeti (223 locations: the Jaccard spread).
-    Exit status 2 when neither dataset is found."""
-    from coordinator.experiments.nira_metadata import DEFAULT_DATA_ROOT, run_metadata_checks
-
-    result = run_metadata_checks(data if data is not None else DEFAULT_DATA_ROOT, out_dir=out)
-    for name, report in result.items():
-        if "skipped" in report:
-            skipped = f"{name}: skipped: {report['skipped']}"
-            console.print(f"[yellow]{escape(skipped)}[/]")
-            continue
-        j = report["jaccard"]
-        units = report.get("num_deployments", report.get("num_locations"))
-        console.print(f"[bold]{escape(name)}[/]: " + escape(
-            f"{units} sites, pairwise Jaccard min {j['min']:.3f}, median {j['median']:.3f}, max {j['max']:.3f}; "
-            f"sensitive species left out: {', '.join(report.get('removed_sensitive') or []) or 'none'}"))
-        cuts = report.get("cuts") or [{k: report[k] for k in ("cut", "num_clusters", "cluster_sizes") if k in report}]
-        table = Table(title=escape(f"{name}: clusters"))
-        for col in ("cut", "clusters", "sizes", "purity", "ARI"):
-            table.add_column(col)
-        for c in cuts:
-            table.add_row(escape(json.dumps(c.get("cut"))), str(c.get("num_clusters")),
-                          _sizes(c.get("cluster_sizes")),
-                          "-" if c.get("purity") is None else f"{c['purity']:.3f}",
-                          "-" if c.get("adjusted_rand_index") is None else f"{c['adjusted_rand_index']:.3f}")
-        console.print(table)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metadata_checks.json").write_text(json.dumps(result, indent=2, default=str) + "\n",
-                                                  encoding="utf-8")
-        console.print(escape(f"written {out / 'metadata_checks.json'} (every number, the clusters and the heatmaps)"))
-    if all("skipped" in r for r in result.values()):
-        raise typer.Exit(code=2)

@@ -80,7 +80,7 @@ ProtectSystem=full
 WantedBy=multi-user.target
 """
 
-_SOURCE_ITEMS = ("pyproject.toml", "README.md", "shared", "edge_sdk", "coordinator")
+_SOURCE_ITEMS = ("pyproject.toml", "README.md", "shared", "edge_sdk", "coordinator", "wildfed_sim")
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,9 @@ def _source_digest(root: Path) -> str:
 def build_sdk_wheel(cache_dir: Path, *, source_root: Path | None = None) -> Path:
     """Build (or reuse) the WildFed wheel from the project source.
 
-    The source (``pyproject.toml``, ``README.md``, ``shared/``, ``edge_sdk/``, ``coordinator/``) is copied to a
-    temporary folder so the checkout is not touched, and built with ``pip wheel --no-deps --no-build-isolation``
+    The source (``pyproject.toml``, ``README.md``, ``shared/``, ``edge_sdk/``, ``coordinator/``, ``wildfed_sim/``:
+    the four Python packages, so that every entry point of the wheel imports) is copied to a temporary
+    folder so the checkout is not touched, and built with ``pip wheel --no-deps --no-build-isolation``
     (no network: the build backend, setuptools, must be installed). The result is cached under
     ``cache_dir/<source hash>/``.
 

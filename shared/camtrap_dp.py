@@ -1,6 +1,6 @@
 """Camtrap DP 1.0 (TDWG 2023, https://camtrap-dp.tdwg.org): the table columns and schema addresses, written once
 for every writer of the project (the gateway's detection output, edge_sdk.inference.formats; the demo's site
-packages, coordinator.experiments.camtrap_writer; the web view's export, coordinator.web.formats).
+packages, wildfed_sim.camtrap_writer; the web view's export, coordinator.web.formats).
 
 Column names are the field names of the standard's table schemas, in schema order (version 1.0.2, whose fields
 equal those of 1.0).

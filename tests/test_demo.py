@@ -15,7 +15,7 @@ import dp_accounting
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.cli import app
+from wildfed_sim.cli import app
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_radio_demo_small_federation(tmp_path):
     # Two base-station gateway processes, one round, the adaptive defence at z = 3, phi = 0.5: each site's one
     # upload is the Gaussian mechanism with sensitivity 2C and std sqrt(phi) z C, i.e. noise multiplier
     # sqrt(0.5) * 3 / 2, composed here with dp-accounting directly.
-    from coordinator.experiments.radio_demo import RadioDemoSettings, run_radio_demo
+    from wildfed_sim.radio_demo import RadioDemoSettings, run_radio_demo
 
     settings = RadioDemoSettings(sites=2, rounds=1, maps_per_site=4, pretrain_epochs=0, out_dir=tmp_path / "run")
     result = run_radio_demo(settings)

@@ -138,7 +138,7 @@ def jaccard(a: Iterable[str], b: Iterable[str]) -> float:
     """Jaccard similarity ``|A n B| / |A u B|`` of two species lists (Jaccard 1901), in [0, 1].
 
     ``J(empty, empty)`` is defined as 0.0: two sites with no public species give no evidence of being alike, and
-    clustering them together would hand them one head on no grounds. (``coordinator.experiments.ecology.jaccard``,
+    clustering them together would hand them one head on no grounds. (``wildfed_sim.ecology.jaccard``,
     which describes synthetic designs rather than clustering, uses 1.0 there.) A site's similarity to itself is
     still 1 on the diagonal of :func:`jaccard_matrix`.
     """

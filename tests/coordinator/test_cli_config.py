@@ -91,14 +91,6 @@ def test_cli_missing_config_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "config file not found" in r.output
 
 
-def test_demo_rejects_bad_settings_with_a_clear_error(tmp_path):
-    r = runner.invoke(app, ["demo", "--sites", "1", "--out", str(tmp_path / "run")])
-    assert r.exit_code == 2 and "sites must be >= 2" in r.output
-    r = runner.invoke(app, ["demo", "--privacy", "laplace", "--out", str(tmp_path / "run")])
-    assert r.exit_code == 2 and "privacy" in r.output
-    assert not (tmp_path / "run").exists()  # nothing written for a rejected configuration
-
-
 def test_enrol_warns_when_public_metadata_lists_a_cr_or_en_species(tmp_path):
     assert runner.invoke(app, ["init", str(tmp_path), "--federation-id", "fed"]).exit_code == 0
     cfg = tmp_path / "coordinator.yaml"

@@ -1,6 +1,6 @@
 """Privacy-utility on real images: the seed's table, measured on the demo federation.
 
-``wildfed-coordinator experiment privacy-utility`` runs the demo federation (:func:`coordinator.experiments.demo.
+``wildfed experiment privacy-utility`` runs the demo federation (:func:`wildfed_sim.demo.
 run_demo`: embedded broker, one gateway process per site, Camtrap DP packages, the ledger) once per configuration
 and seed, on the same sites and the same held-out split for every configuration of a seed:
 
@@ -17,7 +17,7 @@ the epsilon actually spent (ledger, RDP composition of every step) for CR/EN -- 
 each the largest over sites -- and for LC. Mean and sample standard deviation over seeds.
 
 Public pretraining (DP transfer learning): with ``public_per_class = N > 0`` (default 100),
-:func:`~coordinator.experiments.demo.design_sites_with_public_split` first reserves N training images of every class
+:func:`~wildfed_sim.demo.design_sites_with_public_split` first reserves N training images of every class
 (1,000 of the 8,000 at N=100; drawn by the seed, from the training split only, so disjoint from the 2,000-image
 held-out test split) and designs the sites on the other 7,000; no site holds a public image (the sites keep the
 default design's sizes, 20 to 2,400, 4,373 images in all at K=8). With ``pretrain_epochs > 0`` the camera CNN (phi
@@ -107,7 +107,7 @@ def expected_budgets(config: Configuration) -> dict[str, float] | None:
 
 @dataclass(frozen=True)
 class PrivacyUtilitySettings:
-    """Knobs of the experiment (CLI flags of ``wildfed-coordinator experiment privacy-utility``).
+    """Knobs of the experiment (CLI flags of ``wildfed experiment privacy-utility``).
 
     ``seeds``: one full grid per seed (data split, site design, initialisation; privacy noise stays random).
     ``pretrain_epochs``: epochs on the public split (0 = from scratch), with SGD at ``pretrain_batch_size`` and
@@ -115,7 +115,7 @@ class PrivacyUtilitySettings:
     images no site holds). Defaults are the tuned protocol of the module docstring (the CLI has the same defaults).
     ``configurations``: names from
     :data:`CONFIGURATIONS` (default all). The rest is passed to every demo run (see
-    :class:`~coordinator.experiments.demo.DemoSettings`).
+    :class:`~wildfed_sim.demo.DemoSettings`).
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -264,9 +264,9 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
     """Pretrain on the public split of ``seed`` (the same split and sites run_demo will build) and save."""
     import numpy as np
 
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
-    from coordinator.experiments.demo import design_sites_with_public_split, pretrain_on_public_split, save_weights
-    from coordinator.experiments.evaluation import evaluate
+    from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
+    from wildfed_sim.demo import design_sites_with_public_split, pretrain_on_public_split, save_weights
+    from wildfed_sim.evaluation import evaluate
 
     data = fetch_animal_mnist()
     train, test = split_holdout(data, 0.2, seed=seed)
@@ -297,7 +297,7 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     from rich.console import Console
     from rich.table import Table
 
-    from coordinator.experiments.demo import DemoSettings, new_run_dir, run_demo
+    from wildfed_sim.demo import DemoSettings, new_run_dir, run_demo
 
     console = console or Console()
     t0 = time.monotonic()

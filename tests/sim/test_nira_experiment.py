@@ -1,4 +1,4 @@
-"""``wildfed-coordinator experiment nira``: FedAvg vs NIRA on the demo federation (issue 5).
+"""``wildfed experiment nira``: FedAvg vs NIRA on the demo federation (issue 5).
 
 Fast tests: the per-site evaluation against hand-computed accuracies (a fake model whose predictions are fixed),
 the summary and table on hand-made rows (means, sample stds, worst decile and paired differences worked out here),
@@ -16,9 +16,9 @@ import pytest
 
 from shared.errors import ConfigError
 
-from coordinator.experiments.demo import DemoSettings
-from coordinator.experiments.evaluation import (evaluate_sites, rare_species, summarise_sites, worst_decile)
-from coordinator.experiments.nira import NiraSettings, markdown_table, summarise
+from wildfed_sim.demo import DemoSettings
+from wildfed_sim.evaluation import (evaluate_sites, rare_species, summarise_sites, worst_decile)
+from wildfed_sim.nira import NiraSettings, markdown_table, summarise
 
 # ------------------------------------------------------------------------------------------ per-site evaluation
 LABELS = np.array([0, 0, 0, 0, 1, 1, 2, 2, 2, 2])
@@ -181,7 +181,7 @@ def test_nira_settings_reject_bad_values(kwargs, field):
 def test_tiny_grid_writes_json_table_and_plot(tmp_path):
     from rich.console import Console
 
-    from coordinator.experiments.nira import run_nira_experiment
+    from wildfed_sim.nira import run_nira_experiment
 
     settings = NiraSettings(seeds=(0,), rounds=2, sites=3, local_steps=2, expected_batch_size=32,
                             recluster_every=1, configurations=("fedavg", "nira"), privacy=("none",),

@@ -4,7 +4,7 @@ Production and the integration tests use Mosquitto; amqtt is 3-5x slower per lar
 checked") but needs nothing installed beyond the ``demo`` extra. It listens on 127.0.0.1 only, allows anonymous
 clients (nothing but this machine can reach it) and has the ``$SYS`` plugin off.
 
-Run standalone: ``python -m coordinator.experiments.embedded_broker --port 18830``.
+Run standalone: ``python -m wildfed_sim.embedded_broker --port 18830``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def embedded_broker(port: int | None = None, *, log_path: str | os.PathLike[str]
                           "mqtt://host:port to use a running broker such as Mosquitto")
     port = port or free_port()
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.experiments.embedded_broker", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "wildfed_sim.embedded_broker", "--port", str(port)],
                             stdout=log, stderr=log)
     try:
         wait_for_port("127.0.0.1", port)
@@ -97,7 +97,7 @@ def embedded_broker(port: int | None = None, *, log_path: str | os.PathLike[str]
 
 
 def main() -> None:
-    """Entry point of ``python -m coordinator.experiments.embedded_broker``."""
+    """Entry point of ``python -m wildfed_sim.embedded_broker``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=1883)
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""The DP-FedSOFIM vs DP-FedGD experiment (coordinator/experiments/fedsofim.py).
+"""The DP-FedSOFIM vs DP-FedGD experiment (wildfed_sim/fedsofim.py).
 
 Fast tests: the linear head's per-example gradients against torch autograd, the clip + noise path against a hand
 computation (noise replaced by an injected constant source: unit tests only), the server's pseudo-gradient, and the
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.experiments import fedsofim as fs
+from wildfed_sim import fedsofim as fs
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.storage import Store
@@ -194,7 +194,7 @@ def test_command_end_to_end_tiny(tmp_path):
 def test_the_cli_command_is_registered_and_refuses_bad_options():
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from wildfed_sim.cli import app
 
     runner = CliRunner()
     shown = runner.invoke(app, ["experiment", "fedsofim", "--help"])

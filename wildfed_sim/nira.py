@@ -1,6 +1,6 @@
 """NIRA vs FedAvg on real images (issue 5, "Experiment (real images)").
 
-``wildfed-coordinator experiment nira`` runs the demo federation (:func:`coordinator.experiments.demo.run_demo`:
+``wildfed experiment nira`` runs the demo federation (:func:`wildfed_sim.demo.run_demo`:
 one gateway process per site, Camtrap DP packages, MQTT, the ledger) once per configuration, privacy setting and
 seed, on the same sites and held-out split for every configuration of a seed (the split, the site design and the
 model initialisation follow the seed; privacy noise is never seeded):
@@ -16,7 +16,7 @@ model initialisation follow the seed; privacy noise is never seeded):
 
 Privacy: ``none`` (non-private reference) and ``ccdp`` (CCDP gamma 1, anchor VU = 1).
 
-Metrics, from each run's per-site evaluation (:func:`coordinator.experiments.evaluation.evaluate_sites`): every
+Metrics, from each run's per-site evaluation (:func:`wildfed_sim.evaluation.evaluate_sites`): every
 site's model (FedAvg: the global model; NIRA: shared phi + the head of the site's cluster) on the held-out test
 images of the classes that site holds (its full species table, CR/EN included):
 
@@ -89,12 +89,12 @@ METRICS = ("macro", "site_mean", "site_worst_decile", "rare", "novel", "eps_cr_e
 
 @dataclass(frozen=True)
 class NiraSettings:
-    """Knobs of the experiment (CLI flags of ``wildfed-coordinator experiment nira``).
+    """Knobs of the experiment (CLI flags of ``wildfed experiment nira``).
 
     ``seeds``: one grid per seed. ``configurations``: names from :data:`CONFIGURATIONS`; ``privacy``: keys of
     :data:`PRIVACY`. ``recluster_every``: R of the re-clustering configurations. ``distance_threshold``: NIRA's
     species-list cut (None = 0.7). ``broker``: ``mqtt://host:port`` or None (embedded broker per run). The rest
-    goes to every demo run (:class:`~coordinator.experiments.demo.DemoSettings`).
+    goes to every demo run (:class:`~wildfed_sim.demo.DemoSettings`).
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -305,7 +305,7 @@ def run_nira_experiment(settings: NiraSettings, console: Any = None) -> NiraResu
     from rich.console import Console
     from rich.table import Table
 
-    from coordinator.experiments.demo import DemoSettings, new_run_dir, run_demo
+    from wildfed_sim.demo import DemoSettings, new_run_dir, run_demo
 
     console = console or Console()
     t0 = time.monotonic()

@@ -99,7 +99,7 @@ def write_camtrap_dp(
         start_time: timezone-aware deployment start; the deployment ends ``site.monitoring_months`` months
             (30.4375 days each) later.
         species_table: class -> scientific name table (default: the demo's
-            :data:`~coordinator.experiments.animal_mnist.SPECIES_TABLE`).
+            :data:`~wildfed_sim.animal_mnist.SPECIES_TABLE`).
         source_indices: int array, shape (N,): each image's index in the published dataset; recorded in
             ``observationTags`` as ``sourceIndex:<i>`` for traceability. Default ``0..N-1``.
         seed: seeds the image timestamps (independent uniform draws over the deployment, to the second); the

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from coordinator.experiments import camtrap_writer
-from coordinator.experiments.animal_mnist import SPECIES_TABLE
-from coordinator.experiments.camtrap_writer import CamtrapWriteError, write_camtrap_dp
-from coordinator.experiments.ecology import SiteSpec
+from wildfed_sim import camtrap_writer
+from wildfed_sim.animal_mnist import SPECIES_TABLE
+from wildfed_sim.camtrap_writer import CamtrapWriteError, write_camtrap_dp
+from wildfed_sim.ecology import SiteSpec
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "camtrap-dp-example"
 START = datetime(2024, 3, 1, 6, 30, tzinfo=timezone.utc)

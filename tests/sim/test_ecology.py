@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from coordinator.experiments.animal_mnist import CLASS_NAMES
-from coordinator.experiments.ecology import (
+from wildfed_sim.animal_mnist import CLASS_NAMES
+from wildfed_sim.ecology import (
     BIOMES,
     SENSITIVE_CLASSES,
     SiteDesignError,

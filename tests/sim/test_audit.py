@@ -1,4 +1,4 @@
-"""The empirical privacy audit (coordinator.experiments.audit, ``wildfed-coordinator audit``): the one-run bound against closed
+"""The empirical privacy audit (wildfed_sim.audit, ``wildfed audit``): the one-run bound against closed
 forms and a hand-worked case, detection of a mechanism with its noise off, no bound above the claim for the real
 mechanism, and clear CLI errors.
 
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from shared.iucn import CCDPBudget, IUCNCategory
 
-from coordinator.experiments.audit import (
+from wildfed_sim.audit import (
     AuditSettings,
     epsilon_lower_bound,
     guess_sizes,
@@ -25,7 +25,7 @@ from coordinator.experiments.audit import (
     one_run_p_value,
     run_audit,
 )
-from coordinator.cli import app
+from wildfed_sim.cli import app
 
 runner = CliRunner()
 DELTA = 1e-5
@@ -89,7 +89,7 @@ def test_guesses_take_the_extremes_and_abstain_in_between():
 # ------------------------------------------------------------------------------------------- the audits
 def synthetic_site(n: int, seed: int = 0):
     """n 28x28 records: a class-dependent bright square on noise, classes 0-9, categories from the demo table."""
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n).astype(np.int64)

@@ -1,6 +1,6 @@
 """The main job: a whole WildFed federation on one machine, on real images.
 
-``wildfed-coordinator demo`` (README's first command) runs, as separate processes:
+``wildfed demo`` (README's first command) runs, as separate processes:
 
 - an MQTT broker: the embedded amqtt broker on a free loopback port, unless ``--broker mqtt://host:port`` names one;
 - N gateway agents (``python -m edge_sdk.cli run``), one per site, each reading its own Camtrap DP package through
@@ -8,8 +8,8 @@
 - the coordinator (this process): registry, signed tasks, ingest, privacy ledger, streaming FedAvg.
 
 Data: Animal-MNIST (``animal-mnist==0.4``, 10,000 real 28x28 silhouettes, 10 classes), fetched and verified by
-:mod:`coordinator.experiments.animal_mnist`; a stratified held-out test split stays at the coordinator; the rest is
-partitioned into sites by the ecological design of :mod:`coordinator.experiments.ecology` (docs/demo-data.md) and
+:mod:`wildfed_sim.animal_mnist`; a stratified held-out test split stays at the coordinator; the rest is
+partitioned into sites by the ecological design of :mod:`wildfed_sim.ecology` (docs/demo-data.md) and
 written as one Camtrap DP package per site.
 
 Output (in the run folder): ``report.json`` (settings, per-round accuracy and epsilon, final table), ``report.png``
@@ -48,7 +48,7 @@ __all__ = ["DemoSettings", "DemoResult", "run_demo", "public_split_indices", "ba
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Knobs of the demo (CLI flags of ``wildfed-coordinator demo``).
+    """Knobs of the demo (CLI flags of ``wildfed demo``).
 
     Attributes:
         sites: number of gateway sites K (>= 2). rounds: federated rounds (>= 1).
@@ -79,7 +79,7 @@ class DemoSettings:
             (:func:`design_sites_with_public_split`; this changes the sites a little), and pretrain on it.
         strategy: ``"fedavg"`` (one global model) or ``"nira"`` (ecological clusters from the sites' public
             species lists, shared phi, one head per cluster: coordinator/strategies/nira.py). Both are evaluated
-            per site (:func:`~coordinator.experiments.evaluation.evaluate_sites`).
+            per site (:func:`~wildfed_sim.evaluation.evaluate_sites`).
         nira_recluster_every: NIRA re-clusters from the sites' phi-updates every this many rounds (0 = never).
         nira_embedding_merging: NIRA species-embedding merging on/off.
         nira_distance_threshold: NIRA's Jaccard-distance cut of the species-list dendrogram (None = 0.7).
@@ -201,9 +201,9 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
     Returns:
         (site specs, train split, held-out test split, design summary).
     """
-    from coordinator.experiments.animal_mnist import fetch_animal_mnist, split_holdout
-    from coordinator.experiments.camtrap_writer import write_camtrap_dp
-    from coordinator.experiments.ecology import summarize_design
+    from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
+    from wildfed_sim.camtrap_writer import write_camtrap_dp
+    from wildfed_sim.ecology import summarize_design
 
     console.log("loading Animal-MNIST (animal-mnist==0.4; downloaded on first use, verified by SHA-256)")
     data = fetch_animal_mnist()
@@ -226,7 +226,7 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
 def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federation_id: str,
                        broker_url: str, coordinator_pub: Path) -> tuple[Path, str]:
     """Keys and YAML config of one gateway; returns (config path, public key PEM)."""
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
 
     site_dir = run_dir / "sites" / spec.site_id
     key = generate_signing_key()
@@ -322,7 +322,7 @@ def balanced_public_split(labels: np.ndarray, per_class: int, *, seed: int) -> n
     Raises:
         ConfigError: ``per_class`` < 1, or more than a class has.
     """
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
 
     labels = np.asarray(labels)
     if per_class < 1:
@@ -343,7 +343,7 @@ def design_sites_with_public_split(labels: np.ndarray, num_sites: int, *, seed: 
                                    public_per_class: int = 0) -> tuple[list[Any], np.ndarray]:
     """The demo's sites and its public split, from the training split's ``labels``.
 
-    ``public_per_class == 0``: :func:`~coordinator.experiments.ecology.design_sites` on every training image
+    ``public_per_class == 0``: :func:`~wildfed_sim.ecology.design_sites` on every training image
     (the demo's default design), and the public split is whatever no site holds (:func:`public_split_indices`;
     not class-balanced). ``public_per_class > 0``: first :func:`balanced_public_split` reserves that many images
     of every class, then the sites are designed on the remaining training images only (indices mapped back into
@@ -352,7 +352,7 @@ def design_sites_with_public_split(labels: np.ndarray, num_sites: int, *, seed: 
     Returns:
         (site specs with indices into the training split, sorted public indices into the training split).
     """
-    from coordinator.experiments.ecology import design_sites
+    from wildfed_sim.ecology import design_sites
 
     labels = np.asarray(labels)
     if public_per_class <= 0:
@@ -371,8 +371,8 @@ def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size:
     ``initial_weights(num_classes, seed)``: :func:`balanced_public_split` when ``public_per_class > 0`` (the
     sites must come from :func:`design_sites_with_public_split` with the same value), else
     :func:`public_split_indices`. Returns (weights, number of public images)."""
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
-    from coordinator.experiments.evaluation import train_centralised
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.evaluation import train_centralised
 
     if public_per_class > 0:
         public = balanced_public_split(train.labels, public_per_class, seed=seed)
@@ -432,12 +432,12 @@ def _evaluate_model(settings: DemoSettings, coordinator: Any, bundle: Any, specs
     """Held-out evaluation of the stored model.
 
     Per site (both strategies): the model the site receives (``strategy.site_weights``) on the test images of the
-    classes it holds (:func:`~coordinator.experiments.evaluation.evaluate_sites`). By IUCN group: FedAvg's global
+    classes it holds (:func:`~wildfed_sim.evaluation.evaluate_sites`). By IUCN group: FedAvg's global
     model on the whole held-out split (unchanged); NIRA has no single global model, so its groups pool every
     site's predictions on the test images of that site's classes (a test image counts once per site holding
     its class). Returns (Accuracy, ``{"summary": ..., "sites": [...]}``).
     """
-    from coordinator.experiments.evaluation import (accuracy_from_predictions, evaluate, evaluate_sites,
+    from wildfed_sim.evaluation import (accuracy_from_predictions, evaluate, evaluate_sites,
                                                     summarise_sites)
 
     strategy = coordinator.rounds._strategy
@@ -554,9 +554,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     from rich.table import Table
 
     from coordinator.config import BudgetFromAnchor, config_from_dict, save_config
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE
-    from coordinator.experiments.embedded_broker import embedded_broker
-    from coordinator.experiments.evaluation import evaluate, train_centralised
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.embedded_broker import embedded_broker
+    from wildfed_sim.evaluation import evaluate, train_centralised
     from coordinator.service import Coordinator
 
     console = console or Console()
@@ -717,8 +717,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     import shlex
 
     coord_yaml = shlex.quote(str(coord_dir / "coordinator.yaml"))
-    exe = sys.argv[0] if sys.argv and sys.argv[0].endswith("wildfed-coordinator") else "wildfed-coordinator"
-    exe = shlex.quote(exe)
+    # the operator's commands of this run are wildfed-coordinator's: the one beside this `wildfed`, when known
+    here = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    exe = shlex.quote(str(here.with_name("wildfed-coordinator")) if here is not None and here.name == "wildfed"
+                      else "wildfed-coordinator")
     console.log("web view of this run (map of the sites' deployments, budgets, rounds): make an account, serve, "
                 "then open http://127.0.0.1:8080/")
     # one command per line, never wrapped, so that each can be copied whole
@@ -730,7 +732,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
 def _import_demo_deployments(store: Any, run_dir: Path, specs: Any, config: Any, console: Any) -> None:
     """Put every demo site's deployments (the fictional but plausible coordinates of its Camtrap DP package,
-    coordinator.experiments.ecology) into the web view's map, with the IUCN categories they recorded."""
+    wildfed_sim.ecology) into the web view's map, with the IUCN categories they recorded."""
     from coordinator.web.deployments import import_camtrap_dp, species_table_categories
 
     category_of = species_table_categories(config.species)

@@ -1,4 +1,4 @@
-"""``wildfed-coordinator experiment privacy-utility``: the seed's table on the demo federation.
+"""``wildfed experiment privacy-utility``: the seed's table on the demo federation.
 
 The fast tests check the table's arithmetic on hand-written reports; the slow one runs the whole command at tiny
 settings (five demo federations, real gateway processes; about a minute on 2 cores) and checks the table against
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from shared.errors import ConfigError
 
-from coordinator.cli import app
-from coordinator.experiments.animal_mnist import AnimalMNIST, fetch_animal_mnist, split_holdout
-from coordinator.experiments.demo import (
+from wildfed_sim.cli import app
+from wildfed_sim.animal_mnist import AnimalMNIST, fetch_animal_mnist, split_holdout
+from wildfed_sim.demo import (
     DemoSettings,
     balanced_public_split,
     design_sites_with_public_split,
@@ -28,8 +28,8 @@ from coordinator.experiments.demo import (
     public_split_indices,
     save_weights,
 )
-from coordinator.experiments.ecology import design_sites
-from coordinator.experiments.privacy_utility import (
+from wildfed_sim.ecology import design_sites
+from wildfed_sim.privacy_utility import (
     CONFIGURATIONS,
     PrivacyUtilitySettings,
     markdown_table,
@@ -164,8 +164,8 @@ def test_public_split_default_is_what_no_site_holds_and_bad_sizes_are_refused():
 def test_experiment_passes_the_public_split_and_reports_round0(tmp_path, monkeypatch):
     """The grid loop without federations: every demo run gets the pretrained weights and the same
     public_per_class; the markdown caption carries the hyper-parameters and the round-0 accuracy."""
-    import coordinator.experiments.demo as demo
-    import coordinator.experiments.privacy_utility as pu
+    import wildfed_sim.demo as demo
+    import wildfed_sim.privacy_utility as pu
 
     seen = []
 

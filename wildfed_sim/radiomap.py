@@ -69,7 +69,7 @@ from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator
 from edge_sdk.privacy.randomness import SecureRandom
 from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
 
-from coordinator.experiments.fedsofim import _opt, _parse_list, mean_std
+from wildfed_sim.fedsofim import _opt, _parse_list, mean_std
 
 __all__ = ["RadioMapSettings", "SiteData", "ExperimentData", "prepare_data", "pretrain", "make_site", "local_update", "fit_attacker",
            "run_federation", "summarise", "markdown_table", "run_radiomap_experiment", "radiomap_command",

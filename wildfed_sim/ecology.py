@@ -74,7 +74,7 @@ class Biome:
     Attributes:
         name: short identifier (``"savanna"``).
         description: one line, written into Camtrap DP ``deployments.habitat``.
-        pool: class names that live there (subset of :data:`~coordinator.experiments.animal_mnist.CLASS_NAMES`).
+        pool: class names that live there (subset of :data:`~wildfed_sim.animal_mnist.CLASS_NAMES`).
         core: class names every site of this biome records (subset of ``pool``).
         latitude, longitude: WGS84 decimal degrees of a fictional but plausible reference point; sites are
             placed within about 0.5 degrees of it.

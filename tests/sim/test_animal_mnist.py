@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.experiments import animal_mnist as am
-from coordinator.experiments.animal_mnist import (
+from wildfed_sim import animal_mnist as am
+from wildfed_sim.animal_mnist import (
     CLASS_NAMES,
     SPECIES_TABLE,
     AnimalMNIST,

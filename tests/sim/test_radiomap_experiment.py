@@ -17,7 +17,7 @@ from shared.privacy.events import DPSGDEvent  # noqa: E402
 from edge_sdk.privacy.adaptive_noise import STATISTICS  # noqa: E402
 from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator, train_allocator  # noqa: E402
 
-from coordinator.experiments.radiomap import (  # noqa: E402
+from wildfed_sim.radiomap import (  # noqa: E402
     RADIO_CATEGORY,
     RadioMapSettings,
     fit_attacker,

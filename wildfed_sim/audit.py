@@ -51,9 +51,9 @@ CCDP's fast path adds every active category's noise to every coordinate, so a ca
 z_c C. ``break_noise`` (test/diagnostic only) silences the Gaussian draws of the real mechanism to show that the
 audit does detect a mechanism that adds no noise.
 
-Import boundary: the coordinator never imports ``edge_sdk`` at module import time (tests/coordinator/test_boundaries).
-This module imports it, and torch, only inside :func:`run_audit` and the wrapper classes' factory, because the
-audit's purpose is to run the gateway's own mechanism code; the statistics above need neither.
+Imports: the audit's purpose is to run the gateway's own mechanism code, so it imports ``edge_sdk`` (this package,
+the laboratory, stands above both sides). It does so, with torch, only inside :func:`run_audit` and the wrapper
+classes' factory: the statistics above need neither, and their tests stay fast.
 """
 
 from __future__ import annotations
@@ -628,9 +628,9 @@ def load_audit_site(num_records: int, *, seed: int | None = None) -> tuple[np.nd
 
     Raises:
         ConfigError: ``num_records`` < 1 or above the training split's size.
-        coordinator.experiments.animal_mnist.AnimalMNISTError: the data set cannot be fetched or verified.
+        wildfed_sim.animal_mnist.AnimalMNISTError: the data set cannot be fetched or verified.
     """
-    from coordinator.experiments.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
+    from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
 
     train, _ = split_holdout(fetch_animal_mnist(), 0.2, seed=0)
     if isinstance(num_records, bool) or not isinstance(num_records, int) or not 1 <= num_records <= len(train):

@@ -6,11 +6,11 @@ on every client in every round.
 Protocol (per seed; the seed fixes the data splits only, privacy noise is never seeded):
 
 1. Animal-MNIST (10,000 images) -> stratified train (80 %) / held-out test (20 %) split
-   (:func:`coordinator.experiments.animal_mnist.split_holdout`).
-2. Public split: :func:`coordinator.experiments.demo.balanced_public_split` takes ``public_per_class`` training
+   (:func:`wildfed_sim.animal_mnist.split_holdout`).
+2. Public split: :func:`wildfed_sim.demo.balanced_public_split` takes ``public_per_class`` training
    images of every class (default 100, i.e. 1,000 images). No client holds them. The camera CNN
    (:mod:`shared.models.camera_cnn`) is pretrained on them, non-privately
-   (:func:`coordinator.experiments.evaluation.train_centralised`), and its ``phi`` is frozen.
+   (:func:`wildfed_sim.evaluation.train_centralised`), and its ``phi`` is frozen.
 3. Validation split: ``val_per_class`` further training images per class (default 70), for tuning only; no client
    holds them either, and the test split is never used for tuning.
 4. Clients: the remaining training images, shuffled and cut into K near-equal IID shards (sizes differ by at most 1).
@@ -502,9 +502,9 @@ def _features(phi_weights: dict[str, np.ndarray], images: np.ndarray) -> np.ndar
 
 def prepare_seed(settings: FedSofimSettings, seed: int) -> SeedData:
     """Steps 1-5 of the protocol for one seed: splits, non-private pretraining on the public split, features."""
-    from coordinator.experiments.animal_mnist import NUM_CLASSES, fetch_animal_mnist, split_holdout
-    from coordinator.experiments.demo import balanced_public_split
-    from coordinator.experiments.evaluation import train_centralised
+    from wildfed_sim.animal_mnist import NUM_CLASSES, fetch_animal_mnist, split_holdout
+    from wildfed_sim.demo import balanced_public_split
+    from wildfed_sim.evaluation import train_centralised
 
     t0 = time.monotonic()
     train, test = split_holdout(fetch_animal_mnist(), settings.test_fraction, seed=seed)
@@ -621,7 +621,7 @@ def run_fedsofim_experiment(settings: FedSofimSettings, console: Any = None) -> 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from coordinator.experiments.demo import new_run_dir
+    from wildfed_sim.demo import new_run_dir
     from coordinator.ledger import PrivacyLedger
     from coordinator.storage import Store
     from shared.privacy.accounting import calibrate_noise_multiplier

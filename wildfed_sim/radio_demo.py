@@ -1,8 +1,8 @@
-"""A whole radio-map federation on one machine: ``wildfed-coordinator demo --task radiomap`` (issue 7).
+"""A whole radio-map federation on one machine: ``wildfed demo --task radiomap`` (issue 7).
 
 An MQTT broker (embedded ``amqtt`` unless ``--broker``), the coordinator with ``model: radio_unet``, and one
 ``wildfed-edge run`` process per base-station site, each with the ``radio-base-station`` profile and
-``task: radiomap``. The data is the radio-map experiment's (:mod:`coordinator.experiments.radiomap`): one public
+``task: radiomap``. The data is the radio-map experiment's (:mod:`wildfed_sim.radiomap`): one public
 city tile, each site a secret centre with 50 maps of transmitters within 20 m of it, validation maps on the same
 city, and a round-0 RadioUNet pretrained on public maps of other tiles. Each round the coordinator sends signed
 tasks carrying the city raster; the gateways retrain their allocators on public proxy sites when due, train
@@ -88,7 +88,7 @@ def run_radio_demo(settings: RadioDemoSettings, *, console: Any = None) -> Radio
         ConfigError: bad settings (e.g. a sionna-rt city whose files are not installed). WildFedError: a gateway
             failed to start. KeyboardInterrupt: interrupted (after clean-up).
     """
-    from coordinator.experiments.demo import _sigterm_unwinds
+    from wildfed_sim.demo import _sigterm_unwinds
 
     with _sigterm_unwinds():
         return _run(settings, console=console)
@@ -100,9 +100,9 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
     from rich.table import Table
 
     from coordinator.config import config_from_dict, save_config
-    from coordinator.experiments.demo import _gateways, new_run_dir
-    from coordinator.experiments.embedded_broker import embedded_broker
-    from coordinator.experiments.radiomap import RadioMapSettings, prepare_data, pretrain, validation_mse_db
+    from wildfed_sim.demo import _gateways, new_run_dir
+    from wildfed_sim.embedded_broker import embedded_broker
+    from wildfed_sim.radiomap import RadioMapSettings, prepare_data, pretrain, validation_mse_db
     from coordinator.radio import city_raster
     from coordinator.service import Coordinator
     from edge_sdk.radio import set_flat_weights

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 #: ``<repository root>/../shared/data``.
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WILDLIFE_INSIGHTS_PROJECTS = ("cajambre", "cristales")
 #: The NIRA seed's range of pairwise Jaccard similarity between sites (DESIGN.md "Seeds").
 SEED_JACCARD_RANGE = (0.02, 0.78)
