@@ -62,7 +62,7 @@ def checked_weights(weights: dict[str, np.ndarray], layout: tuple[ParameterSpec,
     unknown = set(weights) - {s.name for s in layout} - set(allowed_extra)
     if unknown:
         raise ConfigError(f"unknown parameter(s) {sorted(unknown)}", field="weights",
-                          fix="the task's model must match shared.models.camera_cnn")
+                          fix="the task's model must be the backend's model kind and size (shared.models.kinds)")
     out = {}
     for spec in layout:
         if spec.name not in weights:
@@ -95,8 +95,13 @@ def unflatten(flat: np.ndarray, layout: tuple[ParameterSpec, ...]) -> dict[str, 
 class TrainingBackend(ABC):
     """A model with per-example gradients, trained by plain SGD steps applied from outside.
 
-    Inputs ``x`` are uint8 or float32 images (B, H, W) (grayscale); the backend scales uint8 by 1/255.
-    Labels ``y`` are int64 (B,) class indices.
+    Which model is a :class:`shared.models.kinds.ModelSpec` (the backend's ``spec``). Inputs ``x`` are what that
+    kind takes (``ModelSpec.prepare_input``): float32 backbone embeddings (B, 1280) for the head model
+    (``shared.models.head``); uint8 or float32 grayscale images (B, 28, 28) for the legacy camera CNN (uint8 scaled by
+    1/255). Labels ``y`` are int64 (B,) class indices.
+
+    Weights in and out (:meth:`set_weights`, :meth:`get_weights`) are the whole model version, frozen parameters
+    included; gradients and the flat vector (:attr:`parameter_layout`) cover the trainable parameters only.
     """
 
     name: str = "abstract"
@@ -114,11 +119,12 @@ class TrainingBackend(ABC):
 
     @abstractmethod
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Load ``{name: float32 array}`` (every trainable parameter; extra names raise ConfigError)."""
+        """Load ``{name: float32 array}``: every parameter of the model, frozen ones included (a missing or extra
+        name, or a wrong shape, raises ConfigError)."""
 
     @abstractmethod
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Current ``{name: float32 array}`` (copies)."""
+        """Current ``{name: float32 array}`` of every parameter, frozen ones included and unchanged (copies)."""
 
     @abstractmethod
     def per_example_gradients(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""ONNX Runtime training backend: the camera CNN trained from the coordinator's artifacts, without torch.
+"""ONNX Runtime training backend: the camera model trained from the coordinator's artifacts, without torch.
 
 The coordinator ships, per model version, ONNX Runtime training artifacts and two one-pass per-example gradient
 graphs (``coordinator.artifacts``; the graphs are explained in ``shared.models.onnx_export``). This backend runs
@@ -6,12 +6,19 @@ them with ``onnxruntime-training`` (x86_64 wheels: ``pip install 'wildfed[edge-o
 
 What runs where (measured choices, docs/ort.md):
 
-- **DP step** (:meth:`OrtBackend.per_example`): the exported per-example gradient graph, one
-  ``InferenceSession.run`` per micro-batch, fed the backend's current parameters as graph inputs. Its rows are exact
-  per-example gradients (the explicit backward of ``shared.models.onnx_export``), handed to the backend-agnostic
-  CCDP mechanism (``edge_sdk.privacy.ccdp``) as :class:`~edge_sdk.privacy.per_example.MaterialisedGradients`: the
-  clipping, noise and accounting code is the torch backend's, not a copy. With ``scope="head"`` (frozen feature
-  extractor) the graph gives only the head's gradients: the outer product of ``softmax - onehot`` with the features.
+- **Which model**: the artifact manifest names it (``"model"``: a :class:`shared.models.kinds.ModelSpec`, the head
+  model on backbone embeddings or the legacy camera CNN; a manifest without one is the camera CNN). Inputs are
+  prepared as that kind takes them (float32 (B, 1280) embeddings for the head model). A backend built with
+  ``model=...`` refuses artifacts of another model.
+- **DP step** (:meth:`OrtBackend.per_example`): one ``InferenceSession.run`` per micro-batch of an exported
+  one-pass graph, fed the backend's current parameters as graph inputs (the explicit backward of
+  ``shared.models.onnx_export``). For a model whose trainable layers are all Linear (the head model) the factor graph
+  gives each layer's inputs and output gradients, and :class:`~edge_sdk.backends.factored.LinearFactors` forms norms
+  and clipped sums from them without the (B, d) matrix; otherwise (the camera CNN) the per-example graph's rows are
+  the gradients themselves (:class:`~edge_sdk.privacy.per_example.MaterialisedGradients`). Either way they go to the
+  backend-agnostic CCDP mechanism (``edge_sdk.privacy.ccdp``): the clipping, noise and accounting code is the torch
+  backend's, not a copy. With ``scope="head"`` (frozen feature extractor) the graphs give only the head's
+  gradients: the outer product of ``softmax - onehot`` with the features.
 - **Non-private step** (:meth:`OrtBackend.gradient`): the ORT training graph (``Module.train_step`` on the mean
   cross-entropy) and the gradient buffers of its ``CheckpointState``.
 - **Update** (:meth:`OrtBackend.apply_gradient`): ``theta <- theta - lr * g`` on the backend's float32 parameter
@@ -46,7 +53,10 @@ import numpy as np
 
 from shared.errors import ConfigError
 
+from shared.models.kinds import SCOPES, ModelSpec, as_spec
+
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
+from edge_sdk.backends.factored import LinearFactors
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
 
 __all__ = ["OrtBackend", "ArtifactCache", "import_onnxruntime", "ort_training_importable", "ARTIFACT_FORMAT"]
@@ -174,7 +184,10 @@ class OrtBackend(TrainingBackend):
     """:class:`~edge_sdk.backends.base.TrainingBackend` over ONNX Runtime training artifacts (module docstring).
 
     Args:
-        num_classes: model output size (must match the artifacts' manifest).
+        num_classes: model output size (must match the artifacts' manifest; None: take the manifest's).
+        model: the expected model (a :class:`~shared.models.kinds.ModelSpec` or a kind name); artifacts of another
+            model are refused. None accepts the artifacts' model (its kind and options come from the manifest).
+        model_options: the kind's options with a kind name (e.g. ``{"adapter_width": 256}``).
         threads: ONNX Runtime intra-op threads (None: ORT's default).
         device: ``"cpu"`` only (``onnxruntime-training-cpu``).
         microbatch_size: per-example gradients are computed this many examples at a time (memory cap:
@@ -184,31 +197,34 @@ class OrtBackend(TrainingBackend):
         scope: ``"all"`` trains every parameter; ``"head"`` trains the head ``psi`` only (frozen feature extractor).
 
     Raises:
-        ConfigError: onnxruntime-training missing, a device other than cpu, a bad scope or artifact set.
+        ConfigError: onnxruntime-training missing, a device other than cpu, a bad scope, model or artifact set.
     """
 
     name = "ort"
 
-    def __init__(self, num_classes: int = 10, *, threads: int | None = None, device: str = "cpu",
+    def __init__(self, num_classes: int | None = None, *, model: ModelSpec | str | None = None,
+                 model_options: dict[str, object] | None = None, threads: int | None = None, device: str = "cpu",
                  microbatch_size: int = 256, artifacts: str | os.PathLike[str] | None = None,
                  scope: str = "all") -> None:
         if device != "cpu":
             raise ConfigError(f"the ort backend runs on cpu only, got device {device!r}", field="device",
                               fix="set device: cpu, or backend: torch for a GPU")
-        if scope not in ("all", "head"):
+        if scope not in SCOPES:
             raise ConfigError(f"scope must be 'all' or 'head', got {scope!r}", field="scope")
+        self._expected = as_spec(model, num_classes, model_options) if model is not None else None
         try:
             self._ort, self._api = import_onnxruntime()
         except ImportError as exc:
             raise ConfigError(f"onnxruntime-training cannot be imported: {exc}", field="backend",
                               fix="pip install 'wildfed[edge-ort]' (x86_64), or use backend: torch") from exc
-        self._num_classes = int(num_classes)
+        self._num_classes = None if num_classes is None else int(num_classes)
         self._threads = threads
         self._microbatch = int(microbatch_size)
         self._scope = scope
         self._folder: Path | None = None
         self._digest: str | None = None
         self._layout: tuple[ParameterSpec, ...] = ()
+        self._spec: ModelSpec | None = None
         if artifacts is not None:
             self.load_artifacts(artifacts)
 
@@ -234,13 +250,24 @@ class OrtBackend(TrainingBackend):
         if manifest.get("format") != ARTIFACT_FORMAT:
             raise ConfigError(f"artifact format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}",
                               field="artifacts", fix="update the gateway SDK or the coordinator")
-        if manifest.get("num_classes") != self._num_classes:
+        if self._num_classes is not None and manifest.get("num_classes") != self._num_classes:
             raise ConfigError(f"artifacts are for {manifest.get('num_classes')} classes, the site has "
                               f"{self._num_classes}", field="num_classes",
                               fix="use the same number of classes on both sides")
+        spec = ModelSpec.from_json(manifest.get("model"), num_classes=int(manifest.get("num_classes", 0)))
+        if self._expected is not None and spec != self._expected:
+            raise ConfigError(f"artifacts are for model {spec.to_json()}, this backend was built for "
+                              f"{self._expected.to_json()}", field="model",
+                              fix="use the same model kind and options on both sides")
         per_example = folder / manifest["per_example"][self._scope]
+        factor_name = (manifest.get("per_example_factors") or {}).get(self._scope)
+        factor_graph = folder / factor_name if factor_name else None
+        if factor_graph is not None and not factor_graph.is_file():
+            raise ConfigError(f"ORT artifact folder {folder} lacks {factor_name} (listed in its manifest)",
+                              field="artifacts", fix="let the coordinator ship complete sets (coordinator.artifacts)")
         graphs = b"".join((folder / f).read_bytes() for f in ("training_model.onnx", "eval_model.onnx"))
-        digest = hashlib.sha256(graphs + per_example.read_bytes()).hexdigest()
+        graphs += per_example.read_bytes() + (factor_graph.read_bytes() if factor_graph is not None else b"")
+        digest = hashlib.sha256(graphs).hexdigest()
         if digest == self._digest:  # same graphs: keep the sessions and the current weights
             self._folder = folder
             return
@@ -262,6 +289,8 @@ class OrtBackend(TrainingBackend):
             options.inter_op_num_threads = 1
         options.log_severity_level = 3
         session = self._ort.InferenceSession(str(per_example), options, providers=["CPUExecutionProvider"])
+        factors = (self._ort.InferenceSession(str(factor_graph), options, providers=["CPUExecutionProvider"])
+                   if factor_graph is not None else None)
         state = self._api.CheckpointState.load_checkpoint(str(folder / "checkpoint"))
         module = self._api.Module(str(folder / "training_model.onnx"), state, str(folder / "eval_model.onnx"),
                                   device="cpu", session_options=options)
@@ -274,6 +303,9 @@ class OrtBackend(TrainingBackend):
 
         old = self.get_weights() if self._layout else None
         self._session, self._state, self._module = session, state, module
+        self._factor_session = factors
+        self._factor_outputs = [o.name for o in factors.get_outputs()] if factors is not None else []
+        self._spec = spec
         self._all_layout = tuple(all_layout)
         self._buffer = np.ascontiguousarray(buffer)
         self._trainable = slice(start, stop)
@@ -285,6 +317,16 @@ class OrtBackend(TrainingBackend):
         if old is not None and set(old) == set(self._views):
             self.set_weights(old)
         log.info("ort backend: artifacts %s loaded (scope %s, d=%d)", folder, self._scope, self.num_parameters)
+
+    @property
+    def spec(self) -> ModelSpec | None:
+        """The loaded artifacts' model (None before :meth:`load_artifacts`)."""
+        return self._spec
+
+    @property
+    def scope(self) -> str:
+        """``"all"`` or ``"head"`` (what is trained)."""
+        return self._scope
 
     def _require(self) -> None:
         if not self._layout:
@@ -316,10 +358,7 @@ class OrtBackend(TrainingBackend):
         return {name: view.copy() for name, view in self._views.items()}
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
-        arr = np.asarray(x)
-        scale = np.float32(1.0 / 255.0) if arr.dtype == np.uint8 else np.float32(1.0)
-        out = arr.astype(np.float32) * scale
-        return out[:, None] if out.ndim == 3 else out
+        return self._spec.prepare_input(x)
 
     def per_example_gradients(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """float32 (B, d): row i is the gradient of example i's cross-entropy loss, flat in layout order."""
@@ -337,8 +376,30 @@ class OrtBackend(TrainingBackend):
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
     def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
-        """The exported graph's per-example gradients, as the CCDP mechanism consumes them."""
-        return MaterialisedGradients(self.per_example_gradients(x, y))
+        """Per-example gradients as the CCDP mechanism consumes them: the factor graph's
+        :class:`~edge_sdk.backends.factored.LinearFactors` where the artifacts have one (Linear-only models: the
+        head model), else the per-example graph's rows (the camera CNN).
+
+        Raises:
+            ValueError: ``x`` is not what the model kind takes (e.g. images for the head model).
+        """
+        self._require()
+        if self._factor_session is None:
+            return MaterialisedGradients(self.per_example_gradients(x, y))
+        labels = np.asarray(y, dtype=np.int64)
+        inputs = self._inputs(x)
+        n = int(labels.shape[0])
+        if n == 0:
+            return MaterialisedGradients(np.zeros((0, self.num_parameters), dtype=np.float32))
+        parts = []
+        for start in range(0, n, self._microbatch):
+            stop = min(n, start + self._microbatch)
+            feeds = {_INPUT: inputs[start:stop], _LABELS: labels[start:stop], **self._views}
+            parts.append(self._factor_session.run(self._factor_outputs, feeds))
+        values = parts[0] if len(parts) == 1 else [np.concatenate(col, axis=0) for col in zip(*parts)]
+        by_name = dict(zip(self._factor_outputs, values))
+        prefixes = [name[:-len(".input")] for name in self._factor_outputs if name.endswith(".input")]
+        return LinearFactors({p: (by_name[f"{p}.input"], by_name[f"{p}.delta"]) for p in prefixes}, self._layout)
 
     def _sync_module(self) -> None:
         if self._module_stale:
@@ -351,7 +412,8 @@ class OrtBackend(TrainingBackend):
         ``scope="head"``, the mean of the head's per-example gradients)."""
         self._require()
         if self._scope == "head":
-            return self.per_example_gradients(x, y).mean(axis=0, dtype=np.float64).astype(np.float32)
+            n = int(np.asarray(y).shape[0])
+            return self.per_example(x, y).weighted_sum(np.full((1, n), 1.0 / n, np.float32))[0]
         self._sync_module()
         self._module.train()
         self._module.lazy_reset_grad()

@@ -1,4 +1,5 @@
-"""PyTorch training backend: the camera-trap CNN with per-example gradients from ``torch.func``.
+"""PyTorch training backend: the camera model (a :class:`shared.models.kinds.ModelSpec`: the head model on backbone
+embeddings, or the legacy 28x28 CNN) with per-example gradients in one pass.
 
 Per-example gradients use the function transforms of ``torch.func`` (``functional_call``, ``grad``, ``vmap``;
 the approach of Opacus's functorch grad sampler and of JAX's ``vmap(grad(.))`` in Abadi et al. 2016's DP-SGD):
@@ -6,7 +7,7 @@ the gradient of one example's cross-entropy loss is vectorised over the batch, s
 batched backward pass. The non-private path (:meth:`TorchBackend.gradient`) is one ordinary autograd backward.
 
 The DP training path (:meth:`TorchBackend.per_example`) does not build the (B, d) matrix at all when every
-trainable parameter belongs to an ``nn.Linear`` on 2-D inputs or an ``nn.Conv2d`` (true of the camera CNN): one
+trainable parameter belongs to an ``nn.Linear`` on 2-D inputs or an ``nn.Conv2d`` (true of both models): one
 forward and one backward to the layer outputs give each layer's inputs a_i and output gradients delta_i, and
 
 - Linear: g_i(W) = delta_i a_i^T, so ||g_i(W)||^2 = ||delta_i||^2 ||a_i||^2 and sum_i w_i g_i(W) = (w*delta)^T a
@@ -16,7 +17,11 @@ forward and one backward to the layer outputs give each layer's inputs a_i and o
   computations in convolutional neural networks"); for stride 1 / dilation 1 as k^2 batched products with
   shifted windows of the padded input, without building U_i.
 
-Other layouts fall back to the ``vmap`` path. Both paths are checked against each other in the tests.
+Other layouts fall back to the ``vmap`` path. Both paths are checked against each other in the tests, and on the
+head model against the closed form (``tests/edge/test_head_backends.py``).
+
+``scope="head"`` trains ``psi.*`` only (the adapter is frozen: loaded from the model version, never changed); the
+flat layout then covers the head alone, while weights in and out are the whole model.
 
 torch is imported only in this module. The model runs in ``eval()`` mode so that no layer mixes examples
 (batch-norm statistics) or draws randomness (dropout) inside a per-example gradient.
@@ -29,7 +34,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from shared.errors import ConfigError
-from shared.models.camera_cnn import build_model
+from shared.models.kinds import SCOPES, ModelSpec, as_spec, trainable_names
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
 from edge_sdk.privacy.per_example import PerExampleGradients
@@ -39,35 +44,55 @@ __all__ = ["TorchBackend"]
 
 @register_backend("torch")
 class TorchBackend(TrainingBackend):
-    """:class:`~edge_sdk.backends.base.TrainingBackend` over ``shared.models.camera_cnn.CameraCNN``.
+    """:class:`~edge_sdk.backends.base.TrainingBackend` over a ``shared.models`` camera model in torch.
 
     Args:
-        num_classes: model output size.
+        num_classes: model output size K (None: the spec's, or 10 with a kind name).
+        model: a :class:`~shared.models.kinds.ModelSpec`, or a kind name (``"head"``, ``"camera_cnn"``); None is
+            :data:`shared.models.kinds.DEFAULT_KIND`.
+        model_options: the kind's options with a kind name, e.g. ``{"adapter_width": 256}`` (0: head only).
+        scope: ``"all"`` trains every parameter; ``"head"`` trains ``psi.*`` only (the adapter frozen).
         threads: ``torch.set_num_threads`` value (None leaves torch's default).
         device: torch device string, ``"cpu"`` or ``"cuda"``.
         microbatch_size: per-example gradients are computed this many examples at a time (bounds memory:
             about ``microbatch_size * d * 4`` bytes per chunk).
-        model: an already built ``torch.nn.Module`` to train instead of a fresh CameraCNN (tests).
+        module: an already built ``torch.nn.Module`` to train instead of ``model``'s fresh one (tests); inputs are
+            still prepared as ``model``'s kind takes them.
+
+    Raises:
+        ConfigError: unknown kind or options, a bad scope, or a CUDA device where torch has none.
     """
 
     name = "torch"
 
-    def __init__(self, num_classes: int = 10, *, threads: int | None = None, device: str = "cpu",
-                 microbatch_size: int = 256, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, num_classes: int | None = None, *, model: ModelSpec | str | None = None,
+                 model_options: dict[str, object] | None = None, scope: str = "all", threads: int | None = None,
+                 device: str = "cpu", microbatch_size: int = 256, module: torch.nn.Module | None = None) -> None:
+        self._spec = as_spec(model, num_classes, model_options)
+        if scope not in SCOPES:
+            raise ConfigError(f"scope must be one of {SCOPES}, got {scope!r}", field="scope",
+                              fix="all (train phi and psi) or head (train psi only)")
         if threads is not None:
             torch.set_num_threads(int(threads))
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} requested but torch sees no CUDA device", field="device",
                               fix="set device: cpu in the site config or profile, or install a CUDA build of torch")
         self._device = torch.device(device)
-        self._model = (model if model is not None else build_model(int(num_classes))).to(self._device).eval()
-        self._params = {n: p for n, p in self._model.named_parameters() if p.requires_grad}
+        self._scope = scope
+        self._model = (module if module is not None else self._spec.build()).to(self._device).eval()
+        self._all = dict(self._model.named_parameters())
+        trainable = set(trainable_names(tuple(self._all), scope))
+        for n, p in self._all.items():
+            if n not in trainable:
+                p.requires_grad_(False)
+        self._params = {n: p for n, p in self._all.items() if p.requires_grad}
         self._buffers = dict(self._model.named_buffers())
         offset, layout = 0, []
         for name, p in self._params.items():
             layout.append(ParameterSpec(name, tuple(p.shape), offset))
             offset += p.numel()
         self._layout = tuple(layout)
+        self._all_layout = tuple(ParameterSpec(n, tuple(p.shape), 0) for n, p in self._all.items())
         self._microbatch = int(microbatch_size)
 
         model_ref, buffers = self._model, self._buffers
@@ -81,8 +106,18 @@ class TorchBackend(TrainingBackend):
 
     @property
     def parameter_layout(self) -> tuple[ParameterSpec, ...]:
-        """Parameters in ``model.named_parameters()`` order."""
+        """Trainable parameters in ``model.named_parameters()`` order (``psi.*`` only with ``scope="head"``)."""
         return self._layout
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's architecture."""
+        return self._spec
+
+    @property
+    def scope(self) -> str:
+        """``"all"`` or ``"head"`` (what is trained)."""
+        return self._scope
 
     @property
     def model(self) -> torch.nn.Module:
@@ -90,33 +125,28 @@ class TorchBackend(TrainingBackend):
         return self._model
 
     def _inputs(self, x: np.ndarray) -> torch.Tensor:
-        arr = np.asarray(x)
-        scale = 1.0 / 255.0 if arr.dtype == np.uint8 else 1.0
-        t = torch.as_tensor(arr.astype(np.float32) * np.float32(scale), device=self._device)
-        if t.ndim == 3:  # (B, H, W) -> (B, 1, H, W)
-            t = t.unsqueeze(1)
-        return t
+        return torch.as_tensor(self._spec.prepare_input(x), device=self._device)
 
     def _labels(self, y: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(y, dtype=np.int64), device=self._device)
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Copy ``{name: array}`` into the model.
+        """Copy ``{name: array}`` (every parameter, frozen ones included; buffers optional) into the model.
 
         Raises:
             ConfigError: a parameter is missing, unknown or has the wrong shape.
         """
-        checked = checked_weights(weights, self._layout, allowed_extra=set(self._buffers))
+        checked = checked_weights(weights, self._all_layout, allowed_extra=set(self._buffers))
         with torch.no_grad():
-            for spec in self._layout:
-                self._params[spec.name].copy_(torch.as_tensor(checked[spec.name]))
+            for spec in self._all_layout:
+                self._all[spec.name].copy_(torch.as_tensor(checked[spec.name]))
             for name, buf in self._buffers.items():
                 if name in weights:
                     buf.copy_(torch.as_tensor(np.asarray(weights[name])))
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """``{name: float32 array}`` of every trainable parameter (copies)."""
-        return {n: p.detach().cpu().numpy().astype(np.float32, copy=True) for n, p in self._params.items()}
+        """``{name: float32 array}`` of every parameter, frozen ones included (copies)."""
+        return {n: p.detach().cpu().numpy().astype(np.float32, copy=True) for n, p in self._all.items()}
 
     def per_example_gradients(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """float32 (B, d): row i is the gradient of example i's cross-entropy loss, flat in layout order."""
@@ -132,7 +162,11 @@ class TorchBackend(TrainingBackend):
 
     def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
         """Per-example gradient norms and weighted sums without the (B, d) matrix (see the module docstring);
-        falls back to materialised ``vmap`` gradients for layouts other than Linear/Conv2d."""
+        falls back to materialised ``vmap`` gradients for layouts other than Linear/Conv2d.
+
+        Raises:
+            ValueError: ``x`` is not what the model kind takes (e.g. images for the head model).
+        """
         if self._ghost_layers is None:
             return super().per_example(x, y)
         inputs: dict[str, torch.Tensor] = {}

@@ -1,20 +1,24 @@
-"""ONNX graphs of the camera CNN for ONNX Runtime: the model itself and one-pass per-example gradient graphs.
+"""ONNX graphs of the trainable camera models for ONNX Runtime: the model itself and one-pass per-example gradient
+graphs.
 
 Used by the coordinator (``coordinator.artifacts``), which has torch; gateways only run the graphs. torch and onnx
-are imported lazily, inside the functions.
+are imported lazily, inside the functions. Every function takes the model as a :class:`shared.models.kinds.ModelSpec`
+(the head model on backbone embeddings, ``shared.models.head``, or the legacy 28x28 camera CNN); a bare number of
+classes means the camera CNN, as before kinds existed.
 
 Graphs (opset :data:`OPSET`, IR version <= :data:`MAX_IR_VERSION`, so that ``onnxruntime-training`` 1.19 loads
 them; made with torch's TorchScript exporter, ``dynamo=False``, which needs no ``onnxscript``):
 
-- :func:`export_model`: ``input`` float32 (B, 1, 28, 28) in [0, 1] -> ``logits`` float32 (B, K), the parameters as
-  initializers named as in ``model.named_parameters()``. This is the base graph that
-  ``onnxruntime.training.artifacts.generate_artifacts`` turns into the training, eval and optimizer graphs.
+- :func:`export_model`: ``input`` float32 (B, *example_shape): (B, 1280) embeddings for the head model, (B, 1, 28,
+  28) in [0, 1] for the camera CNN -> ``logits`` float32 (B, K), the parameters as initializers named as in
+  ``model.named_parameters()``. This is the base graph that ``onnxruntime.training.artifacts.generate_artifacts``
+  turns into the training, eval and optimizer graphs.
 - :func:`export_per_example_graph`: inputs ``input``, ``labels`` int64 (B,) and every parameter (as graph inputs,
   so the gateway feeds its current weights), output ``per_example_grads`` float32 (B, d_trainable): row i is the
   gradient of example i's cross-entropy loss, flat in ``named_parameters()`` order over the trainable scope. The
   backward pass is written out explicitly (no autograd in the graph), for a sequential network of ``Conv2d``
   (stride 1, dilation 1, groups 1, numeric zero padding), ``Tanh``, ``MaxPool2d`` (kernel = stride, no padding),
-  ``Flatten`` and ``Linear`` layers, which is what the camera CNN is:
+  ``Flatten`` and ``Linear`` layers, which is what both models are (the head model: Linear, Tanh, Linear):
 
   * loss:   d logits_i = softmax(logits_i) - onehot(y_i)                  (cross-entropy, per example)
   * Linear: g_i(W) = delta_i a_i^T, g_i(b) = delta_i; the input gradient is delta_i W
@@ -29,8 +33,15 @@ them; made with torch's TorchScript exporter, ``dynamo=False``, which needs no `
 
   ``scope="head"`` gives the frozen-feature-extractor graph: only the head's gradient, the outer product of
   ``softmax - onehot`` with the features, and its bias part (B, K * F + K).
+- :func:`export_factor_graph` (models whose trainable layers are all ``Linear``, i.e. the head model): the same
+  explicit backward, but instead of the (B, d) gradients it outputs, for each trainable Linear layer ``L`` in layout
+  order, ``L.input`` a_i (B, in) and ``L.delta`` delta_i (B, out), the two factors of g_i(W) = delta_i a_i^T and
+  g_i(b) = delta_i (Goodfellow 2015, "Efficient per-example gradient computations"). The gateway forms norms and
+  clipped sums from them (``edge_sdk.backends.factored``) without the (B, d) matrix: for the head model with a
+  256-wide adapter, d = 330,506 and B = 64 would be 85 MB of gradients per step, the factors are 0.46 MB.
 
-The parity of these graphs with ``torch.func`` per-example gradients is tested in ``tests/edge/test_ort_backend.py``.
+The parity of these graphs with ``torch.func`` per-example gradients is tested in ``tests/edge/test_ort_backend.py``
+and ``tests/edge/test_head_backends.py``.
 """
 
 from __future__ import annotations
@@ -41,12 +52,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.models.kinds import SCOPES, trainable_names
+
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
     import torch
 
+    from shared.models.kinds import ModelSpec
+
 __all__ = ["OPSET", "MAX_IR_VERSION", "INPUT_NAME", "LABELS_NAME", "LOGITS_NAME", "PER_EXAMPLE_OUTPUT", "SCOPES",
-           "export_model", "export_per_example_graph", "trainable_names"]
+           "INPUT_SUFFIX", "DELTA_SUFFIX", "export_model", "export_per_example_graph", "export_factor_graph",
+           "factor_layers", "trainable_names"]
 
 OPSET = 17
 MAX_IR_VERSION = 10  # the highest IR version onnxruntime 1.19 loads
@@ -54,18 +70,8 @@ INPUT_NAME = "input"
 LABELS_NAME = "labels"
 LOGITS_NAME = "logits"
 PER_EXAMPLE_OUTPUT = "per_example_grads"
-SCOPES = ("all", "head")
-
-
-def trainable_names(parameter_names: list[str] | tuple[str, ...], scope: str) -> tuple[str, ...]:
-    """The trainable parameters of ``scope`` ("all": every parameter; "head": ``psi.*``), in the given order.
-
-    Raises:
-        ValueError: unknown scope.
-    """
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    return tuple(n for n in parameter_names if scope == "all" or n.startswith("psi."))
+INPUT_SUFFIX = ".input"  # factor-graph outputs: "<layer prefix>.input" (B, in), "<layer prefix>.delta" (B, out)
+DELTA_SUFFIX = ".delta"
 
 
 def _to_onnx(module: "torch.nn.Module", args: tuple, *, input_names: list[str], output_names: list[str],
@@ -88,31 +94,48 @@ def _to_onnx(module: "torch.nn.Module", args: tuple, *, input_names: list[str], 
     return model
 
 
-def export_model(num_classes: int, weights: Mapping[str, np.ndarray] | None = None) -> "onnx.ModelProto":
-    """The camera CNN as an ONNX graph with dynamic batch (see the module docstring).
+def _spec(model: "ModelSpec | int") -> "ModelSpec":
+    from shared.models.kinds import ModelSpec, model_spec
 
-    Args:
-        num_classes: K.
-        weights: ``{name: float32 array}`` for the initializers; None keeps a fresh initialisation.
-    """
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (int, np.integer)) and not isinstance(model, bool):
+        return model_spec("camera_cnn", int(model))
+    raise TypeError(f"model must be a ModelSpec or a number of classes (camera CNN), got {type(model).__name__}")
+
+
+def _dummy_input(spec: "ModelSpec") -> "torch.Tensor":
     import torch
 
-    from shared.models.camera_cnn import IMAGE_SIZE, build_model, load_numpy_state
+    return torch.zeros((2, *spec.example_shape))
 
-    model = build_model(int(num_classes)).eval()
+
+def export_model(model: "ModelSpec | int", weights: Mapping[str, np.ndarray] | None = None) -> "onnx.ModelProto":
+    """The model as an ONNX graph with dynamic batch (see the module docstring).
+
+    Args:
+        model: the architecture (a ``ModelSpec``; an int K means the camera CNN of K classes).
+        weights: ``{name: float32 array}`` for the initializers; None keeps a fresh initialisation.
+
+    Raises:
+        ValueError: the weights do not fit the model.
+    """
+    from shared.models.state import load_numpy_state
+
+    spec = _spec(model)
+    module = spec.build().eval()
     if weights is not None:
-        load_numpy_state(model, weights)
-    dummy = torch.zeros(2, 1, IMAGE_SIZE, IMAGE_SIZE)
+        load_numpy_state(module, weights)
     # TRAINING mode keeps every parameter an initializer with its own name (no folding into constants).
-    return _to_onnx(model, (dummy,), input_names=[INPUT_NAME], output_names=[LOGITS_NAME],
+    return _to_onnx(module, (_dummy_input(spec),), input_names=[INPUT_NAME], output_names=[LOGITS_NAME],
                     dynamic_axes={INPUT_NAME: {0: "batch"}, LOGITS_NAME: {0: "batch"}}, training=True)
 
 
-def export_per_example_graph(num_classes: int, scope: str = "all") -> "onnx.ModelProto":
-    """The one-pass per-example gradient graph of the camera CNN (see the module docstring).
+def export_per_example_graph(model: "ModelSpec | int", scope: str = "all") -> "onnx.ModelProto":
+    """The one-pass per-example gradient graph (see the module docstring).
 
     Args:
-        num_classes: K.
+        model: the architecture (a ``ModelSpec``; an int K means the camera CNN of K classes).
         scope: ``"all"`` (every parameter trainable) or ``"head"`` (``psi.*`` only; frozen feature extractor).
 
     Raises:
@@ -120,19 +143,58 @@ def export_per_example_graph(num_classes: int, scope: str = "all") -> "onnx.Mode
     """
     import torch
 
-    from shared.models.camera_cnn import IMAGE_SIZE, build_model
-
-    model = build_model(int(num_classes)).eval()
-    names = [n for n, _ in model.named_parameters()]
+    spec = _spec(model)
+    module = spec.build().eval()
+    names = [n for n, _ in module.named_parameters()]
     trainable = trainable_names(names, scope)
-    layers = _layers(model)
-    module = _PerExampleModule(layers, names, trainable)
-    params = tuple(p.detach().clone() for _, p in model.named_parameters())
-    dummy_x = torch.zeros(2, 1, IMAGE_SIZE, IMAGE_SIZE)
+    graph = _PerExampleModule(_layers(module), names, trainable, factors=False)
+    params = tuple(p.detach().clone() for _, p in module.named_parameters())
     dummy_y = torch.zeros(2, dtype=torch.int64)
     dynamic = {INPUT_NAME: {0: "batch"}, LABELS_NAME: {0: "batch"}, PER_EXAMPLE_OUTPUT: {0: "batch"}}
-    return _to_onnx(module, (dummy_x, dummy_y, *params), input_names=[INPUT_NAME, LABELS_NAME, *names],
+    return _to_onnx(graph, (_dummy_input(spec), dummy_y, *params), input_names=[INPUT_NAME, LABELS_NAME, *names],
                     output_names=[PER_EXAMPLE_OUTPUT], dynamic_axes=dynamic)
+
+
+def factor_layers(model: "ModelSpec", scope: str = "all") -> tuple[str, ...]:
+    """Prefixes of the trainable Linear layers, in layout order (``("phi.0", "psi")`` for the head model with an
+    adapter and scope "all"): the layers whose factors :func:`export_factor_graph` outputs.
+
+    Raises:
+        ValueError: unknown scope, or the model has a trainable layer other than ``Linear`` (no factored form).
+    """
+    names = [n for n, _ in model.parameter_shapes()]
+    trainable = trainable_names(names, scope)
+    if not model.linear_only:
+        raise ValueError(f"model kind {model.kind!r} has trainable layers other than Linear: no factor graph")
+    prefixes: list[str] = []
+    for name in trainable:
+        prefix = name.rsplit(".", 1)[0]
+        if prefix not in prefixes:
+            prefixes.append(prefix)
+    return tuple(prefixes)
+
+
+def export_factor_graph(model: "ModelSpec", scope: str = "all") -> "onnx.ModelProto":
+    """The per-example gradient factors graph of a Linear-only model (see the module docstring).
+
+    Inputs as :func:`export_per_example_graph`; outputs ``<L>.input`` float32 (B, in) and ``<L>.delta`` float32
+    (B, out) for each ``L`` of :func:`factor_layers`, in that order (input first).
+
+    Raises:
+        ValueError: unknown scope, or a model with a trainable layer other than Linear (e.g. the camera CNN).
+    """
+    import torch
+
+    spec = _spec(model)
+    layers = factor_layers(spec, scope)
+    module = spec.build().eval()
+    names = [n for n, _ in module.named_parameters()]
+    graph = _PerExampleModule(_layers(module), names, trainable_names(names, scope), factors=True)
+    params = tuple(p.detach().clone() for _, p in module.named_parameters())
+    outputs = [f"{layer}{suffix}" for layer in layers for suffix in (INPUT_SUFFIX, DELTA_SUFFIX)]
+    dynamic = {INPUT_NAME: {0: "batch"}, LABELS_NAME: {0: "batch"}, **{o: {0: "batch"} for o in outputs}}
+    return _to_onnx(graph, (_dummy_input(spec), torch.zeros(2, dtype=torch.int64), *params),
+                    input_names=[INPUT_NAME, LABELS_NAME, *names], output_names=outputs, dynamic_axes=dynamic)
 
 
 def _layers(model: "torch.nn.Module") -> list[tuple[str, Any]]:
@@ -164,17 +226,19 @@ def _build_module_class():  # torch is imported lazily: the class is created on 
     import torch.nn.functional as F
 
     class PerExample(torch.nn.Module):
-        """forward(x, labels, *params) -> per-example gradients (B, d_trainable), see the module docstring.
+        """forward(x, labels, *params) -> per-example gradients (B, d_trainable), or with ``factors`` the tuple
+        (a_L, delta_L for each trainable Linear L in forward order); see the module docstring.
 
         The batch dimension is the only dynamic one: spatial sizes are fixed by the model's input, so reshapes
         use ``-1`` for the batch and constants elsewhere.
         """
 
-        def __init__(self, layers: list, names: list[str], trainable: tuple[str, ...]) -> None:
+        def __init__(self, layers: list, names: list[str], trainable: tuple[str, ...], factors: bool) -> None:
             super().__init__()
             self._layers = layers
             self._names = names
             self._trainable = trainable
+            self._factors = factors
 
         def forward(self, x: torch.Tensor, labels: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
             p = dict(zip(self._names, params))
@@ -199,12 +263,16 @@ def _build_module_class():  # torch is imported lazily: the class is created on 
             onehot = torch.zeros_like(logits).scatter(1, labels.unsqueeze(1), 1.0)
             delta = torch.softmax(logits, dim=1) - onehot  # d loss_i / d logits_i
             grads: dict[str, torch.Tensor] = {}
+            factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
             tanh_done = False  # the tanh before a max-pool was differentiated at the pooled resolution
             for prefix, m, a_in, out, extra in reversed(tape):
                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
                     w_name, b_name = f"{prefix}.weight", f"{prefix}.bias"
                     if w_name in self._trainable:
-                        if isinstance(m, torch.nn.Linear):  # g_i(W) = delta_i a_i^T
+                        if isinstance(m, torch.nn.Linear) and self._factors:  # g_i(W) = delta_i a_i^T, kept apart
+                            factors[prefix] = (a_in, delta)
+                            grads[w_name] = grads[b_name] = delta
+                        elif isinstance(m, torch.nn.Linear):  # g_i(W) = delta_i a_i^T
                             grads[w_name] = (delta.unsqueeze(2) * a_in.unsqueeze(1)).flatten(1)
                             grads[b_name] = delta
                         else:
@@ -232,6 +300,9 @@ def _build_module_class():  # torch is imported lazily: the class is created on 
                         delta = delta * (1.0 - out * out)
                         tanh_done = True
                     delta = _pool_backward(delta, extra, _int(m.kernel_size), tuple(a_in.shape[1:]))
+            if self._factors:
+                order = [prefix for prefix, _ in self._layers if prefix in factors]
+                return tuple(t for prefix in order for t in factors[prefix])
             return torch.cat([grads[n] for n in self._trainable], dim=1)
 
     def _int(value: int | tuple[int, int]) -> int:
@@ -275,8 +346,9 @@ def _build_module_class():  # torch is imported lazily: the class is created on 
 _MODULE_CLASS = None
 
 
-def _PerExampleModule(layers: list, names: list[str], trainable: tuple[str, ...]) -> "torch.nn.Module":
+def _PerExampleModule(layers: list, names: list[str], trainable: tuple[str, ...], *,
+                      factors: bool) -> "torch.nn.Module":
     global _MODULE_CLASS
     if _MODULE_CLASS is None:
         _MODULE_CLASS = _build_module_class()
-    return _MODULE_CLASS(layers, names, trainable)
+    return _MODULE_CLASS(layers, names, trainable, factors)

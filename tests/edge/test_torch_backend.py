@@ -77,7 +77,7 @@ def test_ghost_clipping_path_equals_materialised_gradients(backend: TorchBackend
 def test_unsupported_layers_fall_back_to_vmap(rng) -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 8), torch.nn.LayerNorm(8),
                                 torch.nn.Linear(8, 3))
-    b = TorchBackend(3, model=model)
+    b = TorchBackend(3, module=model)
     assert b._ghost_layers is None
     x, y = rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0])
     implicit = b.per_example(x, y)
@@ -94,7 +94,7 @@ def test_ghost_path_on_strided_unpadded_and_rectangular_convs(rng) -> None:
         torch.nn.Conv2d(4, 2, 3, dilation=2, bias=False), torch.nn.Tanh(),
         torch.nn.Flatten(), torch.nn.LazyLinear(3))
     model(torch.zeros(1, 1, 28, 28))  # materialise the lazy layer
-    b = TorchBackend(3, model=model)
+    b = TorchBackend(3, module=model)
     assert b._ghost_layers is not None
     x, y = rng.integers(0, 256, size=(5, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0, 1])
     explicit = b.per_example_gradients(x, y).astype(np.float64)
