@@ -31,7 +31,7 @@ from rich.table import Table
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from coordinator.cli import _friendly, console, err_console
+from coordinator.cli.common import console, err_console, friendly
 
 __all__ = ["app"]
 
@@ -40,7 +40,7 @@ app = typer.Typer(name="wildfed", help="WildFed's laboratory: the demo federatio
 
 
 @app.command()
-@_friendly
+@friendly
 def demo(
     sites: int | None = typer.Option(None, help="gateway sites, one process each (default: 8; 6 with --task "
                                      "radiomap)"),
@@ -127,7 +127,7 @@ def _parse_seeds(text: str) -> tuple[int, ...]:
 
 
 @experiment_app.command("privacy-utility")
-@_friendly
+@friendly
 def privacy_utility(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; one full grid per seed"),
     rounds: int = typer.Option(10, help="federated rounds per run"),
@@ -171,7 +171,7 @@ def privacy_utility(
 
 
 @experiment_app.command("nira")
-@_friendly
+@friendly
 def nira_experiment(
     seeds: str = typer.Option("0,1,2", help="comma-separated seeds; one full grid per seed"),
     rounds: int = typer.Option(10, help="federated rounds per run"),
@@ -231,7 +231,7 @@ def _run_inner_command(ctx: typer.Context, command: Any, prog_name: str) -> None
     """Run a lazily imported command function with the outer command's raw arguments (so its module, which may
     import edge_sdk and torch, loads only when the command runs); a non-zero exit code is passed on."""
     inner = typer.Typer(add_completion=False)
-    inner.command()(_friendly(command))
+    inner.command()(friendly(command))
     code = typer.main.get_command(inner).main(args=list(ctx.args), prog_name=prog_name, standalone_mode=False)
     if isinstance(code, int) and code != 0:
         raise typer.Exit(code=code)
@@ -250,7 +250,7 @@ def radiomap(ctx: typer.Context) -> None:
 
 
 @app.command()
-@_friendly
+@friendly
 def audit(
     out: Path | None = typer.Option(None, help="output folder for audit.json and canaries.csv (default "
                                     "runs/audit-<UTC time>; must be new or empty)"),

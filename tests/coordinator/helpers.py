@@ -169,3 +169,23 @@ class SecAggSite:
             self.send("recovery", self.client.reveal_for_recovery(RecoveryRequest.from_json(msg.body)).to_json())
         else:
             self.ends.append(dict(msg.body))
+
+
+def wide_cli_consoles(monkeypatch, width: int = 1000) -> None:
+    """Give every ``wildfed-coordinator`` command module (coordinator/cli/) wide consoles, so that long temporary paths
+    are not folded across lines in the captured output (``monkeypatch``: pytest's fixture)."""
+    import importlib
+    import pkgutil
+
+    from rich.console import Console
+
+    import coordinator.cli
+
+    for info in pkgutil.iter_modules(coordinator.cli.__path__, "coordinator.cli."):
+        if info.name.endswith(".__main__"):  # importing it runs the CLI
+            continue
+        module = importlib.import_module(info.name)
+        if hasattr(module, "console"):
+            monkeypatch.setattr(module, "console", Console(width=width))
+        if hasattr(module, "err_console"):
+            monkeypatch.setattr(module, "err_console", Console(stderr=True, width=width))

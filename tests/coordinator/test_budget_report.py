@@ -14,10 +14,11 @@ from shared.keys import generate_signing_key, public_key_to_pem
 from shared.privacy.comparison import seed_advanced_composition_epsilon, textbook_gaussian_noise_multiplier
 from shared.privacy.events import DPSGDEvent
 
-from coordinator.cli import app, budget_report
+from coordinator.cli import app
 from coordinator.config import load_config
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
+from coordinator.reports import budget_report
 from coordinator.storage import Store
 
 DELTA = 1e-5

@@ -7,21 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
-import coordinator.cli as cli
 from coordinator.cli import app
 from coordinator.config import load_config
 from coordinator.registry import EnrolmentError, KeyRotationError, SiteRegistry
 from coordinator.storage import SiteKeyRow, SiteRow, Store
 from shared.keys import generate_signing_key, key_fingerprint, public_key_to_pem, save_public_key
+from tests.coordinator.helpers import wide_cli_consoles
 
 
 @pytest.fixture(autouse=True)
 def wide_consoles(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "console", Console(width=1000))
-    monkeypatch.setattr(cli, "err_console", Console(stderr=True, width=1000))
+    wide_cli_consoles(monkeypatch)
 
 
 def _flat(text: str) -> str:

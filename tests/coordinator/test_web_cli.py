@@ -13,7 +13,6 @@ import pytest
 import yaml
 from argon2 import PasswordHasher
 from PIL import Image
-from rich.console import Console
 from typer.testing import CliRunner
 
 import coordinator.cli as cli
@@ -21,6 +20,7 @@ import coordinator.web.auth as auth
 from coordinator.cli import app
 from coordinator.config import load_config
 from coordinator.storage import DetectionRow, Store
+from tests.coordinator.helpers import wide_cli_consoles
 
 CHEAP = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)  # fast for tests; the default is 64 MiB x 3
 
@@ -28,8 +28,7 @@ CHEAP = PasswordHasher(time_cost=1, memory_cost=8, parallelism=1)  # fast for te
 @pytest.fixture(autouse=True)
 def wide_consoles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wide consoles, so that long temporary paths are not folded across lines in the captured output."""
-    monkeypatch.setattr(cli, "console", Console(width=1000))
-    monkeypatch.setattr(cli, "err_console", Console(stderr=True, width=1000))
+    wide_cli_consoles(monkeypatch)
 
 
 def _flat(text: str) -> str:

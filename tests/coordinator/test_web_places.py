@@ -25,11 +25,8 @@ import numpy as np
 import pytest
 import yaml
 from fastapi.testclient import TestClient
-from rich.console import Console
 from typer.testing import CliRunner
 
-import coordinator.cli as cli
-import coordinator.web.places_cli as places_cli
 from coordinator.cli import app as cli_app
 from coordinator.config import load_config
 from coordinator.storage import DeploymentRow, PlaceRow, Store
@@ -37,6 +34,7 @@ from coordinator.web.app import create_app
 from coordinator.web.auth import AccountStore
 from coordinator.web.location_privacy import EARTH_RADIUS_M, haversine_m
 from tests.coordinator.test_web_app import login
+from tests.coordinator.helpers import wide_cli_consoles
 from tests.coordinator.web_fixtures import HASHER
 
 TRUTH = (-2.4017, 34.9123)  # the station
@@ -49,9 +47,7 @@ USERS = {"olga": ("operator", "operator-password-1"), "paul": ("partner", "partn
 @pytest.fixture(autouse=True)
 def wide_consoles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wide consoles: long temporary paths are not folded across lines in the captured output."""
-    for module in (cli, places_cli):
-        monkeypatch.setattr(module, "console", Console(width=1000))
-    monkeypatch.setattr(cli, "err_console", Console(stderr=True, width=1000))
+    wide_cli_consoles(monkeypatch)
 
 
 def _flat(text: str) -> str:

@@ -1,0 +1,235 @@
+"""``wildfed-coordinator`` commands that run the federation: ``init``, ``run``, ``status``, ``budget``,
+``ingest-worker``.
+
+::
+
+    wildfed-coordinator init DIR --federation-id ID     config + coordinator key pair (0600) + database
+    wildfed-coordinator run                             run the configured rounds with a progress bar
+    wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
+    wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
+                                                        site x IUCN category: budget, spent, remaining, rounds left;
+                                                        textbook / seed formulas beside them (comparison only)
+    wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shared.errors import ConfigError
+from shared.keys import generate_signing_key, save_private_key, save_public_key
+
+from coordinator.cli.common import DEFAULT_CONFIG, config_option, console, friendly, open_state
+from coordinator.config import config_from_dict, load_config, save_config
+from coordinator.reports import ROUNDS_LEFT_CAP, budget_report, plot_burn_down
+from coordinator.rounds import known_categories
+from coordinator.service import Coordinator, status_report
+
+__all__ = ["app"]
+
+app = typer.Typer()
+
+
+@app.command()
+@friendly
+def init(directory: Path = typer.Argument(Path("."), help="folder for the config, keys and data"),
+         federation_id: str = typer.Option(..., "--federation-id", help="federation id (letters, digits, _.-)"),
+         broker_url: str = typer.Option("mqtt://127.0.0.1:1883", "--broker", help="mqtt://host:port"),
+         rounds: int = typer.Option(10, help="rounds to run"),
+         database_url: str | None = typer.Option(None, "--database-url", help="default: SQLite in DIR/data"),
+         force: bool = typer.Option(False, help="overwrite an existing config (keys are kept)")) -> None:
+    """Write DIR/coordinator.yaml, a coordinator Ed25519 key pair (private key mode 0600) and the database."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg_path = directory / DEFAULT_CONFIG
+    if cfg_path.exists() and not force:
+        raise ConfigError("a config already exists", source=cfg_path, fix="pass --force to overwrite it")
+    config = config_from_dict({"federation_id": federation_id, "broker_url": broker_url, "rounds": rounds,
+                               "data_dir": "data", "database_url": database_url,
+                               "signing_key_path": "keys/coordinator.key",
+                               "public_key_path": "keys/coordinator.pub"}, source="init options")
+    save_config(config, cfg_path)
+    resolved = load_config(cfg_path)
+    if not resolved.signing_key_path.exists():
+        key = generate_signing_key()
+        save_private_key(key, resolved.signing_key_path)
+        save_public_key(key.public_key(), resolved.public_key_path)
+    store, _, _ = open_state(resolved)
+    store.dispose()
+    console.print(f"[green]initialised[/] federation [bold]{escape(federation_id)}[/] in "
+                  f"{escape(str(directory.resolve()))}")
+    console.print(escape(f"  config      {cfg_path}"))
+    console.print(escape(f"  public key  {resolved.public_key_path} (give this to gateways)"))
+    console.print(escape(f"  database    {resolved.database_url}"))
+
+
+@app.command()
+@friendly
+def status(config: Path = config_option()) -> None:
+    """Rounds, accepted updates, rejections counted by reason, and halted categories per site with the reason."""
+    cfg = load_config(config)
+    store, registry, ledger = open_state(cfg)
+    try:
+        rep = status_report(store, registry)
+        halts = ledger.halts()
+        left = [site.site_id for site in registry.list()
+                if (known := known_categories(site, ledger)) and known <= ledger.halted(site.site_id)]
+        site_ids = [site.site_id for site in registry.list()]
+    finally:
+        store.dispose()
+    console.print(f"federation [bold]{escape(cfg.federation_id)}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
+                  f"{rep.accepted} accepted update(s), model {(rep.model_hash or '-')[:12]}")
+    if site_ids:
+        shown = ", ".join(site_ids[:30]) + (f", ... (+{len(site_ids) - 30})" if len(site_ids) > 30 else "")
+        console.print(f"enrolled sites: {shown}")
+    table = Table(title="rounds")
+    for col in ("round", "status", "accepted", "new model", "privacy", "note"):
+        table.add_column(col, overflow="fold")
+    for r, st, n, h in rep.rounds:
+        mode, detail = rep.details.get(r, (None, None))
+        table.add_row(str(r), escape(st), str(n), (h or "-")[:12], escape(mode or "-"), escape(detail or ""))
+    console.print(table)
+    if cfg.strategy.kind == "nira":
+        console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
+    rej = Table(title="rejections by reason")
+    rej.add_column("reason")
+    rej.add_column("count", justify="right")
+    for reason, n in sorted(rep.rejections.items()):
+        rej.add_row(escape(reason), str(n))
+    if not rep.rejections:
+        rej.add_row("(none)", "0")
+    console.print(rej)
+    hal = Table(title="halted categories (records no longer sampled)")
+    for col in ("site", "category", "from round", "why"):
+        hal.add_column(col, overflow="fold")
+    for h in halts:
+        hal.add_row(h.site_id, h.category.value, str(h.round), escape(h.reason or "(no reason recorded)"))
+    if not halts:
+        hal.add_row("(none)", "-", "-", "-")
+    console.print(hal)
+    for site_id in left:
+        console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
+
+
+@app.command()
+@friendly
+def budget(config: Path = config_option(),
+           accountant: str | None = typer.Option(None, "--accountant", help="rdp or pld (default: the config's)"),
+           plot: Path | None = typer.Option(None, "--plot", help="write a burn-down PNG (spent per round per "
+                                            "category vs budget) to this file")) -> None:
+    """Privacy budget per site and IUCN category: budget, epsilon spent (ledger, all steps), remaining, rounds left
+    at the current rate; beside it, for comparison only, the textbook Gaussian noise and the seed's bound."""
+    cfg = load_config(config)
+    acc = accountant or cfg.accountant
+    if acc not in ("rdp", "pld"):
+        raise ConfigError(f"unknown accountant {acc!r}", field="accountant", fix="use --accountant rdp or pld")
+    store, registry, ledger = open_state(cfg)
+    try:
+        with console.status(f"composing the ledger with the {acc} accountant"):
+            rows = budget_report(cfg, registry, ledger, acc)  # type: ignore[arg-type]
+            if plot is not None:
+                plot_burn_down(cfg, ledger, acc, plot)  # type: ignore[arg-type]
+    finally:
+        store.dispose()
+    if cfg.privacy == "none":
+        console.print("[yellow]privacy is 'none' in this config: updates carry no DP guarantee[/]")
+    table = Table(title=f"privacy budget (epsilon per record, delta={cfg.target_delta:g}, accountant={acc})")
+    for col, just in (("site", "left"), ("category", "left"), ("budget", "right"), ("spent", "right"),
+                      ("remaining", "right"), ("used", "right"), ("rounds left", "right"), ("halted", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        used = r.spent / r.budget if r.budget > 0 else float("inf")
+        colour = "red" if r.halted else ("yellow" if used > 0.8 else "green")
+        left = ("-" if r.rounds_left is None else
+                f">={ROUNDS_LEFT_CAP}" if r.rounds_left >= ROUNDS_LEFT_CAP else str(r.rounds_left))
+        table.add_row(r.site_id, r.category.value, f"{r.budget:.4f}", f"{r.spent:.4f}", f"{r.remaining:.4f}",
+                      f"[{colour}]{used:.0%}[/]", left, "[red]yes[/]" if r.halted else "no")
+    console.print(table)
+    if acc != cfg.accountant:
+        console.print(f"[yellow]note: halting uses the config's accountant ({cfg.accountant}); spent and rounds left "
+                      f"above are what {acc} gives[/]")
+    cmp_ = Table(title="for comparison only: never used to calibrate, halt, or claim a guarantee",
+                 caption="z calibrated: the site's last event's noise multiplier (dp-accounting). textbook z = "
+                         "sqrt(2 ln(1.25/δ))/ε_budget: one Gaussian release, holds only for ε < 1. seed's loose "
+                         "bound: q sqrt(2 T ln(1/δ))/z (Abadi et al. Thm 1 without its constant; not a guarantee).")
+    for col in ("site", "category", "eps RDP", "seed's loose bound", "z calibrated", "textbook z"):
+        cmp_.add_column(col, justify="left" if col in ("site", "category") else "right")
+    for r in rows:
+        z_text = f"{r.z_textbook:.3f}" if r.textbook_valid else f"[dim]{r.z_textbook:.3f} invalid (eps >= 1)[/]"
+        cmp_.add_row(r.site_id, r.category.value, f"{r.eps_rdp:.4f}", f"{r.eps_seed_bound:.4f}",
+                     "-" if r.z_calibrated is None else f"{r.z_calibrated:.3f}", z_text)
+    console.print(cmp_)
+    if plot is not None:
+        console.print(escape(f"burn-down plot written to {plot}"))
+
+
+def _run(config: Path, rounds: int | None) -> None:
+    cfg = load_config(config)
+    coord = Coordinator(cfg)
+    try:
+        recovered = coord.start()
+        for r in recovered:
+            console.print(escape(f"recovered round {r.round}: {r.status}"))
+        target = cfg.rounds if rounds is None else rounds
+        first = coord.rounds.next_round()
+        with Progress(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=console) as progress:
+            task = progress.add_task("", total=max(0, target - first + 1))
+            for res in coord.iter_rounds(target):
+                progress.update(task, advance=1, description=f"round {res.round} {res.status}: "
+                                f"{len(res.accepted)}/{len(res.selected)} updates, model {res.model_hash[:12]}")
+    finally:
+        coord.close()
+    status(config)
+
+
+@app.command()
+@friendly
+def run(config: Path = config_option(),
+        rounds: int | None = typer.Option(None, help="run until this many rounds exist (default: config)")) -> None:
+    """Run the configured rounds against the broker, with a progress bar."""
+    logging.basicConfig(level=logging.WARNING)
+    _run(config, rounds)
+
+
+@app.command("ingest-worker")
+@friendly
+def ingest_worker(config: Path = config_option(),
+                  worker_id: str = typer.Option(..., "--worker-id", help="unique name of this worker (letters, digits, "
+                                                "_.-); its partial sums are stored under it"),
+                  log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR")) -> None:
+    """Ingest updates on the MQTT shared subscription until stopped (Ctrl-C / SIGTERM): one of the N workers of a
+    coordinator with `ingest_workers: N` (docs/transport.md, "Scale-out")."""
+    import signal as _signal
+    import threading
+
+    from coordinator.workers import IngestWorker
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not worker_id or not all(c.isalnum() or c in "_.-" for c in worker_id) or len(worker_id) > 64:
+        raise ConfigError(f"worker id {worker_id!r} is not 1-64 characters of letters, digits, _.-",
+                          field="--worker-id", fix="e.g. --worker-id ingest-1")
+    cfg = load_config(config)
+    if cfg.ingest_workers == 0:  # the coordinator would ingest the same updates on its plain subscription
+        raise ConfigError("this config has ingest_workers: 0, so the coordinator ingests every update itself; a "
+                          "worker beside it would store updates the coordinator then refuses as duplicates",
+                          source=config, field="ingest_workers",
+                          fix="set ingest_workers to the number of workers you run, and restart the coordinator")
+    worker = IngestWorker(cfg, worker_id)
+    stop = threading.Event()
+    _signal.signal(_signal.SIGTERM, lambda *_: stop.set())
+    worker.start()
+    console.print(escape(f"ingest worker {worker_id} listening (federation {cfg.federation_id}); Ctrl-C stops it"))
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()
