@@ -58,11 +58,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
 from shared.codec import decode_tensors, encode_tensors, model_hash
-from shared.envelope import Envelope, MessageKind, seal
+from shared.envelope import MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
-from shared.topics import task_topic
-from shared.transfer import NO_TRANSFER, Receipt, send
+from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
@@ -71,13 +70,14 @@ from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.radio import city_artifact, expected_events, radio_task
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
+from coordinator.outgoing import answer_download_receipt, outgoing_task_path, send_task_bytes, store_outgoing_task
+from coordinator.partial_sums import collect_round
 from coordinator.registry import Site, SiteRegistry
 from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport
 
-__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories", "answer_download_receipt",
-           "outgoing_task_path", "send_task_bytes"]
+__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
 
 log = logging.getLogger(__name__)
 
@@ -125,73 +125,6 @@ def _test_crash_point(name: str) -> None:
     """TEST ONLY: SIGKILL this process here when ``$WILDFED_TEST_CRASH_AT == name`` (see the module docstring)."""
     if os.environ.get(_CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
-    """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends): the envelope's
-    head (magic, header, signature) in ``<data_dir>/outgoing/<r>/<site>.head``, which names the payload file
-    ``payload-<sha256>.bin`` beside it (shared by every site whose task payload is the same)."""
-    return config.data_dir / "outgoing" / str(r) / f"{site_id}.head"
-
-
-def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, data: bytes, payload_length: int) -> None:
-    """Keep a sealed task for resends: its head per site, its payload once per content (no fsync: a lost file only
-    means the site waits for the next round)."""
-    head_path = outgoing_task_path(config, r, site_id)
-    head_path.parent.mkdir(parents=True, exist_ok=True)
-    split_at = len(data) - payload_length
-    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_sha256}.bin"
-    if not payload_path.exists():
-        tmp = payload_path.with_suffix(".tmp")
-        tmp.write_bytes(data[split_at:])
-        tmp.replace(payload_path)
-    head_path.write_bytes(data[:split_at])
-
-
-def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes:
-    """The sealed task bytes kept by :func:`store_outgoing_task`.
-
-    Raises:
-        FileNotFoundError: none kept for (r, site).
-    """
-    head = outgoing_task_path(config, r, site_id).read_bytes()
-    digest = Envelope.from_bytes(head).header.payload_sha256  # the head parses: the payload is empty there
-    return head + (outgoing_task_path(config, r, site_id).parent / f"payload-{digest}.bin").read_bytes()
-
-
-def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey, site_id: str,
-                    data: bytes, *, missing: tuple[int, ...] | None = None) -> int:
-    """Publish a sealed task on the site's task topic, chunked past ``transfer.chunk_size_bytes``
-    (``shared.transfer.send``); returns the number of messages."""
-    topic = task_topic(config.federation_id, site_id)
-    return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
-                chunk_size=config.transfer.chunk_size_bytes, missing=missing)
-
-
-def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey,
-                            ctx: RoundContext | None, site_id: str, round: int, receipt: Receipt) -> None:
-    """Answer a site's download receipt (``coordinator.transfers``): resend the missing chunks of its task for the
-    open round ``ctx``, or the whole task when the site holds nothing yet (``shared.transfer.NO_TRANSFER``: it was
-    offline when the round opened). Receipts with no open round, from a site not selected, or from a site whose
-    update is already in, are ignored (logged). Ingest workers answer them too: the task files are in the shared
-    ``data_dir``."""
-    if ctx is None or site_id not in ctx.selected or site_id in ctx.accepted:
-        log.info("rounds: receipt from %s for round %d ignored (no open round for it)", site_id, round)
-        return
-    try:
-        data = load_outgoing_task(config, ctx.round, site_id)
-    except FileNotFoundError:
-        log.warning("rounds: no stored task of round %d for %s to resend", ctx.round, site_id)
-        return
-    if receipt.transfer_id == NO_TRANSFER:
-        sent = send_task_bytes(config, transport, key, site_id, data)
-    elif receipt.transfer_id == hashlib.sha256(data).hexdigest():
-        sent = send_task_bytes(config, transport, key, site_id, data, missing=receipt.missing)
-    else:
-        log.info("rounds: receipt from %s names transfer %s, not its round-%d task", site_id, receipt.transfer_id[:12],
-                 ctx.round)
-        return
-    log.info("rounds: resent round %d task to %s (%d messages)", ctx.round, site_id, sent)
 
 
 class RoundManager:
@@ -454,8 +387,6 @@ class RoundManager:
         """Scale-out close (``coordinator.workers``): mark the round ``closing`` under the round row's lock (from then
         on a worker charges an update as late instead of storing it), then take the merged partial sums and the
         stored updates' reports as this round's aggregate and accepted set."""
-        from coordinator.workers import collect_round
-
         with self._store.session() as s:
             row = s.scalars(select(RoundRow).where(RoundRow.round == ctx.round).with_for_update()).first()
             assert row is not None

@@ -16,7 +16,8 @@ closed and charges the update as late: :meth:`coordinator.storage.Store.add_upda
 the workers' partial sums (``coordinator.strategies.fedavg.merge``; addition is associative) plus, for any stored
 update that no partial covers (a worker died between storing it and writing its partial), the update itself, read
 from its blob. Each stored update is therefore aggregated exactly once, and its events are charged once (ledger
-rows are unique per site, round and category).
+rows are unique per site, round and category). The partial sums' encoding and the merge are
+:mod:`coordinator.partial_sums`; the task resends a worker answers are :mod:`coordinator.outgoing`.
 
 State shared by the workers and the finaliser: the database (PostgreSQL; SQLite only on one machine) and the blob
 directory ``data_dir`` (accepted payloads, partial sums, chunk staging), which must be one shared folder. The path
@@ -31,33 +32,27 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
-from shared.codec import decode_tensors, encode_tensors
+from shared.codec import decode_tensors
 from shared.iucn import IUCNCategory
 from shared.keys import load_private_key
-from shared.privacy.events import DPSGDEvent
-from shared.protocol import decode_update
 from shared.topics import updates_filter
 
 from coordinator.config import CoordinatorConfig
 from coordinator.ingest import Accepted, Ingestor, ReplayWindow, RoundContext
 from coordinator.ledger import PrivacyLedger
 from coordinator.radio import expected_events
+from coordinator.outgoing import answer_download_receipt
+from coordinator.partial_sums import accepted_to_json, encode_partial
 from coordinator.registry import SiteRegistry
-from coordinator.rounds import answer_download_receipt
 from coordinator.storage import HaltRow, PartialSumRow, RoundRow, Store
-from coordinator.strategies.fedavg import FedAvg, RunningWeightedSum, add_weighted, merge, new_running_sum
+from coordinator.strategies.fedavg import FedAvg
 from coordinator.transfers import TransferLimits, TransferReceiver
 from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
 
-__all__ = ["SHARE_GROUP", "shared_updates_filter", "encode_partial", "decode_partial", "IngestWorker",
-           "collect_round"]
+__all__ = ["SHARE_GROUP", "shared_updates_filter", "IngestWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -67,52 +62,6 @@ SHARE_GROUP = "wildfed-ingest"
 def shared_updates_filter(federation_id: str, group: str = SHARE_GROUP) -> str:
     """``$share/<group>/<updates filter>``: the broker gives each update message to one member of ``group``."""
     return f"$share/{group}/{updates_filter(federation_id)}"
-
-
-def _event_json(e: DPSGDEvent) -> list[float]:
-    return [e.noise_multiplier, e.sampling_rate, e.steps]
-
-
-def _event(v: list) -> DPSGDEvent:
-    return DPSGDEvent(float(v[0]), float(v[1]), int(v[2]))
-
-
-def _accepted_json(a: Accepted) -> dict[str, Any]:
-    return {"site_id": a.site_id, "sequence": a.sequence, "num_examples": a.num_examples, "weight": a.weight,
-            "payload_sha256": a.payload_sha256, "events": {c.value: _event_json(e) for c, e in a.events.items()},
-            "count_events": {c.value: _event_json(e) for c, e in a.count_events.items()},
-            "species_counts": {str(k): v for k, v in a.species_counts.items()}}
-
-
-def _accepted_from_json(round: int, d: Mapping[str, Any]) -> Accepted:
-    return Accepted(site_id=d["site_id"], round=round, sequence=int(d["sequence"]),
-                    num_examples=int(d["num_examples"]), weight=float(d["weight"]),
-                    payload_sha256=d["payload_sha256"],
-                    events={IUCNCategory(c): _event(e) for c, e in d["events"].items()},
-                    count_events={IUCNCategory(c): _event(e) for c, e in d["count_events"].items()},
-                    species_counts={int(k): float(v) for k, v in d["species_counts"].items()})
-
-
-def encode_partial(acc: RunningWeightedSum) -> bytes:
-    """A partial sum as safetensors: the float64 sums, with total weight, count, contributors and the template
-    dtypes in the metadata (never pickled)."""
-    meta = {"total_weight": repr(float(acc.total_weight)), "count": str(acc.count),
-            "contributors": json.dumps(acc.contributors),
-            "dtypes": json.dumps({k: np.dtype(v).str for k, v in acc.dtypes.items()})}
-    return encode_tensors(acc.sums, meta)
-
-
-def decode_partial(data: bytes) -> RunningWeightedSum:
-    """Inverse of :func:`encode_partial`.
-
-    Raises:
-        PayloadError: not a partial-sum blob.
-    """
-    sums, meta = decode_tensors(data)
-    return RunningWeightedSum(sums={k: np.asarray(v, dtype=np.float64) for k, v in sums.items()},
-                              dtypes={k: np.dtype(v) for k, v in json.loads(meta["dtypes"]).items()},
-                              total_weight=float(meta["total_weight"]), count=int(meta["count"]),
-                              contributors=list(json.loads(meta["contributors"])))
 
 
 class IngestWorker:
@@ -220,7 +169,7 @@ class IngestWorker:
         """After each accepted update: this worker's partial sum and covered sites, durably (blob, then row)."""
         acc = ctx.strategy.running_sum  # type: ignore[attr-defined] - FedAvg
         digest = self.store.put_blob(encode_partial(acc))
-        sites = [_accepted_json(a) for a in ctx.accepted.values()]
+        sites = [accepted_to_json(a) for a in ctx.accepted.values()]
         with self.store.session() as s:
             row = s.scalars(select(PartialSumRow).where(PartialSumRow.round == ctx.round,
                                                         PartialSumRow.worker_id == self.worker_id)).first()
@@ -234,42 +183,3 @@ class IngestWorker:
 def _local_steps(config: CoordinatorConfig) -> int:
     radio = config.radio if config.model == "radio_unet" else None
     return radio.local_epochs if radio is not None else config.local_steps
-
-
-def collect_round(store: Store, round: int, template: Mapping[str, np.ndarray]
-                  ) -> tuple[RunningWeightedSum, dict[str, Accepted]]:
-    """The finaliser's merge (module docstring): the workers' partial sums of ``round``, plus every stored update no
-    partial covers, read from its blob. Only updates with a row in ``updates`` count (a partial never covers more).
-
-    Returns:
-        ``(merged running sum, {site: Accepted})`` over exactly the round's stored updates.
-    """
-    stored = {u.site_id: u for u in store.updates_for_round(round)}
-    with store.session() as s:
-        partials = list(s.scalars(select(PartialSumRow).where(PartialSumRow.round == round)
-                                  .order_by(PartialSumRow.worker_id)))
-    acc = new_running_sum(template)
-    accepted: dict[str, Accepted] = {}
-    for p in partials:
-        covered = [_accepted_from_json(round, d) for d in json.loads(p.sites_json)]
-        if not covered or any(a.site_id not in stored for a in covered):
-            continue  # cannot happen (partials are written after the rows), but never merge unstored updates
-        if any(a.site_id in accepted for a in covered):
-            continue  # a site in two partials cannot happen (unique round+site rows); skip rather than double
-        acc = merge(acc, decode_partial(store.get_blob(p.blob_sha256)))
-        for a in covered:
-            accepted[a.site_id] = a
-    for site_id, upd in stored.items():
-        if site_id in accepted:
-            continue
-        report, delta = decode_update(store.get_blob(upd.payload_sha256))
-        add_weighted(acc, delta, float(report.num_examples))
-        acc.contributors.append(site_id)
-        accepted[site_id] = Accepted(site_id=site_id, round=round, sequence=upd.sequence,
-                                     num_examples=upd.num_examples, weight=float(report.num_examples),
-                                     payload_sha256=upd.payload_sha256, events=report.events,
-                                     count_events=dict(report.count_events),
-                                     species_counts=dict(report.species_counts))
-        log.warning("collect: round %d update of %s was in no partial sum (its worker stopped?); read from its blob",
-                    round, site_id)
-    return acc, accepted

@@ -20,11 +20,12 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 from shared.topics import update_topic
 
+from coordinator.partial_sums import decode_partial, encode_partial
 from coordinator.service import Coordinator
 from coordinator.storage import PartialSumRow, Store
-from coordinator.transport import MqttTransport
-from coordinator.workers import IngestWorker, decode_partial, encode_partial
 from coordinator.strategies.fedavg import add_weighted, new_running_sum
+from coordinator.transport import MqttTransport
+from coordinator.workers import IngestWorker
 from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture
 from tests.coordinator.test_postgres import PG_URL, pg_schema  # noqa: F401 - the PostgreSQL schema fixture
@@ -123,7 +124,7 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
 
     from coordinator.ingest import Accepted
     from coordinator.storage import RoundRow, UpdateRow
-    from coordinator.workers import _accepted_json, collect_round
+    from coordinator.partial_sums import accepted_to_json, collect_round
 
     store = Store("sqlite://", tmp_path / "d")
     from coordinator.registry import SiteRegistry
@@ -145,7 +146,7 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
         if sid != "s3":
             add_weighted(acc, delta, float(n))
             acc.contributors.append(sid)
-            covered.append(_accepted_json(Accepted(sid, 1, 1, n, float(n), digest, {IUCNCategory.VU: EVENT})))
+            covered.append(accepted_to_json(Accepted(sid, 1, 1, n, float(n), digest, {IUCNCategory.VU: EVENT})))
     import json
 
     with store.session() as s:

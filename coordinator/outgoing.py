@@ -1,0 +1,99 @@
+"""The open round's sealed tasks: kept on disk, sent chunked, resent when a site's download receipt asks.
+
+The round manager (:mod:`coordinator.rounds`) seals a task per selected site, keeps it here while the round is open
+and sends it; a site that lost chunks, or was offline when the round opened, answers with a download receipt
+(``coordinator.transfers``), and whoever holds the receipt (the round manager, or an ingest worker of
+:mod:`coordinator.workers`, which shares ``data_dir``) resends from the kept bytes. Both import this module; neither
+imports the other for it.
+
+On disk: ``<data_dir>/outgoing/<round>/<site>.head`` (magic, header, signature) names the payload file
+``payload-<sha256>.bin`` beside it, written once per content (every site whose payload is the same shares it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared.envelope import Envelope
+from shared.topics import task_topic
+from shared.transfer import NO_TRANSFER, Receipt, send
+
+from coordinator.config import CoordinatorConfig
+from coordinator.ingest import RoundContext
+from coordinator.transport import Transport
+
+__all__ = ["outgoing_task_path", "store_outgoing_task", "load_outgoing_task", "send_task_bytes",
+           "answer_download_receipt"]
+
+log = logging.getLogger(__name__)
+
+
+def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
+    """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends): the envelope's
+    head (magic, header, signature) in ``<data_dir>/outgoing/<r>/<site>.head``, which names the payload file
+    ``payload-<sha256>.bin`` beside it (shared by every site whose task payload is the same)."""
+    return config.data_dir / "outgoing" / str(r) / f"{site_id}.head"
+
+
+def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, data: bytes, payload_length: int) -> None:
+    """Keep a sealed task for resends: its head per site, its payload once per content (no fsync: a lost file only
+    means the site waits for the next round)."""
+    head_path = outgoing_task_path(config, r, site_id)
+    head_path.parent.mkdir(parents=True, exist_ok=True)
+    split_at = len(data) - payload_length
+    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_sha256}.bin"
+    if not payload_path.exists():
+        tmp = payload_path.with_suffix(".tmp")
+        tmp.write_bytes(data[split_at:])
+        tmp.replace(payload_path)
+    head_path.write_bytes(data[:split_at])
+
+
+def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes:
+    """The sealed task bytes kept by :func:`store_outgoing_task`.
+
+    Raises:
+        FileNotFoundError: none kept for (r, site).
+    """
+    head = outgoing_task_path(config, r, site_id).read_bytes()
+    digest = Envelope.from_bytes(head).header.payload_sha256  # the head parses: the payload is empty there
+    return head + (outgoing_task_path(config, r, site_id).parent / f"payload-{digest}.bin").read_bytes()
+
+
+def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey, site_id: str,
+                    data: bytes, *, missing: tuple[int, ...] | None = None) -> int:
+    """Publish a sealed task on the site's task topic, chunked past ``transfer.chunk_size_bytes``
+    (``shared.transfer.send``); returns the number of messages."""
+    topic = task_topic(config.federation_id, site_id)
+    return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
+                chunk_size=config.transfer.chunk_size_bytes, missing=missing)
+
+
+def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey,
+                            ctx: RoundContext | None, site_id: str, round: int, receipt: Receipt) -> None:
+    """Answer a site's download receipt (``coordinator.transfers``): resend the missing chunks of its task for the
+    open round ``ctx``, or the whole task when the site holds nothing yet (``shared.transfer.NO_TRANSFER``: it was
+    offline when the round opened). Receipts with no open round, from a site not selected, or from a site whose
+    update is already in, are ignored (logged). Ingest workers answer them too: the task files are in the shared
+    ``data_dir``."""
+    if ctx is None or site_id not in ctx.selected or site_id in ctx.accepted:
+        log.info("outgoing: receipt from %s for round %d ignored (no open round for it)", site_id, round)
+        return
+    try:
+        data = load_outgoing_task(config, ctx.round, site_id)
+    except FileNotFoundError:
+        log.warning("outgoing: no stored task of round %d for %s to resend", ctx.round, site_id)
+        return
+    if receipt.transfer_id == NO_TRANSFER:
+        sent = send_task_bytes(config, transport, key, site_id, data)
+    elif receipt.transfer_id == hashlib.sha256(data).hexdigest():
+        sent = send_task_bytes(config, transport, key, site_id, data, missing=receipt.missing)
+    else:
+        log.info("outgoing: receipt from %s names transfer %s, not its round-%d task", site_id, receipt.transfer_id[:12],
+                 ctx.round)
+        return
+    log.info("outgoing: resent round %d task to %s (%d messages)", ctx.round, site_id, sent)
