@@ -59,8 +59,8 @@ class LinearFactors(PerExampleGradients):
             batch = a.shape[0] if batch is None else batch
             if a.shape[0] != batch:
                 raise ValueError(f"factors of {prefix!r} have batch {a.shape[0]}, others {batch}")
-            d2 = np.einsum("ij,ij->i", delta, delta, dtype=np.float64)
-            term = d2 * np.einsum("ij,ij->i", a, a, dtype=np.float64) if kind == "weight" else d2
+            d2 = np.square(delta, dtype=np.float64).sum(axis=1)  # float64 accumulation (clipping relies on it)
+            term = d2 * np.square(a, dtype=np.float64).sum(axis=1) if kind == "weight" else d2
             sq = term if sq is None else sq + term
             self._pieces.append((kind, a, delta))
         self.norms = np.sqrt(sq) if sq is not None else np.zeros(0)

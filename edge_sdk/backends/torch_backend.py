@@ -273,12 +273,17 @@ class _GhostGradients(PerExampleGradients):
     def __init__(self, pieces: dict[str, tuple], layout: tuple[ParameterSpec, ...]) -> None:
         self._pieces = pieces
         self._layout = layout
+        row_sq: dict[int, torch.Tensor] = {}  # a layer's delta serves its weight and its bias: one norm each
+
+        def squared(t: torch.Tensor) -> torch.Tensor:
+            """float64 (B,) squared row norms, accumulated in float64 (no float64 copy of ``t``)."""
+            if id(t) not in row_sq:
+                row_sq[id(t)] = torch.linalg.vector_norm(t.flatten(1), dim=1, dtype=torch.float64).square()
+            return row_sq[id(t)]
+
         sq = None
         for piece in pieces.values():
-            if piece[0] == "outer":
-                term = piece[1].pow(2).sum(1, dtype=torch.float64) * piece[2].pow(2).sum(1, dtype=torch.float64)
-            else:
-                term = piece[1].pow(2).sum(1, dtype=torch.float64)
+            term = squared(piece[1]) * squared(piece[2]) if piece[0] == "outer" else squared(piece[1])
             sq = term if sq is None else sq + term
         self.norms = sq.sqrt().cpu().numpy()
 
