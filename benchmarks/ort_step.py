@@ -2,17 +2,23 @@
 
 Run by hand (not part of the tests)::
 
-    .venv/bin/python benchmarks/ort_step.py [--batch 64] [--repeats 40] [--threads 1]
+    .venv/bin/python benchmarks/ort_step.py [--model head|camera_cnn] [--adapter-width 256] [--batch 64]
+                                            [--repeats 40] [--threads 1] [--no-loop]
 
-Same camera CNN (``shared.models.camera_cnn``, 33,194 parameters), same weights, same fixed batch (Animal-MNIST
-images when they are cached, else random pixels), same thread count. Timed steps (numpy in, numpy out, as the
-gateway runs them):
+Same model, same weights, same fixed batch, same thread count. ``--model head`` (default): the trainable camera
+model ``shared.models.head`` (330,506 parameters with the 256-wide adapter) on Animal-MNIST backbone embeddings
+(``dp_step.load_records``: EfficientNet-Lite0 at 128 px, cached); ``--model camera_cnn``: the legacy 28x28 CNN
+(33,194 parameters) on Animal-MNIST images when they are cached, else random pixels. Timed steps (numpy in, numpy
+out, as the gateway runs them):
 
 - ``torch non-private`` / ``ORT non-private``: ``backend.gradient`` (one batched backward: torch autograd / the ORT
   training graph) + ``backend.apply_gradient``;
 - ``torch CCDP`` / ``ORT CCDP``: ``CCDPMechanism.privatize(backend.per_example(x, y), categories)`` (clip, one
   summed-variance Gaussian from the secure AES-CTR source, normalise) + ``apply_gradient``: the torch backend's
-  per-example gradients are its ghost/windowed path, the ORT backend's the exported one-pass graph;
+  per-example gradients are its ghost/windowed path, the ORT backend's the exported one-pass graph (for the head
+  model its factor graph: layer inputs and output gradients, no (B, d) matrix);
+- ``ORT CCDP, (B, d) rows`` (head model): the same step from the materialised per-example graph instead of the
+  factor graph, to show what the factors save;
 - ``ORT CCDP, batch-1 loop``: the alternative for full-model per-example gradients on ORT, one ``train_step`` of the
   training graph per example reading each ``CheckpointState`` parameter's gradient (docs/ort.md, "measured").
 
@@ -23,6 +29,7 @@ alike; medians, 25-75 % ranges and minima are printed, with the ratios ORT / tor
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import numpy as np
 from _timing import interleaved
@@ -30,7 +37,10 @@ from _timing import interleaved
 
 def _images(batch: int) -> tuple[np.ndarray, np.ndarray, str]:
     try:
-        from wildfed_sim.animal_mnist import fetch_animal_mnist
+        try:
+            from wildfed_sim.animal_mnist import fetch_animal_mnist
+        except ImportError:  # before the move of the experiments
+            from coordinator.experiments.animal_mnist import fetch_animal_mnist
 
         data = fetch_animal_mnist()
         pick = np.random.default_rng(0).choice(len(data.labels), size=batch, replace=False)
@@ -43,6 +53,8 @@ def _images(batch: int) -> tuple[np.ndarray, np.ndarray, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("head", "camera_cnn"), default="head")
+    parser.add_argument("--adapter-width", type=int, default=256, help="head model: 0 = head only")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
@@ -58,26 +70,34 @@ def main() -> None:
     from edge_sdk.privacy.randomness import SecureRandom
     from shared.codec import model_hash
     from shared.iucn import IUCNCategory
-    from shared.models.camera_cnn import initial_weights
+    from shared.models.kinds import model_spec
 
-    x, y, source = _images(args.batch)
+    if args.model == "head":
+        from dp_step import load_records
+
+        spec = model_spec("head", 10, adapter_width=args.adapter_width)
+        x, y, source = load_records("head", args.batch)
+        weights = spec.initial_weights(0, head_init="uniform")  # psi = 0 would block the adapter's gradient
+    else:
+        spec = model_spec("camera_cnn", 10)
+        x, y, source = _images(args.batch)
+        weights = spec.initial_weights(0)
     cats = (np.arange(args.batch) % 6 + 1).astype(np.int8)
-    weights = initial_weights(10, seed=0)
     lr, clip, z = 0.1, 1.0, 1.0
     folder = ArtifactCache(tempfile.mkdtemp(prefix="wildfed-bench-")).store(
-        model_hash(weights), build_artifacts(weights, 10, model_hash=model_hash(weights)))
+        model_hash(weights), build_artifacts(weights, model_hash=model_hash(weights)))
     secure = SecureRandom()
     mech = CCDPMechanism(clipping_norm=clip, noise_multipliers={c: z for c in IUCNCategory},
                          expected_batch_size=float(args.batch), noise=secure)
 
     def make(kind: str):
-        b = (TorchBackend(10, threads=args.threads, microbatch_size=args.batch) if kind == "torch"
-             else OrtBackend(10, threads=args.threads, microbatch_size=args.batch, artifacts=folder))
+        b = (TorchBackend(model=spec, threads=args.threads, microbatch_size=args.batch) if kind == "torch"
+             else OrtBackend(model=spec, threads=args.threads, microbatch_size=args.batch, artifacts=folder))
         b.set_weights(weights)
         return b
 
     backends = {name: make(name.split()[0].lower()) for name in
-                ("torch non-private", "ORT non-private", "torch CCDP", "ORT CCDP", "ORT loop")}
+                ("torch non-private", "ORT non-private", "torch CCDP", "ORT CCDP", "ORT rows", "ORT loop")}
 
     def plain(b):
         return lambda: b.apply_gradient(b.gradient(x, y), lr)
@@ -105,12 +125,23 @@ def main() -> None:
              "ORT non-private": plain(backends["ORT non-private"]),
              "torch CCDP": private(backends["torch CCDP"]),
              "ORT CCDP": private(backends["ORT CCDP"])}
+    if spec.linear_only:
+        rows_backend = backends["ORT rows"]
+
+        def rows_step() -> None:
+            from edge_sdk.privacy.per_example import MaterialisedGradients
+
+            grads = MaterialisedGradients(rows_backend.per_example_gradients(x, y))
+            rows_backend.apply_gradient(mech.privatize(grads, cats), lr)
+
+        steps["ORT CCDP, (B, d) rows"] = rows_step
     if not args.no_loop:
         steps["ORT CCDP, batch-1 loop"] = loop_step
     times = interleaved(steps, args.repeats)
 
-    print(f"camera CNN, batch {args.batch} ({source}), {args.threads} thread(s), {args.repeats} repeats, "
-          f"onnxruntime {onnxruntime.__version__}")
+    print(f"{spec.kind} {spec.option_dict or ''} ({backends['ORT CCDP'].num_parameters:,} parameters), batch "
+          f"{args.batch} ({source}), {args.threads} thread(s), {args.repeats} repeats, onnxruntime "
+          f"{onnxruntime.__version__}, load average {os.getloadavg()[0]:.2f}")
     for name, t in times.items():
         q25, q50, q75 = np.percentile(t, [25, 50, 75]) * 1e3
         print(f"  {name:24s} median {q50:7.2f} ms  (25-75% {q25:6.2f}-{q75:6.2f})  min {t.min() * 1e3:7.2f} ms")
@@ -120,6 +151,8 @@ def main() -> None:
                                         ("CCDP", "ORT CCDP", "torch CCDP")):
         print(f"  ORT / torch, {label:11s}: median {med[ort_name] / med[torch_name]:.2f}, "
               f"min {low[ort_name] / low[torch_name]:.2f}  (target <= 1)")
+    if "ORT CCDP, (B, d) rows" in med:
+        print(f"  (B, d) rows / factor graph (ORT CCDP): median {med['ORT CCDP, (B, d) rows'] / med['ORT CCDP']:.2f}")
     if "ORT CCDP, batch-1 loop" in med:
         print(f"  batch-1 loop / exported graph (ORT CCDP): median "
               f"{med['ORT CCDP, batch-1 loop'] / med['ORT CCDP']:.2f}")
