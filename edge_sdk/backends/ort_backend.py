@@ -237,9 +237,13 @@ class OrtBackend(TrainingBackend):
     def load_artifacts(self, folder: str | os.PathLike[str]) -> None:
         """Load an artifact set; keeps the current weights if the graphs and parameter names are unchanged.
 
+        The model (kind and options) is the manifest's ``model`` (absent: the camera CNN); where the manifest lists
+        factor graphs (Linear-only models) the DP step uses them (:meth:`per_example`).
+
         Raises:
-            ConfigError: missing files, another format, another number of classes, or a module whose parameter
-                order differs from the manifest's.
+            ConfigError: missing files (a listed factor graph included), another format, another number of classes,
+                another model than the backend was built for (``model=``), or a module whose parameter order
+                differs from the manifest's.
         """
         folder = Path(folder)
         missing = [f for f in _REQUIRED_FILES if not (folder / f).is_file()]

@@ -165,6 +165,8 @@ class _CameraCNN(_Kind):
         return build_model(spec.num_classes)
 
     def initial_weights(self, spec: "ModelSpec", rng: np.random.Generator, **init: Any) -> dict[str, np.ndarray]:
+        """torch's default initialisation seeded by one draw from ``rng`` (so not equal to
+        ``camera_cnn.initial_weights(K, seed)`` for the same integer)."""
         from shared.models.camera_cnn import initial_weights
 
         if init:
