@@ -50,6 +50,7 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
+from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.radio import RadioMapSet
 from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
@@ -63,6 +64,7 @@ from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
+from edge_sdk.data.embedding import embed_dataset
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
 from edge_sdk.radio import RadioSiteTrainer, run_radio_task
@@ -115,12 +117,21 @@ def requested_backend(config: SiteConfig) -> str:
     return "torch"
 
 
-def build_backend(config: SiteConfig, name: str | None = None) -> TrainingBackend:
+def embedding_cache_dir(config: SiteConfig) -> Path:
+    """Where the site's backbone embeddings are cached: ``config.embedding_cache``, default
+    ``<outbox folder>/embeddings``."""
+    return Path(config.embedding_cache) if config.embedding_cache is not None else Path(config.outbox).parent / \
+        "embeddings"
+
+
+def build_backend(config: SiteConfig, name: str | None = None, *, model: ModelSpec | None = None
+                  ) -> TrainingBackend:
     """The training backend a site config asks for (or ``name``): its own settings first, then its firmware
     profile's, then defaults (torch, cpu, 1 thread, micro-batch 64). ``auto`` builds ``ort`` where
     ``onnxruntime.training`` imports and the device is the CPU, ``torch`` otherwise; the agent refines ``auto`` per
     task (ORT only when the task carries artifacts, :meth:`EdgeAgent.select_backend`). An ``ort`` backend is built
-    without artifacts; they are loaded per task.
+    without artifacts; they are loaded per task. ``model``: the architecture to build (the spec of the task's
+    weights, ``shared.models.kinds.spec_from_weights``); default ``shared.models.kinds.DEFAULT_KIND``.
 
     Raises:
         ConfigError: unknown backend or profile, or a framework that is not installed.
@@ -139,6 +150,8 @@ def build_backend(config: SiteConfig, name: str | None = None) -> TrainingBacken
     if backend == "auto":
         backend = "ort" if settings["device"] == "cpu" and ort_training_importable() else "torch"
     log.info("site %s: backend %s %s (profile %s)", config.site_id, backend, settings, config.profile or "none")
+    if model is not None:
+        return create_backend(backend, model=model, **settings)
     return create_backend(backend, num_classes=config.model_classes, **settings)
 
 
@@ -228,6 +241,9 @@ class EdgeAgent:
         else:
             dataset = load_camtrap_dp(config.dataset, config.species_table, image_size=config.image_size,
                                       missing_media=config.missing_media)
+            # the frozen backbone embeds each record once; later starts read the cache (edge_sdk.data.embedding)
+            dataset = embed_dataset(dataset, embedding_cache_dir(config), input_size=config.embedding_input_size,
+                                    threads=config.threads)
         log.info("site %s: %d %s loaded from %s", config.site_id, len(dataset),
                  "radio maps" if config.task == "radiomap" else "records", config.dataset)
         if transport is None:
@@ -485,21 +501,34 @@ class EdgeAgent:
         digest = hashlib.sha256(f"{task.seed}/{self.config.site_id}/{task.round}".encode()).digest()
         return SeededRandom(int.from_bytes(digest[:8], "big"))
 
-    def select_backend(self, task: TrainingTask, artifacts: dict[str, bytes]) -> TrainingBackend | None:
+    def select_backend(self, task: TrainingTask, artifacts: dict[str, bytes],
+                       weights: dict[str, np.ndarray] | None = None) -> TrainingBackend | None:
         """Pick (and build on first use) the backend for ``task`` and set :attr:`backend`; None if rejected.
 
         ``auto``: ``ort`` when ``onnxruntime.training`` imports and ORT artifacts for the task's model hash are in
         the task or in the gateway's artifact cache, ``torch`` otherwise. An ``ort`` backend loads the artifacts
         (stored in the cache, keyed by model hash, after the task's signature and SHA-256 checks).
+        ``weights``: the task's global model; a torch backend of another architecture (e.g. the coordinator's
+        head-only model, ``adapter_width`` 0) is rebuilt for the weights' spec.
         """
         want = self._requested
         cached = self.artifact_cache.path(task.model_hash)
         if want == "auto" and not (artifacts or cached):
             want = "torch"  # no artifacts for this model version: ORT cannot train it
-        backend = self._backends.get(want)
-        if backend is None:
+        spec = None
+        if weights is not None:
             try:
-                backend = build_backend(self.config, name=want)  # "auto": ort where it imports (cpu), else torch
+                spec = spec_from_weights(weights)
+            except ValueError as exc:
+                self._reject("task", "model_mismatch", str(exc))
+                return None
+        backend = self._backends.get(want)
+        if backend is not None and spec is not None and getattr(backend, "spec", spec) != spec \
+                and backend.name != "ort":  # ORT takes its architecture from the task's artifacts
+            backend = None
+        if backend is None:
+            try:  # "auto": ort where it imports (cpu), else torch
+                backend = build_backend(self.config, name=want, model=spec if want != "ort" else None)
             except (ValueError, PayloadError) as exc:  # ConfigError: framework not installed
                 self._reject("task", "backend_unavailable", str(exc))
                 return None
@@ -563,7 +592,7 @@ class EdgeAgent:
             return False
         if task.radio is not None:
             return self._train_radio(task, weights, artifacts)
-        if self.select_backend(task, artifacts) is None:
+        if self.select_backend(task, artifacts, weights) is None:
             return False
         if task.privacy == "global":
             return self._start_global_round(task, weights)

@@ -115,7 +115,10 @@ class SiteConfig(BaseModel):
         threads: CPU threads the backend may use, ``>= 1``; default 1.
         microbatch_size: per-example gradients are computed this many examples at a time (memory cap);
             default 64.
-        image_size: side of the square grayscale model input in pixels.
+        image_size: side of the square grayscale copy of each image the loader keeps in memory (not a model input).
+        embedding_cache: folder of the backbone-embedding cache (``edge_sdk.data.embedding``); default
+            ``<outbox folder>/embeddings``.
+        embedding_input_size: the backbone's input size S in pixels (128: chosen by measurement, docs/backbone.md).
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
         allow_non_private: accept tasks whose ``privacy`` is ``"none"`` (default: refuse them).
         allow_global_dp: accept tasks whose ``privacy`` is ``"global"`` (secure aggregation; the coordinator adds
@@ -162,6 +165,8 @@ class SiteConfig(BaseModel):
     threads: int | None = Field(default=None, ge=1)
     microbatch_size: int | None = Field(default=None, ge=1)
     image_size: int = Field(default=28, ge=4)
+    embedding_cache: Path | None = None
+    embedding_input_size: int = Field(default=128, ge=32, le=1024)
     num_classes: int | None = Field(default=None, ge=2)
     allow_non_private: bool = False
     allow_global_dp: bool = False
@@ -245,8 +250,8 @@ class SiteConfig(BaseModel):
         return max(2, max((s.class_index for s in self.species), default=0) + 1)
 
 
-_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "broker_ca_file",
-                "broker_cert_file", "broker_key_file", "broker_password_file")
+_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
+                "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
 
 
 def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SiteConfig:

@@ -97,7 +97,7 @@ def local_step(
         The realised batch size (a non-private step with an empty batch is skipped).
     """
     idx = poisson_sample(eligible, sampling_rate, randomness)
-    x, y = dataset.images[idx], dataset.labels[idx]
+    x, y = dataset.inputs[idx], dataset.labels[idx]  # backbone embeddings once embedded (embed_dataset)
     if mechanism is not None:
         # an empty batch is a noise-only step (its (0, d) gradients need no backend call)
         grads = (backend.per_example(x, y) if idx.size
@@ -151,7 +151,8 @@ def train_locally(
 
     Args:
         backend: the training backend (its weights are overwritten).
-        dataset: the site's records (images uint8 (N, H, W), labels int64 (N,), categories int8 (N,)).
+        dataset: the site's records (labels int64 (N,), categories int8 (N,)); the model trains on
+            ``dataset.inputs``: the backbone embeddings float32 (N, 1280) once ``embed_dataset`` filled them.
         task: the decoded training task.
         global_weights: ``{name: float32 array}``, the round's global model.
         site_categories: the categories of the site's species table (public configuration).
@@ -257,7 +258,7 @@ def clipped_sum_locally(
     idx = poisson_sample(eligible, q, randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
     if idx.size:
-        grads = backend.per_example(dataset.images[idx], dataset.labels[idx])
+        grads = backend.per_example(dataset.inputs[idx], dataset.labels[idx])
         factors = clip_factors_from_norms(grads.norms, task.clipping_norm)
         flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
     log.info("round %d: global DP: clipped sum of a Poisson batch at q=%.4g (C=%g), no local noise", task.round, q,

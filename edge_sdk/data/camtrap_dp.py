@@ -64,12 +64,19 @@ class LocalDataset:
         categories: int8 array (N,), IUCN category rank of each record's species (CR=1 .. NE=6,
             ``shared.iucn.IUCNCategory.rank``).
         media_ids: tuple of N Camtrap DP ``mediaID`` strings, in the order of the arrays.
+        files: the N image files (paths as loaded; empty for a dataset built in memory).
+        sha256: the N SHA-256 hex digests of those files' bytes (the record's content hash; empty likewise).
+        features: float32 (N, E) backbone embeddings, what the head model trains on
+            (:func:`edge_sdk.data.embedding.embed_dataset`), or None before embedding.
     """
 
     images: np.ndarray
     labels: np.ndarray
     categories: np.ndarray
     media_ids: tuple[str, ...]
+    files: tuple[str, ...] = ()
+    sha256: tuple[str, ...] = ()
+    features: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.media_ids)
@@ -79,6 +86,17 @@ class LocalDataset:
             raise ValueError(f"labels must be int64 ({n},), got {self.labels.dtype} {self.labels.shape}")
         if self.categories.dtype != np.int8 or self.categories.shape != (n,):
             raise ValueError(f"categories must be int8 ({n},), got {self.categories.dtype} {self.categories.shape}")
+        for name in ("files", "sha256"):
+            if len(getattr(self, name)) not in (0, n):
+                raise ValueError(f"{name} must hold 0 or {n} entries, got {len(getattr(self, name))}")
+        if self.features is not None and (self.features.dtype != np.float32 or self.features.ndim != 2
+                                          or self.features.shape[0] != n):
+            raise ValueError(f"features must be float32 (N={n}, E), got {self.features.dtype} {self.features.shape}")
+
+    @property
+    def inputs(self) -> np.ndarray:
+        """What a model trains on: :attr:`features` (float32 (N, E)) once embedded, else :attr:`images`."""
+        return self.features if self.features is not None else self.images
 
     def __len__(self) -> int:
         return len(self.media_ids)
@@ -225,7 +243,8 @@ def load_camtrap_dp(
     Returns:
         LocalDataset with images uint8 (N, image_size, image_size), labels int64 (N,), categories int8 (N,),
         one entry per distinct image, ordered as the images first appear in ``media.csv``; ``media_ids`` holds
-        the first row's ``mediaID`` of each image.
+        the first row's ``mediaID`` of each image, ``files`` and ``sha256`` its file and content hash
+        (``features`` None: :func:`edge_sdk.data.embedding.embed_dataset` adds the backbone embeddings).
 
     Raises:
         DatasetError: a table or column is missing, a media row points at an unknown deployment, an observation
@@ -323,9 +342,11 @@ def load_camtrap_dp(
     labels: list[int] = []
     ranks: list[int] = []
     media_ids: list[str] = []
+    files: list[str] = []
+    digests: list[str] = []
     multi: list[str] = []
     merged = 0
-    for group in groups.values():
+    for digest, group in groups.items():
         names = group["names"]
         merged += group["rows"] - 1
         if len(names) > 1:
@@ -344,6 +365,8 @@ def load_camtrap_dp(
         labels.append(entry.class_index)
         ranks.append(entry.iucn_category.rank)
         media_ids.append(group["media_id"])
+        files.append(str(group["path"]))
+        digests.append(digest)
 
     if missing:
         warnings.warn(
@@ -361,5 +384,7 @@ def load_camtrap_dp(
         labels=np.asarray(labels, dtype=np.int64),
         categories=np.asarray(ranks, dtype=np.int8),
         media_ids=tuple(media_ids),
+        files=tuple(files),
+        sha256=tuple(digests),
     )
 

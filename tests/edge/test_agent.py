@@ -13,7 +13,7 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.iucn import IUCNCategory as Cat
 from shared.keys import generate_signing_key, save_private_key, save_public_key
-from shared.models.camera_cnn import initial_weights
+from shared.models.kinds import model_spec
 from shared.protocol import Ack, TrainingTask, decode_update, encode_ack, encode_task
 from shared.topics import ack_topic, parse_topic, task_topic, updates_filter
 
@@ -39,7 +39,9 @@ class FakeCoordinator:
         self.updates: list[Envelope] = []
         self.receipts: list[Envelope] = []  # what sites ask for after connecting (shared.transfer receipts)
         self.ack = ack
-        self.weights = initial_weights(num_classes=2, seed=0)
+        # the head model on backbone embeddings, a narrower adapter than the gateway's default: the agent builds
+        # its backend for the task's architecture
+        self.weights = model_spec("head", 2, adapter_width=16).initial_weights(0, head_init="uniform")
 
     def _on_update(self, topic: str, payload: bytes) -> None:
         envelope = Envelope.from_bytes(payload)
@@ -220,6 +222,7 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
 
     from edge_sdk.backends.base import unflatten
     from edge_sdk.data.camtrap_dp import load_camtrap_dp
+    from edge_sdk.data.embedding import embed_dataset
     from edge_sdk.privacy.ccdp import clip_per_example
 
     coordinator, make_agent = world
@@ -274,9 +277,10 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     coordinator_says("round_end", {"status": "closed", "reason": ""})
     # Assert: the unmasked sum is the peer's vector plus the agent's clipped gradient sum over its 3 records,
     # recomputed here from materialised per-example gradients (the agent uses the implicit/ghost path)
-    data = load_camtrap_dp(tmp_path / "pkg", agent.config.species_table, image_size=28)
+    data = embed_dataset(load_camtrap_dp(tmp_path / "pkg", agent.config.species_table, image_size=28),
+                         tmp_path / "state" / "embeddings")  # what the gateway cached and trained on
     agent.backend.set_weights(coordinator.weights)
-    grads = clip_per_example(agent.backend.per_example_gradients(data.images, data.labels), 0.01)
+    grads = clip_per_example(agent.backend.per_example_gradients(data.features, data.labels), 0.01)
     expected = canonical_flatten(unflatten(grads.sum(axis=0), agent.backend.parameter_layout)) + 0.5
     np.testing.assert_allclose(total, expected, atol=2 / 2 ** 24 + 1e-6)
     assert agent._secagg is None and agent.stats["tasks_trained"] == 1
