@@ -297,7 +297,8 @@ def install_bundle_command(
 def detect(
     paths: Annotated[list[Path], typer.Argument(help="image files or folders (searched recursively)")],
     weights: Annotated[Optional[Path], typer.Option(help="species classifier: a global model .safetensors "
-                                                         "(camera CNN); without it, detection only")] = None,
+                                                         "(the federated head on the frozen backbone); without it, "
+                                                         "detection only")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="folder for megadetector.json, observations.csv, "
                                                           "media.csv")] = Path("detections"),
     deployment: Annotated[Optional[str], typer.Option(help="Camtrap DP deploymentID of the images (default: the "

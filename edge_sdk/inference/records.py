@@ -1,7 +1,8 @@
 """Camera-trap photos -> :class:`shared.protocol.DetectionRecord`, and signed publishing of the records.
 
-:class:`DetectionPipeline` reads each image, runs the detector on batches, classifies every detection's crop with
-the species classifier (when one is given) and yields one record per image, in input order. An image that cannot be
+:class:`DetectionPipeline` reads each image, runs the detector on batches, classifies every detection's square crop
+(``shared.models.backbone.square_crop``) with the species classifier (backbone embedding + federated head, when one
+is given) and yields one record per image, in input order. An image that cannot be
 read still gets a record, with ``failure`` set (as the MegaDetector format asks), so "every image gets a record".
 
 Timestamps: EXIF ``DateTimeOriginal`` (else EXIF ``DateTime``), with the offset of EXIF ``OffsetTimeOriginal`` when
@@ -191,8 +192,7 @@ class DetectionPipeline:
         image = item.image
         probs = None
         if self.classifier is not None and boxes:
-            crops = np.stack([crop(image, (b.x1, b.y1, b.x2, b.y2)) for b in boxes])
-            probs = self.classifier.probabilities(crops)
+            probs = self.classifier.probabilities([crop(image, (b.x1, b.y1, b.x2, b.y2)) for b in boxes])
         detections, tops = [], []
         for i, b in enumerate(boxes):
             species = index = conf = None

@@ -15,10 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from shared.models.backbone import DEFAULT_INPUT_SIZE
 from shared.protocol import DetectionRecord
 
 from edge_sdk.inference.classifier import SpeciesClassifier, load_classifier_weights
 from edge_sdk.inference.detector import CONFIDENCE_THRESHOLD, YoloxDetector
+from edge_sdk.inference.embedder import Embedder
 from edge_sdk.inference.engines import EnginePreference
 from edge_sdk.inference.formats import (MEDIA_COLUMNS, OBSERVATION_COLUMNS, media_rows, megadetector_json,
                                         observation_rows, write_csv, write_json)
@@ -50,19 +54,22 @@ class RunSummary:
 
 
 def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deployment_id: str,
-                  weights: str | Path | None = None, class_names: Mapping[int, str] | None = None,
+                  weights: str | Path | Mapping[str, np.ndarray] | None = None,
+                  class_names: Mapping[int, str] | None = None,
                   prefer: EnginePreference = "auto", batch_size: int = 8, threads: int | None = None,
                   confidence: float = CONFIDENCE_THRESHOLD, utc_offset: str = "+00:00",
                   publisher: DetectionPublisher | None = None, detector: YoloxDetector | None = None,
                   on_start: Callable[[int], None] | None = None,
-                  on_record: Callable[[DetectionRecord], None] | None = None) -> RunSummary:
+                  on_record: Callable[[DetectionRecord], None] | None = None,
+                  input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:
         paths: image files or folders (searched recursively).
         out_dir: folder for the output files (created).
         deployment_id: Camtrap DP deployment of the images.
-        weights: camera-CNN safetensors for species, or None for detection only.
+        weights: a head-model global model (``.safetensors`` path, or the weights themselves) for species, or
+            None for detection only.
         class_names: class index -> species name for the classifier.
         prefer: engine preference (``auto`` / ``tensorrt`` / ``ort``).
         batch_size, threads, confidence: detector batch, ORT threads, detection threshold.
@@ -71,6 +78,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         detector: an already opened detector (reuse across runs; tests).
         on_start: called with the number of images before the first one (progress bars).
         on_record: called after each record.
+        input_size: backbone input size the head was trained at (pixels).
+        embedder: an already opened backbone embedder (one engine for many runs).
 
     Raises:
         FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched.
@@ -82,11 +91,13 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence)
     classifier = None
     if weights is not None:
-        classifier = SpeciesClassifier.from_weights(load_classifier_weights(weights), class_names=class_names,
-                                                    prefer=prefer, threads=threads)
+        loaded = load_classifier_weights(weights) if isinstance(weights, (str, Path)) else dict(weights)
+        classifier = SpeciesClassifier.from_weights(loaded, class_names=class_names,
+                                                    prefer=prefer, threads=threads, input_size=input_size,
+                                                    embedder=embedder)
     pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone)
     summary = RunSummary(detector_engine=detector.engine.name,
-                         classifier_engine=classifier.engine.name if classifier is not None else "")
+                         classifier_engine=classifier.engine_name if classifier is not None else "")
     if on_start is not None:
         on_start(len(images))
     for record in pipeline.run(images):
@@ -99,7 +110,7 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         if on_record is not None:
             on_record(record)
     out = Path(out_dir)
-    classifier_id = f"camera_cnn@{classifier.model_hash[:12]}" if classifier is not None else None
+    classifier_id = classifier.classifier_id if classifier is not None else None
     now = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
     md = megadetector_json(summary.records, detector=detector.detector_id, classifier=classifier_id,
                            class_names=classifier.class_names if classifier is not None else None,

@@ -20,7 +20,7 @@ from shared.models.yolox_tiny import grid_and_strides
 from shared.protocol import Detection, DetectionRecord, decode_detection, encode_detection
 from shared.topics import detection_topic
 
-from edge_sdk.inference.classifier import SpeciesClassifier, build_classifier_onnx, crop
+from edge_sdk.inference.classifier import SpeciesClassifier, crop
 from edge_sdk.inference.detector import YoloxDetector, box_iou, nms, postprocess, preprocess
 from edge_sdk.inference.engines import InferenceEngine, OrtEngine
 from edge_sdk.inference.formats import (megadetector_json, media_rows, observation_rows, validate_megadetector,
@@ -29,13 +29,69 @@ from edge_sdk.inference.records import DetectionPipeline, DetectionPublisher, fi
 from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
 
-def random_cnn_weights(num_classes: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
-    """Camera-CNN-shaped float32 weights (no torch needed)."""
-    rng = np.random.default_rng(seed)
-    shapes = {"phi.0.weight": (16, 1, 3, 3), "phi.0.bias": (16,), "phi.3.weight": (32, 16, 3, 3), "phi.3.bias": (32,),
-              "phi.6.weight": (32, 32, 3, 3), "phi.6.bias": (32,), "phi.10.weight": (64, 288), "phi.10.bias": (64,),
-              "psi.weight": (num_classes, 64), "psi.bias": (num_classes,)}
-    return {k: (rng.standard_normal(s) * 0.2).astype(np.float32) for k, s in shapes.items()}
+def tiny_onnx(seed: int = 0) -> "onnx.ModelProto":
+    """A small valid ONNX graph (Gemm, Tanh; input ``images`` (batch, 8)) for engine and cache tests."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(seed).standard_normal((4, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["images", "w"], ["g"], transB=1), helper.make_node("Tanh", ["g"], ["logits"])],
+        "tiny", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+FAKE_BACKBONE_SIZE = 32
+
+
+def fake_backbone_onnx(path: Path, seed: int = 0) -> Path:
+    """A stand-in for the exported backbone with its interface (``images`` (batch, 3, 32, 32) -> ``embeddings``
+    (batch, 1280)): the per-channel means times a fixed (3, 1280) matrix, then ReLU. Lets the classifier run on
+    ONNX Runtime without torch or the real weights; the expected embedding is computable in numpy
+    (:func:`fake_backbone_numpy`)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    m = fake_backbone_matrix(seed)
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["images"], ["mean"], axes=[2, 3], keepdims=0),
+         helper.make_node("MatMul", ["mean", "m"], ["z"]), helper.make_node("Relu", ["z"], ["embeddings"])],
+        "fake_backbone",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, FAKE_BACKBONE_SIZE,
+                                                                     FAKE_BACKBONE_SIZE])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", 1280])],
+        [numpy_helper.from_array(m, "m")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def fake_backbone_matrix(seed: int = 0) -> np.ndarray:
+    """The (3, 1280) matrix of :func:`fake_backbone_onnx`."""
+    return np.random.default_rng(seed).standard_normal((3, 1280)).astype(np.float32)
+
+
+def fake_backbone_numpy(images: list[Image.Image], seed: int = 0) -> np.ndarray:
+    """What :func:`fake_backbone_onnx` gives for PIL images, computed in numpy (the preprocessing written out:
+    RGB, bicubic resize to 32x32, (pixel - 127) / 128)."""
+    rows = []
+    for im in images:
+        px = np.asarray(im.convert("RGB").resize((FAKE_BACKBONE_SIZE, FAKE_BACKBONE_SIZE),
+                                                 Image.Resampling.BICUBIC), dtype=np.float64)
+        rows.append(((px - 127.0) / 128.0).mean(axis=(0, 1)))
+    return np.maximum(np.asarray(rows) @ fake_backbone_matrix(seed).astype(np.float64), 0.0)
+
+
+def random_head_weights(num_classes: int = 4, adapter_width: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
+    """Head-model-shaped float32 weights (``shared.models.head``; no torch needed)."""
+    from shared.models.head import HeadConfig, initial_weights
+
+    return initial_weights(HeadConfig(num_classes, adapter_width=adapter_width), seed, head_init="uniform")
 
 
 # ---- NMS and decoding -------------------------------------------------------------------------------------------
@@ -123,38 +179,101 @@ def fixed_detector() -> YoloxDetector:
 
 # ---- classifier -------------------------------------------------------------------------------------------------
 
-def test_classifier_graph_matches_the_torch_model(tmp_path):
+@pytest.fixture
+def fake_backbone(tmp_path, monkeypatch) -> Path:
+    """The classifier's backbone replaced by :func:`fake_backbone_onnx` (through ``$WILDFED_BACKBONE_ONNX``, the
+    gateway's own override), engines and caches in ``tmp_path``."""
+    monkeypatch.setenv("WILDFED_CACHE", str(tmp_path / "cache"))
+    path = fake_backbone_onnx(tmp_path / "fake-backbone.onnx")
+    monkeypatch.setenv("WILDFED_BACKBONE_ONNX", str(path))
+    return path
+
+
+def test_head_logits_match_the_torch_head_model():
     torch = pytest.importorskip("torch")
-    from shared.models.camera_cnn import build_model, load_numpy_state
+    from shared.models.head import HeadConfig, build_model
+    from shared.models.state import load_numpy_state
 
-    weights = random_cnn_weights(num_classes=5, seed=3)
-    model = build_model(5)
-    load_numpy_state(model, weights)
-    path = tmp_path / "cnn.onnx"
-    import onnx
+    from edge_sdk.inference.classifier import head_logits
 
-    onnx.save(build_classifier_onnx(weights), path)
-    x = np.random.default_rng(1).random((7, 1, 28, 28), dtype=np.float32)
-    ort_out = OrtEngine(path, device="cpu").run(x)
-    with torch.no_grad():
-        torch_out = model(torch.from_numpy(x)).numpy()
-    np.testing.assert_allclose(ort_out, torch_out, atol=1e-5)
+    x = np.random.default_rng(1).random((7, 1280), dtype=np.float32) * 6
+    for width in (16, 0):  # with the adapter, and head only
+        weights = random_head_weights(5, adapter_width=width, seed=3)
+        model = build_model(HeadConfig(5, adapter_width=width))
+        load_numpy_state(model, weights)
+        with torch.no_grad():
+            expected = model(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(head_logits(weights, x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_crop_is_grayscale_28x28_and_survives_degenerate_boxes():
+def test_head_logits_hand_worked_case():
+    from edge_sdk.inference.classifier import head_logits
+
+    # head only: logits = x W^T + b with x = e_0 + 2 e_1, W rows (1, 0, ...), (0, 1, ...)
+    w = np.zeros((2, 1280), np.float32)
+    w[0, 0], w[1, 1] = 1.0, 1.0
+    x = np.zeros((1, 1280), np.float32)
+    x[0, 0], x[0, 1] = 1.0, 2.0
+    out = head_logits({"psi.weight": w, "psi.bias": np.array([0.5, -0.5], np.float32)}, x)
+    np.testing.assert_allclose(out, [[1.5, 1.5]])
+    # adapter of width 1 = tanh(x_0), head weights (2, -1): logits = (2 tanh 1, -tanh 1)
+    a = np.zeros((1, 1280), np.float32)
+    a[0, 0] = 1.0
+    out = head_logits({"phi.0.weight": a, "phi.0.bias": np.zeros(1, np.float32),
+                       "psi.weight": np.array([[2.0], [-1.0]], np.float32),
+                       "psi.bias": np.zeros(2, np.float32)}, x)
+    np.testing.assert_allclose(out, [[2 * np.tanh(1.0), -np.tanh(1.0)]], rtol=1e-6)
+
+
+def test_crop_is_the_backbone_square_and_survives_degenerate_boxes():
     image = Image.new("RGB", (100, 80), (255, 0, 0))
-    c = crop(image, (10.2, 5.5, 40.0, 30.0))
-    assert c.shape == (28, 28) and c.dtype == np.uint8 and np.all(c == 76)  # ITU-R 601-2 luma of pure red
-    assert crop(image, (99.9, 79.9, 99.9, 79.9)).shape == (28, 28)
+    c = crop(image, (10.2, 5.5, 40.0, 30.0))  # 29.8 x 24.5 -> a 30 px square centred on (25.1, 17.75)
+    assert c.mode == "RGB" and c.size == (30, 30)
+    assert crop(image, (99.9, 79.9, 99.9, 79.9)).size == (1, 1)
+    assert crop(image, (0, 0, 100, 80)).size == (100, 80)  # side 100, cut by the image's height only
 
 
-def test_species_classifier_probabilities(tmp_path, monkeypatch):
-    monkeypatch.setenv("WILDFED_CACHE", str(tmp_path))
-    clf = SpeciesClassifier.from_weights(random_cnn_weights(4), class_names={0: "Vulpes vulpes"}, prefer="ort")
-    p = clf.probabilities(np.zeros((3, 28, 28), np.uint8))
-    assert p.shape == (3, 4) and np.allclose(p.sum(axis=1), 1.0)
+def test_species_classifier_probabilities_are_softmax_of_backbone_then_head(fake_backbone):
+    weights = random_head_weights(4, seed=2)
+    clf = SpeciesClassifier.from_weights(weights, class_names={0: "Vulpes vulpes"}, prefer="ort",
+                                         input_size=FAKE_BACKBONE_SIZE)
+    crops = [Image.new("RGB", (50, 50), c) for c in ((200, 30, 30), (30, 200, 30), (30, 30, 200))]
+    p = clf.probabilities(crops)
+    # independently: numpy backbone stand-in, then the head in float64, then softmax
+    e = fake_backbone_numpy(crops)
+    h = np.tanh(e @ weights["phi.0.weight"].T.astype(np.float64) + weights["phi.0.bias"])
+    z = h @ weights["psi.weight"].T.astype(np.float64) + weights["psi.bias"]
+    expected = np.exp(z - z.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(p, expected, rtol=1e-4, atol=1e-6)
     assert clf.class_names == {0: "Vulpes vulpes", 1: "class_1", 2: "class_2", 3: "class_3"}
-    assert len(list((tmp_path / "classifier").glob("camera_cnn-*.onnx"))) == 1
+    assert clf.engine_name == "ort-cpu" and clf.classifier_id.startswith("head@")
+    assert clf.probabilities([]).shape == (0, 4)
+
+
+def test_classifier_refuses_camera_cnn_weights_naming_the_fix(fake_backbone, tmp_path):
+    from shared.codec import encode_tensors
+    from shared.errors import ConfigError
+
+    from edge_sdk.inference.classifier import load_classifier_weights
+
+    cnn = {"phi.0.weight": np.zeros((16, 1, 3, 3), np.float32), "phi.0.bias": np.zeros(16, np.float32),
+           "psi.weight": np.zeros((4, 64), np.float32), "psi.bias": np.zeros(4, np.float32)}
+    path = tmp_path / "cnn.safetensors"
+    path.write_bytes(encode_tensors(cnn))
+    with pytest.raises(ConfigError, match="head model"):
+        load_classifier_weights(path)
+    with pytest.raises(ConfigError, match="head model"):
+        SpeciesClassifier.from_weights(cnn, input_size=FAKE_BACKBONE_SIZE, prefer="ort")
+
+
+def test_opening_the_classifier_removes_retired_camera_cnn_files(fake_backbone, tmp_path):
+    folder = tmp_path / "cache" / "classifier"
+    folder.mkdir(parents=True)
+    (folder / "camera_cnn-0123456789ab.onnx").write_bytes(b"old")
+    (folder / "keep.txt").write_text("not ours")
+    SpeciesClassifier.from_weights(random_head_weights(3), input_size=FAKE_BACKBONE_SIZE, prefer="ort")
+    assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
 
 
 # ---- records, timestamps, formats -------------------------------------------------------------------------------
@@ -194,8 +313,11 @@ def test_pipeline_gives_every_image_a_record_even_unreadable_ones(tmp_path):
     (folder / "notes.txt").write_text("ignored")
     images = find_images([folder])
     assert [n for _, n in images] == ["a.jpg", "broken.jpg", "sub/b.jpg"]
-    clf = SpeciesClassifier(OrtEngine(_cnn_file(tmp_path), device="cpu"), num_classes=4,
-                            class_names=["A a", "B b", "C c", "D d"], model_hash="f" * 64)
+    from edge_sdk.inference.embedder import OnnxEmbedder
+
+    embedder = OnnxEmbedder(OrtEngine(fake_backbone_onnx(tmp_path / "fb.onnx"), device="cpu"), FAKE_BACKBONE_SIZE)
+    clf = SpeciesClassifier(embedder, random_head_weights(4), class_names=["A a", "B b", "C c", "D d"],
+                            model_hash="f" * 64)
     pipeline = DetectionPipeline(fixed_detector(), clf, deployment_id="dep-1")
     seen = []
     records = list(pipeline.run(images, on_record=seen.append))
@@ -215,14 +337,6 @@ def test_pipeline_gives_every_image_a_record_even_unreadable_ones(tmp_path):
     assert a.detections[0].bbox == pytest.approx((128 / 640, 128 / 480, 64 / 640, 64 / 480))
     assert b.detections[0].bbox == pytest.approx((64 / 320, 64 / 240, 32 / 320, 32 / 240))
     assert len(pipeline.classifications[a.media_id][0]) == 3
-
-
-def _cnn_file(tmp_path: Path) -> Path:
-    import onnx
-
-    path = tmp_path / "cnn.onnx"
-    onnx.save(build_classifier_onnx(random_cnn_weights(4)), path)
-    return path
 
 
 def sample_records() -> list[DetectionRecord]:

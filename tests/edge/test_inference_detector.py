@@ -132,9 +132,9 @@ def test_every_sample_photo_gets_a_record_with_boxes_inside_the_image(tmp_path, 
 
 @needs_sample
 def test_cli_detect_with_a_classifier(tmp_path, onnx_path, monkeypatch):
-    pytest.importorskip("torch")
+    pytest.importorskip("torch")  # exports the backbone on first use
     from shared.codec import encode_tensors
-    from shared.models.camera_cnn import initial_weights
+    from shared.models.head import HeadConfig, initial_weights
 
     from edge_sdk.cli import app
 
@@ -144,7 +144,7 @@ def test_cli_detect_with_a_classifier(tmp_path, onnx_path, monkeypatch):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, target)
     weights = tmp_path / "model.safetensors"
-    weights.write_bytes(encode_tensors(initial_weights(10, 0)))
+    weights.write_bytes(encode_tensors(initial_weights(HeadConfig(10), 0, head_init="uniform")))
     monkeypatch.setenv("WILDFED_DETECTOR_ONNX", str(onnx_path))
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["detect", str(photos), "--weights", str(weights), "--out", str(out),
@@ -153,7 +153,7 @@ def test_cli_detect_with_a_classifier(tmp_path, onnx_path, monkeypatch):
     assert "images: 4" in result.output
     md = json.loads((out / "megadetector.json").read_text())
     assert validate_megadetector(md) == []
-    assert md["info"]["classifier"].startswith("camera_cnn@") and len(md["classification_categories"]) == 10
+    assert md["info"]["classifier"].startswith("head@") and len(md["classification_categories"]) == 10
     classified = [d for im in md["images"] for d in im["detections"]]
     assert all(d["classifications"] for d in classified)
     with (out / "observations.csv").open() as fh:

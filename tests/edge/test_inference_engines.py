@@ -11,10 +11,9 @@ import numpy as np
 import onnx
 import pytest
 
-from edge_sdk.inference.classifier import build_classifier_onnx
 from edge_sdk.inference.engines import (EngineBuildError, EngineCache, EngineCacheKey, GpuInfo, InferenceEngine,
                                         OrtEngine, TensorRTUnavailableError, open_engine)
-from tests.edge.test_inference import random_cnn_weights
+from tests.edge.test_inference import tiny_onnx
 
 H200 = GpuInfo("NVIDIA H200", "9.0")
 ORIN = GpuInfo("Orin", "8.7")
@@ -52,7 +51,7 @@ class FakeBuilder:
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     path = tmp_path / "model.onnx"
-    onnx.save(build_classifier_onnx(random_cnn_weights(4, seed=0)), path)
+    onnx.save(tiny_onnx(seed=0), path)
     return path
 
 
@@ -81,7 +80,7 @@ def test_any_key_change_rebuilds(tmp_path, model, change, caplog):
     elif change == "tensorrt":
         builder = FakeBuilder(version="10.4.0")
     elif change == "model":
-        onnx.save(build_classifier_onnx(random_cnn_weights(4, seed=1)), model)
+        onnx.save(tiny_onnx(seed=1), model)
     elif change == "batch":
         batch = 8
     with caplog.at_level(logging.INFO, logger="edge_sdk.inference.engines"):
@@ -124,7 +123,7 @@ def test_missing_tensorrt_falls_back_to_ort_with_a_log_line(tmp_path, model, cap
     assert len(warnings) == 1
     assert "TensorRT is not available" in warnings[0].getMessage()
     assert "falling back to ONNX Runtime" in warnings[0].getMessage()
-    assert engine.run(np.zeros((2, 1, 28, 28), np.float32)).shape == (2, 4)
+    assert engine.run(np.zeros((2, 8), np.float32)).shape == (2, 4)
 
 
 def test_failed_build_falls_back_to_ort_with_a_log_line(tmp_path, model, caplog):

@@ -3,8 +3,8 @@ module in ``sys.modules`` (TensorRT cannot be installed on this CPU machine). Is
 
 - a corrupt engine whose key is intact is deleted and rebuilt once (it used to fall back to ONNX Runtime on every
   run); if the rebuild fails too, the slot is emptied and ONNX Runtime runs, with a WARNING;
-- the species classifier keeps ONE engine (slot ``camera_cnn``) however many global model versions it has seen
-  (it used to build one engine per version and never evict any).
+- the species classifier keeps ONE backbone engine (slot ``efficientnet_lite0_<S>px``) however many global model
+  versions of the head it has seen (the camera CNN used to build one engine per version and never evict any).
 
 The fake implements only the calls the project makes: ``Logger``, ``Builder`` (network, builder config,
 optimisation profile, ``build_serialized_network``), ``OnnxParser``, ``Runtime.deserialize_cuda_engine`` (None for
@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 import pytest
 
-from edge_sdk.inference.classifier import ENGINE_SLOT, SpeciesClassifier, build_classifier_onnx
+from edge_sdk.inference.classifier import SpeciesClassifier, engine_slot
 from edge_sdk.inference.engines import GpuInfo, OrtEngine, TensorRTEngine, open_engine
-from tests.edge.test_inference import random_cnn_weights
+from tests.edge.test_inference import FAKE_BACKBONE_SIZE, fake_backbone_onnx, random_head_weights, tiny_onnx
 
 GPU = GpuInfo("NVIDIA Fake", "8.7")
 MAGIC = b"FAKE-TRT-ENGINE\n"
@@ -146,7 +146,7 @@ def trt(monkeypatch, fake_cuda):
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     path = tmp_path / "model.onnx"
-    onnx.save(build_classifier_onnx(random_cnn_weights(4, seed=0)), path)
+    onnx.save(tiny_onnx(seed=0), path)
     return path
 
 
@@ -226,7 +226,7 @@ def test_failed_rebuild_empties_the_slot_and_falls_back_to_ort_with_a_warning(tm
     assert trt.calls["builds"] == 2  # one rebuild tried, not a loop
     assert list(root.glob("cnn.engine*")) == []  # no key vouches for the corrupt engine any more
     assert "falling back to ONNX Runtime" in caplog.text and "build" in caplog.text
-    x = np.random.default_rng(0).random((2, 1, 28, 28), dtype=np.float32)
+    x = np.random.default_rng(0).random((2, 8), dtype=np.float32)
     assert engine.run(x).shape == (2, 4)
 
 
@@ -241,26 +241,22 @@ def test_missing_cuda_keeps_a_good_engine(tmp_path, model, trt, monkeypatch) -> 
     assert (root / "cnn.engine").read_bytes() == before and trt.calls["builds"] == 1  # not deleted or rebuilt
 
 
-def test_classifier_keeps_one_engine_across_model_versions(tmp_path, trt, monkeypatch) -> None:
+def test_classifier_keeps_one_backbone_engine_across_model_versions(tmp_path, trt, monkeypatch) -> None:
     monkeypatch.setenv("WILDFED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("WILDFED_BACKBONE_ONNX", str(fake_backbone_onnx(tmp_path / "backbone.onnx")))
     engines = tmp_path / "cache" / "engines"
     engines.mkdir(parents=True)
-    # engines of the earlier naming, one slot per model version
-    for leftover in ("camera_cnn-0123456789ab.engine", "camera_cnn-0123456789ab.engine.json"):
+    # engines of the retired camera CNN, one slot per model version in the earliest naming
+    for leftover in ("camera_cnn-0123456789ab.engine", "camera_cnn-0123456789ab.engine.json", "camera_cnn.engine"):
         (engines / leftover).write_bytes(b"old")
     options = {"gpu_probe": lambda: GPU}
+    slot = engine_slot(FAKE_BACKBONE_SIZE)
 
-    for version, seed in enumerate((1, 2, 3), start=1):
-        classifier = SpeciesClassifier.from_weights(random_cnn_weights(4, seed=seed), engine_options=options)
-        assert isinstance(classifier.engine, TensorRTEngine)
-        assert trt.calls["builds"] == version  # each new model version rebuilds the slot
-
-        assert sorted(p.name for p in engines.iterdir()) == [f"{ENGINE_SLOT}.engine", f"{ENGINE_SLOT}.engine.json"]
-        onnx_files = sorted((tmp_path / "cache" / "classifier").glob("*.onnx"))
-        assert len(onnx_files) == 1  # the earlier versions' ONNX files are removed too
-        key = json.loads((engines / f"{ENGINE_SLOT}.engine.json").read_text())
-        assert key["model_sha256"] == _sha(onnx_files[0])  # the slot holds the current version's engine
-
-    # the same version again: a cache hit, no build
-    SpeciesClassifier.from_weights(random_cnn_weights(4, seed=3), engine_options=options)
-    assert trt.calls["builds"] == 3
+    for seed in (1, 2, 3):  # three global model versions of the head
+        classifier = SpeciesClassifier.from_weights(random_head_weights(4, seed=seed), engine_options=options,
+                                                    input_size=FAKE_BACKBONE_SIZE)
+        assert isinstance(classifier.embedder.engine, TensorRTEngine)
+        assert trt.calls["builds"] == 1  # the backbone does not change with the head: built once
+        assert sorted(p.name for p in engines.iterdir()) == [f"{slot}.engine", f"{slot}.engine.json"]
+        key = json.loads((engines / f"{slot}.engine.json").read_text())
+        assert key["model_sha256"] == _sha(tmp_path / "backbone.onnx")
