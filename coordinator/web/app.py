@@ -56,7 +56,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, DatasetError
 
 from coordinator.config import CoordinatorConfig
 from coordinator.storage import RoundRow, Store
@@ -429,7 +429,11 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         data = store.get_blob(digest)
         if not ws.account.role.sees_exact_locations:
             # an allow-list: the pixels (upright, sRGB) and nothing else of the file (issue 16, item 5)
-            data = strip_metadata(data)
+            try:
+                data = strip_metadata(data)
+            except DatasetError as exc:  # pixels that cannot be re-encoded: a clean refusal, never a 500
+                raise HTTPException(status_code=415, detail=f"this image cannot be shown without its metadata: "
+                                                            f"{exc}") from None
         _, _, mime = image_info(data)
         return Response(data, media_type=mime)
 

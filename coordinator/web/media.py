@@ -31,7 +31,12 @@ from shared.errors import DatasetError
 __all__ = ["JPEG_QUALITY", "strip_metadata", "image_info", "exif_capture_time"]
 
 JPEG_QUALITY = 95
-"""Quality a JPEG is re-encoded at by :func:`strip_metadata` when its own quantization tables cannot be reused."""
+"""Quality every JPEG is re-encoded at by :func:`strip_metadata`, with the encoder's standard tables (ITU-T T.81
+Annex K, scaled as libjpeg's ``jpeg_quality_scaling``) and 4:2:0 chroma subsampling: nothing of the original's
+quantization tables or subsampling is reused, since a table's 64 values can carry text (a trial wrote
+"51.18400N 5.65900E" into a luminance table and read it back from the partner's copy)."""
+JPEG_SUBSAMPLING = 2
+"""Pillow's code for 4:2:0 chroma subsampling, fixed for every re-encoded JPEG."""
 
 _EXIF_IFD_TAG = 0x8769
 _DATETIME = 0x0132
@@ -72,12 +77,35 @@ def image_info(data: bytes) -> tuple[int, int, str]:
     return int(width), int(height), Image.MIME.get(img.format or "", "application/octet-stream")
 
 
-_PIXEL_MODES = ("1", "L", "LA", "RGB", "RGBA", "CMYK", "I", "I;16", "F")
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit ``L``, ``LA``, ``RGB`` or ``RGBA``, deterministically from its pixel values alone.
+
+    ``1`` becomes ``L`` (0/255); integer and float single-band modes (``I``, ``I;16``, ``F``, ...) are scaled
+    linearly from their own [min, max] to [0, 255] (a constant image becomes 0), since their values have no fixed
+    range; palettes are expanded; CMYK, YCbCr, LAB, HSV and the like are converted by Pillow to RGB (RGBA when
+    they have an alpha band)."""
+    if img.mode in ("L", "LA", "RGB", "RGBA"):
+        return img
+    if img.mode == "1":
+        return img.convert("L")
+    if img.mode in ("P", "PA"):
+        return img.convert("RGBA" if img.mode == "PA" or "transparency" in img.info else "RGB")
+    if len(img.getbands()) == 1:  # I, I;16*, F: scale the image's own range
+        import numpy as np
+
+        arr = np.asarray(img.convert("F") if img.mode != "F" else img, dtype=np.float64)
+        finite = arr[np.isfinite(arr)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+        arr = np.where(np.isfinite(arr), arr, lo)
+        scaled = np.zeros(arr.shape) if hi <= lo else (arr - lo) * (255.0 / (hi - lo))
+        return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+    return img.convert("RGBA" if "A" in img.getbands() else "RGB")
 
 
 def _pixels_only(img: Image.Image) -> Image.Image:
-    """A new image with ``img``'s pixels (oriented, in sRGB where a profile said otherwise) and no ``info`` at all:
-    built with ``Image.frombytes`` from the raw pixel values, so no metadata of the original object can follow."""
+    """A new 8-bit image (``L``, ``LA``, ``RGB`` or ``RGBA``, :func:`_to_8bit`) with ``img``'s pixels (oriented,
+    in sRGB where a profile said otherwise) and no ``info`` at all: built with ``Image.frombytes`` from the raw
+    pixel values, so no metadata of the original object can follow."""
     try:
         img = ImageOps.exif_transpose(img)
     except (ValueError, OSError, KeyError, TypeError, SyntaxError):
@@ -90,11 +118,8 @@ def _pixels_only(img: Image.Image) -> Image.Image:
                                             ImageCms.createProfile("sRGB"), outputMode=out_mode)
         except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
             pass  # a profile LittleCMS cannot read: the pixels as stored (colours may be a little off)
-    if img.mode in ("P", "PA"):
-        img = img.convert("RGBA" if img.mode == "PA" or "transparency" in img.info else "RGB")
-    elif img.mode not in _PIXEL_MODES:
-        img = img.convert("RGBA" if "A" in img.mode else "RGB")
     transparency = img.info.get("transparency") if img.mode in ("L", "RGB") else None
+    img = _to_8bit(img)
     clean = Image.frombytes(img.mode, img.size, img.tobytes())
     if isinstance(transparency, (int, tuple)):  # a colour key is part of the pixels' meaning, not metadata
         clean.info["transparency"] = transparency
@@ -107,8 +132,9 @@ def strip_metadata(data: bytes) -> bytes:
 
     An allow-list: what is kept is the first frame's pixels, turned upright by the EXIF Orientation tag (the tag
     itself is then dropped) and converted to sRGB when the image carried an ICC profile. A JPEG (or MPO) stays a
-    JPEG, re-encoded with its own quantization tables and chroma subsampling where Pillow can reuse them (else at
-    quality :data:`JPEG_QUALITY`), so one more generation costs little; every other format becomes a PNG (lossless).
+    JPEG, re-encoded at quality :data:`JPEG_QUALITY` with the encoder's standard tables and 4:2:0 subsampling
+    (never the original's tables: they can carry text); every other format becomes an 8-bit PNG (lossless for 8-bit
+    images; 16-bit and float images are scaled from their own range, :func:`_to_8bit`).
     Used for every image shown to a role without exact locations (coordinator.web.app); rangers and operators get
     the stored bytes.
 
@@ -119,32 +145,23 @@ def strip_metadata(data: bytes) -> bytes:
         The encoded image (JPEG or PNG) with no metadata.
 
     Raises:
-        DatasetError: the bytes are not a readable image, or it exceeds the decompression-bomb limit.
+        DatasetError: the bytes are not a readable image, it exceeds the decompression-bomb limit, or its pixels
+            cannot be encoded (the web app answers 415 then).
     """
     img = _open(data)
     jpeg = img.format in ("JPEG", "MPO")
-    kwargs: dict[str, object] = {"format": "JPEG" if jpeg else "PNG"}
-    if jpeg:
-        from PIL import JpegImagePlugin
-
-        sampling = JpegImagePlugin.get_sampling(img)
-        tables = getattr(img, "quantization", None)
-        if sampling >= 0 and tables:
-            kwargs.update(subsampling=sampling, qtables=[list(tables[k]) for k in sorted(tables)])
-        else:
-            kwargs["quality"] = JPEG_QUALITY
-    clean = _pixels_only(img)
-    if jpeg and clean.mode not in ("L", "RGB", "CMYK"):
-        clean = clean.convert("RGB")
-    out = io.BytesIO()
     try:
-        clean.save(out, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError):
-        if not jpeg:
-            raise DatasetError("cannot re-encode the image without its metadata", field="image",
-                               fix="convert it to JPEG or PNG first") from None
-        out = io.BytesIO()  # tables Pillow would not take: a plain encoding at JPEG_QUALITY
-        clean.save(out, format="JPEG", quality=JPEG_QUALITY)
+        clean = _pixels_only(img)
+        out = io.BytesIO()
+        if jpeg:
+            if clean.mode not in ("L", "RGB"):
+                clean = clean.convert("RGB")
+            clean.save(out, format="JPEG", quality=JPEG_QUALITY, subsampling=JPEG_SUBSAMPLING)
+        else:
+            clean.save(out, format="PNG")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"cannot re-encode the image without its metadata: {exc}", field="image",
+                           fix="convert it to an 8-bit JPEG or PNG first") from None
     return out.getvalue()
 
 

@@ -235,3 +235,92 @@ def test_partners_and_public_are_served_images_with_no_metadata(tmp_path) -> Non
             img = assert_clean(r.content)
             assert r.headers["content-type"] == ("image/jpeg" if name.endswith(".JPG") else "image/png")
             assert r.headers["content-type"] == Image.MIME[img.format]
+
+
+# ---- pixels only, not the encoder's tables; every pixel mode (trial of issue 16, item 5) ---------------------------
+# ITU-T T.81 Annex K, tables K.1 (luminance) and K.2 (chrominance), row-major
+K1 = [16, 11, 10, 16, 24, 40, 51, 61, 12, 12, 14, 19, 26, 58, 60, 55, 14, 13, 16, 24, 40, 57, 69, 56,
+      14, 17, 22, 29, 51, 87, 80, 62, 18, 22, 37, 56, 68, 109, 103, 77, 24, 35, 55, 64, 81, 104, 113, 92,
+      49, 64, 78, 87, 103, 121, 120, 101, 72, 92, 95, 98, 112, 100, 103, 99]
+K2 = [17, 18, 24, 47] + [99] * 4 + [18, 21, 26, 66] + [99] * 4 + [24, 26, 56] + [99] * 5 + [47, 66] + [99] * 6 \
+    + [99] * 32
+
+
+def standard_table(table: list[int], quality: int) -> list[int]:
+    """libjpeg's jpeg_quality_scaling + jpeg_add_quant_table (baseline: clamped to 1..255)."""
+    scale = 5000 // quality if quality < 50 else 200 - 2 * quality
+    return [min(255, max(1, (q * scale + 50) // 100)) for q in table]
+
+
+def jpeg_with_text_in_its_tables() -> bytes:
+    """A JPEG whose luminance quantization table holds the position as ASCII codes (the trial's crafted file)."""
+    text = list(POSITION.encode())
+    lum = (text + [1] * 64)[:64]
+    buf = io.BytesIO()
+    _picture().save(buf, "JPEG", qtables=[lum, lum], subsampling=0)
+    data = buf.getvalue()
+    assert bytes(list(Image.open(io.BytesIO(data)).quantization[0])[:len(text)]) == POSITION.encode()
+    return data
+
+
+def float_tiff() -> bytes:
+    """A 32-bit float TIFF (mode F), values -3.5 .. 12.25: a gradient the partner must see scaled to 0..255."""
+    yy, xx = np.mgrid[0:H, 0:W]
+    arr = (xx * 0.25 - 3.5 + yy * 0.0).astype(np.float32)
+    arr[0, 0] = 12.25
+    buf = io.BytesIO()
+    Image.fromarray(arr, "F").save(buf, "TIFF")
+    return buf.getvalue()
+
+
+def sixteen_bit_png() -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray((np.arange(W * H).reshape(H, W) * 20).astype(np.uint16)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def cmyk_tiff() -> bytes:
+    buf = io.BytesIO()
+    _picture().convert("CMYK").save(buf, "TIFF")
+    return buf.getvalue()
+
+
+def test_partners_get_standard_jpeg_tables_and_every_pixel_mode_re_encoded(tmp_path) -> None:
+    from coordinator.web.media import JPEG_QUALITY
+
+    st = seed(tmp_path, real_data=False)
+    images = tmp_path / "images"
+    images.mkdir()
+    files = {"Q.JPG": jpeg_with_text_in_its_tables(), "F.TIF": float_tiff(), "I16.PNG": sixteen_bit_png(),
+             "CMYK.TIF": cmyk_tiff()}
+    for name, data in files.items():
+        (images / name).write_bytes(data)
+    batch = {"info": {"format_version": "1.4"}, "detection_categories": {"1": "animal"},
+             "images": [{"file": name, "detections": [{"category": "1", "conf": 0.9, "bbox": [0.1, 0.2, 0.3, 0.4]}]}
+                        for name in files]}
+    (tmp_path / "md.json").write_text(json.dumps(batch))
+    import_megadetector(st.store, tmp_path / "md.json", site_id="site-a", deployment_id="dep-ridge", images_dir=images)
+    with st.store.session() as s:
+        by_file = {r.file: r.media_id for r in s.query(DetectionRow).filter(DetectionRow.source.like("import:%"))}
+    app = create_app(st.config, store=st.store, hasher=HASHER)
+    for user in ("paul", "pia"):
+        c, _ = login(app, user)
+        refs = {i["media_id"]: i["id"] for i in c.get("/api/detections", params={"limit": 500}).json()["items"]}
+        served = {}
+        for name in files:
+            r = c.get(f"/detections/{refs[by_file[name]]}/image")
+            assert r.status_code == 200, (user, name, r.status_code, r.text)
+            served[name] = Image.open(io.BytesIO(r.content))
+            assert_clean(r.content)
+        q = served["Q.JPG"].quantization
+        assert list(q[0]) == standard_table(K1, JPEG_QUALITY)
+        assert list(q[1]) == standard_table(K2, JPEG_QUALITY)
+        assert POSITION.encode() not in bytes(min(255, v) for v in q[0])
+        f = np.asarray(served["F.TIF"])
+        assert served["F.TIF"].mode == "L" and f.shape == (H, W)
+        # -3.5 .. 12.25 scaled to 0 .. 255: x * 0.25 - 3.5 -> (x * 0.25) * 255 / 15.75
+        want = np.rint(np.arange(W) * 0.25 * 255 / 15.75)
+        assert np.array_equal(f[1], want) and f[0, 0] == 255
+        i16 = np.asarray(served["I16.PNG"])
+        assert i16.dtype == np.uint8 and i16[0, 0] == 0 and i16[-1, -1] == 255
+        assert served["CMYK.TIF"].mode == "RGB"
