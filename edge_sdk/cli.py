@@ -315,6 +315,8 @@ def detect(
     utc_offset: Annotated[str, typer.Option(help="camera clock zone for EXIF times without one, +HH:MM")]
     = "+00:00",
     threads: Annotated[Optional[int], typer.Option(min=1, help="ONNX Runtime CPU threads")] = None,
+    input_size: Annotated[int, typer.Option(min=32, help="backbone input size in px; the size the head was "
+                                                         "trained at")] = 128,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "WARNING",
 ) -> None:
     """Detect animals (YOLOX-tiny) and classify species (the federated model) in camera-trap photos; write
@@ -350,7 +352,7 @@ def detect(
             summary = run_detection(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
-                confidence=confidence, utc_offset=utc_offset, publisher=publisher,
+                confidence=confidence, utc_offset=utc_offset, publisher=publisher, input_size=input_size,
                 on_start=lambda n: progress.update(task, total=n),
                 on_record=lambda r: progress.update(task, advance=1,
                                                     last=escape(f"{r.file}: {len(r.detections)}")))
