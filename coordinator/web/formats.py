@@ -46,7 +46,7 @@ role's protections apply by construction:
 
 * ``deployments.csv``: coordinates as the viewer sees them; for a protected deployment ``coordinateUncertainty`` is
   the most the shown point can be from the truth, rounded up to whole metres (the displacement radius, or half the
-  cell diagonal, plus the join distance of a place: ``LocationPolicy.shown_within_m``), the
+  cell diagonal, plus the join distance of a place, plus the radius for a neighbour: ``LocationPolicy.shown_within_m``), the
   ``locationName`` is the one shown (its id), and ``timestampIssues`` is true when record times were cut to dates;
   ``deploymentStart``/``deploymentEnd`` are the first and last capture times exported for it;
 * ``media.csv``: one row per record; ``filePath`` is the path at the site for roles that see it, else
@@ -480,7 +480,8 @@ def _timestamp(captured_at: str | None) -> tuple[str, bool]:
 def _uncertainty(dep: Mapping[str, Any], policy: Any) -> str:
     """``coordinateUncertainty`` of a shown deployment, whole metres: "" when exact, else the most its shown point
     can be from the truth (``LocationPolicy.shown_within_m``: radius or half a cell's diagonal, plus the distance
-    within which one place's deployments share its point), rounded up."""
+    within which one place's deployments share its point, plus the radius within which neighbours join), rounded
+    up."""
     if not dep.get("fuzzed"):
         return ""
     return str(max(1, math.ceil(float(policy.shown_within_m))))

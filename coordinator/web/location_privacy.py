@@ -39,9 +39,15 @@ EARTH_RADIUS_M = 6_371_008.8
 """Mean Earth radius in metres (IUGG)."""
 DEFAULT_SENSITIVE = frozenset({IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU})
 """IUCN categories whose deployments are protected by default."""
-PLACE_JOIN_FRACTION = 0.1
-"""Deployments within this fraction of the radius of a protected place's anchor share its one shown point
-(coordinator.web.places: 100 m for the default 1 km, far above GPS jitter and far below the radius)."""
+PLACE_JOIN_FRACTION = 0.5
+"""A protected deployment within this fraction of the radius of a protected place's anchor joins that place and
+shares its one shown point (coordinator.web.places): 500 m for the default 1 km. Why so large (issue 16, item 7
+follow-up): a shown point is the anchor plus one fixed offset, so every member of a place gets the *same* point
+and averaging members gains nothing; only deployments that fall outside the join distance get a second,
+independent point. At 100 m, a station re-deployed with 60 m of GPS jitter got 4 points whose mean was 75 m
+from the truth. At R/2, jitter would have to reach 500 m (eight standard deviations of that trial), and two
+places of one station are then at least R/2 apart. The price is the bound: a member is at most J from the
+anchor, so it is shown within R + J of its truth (:attr:`LocationPolicy.shown_within_m` adds R for neighbours)."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +75,19 @@ class LocationPolicy:
 
     @property
     def join_m(self) -> float:
-        """Metres within which deployments share a protected place's point: ``PLACE_JOIN_FRACTION * radius_m``."""
+        """Metres within which a protected deployment joins a protected place's anchor (and shares its point):
+        ``PLACE_JOIN_FRACTION * radius_m``, J = R/2."""
         return PLACE_JOIN_FRACTION * self.radius_m
 
     @property
     def shown_within_m(self) -> float:
-        """The most a protected deployment's shown point can be from its true position, metres: the radius (or half
-        a grid cell's diagonal) plus :attr:`join_m`, since a place's point is drawn around its anchor."""
+        """The most any protected deployment's shown point can be from its true position, metres: the spread of the
+        anchor's point (the radius R, or half a grid cell's diagonal) + J (:attr:`join_m`, a sensitive member's
+        distance from the anchor) + R (a neighbour is protected, and shown at the place's point, because it lies
+        within R of a sensitive member or the anchor). One number for every protected deployment, so the stated
+        uncertainty does not tell a neighbour from a sensitive one: 2,500 m for the default 1 km radius."""
         spread = self.radius_m if self.method == "displace" else self.cell_m * math.sqrt(2.0) / 2.0
-        return spread + self.join_m
+        return spread + self.join_m + self.radius_m
 
     def __post_init__(self) -> None:
         if self.method not in ("displace", "grid"):

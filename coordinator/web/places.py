@@ -9,17 +9,28 @@ anchor's grid cell. So a station re-deployed thirty times, each time with about 
 not thirty independent ones whose average lands near the truth (the trial: 30 points 635 m off each, their average
 85 m off).
 
-A protected deployment joins (in this order, the nearest anchor first):
+A **core** deployment (one that recorded a sensitive species, or a member within J of the anchor of a place that
+earned protection) joins, in this order:
 
-1. the place it joined before, while it is still within the join distance of that place's anchor;
-2. else the place whose anchor is nearest, if within the **join distance**: ``PLACE_JOIN_FRACTION`` (0.1,
-   :mod:`coordinator.web.location_privacy`) of the protection radius, 100 m for the default 1 km. That is far
-   above GPS jitter (a few to 15 m) and a camera moved to the next tree, and far below the radius, so deployments
-   that share a point are closer to each other than the radius anyway;
+1. the place it joined before, while it is still within the join distance J of that place's anchor;
+2. else the place whose anchor is nearest, if within J: ``PLACE_JOIN_FRACTION`` (0.5,
+   :mod:`coordinator.web.location_privacy`) of the protection radius R, 500 m for the default 1 km;
 3. else a new place anchored at its own position.
 
-A deployment is shown at most ``radius_m`` plus the join distance from its true position
-(:attr:`LocationPolicy.shown_within_m`; the map's dashed circle and Camtrap DP ``coordinateUncertainty`` say so).
+A **neighbour** (protected only because it lies within R of a core deployment or of an earned place's anchor)
+joins the place of the nearest such core deployment or anchor, and keeps it while within R + J of that anchor and
+the place is still protected. So one protected area shows one point: the trial's 5 x 5 grid of cameras 200 m
+apart around one CR camera used to give 25 places, 25 displaced points whose mean was 60 m from the CR camera.
+
+Why J = R/2 (issue 16, item 7 follow-up): the shown point of a place is its anchor plus one fixed offset, so every
+member shows the same point and averaging members gains nothing; only a deployment beyond J starts a second,
+independent point. At J = R/10 (100 m) a station re-deployed 30 times with 60 m of GPS jitter got 4 points whose
+mean was 75 m from the truth; at R/2 the jitter would have to be 500 m. The bound that J costs: a core member is
+within J of the anchor and a neighbour within R + J, and the point is within R of the anchor, so every protected
+deployment is shown within R + J + R of its true position (2.5 km for the default; half a grid cell's diagonal
++ J + R for the grid method): :attr:`LocationPolicy.shown_within_m`, one number for all of them so that it does not
+tell neighbours from sensitive deployments; the map's dashed circle, the API's ``radius_m`` and Camtrap DP
+``coordinateUncertainty`` say so.
 Location names (Camtrap DP ``locationName``, Wildlife Insights ``placename``) are not used to join: they are not
 unique across packages ("CAM01"), and a name that joined deployments far apart would break that bound. The anchor
 is stored, not recomputed: a centroid or a "first by id" would move as re-deployments arrive, and each move would
@@ -38,8 +49,8 @@ Which deployments are protected (for roles without exact locations):
 
 * a deployment that recorded a sensitive species now, or that belongs to a place with earned protection (*core*);
 * any deployment within ``radius_m`` of a core deployment or of an earned place's anchor (a neighbour shown exactly
-  would point at it). A neighbour gets a place (for its one stable point) but earns nothing: its protection ends
-  when the protection near it is lifted.
+  would point at it). A neighbour joins that place (its one point) but earns nothing: its protection ends when
+  the protection near it is lifted.
 """
 
 from __future__ import annotations
@@ -199,40 +210,68 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
     for p in places:
         for dep in members[p.id]:
             place_of.setdefault(dep, p)
-    join_m = policy.join_m
+    join_m, radius_m = policy.join_m, policy.radius_m
     by_dep = {r.deployment_id: r for r in rows}
 
-    def belongs(r: DeploymentRow, p: PlaceRow) -> bool:
-        return haversine_m(r.latitude, r.longitude, p.latitude, p.longitude) <= join_m
+    def dist(r: DeploymentRow, p: PlaceRow) -> float:
+        return haversine_m(r.latitude, r.longitude, p.latitude, p.longitude)
 
-    # a deployment re-imported far from its place's anchor leaves it (it is another place now)
+    def leave(dep: str) -> None:
+        members[place_of[dep].id] = [d for d in members[place_of[dep].id] if d != dep]
+        del place_of[dep]
+
+    # a sensitive deployment stays in its place while within J of the anchor; any other while within R + J (it
+    # joined as a neighbour); farther, it is another place now
     for dep, p in list(place_of.items()):
         r = by_dep.get(dep)
-        if r is not None and not belongs(r, p):
-            members[p.id].remove(dep)
-            del place_of[dep]
-    core = {dep for dep in sensitive} | {dep for dep, p in place_of.items() if _earned(p) and dep in by_dep}
+        if r is not None and dist(r, p) > (join_m if dep in sensitive else radius_m + join_m):
+            leave(dep)
+    # core: sensitive now, or within J of the anchor of a place that earned protection
+    core = set(sensitive) | {dep for dep, p in place_of.items()
+                             if dep in by_dep and _earned(p) and dist(by_dep[dep], p) <= join_m}
+    # a member that is not core stays only in a place that is still protected (earned, or with a core member):
+    # the per-neighbour places of before join the place they neighbour
+    live = {p.id for p in places if _earned(p)} | {place_of[d].id for d in core if d in place_of}
+    for dep, p in list(place_of.items()):
+        if dep not in core and p.id not in live:
+            leave(dep)
     near_core = _Near([(by_dep[d].latitude, by_dep[d].longitude, d) for d in core]
                       + [(p.latitude, p.longitude, p.id) for p in places if _earned(p)])
     protected = [r for r in rows if r.deployment_id in core
-                 or near_core.within(r.latitude, r.longitude, policy.radius_m)]
+                 or near_core.within(r.latitude, r.longitude, radius_m)]
     # anchors are chosen in a fixed order: sensitive deployments first, then by start and id
     protected.sort(key=lambda r: (r.deployment_id not in sensitive, r.start or "~", r.deployment_id))
     anchors = _Near([(p.latitude, p.longitude, p.id) for p in places])
+
+    def place_at(r: DeploymentRow) -> PlaceRow:
+        nearest = anchors.within(r.latitude, r.longitude, join_m)
+        if nearest:
+            return by_id[nearest[0][1]]
+        row = PlaceRow(latitude=r.latitude, longitude=r.longitude, location_name=_name(r), members_json="[]",
+                       created_at=moment)
+        s.add(row)
+        s.flush()  # its id; a concurrent writer's equal anchor fails here (unique), and the caller retries
+        by_id[row.id], members[row.id] = row, []
+        anchors.add(row.latitude, row.longitude, row.id)
+        return row
+
+    def join(r: DeploymentRow, p: PlaceRow) -> None:
+        members[p.id].append(r.deployment_id)
+        place_of[r.deployment_id] = p
+
+    # 1. core deployments: the nearest anchor within J, else a new place anchored at the deployment
+    for r in protected:
+        if r.deployment_id in core and r.deployment_id not in place_of:
+            join(r, place_at(r))
+    # 2. neighbours join the place of the nearest core deployment (or earned anchor) within R that made them
+    #    protected, so one protected area shows one point
+    core_places = _Near([(by_dep[d].latitude, by_dep[d].longitude, place_of[d].id) for d in core if d in place_of]
+                        + [(p.latitude, p.longitude, p.id) for p in places if _earned(p)])
     for r in protected:
         if r.deployment_id in place_of:
             continue
-        nearest = anchors.within(r.latitude, r.longitude, join_m)
-        chosen = by_id[nearest[0][1]] if nearest else None
-        if chosen is None:
-            chosen = PlaceRow(latitude=r.latitude, longitude=r.longitude, location_name=_name(r), members_json="[]",
-                              created_at=moment)
-            s.add(chosen)
-            s.flush()  # its id; a concurrent writer's equal anchor fails here (unique), and the caller retries
-            by_id[chosen.id], members[chosen.id] = chosen, []
-            anchors.add(chosen.latitude, chosen.longitude, chosen.id)
-        members[chosen.id].append(r.deployment_id)
-        place_of[r.deployment_id] = chosen
+        nearest = core_places.within(r.latitude, r.longitude, radius_m)
+        join(r, by_id[nearest[0][1]] if nearest else place_at(r))
     for dep in sorted(sensitive):
         p = place_of.get(dep)
         if p is not None and not _earned(p):

@@ -192,7 +192,8 @@ def test_the_api_fuzzes_within_the_radius_and_the_same_way_every_time(clients, s
         d = first[dep]
         assert d["fuzzed"] is sensitive
         dist = haversine_m(lat, lon, d["latitude"], d["longitude"])
-        assert (0 < dist <= 1000.0) if sensitive else dist == 0.0
+        # protected: shown at its place's point, within R of the anchor, itself within R + J of it (R = 1 km, J = R/2)
+        assert (0 < dist <= 2500.0 and d["radius_m"] == 2500.0) if sensitive else dist == 0.0
     exact = {d["deployment_id"]: d for d in clients["ranger"].get("/api/deployments").json()}
     assert all((exact[d]["latitude"], exact[d]["longitude"]) == v[:2] for d, v in state.deployments.items())
 

@@ -16,6 +16,7 @@ jitter is a seeded Gaussian, and distances come back through the haversine formu
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -124,7 +125,7 @@ def test_thirty_jittered_redeployments_in_one_package_show_one_point(tmp_path: P
         (lat, lon), = distinct
         assert all(seen[d]["fuzzed"] and seen[d]["name"] == d for d, *_ in deps)
         for d, _, tlat, tlon in deps:  # within the stated bound of every deployment it stands for
-            assert haversine_m(tlat, tlon, lat, lon) <= seen[d]["radius_m"] == pytest.approx(1100.0)
+            assert haversine_m(tlat, tlon, lat, lon) <= seen[d]["radius_m"] == pytest.approx(2500.0)
         c, _ = login(app, user, USERS[user][1])
         markers = set(re.findall(r'data-lat="([^"]+)" data-lon="([^"]+)"', c.get("/map").text))
         assert len(markers) == 1
@@ -158,15 +159,65 @@ def test_thirty_redeployments_imported_one_at_a_time_never_show_a_second_point(t
 def test_stations_farther_apart_than_the_join_distance_keep_their_own_points(tmp_path: Path) -> None:
     runner, config = federation(tmp_path)
     a = TRUTH
-    b = offset(*TRUTH, 0.0, 300.0)  # 300 m east: within the radius (neighbours), beyond the 100 m join distance
+    b = offset(*TRUTH, 0.0, 300.0)  # 300 m east, no sensitive species: a neighbour of st-a, shown at its point
+    c = offset(*TRUTH, 0.0, 2000.0)  # 2 km east, a rhino too: beyond the 500 m join distance, its own place
     far = offset(*TRUTH, 5000.0, 0.0)  # 5 km north: not protected
     import_deployments(runner, config, package(tmp_path / "pkg", [
-        ("st-a", "a", *a), ("st-b", "b", *b), ("st-far", "far", *far)], [("st-a", "Diceros bicornis")]))
+        ("st-a", "a", *a), ("st-b", "b", *b), ("st-c", "c", *c), ("st-far", "far", *far)],
+        [("st-a", "Diceros bicornis"), ("st-c", "Diceros bicornis")]))
     store, app = web(config)
     seen = shown(app, "paul")
-    assert seen["st-a"]["fuzzed"] and seen["st-b"]["fuzzed"] and not seen["st-far"]["fuzzed"]
-    assert (seen["st-a"]["latitude"], seen["st-a"]["longitude"]) != (seen["st-b"]["latitude"], seen["st-b"]["longitude"])
-    assert (seen["st-far"]["latitude"], seen["st-far"]["longitude"]) == far
+    point = {d: (seen[d]["latitude"], seen[d]["longitude"]) for d in seen}
+    assert seen["st-a"]["fuzzed"] and seen["st-b"]["fuzzed"] and seen["st-c"]["fuzzed"] and not seen["st-far"]["fuzzed"]
+    assert point["st-a"] == point["st-b"] != point["st-c"]
+    assert point["st-far"] == far
+    store.dispose()
+
+
+# ---- the trial's two averaging cases (issue 16, item 7 follow-up): one protected area, one shown point -------------
+def _one_point(app, deps: list[tuple[str, str, float, float]], truth: tuple[float, float]) -> None:
+    for user in ("paul", "pia"):
+        seen = shown(app, user)
+        distinct = {(seen[d]["latitude"], seen[d]["longitude"]) for d, *_ in deps}
+        assert len(distinct) == 1, (user, len(distinct))
+        (lat, lon), = distinct
+        bound = seen[deps[0][0]]["radius_m"]
+        assert bound == pytest.approx(1000.0 + 500.0 + 1000.0)  # R + J + R (location_privacy.shown_within_m)
+        assert all(seen[d]["fuzzed"] and haversine_m(tlat, tlon, lat, lon) <= bound for d, _, tlat, tlon in deps)
+        c, _ = login(app, user, USERS[user][1])
+        assert len(set(re.findall(r'data-lat="([^"]+)" data-lon="([^"]+)"', c.get("/map").text))) == 1
+
+
+@pytest.mark.parametrize("one_package", [True, False])
+def test_sixty_metres_of_jitter_over_thirty_redeployments_show_one_point(tmp_path: Path, one_package: bool) -> None:
+    runner, config = federation(tmp_path)
+    points = jittered(30, sigma_m=60.0, seed=7)
+    assert max(haversine_m(*TRUTH, *p) for p in points) > 100.0  # beyond the old 100 m join distance
+    deps = [(f"otter{n:02d}", "otter holt", lat, lon) for n, (lat, lon) in enumerate(points)]
+    obs = [(deps[0][0], "Diceros bicornis")] + [(d, "Phacochoerus africanus") for d, *_ in deps[1:]]
+    if one_package:
+        import_deployments(runner, config, package(tmp_path / "pkg", deps, obs))
+    else:
+        for n, (dep, o) in enumerate(zip(deps, obs)):
+            import_deployments(runner, config, package(tmp_path / f"pkg{n}", [dep], [o]))
+    store, app = web(config)
+    _one_point(app, deps, TRUTH)
+    store.dispose()
+
+
+def test_a_grid_of_neighbours_around_one_cr_camera_shows_one_point(tmp_path: Path) -> None:
+    runner, config = federation(tmp_path)
+    deps = [(f"G{k:02d}", f"grid {k}", *offset(*TRUTH, 200.0 * i, 200.0 * j))
+            for k, (i, j) in enumerate((i, j) for i in range(-2, 3) for j in range(-2, 3))]
+    assert deps[12][2:] == TRUTH  # the centre camera recorded the rhino; the other 24 are its neighbours
+    obs = [("G12", "Diceros bicornis")] + [(d, "Phacochoerus africanus") for d, *_ in deps if d != "G12"]
+    import_deployments(runner, config, package(tmp_path / "pkg", deps, obs))
+    store, app = web(config)
+    _one_point(app, deps, TRUTH)
+    with store.session() as s:  # one place, anchored at the CR camera, with all 25 members
+        places = [p for p in s.query(PlaceRow) if p.members_json != "[]"]
+        assert len(places) == 1 and (places[0].latitude, places[0].longitude) == TRUTH
+        assert len(json.loads(places[0].members_json)) == 25
     store.dispose()
 
 
