@@ -301,8 +301,12 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     def client_address(request: Request) -> str:
         return request.client.host if request.client else "unknown"
 
-    def filters(request: Request) -> DetectionFilter:
+    def filters(request: Request, ws: WebSession) -> DetectionFilter:
         q = request.query_params
+        if q.get("category") and not ws.account.role.sees_exact_locations:
+            # which records are of a threatened species is what the fuzzing hides (docs/location-privacy.md)
+            raise HTTPException(status_code=422, detail="category: filtering by IUCN category is for rangers and "
+                                                        "operators (fix: filter by species instead)")
         try:
             return DetectionFilter.parse(site=q.get("site"), species=q.get("species"), category=q.get("category"),
                                          date_from=q.get("date_from"), date_to=q.get("date_to"),
@@ -394,7 +398,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     @app.get("/detections", response_class=HTMLResponse)
     def detections_page(request: Request) -> Response:
         ws = need(request)
-        f = filters(request)
+        f = filters(request, ws)
         v = viewer(ws)
         items, total = v.detections(f)
         q = dict(request.query_params)
@@ -404,7 +408,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
             return "/detections?" + urllib.parse.urlencode({**q, "offset": offset})
 
         return page(request, "detections.html", ws, items=items, total=total, f=f, sites=v.site_ids(),
-                    species=v.species_names(), categories=[c.value for c in _categories()],
+                    species=v.species_names(),
+                    categories=[c.value for c in _categories()] if ws.account.role.sees_exact_locations else [],
                     prev=link(max(0, f.offset - f.limit)) if f.offset > 0 else None,
                     next=link(f.offset + f.limit) if f.offset + f.limit < total else None)
 
@@ -443,7 +448,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         counts = viewer(ws).species_counts()
         months = sorted({m for per in counts.values() for m in per})
         return page(request, "species.html", ws, counts=counts, months=months,
-                    categories={s: category_of(s).value for s in counts})
+                    categories={s: category_of(s).value for s in counts}
+                    if ws.account.role.sees_exact_locations else None)
 
     @app.get("/plots/species.svg")
     def species_plot(request: Request) -> Response:
@@ -519,7 +525,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     @app.get("/api/detections")
     def api_detections(request: Request) -> dict[str, Any]:
         ws = need(request)
-        items, total = viewer(ws).detections(filters(request))
+        items, total = viewer(ws).detections(filters(request, ws))
         return {"total": total, "items": items}
 
     @app.get("/api/detections/{detection_id}")

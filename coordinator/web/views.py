@@ -280,18 +280,19 @@ class Viewer:
             "captured_at": row.captured_at[:10] if sensitive else row.captured_at, "time_withheld": sensitive,
             "num_detections": row.num_detections, "max_confidence": row.max_confidence,
             "top_species": top, "top_species_confidence": row.top_species_confidence,
-            "category": self._category_of(top).value if top else None,
             "failure": row.failure, "has_image": row.image_sha256 is not None,
             "source": "gateway" if row.source == "gateway" else "import",
             "width": record.get("width"), "height": record.get("height"),
             "detections": [{"category": d.get("category"), "confidence": d.get("confidence"),
                             "bbox": d.get("bbox"), "species": d.get("species"),
                             "species_confidence": d.get("species_confidence"),
-                            "iucn_category": self._category_of(d["species"]).value if d.get("species") else None}
+                            **({"iucn_category": self._category_of(d["species"]).value if d.get("species") else None}
+                               if self.role.sees_exact_locations else {})}
                            for d in record.get("detections", [])],
             "detector": record.get("detector", ""),
         }
-        if self.role.sees_exact_locations:
+        if self.role.sees_exact_locations:  # the IUCN category would say which records hide a threatened species
+            item["category"] = self._category_of(top).value if top else None
             item["file"] = row.file
             item["timestamp_source"] = record.get("timestamp_source")
         return item

@@ -171,6 +171,15 @@ def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(cl
             if names[dep] != dep:  # as a whole token (WI place names are prefixes of the deployment ids)
                 assert not re.search(rf"(?<![\w-]){re.escape(names[dep])}(?![\w-])", text), (role, dep, names[dep])
         assert '"categories"' not in text and "IUCN categories recorded" not in text
+        # no IUCN category of any record, box or species, on any page, API route or export: it would tell which
+        # markers hide a threatened species (docs/location-privacy.md)
+        codes = "|".join(("EX", "EW", "CR", "EN", "VU", "NT", "LC", "DD", "NE"))
+        assert "iucn_category" not in text and "IUCN" not in text, role
+        assert not re.search(rf'"category":\s*"({codes})"', text), role
+        assert not re.search(rf"<td>\s*({codes})\s*</td>", text), role
+        assert not re.search(rf"(?<![A-Za-z])(VU|NT|LC)(?![A-Za-z])", text), role  # the fixture's categories
+        assert clients[role].get("/api/detections", params={"category": "VU"}).status_code == 422
+        assert clients[role].get("/detections", params={"category": "VU"}).status_code == 422
         assert "IMG_" not in text  # the file path at the site
         # sensitive records carry their date only: no capture time of day of a record at a sensitive deployment
         assert "T06:12:00" not in text and "T22:40:00" not in text
@@ -182,6 +191,8 @@ def test_partners_and_public_never_receive_what_places_a_sensitive_deployment(cl
     for dep, (lat, lon, _) in sensitive.items():
         assert f"{lat:.5f}" in ranger and f"{lon:.5f}" in ranger
     assert "T06:12:00" in ranger and "IMG_" in ranger
+    assert re.search(r'"iucn_category":\s*"VU"', ranger) and re.search(r'"category":\s*"VU"', ranger)
+    assert "<td>VU</td>" in ranger
 
 
 def test_the_api_fuzzes_within_the_radius_and_the_same_way_every_time(clients, state):
