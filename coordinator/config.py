@@ -471,7 +471,7 @@ def config_from_dict(data: dict[str, Any], *, source: object = "<config>") -> Co
     try:
         return CoordinatorConfig.model_validate(data)
     except ValidationError as exc:
-        problems = validation_errors(exc)
+        problems = validation_errors(exc, CoordinatorConfig)
         detail = "; ".join(f"{f}: {m}" for f, m in problems)
         raise ConfigError(f"{len(problems)} invalid field(s): {detail}", source=source, field=problems[0][0],
                           fix="correct the listed fields (see coordinator/config.py for units and ranges)") from exc

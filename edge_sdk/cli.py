@@ -98,11 +98,10 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
     """Every problem of a site config: all schema errors, then (unless ``schema_only``) keys, dataset, profile."""
     from pydantic import ValidationError
 
-    from shared.config import validation_errors
     from shared.errors import ConfigError
     from shared.keys import load_private_key, load_public_key
 
-    from edge_sdk.config import load_site_config
+    from edge_sdk.config import load_site_config, site_config_problems
     from edge_sdk.profiles import FirmwareProfile, profile_path, profile_problems
     from shared.profiles import read_profile_yaml
 
@@ -110,7 +109,7 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
         cfg = load_site_config(path)
     except ConfigError as exc:
         if isinstance(exc.__cause__, ValidationError):
-            return validation_errors(exc.__cause__)
+            return site_config_problems(exc.__cause__)
         return [(exc.field or "<file>", exc.message)]
     problems: list[tuple[str, str]] = []
     if cfg.profile:
@@ -158,7 +157,13 @@ def _backend_problems(cfg: object) -> list[tuple[str, str]]:
     except ConfigError:
         return []  # the profile's own problems are listed already
     if backend not in {b.value for b in TrainingBackendName}:
-        return []  # another registered backend: the backend registry reports it when the agent starts
+        from edge_sdk.backends import available_backends
+
+        if backend in available_backends():
+            return []  # another registered backend: it is built when the agent starts
+        # the error `run` stops with (edge_sdk.backends.base.create_backend), plus `auto`
+        return [("backend", f"unknown training backend {backend!r}; fix: use one of "
+                            f"{', '.join(['auto', *available_backends()])}")]
     problem = backend_import_problem(backend, device=device or "cpu")
     return [("backend", problem)] if problem else []
 

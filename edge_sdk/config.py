@@ -286,13 +286,22 @@ def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = Non
     except ValidationError as exc:
         first = exc.errors()[0]
         cause = (first.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):  # one of our checks across fields: it names the field and the fix
+        if len(exc.errors()) == 1 and isinstance(cause, ConfigError):  # our check across fields: field and fix
             raise ConfigError(f"invalid site config: {cause.message}", source=str(path), field=cause.field,
                               fix=cause.fix) from exc
-        field = ".".join(str(p) for p in first["loc"]) or None
-        raise ConfigError(
-            f"invalid site config: {first['msg']}",
-            source=str(path),
-            field=field,
-            fix="correct this field (see the SiteConfig docstring in edge_sdk/config.py)",
-        ) from exc
+        problems = site_config_problems(exc)
+        field, message = problems[0]
+        if len(problems) > 1:
+            message = f"{len(problems)} invalid field(s): " + "; ".join(f"{f}: {m}" for f, m in problems)
+        raise ConfigError(f"invalid site config: {message}", source=str(path), field=field,
+                          fix="correct the listed field(s) (docs/configuration.md; the SiteConfig docstring in "
+                              "edge_sdk/config.py)") from exc
+
+
+def site_config_problems(exc: ValidationError) -> list[tuple[str, str]]:
+    """``[(dotted field, message), ...]`` of a failed :class:`SiteConfig` validation, worded by the one config
+    formatter (:func:`shared.config.validation_errors`: allowed fields and values, nearest field name, the fix; a
+    check across fields names its own field, e.g. ``chunk_size_bytes``)."""
+    from shared.config import validation_errors
+
+    return validation_errors(exc, SiteConfig)

@@ -54,7 +54,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from shared.config import StrictModel, validation_errors
+from shared.config import StrictModel, explain_error, validation_errors
 from shared.errors import ConfigError
 
 __all__ = [
@@ -359,64 +359,10 @@ _PATTERN_WORDS = {
 }
 
 
-def _model_at(model: type[Any], loc: tuple[Any, ...]) -> tuple[type[Any] | None, Any]:
-    """``(the model class holding the last part of loc, that field's annotation)``; ``(None, None)`` off the schema."""
-    current: Any = model
-    for i, part in enumerate(loc):
-        fields = getattr(current, "model_fields", None)
-        if fields is None:
-            return None, None
-        if i == len(loc) - 1:
-            return current, (fields[part].annotation if part in fields else None)
-        if part not in fields:
-            return None, None
-        current = fields[part].annotation
-    return None, None
-
-
-def _choices(annotation: Any) -> list[str]:
-    """The allowed values of an Enum annotation (``X | None`` too); empty for anything else."""
-    import typing
-
-    candidates = [annotation, *typing.get_args(annotation)]
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, Enum):
-            return [str(m.value) for m in candidate]
-    return []
-
-
 def _explain(model: type[Any], error: Any) -> str:
-    """A field error in words that name the allowed fields or values and the fix (pydantic's own text says only
-    "Extra inputs are not permitted", "Field required", or prints a regular expression)."""
-    import difflib
-
-    loc = tuple(error["loc"])
-    kind, got = error["type"], error.get("input")
-    last = str(loc[-1]) if loc else "<root>"
-    holder, annotation = _model_at(model, loc)
-    fields = list(getattr(holder, "model_fields", {}) or {})
-    section = f"in {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else "at the top level"
-    if kind == "extra_forbidden":
-        close = difflib.get_close_matches(last, fields, n=1)
-        hint = f"rename it to {close[0]!r}" if close else "remove it"
-        return (f"unknown field {last!r} {section}; allowed fields there: {', '.join(fields)}; fix: {hint} "
-                "(docs/gateways.md, Fields)")
-    choices = _choices(annotation)
-    if kind == "missing":
-        values = f" (one of: {', '.join(choices)})" if choices else ""
-        return f"required field {last!r} is missing; fix: add `{last}: ...`{values}"
-    if kind == "enum" or (choices and kind.endswith("_type")):
-        return f"{got!r} is not allowed; allowed values: {', '.join(choices)}; fix: use one of them"
-    if kind == "string_pattern_mismatch" and last in _PATTERN_WORDS:
-        return f"{got!r} is not allowed: it must be {_PATTERN_WORDS[last]}; fix: correct the value"
-    nested = getattr(annotation, "model_fields", None)
-    if kind in ("model_type", "dict_type") and nested is not None:
-        return (f"must be a mapping (key: value lines) with some of: {', '.join(nested)}; got {got!r}; fix: write "
-                f"`{last}:` and the fields below it, indented")
-    message = str(error["msg"]).removeprefix("Value error, ")
-    if kind.startswith(("int_", "float_", "bool_", "greater_", "less_", "string_")):
-        return f"{message} (got {got!r}); fix: correct the value"
-    return message
+    """A field error in words that name the allowed fields or values and the fix: the one formatter of every config
+    (:func:`shared.config.explain_error`), with this schema's docs and pattern words."""
+    return explain_error(model, error, docs="docs/gateways.md, Fields", pattern_words=_PATTERN_WORDS)
 
 
 def _combined(title: str, field_errors: list[Any], cross: Iterable[tuple[str, str]], data: Any,

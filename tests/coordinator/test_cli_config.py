@@ -106,3 +106,25 @@ def test_enrol_warns_when_public_metadata_lists_a_cr_or_en_species(tmp_path):
     clean = runner.invoke(app, ["enrol", "b", "--public-key", str(tmp_path / "b.pub"), "--config", str(cfg),
                                 "--metadata", '{"species": ["Equus quagga"]}'])
     assert clean.exit_code == 0 and "warning" not in clean.output
+
+
+def test_config_errors_name_the_allowed_fields_and_the_nearest_one(tmp_path):
+    """The coordinator's config errors go through the one config formatter (shared.config.explain_error), the
+    profiles' one: an unknown key inside the discriminated budget names its section's fields and the likely one."""
+    d = tmp_path / "coord"
+    assert runner.invoke(app, ["init", str(d), "--federation-id", "fed"]).exit_code == 0
+    cfg_path = d / "coordinator.yaml"
+    data = yaml.safe_load(cfg_path.read_text())
+    data["budget"] = {"kind": "from_anchor", "category": "VU", "epsilon": 1.0, "gama": 1.0}
+    data["privacy"] = "ldp"
+    cfg_path.write_text(yaml.safe_dump(data))
+    result = runner.invoke(app, ["status", "--config", str(cfg_path)], env={"COLUMNS": "1000"})
+    out = " ".join(result.output.split())
+    assert result.exit_code != 0
+    assert "Extra inputs are not permitted" not in out and "Input should be" not in out, out
+    assert ("budget.from_anchor.gama: unknown field 'gama' in budget.from_anchor; allowed fields there: kind, "
+            "category, epsilon, gamma; fix: rename it to 'gamma'") in out, out
+    assert "privacy: 'ldp' is not allowed; allowed values: ccdp, global, grouped, none" in out, out
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"federation_id": "f", "budget": {"kind": "from_anchr"}})
+    assert "'from_anchr' is not allowed; allowed values: from_max, from_anchor" in str(err.value)

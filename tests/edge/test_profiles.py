@@ -266,3 +266,48 @@ def test_missing_and_non_mapping_fields_say_what_to_write() -> None:
     assert dict(profile_problems({"name": "p"}))["kind"] == (
         "required field 'kind' is missing; fix: add `kind: ...` (one of: jetson_orin_nano, jetson_xavier_nx, "
         "x86_gpu, x86_cpu, radio_base_station)")
+
+
+# -- site config errors: the one config formatter, named fields, the backend `run` refuses (issue 16 trial) ------
+def test_check_config_refuses_an_unknown_backend_like_run_does(tmp_path: Path) -> None:
+    from edge_sdk.agent import build_backend
+    from edge_sdk.backends import available_backends
+    from edge_sdk.config import load_site_config
+
+    site = _site(tmp_path, backend="onnx[gpu]")
+    result = CliRunner().invoke(app, ["check-config", str(site)], env=WIDE)
+    out = _flat(result.output)
+    assert result.exit_code == 2, out
+    assert "backend" in out and "unknown training backend 'onnx[gpu]'" in out, out
+    for name in available_backends():  # the allowed names, as `run` lists them
+        assert name in out
+    with pytest.raises(ConfigError) as run_error:  # what `run` stops with: the same field and message
+        build_backend(load_site_config(site))
+    assert run_error.value.field == "backend" and "unknown training backend 'onnx[gpu]'" in run_error.value.message
+
+
+def test_site_config_errors_name_the_field_and_the_allowed_fields(tmp_path: Path) -> None:
+    from edge_sdk.config import load_site_config
+
+    # a check across fields (chunk size vs the broker's limit) names its field, not <root>
+    big = _site(tmp_path, chunk_size_bytes=200_000, broker_max_packet_bytes=100_000)
+    out = _flat(CliRunner().invoke(app, ["check-config", str(big)], env=WIDE).output)
+    assert "<root>" not in out and "chunk_size_bytes" in out, out
+    with pytest.raises(ConfigError) as err:
+        load_site_config(big)
+    assert err.value.field == "chunk_size_bytes"
+    # 100000 - 40 (chunk header) - 256 (MQTT header) = 99704 is the largest chunk that fits
+    assert "99704" in str(err.value) and "Value error" not in str(err.value)
+    # an unknown field: the allowed fields and the nearest one, not pydantic's "Extra inputs are not permitted"
+    typo = _site(tmp_path, chunk_size_byte=1024)
+    with pytest.raises(ConfigError) as err:
+        load_site_config(typo)
+    text = str(err.value)
+    assert err.value.field == "chunk_size_byte" and "Extra inputs" not in text
+    assert "unknown field 'chunk_size_byte' at the top level" in text and "rename it to 'chunk_size_bytes'" in text
+    assert "allowed fields there: federation_id, site_id," in text
+    # our own validators' messages lose pydantic's "Value error, " prefix and keep the field
+    with pytest.raises(ConfigError) as err:
+        load_site_config(_site(tmp_path, broker_url="http://x"))
+    assert err.value.field == "broker_url" and "Value error" not in str(err.value)
+    assert "must look like mqtt://host:port" in str(err.value)
