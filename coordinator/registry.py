@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from shared.envelope import validate_identifier
@@ -33,7 +36,7 @@ from shared.keys import key_fingerprint, public_key_from_pem, public_key_to_pem
 from coordinator.storage import SiteKeyRow, SiteRow, Store, dumps, utcnow
 
 __all__ = ["Site", "SiteKey", "SiteRegistry", "EnrolmentError", "UnknownSiteError", "KeyRotationError",
-           "SITE_ID_PATTERN", "DEFAULT_GRACE_S"]
+           "SITE_ID_PATTERN", "DEFAULT_GRACE_S", "read_site_key_file"]
 
 #: Default grace period of a rotated-out key, seconds (24 h: a gateway offline for a day can still deliver an
 #: update it signed with its old key before it learned of the rotation).
@@ -53,6 +56,44 @@ def _parse_site_key(pem: str, error: type[Exception], what: str, *, fix: str) ->
     except (ValueError, TypeError) as exc:
         raise error(f"{what} does not parse: {getattr(exc, 'message', exc)}", field="public_key",
                     fix=fix) from exc
+
+def read_site_key_file(path: str | os.PathLike[str]) -> str:
+    """The PEM text of the Ed25519 public key in file ``path``, for :meth:`SiteRegistry.enrol` and
+    :meth:`SiteRegistry.rotate_key`. Accepted: PEM (``-----BEGIN PUBLIC KEY-----``, what ``wildfed-edge keygen``
+    writes; CRLF line ends too), binary DER (SubjectPublicKeyInfo, e.g. ``openssl pkey -pubin -outform DER``) and
+    an OpenSSH one-line key (``ssh-ed25519 AAAA...``); DER and OpenSSH are converted to PEM.
+
+    Raises:
+        ConfigError: missing file, or none of those forms of an Ed25519 key (field ``public_key``; the message
+            names the file, says PEM is expected and how to convert a DER file).
+    """
+    from cryptography.hazmat.primitives import serialization
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("public key file not found", source=path, field="public_key",
+                          fix="pass the .pub file the gateway wrote (`wildfed-edge keygen`)")
+    data = path.read_bytes()
+    text = data.lstrip(b"\xef\xbb\xbf").strip()
+    if text.startswith(b"-----BEGIN"):
+        return text.decode("ascii", errors="replace")  # public_key_from_pem names what is wrong with it
+    loaders = ((serialization.load_der_public_key, "DER"), (serialization.load_ssh_public_key, "OpenSSH"))
+    for loader, _form in loaders:
+        try:
+            key = loader(text if loader is serialization.load_ssh_public_key else data)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            continue
+        if not isinstance(key, Ed25519PublicKey):
+            raise ConfigError(f"key type {type(key).__name__} is not Ed25519", source=path, field="public_key",
+                              fix="WildFed verifies Ed25519 signatures only: enrol the key `wildfed-edge keygen` "
+                                  "wrote")
+        return public_key_to_pem(key)
+    raise ConfigError(
+        "is not a public key: a PEM file (text starting with -----BEGIN PUBLIC KEY-----) is expected, and it is "
+        "neither PEM nor a DER or OpenSSH Ed25519 public key", source=path, field="public_key",
+        fix=f"pass the .pub file `wildfed-edge keygen` wrote; to convert another DER key file run `openssl pkey "
+            f"-pubin -inform DER -in {path} -out {path}.pem` and pass {path}.pem")
+
 
 class EnrolmentError(ConfigError):
     """Enrolment refused (duplicate site, bad id, bad key or metadata); the message names the field and the fix."""

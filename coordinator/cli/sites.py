@@ -23,6 +23,7 @@ from shared.errors import ConfigError
 
 from coordinator.cli.common import config_option, console, err_console, friendly, open_state, parse_metadata
 from coordinator.config import load_config
+from coordinator.registry import read_site_key_file
 
 __all__ = ["app"]
 
@@ -32,18 +33,16 @@ app = typer.Typer()
 @app.command()
 @friendly
 def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-)"),
-          public_key: Path = typer.Option(..., "--public-key", help="the site's Ed25519 public key PEM file"),
+          public_key: Path = typer.Option(..., "--public-key", help="the site's Ed25519 public key file (PEM; DER and OpenSSH are converted)"),
           metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"num_examples": 500}'),
           config: Path = config_option()) -> None:
     """Enrol a site with its public key and public metadata."""
     cfg = load_config(config)
     meta = parse_metadata(metadata)
-    if not public_key.is_file():
-        raise ConfigError("public key file not found", source=public_key, field="public_key",
-                          fix="pass the .pub file the gateway wrote")
+    key_pem = read_site_key_file(public_key)  # PEM, DER or OpenSSH; a clear error otherwise
     store, registry, _ = open_state(cfg)
     try:
-        site = registry.enrol(site_id, public_key.read_text(), meta)
+        site = registry.enrol(site_id, key_pem, meta)
     finally:
         store.dispose()
     console.print(f"[green]enrolled[/] {site.site_id} (key {site.fingerprint[:16]})")
@@ -59,18 +58,16 @@ def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-
 @app.command("rotate-key")
 @friendly
 def rotate_key(site_id: str = typer.Argument(..., help="an enrolled site"),
-               public_key: Path = typer.Option(..., "--public-key", help="the site's NEW Ed25519 public key PEM"),
+               public_key: Path = typer.Option(..., "--public-key", help="the site's NEW Ed25519 public key file (PEM, DER or OpenSSH)"),
                grace_hours: float = typer.Option(24.0, "--grace-hours", help="hours the old key stays valid (0: "
                                                  "ends now)"),
                config: Path = config_option()) -> None:
     """Make a new key the site's current key; its old key keeps verifying for --grace-hours (docs/security.md)."""
     cfg = load_config(config)
-    if not public_key.is_file():
-        raise ConfigError("public key file not found", source=public_key, field="public_key",
-                          fix="pass the new .pub file the gateway wrote (`wildfed-edge keygen`)")
+    key_pem = read_site_key_file(public_key)  # PEM, DER or OpenSSH; a clear error otherwise
     store, registry, _ = open_state(cfg)
     try:
-        key = registry.rotate_key(site_id, public_key.read_text(), grace_s=grace_hours * 3600.0)
+        key = registry.rotate_key(site_id, key_pem, grace_s=grace_hours * 3600.0)
         valid = registry.verification_keys(site_id)
     finally:
         store.dispose()

@@ -93,3 +93,37 @@ def test_the_coordinator_service_reserves_its_own_key(tmp_path: Path) -> None:
     coordinator = Coordinator(cfg, transport=InMemoryTransport(), signing_key=key)
     with pytest.raises(EnrolmentError, match="coordinator's own key"):
         coordinator.enrol("site-a", public_key_to_pem(key.public_key()))
+
+
+def test_enrol_and_rotate_accept_der_and_openssh_and_explain_anything_else(tmp_path: Path) -> None:
+    """Issue 16 trial: a binary DER key printed a raw UnicodeDecodeError. DER (and OpenSSH) keys are converted; any
+    other binary file is refused naming the file, saying PEM is expected and how to convert, storing nothing."""
+    from cryptography.hazmat.primitives import serialization
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "fed"), "--federation-id", "keys"]).exit_code == 0
+    config = str(tmp_path / "fed" / "coordinator.yaml")
+    key_a, key_b = generate_signing_key().public_key(), generate_signing_key().public_key()
+    der = tmp_path / "a.der"
+    der.write_bytes(key_a.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+    assert not der.read_bytes().isascii()  # really binary: read_text() would have raised
+    res = runner.invoke(app, ["enrol", "site-a", "--public-key", str(der), "-c", config])
+    assert res.exit_code == 0, res.output
+    assert _sites(config)[0] == ("site-a", public_key_to_pem(key_a))  # stored as the same key, in PEM
+
+    ssh = tmp_path / "b.pub"
+    ssh.write_bytes(key_b.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    res = runner.invoke(app, ["rotate-key", "site-a", "--public-key", str(ssh), "-c", config])
+    assert res.exit_code == 0, res.output
+    assert key_fingerprint(key_b)[:16] in _flat(res.output)
+
+    before = _sites(config)
+    junk = tmp_path / "junk.pub"
+    junk.write_bytes(bytes(range(256)))  # binary, and no key in any form
+    for args in (["enrol", "site-j"], ["rotate-key", "site-a"]):
+        res = runner.invoke(app, [*args, "--public-key", str(junk), "-c", config])
+        out = _flat(res.output)
+        assert res.exit_code == 2 and "Traceback" not in out and "UnicodeDecodeError" not in out, out
+        assert str(junk) in out and "public_key" in out and "PEM" in out, out
+        assert f"openssl pkey -pubin -inform DER -in {junk} -out {junk}.pem" in out, out
+    assert _sites(config) == before
