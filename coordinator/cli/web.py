@@ -318,32 +318,53 @@ def _evaluate(config: Path):  # noqa: ANN202 - (store, Protection)
     return store, protection
 
 
-def _state(p) -> str:  # noqa: ANN001 - Place
+def _state(p, shown: dict[str, int]) -> str:  # noqa: ANN001 - Place
+    """The protection column: earned / lifted / neighbour (of which places) / none, and whether it is shown."""
     if p.earned:
         return "earned"
-    return "lifted" if p.lifted_at is not None else "neighbour"
+    others = sorted({q for q in shown.values() if q != p.place_id})
+    if others:
+        return f"neighbour of {', '.join(map(str, others))}"
+    if shown:
+        return "neighbour"
+    return "lifted" if p.lifted_at is not None else "none"
 
 
 @places_app.command("list")
 @friendly
 def places_list(config: Path = config_option()) -> None:
-    """List every protected place: its deployments, whether its protection is earned, why, and any lift."""
-    from coordinator.web.places import list_places
+    """List every protected place: its deployments, whether its protection is earned, why, and any lift.
+
+    A table of four columns that fits 80 columns (ids fold onto further lines, never cut), then one line per
+    place for why it earned protection and any lift."""
+    from rich.text import Text
+
+    from coordinator.web.places import list_places, shown_by
 
     store, protection = _evaluate(config)
     try:
         places = list_places(store)
     finally:
         store.dispose()
-    shown = {p.place_id for p in protection.place_of.values()}
     table = Table(title=f"{len(places)} place(s)")
-    for col in ("place", "anchor (true)", "deployments", "protection", "shown fuzzed", "why", "lifted"):
-        table.add_column(col)
+    table.add_column("place", no_wrap=True, justify="right")
+    table.add_column("anchor (true)", no_wrap=True)
+    table.add_column("protection", overflow="fold", min_width=9)
+    table.add_column("deployments (shown fuzzed)", overflow="fold", ratio=1)
+    notes = []
     for p in places:
-        lifted = (f"{p.lifted_at:%Y-%m-%d %H:%M}Z by {p.lifted_by}: {p.lift_reason}" if p.lifted_at else "")
-        table.add_row(str(p.place_id), f"{p.latitude:.6f}, {p.longitude:.6f}", escape(", ".join(p.members)),
-                      _state(p), "yes" if p.place_id in shown else "no", escape(p.earned_reason), escape(lifted))
+        shown = shown_by(protection, p)
+        members = ", ".join(p.members) or "-"
+        table.add_row(str(p.place_id), f"{p.latitude:.6f}, {p.longitude:.6f}", Text(_state(p, shown)),
+                      Text(f"{members} ({len(shown)} of {len(p.members)})"))
+        if p.earned_reason:
+            notes.append(f"place {p.place_id}: {'earned' if p.earned else 'was earned'}: {p.earned_reason}")
+        if p.lifted_at:
+            notes.append(f"place {p.place_id}: lifted {p.lifted_at:%Y-%m-%d %H:%M}Z by {p.lifted_by}: "
+                         f"{p.lift_reason}")
     console.print(table)
+    for line in notes:
+        console.print(Text(line))
 
 
 @places_app.command("lift")
@@ -354,12 +375,11 @@ def places_lift(place_ids: list[int] = typer.Argument(..., help="place ids (`pla
                 config: Path = config_option()) -> None:
     """Lift the earned protection of places; recorded (who, when, why) and logged. A place whose data still
     records a sensitive species is protected again at once."""
-    from coordinator.web.places import lift
+    from coordinator.web.places import lift, shown_by
 
-    cfg = load_config(config)
-    store = Store(cfg.database_url or "", cfg.data_dir)
+    store, before = _evaluate(config)  # which places protect which (a neighbour's place has nothing to lift)
     try:
-        lifted = lift(store, place_ids, by=by or getpass.getuser(), reason=reason)
+        lifted = lift(store, place_ids, by=by or getpass.getuser(), reason=reason, protection=before)
     finally:
         store.dispose()
     store, protection = _evaluate(config)  # what the data still calls for
@@ -372,3 +392,9 @@ def places_lift(place_ids: list[int] = typer.Argument(..., help="place ids (`pla
             err_console.print(f"[yellow]warning:[/] place {p.place_id} is protected again: "
                               f"{escape(again[p.place_id].earned_reason)} (fix: correct the data or the "
                               "species table first, then lift it)")
+            continue
+        still = {d: q for d, q in shown_by(protection, p).items() if q != p.place_id}
+        if still:
+            err_console.print(f"[yellow]warning:[/] {escape(', '.join(sorted(still)))} of place {p.place_id} "
+                              f"are still shown fuzzed, as neighbours of place "
+                              f"{', '.join(map(str, sorted(set(still.values()))))} (fix: lift that place too)")

@@ -229,12 +229,15 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
     # core: sensitive now, or within J of the anchor of a place that earned protection
     core = set(sensitive) | {dep for dep, p in place_of.items()
                              if dep in by_dep and _earned(p) and dist(by_dep[dep], p) <= join_m}
-    # a member that is not core stays only in a place that is still protected (earned, or with a core member):
-    # the per-neighbour places of before join the place they neighbour
+    # a member that is not core is shown at its place only while that place is still protected (earned, or with
+    # a core member); else it is shown at the place it neighbours (below) but stays listed where it was (a
+    # neighbour's own place of before, or a lifted one), so `places lift` can say which place protects it
     live = {p.id for p in places if _earned(p)} | {place_of[d].id for d in core if d in place_of}
+    parked = set()
     for dep, p in list(place_of.items()):
         if dep not in core and p.id not in live:
-            leave(dep)
+            del place_of[dep]
+            parked.add(dep)
     near_core = _Near([(by_dep[d].latitude, by_dep[d].longitude, d) for d in core]
                       + [(p.latitude, p.longitude, p.id) for p in places if _earned(p)])
     protected = [r for r in rows if r.deployment_id in core
@@ -256,7 +259,8 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
         return row
 
     def join(r: DeploymentRow, p: PlaceRow) -> None:
-        members[p.id].append(r.deployment_id)
+        if r.deployment_id not in parked:
+            members[p.id].append(r.deployment_id)
         place_of[r.deployment_id] = p
 
     # 1. core deployments: the nearest anchor within J, else a new place anchored at the deployment
@@ -305,8 +309,31 @@ def list_places(store: Store) -> list[Place]:
         return [Place.of(p) for p in s.scalars(select(PlaceRow).order_by(PlaceRow.id))]
 
 
+def shown_by(protection: Protection, place: Place) -> dict[str, int]:
+    """``{deployment id: id of the place it is shown at}`` for the members of ``place`` that are protected now
+    (``protection`` from :func:`evaluate`); a member shown at another place's point is protected as that place's
+    neighbour."""
+    return {d: protection.place_of[d].place_id for d in place.members if d in protection.place_of}
+
+
+def _not_earned(p: PlaceRow, protection: Protection | None) -> str:
+    """Why ``p`` cannot be lifted, and what to lift instead (for :class:`PlaceError`)."""
+    state = "its protection is already lifted" if p.lifted_at is not None else "it never earned protection"
+    if protection is None:
+        return f"place {p.id} has nothing to lift: {state}"
+    by = shown_by(protection, Place.of(p))
+    others = sorted({pid for pid in by.values() if pid != p.id})
+    if others:
+        return (f"place {p.id} has nothing to lift: {state}; its deployments "
+                f"({', '.join(sorted(d for d, q in by.items() if q != p.id))}) are protected as neighbours of place "
+                f"{', '.join(map(str, others))}")
+    if by:
+        return f"place {p.id} has nothing to lift: {state}; its deployments are protected as neighbours"
+    return f"place {p.id} has nothing to lift: {state}, and none of its deployments is protected now"
+
+
 def lift(store: Store, place_ids: Iterable[int], *, by: str, reason: str,
-         now: _dt.datetime | None = None) -> list[Place]:
+         now: _dt.datetime | None = None, protection: Protection | None = None) -> list[Place]:
     """An operator's explicit lift of the earned protection of places (module docstring): each row records who,
     when and why, and the lift is logged (WARNING on ``coordinator.web.places``). Protection the data still calls
     for is earned again at the next evaluation; a neighbour's protection ends with the protection near it.
@@ -315,12 +342,15 @@ def lift(store: Store, place_ids: Iterable[int], *, by: str, reason: str,
         store: the coordinator's store. place_ids: ids from :func:`list_places`.
         by: who lifts (the operator's name). reason: why (kept on the row).
         now: naive UTC time of the lift (default now).
+        protection: the current :func:`evaluate` result, to say in a refusal which place protects a neighbour.
 
     Returns:
         The places as they are after the lift.
 
     Raises:
-        PlaceError: no id, an unknown id, or an empty ``by`` or ``reason`` (nothing is changed then).
+        PlaceError: no id, an unknown id, a place whose protection is not earned now (a neighbour's place, or one
+            already lifted: lifting it would change nothing a partner sees, so it is refused and the message names
+            the place that protects its deployments), or an empty ``by`` or ``reason`` (nothing is changed then).
     """
     ids = sorted({int(i) for i in place_ids})
     if not ids:
@@ -336,6 +366,11 @@ def lift(store: Store, place_ids: Iterable[int], *, by: str, reason: str,
         if missing:
             raise PlaceError(f"no place {', '.join(map(str, missing))}", field="PLACE_ID",
                              fix="list them with `wildfed-coordinator places list`")
+        idle = [rows[i] for i in ids if not _earned(rows[i])]
+        if idle:
+            raise PlaceError("; ".join(_not_earned(p, protection) for p in idle), field="PLACE_ID",
+                             fix="lift the place whose protection is earned (`wildfed-coordinator places list`, "
+                                 "column protection); its neighbours are then shown exactly")
         for pid in ids:
             p = rows[pid]
             p.lifted_at, p.lifted_by, p.lift_reason = moment, by.strip(), reason.strip()

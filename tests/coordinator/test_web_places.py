@@ -391,3 +391,58 @@ def test_a_megadetector_reimport_that_drops_the_cr_species_keeps_the_place_prote
     seen = shown(app, "paul")
     assert seen["d1"]["fuzzed"] and seen["d1"]["name"] == "d1"
     store.dispose()
+
+
+# ---- places lift / list (trial of issue 16, item 8 follow-up) -------------------------------------------------------
+def test_lifting_a_place_whose_deployments_are_someone_elses_neighbours_says_so(tmp_path: Path) -> None:
+    runner, config = federation(tmp_path)
+    b = offset(*TRUTH, 0.0, 700.0)  # beyond the 500 m join distance (its own place), within 1 km (a neighbour)
+    import_deployments(runner, config, package(tmp_path / "p1", [("st-a", "a", *TRUTH), ("st-b", "b", *b)],
+                                               [("st-a", "Diceros bicornis"), ("st-b", "Diceros bicornis")]))
+    # st-b's rhino was a mislabelled warthog: the data is corrected, the place keeps its earned protection
+    import_deployments(runner, config, package(tmp_path / "p2", [("st-b", "b", *b)],
+                                               [("st-b", "Phacochoerus africanus")]))
+    store, app = web(config)
+    with store.session() as s:
+        ids = {json.loads(p.members_json)[0]: p.id for p in s.query(PlaceRow) if p.members_json != "[]"}
+    pa, pb = ids["st-a"], ids["st-b"]
+    res = runner.invoke(cli_app, ["places", "lift", str(pb), "--reason", "warthog", "--by", "olga", "-c", config])
+    assert res.exit_code == 0, res.output
+    out = _flat(res.output)
+    assert f"lifted place {pb}" in out
+    assert f"st-b of place {pb} are still shown fuzzed, as neighbours of place {pa} (fix: lift that place too)" in out
+    seen = shown(app, "paul")
+    assert seen["st-b"]["fuzzed"] and (seen["st-b"]["latitude"], seen["st-b"]["longitude"]) == (
+        seen["st-a"]["latitude"], seen["st-a"]["longitude"])
+    # lifting it again would change nothing a partner sees: refused, naming the place to lift instead
+    res = runner.invoke(cli_app, ["places", "lift", str(pb), "--reason", "again", "--by", "olga", "-c", config])
+    out = _flat(res.output)
+    assert res.exit_code == 2, res.output
+    assert "lifted place" not in out
+    assert f"place {pb} has nothing to lift: its protection is already lifted" in out
+    assert f"(st-b) are protected as neighbours of place {pa}" in out
+    with store.session() as s:
+        assert s.get(PlaceRow, pb).lift_reason == "warthog"  # the refused lift changed nothing
+    store.dispose()
+
+
+def test_places_list_fits_80_columns_and_cuts_no_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    import coordinator.cli.web as web_cli
+
+    runner, config = federation(tmp_path)
+    deps = [(f"station-{n:03d}-season-2024", "pan", *offset(*TRUTH, 20.0 * n, 0.0)) for n in range(6)]
+    deps.append(("far-away-camera-0001", "far", *offset(*TRUTH, 9000.0, 0.0)))
+    import_deployments(runner, config, package(tmp_path / "p", deps, [(deps[0][0], "Diceros bicornis"),
+                                                                     (deps[-1][0], "Diceros bicornis")]))
+    monkeypatch.setattr(web_cli, "console", Console(width=80, force_terminal=False, color_system=None))
+    res = runner.invoke(cli_app, ["places", "list", "-c", config])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    tokens = set(re.findall(r"[\w.-]+", res.output))
+    assert {d for d, *_ in deps} <= tokens, res.output  # every id whole, on one line
+    assert "earned" in tokens and "2 place(s)" in res.output
+    assert f"{TRUTH[0]:.6f}, {TRUTH[1]:.6f}" in res.output  # the anchor, not cut
+    assert "recorded Diceros bicornis" in _flat(res.output)
