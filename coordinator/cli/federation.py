@@ -7,8 +7,8 @@
     wildfed-coordinator run                             run the configured rounds with a progress bar
     wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
     wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
-                                                        site x IUCN category: budget, spent, remaining, rounds left;
-                                                        textbook / seed formulas beside them (comparison only)
+                                                        site x IUCN category: budget, spent, remaining, rounds left
+                                                        (the halt check's dry run); textbook / seed formulas beside
     wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
 """
 
@@ -116,14 +116,23 @@ def status(config: Path = config_option()) -> None:
         console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
 
 
-@app.command()
+#: ``budget --help``: one line per paragraph (typer keeps a docstring's line breaks after its first paragraph).
+BUDGET_HELP = (
+    "Privacy budget per site and IUCN category: budget, epsilon spent, remaining, and rounds left.\n\n"
+    "Spent composes every recorded event of the ledger. Rounds left is the halt check's own dry run repeated: how "
+    "many more rounds of the predicted events (every release, NIRA's noisy counts included, after the rounds whose "
+    "charges can still arrive) the accountant composes within the budget; not a linear extrapolation of epsilon, "
+    "and 0 exactly when the next round would halt the category.\n\n"
+    "Beside it, for comparison only: the textbook Gaussian noise and the seed's bound (docs/privacy.md).")
+
+
+@app.command(help=BUDGET_HELP)
 @friendly
 def budget(config: Path = config_option(),
            accountant: str | None = typer.Option(None, "--accountant", help="rdp or pld (default: the config's)"),
            plot: Path | None = typer.Option(None, "--plot", help="write a burn-down PNG (spent per round per "
                                             "category vs budget) to this file")) -> None:
-    """Privacy budget per site and IUCN category: budget, epsilon spent (ledger, all steps), remaining, rounds left
-    at the current rate; beside it, for comparison only, the textbook Gaussian noise and the seed's bound."""
+    """Privacy budget per site and IUCN category (the help text is :data:`BUDGET_HELP`)."""
     cfg = load_config(config)
     acc = accountant or cfg.accountant
     if acc not in ("rdp", "pld"):

@@ -152,3 +152,25 @@ def test_budget_command_shows_the_gamma_1_table_for_a_bare_from_anchor(tmp_path)
     for cat, eps in GAMMA1_TABLE.items():
         row = next(ln for ln in out.output.splitlines() if " ridge " in ln and f" {cat} " in ln)
         assert f" {eps:.4f} " in row, (cat, row)
+
+
+def test_budget_help_says_what_rounds_left_computes_without_stray_line_breaks() -> None:
+    """Issue 16 trial: ``budget --help`` said "rounds left at the current rate" (a linear extrapolation, which it
+    is not) and broke a line mid-sentence. At 80 columns every wrapped line of a paragraph must be full: the next
+    word would not have fitted on it."""
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    result = CliRunner().invoke(app, ["budget", "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.output.split("Options")[0]
+    flat = " ".join(text.split())
+    assert "at the current rate" not in flat
+    assert "Rounds left is the halt check's own dry run repeated" in flat
+    assert "not a linear extrapolation of epsilon" in flat and "NIRA's noisy counts included" in flat
+    lines = [line.strip() for line in text.splitlines()]
+    for line, following in zip(lines, lines[1:]):
+        if line and following and not line.startswith("Usage"):
+            next_word = following.split()[0]
+            assert len(line) + 1 + len(next_word) > 80 - 4, f"stray line break after {line!r}"
