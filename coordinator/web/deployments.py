@@ -33,6 +33,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -100,29 +101,55 @@ def unknown_species(store: Store, category_of: CategoryOf, *, source: str | None
 _OTHER_FORMAT = {"camtrap-dp": "wildlife-insights", "wildlife-insights": "camtrap-dp"}
 
 
+def _utf16(raw: bytes) -> str | None:
+    """"UTF-16LE" / "UTF-16BE" when ``raw`` looks like UTF-16 text (a byte-order mark, or NUL bytes in every
+    other position of its start, as ASCII text in UTF-16 has), else None."""
+    if raw[:2] == b"\xff\xfe":
+        return "UTF-16LE"
+    if raw[:2] == b"\xfe\xff":
+        return "UTF-16BE"
+    head = raw[:512]
+    if len(head) >= 8:
+        even, odd = head[0::2], head[1::2]
+        if odd.count(0) >= 0.9 * len(odd) and even.count(0) == 0:
+            return "UTF-16LE"
+        if even.count(0) >= 0.9 * len(even) and odd.count(0) == 0:
+            return "UTF-16BE"
+    return None
+
+
 def _decode(path: Path, fmt: str) -> str:
     """The text of a UTF-8 file (a byte-order mark is dropped).
 
     Raises:
-        DatasetError: the file is missing or is not UTF-8 (names the line and byte).
+        DatasetError: the file is missing, is UTF-16 (named as such, with the ``iconv -f UTF-16`` fix), or is not
+            UTF-8 (names the line and byte; the fix assumes Latin-1, the usual other encoding of such exports).
     """
     if not path.is_file():
-        raise DatasetError(f"{path.name} not found", source=path,
+        raise DatasetError("not found", source=path,
                            fix=f"point at the folder of a {fmt} export (it holds {path.name})")
     raw = path.read_bytes()
+    wide = _utf16(raw)
+    if wide:
+        raise DatasetError(f"the file is {wide} text, not UTF-8 (a {fmt} file is UTF-8)", source=path,
+                           fix=f"convert it: `iconv -f UTF-16 -t UTF-8 {path.name} > fixed.csv`, or save it as "
+                               "\"CSV UTF-8\" in a spreadsheet program")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise DatasetError(f"{path.name} is not UTF-8: byte 0x{raw[exc.start]:02x} at line {line} (byte offset "
-                           f"{exc.start}) is not valid UTF-8", source=path, field=path.name,
+        raise DatasetError(f"not UTF-8: byte 0x{raw[exc.start]:02x} (byte offset {exc.start}) is not valid UTF-8",
+                           source=path, field=f"line {line}",
                            fix=f"save it as UTF-8 (a {fmt} file is UTF-8), e.g. `iconv -f latin1 -t utf-8 "
-                               f"{path.name} > fixed.csv`, or \"CSV UTF-8\" in a spreadsheet program") from None
+                               f"{path.name} > fixed.csv` for a Latin-1 file, or \"CSV UTF-8\" in a spreadsheet "
+                               "program") from None
 
 
-def _rows(path: Path, required: Iterable[str], fmt: str, *, used: Iterable[str] = ()) -> list[dict[str, str]]:
-    """Every row of a CSV file, checked whole (module docstring). ``required``: columns it must have; ``used``:
-    the other columns the import reads (a possibly cut last field matters only in those).
+def _rows(path: Path, required: Iterable[str], fmt: str, *,
+          used: Iterable[str] = ()) -> list[tuple[int, dict[str, str]]]:
+    """Every row of a CSV file, checked whole (module docstring), as ``(line, row)``: ``line`` is the 1-based line
+    of the file the row starts on. ``required``: columns it must have; ``used``: the other columns the import
+    reads (a possibly cut last field matters only in those).
 
     Raises:
         DatasetError: missing file, not UTF-8, a missing column, a short or long row, an unterminated quote, or a
@@ -131,42 +158,60 @@ def _rows(path: Path, required: Iterable[str], fmt: str, *, used: Iterable[str] 
     text = _decode(path, fmt)
     cut_fix = f"the file looks cut short or damaged: export or copy {path.name} again"
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    start = 1
     try:
         header = next(reader, None)
         missing = [c for c in required if c not in (header or [])]
         if missing:
-            raise DatasetError(f"{path.name} has no {', '.join(missing)} column: it is not a {fmt} table",
-                               source=path, field=missing[0],
+            raise DatasetError(f"no {', '.join(missing)} column: it is not a {fmt} table", source=path,
+                               field=missing[0],
                                fix=f"is this a {_OTHER_FORMAT[fmt]} export? then use --format {_OTHER_FORMAT[fmt]}")
         assert header is not None
-        rows: list[dict[str, str]] = []
+        rows: list[tuple[int, dict[str, str]]] = []
+        start = reader.line_num + 1
         for fields in reader:
+            line, start = start, reader.line_num + 1
             if not fields:
                 continue  # a blank line
             if len(fields) != len(header):
-                raise DatasetError(f"line {reader.line_num} of {path.name} has {len(fields)} fields, the header "
-                                   f"{len(header)}", source=path, field=f"line {reader.line_num}", fix=cut_fix)
-            rows.append(dict(zip(header, fields)))
+                raise DatasetError(f"{len(fields)} fields, the header {len(header)}", source=path,
+                                   field=f"line {line}", fix=cut_fix)
+            rows.append((line, dict(zip(header, fields))))
     except csv.Error as exc:
-        raise DatasetError(f"line {reader.line_num} of {path.name} does not parse as CSV: {exc}", source=path,
-                           field=f"line {reader.line_num}", fix=cut_fix) from None
+        raise DatasetError(f"does not parse as CSV: {exc}", source=path, field=f"line {start}",
+                           fix=cut_fix) from None
     if rows and not text.endswith(("\n", "\r")) and header[-1] in set(required) | set(used):
-        raise DatasetError(f"the last line of {path.name} ends without a line break in column {header[-1]!r}, which "
-                           "the import reads: the file may be cut in the middle of that value", source=path,
-                           field=f"line {reader.line_num}",
+        raise DatasetError(f"the last line ends without a line break in column {header[-1]!r}, which the import "
+                           "reads: the file may be cut in the middle of that value", source=path,
+                           field=f"line {rows[-1][0]}",
                            fix=f"if the file is complete, add a line break at its end; else {cut_fix}")
     return rows
 
 
-def _coordinate(row: Mapping[str, str], name: str, bound: float, source: Path) -> float:
+def _coordinate(row: Mapping[str, str], name: str, bound: float, source: Path, line: int) -> float:
+    """The decimal degrees in column ``name`` of ``row`` (line ``line`` of ``source``), within [-bound, bound].
+
+    Raises:
+        DatasetError: naming the file, line, column and value, with the fix (a decimal comma, a NUL byte, a value
+            out of range).
+    """
+    raw = row.get(name)
+    where = f"line {line}, column {name}"
     try:
-        value = float(row[name])
-    except (KeyError, TypeError, ValueError):
-        raise DatasetError(f"deployment {row!r:.80} has no numeric {name}", source=source, field=name,
-                           fix="give decimal degrees (WGS 84)") from None
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        text = raw or ""
+        if "\x00" in text:
+            fix = "the value holds a NUL byte (0x00): the file is damaged; export or copy it again"
+        elif re.fullmatch(r"\s*[+-]?\d+,\d+\s*", text):
+            fix = (f"write decimal degrees with a point, {text.strip().replace(',', '.')} (a spreadsheet set to a "
+                   "decimal-comma language wrote a comma: export with '.' as the decimal separator)")
+        else:
+            fix = "give decimal degrees (WGS 84), e.g. 51.496"
+        raise DatasetError(f"{text!r} is not a number of degrees", source=source, field=where, fix=fix) from None
     if not math.isfinite(value) or abs(value) > bound:
-        raise DatasetError(f"{name} {value} is outside [-{bound}, {bound}]", source=source, field=name,
-                           fix="give decimal degrees (WGS 84)")
+        raise DatasetError(f"{raw!r} is outside [-{bound}, {bound}]", source=source, field=where,
+                           fix="give decimal degrees (WGS 84); is latitude swapped with longitude?")
     return value
 
 
@@ -215,24 +260,26 @@ def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str, str,
     dep_file, rec_file = root / "deployments.csv", root / records
     table = _rows(dep_file, (dep_id, lat, lon), fmt, used=(name, start, end))
     deployments: dict[str, tuple[float, float, str, str | None, str | None]] = {}
-    for n, r in enumerate(table, start=2):
+    first: dict[str, int] = {}
+    for n, r in table:
         key = r[dep_id].strip()
         if not key:
-            raise DatasetError(f"line {n} of deployments.csv has an empty {dep_id}", source=dep_file, field=dep_id,
+            raise DatasetError("an empty deployment id", source=dep_file, field=f"line {n}, column {dep_id}",
                                fix="give every deployment its id")
         if key in deployments:
-            raise DatasetError(f"deployment {key!r} is listed twice (the second time on line {n})", source=dep_file,
-                               field=dep_id, fix="keep one row per deployment")
-        deployments[key] = (_coordinate(r, lat, 90, dep_file), _coordinate(r, lon, 180, dep_file),
+            raise DatasetError(f"deployment {key!r} is listed twice (first on line {first[key]})", source=dep_file,
+                               field=f"line {n}, column {dep_id}", fix="keep one row per deployment")
+        first[key] = n
+        deployments[key] = (_coordinate(r, lat, 90, dep_file, n), _coordinate(r, lon, 180, dep_file, n),
                             r.get(name) or key, r.get(start), r.get(end))
     categories: dict[str, set[IUCNCategory]] = {}
     recorded: dict[str, set[str]] = {}
-    for n, r in enumerate(_rows(rec_file, (record_id,), fmt, used=species_columns), start=2):
+    for n, r in _rows(rec_file, (record_id,), fmt, used=species_columns):
         key = r[record_id].strip()
         if key not in deployments:
-            raise DatasetError(f"line {n} of {records} names deployment {key!r}, which deployments.csv does not list",
-                               source=rec_file, field=record_id,
-                               fix="is deployments.csv complete? export or copy the package again")
+            raise DatasetError(f"names deployment {key!r}, which {dep_file.name} does not list", source=rec_file,
+                               field=f"line {n}, column {record_id}",
+                               fix=f"is {dep_file.name} complete? export or copy the package again")
         species = species_of(r)
         if species:
             categories.setdefault(key, set()).add(category_of(species))

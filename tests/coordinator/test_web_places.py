@@ -309,20 +309,37 @@ def _bad_import(runner: CliRunner, config: str, root: Path, deployments: bytes,
 GOOD_HEADER = b"deploymentID,locationName,latitude,longitude\n"
 
 
+UTF16_TEXT = "deploymentID,locationName,latitude,longitude\nd1,pan,3.5,-77.2\n"
+
+
 @pytest.mark.parametrize("name, deployments, observations, says", [
     ("latin-1", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd2,caf\xe9 pan,3.6,-77.3\n", None,
-     ["deployments.csv is not UTF-8", "byte 0xe9 at line 3", "save it as UTF-8"]),
+     ["deployments.csv: line 3: not UTF-8: byte 0xe9", "iconv -f latin1", "save it as UTF-8"]),
     ("cut in a field", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd2,ridge,3.6", None,
-     ["line 3 of deployments.csv has 3 fields, the header 4", "cut short"]),
+     ["deployments.csv: line 3: 3 fields, the header 4", "cut short"]),
     ("cut in a used last field", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd2,ridge,3.6,-77.3", None,
-     ["ends without a line break in column 'longitude'", "add a line break"]),
-    ("cut in a quote", GOOD_HEADER + b'd1,pan,3.5,-77.2\nd2,"ridge by the', None, ["does not parse as CSV"]),
+     ["deployments.csv: line 3: the last line ends without a line break in column 'longitude'", "add a line break"]),
+    ("cut in a quote", GOOD_HEADER + b'd1,pan,3.5,-77.2\nd2,"ridge by the', None,
+     ["deployments.csv: line 3: does not parse as CSV"]),
     ("cut at a row boundary", GOOD_HEADER + b"d1,pan,3.5,-77.2\n",
      b"observationID,deploymentID,scientificName\no1,d1,Diceros bicornis\no2,d2,Diceros bicornis\n",
-     ["observations.csv names deployment 'd2', which deployments.csv does not list"]),
-    ("listed twice", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd1,pan,3.6,-77.2\n", None, ["'d1' is listed twice"]),
+     ["observations.csv: line 3, column deploymentID: names deployment 'd2', which deployments.csv does not list"]),
+    ("listed twice", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd1,pan,3.6,-77.2\n", None,
+     ["deployments.csv: line 3, column deploymentID: deployment 'd1' is listed twice (first on line 2)"]),
     ("latin-1 observations", GOOD_HEADER + b"d1,pan,3.5,-77.2\n",
-     b"observationID,deploymentID,scientificName\no1,d1,Ph\xe9nix\n", ["observations.csv is not UTF-8"]),
+     b"observationID,deploymentID,scientificName\no1,d1,Ph\xe9nix\n", ["observations.csv: line 2: not UTF-8"]),
+    # the trial's files (issue 16, item 8 follow-up): file, line, column and value, and the right fix
+    ("decimal comma", GOOD_HEADER + b'd1,pan,3.5,-77.2\n\nd2,"B_HS_val 2",\"51,496\",4.774\n', None,
+     ["deployments.csv: line 4, column latitude: '51,496' is not a number of degrees",
+      "write decimal degrees with a point, 51.496"]),
+    ("NUL byte", GOOD_HEADER + b"d1,pan,3.5,-77.2\nd2,ridge,51.4\x0096,4.774\n", None,
+     ["deployments.csv: line 3, column latitude: '51.4\\x0096' is not a number of degrees", "NUL byte"]),
+    ("out of range", GOOD_HEADER + b"d1,pan,3.5,-277.2\n", None,
+     ["deployments.csv: line 2, column longitude: '-277.2' is outside [-180, 180]"]),
+    ("UTF-16 with a BOM", UTF16_TEXT.encode("utf-16"), None,
+     ["deployments.csv: the file is UTF-16LE text, not UTF-8", "iconv -f UTF-16 -t UTF-8 deployments.csv"]),
+    ("UTF-16BE without a BOM", UTF16_TEXT.encode("utf-16-be"), None,
+     ["deployments.csv: the file is UTF-16BE text, not UTF-8", "iconv -f UTF-16 -t UTF-8 deployments.csv"]),
 ])
 def test_a_bad_deployments_package_is_a_clear_error_that_changes_nothing(tmp_path: Path, name, deployments,
                                                                          observations, says) -> None:
@@ -333,7 +350,11 @@ def test_a_bad_deployments_package_is_a_clear_error_that_changes_nothing(tmp_pat
                       observations if observations is not None else b"observationID,deploymentID,scientificName\n")
     for text in says:
         assert text in out, (name, out)
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "{" not in out  # no dict of a row
+    bad = "observations.csv" if "observations" in says[0].split(":")[0] else "deployments.csv"
+    assert out.split("(fix:")[0].count(bad) == 1, (name, out)  # the file named once (the fix may name it again)
+    if "UTF-16" in name:
+        assert "latin1" not in out
 
 
 def test_a_byte_order_mark_and_a_real_export_without_a_final_line_break_import(tmp_path: Path) -> None:
