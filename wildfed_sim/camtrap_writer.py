@@ -16,11 +16,17 @@ The column order of the three tables is the standard's (and that of the official
 
 The package is built in a temporary folder beside ``out_dir`` and renamed into place, so a reader sees either no
 package or a complete one.
+
+One record is one image (DESIGN.md): the writer refuses byte-identical images (Animal-MNIST holds 284 such pairs),
+which the gateway's loader would merge into one record (``edge_sdk.data.camtrap_dp``), so that a site's image
+count (what the demo enrols as ``num_examples``) is exactly what its gateway loads. :func:`distinct_images` picks
+the images to keep.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +51,7 @@ __all__ = [
     "MEDIA_COLUMNS",
     "OBSERVATIONS_COLUMNS",
     "CamtrapWriteError",
+    "distinct_images",
     "write_camtrap_dp",
 ]
 
@@ -53,6 +60,21 @@ DAYS_PER_MONTH = 30.4375  # mean Gregorian month
 
 class CamtrapWriteError(WildFedError, ValueError):
     """Bad input to :func:`write_camtrap_dp` (shapes, labels, destination); nothing was written."""
+
+
+def distinct_images(images: np.ndarray) -> np.ndarray:
+    """Indices (int64, ascending, shape (M,)) of the first of each set of byte-identical images of ``images``
+    (uint8, shape (N, H, W)): the rows to keep so that no two images written are the same image. Identity is the
+    SHA-256 of the array's bytes, as the gateway's loader identifies an image by its file's bytes (identical
+    arrays give identical PNG files)."""
+    seen: set[bytes] = set()
+    keep: list[int] = []
+    for i, image in enumerate(np.asarray(images)):
+        digest = hashlib.sha256(np.ascontiguousarray(image).tobytes()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            keep.append(i)
+    return np.asarray(keep, dtype=np.int64)
 
 
 def _iso(ts: datetime) -> str:
@@ -110,8 +132,9 @@ def write_camtrap_dp(
         ``out_dir`` as a :class:`~pathlib.Path`.
 
     Raises:
-        CamtrapWriteError: wrong shapes or dtypes, a label outside the table, a naive ``start_time``, or
-            ``out_dir`` exists and ``overwrite`` is false. Nothing is written in these cases.
+        CamtrapWriteError: wrong shapes or dtypes, a label outside the table, byte-identical images (see
+            :func:`distinct_images`), a naive ``start_time``, or ``out_dir`` exists and ``overwrite`` is false.
+            Nothing is written in these cases.
         OSError: the file system failed; the temporary folder is removed and ``out_dir`` is untouched.
     """
     out = Path(out_dir)
@@ -128,6 +151,13 @@ def write_camtrap_dp(
         )
     if n != site.num_images:
         raise CamtrapWriteError(f"site {site.site_id} has {site.num_images} images, {n} were given")
+    distinct = distinct_images(images)
+    if distinct.size != n:
+        first_dup = int(np.setdiff1d(np.arange(n), distinct)[0])
+        raise CamtrapWriteError(
+            f"{n - distinct.size} image(s) repeat an earlier image byte for byte (first: row {first_dup}); one image "
+            "is one record, and the gateway would merge them, loading fewer records than the site has; fix: keep "
+            "the rows distinct_images(images) returns (and the site's indices with them)")
     if source_indices is None:
         source_indices = np.arange(n, dtype=np.int64)
     source_indices = np.asarray(source_indices)

@@ -202,7 +202,7 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
         (site specs, train split, held-out test split, design summary).
     """
     from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import write_camtrap_dp
+    from wildfed_sim.camtrap_writer import distinct_images, write_camtrap_dp
     from wildfed_sim.ecology import summarize_design
 
     console.log("loading Animal-MNIST (animal-mnist==0.4; downloaded on first use, verified by SHA-256)")
@@ -215,6 +215,7 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
                 f"({summary.size_spread:.0f}x), species-list Jaccard {summary.jaccard_min:.2f}..{summary.jaccard_max:.2f}, "
                 f"held-out test {len(test)} images")
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
     for k, spec in enumerate(specs):
         write_camtrap_dp(run_dir / "sites" / spec.site_id / "camtrap-dp", site=spec,
                          images=train.images[spec.indices], labels=train.labels[spec.indices],

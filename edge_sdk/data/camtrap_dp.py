@@ -14,7 +14,7 @@ resources ``deployments``, ``media``, ``observations``). This loader uses:
 One record = one image (the DESIGN.md unit of privacy: one observation record/image). An image is identified by
 its file's bytes (SHA-256) as well as its path: several ``media.csv`` rows (different ``mediaID``) that resolve to
 the same file, or to byte-identical files at different paths, are ONE record, with the union of their
-observations and the first row's ``mediaID`` (one warning with the number of rows merged). Loading them as
+observations and the first row's ``mediaID`` (one logged warning with the number of rows merged). Loading them as
 separate records would put the same pixels in the training data twice, possibly under two IUCN categories, so
 that image would be protected only by the composition of both mechanisms rather than by its category's budget.
 Several media-level animal observations of the same species on one image collapse to one record; an image with
@@ -32,7 +32,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import warnings
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,10 @@ from shared.iucn import IUCNCategory
 from edge_sdk.config import SpeciesEntry
 
 __all__ = ["LocalDataset", "load_camtrap_dp", "normalise_species_table"]
+
+#: Skipped and merged rows are reported here, one line each (a log record, not a Python warning: the operator
+#: reads ``check-config`` and ``run`` output, where a warning would print its source file and line).
+logger = logging.getLogger(__name__)
 
 _TABLES = ("deployments", "media", "observations")
 _REQUIRED_COLUMNS = {
@@ -369,16 +373,12 @@ def load_camtrap_dp(
         digests.append(digest)
 
     if missing:
-        warnings.warn(
-            f"{package_dir}: {len(missing)} media file(s) missing were skipped (first: {missing[0]!r})", stacklevel=2
-        )
+        logger.warning("%s: %d media file(s) missing were skipped (first: %r)", package_dir, len(missing), missing[0])
     if merged:
-        warnings.warn(
-            f"{package_dir}: {merged} media row(s) show an image already listed (same file or identical bytes) and "
-            "were merged into its record (one image = one record)", stacklevel=2
-        )
+        logger.warning("%s: %d media row(s) show an image already listed (same file or identical bytes) and were "
+                       "merged into its record (one image = one record)", package_dir, merged)
     if multi:
-        warnings.warn(f"{package_dir}: {len(multi)} multi-species image(s) were skipped", stacklevel=2)
+        logger.warning("%s: %d multi-species image(s) were skipped", package_dir, len(multi))
     return LocalDataset(
         images=(np.stack(images) if images else np.zeros((0, image_size, image_size), np.uint8)).astype(np.uint8),
         labels=np.asarray(labels, dtype=np.int64),

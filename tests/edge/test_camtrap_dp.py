@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,26 @@ from edge_sdk.config import SpeciesEntry
 from edge_sdk.data.camtrap_dp import load_camtrap_dp
 
 from .conftest import COLOURS, EXAMPLE_PACKAGE, SPECIES
+
+
+@contextlib.contextmanager
+def _logged(match: str) -> Iterator[None]:
+    """Expect one log record of the loader matching ``match``, as one line, and no Python warning (issue 16
+    trial: a UserWarning printed its source file and line on every check-config and run)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("edge_sdk.data.camtrap_dp")
+    log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        log.removeHandler(handler)
+    assert not [w for w in caught if issubclass(w.category, UserWarning)], [str(w.message) for w in caught]
+    lines = [r.getMessage() for r in records if r.levelno == logging.WARNING and re.search(match, r.getMessage())]
+    assert len(lines) == 1 and "\n" not in lines[0], [r.getMessage() for r in records]
 
 
 def test_loads_records_labels_categories_and_pixels(package: Path) -> None:
@@ -70,7 +94,7 @@ def test_missing_media_file_errors_or_is_skipped(package: Path) -> None:
     (package / "media" / "m2.png").unlink()
     with pytest.raises(DatasetError, match="m2"):
         load_camtrap_dp(package, SPECIES)
-    with pytest.warns(UserWarning, match="1 media file"):
+    with _logged("1 media file"):
         data = load_camtrap_dp(package, SPECIES, missing_media="skip")
     assert data.media_ids == ("m1", "m4")
 
@@ -88,7 +112,7 @@ def test_multi_species_image(make_package) -> None:
          "scientificName": "Equus quagga", "count": "1"}])
     with pytest.raises(DatasetError, match="several species"):
         load_camtrap_dp(pkg, SPECIES, multi_species="error")
-    with pytest.warns(UserWarning, match="multi-species"):
+    with _logged("multi-species"):
         assert load_camtrap_dp(pkg, SPECIES).media_ids == ("m2", "m4")
 
 
@@ -109,16 +133,15 @@ def test_bad_arguments(package: Path, tmp_path: Path) -> None:
         load_camtrap_dp(package, {"Equus quagga": (1, "XX")})
 
 
-def test_tdwg_example_package() -> None:
+def test_tdwg_example_package(caplog: pytest.LogCaptureFixture) -> None:
     if not EXAMPLE_PACKAGE.is_dir():
         pytest.skip(f"the Camtrap DP example is not at {EXAMPLE_PACKAGE} (../shared/data beside the repo)")
     names = ["Anas platyrhynchos", "Anas strepera", "Ardea", "Ardea cinerea", "Aves", "Martes foina",
              "Mustela putorius", "Rattus norvegicus", "Vulpes vulpes"]
     table = {name: (i, "LC") for i, name in enumerate(names)}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.data.camtrap_dp"):
         data = load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip")
-    assert any("missing" in str(w.message) for w in caught)
+    assert any("missing" in r.getMessage() for r in caplog.records)
     # Only the 10 JPEGs in media/ are present; each shows a single species, observed as the genus "Ardea".
     present = len(list((EXAMPLE_PACKAGE / "media").glob("*.JPG")))
     assert len(data) == present == 10
@@ -150,19 +173,19 @@ def _animal(obs_id: str, media_id: str, name: str) -> dict[str, str]:
             "observationType": "animal", "scientificName": name, "count": "1"}
 
 
-def test_two_media_rows_with_one_file_path_and_two_species_are_one_multi_species_image(package: Path) -> None:
+def test_two_media_rows_with_one_file_path_and_two_species_are_one_multi_species_image(
+        package: Path, caplog: pytest.LogCaptureFixture) -> None:
     # m5 is a second media row for m1's file (media/sub/m1.png) whose observation says zebra (NT) while m1's says
     # elephant (CR). Before the fix they loaded as two records with identical pixels, one CR and one NT.
     _add_media_rows(package, [{"mediaID": "m5", "deploymentID": "d1", "filePath": "media/sub/m1.png",
                                "fileName": "m5.png"}], [_animal("o5", "m5", "Equus quagga")])
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.data.camtrap_dp"):
         data = load_camtrap_dp(package, SPECIES)
     # The image shows two species: the project's rule leaves it out (it could not sit in one category).
     assert data.media_ids == ("m2", "m4")
     assert data.categories.tolist() == [4, 4]
-    messages = " ".join(str(w.message) for w in caught)
+    messages = " ".join(r.getMessage() for r in caplog.records)
     assert "1 multi-species image" in messages and "1 media row(s)" in messages
     with pytest.raises(DatasetError, match="several species") as info:
         load_camtrap_dp(package, SPECIES, multi_species="error")
@@ -173,7 +196,7 @@ def test_same_file_listed_twice_with_one_species_is_one_record(package: Path) ->
     _add_media_rows(package, [{"mediaID": "m5", "deploymentID": "d1", "filePath": "media/sub/m1.png",
                                "fileName": "m5.png"}], [_animal("o5", "m5", "Loxodonta cyclotis")])
 
-    with pytest.warns(UserWarning, match="1 media row"):
+    with _logged("1 media row"):
         data = load_camtrap_dp(package, SPECIES)
     assert data.media_ids == ("m1", "m2", "m4")  # not ("m1", "m2", "m4", "m5")
     assert data.category_counts() == {IUCNCategory.CR: 1, IUCNCategory.NT: 2}
@@ -187,7 +210,7 @@ def test_byte_identical_files_at_two_paths_are_one_image(package: Path) -> None:
     _add_media_rows(package, [{"mediaID": "m6", "deploymentID": "d1", "filePath": "media/copies/m6.png",
                                "fileName": "m6.png"}], [_animal("o6", "m6", "Loxodonta cyclotis")])
 
-    with pytest.warns(UserWarning, match="multi-species"):
+    with _logged("multi-species"):
         data = load_camtrap_dp(package, SPECIES)
     assert data.media_ids == ("m1", "m4")
     # The pixels of m2 appear in no record at all (each record's image is distinct).
@@ -197,7 +220,7 @@ def test_byte_identical_files_at_two_paths_are_one_image(package: Path) -> None:
     obs = (package / "observations.csv").read_text(encoding="utf-8").replace(
         "o6,d1,m6,,,,media,animal,Loxodonta cyclotis", "o6,d1,m6,,,,media,animal,Equus quagga")
     (package / "observations.csv").write_text(obs, encoding="utf-8")
-    with pytest.warns(UserWarning, match="1 media row"):
+    with _logged("1 media row"):
         data = load_camtrap_dp(package, SPECIES)
     assert data.media_ids == ("m1", "m2", "m4")
 

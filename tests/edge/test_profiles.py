@@ -311,3 +311,35 @@ def test_site_config_errors_name_the_field_and_the_allowed_fields(tmp_path: Path
         load_site_config(_site(tmp_path, broker_url="http://x"))
     assert err.value.field == "broker_url" and "Value error" not in str(err.value)
     assert "must look like mqtt://host:port" in str(err.value)
+
+
+def test_check_config_reports_merged_media_rows_as_one_log_line_not_a_python_warning(tmp_path: Path) -> None:
+    """Issue 16 trial: every check-config and run on the demo sites printed a UserWarning with its source line.
+    Through the installed CLI in a subprocess (where Python prints warnings): one log line, no source line."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    site = _site(tmp_path)
+    pkg = tmp_path / "pkg"
+    for table, row in (("media", {"mediaID": "m9", "deploymentID": "d1", "filePath": "media/sub/m1.png",
+                                  "fileName": "m9.png", "captureMethod": "activityDetection",
+                                  "timestamp": "2024-01-02T00:00:00Z", "filePublic": "true",
+                                  "fileMediatype": "image/png"}),
+                       ("observations", {"observationID": "o9", "mediaID": "m9", "observationLevel": "media",
+                                         "observationType": "animal", "scientificName": "Loxodonta cyclotis",
+                                         "count": "1"})):
+        path = pkg / f"{table}.csv"
+        with open(path, newline="", encoding="utf-8") as fh:
+            header = next(csv.reader(fh))
+        with open(path, "a", newline="", encoding="utf-8") as fh:
+            csv.DictWriter(fh, fieldnames=header, restval="", lineterminator="\n").writerow(row)
+    env = {**os.environ, "COLUMNS": "1000", "PYTHONWARNINGS": "default"}
+    proc = subprocess.run([sys.executable, "-m", "edge_sdk.cli", "check-config", str(site)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "UserWarning" not in out and "warnings.warn" not in out and "camtrap_dp.py:" not in out, out
+    lines = [line for line in out.splitlines() if "media row(s) show an image already listed" in line]
+    assert len(lines) == 1 and "1 media row(s)" in lines[0], out

@@ -188,3 +188,51 @@ def test_the_gateway_loader_reads_the_package_back(tmp_path: Path, site_data) ->
     np.testing.assert_array_equal(local.images, images[order])
     np.testing.assert_array_equal(local.labels, labels[order])
     np.testing.assert_array_equal(local.categories, [SPECIES_TABLE[int(c)].iucn.rank for c in labels[order]])
+
+
+def test_duplicate_images_are_refused_and_distinct_images_keeps_one_of_each(tmp_path: Path, site_data) -> None:
+    """Issue 16 trial: Animal-MNIST holds byte-identical pairs; the demo wrote both, the gateway merged them (one
+    image = one record, with a warning on every run), so a site's enrolled count was not what its gateway loaded."""
+    site, images, labels, source = site_data
+    images = images.copy()
+    images[5] = images[2]  # same pixels, maybe another label: one image
+    images[9] = images[2]
+    with pytest.raises(CamtrapWriteError, match=r"2 image\(s\) repeat an earlier image .*row 5.*distinct_images"):
+        write_camtrap_dp(tmp_path / "pkg", site=site, images=images, labels=labels, start_time=START,
+                         source_indices=source)
+    assert not (tmp_path / "pkg").exists()
+    keep = camtrap_writer.distinct_images(images)
+    assert keep.tolist() == [i for i in range(len(images)) if i not in (5, 9)]  # the first of each kept
+
+
+def test_demo_sites_of_animal_mnist_load_exactly_their_image_count(tmp_path: Path, caplog) -> None:
+    """With the real data, through the demo's own preparation (wildfed_sim.demo._prepare_sites: split, site design,
+    one package per site): every site's package loads exactly its ``num_images`` records (what the demo enrols as
+    ``num_examples``), the gateway merges nothing, and no image is written twice."""
+    import logging
+
+    from edge_sdk.data.camtrap_dp import load_camtrap_dp
+    from wildfed_sim.animal_mnist import default_cache_dir, fetch_animal_mnist
+    from wildfed_sim.demo import DemoSettings, _prepare_sites
+
+    if not any(default_cache_dir().glob("animal_mnist-*.whl")):
+        pytest.skip("Animal-MNIST is not in the cache (downloaded on the demo's first run)")
+    data = fetch_animal_mnist()
+    # independent count of byte-identical repeats: rows minus distinct rows (numpy's unique over whole images)
+    repeats = len(data.images) - len(np.unique(data.images.reshape(len(data.images), -1), axis=0))
+    assert repeats > 0 and len(camtrap_writer.distinct_images(data.images)) == len(data.images) - repeats
+
+    class _Quiet:
+        def log(self, *_: object) -> None:
+            pass
+
+    specs, train, _, _ = _prepare_sites(DemoSettings(sites=3), tmp_path, _Quiet())
+    table = {e.scientific_name: (e.class_index, e.iucn) for e in SPECIES_TABLE}
+    for spec in specs:
+        imgs = train.images[spec.indices].reshape(spec.num_images, -1)
+        assert len(np.unique(imgs, axis=0)) == spec.num_images  # no image twice in a site
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="edge_sdk.data.camtrap_dp"):
+            local = load_camtrap_dp(tmp_path / "sites" / spec.site_id / "camtrap-dp", table)
+        assert len(local) == spec.num_images
+        assert not [r for r in caplog.records if "merged" in r.getMessage()]
