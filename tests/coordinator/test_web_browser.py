@@ -332,9 +332,10 @@ def test_map_partner_sees_sensitive_deployments_fuzzed(server: _Server, state: W
             assert row["fuzzed"] == "true" and "fuzzed" in row["text"], (dep, row)
             assert abs(mlat - lat) > 1e-6 or abs(mlon - lon) > 1e-6, f"{dep}: fuzzed marker on the true point"
             d = haversine_m(lat, lon, mlat, mlon)
-            # a sensitive deployment is within J = R/2 of its place's anchor, the point within R of the anchor
+            # protected (sensitive, or a neighbour within R of one): shown at its place's point, within R of the
+            # anchor; a sensitive member is within J = R/2 of the anchor, a neighbour within R + J
             # (coordinator.web.places); +0.5 m: the attributes are rounded to 1e-6 degrees
-            assert 0 < d <= 1.5 * RADIUS_M + 0.5, (dep, d)
+            assert 0 < d <= 2.5 * RADIUS_M + 0.5, (dep, d)
             if d > 5:  # (a displacement of a metre or two could round to the true value at 5 decimals)
                 assert f"{lat:.5f}, {lon:.5f}" not in html and f"{lat:.6f}" not in html, dep
         else:
@@ -476,7 +477,11 @@ def test_forged_record_is_never_shown(server: _Server, state: WebState, open_as:
         assert forged_media not in html, (user, path)
         if path.startswith("/detections"):
             assert shown_count(page) == len(records)
-            assert sorted(int(r["id"]) for r in detection_rows(page)) == sorted(r["id"] for r in records)
+            ids = [r["id"] for r in detection_rows(page)]
+            if ROLES[user] in ("operator", "ranger"):  # row ids; partners and the public get "site~media"
+                assert sorted(int(i) for i in ids) == sorted(r["id"] for r in records)
+            else:
+                assert sorted(i.split("~", 1)[1] for i in ids) == sorted(r["media"] for r in records)
         if path == "/species":
             names = page.eval_on_selector_all("table#species tbody tr td:first-child",
                                               "els => els.map(e => e.textContent.trim())")
