@@ -46,7 +46,8 @@ role's protections apply by construction:
 
 * ``deployments.csv``: coordinates as the viewer sees them; for a protected deployment ``coordinateUncertainty`` is
   the most the shown point can be from the truth, rounded up to whole metres (the displacement radius, or half the
-  cell diagonal, plus the join distance of a place, plus the radius for a neighbour: ``LocationPolicy.shown_within_m``), the
+  cell diagonal, plus the join distance of a place, plus the radius for a neighbour:
+  ``LocationPolicy.shown_within_m``), the
   ``locationName`` is the one shown (its id), and ``timestampIssues`` is true when record times were cut to dates;
   ``deploymentStart``/``deploymentEnd`` are the first and last capture times exported for it;
 * ``media.csv``: one row per record; ``filePath`` is the path at the site for roles that see it, else
