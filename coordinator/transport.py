@@ -19,6 +19,17 @@ broker binds every session to its account; this transport sends its username as 
 the same on any broker. An ingest worker runs beside the coordinator, so it connects with a role account of its
 own (``transport_from_config(config, role="ingest-1")``: ``coordinator-<fed>@ingest-1``); sharing one account,
 the two would disconnect each other.
+
+Refused messages: a broker closes the connection, without a PUBACK, on a packet over its limit (Mosquitto
+``max_packet_size``), and paho sends every unacknowledged message again after it reconnects: one task chunk over
+the limit would disconnect the coordinator again and again (and it would receive nothing meanwhile). So at every
+link drop the largest message awaiting its PUBACK is noted; the same one there ``max_drops`` drops in a row is
+taken for refused (shared.broker.RefusedMessages): paho's copies of it, and of every message at least as large,
+are dropped, so they are not sent again, and a clear error naming ``transfer.chunk_size_bytes`` and
+``broker_max_packet_bytes`` is logged (:attr:`MqttTransport.refusals`, :attr:`MqttTransport.refused`). A later
+publish of a message that large is not sent (the same error, logged once per topic): the gateway's download then
+stalls and it gives the task up after ``max_chunk_requests`` requests, with its own error. Publishing never raises
+for this, so one site's oversized task does not stop the round's tasks to the other sites.
 """
 
 from __future__ import annotations
@@ -31,7 +42,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-from shared.broker import check_client_options, load_broker_credentials, role_cert_paths, tls_context
+from shared.broker import (DEFAULT_MAX_DROPS, RefusedMessages, check_client_options, load_broker_credentials,
+                           role_cert_paths, tls_context)
 from shared.errors import ConfigError, WildFedError
 
 if TYPE_CHECKING:
@@ -152,6 +164,9 @@ class MqttTransport:
         ca_file: PEM CA bundle of the broker's certificate (``mqtts://`` only; default: system CAs).
         cert_file, key_file: PEM client certificate and key (mutual TLS; both or neither).
         username, password: MQTT credentials.
+        max_drops: link drops in a row with one message awaiting its PUBACK that make it refused (module
+            docstring, "Refused messages").
+        broker_max_packet_bytes: the configured broker limit, bytes, named in the refused-message error.
 
     Raises:
         ConfigError: bad URL, TLS files with a plain URL, unreadable TLS files, a password without a username.
@@ -161,7 +176,8 @@ class MqttTransport:
     def __init__(self, broker_url: str, *, client_id: str | None = None,
                  connect_timeout_s: float = 10.0, ca_file: str | os.PathLike[str] | None = None,
                  cert_file: str | os.PathLike[str] | None = None, key_file: str | os.PathLike[str] | None = None,
-                 username: str | None = None, password: str | None = None) -> None:
+                 username: str | None = None, password: str | None = None, max_drops: int = DEFAULT_MAX_DROPS,
+                 broker_max_packet_bytes: int | None = None) -> None:
         import paho.mqtt.client as mqtt  # paho only here: nothing else in the coordinator sees it
 
         self._mqtt = mqtt
@@ -185,6 +201,13 @@ class MqttTransport:
         self._closing = False
         self.disconnects = 0
         """Times the link dropped or was closed (observability: e.g. a session taken over by another client)."""
+        self.refusals = RefusedMessages(max_drops, chunk_field="transfer.chunk_size_bytes",
+                                        configured_limit=broker_max_packet_bytes)
+        self.refused = 0
+        """Messages given up as refused by the broker, or not sent because one no larger was (observability)."""
+        self._refused_mids: set[int] = set()
+        self._refusal_logged: set[str] = set()
+        self._suspect: tuple[str, bytes] | None = None  # the largest message in flight at the last drop
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -203,9 +226,46 @@ class MqttTransport:
             client.subscribe(f, qos=1)
         self._connected.set()
 
+    def _refuse_in_flight(self) -> None:
+        """At a link drop: note the largest message awaiting its PUBACK; once the same one was there ``max_drops``
+        drops in a row, drop paho's copies of it and of every message at least as large (module docstring,
+        "Refused messages"). paho 2.x has no public call for it: this reads its ``_out_messages`` under its
+        ``_out_message_mutex`` (as the gateway's transport does) and does nothing where a paho version lacks them."""
+        messages = getattr(self._client, "_out_messages", None)
+        mutex = getattr(self._client, "_out_message_mutex", None)
+        if messages is None or mutex is None:
+            return
+        waiting = getattr(self._mqtt, "mqtt_ms_wait_for_puback", None)
+        with mutex:
+            in_flight = [m for m in messages.values() if waiting is None or m.state == waiting] or list(messages.values())
+            if not in_flight:
+                suspect = None
+            else:
+                largest = max(in_flight, key=lambda m: len(m.payload))  # the first of the largest: sent first
+                suspect = (largest.topic, bytes(largest.payload))
+            if self._suspect is not None and self._suspect != suspect:
+                self.refusals.delivered(*self._suspect)  # another message this time: not in a row
+            self._suspect = suspect
+            if suspect is None:
+                return
+            error = self.refusals.dropped(*suspect)
+            if error is None:
+                return
+            limit = self.refusals.refused_size or len(suspect[1])
+            dropped = [mid for mid, m in messages.items() if len(m.payload) >= limit]
+            for mid in dropped:
+                del messages[mid]
+            self._refused_mids.update(dropped)
+            self.refused += len(dropped)
+            self._suspect = None
+        log.error("mqtt: %s (%d message(s) of that size or more dropped from the resend queue)", error, len(dropped))
+        self._refusal_logged.add(suspect[0])
+
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
         self._connected.clear()
         self.disconnects += 1
+        if not self._closing:
+            self._refuse_in_flight()
         if self._closing:
             log.info("mqtt: disconnected (%s)", reason_code)
         else:
@@ -253,16 +313,31 @@ class MqttTransport:
         queue): paho then completes the QoS 1 exchange in the background. Such a reply, if lost, is sent again when
         the gateway resends (a duplicate is re-ACKed).
 
+        A message the broker refuses (module docstring, "Refused messages"), or one at least as large as a refused
+        one, is not sent: the error naming the settings is logged (once per topic) and :attr:`refused` counts it.
+
         Raises:
             TransportError: paho refused the publish.
         """
+        refused = self.refusals.refused(topic, payload)
+        if refused is not None:
+            self.refused += 1
+            if topic not in self._refusal_logged:
+                self._refusal_logged.add(topic)
+                log.error("mqtt: not sent: %s", refused)
+            return
         info = self._client.publish(topic, payload, qos=qos)
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
             raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).
         if (info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread
                 and not getattr(_HANDLER_THREAD, "active", False)):
-            info.wait_for_publish(timeout=self.connect_timeout_s)
+            deadline = time.monotonic() + self.connect_timeout_s
+            while not info.is_published() and info.mid not in self._refused_mids:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                info.wait_for_publish(timeout=min(remaining, 0.05))
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
         """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect).
@@ -321,7 +396,7 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
     default_id = f"wildfed-coordinator-{config.federation_id}" + (f"-{role}" if role else "")
     return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
                          ca_file=config.broker_ca_file, cert_file=cert_file, key_file=key_file, username=username,
-                         password=password)
+                         password=password, broker_max_packet_bytes=config.broker_max_packet_bytes)
 
 
 _HANDLER_THREAD = threading.local()

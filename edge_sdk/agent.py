@@ -70,7 +70,7 @@ from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
 from edge_sdk.radio import RadioSiteTrainer, run_radio_task
 from edge_sdk.training import clipped_sum_locally, train_locally
 from edge_sdk.uplink.outbox import Outbox
-from edge_sdk.uplink.transport import Transport, TransportError
+from edge_sdk.uplink.transport import MessageRefusedError, Transport, TransportError
 
 __all__ = ["EdgeAgent", "build_backend", "requested_backend", "update_message_id"]
 
@@ -797,6 +797,9 @@ class EdgeAgent:
                  on_probe=self._upload_requests.probed)
         except TransferError as exc:  # a message the broker would drop (e.g. a manifest of too many chunks)
             self._abandon_upload(message_id, f"{exc} (broker_max_packet_bytes {self.config.broker_max_packet_bytes})")
+            return False
+        except MessageRefusedError as exc:  # the broker keeps dropping the link on it (edge_sdk.uplink.mqtt)
+            self._abandon_upload(message_id, str(exc))
             return False
         except TransportError as exc:
             self.stats["publish_failed"] += 1

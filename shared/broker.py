@@ -19,8 +19,10 @@ message may vanish without a trace. :func:`check_chunk_fits` is run on both side
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from shared.transfer import CHUNK_HEADER_LENGTH
 __all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "check_client_options",
            "site_username", "coordinator_username", "role_username", "validate_role", "role_cert_paths",
            "check_chunk_fits", "DEFAULT_BROKER_MAX_PACKET_BYTES", "MQTT_PUBLISH_OVERHEAD", "CHUNK_HEADER_BYTES",
-           "SITE_ROLES", "DETECT_ROLE"]
+           "SITE_ROLES", "DETECT_ROLE", "RefusedMessages", "DEFAULT_MAX_DROPS"]
 
 #: The broker's packet limit the generated Mosquitto config sets (``max_packet_size``), bytes: the coordinator's
 #: default ``transfer.max_message_bytes`` (1 MiB + 64 KiB of payload) plus room for the MQTT header. A 100 MB
@@ -117,6 +119,83 @@ def check_chunk_fits(chunk_size: int, broker_max_packet_bytes: int, *, field: st
             f"({limit_field}); the broker would drop every chunk", field=field,
             fix=f"set {field} to at most {largest}, or, if the broker really takes larger messages, set "
             f"{limit_field} to its limit (Mosquitto max_packet_size, EMQX mqtt.max_packet_size)")
+
+
+#: How many times in a row the broker may close the connection while one message waits for its PUBACK before the
+#: message counts as refused (:class:`RefusedMessages`; the gateway uses its ``max_chunk_requests`` instead).
+DEFAULT_MAX_DROPS = 3
+
+
+class RefusedMessages:
+    """Messages the broker keeps closing the connection on: the same message dropped before its PUBACK
+    ``max_drops`` times in a row is refused, with an error naming the settings to change.
+
+    A broker closes the connection (it sends no PUBACK, and in MQTT 3.1.1 no reason) on a packet over its limit
+    (Mosquitto ``max_packet_size``); a QoS 1 client would send it again after every reconnect, forever, and the link
+    would carry nothing else. That happens when the broker's real limit is below what ``broker_max_packet_bytes``
+    says (the start-up check, :func:`check_chunk_fits`, trusts that setting). Once a message of ``n`` bytes is
+    refused, every message of ``n`` bytes or more is refused at once, without sending it: the broker's limit is on
+    the packet size, so it would refuse those too. Counts live in memory (a restart, e.g. after fixing the broker,
+    starts afresh). Thread-safe.
+
+    Args:
+        max_drops: drops in a row of one message that make it refused (>= 1).
+        chunk_field, limit_field: the config fields to name (``chunk_size_bytes`` / ``transfer.chunk_size_bytes``,
+            ``broker_max_packet_bytes``).
+        configured_limit: the value of ``limit_field``, bytes, or None.
+    """
+
+    def __init__(self, max_drops: int = DEFAULT_MAX_DROPS, *, chunk_field: str = "chunk_size_bytes",
+                 limit_field: str = "broker_max_packet_bytes", configured_limit: int | None = None) -> None:
+        if max_drops < 1:
+            raise ConfigError(f"max_drops must be >= 1, got {max_drops}", field="max_drops", fix="use e.g. 3")
+        self.max_drops = max_drops
+        self.chunk_field, self.limit_field, self.configured_limit = chunk_field, limit_field, configured_limit
+        self.refused_size: int | None = None  # the smallest message size refused so far, bytes
+        self._drops: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(topic: str, payload: bytes) -> bytes:
+        return hashlib.sha256(topic.encode("utf-8") + b"\0" + bytes(payload)).digest()
+
+    def error(self, topic: str, size: int, times: int) -> str:
+        """The error text for a refused message of ``size`` bytes to ``topic`` (dropped ``times`` times)."""
+        largest_chunk = (self.configured_limit - CHUNK_HEADER_BYTES - MQTT_PUBLISH_OVERHEAD
+                         if self.configured_limit else None)
+        said = (f", below the {self.configured_limit} bytes {self.limit_field} says" if self.configured_limit
+                else "")
+        return (f"the broker closed the connection {times} time(s) in a row while a {size}-byte message to {topic} "
+                f"waited for its PUBACK, so it is given up: most likely the message is over the broker's packet limit "
+                f"(Mosquitto max_packet_size){said}; messages of {size} bytes or more are not sent again (fix: set "
+                f"{self.limit_field} to the broker's real limit and {self.chunk_field} to at most that limit - "
+                f"{CHUNK_HEADER_BYTES + MQTT_PUBLISH_OVERHEAD} bytes"
+                + (f" (now {largest_chunk} at most)" if largest_chunk else "")
+                + ", so that large messages go in chunks that fit; or raise the broker's max_packet_size)")
+
+    def refused(self, topic: str, payload: bytes) -> str | None:
+        """The error text if a message of this size is refused already (do not send it), else None."""
+        with self._lock:
+            if self.refused_size is not None and len(payload) >= self.refused_size:
+                return self.error(topic, len(payload), self._drops.get(self._key(topic, payload), 0))
+        return None
+
+    def dropped(self, topic: str, payload: bytes) -> str | None:
+        """The link dropped while this message waited for its PUBACK: count it; returns the error text when that
+        makes ``max_drops`` in a row (the message is refused from now on, and every message at least as large)."""
+        key = self._key(topic, payload)
+        with self._lock:
+            times = self._drops.get(key, 0) + 1
+            self._drops[key] = times
+            if times < self.max_drops:
+                return None
+            self.refused_size = len(payload) if self.refused_size is None else min(self.refused_size, len(payload))
+        return self.error(topic, len(payload), times)
+
+    def delivered(self, topic: str, payload: bytes) -> None:
+        """The broker acknowledged this message: its drops no longer count (they were not in a row)."""
+        with self._lock:
+            self._drops.pop(self._key(topic, payload), None)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,14 @@ refuses by closing the connection (over its ``max_packet_size``) would otherwise
 and the link would never carry anything else. The gateway's outbox still holds the update and re-sends it (or gives
 it up, edge_sdk.agent) on the next connect, and the coordinator deduplicates by (site, round) and envelope
 sequence, so at-least-once delivery holds and duplicates are harmless.
+
+Refused messages: a message that was in flight each of ``max_drops`` times in a row the link dropped (the site's
+``max_chunk_requests``) is taken for one the broker refuses by closing the connection, i.e. over its packet limit
+(which is then below the configured ``broker_max_packet_bytes``): :meth:`MqttTransport.publish` raises
+:class:`~edge_sdk.uplink.transport.MessageRefusedError` naming ``chunk_size_bytes`` and ``broker_max_packet_bytes``
+instead of the usual TransportError, and from then on refuses every message at least that large without sending
+it (shared.broker.RefusedMessages). The agent gives such an upload up (edge_sdk.agent) instead of re-sending it
+on every reconnect.
 """
 
 from __future__ import annotations
@@ -57,12 +65,12 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-from shared.broker import (BrokerCredentials, check_client_options, load_broker_credentials, role_cert_paths,
-                           site_username, tls_context)
+from shared.broker import (DEFAULT_MAX_DROPS, BrokerCredentials, RefusedMessages, check_client_options,
+                           load_broker_credentials, role_cert_paths, site_username, tls_context)
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
-from edge_sdk.uplink.transport import MessageCallback, Transport, TransportError, topic_matches
+from edge_sdk.uplink.transport import MessageCallback, MessageRefusedError, Transport, TransportError, topic_matches
 
 if TYPE_CHECKING:
     from edge_sdk.config import SiteConfig
@@ -125,6 +133,9 @@ class MqttTransport(Transport):
         site_id: the site the presence messages name.
         backoff_base_s, backoff_cap_s: full-jitter reconnect delays, seconds (see the module docstring).
         rng: random source of the jitter (default: a fresh ``random.Random``; not security-relevant).
+        max_drops: link drops in a row with one message awaiting its PUBACK that make it refused (module
+            docstring, "Refused messages"; the site's ``max_chunk_requests``).
+        broker_max_packet_bytes: the configured broker limit, bytes, named in the refused-message error.
 
     Raises:
         ConfigError: bad URL, TLS options with ``mqtt://``, unreadable TLS files, a password without a username,
@@ -135,7 +146,8 @@ class MqttTransport(Transport):
                  ca_file: str | os.PathLike[str] | None = None, cert_file: str | os.PathLike[str] | None = None,
                  key_file: str | os.PathLike[str] | None = None, username: str | None = None,
                  password: str | None = None, status_topic: str | None = None, site_id: str | None = None,
-                 backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0, rng: random.Random | None = None) -> None:
+                 backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0, rng: random.Random | None = None,
+                 max_drops: int = DEFAULT_MAX_DROPS, broker_max_packet_bytes: int | None = None) -> None:
         self._host, self._port, tls = parse_mqtt_url_tls(url)
         check_client_options(url, tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
                              username=username, password=password)
@@ -177,6 +189,7 @@ class MqttTransport(Transport):
         self._backoff = (backoff_base_s, backoff_cap_s)
         self._rng = rng or random.Random()
         self._supervisor: threading.Thread | None = None
+        self.refusals = RefusedMessages(max_drops, configured_limit=broker_max_packet_bytes)
         self.reconnect_delays: list[float] = []  # the delays actually waited (observability, tests)
         self.disconnects = 0  # times the link dropped or was closed (observability, tests)
 
@@ -341,9 +354,14 @@ class MqttTransport(Transport):
         """Publish and wait for PUBACK (QoS 1).
 
         Raises:
+            MessageRefusedError: this message was dropped before its PUBACK ``max_drops`` times in a row, or one no
+                larger was refused already ("Refused messages" in the module docstring); it is not sent.
             TransportError: not connected, queue full, the link dropped before the PUBACK (see "In-flight window"
                 in the module docstring), or no PUBACK within ``timeout_s``.
         """
+        refused = self.refusals.refused(topic, payload)
+        if refused is not None:
+            raise MessageRefusedError(refused)
         if not self._connected.is_set():
             raise TransportError(f"not connected to {self._host}:{self._port}: cannot publish to {topic}")
         generation = self._generation
@@ -352,6 +370,10 @@ class MqttTransport(Transport):
         try:
             while not info.is_published():
                 if self._generation != generation:
+                    refused = self.refusals.dropped(topic, payload)
+                    if refused is not None:
+                        log.error("MQTT %s", refused)
+                        raise MessageRefusedError(refused)
                     raise TransportError(f"link to {self._host}:{self._port} dropped before the PUBACK for {topic}; "
                                          "the outbox re-sends it after the reconnect")
                 remaining = deadline - time.monotonic()
@@ -360,6 +382,7 @@ class MqttTransport(Transport):
                 info.wait_for_publish(timeout=min(remaining, 0.05))
         except (ValueError, RuntimeError) as exc:
             raise TransportError(f"publish to {topic} failed: {exc}") from exc
+        self.refusals.delivered(topic, payload)
 
     def subscribe(self, topic_filter: str, callback: MessageCallback) -> None:
         """Subscribe with QoS 1 now (if connected) and after every reconnect."""
@@ -475,4 +498,5 @@ def transport_from_config(config: SiteConfig, *, client_id: str | None = None, p
     return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
                          ca_file=ca, cert_file=cert, key_file=key, username=username, password=password,
                          status_topic=status_topic(config.federation_id, config.site_id) if presence else None,
-                         site_id=config.site_id if presence else None)
+                         site_id=config.site_id if presence else None, max_drops=config.max_chunk_requests,
+                         broker_max_packet_bytes=config.broker_max_packet_bytes)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from shared.errors import WildFedError
 
-__all__ = ["TransportError", "MessageCallback", "Transport", "topic_matches", "InMemoryBroker", "InMemoryTransport"]
+__all__ = ["TransportError", "MessageRefusedError", "MessageCallback", "Transport", "topic_matches", "InMemoryBroker", "InMemoryTransport"]
 
 MessageCallback = Callable[[str, bytes], None]
 """``callback(topic, payload)``."""
@@ -24,6 +24,13 @@ MessageCallback = Callable[[str, bytes], None]
 
 class TransportError(WildFedError):
     """The broker is unreachable, or a publish was not acknowledged (PUBACK) in time."""
+
+
+class MessageRefusedError(TransportError):
+    """The broker keeps closing the connection on this message (it was dropped before its PUBACK again and again,
+    or one no larger was): sending it again would only drop the link again. The message names the settings to
+    change (``chunk_size_bytes``, ``broker_max_packet_bytes``; shared.broker.RefusedMessages). Whoever sent it gives
+    it up instead of retrying (the agent abandons the upload)."""
 
 
 class Transport(ABC):
