@@ -34,7 +34,8 @@ Example (``wildfed-coordinator init`` writes this)::
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
     server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
-    model: camera_cnn                     # or radio_unet (base-station radio maps) with privacy grouped and:
+    model: head                           # phi adapter + psi head on backbone embeddings; or radio_unet (radio maps):
+    adapter_width: 0                      # head model: 0 = psi only (linear head), H > 0 = a 1280 -> H tanh adapter
     radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
                                           #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
     transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300}
@@ -347,7 +348,10 @@ class CoordinatorConfig(StrictModel):
     species: list[SpeciesEntry] | None = Field(None, description="the federation's species table (class index, "
                                                "scientific name, IUCN category); NIRA uses it to map species to "
                                                "head rows")
-    model: Literal["camera_cnn", "radio_unet"] = Field("camera_cnn", description="camera traps or radio maps")
+    model: Literal["head", "radio_unet"] = Field("head", description="camera traps (the head model on frozen "
+                                                 "EfficientNet-Lite0 embeddings, shared.models.head) or radio maps")
+    adapter_width: int = Field(0, ge=0, le=4096, description="head model: width H of the phi adapter "
+                               "(1280 -> H, tanh); 0 = head only (psi on the embedding)")
     radio: RadioConfig | None = Field(None, description="radio-map settings (model: radio_unet)")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="chunked transfers, size limits, "
                                      "replay window")

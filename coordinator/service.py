@@ -16,7 +16,8 @@ chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
 :class:`~coordinator.global_dp.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
 :class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
 :class:`~coordinator.optimizers.server_sgd.ServerSGD`. torch is never imported here; the round-0 model comes from
-``shared.models.camera_cnn.initial_weights`` (which imports torch lazily) unless ``initial_weights`` is given.
+the head model's ``initial_weights`` (``shared.models.kinds.model_spec("head", num_classes, adapter_width=...)``,
+numpy only) unless ``initial_weights`` is given.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Coordinator:
             (connected in :meth:`start`).
         signing_key: the coordinator's Ed25519 key; defaults to the one at ``config.signing_key_path``.
         initial_weights: round-0 global model (float32 arrays); defaults to
-            ``shared.models.camera_cnn.initial_weights(config.num_classes, config.seed or 0)``.
+            ``model_spec("head", config.num_classes, adapter_width=config.adapter_width).initial_weights(seed)``.
         strategy, optimizer: aggregation and server step; default: the strategy ``config.strategy`` names
             (:func:`build_strategy`: FedAvg or NIRA) and the optimizer ``config.server_optimizer`` names
             (:func:`build_optimizer`: server SGD or DP-FedSOFIM).
@@ -155,10 +156,11 @@ class Coordinator:
             from coordinator.radio import initial_weights as radio_initial_weights  # imports torch lazily
 
             weights = radio_initial_weights(self.config)
-        elif weights is None:
-            from shared.models.camera_cnn import initial_weights  # imports torch lazily
+        elif weights is None:  # the head model: numpy only, no torch
+            from shared.models.kinds import model_spec
 
-            weights = initial_weights(self.config.num_classes, self.config.seed or 0)
+            weights = model_spec("head", self.config.num_classes, adapter_width=self.config.adapter_width
+                                 ).initial_weights(self.config.seed or 0)
         weights = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
         h = model_hash(weights)
         self.store.put_model(h, encode_tensors(weights), round=0)

@@ -51,10 +51,15 @@ def demo(
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
-    local_steps: int = typer.Option(10, help="DP-SGD steps per site per round"),
-    expected_batch_size: int = typer.Option(128, help="records per step in expectation (q = B / N_site)"),
-    learning_rate: float = typer.Option(0.5, help="local SGD step size"),
+    local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 5 with DP, "
+                                           "1 with --privacy global, 30 with --privacy none)"),
+    expected_batch_size: int | None = typer.Option(None, help="records per step in expectation (q = B / N_site; "
+                                                   "default 256 with DP, 128 with --privacy none)"),
+    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 0.5 with DP, 10 with "
+                                               "--privacy none: no clipping there)"),
     clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),
+    adapter_width: int = typer.Option(0, help="head model: phi adapter width (1280 -> H, tanh); 0 = the linear "
+                                      "head psi alone on the frozen backbone embeddings"),
     target_delta: float = typer.Option(1e-5, help="delta of every category's guarantee"),
     seed: int = typer.Option(0, help="data split, site design and model initialisation (noise stays random)"),
     broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker (default: embedded amqtt)"),
@@ -100,6 +105,7 @@ def demo(
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
+                            adapter_width=adapter_width,
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
                             round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
                             strategy=strategy, nira_recluster_every=recluster_every,

@@ -20,6 +20,7 @@ coordinator's database, blobs and models.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -41,9 +42,23 @@ from shared.errors import ConfigError, WildFedError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
-__all__ = ["DemoSettings", "DemoResult", "run_demo", "public_split_indices", "balanced_public_split",
+__all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings", "DemoResult", "run_demo", "public_split_indices", "balanced_public_split",
            "design_sites_with_public_split", "pretrain_on_public_split",
            "load_weights", "save_weights"]
+
+
+#: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
+DP_DEFAULTS: dict[str, Any] = {"local_steps": 5, "expected_batch_size": 256, "learning_rate": 0.5}
+#: Demo defaults without privacy (no clipping: the mean gradient's norm is ~30, hence the larger step)
+NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 30, "expected_batch_size": 128, "learning_rate": 10.0}
+
+
+def demo_embedding_cache(site_id: str) -> Path:
+    """The persistent embedding cache of demo site ``site_id``: ``<wildfed cache>/embeddings/demo/<site_id>``
+    (records are keyed by mediaID and content hash, so a stale entry is never served)."""
+    from edge_sdk.inference.weights import cache_dir
+
+    return cache_dir() / "embeddings" / "demo" / site_id
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,13 @@ class DemoSettings:
         gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
-        learning_rate: local SGD step; clipping_norm: C; target_delta: delta of every guarantee.
+        learning_rate: local SGD step; clipping_norm: C; target_delta: delta of every guarantee. None (the
+            default) for local_steps, expected_batch_size or learning_rate: the privacy mode's tuned value
+            (:data:`DP_DEFAULTS`, :data:`NON_PRIVATE_DEFAULTS`; tuned on seeds 101-103, never on seed 0). Under DP
+            each per-example gradient is clipped to C, so the step is about lr * C; without DP the raw mean
+            gradient (norm ~30 on these embeddings) is used, hence the larger non-private lr.
+        adapter_width: the head model's phi adapter width (1280 -> H, tanh); 0 (default, the better one in the
+            tuning runs, docs/demo-data.md) trains the linear head psi alone on the frozen embeddings.
         round_deadline_s: seconds a round waits for all selected sites.
         seed: data split, site design, model initialisation (privacy noise stays cryptographically random).
         broker: ``mqtt://host:port`` of a running broker, or None for the embedded one.
@@ -65,13 +86,13 @@ class DemoSettings:
         centralised_epochs: also train the same model on the pooled training data for this many epochs
             (0 = skip) as the reference a federation is compared with.
         threads_per_site: torch threads of each gateway process.
-        pretrain_epochs: before round 1, train the camera CNN centrally (non-private) for this many epochs on the
+        pretrain_epochs: before round 1, train the head model centrally (non-private) for this many epochs on the
             public split -- the training images that no site holds (:func:`public_split_indices`; about 3,600 of
             the 8,000 at K=8) -- and start the federation from those weights (DP transfer learning). 0 = start
             from the seeded random initialisation. pretrain_batch_size, pretrain_learning_rate: its SGD (the demo's
             lr 0.5 diverges at small batches; 64 / 0.1 reach ~50 % on the held-out split in 5 epochs at K=8).
         initial_weights_path: start the federation from these weights (a safetensors file of
-            ``shared.models.camera_cnn`` arrays, e.g. written by :func:`save_weights`) instead; excludes
+            head-model arrays, ``shared.models.head``, e.g. written by :func:`save_weights`) instead; excludes
             ``pretrain_epochs``.
         public_per_class: 0 (default) = the public split is what no site holds (not class-balanced: the site
             design takes every image of some species). N > 0 = reserve N training images of every class as a
@@ -91,10 +112,11 @@ class DemoSettings:
     gamma: float = 1.0
     anchor_category: str = "VU"
     anchor_epsilon: float = 1.0
-    local_steps: int = 10
-    expected_batch_size: int = 128
-    learning_rate: float = 0.5
+    local_steps: int | None = None
+    expected_batch_size: int | None = None
+    learning_rate: float | None = None
     clipping_norm: float = 1.0
+    adapter_width: int = 0
     target_delta: float = 1e-5
     round_deadline_s: float = 300.0
     seed: int = 0
@@ -113,6 +135,15 @@ class DemoSettings:
     nira_distance_threshold: float | None = None
 
     def __post_init__(self) -> None:
+        # None: the tuned defaults of this privacy mode (DP_DEFAULTS / NON_PRIVATE_DEFAULTS, docs/demo-data.md)
+        defaults = (NON_PRIVATE_DEFAULTS if self.privacy == "none"
+                    else {**DP_DEFAULTS, "local_steps": 1} if self.privacy == "global" else DP_DEFAULTS)
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if type(self.adapter_width) is not int or self.adapter_width < 0:
+            raise ConfigError(f"adapter_width must be an integer >= 0, got {self.adapter_width!r}",
+                              field="adapter_width", fix="use 0 (head only) or e.g. 256")
         if self.sites < 2:
             raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
         if self.rounds < 1:
@@ -246,6 +277,8 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
         "broker_url": broker_url,
         "outbox": "state/outbox.sqlite",
         "backend": "torch",
+        # backbone embeddings cached outside the run folder: a second demo of the same seed embeds nothing
+        "embedding_cache": str(demo_embedding_cache(spec.site_id)),
         "threads": settings.threads_per_site,
         "allow_non_private": settings.privacy == "none",
         "allow_global_dp": settings.privacy == "global",
@@ -367,9 +400,10 @@ def design_sites_with_public_split(labels: np.ndarray, num_sites: int, *, seed: 
 
 
 def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size: int, learning_rate: float,
-                             seed: int, public_per_class: int = 0) -> tuple[dict[str, np.ndarray], int]:
-    """Non-private central SGD of the camera CNN (phi and psi) on the public split, from
-    ``initial_weights(num_classes, seed)``: :func:`balanced_public_split` when ``public_per_class > 0`` (the
+                             seed: int, public_per_class: int = 0, adapter_width: int = 0
+                             ) -> tuple[dict[str, np.ndarray], int]:
+    """Non-private central SGD of the head model (``adapter_width``; phi and psi) on the backbone embeddings of
+    the public split, from its seeded initial weights: :func:`balanced_public_split` when ``public_per_class > 0`` (the
     sites must come from :func:`design_sites_with_public_split` with the same value), else
     :func:`public_split_indices`. Returns (weights, number of public images)."""
     from wildfed_sim.animal_mnist import SPECIES_TABLE
@@ -386,13 +420,17 @@ def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size:
     if len(public) == 0:
         raise ConfigError("every training image is held by a site: there is no public split to pretrain on",
                           field="pretrain_epochs", fix="use --pretrain-epochs 0 or fewer sites")
-    weights = train_centralised(train.images[public], train.labels[public], num_classes=len(SPECIES_TABLE),
-                                epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed)
+    from wildfed_sim.embeddings import embed_grayscale
+
+    features = embed_grayscale(train.images[public], train.source_indices[public])
+    weights = train_centralised(features, train.labels[public], num_classes=len(SPECIES_TABLE),
+                                epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, seed=seed,
+                                adapter_width=adapter_width)
     return weights, int(len(public))
 
 
 def save_weights(weights: Any, path: Path) -> Path:
-    """Write camera-CNN weights as safetensors (float32)."""
+    """Write head-model weights as safetensors (float32)."""
     from safetensors.numpy import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -401,7 +439,7 @@ def save_weights(weights: Any, path: Path) -> Path:
 
 
 def load_weights(path: Path) -> dict[str, np.ndarray]:
-    """Read camera-CNN weights written by :func:`save_weights` (no pickle)."""
+    """Read head-model weights written by :func:`save_weights` (no pickle)."""
     from safetensors.numpy import load_file
 
     if not Path(path).is_file():
@@ -429,8 +467,9 @@ def _nira_state(coordinator: Any) -> dict[str, Any]:
 
 
 def _evaluate_model(settings: DemoSettings, coordinator: Any, bundle: Any, specs: Any, train: Any, test: Any,
-                    class_categories: Any) -> tuple[Any, dict[str, Any]]:
-    """Held-out evaluation of the stored model.
+                    class_categories: Any, test_features: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    """Held-out evaluation of the stored model on ``test_features``, the backbone embeddings of the held-out
+    test split (float32 (N, 1280), embedded once and cached: :func:`wildfed_sim.embeddings.embed_grayscale`).
 
     Per site (both strategies): the model the site receives (``strategy.site_weights``) on the test images of the
     classes it holds (:func:`~wildfed_sim.evaluation.evaluate_sites`). By IUCN group: FedAvg's global
@@ -445,11 +484,11 @@ def _evaluate_model(settings: DemoSettings, coordinator: Any, bundle: Any, specs
     site_models = {s.site_id: strategy.site_weights(bundle, s.site_id) for s in specs}
     site_counts = {s.site_id: {int(c): int(n) for c, n in zip(*np.unique(train.labels[s.indices], return_counts=True))}
                    for s in specs}
-    per_site = evaluate_sites(site_models, site_counts, test.images, test.labels, len(class_categories))
+    per_site = evaluate_sites(site_models, site_counts, test_features, test.labels, len(class_categories))
     sites = [acc for acc, _ in per_site.values()]
     details = {"summary": summarise_sites(sites), "sites": [a.to_json() for a in sites]}
     if settings.strategy == "fedavg":
-        return evaluate(bundle, test.images, test.labels, class_categories), details
+        return evaluate(bundle, test_features, test.labels, class_categories), details
     preds, labels = [], []
     for acc, predictions in per_site.values():
         mask = np.isin(test.labels, acc.species)
@@ -570,6 +609,12 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     console.log(f"run folder {run_dir}")
 
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
+    from wildfed_sim.embeddings import embed_grayscale
+
+    t_embed = time.monotonic()
+    # the coordinator's held-out evaluation set, embedded once by the frozen backbone (cached for later runs)
+    test_features = embed_grayscale(test.images, test.source_indices)
+    console.log(f"held-out test split: {len(test)} backbone embeddings ({time.monotonic() - t_embed:.1f} s)")
     class_categories = [e.iucn for e in SPECIES_TABLE]
     # One federation id per run: two demos on one broker (--broker) must not see each other's topics (a shared id
     # made them exchange updates that the signature checks then rejected).
@@ -592,13 +637,13 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         start_weights, n_public = pretrain_on_public_split(
             train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
             learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
-            public_per_class=settings.public_per_class)
+            public_per_class=settings.public_per_class, adapter_width=settings.adapter_width)
         result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
                               "epochs": settings.pretrain_epochs}
         console.log(f"pretrained on the public split ({n_public} training images no site holds), "
                     f"{settings.pretrain_epochs} epochs, non-private")
     if start_weights is not None:
-        pre = evaluate(start_weights, test.images, test.labels, class_categories)
+        pre = evaluate(start_weights, test_features, test.labels, class_categories)
         result.pretraining["accuracy"] = dict(pre.by_group)
         console.log(f"round-0 model: {100 * pre.by_group['overall']:.1f}% overall on the held-out test split")
     with ExitStack() as stack:
@@ -616,6 +661,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
             "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
             "privacy": settings.privacy, "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
+            "model": "head", "adapter_width": settings.adapter_width,
             "seed": settings.seed, "strategy": _strategy_config(settings),
             "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
                         for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
@@ -643,7 +689,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             for round_result in coordinator.iter_rounds():
                 _, weights = coordinator.rounds.current_model()
                 acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
-                                                  class_categories)
+                                                  class_categories, test_features)
                 eps = _epsilon_by_category(coordinator)
                 entry = {"round": round_result.round, "status": round_result.status,
                          "selected": list(round_result.selected), "accepted": list(round_result.accepted),
@@ -662,19 +708,24 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         result.epsilon = _epsilon_by_category(coordinator)
         _, final_weights = coordinator.rounds.current_model()
         final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
-                                             class_categories)
+                                             class_categories, test_features)
         result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
         result.per_site = final_sites
         if settings.strategy == "nira":
             result.nira = _nira_state(coordinator)
+        # while broker, coordinator and gateways still run: detections on real photos (wildfed_sim.detections)
+        end_of_demo_detections(run_dir=run_dir, specs=specs, site_configs=site_configs, coordinator=coordinator,
+                               weights=final_weights, model_round=len(result.history), console=console)
 
     if settings.centralised_epochs > 0:
         console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
         used = np.concatenate([s.indices for s in specs])
-        weights = train_centralised(train.images[used], train.labels[used], num_classes=len(SPECIES_TABLE),
+        weights = train_centralised(embed_grayscale(train.images[used], train.source_indices[used]),
+                                    train.labels[used], num_classes=len(SPECIES_TABLE),
                                     epochs=settings.centralised_epochs, batch_size=settings.expected_batch_size,
-                                    learning_rate=settings.learning_rate, seed=settings.seed)
-        result.centralised_accuracy = dict(evaluate(weights, test.images, test.labels, class_categories).by_group)
+                                    learning_rate=NON_PRIVATE_DEFAULTS["learning_rate"], seed=settings.seed,
+                                    adapter_width=settings.adapter_width)
+        result.centralised_accuracy = dict(evaluate(weights, test_features, test.labels, class_categories).by_group)
     result.elapsed_s = time.monotonic() - t0
 
     table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} "
@@ -729,6 +780,26 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                   highlight=False)
     console.print(f"{exe} serve --config {coord_yaml}", soft_wrap=True, markup=False, highlight=False)
     return result
+
+
+def end_of_demo_detections(*, run_dir: Path, specs: Any, site_configs: list[Path], coordinator: Any,
+                           weights: dict[str, np.ndarray], model_round: int, console: Any) -> None:
+    """The demo's call point for the end-of-demo detections on real camera-trap photos (issue 18, item 5), run
+    while broker, coordinator and gateways are still up: ``wildfed_sim.detections.run_demo_detections`` (another
+    change's module) with each site's model (``strategy.site_weights``), output under ``<run_dir>/detections``.
+    Where that module or function is not present, the demo logs that no detections ran."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("wildfed_sim.detections")
+    module = importlib.import_module("wildfed_sim.detections") if spec is not None else None
+    run = getattr(module, "run_demo_detections", None)
+    if run is None:
+        console.log("end-of-demo detections: wildfed_sim.detections.run_demo_detections is absent; none ran")
+        return
+    strategy = coordinator.rounds._strategy
+    run(coordinator=coordinator, site_configs=site_configs, out_dir=run_dir / "detections",
+        weights_for_site=lambda site_id: strategy.site_weights(weights, site_id), model_round=model_round,
+        console=console)
 
 
 def _import_demo_deployments(store: Any, run_dir: Path, specs: Any, config: Any, console: Any) -> None:

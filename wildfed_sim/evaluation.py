@@ -41,35 +41,43 @@ class Accuracy:
                 "counts": dict(self.counts)}
 
 
-def _predict(weights: Mapping[str, np.ndarray], images: np.ndarray, num_classes: int,
-             batch_size: int = 1000) -> np.ndarray:
+def _predict(weights: Mapping[str, np.ndarray], features: np.ndarray, num_classes: int,
+             batch_size: int = 4096) -> np.ndarray:
+    """Argmax class of the head model (the spec of ``weights``, ``shared.models.kinds.spec_from_weights``) on
+    backbone embeddings float32 (N, 1280)."""
     import torch
 
-    from shared.models.camera_cnn import build_model, load_numpy_state, preprocess
+    from shared.models.kinds import spec_from_weights
 
-    model = build_model(num_classes)
-    load_numpy_state(model, weights)
+    spec = spec_from_weights(weights)
+    if spec.num_classes != num_classes:
+        raise ValueError(f"the weights have {spec.num_classes} classes, the species table {num_classes}")
+    model = spec.build()
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in weights.items()})
     model.eval()
     out = []
     with torch.no_grad():
-        for start in range(0, len(images), batch_size):
-            out.append(model(preprocess(images[start:start + batch_size])).argmax(dim=1).numpy())
+        for start in range(0, len(features), batch_size):
+            out.append(model(torch.as_tensor(spec.prepare_input(features[start:start + batch_size])))
+                       .argmax(dim=1).numpy())
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def evaluate(weights: Mapping[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
+def evaluate(weights: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
              class_categories: Sequence[IUCNCategory]) -> Accuracy:
-    """Accuracy of the camera CNN with ``weights`` on a labelled set.
+    """Accuracy of the head model with ``weights`` on a labelled set of backbone embeddings.
 
     Args:
-        weights: float32 arrays of ``shared.models.camera_cnn`` (``phi.*``, ``psi.*``).
-        images: uint8 (N, 28, 28). labels: int64 (N,) class indices.
+        weights: float32 arrays of ``shared.models.head`` (``phi.*``, ``psi.*``; the architecture is read from
+            their shapes).
+        features: float32 (N, 1280) backbone embeddings (:func:`wildfed_sim.embeddings.embed_grayscale`).
+        labels: int64 (N,) class indices.
         class_categories: IUCN category of each class index (length = number of classes).
 
     Returns:
         :class:`Accuracy`; a group with no records reports ``nan``.
     """
-    return accuracy_from_predictions(_predict(weights, images, len(class_categories)), labels, class_categories)
+    return accuracy_from_predictions(_predict(weights, features, len(class_categories)), labels, class_categories)
 
 
 def accuracy_from_predictions(predictions: np.ndarray, labels: np.ndarray,
@@ -156,7 +164,7 @@ def evaluate_sites(site_models: Mapping[str, Mapping[str, np.ndarray]], site_cou
             shared phi + its cluster's head). Sites given the very same arrays are predicted once.
         site_counts: ``{site_id: {class index: training records at the site}}`` (the site's full species table).
         images, labels: the held-out test split. num_classes: classes of the model.
-        predict: ``predict(weights, images) -> class indices``; default: the camera CNN's argmax.
+        predict: ``predict(weights, images) -> class indices``; default: the head model's argmax on embeddings.
 
     Returns:
         ``{site_id: (SiteAccuracy, predictions)}``, ``predictions`` being the site model's class index for every
@@ -214,28 +222,33 @@ def summarise_sites(sites: Sequence[SiteAccuracy]) -> dict[str, float]:
             "rare": _nanmean([s.rare for s in sites]), "novel": _nanmean([s.novel for s in sites])}
 
 
-def train_centralised(images: np.ndarray, labels: np.ndarray, *, num_classes: int, epochs: int, batch_size: int,
-                      learning_rate: float, seed: int, initial: Mapping[str, np.ndarray] | None = None
-                      ) -> dict[str, np.ndarray]:
+def train_centralised(features: np.ndarray, labels: np.ndarray, *, num_classes: int, epochs: int, batch_size: int,
+                      learning_rate: float, seed: int, initial: Mapping[str, np.ndarray] | None = None,
+                      adapter_width: int = 0) -> dict[str, np.ndarray]:
     """Non-private SGD on the pooled training set: the reference a federation is compared with.
 
     Args:
-        images: uint8 (N, 28, 28); labels: int64 (N,).
+        features: float32 (N, 1280) backbone embeddings; labels: int64 (N,).
         epochs: passes over the data; batch_size: examples per step; learning_rate: SGD step size.
-        seed: shuffling seed. initial: starting weights (default: ``initial_weights(num_classes, seed)``).
+        seed: shuffling and initialisation seed. initial: starting weights (their architecture is trained;
+            default: ``model_spec("head", num_classes, adapter_width=adapter_width).initial_weights(seed)``).
 
     Returns:
         The trained weights (float32 arrays).
     """
     import torch
 
-    from shared.models.camera_cnn import build_model, initial_weights, load_numpy_state, preprocess, to_numpy_state
+    from shared.models.kinds import model_spec, spec_from_weights
 
-    model = build_model(num_classes)
-    load_numpy_state(model, initial if initial is not None else initial_weights(num_classes, seed))
+    if initial is None:
+        initial = model_spec("head", num_classes, adapter_width=adapter_width).initial_weights(seed)
+    spec = spec_from_weights(initial)
+    model = spec.build()
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in initial.items()})
     opt = torch.optim.SGD(model.parameters(), lr=learning_rate)
     rng = np.random.default_rng(seed)
-    x_all, y_all = preprocess(images), torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    x_all = torch.as_tensor(spec.prepare_input(features))
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     for _ in range(epochs):
         order = torch.from_numpy(rng.permutation(len(labels)))
         for start in range(0, len(labels), batch_size):
@@ -243,4 +256,4 @@ def train_centralised(images: np.ndarray, labels: np.ndarray, *, num_classes: in
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
             opt.step()
-    return to_numpy_state(model)
+    return {k: v.detach().numpy().astype(np.float32).copy() for k, v in model.state_dict().items()}

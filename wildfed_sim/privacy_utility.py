@@ -279,7 +279,10 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
                                                  public_per_class=settings.public_per_class)
     path = save_weights(weights, out_dir / "pretrained" / f"seed-{seed}.safetensors")
     class_counts = [int(c) for c in np.bincount(train.labels[public], minlength=len(SPECIES_TABLE))]
-    accuracy = dict(evaluate(weights, test.images, test.labels, [e.iucn for e in SPECIES_TABLE]).by_group)
+    from wildfed_sim.embeddings import embed_grayscale
+
+    accuracy = dict(evaluate(weights, embed_grayscale(test.images, test.source_indices), test.labels,
+                             [e.iucn for e in SPECIES_TABLE]).by_group)
     kind = (f"class-balanced, {settings.public_per_class} per class" if settings.public_per_class > 0
             else "the images no site holds, not class-balanced")
     console.log(f"seed {seed}: pretrained on the public split ({kind}: {n_public} of {len(train)} training "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
+
 from shared.keys import generate_signing_key
 
 from coordinator.service import Coordinator
@@ -23,12 +25,26 @@ def test_coordinator_modules_import_neither_torch_nor_edge_sdk():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_default_round0_model_is_the_camera_cnn(tmp_path):
-    coord = Coordinator(make_config(tmp_path), transport=InMemoryTransport(), signing_key=generate_signing_key())
+def test_default_round0_model_is_the_head_model(tmp_path):
+    """The coordinator's round-0 model is the head model on backbone embeddings (adapter_width 0 by default: psi
+    alone, a zero-initialised 1280 -> K linear head), built without torch; adapter_width H adds phi (H, 1280)."""
+    config = make_config(tmp_path)
+    coord = Coordinator(config, transport=InMemoryTransport(), signing_key=generate_signing_key())
     coord.start()
     h, weights = coord.rounds.current_model()
-    assert len(h) == 64 and weights and all(k.startswith(("phi.", "psi.")) for k in weights)
-    assert all(w.dtype.name == "float32" for w in weights.values())
+    k = config.num_classes
+    assert len(h) == 64 and {n: w.shape for n, w in weights.items()} == {"psi.weight": (k, 1280), "psi.bias": (k,)}
+    assert all(w.dtype.name == "float32" and not w.any() for w in weights.values())  # zero head (De et al. 2022)
+    coord.close()
+
+    wide = make_config(tmp_path / "wide", adapter_width=32)
+    coord = Coordinator(wide, transport=InMemoryTransport(), signing_key=generate_signing_key())
+    coord.start()
+    _, weights = coord.rounds.current_model()
+    assert {n: w.shape for n, w in weights.items()} == {"phi.0.weight": (32, 1280), "phi.0.bias": (32,),
+                                                        "psi.weight": (k, 32), "psi.bias": (k,)}
+    bound = 1 / np.sqrt(1280)  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert 0 < np.abs(weights["phi.0.weight"]).max() <= bound
     coord.close()
 
 
