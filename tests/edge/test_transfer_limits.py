@@ -6,7 +6,7 @@ Item 11, chunks the broker drops:
   config are loaded (and by the CLIs), naming ``chunk_size_bytes`` and the limit; the largest size that fits is
   worked out by hand (limit - 40 bytes of chunk header - 256 bytes of MQTT header);
 * a link that, like a broker with a smaller limit than configured, drops every message over 8,000 bytes: the
-  gateway's 16 KiB upload chunks never arrive; once ``max_chunk_requests`` (3) receipts list a chunk sent before
+  gateway's full 8 KiB upload chunks never arrive; once ``max_chunk_requests`` (3) receipts list a chunk sent before
   the probe they answer, the gateway gives the upload up with an error naming ``chunk_size_bytes`` (each such
   chunk was sent exactly 3 times: first, then on 2 receipts), and its task download of 16 KiB chunks is given up
   the same way (the coordinator sent each chunk 3 times: on the connect's request, then on 2 stalled requests).
@@ -188,9 +188,10 @@ def test_resend_tracker_counts_receipts_against_what_was_sent_before_their_probe
 
 
 def test_gateway_gives_up_an_upload_whose_chunks_the_broker_drops(tmp_path: Path) -> None:
-    # Prepare: 16 KiB chunks, which a broker taking at most 8,000 bytes drops; the config claims the default limit
+    # Prepare: 8 KiB chunks (the head model's update, about 11 KB, makes two), which a broker taking at most 8,000
+    # bytes drops when full; the config claims the default limit
     coord, bus, link, root = _world(tmp_path, max_bytes=8000, site_settings={
-        "chunk_size_bytes": 16384, "resend_interval_s": 0.2, "max_chunk_requests": 3})
+        "chunk_size_bytes": 8192, "resend_interval_s": 0.2, "max_chunk_requests": 3})
     ctx = coord.rounds.open_round()  # the gateway asks for the task when it connects
     agent = EdgeAgent.from_config(root / "site.yaml", transport=link)
     # Execute: run returns once the round is trained and the outbox is empty
@@ -198,9 +199,9 @@ def test_gateway_gives_up_an_upload_whose_chunks_the_broker_drops(tmp_path: Path
     # Assert
     assert trained == 1 and agent.outbox.count() == 0 and agent.stats["uploads_abandoned"] == 1, agent.stats
     reason = agent.outbox.get_state(f"abandoned/{update_message_id(ctx.round)}")
-    assert "chunk_size_bytes (16384)" in reason and "broker_max_packet_bytes" in reason
-    chunks = [Chunk.from_bytes(p, max_data_bytes=16384) for t, p in link.sent if is_chunk(p)]
-    full = Counter(c.index for c in chunks if len(c.data) == 16384)  # the ones over 8,000 bytes
+    assert "chunk_size_bytes (8192)" in reason and "broker_max_packet_bytes" in reason
+    chunks = [Chunk.from_bytes(p, max_data_bytes=8192) for t, p in link.sent if is_chunk(p)]
+    full = Counter(c.index for c in chunks if len(c.data) == 8192)  # the ones over 8,000 bytes
     assert full and set(full.values()) == {3}  # each sent 3 times (max_chunk_requests), then given up
     assert coord.store.count_updates() == 0 and "g1" not in ctx.accepted
     assert coord.ledger.events("g1", IUCNCategory.VU) == []  # nothing arrived, nothing was released
@@ -209,8 +210,9 @@ def test_gateway_gives_up_an_upload_whose_chunks_the_broker_drops(tmp_path: Path
 
 
 def test_gateway_gives_up_a_task_download_whose_chunks_the_broker_drops(tmp_path: Path) -> None:
-    # Prepare: the coordinator's task chunks are 16 KiB; the broker takes at most 8,000 bytes
-    coord, bus, link, root = _world(tmp_path, max_bytes=8000, transfer={"chunk_size_bytes": 16384},
+    # Prepare: the coordinator's task chunks are 8 KiB (the head model's task, about 11 KB, makes two); the broker
+    # takes at most 8,000 bytes
+    coord, bus, link, root = _world(tmp_path, max_bytes=8000, transfer={"chunk_size_bytes": 8192},
                                     site_settings={"resend_interval_s": 0.2, "max_chunk_requests": 3})
     coord.rounds.open_round()  # its task goes out before the gateway connects, which then asks for it
     agent = EdgeAgent.from_config(root / "site.yaml", transport=link)
@@ -223,7 +225,7 @@ def test_gateway_gives_up_a_task_download_whose_chunks_the_broker_drops(tmp_path
     finally:
         agent.stop()
         runner.join(timeout=30)
-    task_chunks = [Chunk.from_bytes(p, max_data_bytes=16384) for t, p in bus.published[before:]
+    task_chunks = [Chunk.from_bytes(p, max_data_bytes=8192) for t, p in bus.published[before:]
                    if t.endswith("/g1/task") and is_chunk(p)]
     assert Counter(c.index for c in task_chunks)[0] == 3  # on the connect's request, then on 2 more receipts
     assert agent.stats["tasks_trained"] == 0 and not agent._downloads
