@@ -340,8 +340,9 @@ class CanaryDesign:
         categories: int8 (M,), IUCN rank of each canary.
         coordinates: int64 (M,), distinct indices into the flat parameter vector (backend layout order).
         included: bool (M,), the secret S (True = "in": gradient C e_j; False = zero-gradient slot).
-        images: uint8 (M, H, W), distinct keys that identify each canary's record (random pixels, none equal to a
-            real record's image).
+        images: (M, *record shape), distinct keys that identify each canary's record: random embeddings
+            (float32 (M, E), uniform in the backbone's [0, 6] range) for the head model's float32 inputs, random
+            pixels for uint8 ones; none equal to a real record's.
     """
 
     categories: np.ndarray
@@ -371,7 +372,8 @@ def design_canaries(*, categories: Sequence[IUCNCategory], per_category: int, nu
         num_parameters: d, length of the flat parameter vector.
         coordinate_order: int (d,) permutation of ``range(d)``, most preferred coordinate first (see
             :func:`rank_coordinates`); the first ``len(categories) * m`` are used, shuffled among canaries.
-        real_images: uint8 (N, H, W), the site's real records (canary keys must differ from all of them).
+        real_images: the site's real records as the model takes them (float32 (N, E) backbone embeddings, or
+            uint8 images); canary keys have their shape and dtype and differ from all of them.
         rng: draws the assignment, the inclusion bits (each "in" with probability 1/2) and the key images.
 
     Returns:
@@ -391,7 +393,10 @@ def design_canaries(*, categories: Sequence[IUCNCategory], per_category: int, nu
     included = rng.random(total) < 0.5
     shape = real_images.shape[1:]
     real_keys = {img.tobytes() for img in real_images}
-    images = rng.integers(0, 256, size=(total, *shape), dtype=np.uint8)
+    if real_images.dtype == np.uint8:
+        images = rng.integers(0, 256, size=(total, *shape), dtype=np.uint8)
+    else:
+        images = (6.0 * rng.random((total, *shape))).astype(real_images.dtype)
     keys = [img.tobytes() for img in images]
     if len(set(keys)) != total or any(k in real_keys for k in keys):  # astronomically unlikely for 28x28 noise
         raise ValueError("canary key images collide; draw again")
@@ -621,10 +626,11 @@ class AuditResult:
 # ------------------------------------------------------------------------------------------------- running
 def load_audit_site(num_records: int, *, seed: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The audited site's real records: ``num_records`` images drawn uniformly without replacement from the
-    Animal-MNIST training split (the demo's 80/20 split with seed 0), categories from the demo's species table.
+    Animal-MNIST training split (the demo's 80/20 split with seed 0), as their backbone embeddings (embedded once
+    and cached, :func:`wildfed_sim.embeddings.embed_grayscale`), categories from the demo's species table.
 
     Returns:
-        (images uint8 (N, 28, 28), labels int64 (N,), categories int8 (N,) IUCN ranks).
+        (features float32 (N, 1280), labels int64 (N,), categories int8 (N,) IUCN ranks).
 
     Raises:
         ConfigError: ``num_records`` < 1 or above the training split's size.
@@ -639,10 +645,12 @@ def load_audit_site(num_records: int, *, seed: int | None = None) -> tuple[np.nd
     pick = np.sort(np.random.default_rng(seed).choice(len(train), size=num_records, replace=False))
     labels = train.labels[pick].astype(np.int64)
     ranks = np.asarray([SPECIES_TABLE[int(k)].iucn.rank for k in labels], dtype=np.int8)
-    return train.images[pick], labels, ranks
+    from wildfed_sim.embeddings import embed_grayscale
+
+    return embed_grayscale(train.images[pick], train.source_indices[pick]), labels, ranks
 
 
-def run_audit(settings: AuditSettings, *, images: np.ndarray, labels: np.ndarray, categories: np.ndarray,
+def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarray, categories: np.ndarray,
               backend: Any = None, initial_weights: Mapping[str, np.ndarray] | None = None,
               threads: int | None = None) -> AuditResult:
     """Insert canaries into one site, run ``settings.rounds`` rounds of the gateway's CCDP training, and audit.
@@ -652,10 +660,12 @@ def run_audit(settings: AuditSettings, *, images: np.ndarray, labels: np.ndarray
 
     Args:
         settings: the audit's parameters.
-        images: uint8 (N, H, W), the site's real records; labels: int64 (N,); categories: int (N,) IUCN ranks.
-        backend: a training backend (default: a fresh torch backend of the camera CNN, 10 classes).
+        features: float32 (N, E), the backbone embeddings of the site's real records (what the head model trains
+            on, :func:`load_audit_site`); labels: int64 (N,); categories: int (N,) IUCN ranks.
+        backend: a training backend (default: a fresh torch backend of the demo's head model, 10 classes,
+            ``adapter_width`` 0).
         initial_weights: the round-0 global model (default: the backend's initial weights; with the default
-            backend and a seed, ``shared.models.camera_cnn.initial_weights(10, seed)``).
+            backend and a seed, ``model_spec("head", 10, adapter_width=0).initial_weights(seed)``).
         threads: torch threads for the default backend.
 
     Returns:
@@ -672,20 +682,22 @@ def run_audit(settings: AuditSettings, *, images: np.ndarray, labels: np.ndarray
     from shared.protocol import TrainingTask
 
     start = time.perf_counter()
-    images = np.asarray(images)
+    images = np.asarray(features)  # the records' model inputs (canary keys take their shape and dtype)
     labels = np.asarray(labels, dtype=np.int64)
     real_ranks = np.asarray(categories).astype(np.int8)
     n_real = int(labels.shape[0])
-    if images.dtype != np.uint8 or images.ndim != 3 or images.shape[0] != n_real or real_ranks.shape != (n_real,):
-        raise ConfigError(f"site data shapes disagree: images {images.dtype} {images.shape}, labels {labels.shape}, "
-                          f"categories {real_ranks.shape}", field="site", fix="pass uint8 (N,H,W), (N,), (N,)")
+    if images.dtype != np.float32 or images.ndim != 2 or images.shape[0] != n_real or real_ranks.shape != (n_real,):
+        raise ConfigError(f"site data shapes disagree: features {images.dtype} {images.shape}, labels {labels.shape}, "
+                          f"categories {real_ranks.shape}", field="site",
+                          fix="pass float32 (N, 1280) backbone embeddings, (N,), (N,)")
     if backend is None:
         from edge_sdk.backends.base import create_backend
-        from shared.models.camera_cnn import initial_weights as camera_cnn_weights
+        from shared.models.kinds import model_spec
 
-        backend = create_backend("torch", num_classes=10, threads=threads)
+        spec = model_spec("head", 10, adapter_width=0)
+        backend = create_backend("torch", model=spec, threads=threads)
         if initial_weights is None and settings.seed is not None:  # reproducible round-0 model too
-            initial_weights = camera_cnn_weights(10, seed=settings.seed)
+            initial_weights = spec.initial_weights(settings.seed)
     weights = {k: np.asarray(v, dtype=np.float32).copy()
                for k, v in (initial_weights if initial_weights is not None else backend.get_weights()).items()}
     backend.set_weights(weights)
@@ -709,7 +721,8 @@ def run_audit(settings: AuditSettings, *, images: np.ndarray, labels: np.ndarray
     all_images = np.concatenate([images, design.images])
     all_labels = np.concatenate([labels, np.zeros(total, dtype=np.int64)])  # canary labels are never used
     all_ranks = np.concatenate([real_ranks, design.categories])
-    dataset = LocalDataset(images=all_images, labels=all_labels, categories=all_ranks,
+    dataset = LocalDataset(images=np.zeros((len(all_labels), 1, 1), np.uint8), features=all_images,
+                           labels=all_labels, categories=all_ranks,
                            media_ids=tuple(f"real-{i}" for i in range(n_real)) + tuple(f"canary-{i}"
                                                                                          for i in range(total)))
     present = set(all_ranks.tolist())

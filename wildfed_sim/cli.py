@@ -304,11 +304,11 @@ def audit(
                           fix="e.g. --site-records 500")
     run_dir = new_run_dir(out, "audit")
     with console.status("loading Animal-MNIST for the audited site"):
-        images, labels, ranks = load_audit_site(site_records, seed=seed)
+        features, labels, ranks = load_audit_site(site_records, seed=seed)
     with console.status(f"training {rounds} round(s) x {local_steps} step(s) with "
                         f"{canaries_per_category * len(settings.categories)} canaries"
                         + (" [bold red](noise OFF)[/]" if break_noise else "")):
-        result = run_audit(settings, images=images, labels=labels, categories=ranks, threads=threads)
+        result = run_audit(settings, features=features, labels=labels, categories=ranks, threads=threads)
     (run_dir / "audit.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     with (run_dir / "canaries.csv").open("w", encoding="utf-8") as fh:
         fh.write("category,coordinate,included,score\n")

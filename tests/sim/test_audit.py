@@ -88,17 +88,18 @@ def test_guesses_take_the_extremes_and_abstain_in_between():
 
 # ------------------------------------------------------------------------------------------- the audits
 def synthetic_site(n: int, seed: int = 0):
-    """n 28x28 records: a class-dependent bright square on noise, classes 0-9, categories from the demo table."""
+    """n records as the head model takes them: synthetic backbone embeddings float32 (n, 1280) in [0, 6] (the
+    ReLU6-pooled range), noise in [0, 1) plus a class-dependent block of 128 channels at 4; classes 0-9,
+    categories from the demo table."""
     from wildfed_sim.animal_mnist import SPECIES_TABLE
 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n).astype(np.int64)
-    images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+    features = rng.random((n, 1280)).astype(np.float32)
     for i, k in enumerate(labels):
-        r, c = divmod(int(k), 4)
-        images[i, 2 + 8 * r:8 + 8 * r, 2 + 6 * c:8 + 6 * c] = 220
+        features[i, 128 * int(k):128 * (int(k) + 1)] += 3.0
     ranks = np.asarray([SPECIES_TABLE[int(k)].iucn.rank for k in labels], dtype=np.int8)
-    return images, labels, ranks
+    return features, labels, ranks
 
 
 SMALL = dict(canaries_per_category=80, rounds=4, local_steps=10, expected_batch_size=96, learning_rate=0.5,
@@ -112,7 +113,7 @@ def audit(*, break_noise: bool, seed: int):
     images, labels, ranks = synthetic_site(200)
     settings = AuditSettings(**SMALL, break_noise=break_noise, seed=seed)
     with pytest.warns(InsecureRandomnessWarning):  # a seeded audit says loudly that its noise is predictable
-        return run_audit(settings, images=images, labels=labels, categories=ranks, threads=2)
+        return run_audit(settings, features=images, labels=labels, categories=ranks, threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_real_mechanism_with_power_still_stays_below_its_claim():
                                 "canaries_per_category": 200, "guess_fraction": 0.3}, seed=2)
     # Execute
     with pytest.warns(InsecureRandomnessWarning):
-        result = run_audit(settings, images=images, labels=labels, categories=ranks, threads=2)
+        result = run_audit(settings, features=images, labels=labels, categories=ranks, threads=2)
     # Assert
     (row,) = result.rows
     assert row.claimed_epsilon == pytest.approx(claims_from_dp_accounting(result)[IUCNCategory.NE], rel=1e-9)
