@@ -240,6 +240,9 @@ class TransferConfig(StrictModel):
     max_clock_skew_s: float = Field(300.0, ge=0, description="seconds a message may be signed in the future")
     max_message_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="seconds after signing at which a "
                                      "message is refused as stale")
+    max_dropped_sends: int = Field(3, ge=1, description="link drops in a row while one message waited for its "
+                                   "PUBACK after which the broker is taken to refuse it (over its packet limit): it "
+                                   "is no longer re-sent (coordinator.transport, docs/transport.md)")
 
     @model_validator(mode="after")
     def _fits(self) -> "TransferConfig":

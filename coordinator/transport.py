@@ -23,7 +23,8 @@ the two would disconnect each other.
 Refused messages: a broker closes the connection, without a PUBACK, on a packet over its limit (Mosquitto
 ``max_packet_size``), and paho sends every unacknowledged message again after it reconnects: one task chunk over
 the limit would disconnect the coordinator again and again (and it would receive nothing meanwhile). So at every
-link drop the largest message awaiting its PUBACK is noted; the same one there ``max_drops`` drops in a row is
+link drop the largest message awaiting its PUBACK is noted; the same one there ``max_drops`` drops in a row (the
+config's ``transfer.max_dropped_sends``, default 3) is
 taken for refused (shared.broker.RefusedMessages): paho's copies of it, and of every message at least as large,
 are dropped, so they are not sent again, and a clear error naming ``transfer.chunk_size_bytes`` and
 ``broker_max_packet_bytes`` is logged (:attr:`MqttTransport.refusals`, :attr:`MqttTransport.refused`). A later
@@ -396,7 +397,8 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
     default_id = f"wildfed-coordinator-{config.federation_id}" + (f"-{role}" if role else "")
     return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
                          ca_file=config.broker_ca_file, cert_file=cert_file, key_file=key_file, username=username,
-                         password=password, broker_max_packet_bytes=config.broker_max_packet_bytes)
+                         password=password, max_drops=config.transfer.max_dropped_sends,
+                         broker_max_packet_bytes=config.broker_max_packet_bytes)
 
 
 _HANDLER_THREAD = threading.local()

@@ -32,11 +32,14 @@ import pytest
 from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES
 
 from coordinator.transport import MqttTransport as CoordinatorTransport
+from coordinator.transport import transport_from_config as coordinator_transport
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.config import load_site_config
 from edge_sdk.uplink.mqtt import transport_from_config
 from edge_sdk.uplink.transport import MessageRefusedError, TransportError
 from shared.keys import generate_signing_key
+
+from tests.coordinator.helpers import make_config
 
 from .test_transfer_limits import camera_site
 
@@ -153,10 +156,15 @@ def test_gateway_gives_up_an_update_the_broker_keeps_disconnecting_it_for(broker
         agent.close()
 
 
-def test_coordinator_stops_resending_a_task_message_the_broker_refuses(broker: int, caplog) -> None:
-    # Prepare: the coordinator's transport (its config's broker_max_packet_bytes at the default) and a subscriber
-    coordinator = CoordinatorTransport(f"mqtt://127.0.0.1:{broker}", client_id="coordinator",
-                                       broker_max_packet_bytes=DEFAULT_BROKER_MAX_PACKET_BYTES)
+def test_coordinator_stops_resending_a_task_message_the_broker_refuses(broker: int, tmp_path: Path, caplog) -> None:
+    # Prepare: the coordinator's transport from its config (broker_max_packet_bytes and the chunk size at their
+    # defaults, transfer.max_dropped_sends 3) and a subscriber
+    config = make_config(tmp_path, federation_id="f", broker_url=f"mqtt://127.0.0.1:{broker}",
+                         transfer={"max_dropped_sends": 3})
+    assert config.transfer.chunk_size_bytes == 262_144
+    assert config.broker_max_packet_bytes == DEFAULT_BROKER_MAX_PACKET_BYTES
+    coordinator = coordinator_transport(config)
+    assert isinstance(coordinator, CoordinatorTransport) and coordinator.refusals.max_drops == 3
     updates = Inbox(broker, "wildfed/v1/f/site/+/update")
     received: list[tuple[str, bytes]] = []
     coordinator.subscribe("wildfed/v1/f/site/+/update", lambda t, p: received.append((t, p)))
