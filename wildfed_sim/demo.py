@@ -42,7 +42,8 @@ from shared.errors import ConfigError, WildFedError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
-__all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings", "DemoResult", "run_demo", "public_split_indices", "balanced_public_split",
+__all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings", "DemoResult", "run_demo",
+           "public_split_indices", "balanced_public_split",
            "design_sites_with_public_split", "pretrain_on_public_split",
            "load_weights", "save_weights"]
 

@@ -8,14 +8,16 @@ Protocol (per seed; the seed fixes the data splits only, privacy noise is never 
 1. Animal-MNIST (10,000 images) -> stratified train (80 %) / held-out test (20 %) split
    (:func:`wildfed_sim.animal_mnist.split_holdout`).
 2. Public split: :func:`wildfed_sim.demo.balanced_public_split` takes ``public_per_class`` training
-   images of every class (default 100, i.e. 1,000 images). No client holds them. The camera CNN
-   (:mod:`shared.models.camera_cnn`) is pretrained on them, non-privately
-   (:func:`wildfed_sim.evaluation.train_centralised`), and its ``phi`` is frozen.
+   images of every class (default 100, i.e. 1,000 images). No client holds them. The frozen backbone is the
+   public ImageNet EfficientNet-Lite0 (issue 18); a linear head trained on the public split's embeddings,
+   non-privately (:func:`wildfed_sim.evaluation.train_centralised`, ``pretrain_*`` settings), is reported as the
+   public-data reference (``public_model_test_accuracy``); the federation does not start from it.
 3. Validation split: ``val_per_class`` further training images per class (default 70), for tuning only; no client
    holds them either, and the test split is never used for tuning.
 4. Clients: the remaining training images, shuffled and cut into K near-equal IID shards (sizes differ by at most 1).
-5. ``phi`` maps every image to its 64-d feature once (torch, no grad). The federated model is the head
-   ``psi`` (weight (10, 64), bias (10,): d = 650), started at zero.
+5. The backbone maps every image to its 1280-d embedding once (:func:`wildfed_sim.embeddings.embed_grayscale`,
+   cached), exactly as a gateway does. The federated model is the head ``psi`` (weight (10, 1280), bias (10,):
+   d = 12,810, the demo's head-only model), started at zero.
 6. Round t, client k (N_k records): per-example gradient of the cross-entropy of the linear head,
    ``g_i = (softmax(W x_i + b) - onehot(y_i)) outer [x_i, 1]`` (:class:`LinearHeadGradients`), clipped to L2 norm
    C, summed, Gaussian noise N(0, (z C)^2 I_d) added from a :class:`shared.privacy.randomness.SecureRandom`, divided
@@ -486,22 +488,8 @@ class SeedData:
         return [HeadData(self.pool.features[i], self.pool.labels[i]) for i in np.array_split(order, k)]
 
 
-def _features(phi_weights: dict[str, np.ndarray], images: np.ndarray) -> np.ndarray:
-    """float32 (N, 64): the frozen phi of the camera CNN (torch, no grad)."""
-    import torch
-
-    from shared.models.camera_cnn import build_model, load_numpy_state, preprocess
-
-    model = build_model(10)
-    load_numpy_state(model, phi_weights)
-    model.eval()
-    with torch.no_grad():
-        return np.concatenate([model.phi(preprocess(images[i:i + 2000])).numpy()
-                               for i in range(0, len(images), 2000)]).astype(np.float32)
-
-
 def prepare_seed(settings: FedSofimSettings, seed: int) -> SeedData:
-    """Steps 1-5 of the protocol for one seed: splits, non-private pretraining on the public split, features."""
+    """Steps 1-5 of the protocol for one seed: splits, the public-split reference head, backbone embeddings."""
     from wildfed_sim.animal_mnist import NUM_CLASSES, fetch_animal_mnist, split_holdout
     from wildfed_sim.demo import balanced_public_split
     from wildfed_sim.evaluation import train_centralised
@@ -514,21 +502,24 @@ def prepare_seed(settings: FedSofimSettings, seed: int) -> SeedData:
     val = np.sort(np.concatenate([rng.choice(rest[train.labels[rest] == c], settings.val_per_class, replace=False)
                                   for c in range(NUM_CLASSES)]))
     pool = np.setdiff1d(rest, val)
-    weights = train_centralised(train.images[public], train.labels[public], num_classes=NUM_CLASSES,
+    from wildfed_sim.embeddings import embed_grayscale
+
+    features = embed_grayscale(train.images, train.source_indices)  # the frozen public backbone, cached
+    weights = train_centralised(features[public], train.labels[public], num_classes=NUM_CLASSES,
                                 epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
                                 learning_rate=settings.pretrain_learning_rate, seed=seed)
 
-    def data(images: np.ndarray, labels: np.ndarray) -> HeadData:
-        return HeadData(_features(weights, images), np.asarray(labels, np.int64))
+    def data(images: np.ndarray, labels: np.ndarray, sources: np.ndarray) -> HeadData:
+        return HeadData(embed_grayscale(images, sources), np.asarray(labels, np.int64))
 
-    test_data = data(test.images, test.labels)
+    test_data = data(test.images, test.labels, test.source_indices)
     info = {"train": len(train), "test": len(test), "public": int(len(public)), "val": int(len(val)),
             "client_pool": int(len(pool)),
             "public_model_test_accuracy": accuracy({WEIGHT: weights["psi.weight"], BIAS: weights["psi.bias"]},
                                                    test_data),
             "prepare_s": time.monotonic() - t0}
-    return SeedData(pool=data(train.images[pool], train.labels[pool]),
-                    val=data(train.images[val], train.labels[val]), test=test_data, info=info)
+    return SeedData(pool=HeadData(features[pool], np.asarray(train.labels[pool], np.int64)),
+                    val=HeadData(features[val], np.asarray(train.labels[val], np.int64)), test=test_data, info=info)
 
 
 TUNING_GRID: dict[str, list[dict[str, float]]] = {
@@ -580,9 +571,10 @@ def tune(settings: FedSofimSettings, data: SeedData, seed: int, console: Any = N
 def _caption(settings: FedSofimSettings, result: FedSofimResult) -> str:
     hp = settings.hyper_parameters()
     info = next(iter(result.seeds_info.values()), {})
-    return (f"Frozen camera-CNN phi pretrained (non-private, {settings.pretrain_epochs} epochs) on a balanced "
+    return (f"Frozen public EfficientNet-Lite0 embeddings (a reference head trained non-privately for "
+            f"{settings.pretrain_epochs} epochs on a balanced "
             f"public split of {settings.public_per_class} training images per class ({info.get('public', '?')} "
-            f"images, held by no client); linear head (d = 650) federated from zero over "
+            f"images, held by no client); linear head (d = 12,810) federated from zero over "
             f"{info.get('client_pool', '?')} records in IID shards; {settings.rounds} rounds of full-batch DP "
             f"gradient descent per client (q = 1, clip C = {settings.clipping_norm:g}, Gaussian noise z "
             f"calibrated by RDP for {settings.rounds} rounds, delta = {settings.target_delta:g}); DP-FedGD eta = "
@@ -604,8 +596,8 @@ def _write(settings: FedSofimSettings, result: FedSofimResult) -> None:
         {"settings": settings_json, "hyper_parameters": settings.hyper_parameters(), "tuning": result.tuning,
          "seeds": {str(k): v for k, v in result.seeds_info.items()}, "runs": result.runs,
          "summary": result.summary, "elapsed_s": result.elapsed_s}, indent=1))
-    (result.out_dir / "fedsofim.md").write_text("# DP-FedSOFIM vs DP-FedGD on Animal-MNIST (frozen phi, linear "
-                                                f"head)\n\n{_caption(settings, result)}\n\n"
+    (result.out_dir / "fedsofim.md").write_text("# DP-FedSOFIM vs DP-FedGD on Animal-MNIST (frozen public "
+                                                f"backbone, linear head)\n\n{_caption(settings, result)}\n\n"
                                                 + markdown_table(result.summary)
                                                 + f"\nWall time: {result.elapsed_s:.0f} s.\n")
     if result.summary:
@@ -714,7 +706,7 @@ def fedsofim_command(
     clipping_norm: float = _opt(1.0, "L2 clipping norm C of per-example head gradients"),
     public_per_class: int = _opt(100, "public pretraining images per class (held by no client)"),
     val_per_class: int = _opt(70, "validation images per class (tuning only; held by no client)"),
-    pretrain_epochs: int = _opt(30, "epochs of non-private pretraining of the camera CNN on the public split"),
+    pretrain_epochs: int = _opt(30, "epochs of the non-private reference head on the public split's embeddings"),
     tune_: bool = _opt(True, "tune eta (and beta, rho) on one setting by validation accuracy first; otherwise "
                        "use the values below", "--tune/--no-tune"),
     tune_clients: int = _opt(20, "K of the tuning setting"),
@@ -724,9 +716,9 @@ def fedsofim_command(
     sofim_beta: float = _opt(0.9, "DP-FedSOFIM beta (with --no-tune)"),
     sofim_rho: float = _opt(1.0, "DP-FedSOFIM rho (with --no-tune)"),
 ) -> None:
-    """DP-FedSOFIM vs DP-FedGD: frozen publicly pretrained phi, linear head federated with full-batch DP gradient
-    descent per client, K clients x epsilons x seeds, ledger-accounted. Writes fedsofim.json, .md, .png. The default
-    grid (with tuning) took about 22 minutes on 2 busy cores."""
+    """DP-FedSOFIM vs DP-FedGD: frozen public EfficientNet-Lite0 backbone, linear head federated with full-batch DP
+    gradient descent per client, K clients x epsilons x seeds, ledger-accounted. Writes fedsofim.json, .md, .png.
+    The default grid (with tuning) took about 22 minutes on 2 busy cores."""
     from rich.console import Console
 
     settings = FedSofimSettings(
