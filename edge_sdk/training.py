@@ -35,8 +35,8 @@ from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_c
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import poisson_sample
 
-__all__ = ["LocalTrainingResult", "local_step", "train_locally", "ClippedSum", "clipped_sum_locally",
-           "noisy_class_counts"]
+__all__ = ["LocalTrainingResult", "model_inputs", "local_step", "train_locally", "ClippedSum",
+           "clipped_sum_locally", "noisy_class_counts"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,14 @@ def noisy_class_counts(labels: np.ndarray, eligible: np.ndarray, *, num_classes:
     return {int(c): float(v) for c, v in enumerate(exact + noise)}
 
 
+def model_inputs(dataset: LocalDataset) -> np.ndarray:
+    """What the model trains on: ``dataset.features`` (float32 (N, 1280) backbone embeddings, filled by
+    ``edge_sdk.data.embedding.embed_dataset``) when present, else ``dataset.images`` (anything with ``images``,
+    ``labels`` and ``categories`` works, e.g. a benchmark's namespace of embeddings in ``images``)."""
+    features = getattr(dataset, "features", None)
+    return features if features is not None else dataset.images
+
+
 def local_step(
     *,
     backend: TrainingBackend,
@@ -97,7 +105,7 @@ def local_step(
         The realised batch size (a non-private step with an empty batch is skipped).
     """
     idx = poisson_sample(eligible, sampling_rate, randomness)
-    x, y = dataset.inputs[idx], dataset.labels[idx]  # backbone embeddings once embedded (embed_dataset)
+    x, y = model_inputs(dataset)[idx], dataset.labels[idx]
     if mechanism is not None:
         # an empty batch is a noise-only step (its (0, d) gradients need no backend call)
         grads = (backend.per_example(x, y) if idx.size
@@ -152,7 +160,7 @@ def train_locally(
     Args:
         backend: the training backend (its weights are overwritten).
         dataset: the site's records (labels int64 (N,), categories int8 (N,)); the model trains on
-            ``dataset.inputs``: the backbone embeddings float32 (N, 1280) once ``embed_dataset`` filled them.
+            :func:`model_inputs`: the backbone embeddings float32 (N, 1280) once ``embed_dataset`` filled them.
         task: the decoded training task.
         global_weights: ``{name: float32 array}``, the round's global model.
         site_categories: the categories of the site's species table (public configuration).
@@ -258,7 +266,7 @@ def clipped_sum_locally(
     idx = poisson_sample(eligible, q, randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
     if idx.size:
-        grads = backend.per_example(dataset.inputs[idx], dataset.labels[idx])
+        grads = backend.per_example(model_inputs(dataset)[idx], dataset.labels[idx])
         factors = clip_factors_from_norms(grads.norms, task.clipping_norm)
         flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
     log.info("round %d: global DP: clipped sum of a Poisson batch at q=%.4g (C=%g), no local noise", task.round, q,

@@ -11,17 +11,15 @@ kind            module                             input, one example           
 ==============  =================================  ========================================  ===================
 ``head``        :mod:`shared.models.head`          float32 (E,) backbone embedding           ``adapter_width``,
                 (phi adapter + psi head)                                                     ``embedding_dim``
-``camera_cnn``  :mod:`shared.models.camera_cnn`    uint8/float (28, 28) grayscale crop       none
-                (28x28 CNN, legacy)
 ==============  =================================  ========================================  ===================
 
-``camera_cnn`` is kept only until the demo and the experiments move to the head model (issue 18, item 4): removing
-it is deleting :class:`_CameraCNN`, its line in :data:`_KINDS` and the module, and setting :data:`DEFAULT_KIND` to
-``"head"``; nothing else here names it. :func:`spec_from_weights` tells the kinds apart by their tensors, so code
-that holds only a model version (the coordinator's artifact store) needs no extra setting.
+The 28x28 grayscale camera CNN (``camera_cnn``) was removed when the demo, the audit and the experiments moved to
+the head model on frozen backbone embeddings (issue 18, item 4). :func:`spec_from_weights` tells kinds apart by
+their tensors, so code that holds only a model version (the coordinator's artifact store) needs no extra setting.
 
 Compatibility of the JSON form (:meth:`ModelSpec.to_json`): a kind's options are only ever added with a default,
-never renamed; a manifest without a spec means ``camera_cnn`` (what every artifact set was before kinds existed).
+never renamed. A manifest without a spec is from before kinds existed (the camera CNN's artifact sets): it is
+refused with the fix (rebuild the artifacts).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DEFAULT_KIND", "KINDS", "SCOPES", "ModelSpec", "model_spec", "spec_from_weights", "as_spec",
            "trainable_names"]
 
-DEFAULT_KIND = "camera_cnn"  # becomes "head" when the demo switches over (then camera_cnn is deleted)
+DEFAULT_KIND = "head"
 SCOPES = ("all", "head")  # what a backend trains: every parameter, or the head psi.* alone (phi frozen)
 
 
@@ -146,66 +144,7 @@ class _Head(_Kind):
         return self._config(spec).parameter_shapes()
 
 
-class _CameraCNN(_Kind):
-    """The 28x28 grayscale CNN (``shared.models.camera_cnn``): removed with that module (module docstring)."""
-
-    name = "camera_cnn"
-    linear_only = False
-
-    def options(self, num_classes: int, options: Mapping[str, Any]) -> dict[str, int]:
-        if options:
-            raise ConfigError(f"model kind 'camera_cnn' takes no options, got {sorted(options)}", field="model")
-        if type(num_classes) is not int or num_classes < 2:
-            raise ConfigError(f"num_classes must be an integer >= 2, got {num_classes!r}", field="num_classes")
-        return {}
-
-    def build(self, spec: "ModelSpec") -> "torch.nn.Module":
-        from shared.models.camera_cnn import build_model
-
-        return build_model(spec.num_classes)
-
-    def initial_weights(self, spec: "ModelSpec", rng: np.random.Generator, **init: Any) -> dict[str, np.ndarray]:
-        """torch's default initialisation seeded by one draw from ``rng`` (so not equal to
-        ``camera_cnn.initial_weights(K, seed)`` for the same integer)."""
-        from shared.models.camera_cnn import initial_weights
-
-        if init:
-            raise ValueError(f"camera_cnn initial_weights takes no options, got {sorted(init)}")
-        return initial_weights(spec.num_classes, seed=int(rng.integers(0, 2 ** 31 - 1)))
-
-    def example_shape(self, spec: "ModelSpec") -> tuple[int, ...]:
-        from shared.models.camera_cnn import IMAGE_SIZE
-
-        return (1, IMAGE_SIZE, IMAGE_SIZE)
-
-    def prepare_input(self, spec: "ModelSpec", x: np.ndarray) -> np.ndarray:
-        arr = np.asarray(x)
-        scale = np.float32(1.0 / 255.0) if arr.dtype == np.uint8 else np.float32(1.0)
-        out = arr.astype(np.float32) * scale
-        out = out[:, None] if out.ndim == 3 else out
-        if out.ndim != 4 or out.shape[1:] != self.example_shape(spec):
-            raise ValueError(f"the camera CNN takes images (B, 28, 28) or (B, 1, 28, 28), got {arr.dtype} {arr.shape}")
-        return np.ascontiguousarray(out)
-
-    def from_weights(self, weights: Mapping[str, np.ndarray]) -> "ModelSpec | None":
-        w = weights.get("phi.0.weight")
-        if w is None or np.ndim(w) != 4 or "psi.weight" not in weights:
-            return None
-        spec = ModelSpec(self.name, int(np.shape(weights["psi.weight"])[0]), ())
-        expected = dict(self.parameter_shapes(spec))
-        got = {n: tuple(int(s) for s in np.shape(v)) for n, v in weights.items()}
-        return spec if got == expected else None
-
-    def parameter_shapes(self, spec: "ModelSpec") -> tuple[tuple[str, tuple[int, ...]], ...]:
-        from shared.models.camera_cnn import FEATURE_DIM
-
-        return (("phi.0.weight", (16, 1, 3, 3)), ("phi.0.bias", (16,)), ("phi.3.weight", (32, 16, 3, 3)),
-                ("phi.3.bias", (32,)), ("phi.6.weight", (32, 32, 3, 3)), ("phi.6.bias", (32,)),
-                ("phi.10.weight", (FEATURE_DIM, 288)), ("phi.10.bias", (FEATURE_DIM,)),
-                ("psi.weight", (spec.num_classes, FEATURE_DIM)), ("psi.bias", (spec.num_classes,)))
-
-
-_KINDS: dict[str, _Kind] = {k.name: k for k in (_Head(), _CameraCNN())}
+_KINDS: dict[str, _Kind] = {k.name: k for k in (_Head(),)}
 KINDS = tuple(_KINDS)
 
 
@@ -271,13 +210,16 @@ class ModelSpec:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | None, *, num_classes: int | None = None) -> "ModelSpec":
-        """Inverse of :meth:`to_json`; None (a manifest from before kinds) is ``camera_cnn`` of ``num_classes``.
+        """Inverse of :meth:`to_json`.
 
         Raises:
-            ConfigError: unknown kind or bad options.
+            ConfigError: ``data`` None (a manifest from before model kinds: the retired camera CNN's), an unknown
+                kind or bad options.
         """
         if data is None:
-            return model_spec("camera_cnn", int(num_classes if num_classes is not None else 10))
+            raise ConfigError("the manifest names no model: it is from before model kinds (the retired 28x28 camera "
+                              "CNN)", field="model", fix="rebuild the artifacts for the head model "
+                              "(coordinator.artifacts.build_artifacts)")
         return model_spec(str(data.get("kind")), int(data.get("num_classes", -1)), **dict(data.get("options") or {}))
 
 

@@ -3,22 +3,22 @@ graphs.
 
 Used by the coordinator (``coordinator.artifacts``), which has torch; gateways only run the graphs. torch and onnx
 are imported lazily, inside the functions. Every function takes the model as a :class:`shared.models.kinds.ModelSpec`
-(the head model on backbone embeddings, ``shared.models.head``, or the legacy 28x28 camera CNN); a bare number of
-classes means the camera CNN, as before kinds existed.
+(the head model on backbone embeddings, ``shared.models.head``); a bare number of classes K means the head model of
+K classes with its default options.
 
 Graphs (opset :data:`OPSET`, IR version <= :data:`MAX_IR_VERSION`, so that ``onnxruntime-training`` 1.19 loads
 them; made with torch's TorchScript exporter, ``dynamo=False``, which needs no ``onnxscript``):
 
-- :func:`export_model`: ``input`` float32 (B, *example_shape): (B, 1280) embeddings for the head model, (B, 1, 28,
-  28) in [0, 1] for the camera CNN -> ``logits`` float32 (B, K), the parameters as initializers named as in
-  ``model.named_parameters()``. This is the base graph that ``onnxruntime.training.artifacts.generate_artifacts``
+- :func:`export_model`: ``input`` float32 (B, *example_shape): (B, 1280) embeddings for the head model ->
+  ``logits`` float32 (B, K), the parameters as initializers named as in ``model.named_parameters()``. This is the base graph that ``onnxruntime.training.artifacts.generate_artifacts``
   turns into the training, eval and optimizer graphs.
 - :func:`export_per_example_graph`: inputs ``input``, ``labels`` int64 (B,) and every parameter (as graph inputs,
   so the gateway feeds its current weights), output ``per_example_grads`` float32 (B, d_trainable): row i is the
   gradient of example i's cross-entropy loss, flat in ``named_parameters()`` order over the trainable scope. The
   backward pass is written out explicitly (no autograd in the graph), for a sequential network of ``Conv2d``
   (stride 1, dilation 1, groups 1, numeric zero padding), ``Tanh``, ``MaxPool2d`` (kernel = stride, no padding),
-  ``Flatten`` and ``Linear`` layers, which is what both models are (the head model: Linear, Tanh, Linear):
+  ``Flatten`` and ``Linear`` layers (the head model is Linear, Tanh, Linear; the Conv2d and MaxPool2d rules were
+  written for the retired 28x28 camera CNN and no project model uses them now):
 
   * loss:   d logits_i = softmax(logits_i) - onehot(y_i)                  (cross-entropy, per example)
   * Linear: g_i(W) = delta_i a_i^T, g_i(b) = delta_i; the input gradient is delta_i W
@@ -100,8 +100,8 @@ def _spec(model: "ModelSpec | int") -> "ModelSpec":
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, (int, np.integer)) and not isinstance(model, bool):
-        return model_spec("camera_cnn", int(model))
-    raise TypeError(f"model must be a ModelSpec or a number of classes (camera CNN), got {type(model).__name__}")
+        return model_spec("head", int(model))  # K classes: the head model with its default options
+    raise TypeError(f"model must be a ModelSpec or a number of classes (head model), got {type(model).__name__}")
 
 
 def _dummy_input(spec: "ModelSpec") -> "torch.Tensor":
@@ -114,7 +114,7 @@ def export_model(model: "ModelSpec | int", weights: Mapping[str, np.ndarray] | N
     """The model as an ONNX graph with dynamic batch (see the module docstring).
 
     Args:
-        model: the architecture (a ``ModelSpec``; an int K means the camera CNN of K classes).
+        model: the architecture (a ``ModelSpec``; an int K means the head model of K classes).
         weights: ``{name: float32 array}`` for the initializers; None keeps a fresh initialisation.
 
     Raises:
@@ -135,7 +135,7 @@ def export_per_example_graph(model: "ModelSpec | int", scope: str = "all") -> "o
     """The one-pass per-example gradient graph (see the module docstring).
 
     Args:
-        model: the architecture (a ``ModelSpec``; an int K means the camera CNN of K classes).
+        model: the architecture (a ``ModelSpec``; an int K means the head model of K classes).
         scope: ``"all"`` (every parameter trainable) or ``"head"`` (``psi.*`` only; frozen feature extractor).
 
     Raises:
@@ -181,7 +181,7 @@ def export_factor_graph(model: "ModelSpec", scope: str = "all") -> "onnx.ModelPr
     (B, out) for each ``L`` of :func:`factor_layers`, in that order (input first).
 
     Raises:
-        ValueError: unknown scope, or a model with a trainable layer other than Linear (e.g. the camera CNN).
+        ValueError: unknown scope, or a model with a trainable layer other than Linear (e.g. a CNN).
     """
     import torch
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from coordinator.artifacts import ARTIFACT_FILES, ArtifactStore, artifact_digests, ort_training_available
+from coordinator.artifacts import ARTIFACT_FILES, FACTOR_FILES, ArtifactStore, artifact_digests, ort_training_available
 
 if not ort_training_available():
     pytest.skip("onnxruntime.training (with onnx) is not importable here: ORT artifact tests skipped",
@@ -18,7 +18,7 @@ import onnx
 from shared.codec import model_hash
 from shared.envelope import Envelope
 from shared.keys import generate_signing_key, public_key_to_pem
-from shared.models.camera_cnn import initial_weights
+from shared.models.kinds import model_spec
 from shared.models.onnx_export import MAX_IR_VERSION
 from shared.protocol import decode_task, decode_task_with_artifacts
 
@@ -28,13 +28,14 @@ from tests.coordinator.helpers import make_config
 
 
 def test_artifact_set_contents_and_cache(tmp_path) -> None:
-    weights = initial_weights(5, seed=0)
+    weights = model_spec("head", 5, adapter_width=8).initial_weights(0, head_init="uniform")
     h = model_hash(weights)
     store = ArtifactStore(tmp_path / "arts")
     files = store.get(h, weights, 5)
-    assert set(files) == set(ARTIFACT_FILES)
+    # the base set plus, for the head model (all Linear), the factored per-example graphs of both scopes
+    assert set(files) == set(ARTIFACT_FILES) | set(FACTOR_FILES.values())
     assert store.get(h, weights, 5) is files  # memory cache
-    for name in ARTIFACT_FILES:
+    for name in files:
         if name.endswith(".onnx"):
             assert onnx.load_from_string(files[name]).ir_version <= MAX_IR_VERSION, name
     manifest = json.loads(files["manifest.json"])
@@ -42,7 +43,7 @@ def test_artifact_set_contents_and_cache(tmp_path) -> None:
     assert [n for n, _ in manifest["parameters"]] == list(weights)  # named_parameters() order
     again = ArtifactStore(tmp_path / "arts").get(h, {}, 5)  # disk cache: weights not needed
     assert again == files
-    assert set(artifact_digests(files)) == set(ARTIFACT_FILES)
+    assert set(artifact_digests(files)) == set(files)
 
 
 def published_task(transport: InMemoryTransport) -> bytes:
@@ -74,7 +75,8 @@ def test_tasks_carry_artifacts_only_when_configured(tmp_path, ship: bool) -> Non
     task, got_weights, files = decode_task_with_artifacts(payload)
     assert model_hash(got_weights) == h == task.model_hash
     if ship:
-        assert set(files) == set(ARTIFACT_FILES) and task.artifacts == artifact_digests(files)
+        assert set(files) == set(ARTIFACT_FILES) | set(FACTOR_FILES.values())
+        assert task.artifacts == artifact_digests(files)
         assert (config.data_dir / "ort-artifacts" / h / "checkpoint").is_file()
     else:
         assert files == {} and task.artifacts == {} and "artifacts" not in task.to_json()

@@ -238,8 +238,10 @@ def test_one_dp_step_parity_through_the_gateway_step(head_artifacts, rng) -> Non
 @needs_ort
 def test_ort_refuses_artifacts_of_another_model(head_artifacts) -> None:
     _, _, _, folder = head_artifacts["small"]
-    with pytest.raises(ConfigError, match="model"):
+    with pytest.raises(ConfigError, match="unknown model kind 'camera_cnn'"):  # the retired CNN
         create_backend("ort", model="camera_cnn", num_classes=5, artifacts=folder)
+    with pytest.raises(ConfigError, match="model"):
+        create_backend("ort", model=model_spec("head", 5, adapter_width=7), artifacts=folder)
     with pytest.raises(ConfigError, match="model"):
         create_backend("ort", model=model_spec("head", 5, adapter_width=13, embedding_dim=20), artifacts=folder)
     ok = create_backend("ort", model=SMALL, artifacts=folder)

@@ -7,21 +7,27 @@ import pytest
 import torch
 
 from shared.errors import ConfigError
-from shared.models.camera_cnn import initial_weights
+from shared.models.kinds import model_spec
 
 from edge_sdk.backends.base import create_backend, flatten, register_backend, unflatten
 from edge_sdk.backends.torch_backend import TorchBackend
 
 
+# custom modules (``module=``) get their input prepared as this spec's: float32 (B, 784) rows (a 28x28 image, flat)
+IMAGE_INPUT = model_spec("head", 3, adapter_width=0, embedding_dim=28 * 28)
+
+
 @pytest.fixture(scope="module")
 def backend() -> TorchBackend:
-    b = create_backend("torch", num_classes=4, threads=2, microbatch_size=3)  # 3 forces several chunks
-    b.set_weights(initial_weights(num_classes=4, seed=3))
+    spec = model_spec("head", 4, adapter_width=16)  # the head model with a (narrow) tanh adapter
+    b = create_backend("torch", model=spec, threads=2, microbatch_size=3)  # 3 forces several chunks
+    b.set_weights(spec.initial_weights(3, head_init="uniform"))
     return b
 
 
 def batch(rng: np.random.Generator, n: int = 7) -> tuple[np.ndarray, np.ndarray]:
-    return rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8), rng.integers(0, 4, size=n).astype(np.int64)
+    """n backbone-embedding-like inputs, float32 (n, 1280) in [0, 6), and labels."""
+    return (6 * rng.random((n, 1280))).astype(np.float32), rng.integers(0, 4, size=n).astype(np.int64)
 
 
 def test_per_example_gradients_equal_a_loop_of_autograd(backend: TorchBackend, rng) -> None:
@@ -31,7 +37,7 @@ def test_per_example_gradients_equal_a_loop_of_autograd(backend: TorchBackend, r
     model = backend.model
     for i in range(7):
         model.zero_grad(set_to_none=True)
-        xi = torch.from_numpy(x[i:i + 1].astype(np.float32) / 255.0).unsqueeze(1)
+        xi = torch.from_numpy(x[i:i + 1])
         loss = torch.nn.functional.cross_entropy(model(xi), torch.from_numpy(y[i:i + 1]))
         loss.backward()
         expected = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()]).numpy()
@@ -65,7 +71,7 @@ def test_bad_weights_and_registry(backend: TorchBackend) -> None:
 
 
 def test_ghost_clipping_path_equals_materialised_gradients(backend: TorchBackend, rng) -> None:
-    assert backend._ghost_layers is not None  # the camera CNN is all Linear/Conv2d
+    assert backend._ghost_layers is not None  # the head model is all Linear
     x, y = batch(rng, 9)
     explicit = backend.per_example_gradients(x, y).astype(np.float64)
     implicit = backend.per_example(x, y)
@@ -75,11 +81,10 @@ def test_ghost_clipping_path_equals_materialised_gradients(backend: TorchBackend
 
 
 def test_unsupported_layers_fall_back_to_vmap(rng) -> None:
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 8), torch.nn.LayerNorm(8),
-                                torch.nn.Linear(8, 3))
-    b = TorchBackend(3, module=model)
+    model = torch.nn.Sequential(torch.nn.Linear(28 * 28, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    b = TorchBackend(model=IMAGE_INPUT, module=model)
     assert b._ghost_layers is None
-    x, y = rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0])
+    x, y = rng.random((4, 28 * 28)).astype(np.float32), np.array([0, 1, 2, 0])
     implicit = b.per_example(x, y)
     np.testing.assert_allclose(implicit.norms, np.linalg.norm(b.per_example_gradients(x, y), axis=1), rtol=1e-5)
 
@@ -89,14 +94,15 @@ def test_ghost_path_on_strided_unpadded_and_rectangular_convs(rng) -> None:
     # and im2col (stride 2, dilation 2).
     torch.manual_seed(0)
     model = torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 28, 28)),  # the backend feeds (B, 784) rows, as the head model's input check takes
         torch.nn.Conv2d(1, 3, (3, 2), padding=(1, 0)), torch.nn.Tanh(),
         torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.Tanh(),
         torch.nn.Conv2d(4, 2, 3, dilation=2, bias=False), torch.nn.Tanh(),
         torch.nn.Flatten(), torch.nn.LazyLinear(3))
-    model(torch.zeros(1, 1, 28, 28))  # materialise the lazy layer
-    b = TorchBackend(3, module=model)
+    model(torch.zeros(1, 28 * 28))  # materialise the lazy layer
+    b = TorchBackend(model=IMAGE_INPUT, module=model)
     assert b._ghost_layers is not None
-    x, y = rng.integers(0, 256, size=(5, 28, 28), dtype=np.uint8), np.array([0, 1, 2, 0, 1])
+    x, y = rng.random((5, 28 * 28)).astype(np.float32), np.array([0, 1, 2, 0, 1])
     explicit = b.per_example_gradients(x, y).astype(np.float64)
     implicit = b.per_example(x, y)
     np.testing.assert_allclose(implicit.norms, np.linalg.norm(explicit, axis=1), rtol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shared.errors import ConfigError
-from shared.models import camera_cnn, head
+from shared.models import head
 from shared.models.head import HeadConfig
 from shared.models.kinds import KINDS, ModelSpec, as_spec, model_spec, spec_from_weights
 from shared.models.state import load_numpy_state, to_numpy_state
@@ -143,14 +143,16 @@ def test_model_spec_json_round_trip_and_defaults() -> None:
     assert spec.linear_only
     assert ModelSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
     assert hash(spec) == hash(model_spec("head", 10, adapter_width=256))
-    legacy = ModelSpec.from_json(None, num_classes=4)  # a manifest from before kinds
-    assert legacy == model_spec("camera_cnn", 4) and not legacy.linear_only
-    assert set(KINDS) == {"head", "camera_cnn"}
+    # a manifest from before kinds (the retired camera CNN's artifacts) is refused with the fix
+    with pytest.raises(ConfigError, match="rebuild the artifacts"):
+        ModelSpec.from_json(None, num_classes=4)
+    assert set(KINDS) == {"head"}
+    with pytest.raises(ConfigError, match="unknown model kind 'camera_cnn'"):
+        model_spec("camera_cnn", 10)
 
 
 @pytest.mark.parametrize("spec", [model_spec("head", 6), model_spec("head", 6, adapter_width=0),
-                                  model_spec("head", 6, adapter_width=32, embedding_dim=64),
-                                  model_spec("camera_cnn", 6)], ids=lambda s: f"{s.kind}-{s.options}")
+                                  model_spec("head", 6, adapter_width=32, embedding_dim=64)], ids=lambda s: f"{s.kind}-{s.options}")
 def test_kinds_are_told_apart_by_their_tensors(spec) -> None:
     weights = spec.initial_weights(1)
     assert spec_from_weights(weights) == spec
@@ -166,13 +168,3 @@ def test_foreign_weights_are_refused() -> None:
         spec_from_weights({**w, "phi.0.bias": np.zeros(9, np.float32)})  # inconsistent adapter
     with pytest.raises(ConfigError, match="not a model of any kind"):
         spec_from_weights({"fc.weight": np.zeros((2, 3), np.float32)})
-
-
-def test_camera_cnn_kind_matches_its_module() -> None:
-    spec = model_spec("camera_cnn", 10)
-    assert [(n, tuple(p.shape)) for n, p in camera_cnn.build_model(10).named_parameters()] == \
-        list(spec.parameter_shapes())
-    images = np.full((2, 28, 28), 255, np.uint8)
-    np.testing.assert_array_equal(spec.prepare_input(images), np.ones((2, 1, 28, 28), np.float32))
-    with pytest.raises(ValueError, match="camera CNN"):
-        spec.prepare_input(np.zeros((2, 1280), np.float32))
