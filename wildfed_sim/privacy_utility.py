@@ -265,6 +265,7 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
     import numpy as np
 
     from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
+    from wildfed_sim.camtrap_writer import distinct_images
     from wildfed_sim.demo import design_sites_with_public_split, pretrain_on_public_split, save_weights
     from wildfed_sim.evaluation import evaluate
 
@@ -289,7 +290,9 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
                 f"images, held by no site), {settings.pretrain_epochs} epochs, {time.monotonic() - t0:.0f} s, "
                 f"{100 * accuracy['overall']:.1f} % overall on the held-out split -> {path}")
     return {"path": str(path), "num_images": n_public, "num_train": len(train),
-            "num_site_images": int(sum(s.num_images for s in specs)), "epochs": settings.pretrain_epochs,
+            # what the demo's gateways hold: each site's images less byte-identical repeats (demo._prepare_sites)
+            "num_site_images": int(sum(distinct_images(train.images[s.indices]).size for s in specs)),
+            "epochs": settings.pretrain_epochs,
             "batch_size": settings.pretrain_batch_size, "learning_rate": settings.pretrain_learning_rate,
             "public_per_class": settings.public_per_class, "class_counts": class_counts,
             "public_source_indices": [int(i) for i in train.source_indices[public]], "accuracy": accuracy}
