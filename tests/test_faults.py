@@ -224,7 +224,7 @@ def test_gateway_killed_mid_upload_resumes_and_the_update_arrives_once(tmp_path:
         manifests = sniffer.envelopes(sniffer.update, MessageKind.MANIFEST)
         assert len(manifests) == 1 and not decode_manifest(manifests[0].payload).resume
         n = decode_manifest(manifests[0].payload).num_chunks
-        assert n > 100  # the camera CNN's update (~130 kB) in 1 KiB chunks
+        assert n >= 8  # the head model's update (about 11 kB) in 1 KiB chunks: most of it is still to come
         assert sniffer.chunk_indices() == Counter({0: 1, 1: 1})
         # Assert 1: the coordinator staged the manifest and exactly the two chunks the broker took; nothing stored
         tid = decode_manifest(manifests[0].payload).transfer_id
