@@ -79,7 +79,7 @@ def run_gateway(site_yaml: Path, *, max_rounds: int, crash_at: str | None = None
 
 
 def gateway_config(tmp_path: Path, broker_url: str, **overrides: object):
-    """A coordinator config for real gateways: the camera CNN with 2 classes, 2 local steps of B = 2."""
+    """A coordinator config for real gateways: the head model with 2 classes, 2 local steps of B = 2."""
     kw = dict(broker_url=broker_url, rounds=1, round_deadline_s=60.0, quorum_fraction=1.0, local_steps=2,
               expected_batch_size=2, num_classes=2, ship_ort_artifacts=False)
     kw.update(overrides)

@@ -5,7 +5,7 @@ Before the fix, a gateway reported ``num_examples = N_active`` (records of the n
 everything that leaves the gateway is a function of public values only (the site's public record count N_site,
 the task's B, the public species table and halted list):
 
-- through the real agent (``EdgeAgent`` from a site.yaml, real Camtrap DP package, the camera CNN and the torch
+- through the real agent (``EdgeAgent`` from a site.yaml, real Camtrap DP package, the head model and the torch
   backend, signed envelopes over the in-memory transport), the updates of a round before and a round after the EN
   halt report ``num_examples == N_site`` both times and the same ``q = B / N_site`` in every event, and the non-halted
   category's event is identical; N_site is counted here from the package's CSV, not by the loader;
