@@ -39,18 +39,13 @@ from coordinator.storage import Store
 from coordinator.transport import transport_from_config as coordinator_transport
 from edge_sdk.config import SiteConfig
 from edge_sdk.uplink.mqtt import transport_from_config as site_transport
+from tests.support import free_port
 from edge_sdk.uplink.transport import TransportError
 from tests.coordinator.helpers import make_config
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 FED = "f"
 UPDATES = f"wildfed/v1/{FED}/site/+/update"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, timeout_s: float = 10.0) -> None:
@@ -92,8 +87,8 @@ def broker(tmp_path_factory):
     registry = SiteRegistry(Store("sqlite://", tmp / "data"))
     for site in ("a", "b"):
         registry.enrol(site, public_key_to_pem(generate_signing_key().public_key()))
-    port = _free_port()
-    result = generate_broker_config(registry=registry, federation_id=FED, out=tmp / "broker", tls_port=_free_port(),
+    port = free_port()
+    result = generate_broker_config(registry=registry, federation_id=FED, out=tmp / "broker", tls_port=free_port(),
                                     bind_address="127.0.0.1", loopback_port=port, persistence=False,
                                     ingest_workers=1, broker_user="root" if os.geteuid() == 0 else None)
     proc = subprocess.Popen([MOSQUITTO, "-c", str(result.conf)], stdout=subprocess.DEVNULL,

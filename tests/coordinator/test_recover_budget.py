@@ -22,9 +22,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.storage import LedgerRow, RejectionRow
 from coordinator.transport import MqttTransport
+from tests.support import wait_for
 from tests.coordinator.helpers import FakeSite, tiny_weights
 from tests.coordinator.test_crash import ROOT, prepare_federation, subprocess_env
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture (skips without a broker)
@@ -60,16 +59,6 @@ def direct_epsilon(rounds_of: list[DPSGDEvent]) -> float:
         acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
             e.sampling_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier)), e.steps))
     return acc.get_epsilon(DELTA)
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> object:
-    """Poll ``condition`` until it is truthy; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 @dataclass

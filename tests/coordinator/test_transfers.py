@@ -21,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from shared.envelope import Envelope, MessageKind
 from shared.iucn import IUCNCategory
-from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
+from shared.keys import generate_signing_key, public_key_to_pem
 from shared.protocol import decode_ack
 from shared.topics import ack_topic, update_topic
 from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, TransferError, assemble, check_chunk,
@@ -35,6 +34,7 @@ from coordinator.ingest import Rejected, RejectReason
 from coordinator.service import Coordinator
 from coordinator.storage import TransferRow
 from coordinator.transport import InMemoryTransport
+from tests.support import camera_site
 from tests.coordinator.helpers import EVENT, FakeSite, make_config
 
 CHUNK = 1024
@@ -284,23 +284,6 @@ def test_incomplete_transfers_expire(tmp_path: Path) -> None:
 
 
 # ---- a real gateway and a real coordinator over a lossy link -----------------------------------------------------
-def camera_site(root: Path, site_id: str, coordinator_key, **settings) -> object:
-    """A camera site folder (keys, a tiny Camtrap DP package, site.yaml with ``settings``); returns its key."""
-    from tests.edge.conftest import write_package
-
-    site_key = generate_signing_key()
-    save_private_key(site_key, root / "keys" / "site.key")
-    save_public_key(coordinator_key.public_key(), root / "keys" / "coordinator.pub")
-    write_package(root / "pkg")
-    (root / "site.yaml").write_text(yaml.safe_dump({
-        "federation_id": "testfed", "site_id": site_id, "dataset": "pkg",
-        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
-                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
-        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-        "outbox": "state/outbox.sqlite", "threads": 1, **settings}))
-    return site_key
-
-
 class LossyBridge:
     """An edge Transport on the coordinator's bus that loses chunks whose index is a multiple of 4 the first time
     they are published (both directions: the gateway's uploads through ``publish``, the coordinator's task chunks

@@ -23,7 +23,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import paho.mqtt.client as paho
@@ -41,39 +40,23 @@ from shared.keys import generate_signing_key
 
 from tests.coordinator.helpers import make_config
 
-from .test_transfer_limits import camera_site
+from tests.support import camera_site, free_port, poll_until
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
 LIMIT = 100_000  # the broker's real max_packet_size, below what the configs say
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    """Poll another thread's state (paho's network thread) until ``predicate()`` holds or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture()
 def broker(tmp_path: Path):
     if MOSQUITTO is None:
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
-    port = _free_port()
+    port = free_port()
     conf = tmp_path / "mosquitto.conf"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_packet_size {LIMIT}\n"
                     "persistence false\n")
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert _wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 10), "mosquitto did not start"
+        assert poll_until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 10), "mosquitto did not start"
         yield port
     finally:
         proc.terminate()
@@ -128,7 +111,7 @@ def test_gateway_gives_up_an_update_the_broker_keeps_disconnecting_it_for(broker
         for attempt in (1, 2):
             assert agent.resend_pending() == 0
             assert agent.outbox.count() == 1 and agent.stats["uploads_abandoned"] == 0  # not yet: 2 drops
-            assert _wait_for(lambda: transport.disconnects == attempt)
+            assert poll_until(lambda: transport.disconnects == attempt, 20)
             transport.connect(timeout_s=20)  # the transport reconnects by itself; wait for it
         assert agent.resend_pending() == 0
         # Assert: the 3rd drop in a row (max_chunk_requests) gives the update up, naming the settings
@@ -140,7 +123,7 @@ def test_gateway_gives_up_an_update_the_broker_keeps_disconnecting_it_for(broker
         # the largest chunk that fits the configured limit: 1,115,136 - 40 - 256
         assert "now 1114840 at most" in reason
         # a message that large is refused without being sent: no 4th disconnect
-        assert _wait_for(lambda: transport.disconnects == 3)
+        assert poll_until(lambda: transport.disconnects == 3, 20)
         transport.connect(timeout_s=20)
         with pytest.raises(MessageRefusedError):
             transport.publish(topic, bytes(140_000))
@@ -179,8 +162,8 @@ def test_coordinator_stops_resending_a_task_message_the_broker_refuses(broker: i
         with caplog.at_level(logging.ERROR, logger="coordinator.transport"):
             coordinator.publish(task_topic, bytes(262_144))  # returns: it never raises for this
             # Assert: 3 drops in a row (max_drops), then paho's copy is dropped and the link stays up
-            assert _wait_for(lambda: coordinator.refused == 1), coordinator.disconnects
-            assert _wait_for(lambda: coordinator._connected.is_set())
+            assert poll_until(lambda: coordinator.refused == 1, 20), coordinator.disconnects
+            assert poll_until(lambda: coordinator._connected.is_set(), 20)
         disconnects = coordinator.disconnects
         assert disconnects == 3
         errors = " ".join(" ".join(r.getMessage() for r in caplog.records).split())
@@ -188,7 +171,7 @@ def test_coordinator_stops_resending_a_task_message_the_broker_refuses(broker: i
         assert "transfer.chunk_size_bytes" in errors and "broker_max_packet_bytes" in errors
         # a site's update published now reaches the coordinator (before: it received nothing meanwhile)
         site.publish("wildfed/v1/f/site/a/update", b"update", qos=1).wait_for_publish(10)
-        assert _wait_for(lambda: ("wildfed/v1/f/site/a/update", b"update") in received)
+        assert poll_until(lambda: ("wildfed/v1/f/site/a/update", b"update") in received, 20)
         # a resend of the same chunk (a stalled download's request) is not sent: no new disconnect
         coordinator.publish(task_topic, bytes(262_144))
         assert coordinator.refused == 2

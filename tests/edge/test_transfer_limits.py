@@ -20,7 +20,6 @@ Item 12, a gateway that missed the open round:
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from typer.testing import CliRunner
 from shared.envelope import Envelope, MessageKind
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
-from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
+from shared.keys import generate_signing_key, public_key_to_pem
 from shared.transfer import Chunk, is_chunk
 
 from coordinator.config import load_config
@@ -40,29 +39,14 @@ from coordinator.transport import InMemoryTransport
 from edge_sdk.agent import EdgeAgent, update_message_id
 from edge_sdk.config import load_site_config
 from tests.coordinator.helpers import make_config
+from tests.support import camera_site, poll_until
 
-from .conftest import write_package
 
 WIDE = {"COLUMNS": "400"}  # rich must not wrap what the tests read
 
 
 def _words(text: str) -> str:
     return " ".join(text.split())
-
-
-def camera_site(root: Path, site_id: str, coordinator_key, **settings) -> object:
-    """A camera site folder (keys, a tiny Camtrap DP package, site.yaml with ``settings``); returns its key."""
-    site_key = generate_signing_key()
-    save_private_key(site_key, root / "keys" / "site.key")
-    save_public_key(coordinator_key.public_key(), root / "keys" / "coordinator.pub")
-    write_package(root / "pkg")
-    (root / "site.yaml").write_text(yaml.safe_dump({
-        "federation_id": "testfed", "site_id": site_id, "dataset": "pkg",
-        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
-                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
-        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-        "outbox": "state/outbox.sqlite", "threads": 1, **settings}))
-    return site_key
 
 
 class Link:
@@ -115,16 +99,6 @@ def _world(tmp_path: Path, *, site_settings: dict, transfer: dict | None = None,
     coord.start()
     link = Link(bus, max_bytes=max_bytes)
     return coord, bus, link, root
-
-
-def _wait(predicate, timeout_s: float = 60.0) -> bool:
-    """Poll a condition of another thread's state (the agent's stats) until it holds or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # ---- item 11: start-up validation -------------------------------------------------------------------------------
@@ -221,7 +195,7 @@ def test_gateway_gives_up_a_task_download_whose_chunks_the_broker_drops(tmp_path
     runner.start()
     try:
         # Execute / Assert: the stalled download is asked for again, twice, then given up
-        assert _wait(lambda: agent.stats["downloads_abandoned"] == 1)
+        assert poll_until(lambda: agent.stats["downloads_abandoned"] == 1, 60)
     finally:
         agent.stop()
         runner.join(timeout=30)
@@ -246,7 +220,7 @@ def test_gateway_asks_for_the_open_round_when_its_outbox_drains(tmp_path: Path) 
     ctx0 = coord.rounds.open_round()
     runner.start()
     try:
-        assert _wait(lambda: agent.stats["tasks_trained"] == 1)
+        assert poll_until(lambda: agent.stats["tasks_trained"] == 1, 60)
         assert coord.rounds.close_round(ctx0).accepted == ()
         block["tasks"] = True
         ctx1 = coord.rounds.open_round()
@@ -280,7 +254,7 @@ def test_gateway_asks_for_the_open_round_on_connect_even_with_updates_pending(tm
     runner.start()
     try:
         assert coord.rounds.wait_for_quorum(ctx1, timeout_s=60)
-        assert _wait(lambda: agent.stats["acks_accepted"] == 1)  # its ACK is handled on the agent's thread
+        assert poll_until(lambda: agent.stats["acks_accepted"] == 1, 60)  # its ACK is handled on the agent's thread
     finally:
         agent.stop()
         runner.join(timeout=30)

@@ -1,0 +1,63 @@
+"""Small helpers several test modules share: a free loopback port, polling another thread's state, and the
+camera site folder the transfer tests run a real gateway from.
+
+Polling is for state that only another thread changes (paho's network thread, an agent's stats) and that offers
+no event to wait on; each call is bounded by its timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.keys import generate_signing_key, save_private_key, save_public_key
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's choice for port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll_until(predicate: Callable[[], object], timeout_s: float) -> bool:
+    """True once ``predicate()`` is truthy (checked every 0.02 s), False if ``timeout_s`` seconds pass first."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> object:
+    """The first truthy value of ``condition()`` (checked every 0.05 s); fails the test naming ``what`` after
+    ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def camera_site(root: Path, site_id: str, coordinator_key, **settings) -> object:  # noqa: ANN001 - a signing key
+    """A camera site folder (keys, a tiny Camtrap DP package, site.yaml with ``settings``); returns its key."""
+    from tests.edge.conftest import write_package
+
+    site_key = generate_signing_key()
+    save_private_key(site_key, root / "keys" / "site.key")
+    save_public_key(coordinator_key.public_key(), root / "keys" / "coordinator.pub")
+    write_package(root / "pkg")
+    (root / "site.yaml").write_text(yaml.safe_dump({
+        "federation_id": "testfed", "site_id": site_id, "dataset": "pkg",
+        "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "VU"},
+                    {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
+        "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
+        "outbox": "state/outbox.sqlite", "threads": 1, **settings}))
+    return site_key
