@@ -50,6 +50,7 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
+from shared.models.backbone import EMBEDDING_DIM
 from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.radio import RadioMapSet
 from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
@@ -65,6 +66,7 @@ from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.data.embedding import embed_dataset
+from edge_sdk.data.feature_centre import load_feature_centre
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
 from edge_sdk.radio import RadioSiteTrainer, run_radio_task
@@ -204,6 +206,8 @@ class EdgeAgent:
         self.artifact_cache = ArtifactCache(config.artifact_cache if config.artifact_cache is not None
                                             else Path(config.outbox).parent / "ort-artifacts")
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
+        self.feature_centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
+                               if config.feature_centre is not None and config.task == "camera" else None)
         self.stats: Counter[str] = Counter()
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stop = threading.Event()
@@ -605,7 +609,7 @@ class EdgeAgent:
         try:
             result = train_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
                                    site_categories=self.config.categories, randomness=self._randomness(task),
-                                   num_classes=self.config.model_classes)
+                                   num_classes=self.config.model_classes, feature_centre=self.feature_centre)
         except PrivacyBudgetError as exc:
             self._reject("task", "privacy_budget", str(exc))
             return False
@@ -715,6 +719,9 @@ class EdgeAgent:
         if not self._send_secagg(state, SecAggMessage("keys", client.public_keys().to_json())):
             return False
         started = time.monotonic()
+        if self.feature_centre is not None:
+            log.info("site %s: round %d: global DP sums plain (uncentred) gradients; feature_centre applies to "
+                     "local DP-SGD rounds only", self.config.site_id, task.round)
         try:
             result = clipped_sum_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
                                          site_categories=self.config.categories, randomness=self._randomness(task))

@@ -119,6 +119,9 @@ class SiteConfig(BaseModel):
         embedding_cache: folder of the backbone-embedding cache (``edge_sdk.data.embedding``); default
             ``<outbox folder>/embeddings``.
         embedding_input_size: the backbone's input size S in pixels (128: chosen by measurement, docs/backbone.md).
+        feature_centre: a public centre of the embeddings (safetensors, :mod:`edge_sdk.data.feature_centre`):
+            local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
+            public images, never from this site's records. Global DP rounds ignore it. Default: none.
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
         allow_non_private: accept tasks whose ``privacy`` is ``"none"`` (default: refuse them).
         allow_global_dp: accept tasks whose ``privacy`` is ``"global"`` (secure aggregation; the coordinator adds
@@ -167,6 +170,7 @@ class SiteConfig(BaseModel):
     image_size: int = Field(default=28, ge=4)
     embedding_cache: Path | None = None
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
+    feature_centre: Path | None = None
     num_classes: int | None = Field(default=None, ge=2)
     allow_non_private: bool = False
     allow_global_dp: bool = False
@@ -251,6 +255,7 @@ class SiteConfig(BaseModel):
 
 
 _PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
+                "feature_centre",
                 "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
 
 

@@ -30,6 +30,7 @@ from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend, unflatten
 from edge_sdk.data.camtrap_dp import LocalDataset
+from edge_sdk.data.feature_centre import centred_weights, uncentred_weights
 from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_category_noise, category_events,
                                    clip_factors_from_norms)
 from edge_sdk.privacy.randomness import RandomSource
@@ -119,6 +120,25 @@ def local_step(
     return int(idx.size)
 
 
+class _CentredView:
+    """``dataset`` with its model inputs centred: ``features = model_inputs(dataset) - c`` (float32 (N, E));
+    ``labels``, ``categories`` and ``len`` are the dataset's."""
+
+    def __init__(self, dataset: LocalDataset, centre: np.ndarray) -> None:
+        x = model_inputs(dataset)
+        c = np.asarray(centre, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != c.shape[0]:
+            raise ConfigError(f"feature_centre has {c.shape[0]} values but the model inputs are {x.shape}",
+                              field="feature_centre", fix="use a centre of the backbone's embedding size")
+        self.features = x - c
+        self.labels = dataset.labels
+        self.categories = dataset.categories
+        self._n = len(dataset)
+
+    def __len__(self) -> int:
+        return self._n
+
+
 def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
                  ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
     """``(active categories, eligible mask bool (N,), N_site, q = min(1, B / N_site))``.
@@ -154,6 +174,7 @@ def train_locally(
     site_categories: Iterable[IUCNCategory],
     randomness: RandomSource,
     num_classes: int | None = None,
+    feature_centre: np.ndarray | None = None,
 ) -> LocalTrainingResult:
     """Run ``task.local_steps`` steps from ``global_weights`` and return the delta and the report.
 
@@ -166,6 +187,9 @@ def train_locally(
         site_categories: the categories of the site's species table (public configuration).
         randomness: the source of both sampling and noise (secure in production).
         num_classes: length of the count vector when the task asks for counts (default: from ``psi.bias``).
+        feature_centre: float32 (E,) public centre ``c`` of the embeddings, or None: the steps then run on
+            ``x - c`` with the first layer's bias unfolded to ``b' + W c`` and folded back before the delta is
+            taken (:mod:`edge_sdk.data.feature_centre`; the delta is in the plain form the federation stores).
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records, an active category has no
@@ -174,8 +198,15 @@ def train_locally(
         PayloadError: counts asked for and the number of classes unknown.
     """
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
-    backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
-    start = backend.get_weights()
+    plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
+    train_on: LocalDataset | _CentredView = dataset
+    if feature_centre is None:
+        backend.set_weights(plain)
+        start = backend.get_weights()
+    else:  # train the same function on x - c; the delta is taken in the plain form (module feature_centre)
+        train_on = _CentredView(dataset, feature_centre)
+        backend.set_weights(centred_weights(plain, feature_centre))
+        start = plain
 
     z: dict[IUCNCategory, float] = {}
     mechanism: CCDPMechanism | None = None
@@ -197,10 +228,12 @@ def train_locally(
                  {c.value: round(v, 4) for c, v in z.items()})
 
     for _ in range(task.local_steps):
-        local_step(backend=backend, dataset=dataset, eligible=eligible, sampling_rate=q, mechanism=mechanism,
+        local_step(backend=backend, dataset=train_on, eligible=eligible, sampling_rate=q, mechanism=mechanism,
                    randomness=randomness, learning_rate=task.learning_rate)
 
     end = backend.get_weights()
+    if feature_centre is not None:
+        end = uncentred_weights(end, feature_centre)  # post-processing with a public c
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}
     events = category_events(z, sampling_rate=q, steps_run=task.local_steps) if mechanism is not None else {}
     counts: dict[int, float] = {}
