@@ -18,7 +18,7 @@ __all__ = ["model_template", "num_parameters", "num_bytes", "update_delta", "sea
 MiB = float(1 << 20)
 
 # Shapes of the default 1,000,000-parameter model: a small CNN trunk ("phi.") and a classifier head ("psi."), the
-# naming of shared.models.camera_cnn. Sums to exactly 1,000,000.
+# phi/psi naming of shared.models.head (a synthetic size for the transport benchmarks). Sums to exactly 1,000,000.
 _SHAPES_1M: dict[str, tuple[int, ...]] = {
     "phi.conv1.weight": (32, 1, 3, 3),      # 288
     "phi.conv2.weight": (64, 32, 3, 3),     # 18,432

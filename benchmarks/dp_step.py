@@ -3,15 +3,14 @@
 Run by hand (not part of the tests)::
 
     .venv/bin/pip install opacus==1.6.0   # optional, only for the Opacus row
-    .venv/bin/python benchmarks/dp_step.py --model head [--adapter-width 256] [--batch 64] [--repeats 40]
+    .venv/bin/python benchmarks/dp_step.py [--adapter-width 256] [--batch 64] [--repeats 40]
                                            [--threads 1]
-    .venv/bin/python benchmarks/dp_step.py --model camera_cnn [--batch 64] ...     # the legacy 28x28 CNN
 
-``--model head`` (the default) times the trainable part of the camera model, ``shared.models.head`` (phi adapter
+It times the trainable part of the camera model, ``shared.models.head`` (phi adapter
 1280 -> ``--adapter-width``, tanh, psi head; ``--adapter-width 0``: head only) on real backbone embeddings:
 N Animal-MNIST images embedded once, before timing (and cached), by the frozen EfficientNet-Lite0 at 128 px (ONNX
 Runtime); the backbone is public and frozen, so its cost is the same with and without privacy and is not part of
-either step. ``--model camera_cnn`` times the legacy CNN on the 28x28 images. Same model, same data, same thread
+either step. Same model, same data, same thread
 count in every row. Timed steps:
 
 - ``plain torch``: the non-private baseline, a plain batched torch loop (``zero_grad``, forward, mean cross-entropy,
@@ -64,8 +63,6 @@ def load_records(model: str, n_records: int) -> tuple[np.ndarray, np.ndarray, st
     n_records = min(n_records, len(data.labels))
     pick = np.random.default_rng(0).choice(len(data.labels), size=n_records, replace=False)
     images, labels = np.ascontiguousarray(data.images[pick]), data.labels[pick].astype(np.int64)
-    if model == "camera_cnn":
-        return images, labels, "Animal-MNIST 28x28 images"
     from edge_sdk.data.embedding_cache import EmbeddingCache
     from edge_sdk.inference.embedder import OnnxEmbedder
     from edge_sdk.inference.weights import cache_dir
@@ -86,7 +83,6 @@ def load_records(model: str, n_records: int) -> tuple[np.ndarray, np.ndarray, st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("head", "camera_cnn"), default="head")
     parser.add_argument("--adapter-width", type=int, default=256, help="head model: 0 = head only")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
@@ -104,9 +100,8 @@ def main() -> None:
     from shared.models.state import load_numpy_state
 
     torch.set_num_threads(args.threads)
-    spec = (model_spec("head", 10, adapter_width=args.adapter_width) if args.model == "head"
-            else model_spec("camera_cnn", 10))
-    inputs, labels, source = load_records(args.model, 10 * args.batch)
+    spec = model_spec("head", 10, adapter_width=args.adapter_width)
+    inputs, labels, source = load_records("head", 10 * args.batch)
     n_records = len(labels)
     categories = (np.arange(n_records) % 6 + 1).astype(np.int8)  # CR..NE, all six
 
@@ -114,7 +109,7 @@ def main() -> None:
 
     x, y, cats = inputs[:args.batch], labels[:args.batch], categories[:args.batch]
     # the head at zero (the default round-0 model) would block the adapter's gradient: time a trained-like state
-    weights = spec.initial_weights(0, **({"head_init": "uniform"} if args.model == "head" else {}))
+    weights = spec.initial_weights(0, head_init="uniform")
     lr, clip, z = 0.1, 1.0, 1.0
     q = args.batch / n_records
 
@@ -204,7 +199,7 @@ def main() -> None:
               f"min {low[name] * 1e3:.2f})")
     print("ratios of medians (of minima, the least disturbed by other load, in brackets):")
     base = "plain torch (non-private)"
-    target = 1.1 if args.model == "head" else 1.3
+    target = 1.1
 
     def ratio(a: str, b: str) -> str:
         return f"{med[a] / med[b]:5.2f}x ({low[a] / low[b]:4.2f}x)"

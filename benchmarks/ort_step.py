@@ -2,13 +2,12 @@
 
 Run by hand (not part of the tests)::
 
-    .venv/bin/python benchmarks/ort_step.py [--model head|camera_cnn] [--adapter-width 256] [--batch 64]
+    .venv/bin/python benchmarks/ort_step.py [--adapter-width 256] [--batch 64]
                                             [--repeats 40] [--threads 1] [--no-loop]
 
-Same model, same weights, same fixed batch, same thread count. ``--model head`` (default): the trainable camera
+Same model, same weights, same fixed batch, same thread count: the trainable camera
 model ``shared.models.head`` (330,506 parameters with the 256-wide adapter) on Animal-MNIST backbone embeddings
-(``dp_step.load_records``: EfficientNet-Lite0 at 128 px, cached); ``--model camera_cnn``: the legacy 28x28 CNN
-(33,194 parameters) on Animal-MNIST images when they are cached, else random pixels. Timed steps (numpy in, numpy
+(``dp_step.load_records``: EfficientNet-Lite0 at 128 px, cached). Timed steps (numpy in, numpy
 out, as the gateway runs them):
 
 - ``torch non-private`` / ``ORT non-private``: ``backend.gradient`` (one batched backward: torch autograd / the ORT
@@ -35,25 +34,8 @@ import numpy as np
 from _timing import interleaved
 
 
-def _images(batch: int) -> tuple[np.ndarray, np.ndarray, str]:
-    try:
-        try:
-            from wildfed_sim.animal_mnist import fetch_animal_mnist
-        except ImportError:  # before the move of the experiments
-            from coordinator.experiments.animal_mnist import fetch_animal_mnist
-
-        data = fetch_animal_mnist()
-        pick = np.random.default_rng(0).choice(len(data.labels), size=batch, replace=False)
-        return np.ascontiguousarray(data.images[pick]), data.labels[pick].astype(np.int64), "Animal-MNIST"
-    except Exception:  # noqa: BLE001 - offline without the cached data set: random pixels time the same
-        rng = np.random.default_rng(0)
-        return (rng.integers(0, 256, (batch, 28, 28), dtype=np.uint8), rng.integers(0, 10, batch).astype(np.int64),
-                "random pixels")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("head", "camera_cnn"), default="head")
     parser.add_argument("--adapter-width", type=int, default=256, help="head model: 0 = head only")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
@@ -72,16 +54,11 @@ def main() -> None:
     from shared.iucn import IUCNCategory
     from shared.models.kinds import model_spec
 
-    if args.model == "head":
-        from dp_step import load_records
+    from dp_step import load_records
 
-        spec = model_spec("head", 10, adapter_width=args.adapter_width)
-        x, y, source = load_records("head", args.batch)
-        weights = spec.initial_weights(0, head_init="uniform")  # psi = 0 would block the adapter's gradient
-    else:
-        spec = model_spec("camera_cnn", 10)
-        x, y, source = _images(args.batch)
-        weights = spec.initial_weights(0)
+    spec = model_spec("head", 10, adapter_width=args.adapter_width)
+    x, y, source = load_records("head", args.batch)
+    weights = spec.initial_weights(0, head_init="uniform")  # psi = 0 would block the adapter's gradient
     cats = (np.arange(args.batch) % 6 + 1).astype(np.int8)
     lr, clip, z = 0.1, 1.0, 1.0
     folder = ArtifactCache(tempfile.mkdtemp(prefix="wildfed-bench-")).store(
