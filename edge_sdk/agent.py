@@ -63,7 +63,7 @@ from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, ResendTrac
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
-from edge_sdk.config import SiteConfig, load_site_config
+from edge_sdk.config import SiteConfig, global_model_path, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.data.embedding import embed_dataset
 from edge_sdk.data.feature_centre import load_feature_centre
@@ -124,6 +124,18 @@ def embedding_cache_dir(config: SiteConfig) -> Path:
     ``<outbox folder>/embeddings``."""
     return Path(config.embedding_cache) if config.embedding_cache is not None else Path(config.outbox).parent / \
         "embeddings"
+
+
+def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str) -> None:
+    """Write ``weights`` (float32 arrays) to ``path`` atomically (a temporary file, then ``os.replace``), as
+    safetensors with metadata ``round`` and ``model_hash``."""
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}, str(tmp),
+              metadata={"round": str(int(round_)), "model_hash": model_hash_hex})
+    os.replace(tmp, path)
 
 
 def build_backend(config: SiteConfig, name: str | None = None, *, model: ModelSpec | None = None
@@ -598,6 +610,11 @@ class EdgeAgent:
             return self._train_radio(task, weights, artifacts)
         if self.select_backend(task, artifacts, weights) is None:
             return False
+        try:  # the newest accepted model, for detect (a failure here must not cost the round)
+            save_global_model(global_model_path(self.config), weights, round_=task.round, model_hash_hex=actual_hash)
+        except OSError as exc:
+            log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,
+                        task.round, exc)
         if task.privacy == "global":
             return self._start_global_round(task, weights)
 

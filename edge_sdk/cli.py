@@ -302,8 +302,9 @@ def install_bundle_command(
 def detect(
     paths: Annotated[list[Path], typer.Argument(help="image files or folders (searched recursively)")],
     weights: Annotated[Optional[Path], typer.Option(help="species classifier: a global model .safetensors "
-                                                         "(the federated head on the frozen backbone); without it, "
-                                                         "detection only")] = None,
+                                                         "(the federated head on the frozen backbone); default with "
+                                                         "--config: the latest global model the gateway received, "
+                                                         "if any; otherwise detection only")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="folder for megadetector.json, observations.csv, "
                                                           "media.csv")] = Path("detections"),
     deployment: Annotated[Optional[str], typer.Option(help="Camtrap DP deploymentID of the images (default: the "
@@ -344,6 +345,13 @@ def detect(
     try:
         site = load_site_config(config) if config is not None else None
         class_names = {s.class_index: s.scientific_name for s in site.species} if site is not None else None
+        if weights is None and site is not None and site.task == "camera":
+            from edge_sdk.config import global_model_path
+
+            kept = global_model_path(site)
+            if kept.is_file():
+                weights = kept
+                typer.echo(f"classifier: the latest global model this gateway received ({kept})")
         if publish and site is not None:
             from edge_sdk.uplink.mqtt import transport_from_config
 

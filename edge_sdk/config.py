@@ -43,7 +43,7 @@ from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
 
-__all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "species_table_from_entries"]
+__all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "global_model_path", "species_table_from_entries"]
 
 
 class SpeciesEntry(BaseModel):
@@ -257,6 +257,13 @@ class SiteConfig(BaseModel):
 _PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
                 "feature_centre",
                 "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
+
+
+def global_model_path(config: SiteConfig) -> Path:
+    """Where a camera gateway keeps the latest global model it received (``<outbox folder>/global-model.safetensors``:
+    the weights of the newest task it accepted, with ``round`` and ``model_hash`` in the safetensors metadata);
+    ``wildfed-edge detect --config`` classifies with it when no ``--weights`` is given."""
+    return Path(config.outbox).parent / "global-model.safetensors"
 
 
 def load_site_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SiteConfig:

@@ -132,6 +132,27 @@ def test_round_trip_task_update_ack(world) -> None:
     agent.close()
 
 
+def test_the_gateway_keeps_the_newest_accepted_global_model_for_detect(world) -> None:
+    from safetensors import safe_open
+
+    from edge_sdk.config import global_model_path
+
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    path = global_model_path(agent.config)
+    assert not path.exists()
+    assert agent.handle_task(coordinator.task(1, site="site-2")) is False  # refused: nothing kept
+    assert not path.exists()
+    assert agent.handle_task(coordinator.task(1)) is True
+    with safe_open(str(path), framework="numpy") as fh:
+        assert fh.metadata() == {"round": "1", "model_hash": model_hash(coordinator.weights)}
+        kept = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert set(kept) == set(coordinator.weights)
+    for name, value in coordinator.weights.items():
+        np.testing.assert_array_equal(kept[name], value)
+    agent.close()
+
+
 def test_rejects_forged_misaddressed_duplicate_and_non_private_tasks(world) -> None:
     coordinator, make_agent = world
     agent, _ = make_agent()

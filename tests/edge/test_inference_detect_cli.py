@@ -95,3 +95,25 @@ def test_detect_refuses_a_camera_cnn_model_file_naming_the_fix(tmp_path, detecto
     assert result.exit_code == 2
     assert "head model" in " ".join(result.output.split())
     assert not (tmp_path / "out" / "megadetector.json").exists()
+
+
+def test_detect_with_a_site_config_and_no_weights_uses_the_gateways_latest_global_model(tmp_path, detector_ready,
+                                                                                       monkeypatch):
+    from edge_sdk.agent import save_global_model
+    from edge_sdk.cli import app
+    from edge_sdk.config import global_model_path, load_site_config
+
+    monkeypatch.setenv("COLUMNS", "200")
+    config = _site_config(tmp_path)
+    head = {"psi.weight": np.zeros((3, 1280), np.float32), "psi.bias": np.array([0.0, 50.0, 0.0], np.float32)}
+    kept = global_model_path(load_site_config(config))
+    assert kept == tmp_path / "global-model.safetensors"
+    save_global_model(kept, head, round_=4, model_hash_hex=model_hash(head))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["detect", str(PHOTOS / "2480.jpg"), "--out", str(out), "--config", str(config),
+                                      "--engine", "ort", "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    assert "latest global model this gateway received" in result.output
+    md = json.loads((out / "megadetector.json").read_text())
+    assert md["info"]["classifier"] == f"head@{model_hash(head)[:12]}"
+    assert {d["classifications"][0][0] for im in md["images"] for d in im["detections"]} == {"1"}
