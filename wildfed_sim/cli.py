@@ -57,6 +57,8 @@ def demo(
                                                    "default 256 with DP, 128 with --privacy none)"),
     learning_rate: float | None = typer.Option(None, help="local SGD step size (default 0.5 with DP, 10 with "
                                                "--privacy none: no clipping there)"),
+    server_momentum: float | None = typer.Option(None, help="coordinator's server SGD momentum (FedAvgM; 0 = "
+                                                 "FedAvg; default: the privacy mode's tuned value)"),
     clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),
     adapter_width: int = typer.Option(0, help="head model: phi adapter width (1280 -> H, tanh); 0 = the linear "
                                       "head psi alone on the frozen backbone embeddings"),
@@ -75,6 +77,9 @@ def demo(
     embedding_merging: bool = typer.Option(True, "--embedding-merging/--no-embedding-merging",
                                            help="nira: species-embedding merging (once per cluster and species, "
                                            "aligned to the head; docs/nira.md)"),
+    feature_centre: bool = typer.Option(True, "--feature-centre/--no-feature-centre",
+                                        help="gateways train on embeddings centred by the public split's mean "
+                                        "(images no site holds; edge_sdk/data/feature_centre.py)"),
     task: str = typer.Option("camera", help="camera (camera traps, real images) or radiomap (base stations learn "
                              "a radio map; uses --sites (default 6 then), --rounds, --seed, --broker, --out, "
                              "--round-deadline-s, --defence, --city; docs/radiomap.md)"),
@@ -104,12 +109,13 @@ def demo(
     settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
-                            learning_rate=learning_rate, clipping_norm=clipping_norm, target_delta=target_delta,
+                            learning_rate=learning_rate, server_momentum=server_momentum,
+                            clipping_norm=clipping_norm, target_delta=target_delta,
                             adapter_width=adapter_width,
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
                             round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
                             strategy=strategy, nira_recluster_every=recluster_every,
-                            nira_embedding_merging=embedding_merging)
+                            nira_embedding_merging=embedding_merging, feature_centre=feature_centre)
     try:
         run_demo(settings, console=console)
     except KeyboardInterrupt:

@@ -20,7 +20,6 @@ coordinator's database, blobs and models.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -43,15 +42,17 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
 __all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings", "DemoResult", "run_demo",
-           "public_split_indices", "balanced_public_split",
+           "public_split_indices", "without_site_duplicates", "balanced_public_split",
            "design_sites_with_public_split", "pretrain_on_public_split",
            "load_weights", "save_weights"]
 
 
 #: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
-DP_DEFAULTS: dict[str, Any] = {"local_steps": 5, "expected_batch_size": 256, "learning_rate": 0.5}
-#: Demo defaults without privacy (no clipping: the mean gradient's norm is ~30, hence the larger step)
-NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 30, "expected_batch_size": 128, "learning_rate": 10.0}
+DP_DEFAULTS: dict[str, Any] = {"local_steps": 3, "expected_batch_size": 1024, "learning_rate": 0.5,
+                               "server_momentum": 0.5}
+#: Demo defaults without privacy (no clipping: the mean gradient's norm is ~20, hence the larger step); same sweep
+NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 60, "expected_batch_size": 128, "learning_rate": 10.0,
+                                        "server_momentum": 0.5}
 
 
 def demo_embedding_cache(site_id: str) -> Path:
@@ -73,7 +74,8 @@ class DemoSettings:
         gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
-        learning_rate: local SGD step; clipping_norm: C; target_delta: delta of every guarantee. None (the
+        learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
+            al. 2019; 0 = FedAvg; post-processing of the aggregate, so free under DP); clipping_norm: C; target_delta: delta of every guarantee. None (the
             default) for local_steps, expected_batch_size or learning_rate: the privacy mode's tuned value
             (:data:`DP_DEFAULTS`, :data:`NON_PRIVATE_DEFAULTS`; tuned on seeds 101-103, never on seed 0). Under DP
             each per-example gradient is clipped to C, so the step is about lr * C; without DP the raw mean
@@ -105,6 +107,10 @@ class DemoSettings:
         nira_recluster_every: NIRA re-clusters from the sites' phi-updates every this many rounds (0 = never).
         nira_embedding_merging: NIRA species-embedding merging on/off.
         nira_distance_threshold: NIRA's Jaccard-distance cut of the species-list dendrogram (None = 0.7).
+        feature_centre: give every gateway the mean backbone embedding of the public split (the training images
+            no site holds, less duplicates of site images) as its ``feature_centre``
+            (:mod:`edge_sdk.data.feature_centre`): local steps train on centred embeddings. On by default
+            (chosen by the tuning sweep, docs/demo-data.md "Tuning"); ``--no-feature-centre`` for the plain head.
     """
 
     sites: int = 8
@@ -116,6 +122,7 @@ class DemoSettings:
     local_steps: int | None = None
     expected_batch_size: int | None = None
     learning_rate: float | None = None
+    server_momentum: float | None = None
     clipping_norm: float = 1.0
     adapter_width: int = 0
     target_delta: float = 1e-5
@@ -134,6 +141,7 @@ class DemoSettings:
     nira_recluster_every: int = 0
     nira_embedding_merging: bool = True
     nira_distance_threshold: float | None = None
+    feature_centre: bool = True
 
     def __post_init__(self) -> None:
         # None: the tuned defaults of this privacy mode (DP_DEFAULTS / NON_PRIVATE_DEFAULTS, docs/demo-data.md)
@@ -142,6 +150,9 @@ class DemoSettings:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if not (0 <= self.server_momentum < 1):
+            raise ConfigError(f"server_momentum must be in [0, 1), got {self.server_momentum}",
+                              field="server_momentum", fix="use 0 (FedAvg) or e.g. 0.5")
         if type(self.adapter_width) is not int or self.adapter_width < 0:
             raise ConfigError(f"adapter_width must be an integer >= 0, got {self.adapter_width!r}",
                               field="adapter_width", fix="use 0 (head only) or e.g. 256")
@@ -170,7 +181,7 @@ class DemoSettings:
                     "learning_rate": (self.learning_rate, "--learning-rate 0.5"),
                     "clipping_norm": (self.clipping_norm, "--clipping-norm 1.0"),
                     "round_deadline_s": (self.round_deadline_s, "--round-deadline-s 300"),
-                    "local_steps": (self.local_steps, "--local-steps 10"),
+                    "local_steps": (self.local_steps, "--local-steps 3"),
                     "expected_batch_size": (self.expected_batch_size, "--expected-batch-size 128")}
         for name, (value, example) in positive.items():
             if not (value > 0 and math.isfinite(value)):
@@ -256,8 +267,33 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
     return specs, train, test, summary
 
 
+def _write_feature_centre(settings: DemoSettings, run_dir: Path, train: Any, specs: Any, console: Any) -> Path:
+    """The gateways' public feature centre (:mod:`edge_sdk.data.feature_centre`): the mean embedding of the
+    training images no site holds, less byte-duplicates of site images (:func:`public_split_indices`), written to
+    ``<run>/public/feature-centre.safetensors``."""
+    from edge_sdk.data.feature_centre import public_centre, save_feature_centre
+    from wildfed_sim.embeddings import embed_grayscale
+
+    if settings.public_per_class > 0:
+        public = without_site_duplicates(balanced_public_split(train.labels, settings.public_per_class,
+                                                               seed=settings.seed), train.images, specs)
+    else:
+        public = public_split_indices(len(train.labels), specs, train.images)
+    if len(public) == 0:
+        raise ConfigError("every training image is held by a site: no public images for the feature centre",
+                          field="feature_centre", fix="use --no-feature-centre or fewer sites")
+    t0 = time.monotonic()
+    centre = public_centre(embed_grayscale(train.images[public], train.source_indices[public]))
+    path = save_feature_centre(run_dir / "public" / "feature-centre.safetensors", centre, num_images=len(public),
+                               source="Animal-MNIST training images no demo site holds")
+    console.log(f"feature centre: mean embedding of {len(public)} public images (no site holds them), "
+                f"{time.monotonic() - t0:.1f} s")
+    return path
+
+
 def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federation_id: str,
-                       broker_url: str, coordinator_pub: Path) -> tuple[Path, str]:
+                       broker_url: str, coordinator_pub: Path, feature_centre: Path | None = None
+                       ) -> tuple[Path, str]:
     """Keys and YAML config of one gateway; returns (config path, public key PEM)."""
     from wildfed_sim.animal_mnist import SPECIES_TABLE
 
@@ -284,6 +320,8 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
         "allow_non_private": settings.privacy == "none",
         "allow_global_dp": settings.privacy == "global",
     }
+    if feature_centre is not None:  # public: computed from images no site holds
+        config["feature_centre"] = str(feature_centre)
     path = site_dir / "site.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path, public_key_to_pem(key.public_key())
@@ -334,16 +372,31 @@ def _gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path, console:
 
 
 # ------------------------------------------------------------------------------------------ public pretraining
-def public_split_indices(num_train: int, specs: Any) -> np.ndarray:
+def public_split_indices(num_train: int, specs: Any, images: np.ndarray | None = None) -> np.ndarray:
     """Indices (into the training split) of the images that no site holds: the public pretraining split.
 
     The held-out test split is separate and never part of it; the sites' images are disjoint from it, so
-    pretraining on it spends no site's privacy budget.
+    pretraining on it spends no site's privacy budget. With ``images`` (uint8 (num_train, H, W)), an image whose
+    bytes equal an image a site holds is left out too (:func:`without_site_duplicates`): the demo drops a site's
+    duplicate images, so a dropped duplicate is not "held" by index, but its pixels are the site's.
     """
     used = np.zeros(num_train, dtype=bool)
     for spec in specs:
         used[np.asarray(spec.indices, dtype=np.int64)] = True
-    return np.flatnonzero(~used)
+    public = np.flatnonzero(~used)
+    return public if images is None else without_site_duplicates(public, images, specs)
+
+
+def without_site_duplicates(public: np.ndarray, images: np.ndarray, specs: Any) -> np.ndarray:
+    """``public`` (int64 indices into ``images``, uint8 (N, H, W)) less every image byte-identical (SHA-256 of
+    the array's bytes, as :func:`wildfed_sim.camtrap_writer.distinct_images`) to an image some site holds."""
+    import hashlib
+
+    def digest(i: int) -> bytes:
+        return hashlib.sha256(np.ascontiguousarray(images[i]).tobytes()).digest()
+
+    held = {digest(int(i)) for spec in specs for i in np.asarray(spec.indices, dtype=np.int64)}
+    return np.asarray([i for i in np.asarray(public, dtype=np.int64) if digest(int(i)) not in held], dtype=np.int64)
 
 
 def balanced_public_split(labels: np.ndarray, per_class: int, *, seed: int) -> np.ndarray:
@@ -416,8 +469,9 @@ def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size:
         if np.isin(public, held).any():
             raise ConfigError("a site holds images of the balanced public split", field="public_per_class",
                               fix="design the sites with design_sites_with_public_split(public_per_class=...)")
+        public = without_site_duplicates(public, train.images, specs)
     else:
-        public = public_split_indices(len(train.labels), specs)
+        public = public_split_indices(len(train.labels), specs, train.images)
     if len(public) == 0:
         raise ConfigError("every training image is held by a site: there is no public split to pretrain on",
                           field="pretrain_epochs", fix="use --pretrain-epochs 0 or fewer sites")
@@ -617,6 +671,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     test_features = embed_grayscale(test.images, test.source_indices)
     console.log(f"held-out test split: {len(test)} backbone embeddings ({time.monotonic() - t_embed:.1f} s)")
     class_categories = [e.iucn for e in SPECIES_TABLE]
+    centre_path = _write_feature_centre(settings, run_dir, train, specs, console) if settings.feature_centre else None
     # One federation id per run: two demos on one broker (--broker) must not see each other's topics (a shared id
     # made them exchange updates that the signature checks then rejected).
     federation_id = f"wildfed-demo-{secrets.token_hex(4)}"
@@ -663,6 +718,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
             "privacy": settings.privacy, "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
             "model": "head", "adapter_width": settings.adapter_width,
+            "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
             "seed": settings.seed, "strategy": _strategy_config(settings),
             "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
                         for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
@@ -671,7 +727,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
         site_configs = []
         for spec in specs:
-            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub)
+            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub,
+                                           centre_path)
             public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
                               if not SPECIES_TABLE[c].iucn.is_sensitive]
             coordinator.enrol(spec.site_id, pem, {"num_examples": spec.num_images, "biome": spec.biome,

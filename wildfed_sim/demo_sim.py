@@ -1,0 +1,176 @@
+"""The demo's federation in one process, for tuning its hyper-parameters (issue 18, "Acceptance": every mode tuned
+with the same effort, on tuning seeds that are not the reported one).
+
+``wildfed demo`` runs a real coordinator, real gateways and a broker; a tuning sweep needs hundreds of runs, so this
+module replays the same learning problem without the transport: the demo's data and site design
+(:func:`wildfed_sim.demo.design_sites_with_public_split` on the split of :func:`wildfed_sim.animal_mnist.split_holdout`,
+duplicates dropped as the demo drops them), the gateways' own round of training
+(:func:`edge_sdk.training.train_locally`, so the same Poisson sampling, calibration of the noise multipliers with
+dp-accounting and the same CCDP mechanism), FedAvg weights ``n_k / n`` (McMahan et al. 2017, Alg. 1) and the
+coordinator's server optimizer (:class:`coordinator.optimizers.server_sgd.ServerSGD`, FedAvgM when momentum > 0),
+then the demo's held-out evaluation (:func:`wildfed_sim.evaluation.evaluate`). Randomness is seeded
+(:class:`~shared.privacy.randomness.SeededRandom`): these are laboratory runs, never a deployment.
+
+What it leaves out is what does not change the learning: signing, chunking, the ledger's refusals (no site is
+halted in a planned run) and secure randomness. ``tests/sim/test_demo_sim.py`` checks one round against the hand-worked FedAvg of one full-batch step;
+``wildfed_sim/tune_demo.py`` is the sweep that picked the demo's defaults (docs/demo-data.md, "Tuning").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shared.iucn import CCDPBudget, IUCNCategory
+
+__all__ = ["SimSite", "SimFederation", "load_federation", "SimConfig", "simulate"]
+
+
+@dataclass(frozen=True)
+class SimSite:
+    """One site's records as its gateway trains on them.
+
+    Attributes:
+        site_id: ``site-00``... features: float32 (N, 1280) backbone embeddings. labels: int64 (N,) class indices.
+        categories: int8 (N,) IUCN ranks of the records' species. species_categories: the categories of the site's
+            species table (public configuration: they decide which categories get noise).
+    """
+
+    site_id: str
+    features: np.ndarray
+    labels: np.ndarray
+    categories: np.ndarray
+    species_categories: tuple[IUCNCategory, ...]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class SimFederation:
+    """The demo's federation for one seed: sites, the held-out test split, and the public split (training images
+    no site holds; only its embedding mean is used, never its labels) with ``class_categories[k]`` the IUCN
+    category of class k."""
+
+    sites: tuple[SimSite, ...]
+    test_features: np.ndarray
+    test_labels: np.ndarray
+    public_features: np.ndarray
+    class_categories: tuple[IUCNCategory, ...]
+
+
+def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
+    """The demo's data for ``seed`` (the same split, site design and de-duplication as ``wildfed demo --seed``),
+    with every image embedded by the gateway's backbone (cached: :func:`wildfed_sim.embeddings.embed_grayscale`)."""
+    from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
+    from wildfed_sim.camtrap_writer import distinct_images
+    from wildfed_sim.demo import design_sites_with_public_split, public_split_indices
+    from wildfed_sim.embeddings import embed_grayscale
+
+    data = fetch_animal_mnist()
+    train, test = split_holdout(data, 0.2, seed=seed)
+    specs, _ = design_sites_with_public_split(train.labels, num_sites, seed=seed)
+    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
+    public = public_split_indices(len(train.labels), specs, train.images)  # as the demo's feature centre
+    class_categories = tuple(SPECIES_TABLE[k].iucn for k in range(len(SPECIES_TABLE)))
+    ranks = np.asarray([c.rank for c in class_categories], dtype=np.int8)
+    sites = []
+    for s in specs:
+        idx = np.asarray(s.indices, dtype=np.int64)
+        feats = embed_grayscale(train.images[idx], train.source_indices[idx])
+        labels = train.labels[idx].astype(np.int64)
+        sites.append(SimSite(s.site_id, feats, labels, ranks[labels],
+                             tuple(sorted({class_categories[c] for c in s.species}, key=lambda c: c.rank))))
+    test_features = embed_grayscale(test.images, test.source_indices)
+    public_features = (embed_grayscale(train.images[public], train.source_indices[public]) if len(public)
+                       else np.zeros((0, test_features.shape[1]), np.float32))
+    return SimFederation(tuple(sites), test_features, test.labels.astype(np.int64), public_features,
+                         class_categories)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One configuration: the demo's settings of the same names (``wildfed demo --help``).
+
+    ``privacy``: ``"ccdp"`` or ``"none"``; ``budgets``: epsilon per category (ignored for ``"none"``);
+    ``server_learning_rate`` and ``server_momentum``: the coordinator's server SGD (1 and 0 are FedAvg);
+    ``centre``: the gateways train on embeddings centred by the public split's mean (site config
+    ``feature_centre``, :mod:`edge_sdk.data.feature_centre`).
+    """
+
+    privacy: str = "ccdp"
+    budgets: Mapping[IUCNCategory, float] = dataclasses.field(
+        default_factory=lambda: CCDPBudget.from_anchor("VU", 1.0, 1.0).table())
+    rounds: int = 10
+    local_steps: int = 5
+    expected_batch_size: int = 256
+    learning_rate: float = 0.5
+    clipping_norm: float = 1.0
+    target_delta: float = 1e-5
+    server_learning_rate: float = 1.0
+    server_momentum: float = 0.0
+    adapter_width: int = 0
+    centre: bool = True
+
+
+def simulate(fed: SimFederation, config: SimConfig, *, seed: int) -> dict[str, Any]:
+    """Run ``config.rounds`` rounds of the demo's federation on ``fed`` and evaluate the global model.
+
+    Returns:
+        ``{"round0": Accuracy.by_group, "final": Accuracy.by_group, "final_by_category": {code: accuracy},
+        "noise_multipliers": {site: {code: z}}, "weights": the final global model}`` (accuracies are fractions).
+
+    Raises:
+        ConfigError / PrivacyBudgetError: from :func:`edge_sdk.training.train_locally` on a bad configuration.
+    """
+    from coordinator.optimizers.server_sgd import ServerSGD
+    from edge_sdk.backends.torch_backend import TorchBackend
+    from edge_sdk.data.feature_centre import public_centre
+    from edge_sdk.training import train_locally
+    from shared.models.kinds import model_spec
+    from shared.privacy.randomness import InsecureRandomnessWarning, SeededRandom
+    from shared.protocol import TrainingTask
+    from wildfed_sim.evaluation import evaluate
+
+    num_classes = len(fed.class_categories)
+    spec = model_spec("head", num_classes, adapter_width=config.adapter_width)
+    weights = spec.initial_weights(seed)
+    backend = TorchBackend(model=spec, threads=1)
+    server = ServerSGD(config.server_learning_rate, momentum=config.server_momentum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureRandomnessWarning)
+        rngs = {s.site_id: SeededRandom(seed * 1000 + k) for k, s in enumerate(fed.sites)}
+    round0 = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
+    budgets = dict(config.budgets) if config.privacy != "none" else {}
+    zs: dict[str, dict[str, float]] = {}
+    centre = public_centre(fed.public_features) if config.centre else None
+    total = float(sum(len(s) for s in fed.sites))
+    for r in range(config.rounds):
+        task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=config.local_steps,
+                            expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
+                            clipping_norm=config.clipping_norm, target_delta=config.target_delta,
+                            planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets)
+        avg = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
+        for site in fed.sites:
+            result = train_locally(backend=backend, dataset=site, task=task, global_weights=weights,
+                                   site_categories=site.species_categories, randomness=rngs[site.site_id],
+                                   feature_centre=centre)
+            zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
+            for k, d in result.delta.items():
+                avg[k] += (len(site) / total) * d
+        weights = server.step(weights, {k: v.astype(np.float32) for k, v in avg.items()})
+    final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
+    return {"round0": round0.by_group, "final": final.by_group,
+            "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": zs,
+            "weights": weights}
+
+
+def summarise(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation) of ``values`` (std 0 for one value)."""
+    arr = np.asarray(values, dtype=np.float64)
+    return float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else 0.0
