@@ -266,7 +266,8 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
 
     from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
     from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.demo import design_sites_with_public_split, pretrain_on_public_split, save_weights
+    from wildfed_sim.demo import (design_sites_with_public_split, pretrain_on_public_split, save_weights,
+                                  without_site_duplicates)
     from wildfed_sim.evaluation import evaluate
 
     data = fetch_animal_mnist()
@@ -279,6 +280,7 @@ def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, consol
                                                  learning_rate=settings.pretrain_learning_rate, seed=seed,
                                                  public_per_class=settings.public_per_class)
     path = save_weights(weights, out_dir / "pretrained" / f"seed-{seed}.safetensors")
+    public = without_site_duplicates(public, train.images, specs)  # what pretraining used (no copy of a site image)
     class_counts = [int(c) for c in np.bincount(train.labels[public], minlength=len(SPECIES_TABLE))]
     from wildfed_sim.embeddings import embed_grayscale
 
