@@ -61,3 +61,16 @@ def camera_site(root: Path, site_id: str, coordinator_key, **settings) -> object
         "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
         "outbox": "state/outbox.sqlite", "threads": 1, **settings}))
     return site_key
+
+
+def assert_norm_upper_bounds(reported, exact, *, slack: float = 1e-4, below: float = 1e-6) -> None:
+    """The backends' per-example norms are float32 sums raised by the float32 summation bound
+    (``edge_sdk.privacy.per_example.summation_error_bound``): never below the exact norm (beyond float64 noise),
+    and above it by at most ``slack`` relative (``1 + gamma_1281`` on a squared norm is < 8e-5). ``below``: how far
+    under ``exact`` rounding of the reference itself may put it (relative)."""
+    import numpy as np
+
+    reported, exact = np.asarray(reported, dtype=np.float64), np.asarray(exact, dtype=np.float64)
+    assert reported.shape == exact.shape
+    assert np.all(reported >= exact * (1 - below)), (reported - exact).min()
+    assert np.all(reported <= exact * (1 + slack) + 1e-30), ((reported - exact) / exact).max()

@@ -19,9 +19,15 @@ from collections.abc import Mapping
 import numpy as np
 
 from edge_sdk.backends.base import ParameterSpec
-from edge_sdk.privacy.per_example import PerExampleGradients
+from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
 __all__ = ["LinearFactors"]
+
+
+def _squared_rows(t: np.ndarray) -> np.ndarray:
+    """float64 (B,) upper bounds of the squared row norms of float32 (B, n) ``t``: summed in float32 and raised by
+    ``1 + gamma_n`` (:func:`~edge_sdk.privacy.per_example.summation_error_bound`), so clipping stays sound."""
+    return np.einsum("ij,ij->i", t, t).astype(np.float64) * (1.0 + summation_error_bound(int(t.shape[1])))
 
 
 class LinearFactors(PerExampleGradients):
@@ -59,8 +65,8 @@ class LinearFactors(PerExampleGradients):
             batch = a.shape[0] if batch is None else batch
             if a.shape[0] != batch:
                 raise ValueError(f"factors of {prefix!r} have batch {a.shape[0]}, others {batch}")
-            d2 = np.square(delta, dtype=np.float64).sum(axis=1)  # float64 accumulation (clipping relies on it)
-            term = d2 * np.square(a, dtype=np.float64).sum(axis=1) if kind == "weight" else d2
+            d2 = _squared_rows(delta)
+            term = d2 * _squared_rows(a) if kind == "weight" else d2
             sq = term if sq is None else sq + term
             self._pieces.append((kind, a, delta))
         self.norms = np.sqrt(sq) if sq is not None else np.zeros(0)

@@ -37,7 +37,7 @@ from shared.errors import ConfigError
 from shared.models.kinds import SCOPES, ModelSpec, as_spec, trainable_names
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
-from edge_sdk.privacy.per_example import PerExampleGradients
+from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
 __all__ = ["TorchBackend"]
 
@@ -276,9 +276,13 @@ class _GhostGradients(PerExampleGradients):
         row_sq: dict[int, torch.Tensor] = {}  # a layer's delta serves its weight and its bias: one norm each
 
         def squared(t: torch.Tensor) -> torch.Tensor:
-            """float64 (B,) squared row norms, accumulated in float64 (no float64 copy of ``t``)."""
+            """float64 (B,) upper bounds of the squared row norms: summed in float32 (3x cheaper than float64
+            accumulation) and raised by the float32 summation bound ``1 + gamma_n``
+            (:func:`~edge_sdk.privacy.per_example.summation_error_bound`), so no clipped norm can exceed C."""
             if id(t) not in row_sq:
-                row_sq[id(t)] = torch.linalg.vector_norm(t.flatten(1), dim=1, dtype=torch.float64).square()
+                flat = t.flatten(1)
+                bound = 1.0 + summation_error_bound(int(flat.shape[1]))
+                row_sq[id(t)] = flat.square().sum(dim=1).to(torch.float64) * bound
             return row_sq[id(t)]
 
         sq = None

@@ -32,6 +32,7 @@ from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.privacy.ccdp import CCDPMechanism
 from edge_sdk.privacy.randomness import SecureRandom, SeededRandom
 from edge_sdk.training import train_locally
+from tests.support import assert_norm_upper_bounds
 
 K = 4
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -108,8 +109,10 @@ def test_per_example_gradients_match_torch_full_and_head(backends, artifacts, rn
     got = ort.per_example_gradients(x, y)  # micro-batches of 5: three graph runs
     assert [s.name for s in ort.parameter_layout] == [s.name for s in torch_backend.parameter_layout]
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(ort.per_example(x, y).norms, np.linalg.norm(expected.astype(np.float64), axis=1),
-                               rtol=1e-5)  # the norms the mechanism clips with
+    # the norms the mechanism clips with: upper bounds (float32 sums raised by the summation bound), computed on
+    # ORT's own float32 factors, which differ from torch's gradients in the last bits
+    assert_norm_upper_bounds(ort.per_example(x, y).norms, np.linalg.norm(expected.astype(np.float64), axis=1),
+                             below=1e-5)
     np.testing.assert_allclose(ort.gradient(x, y), torch_backend.gradient(x, y), rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(ort.predict(x), torch_backend.predict(x))
 
