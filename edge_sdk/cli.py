@@ -344,7 +344,7 @@ def detect(
     transport = publisher = None
     try:
         site = load_site_config(config) if config is not None else None
-        class_names = {s.class_index: s.scientific_name for s in site.species} if site is not None else None
+        class_names = site.names_by_class if site is not None else None
         if weights is None and site is not None and site.task == "camera":
             from edge_sdk.config import global_model_path
 

@@ -123,6 +123,9 @@ class SiteConfig(BaseModel):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
             public images, never from this site's records. Global DP rounds ignore it. Default: none.
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
+        class_names: ``{class index: scientific name}`` for every class of the federation's model (public; what
+            ``wildfed-edge detect`` names a prediction of a species this site does not list). Naming only: the
+            site's CCDP categories come from ``species`` alone. Default: the site's own species.
         allow_non_private: accept tasks whose ``privacy`` is ``"none"`` (default: refuse them).
         allow_global_dp: accept tasks whose ``privacy`` is ``"global"`` (secure aggregation; the coordinator adds
             the noise; default: refuse them, the site adds its own noise in ``"ccdp"`` mode only).
@@ -172,6 +175,7 @@ class SiteConfig(BaseModel):
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
     feature_centre: Path | None = None
     num_classes: int | None = Field(default=None, ge=2)
+    class_names: dict[int, str] = Field(default_factory=dict)
     allow_non_private: bool = False
     allow_global_dp: bool = False
     allow_seeded_noise: bool = False
@@ -234,7 +238,20 @@ class SiteConfig(BaseModel):
             too_big = [s.scientific_name for s in self.species if s.class_index >= self.num_classes]
             if too_big:
                 raise ValueError(f"class_index >= num_classes ({self.num_classes}) for {too_big}")
+        for entry in self.species:
+            named = self.class_names.get(entry.class_index)
+            if named is not None and named != entry.scientific_name:
+                raise ValueError(f"class_names[{entry.class_index}] is {named!r} but the species table gives that "
+                                 f"class to {entry.scientific_name!r} (fix one of them)")
+        if any(k < 0 or (self.num_classes is not None and k >= self.num_classes) for k in self.class_names):
+            raise ValueError(f"class_names keys must be class indices in [0, num_classes), got "
+                             f"{sorted(self.class_names)}")
         return self
+
+    @property
+    def names_by_class(self) -> dict[int, str]:
+        """``{class index: scientific name}``: :attr:`class_names` with the site's own species table on top."""
+        return {**self.class_names, **{s.class_index: s.scientific_name for s in self.species}}
 
     @property
     def species_table(self) -> dict[str, SpeciesEntry]:

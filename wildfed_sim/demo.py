@@ -309,6 +309,8 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
         "species": [{"scientific_name": SPECIES_TABLE[c].scientific_name, "class_index": c,
                      "iucn_category": SPECIES_TABLE[c].iucn.value} for c in spec.species],
         "num_classes": len(SPECIES_TABLE),
+        # every class of the federation's model by name (public), so detect names species the site does not list
+        "class_names": {c: SPECIES_TABLE[c].scientific_name for c in range(len(SPECIES_TABLE))},
         "private_key": "keys/site.key",
         "coordinator_public_key": str(coordinator_pub),
         "broker_url": broker_url,

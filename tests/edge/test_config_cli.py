@@ -41,6 +41,18 @@ def test_site_config_resolves_paths_and_species(tmp_path: Path) -> None:
     assert cfg.allow_non_private is False and cfg.allow_seeded_noise is False
 
 
+def test_class_names_name_other_species_without_adding_categories(tmp_path: Path) -> None:
+    names = {0: "Loxodonta cyclotis", 1: "Equus quagga", 2: "Lycaon pictus", 3: "Bos taurus"}
+    cfg = load_site_config(write(tmp_path, num_classes=4, class_names=names))
+    assert cfg.names_by_class == names
+    assert cfg.categories == (IUCNCategory.CR, IUCNCategory.NT)  # EN (Lycaon) is not this site's: no noise for it
+    assert load_site_config(write(tmp_path)).names_by_class == {0: "Loxodonta cyclotis", 1: "Equus quagga"}
+    with pytest.raises(ConfigError, match="class_names\\[1\\] is 'Equus ferus'"):
+        load_site_config(write(tmp_path, class_names={1: "Equus ferus"}))
+    with pytest.raises(ConfigError, match="class indices"):
+        load_site_config(write(tmp_path, num_classes=4, class_names={7: "Panthera leo"}))
+
+
 @pytest.mark.parametrize("changes,field", [
     ({"site_id": "bad/site"}, "site_id"),
     ({"broker_url": "http://x"}, "broker_url"),
