@@ -51,14 +51,14 @@ def demo(
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
-    local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 5 with DP, "
-                                           "1 with --privacy global, 30 with --privacy none)"),
+    local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 1 with DP, "
+                                           "60 with --privacy none)"),
     expected_batch_size: int | None = typer.Option(None, help="records per step in expectation (q = B / N_site; "
-                                                   "default 256 with DP, 128 with --privacy none)"),
-    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 0.5 with DP, 10 with "
+                                                   "default 1024 with DP, 128 with --privacy none)"),
+    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 2 with DP, 10 with "
                                                "--privacy none: no clipping there)"),
     server_momentum: float | None = typer.Option(None, help="coordinator's server SGD momentum (FedAvgM; 0 = "
-                                                 "FedAvg; default: the privacy mode's tuned value)"),
+                                                 "FedAvg; default 0.5, the tuned value)"),
     clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),
     adapter_width: int = typer.Option(0, help="head model: phi adapter width (1280 -> H, tanh); 0 = the linear "
                                       "head psi alone on the frozen backbone embeddings"),

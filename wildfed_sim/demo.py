@@ -48,7 +48,7 @@ __all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoS
 
 
 #: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
-DP_DEFAULTS: dict[str, Any] = {"local_steps": 3, "expected_batch_size": 1024, "learning_rate": 0.5,
+DP_DEFAULTS: dict[str, Any] = {"local_steps": 1, "expected_batch_size": 1024, "learning_rate": 2.0,
                                "server_momentum": 0.5}
 #: Demo defaults without privacy (no clipping: the mean gradient's norm is ~20, hence the larger step); same sweep
 NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 60, "expected_batch_size": 128, "learning_rate": 10.0,
@@ -181,7 +181,7 @@ class DemoSettings:
                     "learning_rate": (self.learning_rate, "--learning-rate 0.5"),
                     "clipping_norm": (self.clipping_norm, "--clipping-norm 1.0"),
                     "round_deadline_s": (self.round_deadline_s, "--round-deadline-s 300"),
-                    "local_steps": (self.local_steps, "--local-steps 3"),
+                    "local_steps": (self.local_steps, "--local-steps 1"),
                     "expected_batch_size": (self.expected_batch_size, "--expected-batch-size 128")}
         for name, (value, example) in positive.items():
             if not (value > 0 and math.isfinite(value)):
@@ -254,11 +254,14 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
     specs, _ = design_sites_with_public_split(train.labels, settings.sites, seed=settings.seed,
                                               public_per_class=settings.public_per_class)
     summary = summarize_design(specs, num_available=len(train))
-    console.log(f"{settings.sites} sites: sizes {summary.size_min}..{summary.size_max} images "
-                f"({summary.size_spread:.0f}x), species-list Jaccard {summary.jaccard_min:.2f}..{summary.jaccard_max:.2f}, "
+    # a site holds each image once: byte-identical repeats are dropped before anything is written or reported
+    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
+    sizes = [s.num_images for s in specs]
+    console.log(f"{settings.sites} sites: sizes {min(sizes)}..{max(sizes)} distinct images "
+                f"({sum(sizes)} in all; {summary.size_min}..{summary.size_max} as designed, before byte-identical "
+                f"repeats were dropped), species-list Jaccard {summary.jaccard_min:.2f}..{summary.jaccard_max:.2f}, "
                 f"held-out test {len(test)} images")
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
-    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
     for k, spec in enumerate(specs):
         write_camtrap_dp(run_dir / "sites" / spec.site_id / "camtrap-dp", site=spec,
                          images=train.images[spec.indices], labels=train.labels[spec.indices],

@@ -118,8 +118,11 @@ class SimConfig:
     centre: bool = True
 
 
-def simulate(fed: SimFederation, config: SimConfig, *, seed: int) -> dict[str, Any]:
+def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None) -> dict[str, Any]:
     """Run ``config.rounds`` rounds of the demo's federation on ``fed`` and evaluate the global model.
+
+    ``seed`` fixes the initial model and, unless ``noise_seed`` is given, the sampling and noise of every site
+    (``noise_seed``: another draw of them for the same initial model).
 
     Returns:
         ``{"round0": Accuracy.by_group, "final": Accuracy.by_group, "final_by_category": {code: accuracy},
@@ -144,7 +147,8 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int) -> dict[str, A
     server = ServerSGD(config.server_learning_rate, momentum=config.server_momentum)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", InsecureRandomnessWarning)
-        rngs = {s.site_id: SeededRandom(seed * 1000 + k) for k, s in enumerate(fed.sites)}
+        base = seed if noise_seed is None else noise_seed
+        rngs = {s.site_id: SeededRandom(base * 1000 + k) for k, s in enumerate(fed.sites)}
     round0 = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
     budgets = dict(config.budgets) if config.privacy != "none" else {}
     zs: dict[str, dict[str, float]] = {}

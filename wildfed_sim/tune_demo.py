@@ -23,21 +23,30 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DP_GRID", "NON_PRIVATE_GRID", "main"]
+__all__ = ["DP_GRID", "DP_GRID_3", "DP_GRID_4", "DP_GRID_5", "NON_PRIVATE_GRID", "main"]
 
 #: (local_steps, expected_batch_size, learning_rate, server_momentum) for the DP modes
 DP_GRID = list(itertools.product((3, 5), (512, 1024), (0.25, 0.5), (0.5, 0.8)))
+#: grid 3: the best of grid 2 sat at its edge (3 steps), so fewer steps and larger steps
+DP_GRID_3 = list(itertools.product((1, 2, 3), (1024,), (0.5, 1.0), (0.5, 0.8)))
+#: grid 4: grid 3's leaders sat within one noise draw of each other and at its edge (1 step, lr 1): its best five
+#: and lr 2, each with 4 noise draws per seed
+DP_GRID_4 = [(1, 1024, 1.0, 0.8), (1, 1024, 1.0, 0.5), (2, 1024, 1.0, 0.5), (1, 1024, 2.0, 0.8), (1, 1024, 2.0, 0.5),
+             (3, 1024, 0.5, 0.5)]
+#: grid 5: grid 4's best (1 step, lr 2) sat at its edge again: larger steps, less momentum, a larger batch
+DP_GRID_5 = [(1, 1024, 2.0, 0.5), (1, 1024, 3.0, 0.5), (1, 1024, 4.0, 0.5), (1, 1024, 3.0, 0.3), (1, 2048, 3.0, 0.5)]
 #: the same axes without privacy (no clipping: the mean gradient's norm is ~20, hence larger steps)
 NON_PRIVATE_GRID = list(itertools.product((30, 60), (128,), (3.0, 10.0), (0.5, 0.8)))
 
 _FEDERATIONS: dict[int, Any] = {}
 
 
-def _run(job: tuple[str, int, tuple[int, int, float, float]]) -> dict[str, Any]:
+def _run(job: tuple[str, int, tuple[int, int, float, float]] | tuple[str, int, tuple, int]) -> dict[str, Any]:
     from shared.iucn import CCDPBudget
     from wildfed_sim.demo_sim import SimConfig, load_federation, simulate
 
-    mode, seed, (steps, batch, lr, momentum) = job
+    mode, seed, (steps, batch, lr, momentum) = job[:3]
+    draw = job[3] if len(job) > 3 else 0
     warnings.simplefilter("ignore")
     if seed not in _FEDERATIONS:
         _FEDERATIONS[seed] = load_federation(seed)
@@ -48,8 +57,8 @@ def _run(job: tuple[str, int, tuple[int, int, float, float]]) -> dict[str, Any]:
         config = SimConfig(budgets=CCDPBudget.uniform(2.0).table(), **common)
     else:
         config = SimConfig(budgets=CCDPBudget.from_anchor("VU", 1.0, 1.0).table(), **common)
-    out = simulate(_FEDERATIONS[seed], config, seed=seed)
-    return {"mode": mode, "seed": seed, "local_steps": steps, "expected_batch_size": batch, "learning_rate": lr,
+    out = simulate(_FEDERATIONS[seed], config, seed=seed, noise_seed=seed + 7919 * draw if draw else None)
+    return {"mode": mode, "seed": seed, "draw": draw, "local_steps": steps, "expected_batch_size": batch, "learning_rate": lr,
             "server_momentum": momentum, "overall": out["final"]["overall"],
             "by_category": out["final_by_category"], "round0": out["round0"]["overall"]}
 
@@ -60,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[101, 103])
     parser.add_argument("--out", default="demo-tuning.json")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--grid", type=int, choices=(2, 3, 4, 5), default=5, help="which grid (module constants)")
     args = parser.parse_args(argv)
     if 0 in args.seeds:
         parser.error("seed 0 is the reported seed; tune on others")
-    jobs = [(m, s, g) for s in args.seeds for m in ("uniform-eps2", "ccdp") for g in DP_GRID]
-    jobs += [("none", s, g) for s in args.seeds for g in NON_PRIVATE_GRID]
+    dp_grid = {2: DP_GRID, 3: DP_GRID_3, 4: DP_GRID_4, 5: DP_GRID_5}[args.grid]
+    draws = 4 if args.grid >= 4 else 1
+    jobs = [(m, s, g, d) for s in args.seeds for m in ("uniform-eps2", "ccdp") for g in dp_grid for d in range(draws)]
+    if args.grid == 2:
+        jobs += [("none", s, g) for s in args.seeds for g in NON_PRIVATE_GRID]
     runs = []
     with Pool(args.processes) as pool, open(args.out + "l", "w") as log:  # JSON lines as they finish
         for k, run in enumerate(pool.imap_unordered(_run, jobs)):
@@ -80,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return float(np.mean([r["overall"] for r in rows]))
 
     keys = ("local_steps", "expected_batch_size", "learning_rate", "server_momentum")
-    for label, modes, grid in (("DP (uniform eps 2 and CCDP)", ("uniform-eps2", "ccdp"), DP_GRID),
-                               ("non-private", ("none",), NON_PRIVATE_GRID)):
+    for label, modes, grid in (("DP (uniform eps 2 and CCDP)", ("uniform-eps2", "ccdp"), dp_grid),
+                               ("non-private", ("none",), NON_PRIVATE_GRID if args.grid == 2 else [])):
+        if not grid:
+            continue
         scored = []
         for g in grid:
             rows = [r for r in runs if r["mode"] in modes and tuple(r[k] for k in keys) == g]
