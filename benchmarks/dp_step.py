@@ -23,6 +23,9 @@ count in every row. Timed steps:
   backward, no (B, d) matrix),
   ``CCDPMechanism.privatize`` (clip, one Gaussian draw of d values from the secure AES-CTR source, normalise by
   q N), SGD update. The realised batch is Poisson, with mean ``--batch``;
+- ``non-private (training step)``: the same ``local_step`` with no mechanism (Poisson sampling from the site, the
+  mean gradient, SGD update): what a non-private round runs per step, the like-for-like baseline of the CCDP
+  training step;
 - ``CCDP (fixed batch)``: the same mechanism and update on the non-private step's fixed batch (no sampling), the
   like-for-like comparison with the baseline;
 - ``secure noise draw``: ``SecureRandom.standard_normal(d)`` alone, the part of the DP step whose cost grows with d
@@ -148,6 +151,12 @@ def main() -> None:
         realised.append(local_step(backend=backend_dp, dataset=site, eligible=eligible, sampling_rate=q,
                                    mechanism=mech, randomness=secure, learning_rate=lr))
 
+    backend_nt = backend()
+
+    def non_private_training_step() -> None:  # the same local_step, mechanism None: Poisson batch, mean gradient
+        local_step(backend=backend_nt, dataset=site, eligible=eligible, sampling_rate=q, mechanism=None,
+                   randomness=secure, learning_rate=lr)
+
     backend_fx = backend()
 
     def ccdp_fixed_step() -> None:
@@ -161,6 +170,7 @@ def main() -> None:
     steps: dict[str, Callable[[], None]] = {
         "plain torch (non-private)": plain_step,
         "backend non-private": backend_step,
+        "non-private (training step)": non_private_training_step,
         "CCDP (training step)": ccdp_training_step,
         "CCDP (fixed batch)": ccdp_fixed_step,
         "secure noise draw": noise_draw,
@@ -210,6 +220,9 @@ def main() -> None:
         if "Opacus 1.6" in med:
             line += f"   / Opacus {ratio(name, 'Opacus 1.6')}"
         print(line)
+    print(f"{'CCDP (training step) / same, non-private':39s}: "
+          f"{ratio('CCDP (training step)', 'non-private (training step)')}  target <= {target}x  (both sample a "
+          "Poisson batch from the site, as local_step does)")
     noise = "secure noise draw"
     fixed = "CCDP (fixed batch)"
     print(f"{'CCDP (fixed batch) - noise / non-private':39s}: {(med[fixed] - med[noise]) / med[base]:5.2f}x "

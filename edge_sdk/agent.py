@@ -70,7 +70,7 @@ from edge_sdk.data.feature_centre import load_feature_centre
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
 from edge_sdk.radio import RadioSiteTrainer, run_radio_task
-from edge_sdk.training import clipped_sum_locally, train_locally
+from edge_sdk.training import TrainingInputs, clipped_sum_locally, train_locally
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import MessageRefusedError, Transport, TransportError
 
@@ -220,6 +220,7 @@ class EdgeAgent:
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
         self.feature_centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                                if config.feature_centre is not None and config.task == "camera" else None)
+        self._inputs: TrainingInputs | None = None  # the camera dataset as the training steps read it
         self.stats: Counter[str] = Counter()
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stop = threading.Event()
@@ -624,7 +625,9 @@ class EdgeAgent:
                  task.privacy)
         started = time.monotonic()
         try:
-            result = train_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
+            if self._inputs is None:  # centred and measured once, reused every round
+                self._inputs = TrainingInputs(self.dataset, self.feature_centre)
+            result = train_locally(backend=self.backend, dataset=self._inputs, task=task, global_weights=weights,
                                    site_categories=self.config.categories, randomness=self._randomness(task),
                                    num_classes=self.config.model_classes, feature_centre=self.feature_centre)
         except PrivacyBudgetError as exc:

@@ -33,10 +33,11 @@ from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.data.feature_centre import centred_weights, uncentred_weights
 from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_category_noise, category_events,
                                    clip_factors_from_norms)
+from edge_sdk.privacy.per_example import summation_error_bound
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import poisson_sample
 
-__all__ = ["LocalTrainingResult", "model_inputs", "local_step", "train_locally", "ClippedSum",
+__all__ = ["LocalTrainingResult", "model_inputs", "TrainingInputs", "local_step", "train_locally", "ClippedSum",
            "clipped_sum_locally", "noisy_class_counts"]
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,10 @@ def local_step(
     idx = poisson_sample(eligible, sampling_rate, randomness)
     x, y = model_inputs(dataset)[idx], dataset.labels[idx]
     if mechanism is not None:
+        sq = getattr(dataset, "input_sq_norms", None)  # TrainingInputs: computed once per record, not per step
         # an empty batch is a noise-only step (its (0, d) gradients need no backend call)
-        grads = (backend.per_example(x, y) if idx.size
-                 else np.zeros((0, backend.num_parameters), dtype=np.float32))
+        grads = ((backend.per_example(x, y, input_sq_norms=sq[idx]) if sq is not None else backend.per_example(x, y))
+                 if idx.size else np.zeros((0, backend.num_parameters), dtype=np.float32))
         step = mechanism.privatize(grads, dataset.categories[idx])
     elif idx.size:
         step = backend.gradient(x, y)
@@ -120,19 +122,41 @@ def local_step(
     return int(idx.size)
 
 
-class _CentredView:
-    """``dataset`` with its model inputs centred: ``features = model_inputs(dataset) - c`` (float32 (N, E));
-    ``labels``, ``categories`` and ``len`` are the dataset's."""
+class TrainingInputs:
+    """A site's records as the training steps read them, prepared once and reused every round: the model inputs
+    (``model_inputs(dataset)``, centred by ``feature_centre`` when one is given:
+    :mod:`edge_sdk.data.feature_centre`) and, for embeddings, an upper bound of each input's squared L2 norm, which
+    the per-example gradient norms of the layer reading the input need at every step (computing it once per record
+    instead of once per sampled record per step is what keeps the DP step near the non-private one).
 
-    def __init__(self, dataset: LocalDataset, centre: np.ndarray) -> None:
+    Attributes:
+        features: float32 (N, E) inputs (centred when ``centre`` is not None), or the dataset's images.
+        labels: int64 (N,). categories: int8 (N,) IUCN ranks.
+        input_sq_norms: float64 (N,) upper bounds of ``||features_i||^2`` (float64 sums raised by the float64
+            summation bound), or None for inputs that are not 2-D float arrays.
+        centre: the float32 (E,) centre used, or None.
+
+    Raises:
+        ConfigError (field ``feature_centre``): a centre whose length is not the inputs' width.
+    """
+
+    def __init__(self, dataset: LocalDataset, feature_centre: np.ndarray | None = None) -> None:
         x = model_inputs(dataset)
-        c = np.asarray(centre, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != c.shape[0]:
-            raise ConfigError(f"feature_centre has {c.shape[0]} values but the model inputs are {x.shape}",
-                              field="feature_centre", fix="use a centre of the backbone's embedding size")
-        self.features = x - c
+        self.centre = None if feature_centre is None else np.asarray(feature_centre, dtype=np.float32)
+        if self.centre is not None:
+            if x.ndim != 2 or x.shape[1] != self.centre.shape[0]:
+                raise ConfigError(f"feature_centre has {self.centre.shape[0]} values but the model inputs are "
+                                  f"{x.shape}", field="feature_centre",
+                                  fix="use a centre of the backbone's embedding size")
+            x = x - self.centre
+        self.features = x
         self.labels = dataset.labels
         self.categories = dataset.categories
+        self.input_sq_norms = None
+        if x.ndim == 2 and np.issubdtype(x.dtype, np.floating):
+            x64 = x.astype(np.float64)
+            bound = 1.0 + summation_error_bound(int(x.shape[1]), 2.0 ** -53)
+            self.input_sq_norms = np.einsum("ij,ij->i", x64, x64) * bound
         self._n = len(dataset)
 
     def __len__(self) -> int:
@@ -181,7 +205,9 @@ def train_locally(
     Args:
         backend: the training backend (its weights are overwritten).
         dataset: the site's records (labels int64 (N,), categories int8 (N,)); the model trains on
-            :func:`model_inputs`: the backbone embeddings float32 (N, 1280) once ``embed_dataset`` filled them.
+            :func:`model_inputs`: the backbone embeddings float32 (N, 1280) once ``embed_dataset`` filled them. A
+            :class:`TrainingInputs` prepared once (the agent keeps one) saves re-centring and re-measuring the
+            inputs every round.
         task: the decoded training task.
         global_weights: ``{name: float32 array}``, the round's global model.
         site_categories: the categories of the site's species table (public configuration).
@@ -199,13 +225,20 @@ def train_locally(
     """
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
-    train_on: LocalDataset | _CentredView = dataset
-    if feature_centre is None:
+    if isinstance(dataset, TrainingInputs):
+        if feature_centre is not None and (dataset.centre is None
+                                           or not np.array_equal(dataset.centre, feature_centre)):
+            raise ConfigError("the prepared training inputs were centred by another feature centre",
+                              field="feature_centre", fix="prepare TrainingInputs with the same centre")
+        train_on = dataset
+    else:
+        train_on = TrainingInputs(dataset, feature_centre)
+    centre = train_on.centre
+    if centre is None:
         backend.set_weights(plain)
         start = backend.get_weights()
     else:  # train the same function on x - c; the delta is taken in the plain form (module feature_centre)
-        train_on = _CentredView(dataset, feature_centre)
-        backend.set_weights(centred_weights(plain, feature_centre))
+        backend.set_weights(centred_weights(plain, centre))
         start = plain
 
     z: dict[IUCNCategory, float] = {}
@@ -232,8 +265,8 @@ def train_locally(
                    randomness=randomness, learning_rate=task.learning_rate)
 
     end = backend.get_weights()
-    if feature_centre is not None:
-        end = uncentred_weights(end, feature_centre)  # post-processing with a public c
+    if centre is not None:
+        end = uncentred_weights(end, centre)  # post-processing with a public c
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}
     events = category_events(z, sampling_rate=q, steps_run=task.local_steps) if mechanism is not None else {}
     counts: dict[int, float] = {}

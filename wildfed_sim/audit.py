@@ -506,14 +506,15 @@ class CanaryBackend:
         canary_rows = np.flatnonzero(slots >= 0)
         return np.flatnonzero(slots < 0), canary_rows, slots[canary_rows]
 
-    def per_example(self, x: np.ndarray, y: np.ndarray) -> Any:
+    def per_example(self, x: np.ndarray, y: np.ndarray, *, input_sq_norms: np.ndarray | None = None) -> Any:
         """Per-example gradients of the batch (B, d), implicit: norms and weighted sums (see the class docstring).
 
         Returns:
             a :class:`~edge_sdk.privacy.per_example.PerExampleGradients`.
         """
         real_rows, canary_rows, slots = self._split(x)
-        real = self.inner.per_example(x[real_rows], y[real_rows]) if real_rows.size else None
+        sq = None if input_sq_norms is None else np.asarray(input_sq_norms)[real_rows]
+        real = self.inner.per_example(x[real_rows], y[real_rows], input_sq_norms=sq) if real_rows.size else None
         norms = np.where(self.design.included[slots], self.clipping_norm, 0.0)
         return _canary_gradients_class()(real, real_rows, canary_rows, self.design.coordinates[slots], norms,
                                          int(np.asarray(y).shape[0]), self.num_parameters)

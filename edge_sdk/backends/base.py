@@ -130,11 +130,18 @@ class TrainingBackend(ABC):
     def per_example_gradients(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Gradient of each example's loss, float32 (B, d) in :attr:`parameter_layout` order (not clipped)."""
 
-    def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
+    def per_example(self, x: np.ndarray, y: np.ndarray, *,
+                    input_sq_norms: np.ndarray | None = None) -> PerExampleGradients:
         """Per-example gradients as the mechanism consumes them (norms + weighted sums).
 
         The default materialises :meth:`per_example_gradients`; a backend may override it with a path that never
-        builds the (B, d) array (ghost clipping). Both must agree up to float32 rounding.
+        builds the (B, d) array (ghost clipping). Both must agree up to float32 rounding (a ghost path's norms
+        are upper bounds, :func:`~edge_sdk.privacy.per_example.summation_error_bound`).
+
+        Args:
+            input_sq_norms: float64 (B,) upper bounds of ``||x_i||^2`` computed once per record
+                (:class:`edge_sdk.training.TrainingInputs`); a ghost path uses them for the Linear layer that
+                reads the input instead of measuring ``x`` again. Ignored by the materialised default.
         """
         return MaterialisedGradients(self.per_example_gradients(x, y))
 

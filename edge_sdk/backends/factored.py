@@ -21,7 +21,20 @@ import numpy as np
 from edge_sdk.backends.base import ParameterSpec
 from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
-__all__ = ["LinearFactors"]
+__all__ = ["LinearFactors", "input_layer_prefix"]
+
+
+def input_layer_prefix(model_parameter_names: "list[str] | tuple[str, ...]") -> str | None:
+    """The prefix of the head model's Linear layer that reads the model input (``"phi.0"`` with an adapter,
+    ``"psi"`` without; ``shared.models.head``), from the names of **all** the model's parameters (not only the
+    trained ones: with the adapter frozen, ``psi`` reads the adapter's output, not the input), or None for other
+    models (then no cached input norm applies)."""
+    names = set(model_parameter_names)
+    if "phi.0.weight" in names:
+        return "phi.0"
+    if "psi.weight" in names and not any(n.startswith("phi.") for n in names):
+        return "psi"
+    return None
 
 
 def _squared_rows(t: np.ndarray) -> np.ndarray:
@@ -38,6 +51,9 @@ class LinearFactors(PerExampleGradients):
             ...}``; every parameter of ``layout`` must be ``<prefix>.weight`` (out, in) or ``<prefix>.bias``
             (out,) of one of them.
         layout: the backend's trainable parameters (the order of the flat vector).
+        input_sq_norms: float64 (B,) upper bounds of the model inputs' squared norms, used for ``input_layer``,
+            the layer that reads the input (:func:`input_layer_prefix` of the whole model), instead of measuring its
+            ``a`` again; None (either): measure every layer.
 
     Attributes:
         norms: float64 (B,), each example's gradient norm over every parameter of ``layout``.
@@ -47,11 +63,13 @@ class LinearFactors(PerExampleGradients):
     """
 
     def __init__(self, factors: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                 layout: tuple[ParameterSpec, ...]) -> None:
+                 layout: tuple[ParameterSpec, ...], input_sq_norms: np.ndarray | None = None,
+                 input_layer: str | None = None) -> None:
         self._layout = layout
         self._pieces: list[tuple[str, np.ndarray, np.ndarray]] = []  # ("weight" | "bias", a, delta) per spec
         batch = None
         sq: np.ndarray | None = None
+        first = input_layer if input_sq_norms is not None else None
         for spec in layout:
             prefix, _, kind = spec.name.rpartition(".")
             if prefix not in factors or kind not in ("weight", "bias"):
@@ -66,7 +84,11 @@ class LinearFactors(PerExampleGradients):
             if a.shape[0] != batch:
                 raise ValueError(f"factors of {prefix!r} have batch {a.shape[0]}, others {batch}")
             d2 = _squared_rows(delta)
-            term = d2 * _squared_rows(a) if kind == "weight" else d2
+            if kind == "weight":
+                a2 = (np.asarray(input_sq_norms, dtype=np.float64) if prefix == first else _squared_rows(a))
+                if a2.shape != (a.shape[0],):
+                    raise ValueError(f"input_sq_norms must be ({a.shape[0]},), got {a2.shape}")
+            term = d2 * a2 if kind == "weight" else d2
             sq = term if sq is None else sq + term
             self._pieces.append((kind, a, delta))
         self.norms = np.sqrt(sq) if sq is not None else np.zeros(0)

@@ -56,7 +56,7 @@ from shared.errors import ConfigError
 from shared.models.kinds import SCOPES, ModelSpec, as_spec
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
-from edge_sdk.backends.factored import LinearFactors
+from edge_sdk.backends.factored import LinearFactors, input_layer_prefix
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
 
 __all__ = ["OrtBackend", "ArtifactCache", "import_onnxruntime", "ort_training_importable", "ARTIFACT_FORMAT"]
@@ -379,7 +379,8 @@ class OrtBackend(TrainingBackend):
             parts.append(self._session.run([self._output], feeds)[0])
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
-    def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
+    def per_example(self, x: np.ndarray, y: np.ndarray, *,
+                    input_sq_norms: np.ndarray | None = None) -> PerExampleGradients:
         """Per-example gradients as the CCDP mechanism consumes them: the factor graph's
         :class:`~edge_sdk.backends.factored.LinearFactors` where the artifacts have one (Linear-only models: the
         head model), else the per-example graph's rows (the camera CNN).
@@ -403,7 +404,9 @@ class OrtBackend(TrainingBackend):
         values = parts[0] if len(parts) == 1 else [np.concatenate(col, axis=0) for col in zip(*parts)]
         by_name = dict(zip(self._factor_outputs, values))
         prefixes = [name[:-len(".input")] for name in self._factor_outputs if name.endswith(".input")]
-        return LinearFactors({p: (by_name[f"{p}.input"], by_name[f"{p}.delta"]) for p in prefixes}, self._layout)
+        return LinearFactors({p: (by_name[f"{p}.input"], by_name[f"{p}.delta"]) for p in prefixes}, self._layout,
+                             input_sq_norms=input_sq_norms,
+                             input_layer=input_layer_prefix([n for n, _ in self._spec.parameter_shapes()]))
 
     def _sync_module(self) -> None:
         if self._module_stale:

@@ -37,6 +37,7 @@ from shared.errors import ConfigError
 from shared.models.kinds import SCOPES, ModelSpec, as_spec, trainable_names
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
+from edge_sdk.backends.factored import input_layer_prefix
 from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
 __all__ = ["TorchBackend"]
@@ -160,7 +161,8 @@ class TorchBackend(TrainingBackend):
             out[start:stop] = flat.cpu().numpy()
         return out
 
-    def per_example(self, x: np.ndarray, y: np.ndarray) -> PerExampleGradients:
+    def per_example(self, x: np.ndarray, y: np.ndarray, *,
+                    input_sq_norms: np.ndarray | None = None) -> PerExampleGradients:
         """Per-example gradient norms and weighted sums without the (B, d) matrix (see the module docstring);
         falls back to materialised ``vmap`` gradients for layouts other than Linear/Conv2d.
 
@@ -186,6 +188,13 @@ class TorchBackend(TrainingBackend):
         loss = torch.nn.functional.cross_entropy(logits, self._labels(y), reduction="sum")
         names = list(self._ghost_layers)
         deltas = dict(zip(names, torch.autograd.grad(loss, [outputs[n] for n in names])))
+        known: dict[int, torch.Tensor] = {}
+        first = input_layer_prefix([name for name, _ in self._model.named_parameters()])
+        if input_sq_norms is not None and first in inputs:
+            sq = torch.as_tensor(np.asarray(input_sq_norms, dtype=np.float64))
+            if sq.shape != (inputs[first].shape[0],):
+                raise ValueError(f"input_sq_norms must be ({inputs[first].shape[0]},), got {tuple(sq.shape)}")
+            known[id(inputs[first])] = sq
         pieces: dict[str, torch.Tensor] = {}  # parameter name -> per-example factors (see _GhostGradients)
         for name, module in self._ghost_layers.items():
             a, delta = inputs[name], deltas[name].detach()
@@ -197,7 +206,7 @@ class TorchBackend(TrainingBackend):
                 delta = d.sum(dim=2)
             if module.bias is not None:
                 pieces[f"{name}.bias"] = ("dense", delta)
-        return _GhostGradients(pieces, self._layout)
+        return _GhostGradients(pieces, self._layout, known)
 
     def gradient(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """float32 (d,): gradient of the mean cross-entropy over the batch (one autograd backward)."""
@@ -270,10 +279,12 @@ class _GhostGradients(PerExampleGradients):
     """Per-example gradients held per parameter as ``("dense", G (B, size))`` or ``("outer", delta (B, o),
     a (B, i))`` meaning G_b = delta_b a_b^T (flattened row-major as the (o, i) weight)."""
 
-    def __init__(self, pieces: dict[str, tuple], layout: tuple[ParameterSpec, ...]) -> None:
+    def __init__(self, pieces: dict[str, tuple], layout: tuple[ParameterSpec, ...],
+                 known_sq: dict[int, torch.Tensor] | None = None) -> None:
         self._pieces = pieces
         self._layout = layout
-        row_sq: dict[int, torch.Tensor] = {}  # a layer's delta serves its weight and its bias: one norm each
+        # a layer's delta serves its weight and its bias: one norm each; ``known_sq``: the input's, given
+        row_sq: dict[int, torch.Tensor] = dict(known_sq or {})
 
         def squared(t: torch.Tensor) -> torch.Tensor:
             """float64 (B,) upper bounds of the squared row norms: summed in float32 (3x cheaper than float64
