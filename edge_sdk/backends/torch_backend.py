@@ -309,7 +309,9 @@ class _GhostGradients(PerExampleGradients):
         parts = []
         for spec in self._layout:
             piece = self._pieces[spec.name]
-            if piece[0] == "outer":
+            if piece[0] == "outer" and w.shape[0] == 1:  # the production case (privatize): one 2-D GEMM
+                parts.append((piece[1] * w[0][:, None]).T.matmul(piece[2]).reshape(1, -1))
+            elif piece[0] == "outer":
                 scaled = w[:, :, None] * piece[1][None, :, :]  # (K, B, o)
                 parts.append(torch.matmul(scaled.transpose(1, 2), piece[2]).flatten(1))  # (K, o, i)
             else:

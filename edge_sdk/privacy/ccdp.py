@@ -213,8 +213,12 @@ class CCDPMechanism:
         ranks = np.asarray(categories).astype(np.int64)
         if ranks.shape != (grads.batch_size,):
             raise ValueError(f"expected categories ({grads.batch_size},), got {ranks.shape}")
-        active_ranks = np.asarray([c.rank for c in self.noise_multipliers], dtype=np.int64)
-        stray = ~np.isin(ranks, active_ranks)
+        # a lookup table over the IUCN ranks instead of np.isin: the same test, a fraction of the per-step cost
+        active = np.zeros(max(c.rank for c in IUCNCategory) + 1, dtype=bool)
+        active[[c.rank for c in self.noise_multipliers]] = True
+        in_range = (ranks >= 0) & (ranks < active.shape[0])
+        stray = ~in_range
+        stray[in_range] = ~active[ranks[in_range]]
         if np.any(stray):
             raise PrivacyBudgetError(
                 f"{int(stray.sum())} example(s) of IUCN rank(s) {sorted(set(ranks[stray].tolist()))} are in the batch "
