@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import numpy as np
 from _timing import interleaved
@@ -84,6 +83,16 @@ def load_records(model: str, n_records: int) -> tuple[np.ndarray, np.ndarray, st
     return feats, labels, f"Animal-MNIST embeddings (EfficientNet-Lite0, {size} px, ORT)"
 
 
+class _Records:
+    """The benchmark's records in the shape ``edge_sdk.training.TrainingInputs`` reads."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, categories: np.ndarray) -> None:
+        self.images, self.labels, self.categories = images, labels, categories
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapter-width", type=int, default=256, help="head model: 0 = head only")
@@ -97,7 +106,7 @@ def main() -> None:
     from edge_sdk.backends.torch_backend import TorchBackend
     from edge_sdk.privacy.ccdp import CCDPMechanism
     from edge_sdk.privacy.randomness import SecureRandom
-    from edge_sdk.training import local_step
+    from edge_sdk.training import TrainingInputs, local_step
     from shared.iucn import IUCNCategory
     from shared.models.kinds import model_spec
     from shared.models.state import load_numpy_state
@@ -108,7 +117,9 @@ def main() -> None:
     n_records = len(labels)
     categories = (np.arange(n_records) % 6 + 1).astype(np.int8)  # CR..NE, all six
 
-    site = SimpleNamespace(images=inputs, labels=labels, categories=categories)  # what local_step reads
+    # what the gateway's local_step reads: the site's records prepared once (edge_sdk.training.TrainingInputs:
+    # each record's squared input norm measured once, not at every step)
+    site = TrainingInputs(_Records(inputs, labels, categories))
 
     x, y, cats = inputs[:args.batch], labels[:args.batch], categories[:args.batch]
     # the head at zero (the default round-0 model) would block the adapter's gradient: time a trained-like state
