@@ -43,7 +43,8 @@ from shared.protocol import DetectionRecord
 from edge_sdk.inference.detector import CATEGORY, CONFIDENCE_THRESHOLD
 
 __all__ = ["FORMAT_VERSION", "DETECTION_CATEGORIES", "megadetector_json", "validate_megadetector",
-           "OBSERVATION_COLUMNS", "MEDIA_COLUMNS", "observation_rows", "media_rows", "write_csv", "write_json"]
+           "OBSERVATION_COLUMNS", "MEDIA_COLUMNS", "observation_rows", "media_rows", "write_csv", "write_json",
+           "TIMESTAMP_COMMENTS"]
 
 FORMAT_VERSION = "1.4"
 DETECTION_CATEGORIES = {"1": CATEGORY}
@@ -217,11 +218,22 @@ def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
     return rows
 
 
+#: ``mediaComments`` of a media row whose timestamp is not the camera's (Camtrap DP 1.0 ``media.mediaComments``)
+TIMESTAMP_COMMENTS = {
+    "mtime": "timestamp is the file's modification time: the image has no EXIF DateTimeOriginal or DateTime",
+    "run": "timestamp is the time of the detection run: the file could not be read",
+}
+
+
 def media_rows(records: Sequence[DetectionRecord]) -> list[dict[str, str]]:
-    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder)."""
+    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder). A timestamp that is
+    not the camera's (``timestamp_source`` ``mtime`` or ``run``) says so in ``mediaComments``
+    (:data:`TIMESTAMP_COMMENTS`), since Camtrap DP requires a timestamp but a file time is only a guess."""
     return [{"mediaID": r.media_id, "deploymentID": r.deployment_id, "captureMethod": "activityDetection",
              "timestamp": r.timestamp, "filePath": r.file, "filePublic": "false", "fileName": Path(r.file).name,
-             "fileMediatype": _MEDIATYPES.get(Path(r.file).suffix.lower(), "image/jpeg")} for r in records]
+             "fileMediatype": _MEDIATYPES.get(Path(r.file).suffix.lower(), "image/jpeg"),
+             **({"mediaComments": TIMESTAMP_COMMENTS[r.timestamp_source]}
+                if r.timestamp_source in TIMESTAMP_COMMENTS else {})} for r in records]
 
 
 def _atomic_write(path: Path, text: str) -> None:

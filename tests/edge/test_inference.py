@@ -24,7 +24,7 @@ from edge_sdk.inference.classifier import SpeciesClassifier, crop
 from edge_sdk.inference.detector import YoloxDetector, box_iou, nms, postprocess, preprocess
 from edge_sdk.inference.engines import InferenceEngine, OrtEngine
 from edge_sdk.inference.formats import (megadetector_json, media_rows, observation_rows, validate_megadetector,
-                                        write_csv, OBSERVATION_COLUMNS)
+                                        write_csv, MEDIA_COLUMNS, OBSERVATION_COLUMNS)
 from edge_sdk.inference.records import DetectionPipeline, DetectionPublisher, find_images, read_timestamp
 from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
@@ -409,6 +409,11 @@ def test_camtrap_dp_observation_and_media_rows(tmp_path):
     media = media_rows(records)
     assert media[0]["mediaID"] == "a" * 32 and media[0]["filePath"] == "A/x.jpg"
     assert media[0]["fileMediatype"] == "image/jpeg"
+    # a camera timestamp carries no comment; a file-time guess says what it is
+    assert "mediaComments" not in media[0] and "mediaComments" not in media[1]
+    assert "modification time" in media[2]["mediaComments"]
+    read = list(csv.DictReader(write_csv(tmp_path / "media.csv", MEDIA_COLUMNS, media).open()))
+    assert [r["mediaComments"] for r in read] == ["", "", media[2]["mediaComments"]]
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------------
