@@ -46,7 +46,7 @@ import numpy as np
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from shared.codec import model_hash
+from shared.codec import encode_tensors, model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
@@ -128,13 +128,11 @@ def embedding_cache_dir(config: SiteConfig) -> Path:
 
 def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str) -> None:
     """Write ``weights`` (float32 arrays) to ``path`` atomically (a temporary file, then ``os.replace``), as
-    safetensors with metadata ``round`` and ``model_hash``."""
-    from safetensors.numpy import save_file
-
+    safetensors (``shared.codec.encode_tensors``, the wire's encoding) with metadata ``round`` and ``model_hash``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}, str(tmp),
-              metadata={"round": str(int(round_)), "model_hash": model_hash_hex})
+    tmp.write_bytes(encode_tensors({k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
+                                   metadata={"round": str(int(round_)), "model_hash": model_hash_hex}))
     os.replace(tmp, path)
 
 
@@ -629,7 +627,7 @@ class EdgeAgent:
                 self._inputs = TrainingInputs(self.dataset, self.feature_centre)
             result = train_locally(backend=self.backend, dataset=self._inputs, task=task, global_weights=weights,
                                    site_categories=self.config.categories, randomness=self._randomness(task),
-                                   num_classes=self.config.model_classes, feature_centre=self.feature_centre)
+                                   num_classes=self.config.model_classes)
         except PrivacyBudgetError as exc:
             self._reject("task", "privacy_budget", str(exc))
             return False

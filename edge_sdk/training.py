@@ -154,9 +154,8 @@ class TrainingInputs:
         self.categories = dataset.categories
         self.input_sq_norms = None
         if x.ndim == 2 and np.issubdtype(x.dtype, np.floating):
-            x64 = x.astype(np.float64)
             bound = 1.0 + summation_error_bound(int(x.shape[1]), 2.0 ** -53)
-            self.input_sq_norms = np.einsum("ij,ij->i", x64, x64) * bound
+            self.input_sq_norms = np.einsum("ij,ij->i", x, x, dtype=np.float64) * bound  # float64 accumulation
         self._n = len(dataset)
 
     def __len__(self) -> int:

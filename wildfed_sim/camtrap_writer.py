@@ -47,6 +47,7 @@ from .ecology import SiteSpec
 
 __all__ = [
     "CAMTRAP_DP_PROFILE",
+    "image_digest",
     "DEPLOYMENTS_COLUMNS",
     "MEDIA_COLUMNS",
     "OBSERVATIONS_COLUMNS",
@@ -62,6 +63,11 @@ class CamtrapWriteError(WildFedError, ValueError):
     """Bad input to :func:`write_camtrap_dp` (shapes, labels, destination); nothing was written."""
 
 
+def image_digest(image: np.ndarray) -> bytes:
+    """SHA-256 of an image array's bytes (C order): what makes two images "the same image" here."""
+    return hashlib.sha256(np.ascontiguousarray(image).tobytes()).digest()
+
+
 def distinct_images(images: np.ndarray) -> np.ndarray:
     """Indices (int64, ascending, shape (M,)) of the first of each set of byte-identical images of ``images``
     (uint8, shape (N, H, W)): the rows to keep so that no two images written are the same image. Identity is the
@@ -70,7 +76,7 @@ def distinct_images(images: np.ndarray) -> np.ndarray:
     seen: set[bytes] = set()
     keep: list[int] = []
     for i, image in enumerate(np.asarray(images)):
-        digest = hashlib.sha256(np.ascontiguousarray(image).tobytes()).digest()
+        digest = image_digest(image)
         if digest not in seen:
             seen.add(digest)
             keep.append(i)

@@ -42,7 +42,7 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
 __all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings", "DemoResult", "run_demo",
-           "public_split_indices", "without_site_duplicates", "balanced_public_split",
+           "public_split_indices", "without_site_duplicates", "balanced_public_split", "demo_sites", "public_images",
            "design_sites_with_public_split", "pretrain_on_public_split",
            "load_weights", "save_weights"]
 
@@ -238,24 +238,54 @@ class DemoResult:
 
 
 # ------------------------------------------------------------------------------------------ preparation
+def demo_sites(seed: int, num_sites: int, *, public_per_class: int = 0) -> tuple[Any, Any, list[Any], Any]:
+    """The demo's data for ``seed``: Animal-MNIST split 80/20 (:func:`~wildfed_sim.animal_mnist.split_holdout`),
+    the sites designed on the training split (:func:`design_sites_with_public_split`), and each site's byte-identical
+    repeats dropped (a site holds each image once: :func:`~wildfed_sim.camtrap_writer.distinct_images`).
+
+    Returns:
+        (train split, held-out test split, site specs with indices into the training split, design summary of the
+        sites as designed, before the repeats were dropped).
+    """
+    from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
+    from wildfed_sim.camtrap_writer import distinct_images
+    from wildfed_sim.ecology import summarize_design
+
+    train, test = split_holdout(fetch_animal_mnist(), 0.2, seed=seed)
+    specs, _ = design_sites_with_public_split(train.labels, num_sites, seed=seed, public_per_class=public_per_class)
+    summary = summarize_design(specs, num_available=len(train))
+    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
+    return train, test, specs, summary
+
+
+def public_images(train: Any, specs: Any, *, public_per_class: int, seed: int) -> np.ndarray:
+    """Indices (into the training split) of the demo's public images: :func:`balanced_public_split` when
+    ``public_per_class > 0`` (the sites must come from :func:`design_sites_with_public_split` with the same value),
+    else :func:`public_split_indices`; in both cases less every byte-copy of an image a site holds.
+
+    Raises:
+        ConfigError: a site holds an image of the balanced split.
+    """
+    if public_per_class <= 0:
+        return public_split_indices(len(train.labels), specs, train.images)
+    public = balanced_public_split(train.labels, public_per_class, seed=seed)
+    held = np.concatenate([np.asarray(s.indices, dtype=np.int64) for s in specs])
+    if np.isin(public, held).any():
+        raise ConfigError("a site holds images of the balanced public split", field="public_per_class",
+                          fix="design the sites with design_sites_with_public_split(public_per_class=...)")
+    return without_site_duplicates(public, train.images, specs)
+
+
 def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple[list[Any], Any, Any, Any]:
     """Fetch data, split, design sites, write each site's Camtrap DP package.
 
     Returns:
         (site specs, train split, held-out test split, design summary).
     """
-    from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import distinct_images, write_camtrap_dp
-    from wildfed_sim.ecology import summarize_design
+    from wildfed_sim.camtrap_writer import write_camtrap_dp
 
     console.log("loading Animal-MNIST (animal-mnist==0.4; downloaded on first use, verified by SHA-256)")
-    data = fetch_animal_mnist()
-    train, test = split_holdout(data, 0.2, seed=settings.seed)
-    specs, _ = design_sites_with_public_split(train.labels, settings.sites, seed=settings.seed,
-                                              public_per_class=settings.public_per_class)
-    summary = summarize_design(specs, num_available=len(train))
-    # a site holds each image once: byte-identical repeats are dropped before anything is written or reported
-    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
+    train, test, specs, summary = demo_sites(settings.seed, settings.sites, public_per_class=settings.public_per_class)
     sizes = [s.num_images for s in specs]
     console.log(f"{settings.sites} sites: sizes {min(sizes)}..{max(sizes)} distinct images "
                 f"({sum(sizes)} in all; {summary.size_min}..{summary.size_max} as designed, before byte-identical "
@@ -277,11 +307,7 @@ def _write_feature_centre(settings: DemoSettings, run_dir: Path, train: Any, spe
     from edge_sdk.data.feature_centre import public_centre, save_feature_centre
     from wildfed_sim.embeddings import embed_grayscale
 
-    if settings.public_per_class > 0:
-        public = without_site_duplicates(balanced_public_split(train.labels, settings.public_per_class,
-                                                               seed=settings.seed), train.images, specs)
-    else:
-        public = public_split_indices(len(train.labels), specs, train.images)
+    public = public_images(train, specs, public_per_class=settings.public_per_class, seed=settings.seed)
     if len(public) == 0:
         raise ConfigError("every training image is held by a site: no public images for the feature centre",
                           field="feature_centre", fix="use --no-feature-centre or fewer sites")
@@ -395,13 +421,11 @@ def public_split_indices(num_train: int, specs: Any, images: np.ndarray | None =
 def without_site_duplicates(public: np.ndarray, images: np.ndarray, specs: Any) -> np.ndarray:
     """``public`` (int64 indices into ``images``, uint8 (N, H, W)) less every image byte-identical (SHA-256 of
     the array's bytes, as :func:`wildfed_sim.camtrap_writer.distinct_images`) to an image some site holds."""
-    import hashlib
+    from wildfed_sim.camtrap_writer import image_digest
 
-    def digest(i: int) -> bytes:
-        return hashlib.sha256(np.ascontiguousarray(images[i]).tobytes()).digest()
-
-    held = {digest(int(i)) for spec in specs for i in np.asarray(spec.indices, dtype=np.int64)}
-    return np.asarray([i for i in np.asarray(public, dtype=np.int64) if digest(int(i)) not in held], dtype=np.int64)
+    held = {image_digest(images[int(i)]) for spec in specs for i in np.asarray(spec.indices, dtype=np.int64)}
+    return np.asarray([i for i in np.asarray(public, dtype=np.int64) if image_digest(images[int(i)]) not in held],
+                      dtype=np.int64)
 
 
 def balanced_public_split(labels: np.ndarray, per_class: int, *, seed: int) -> np.ndarray:
@@ -468,15 +492,7 @@ def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size:
     from wildfed_sim.animal_mnist import SPECIES_TABLE
     from wildfed_sim.evaluation import train_centralised
 
-    if public_per_class > 0:
-        public = balanced_public_split(train.labels, public_per_class, seed=seed)
-        held = np.concatenate([np.asarray(s.indices, dtype=np.int64) for s in specs])
-        if np.isin(public, held).any():
-            raise ConfigError("a site holds images of the balanced public split", field="public_per_class",
-                              fix="design the sites with design_sites_with_public_split(public_per_class=...)")
-        public = without_site_duplicates(public, train.images, specs)
-    else:
-        public = public_split_indices(len(train.labels), specs, train.images)
+    public = public_images(train, specs, public_per_class=public_per_class, seed=seed)
     if len(public) == 0:
         raise ConfigError("every training image is held by a site: there is no public split to pretrain on",
                           field="pretrain_epochs", fix="use --pretrain-epochs 0 or fewer sites")

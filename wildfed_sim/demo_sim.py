@@ -67,16 +67,12 @@ class SimFederation:
 def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
     """The demo's data for ``seed`` (the same split, site design and de-duplication as ``wildfed demo --seed``),
     with every image embedded by the gateway's backbone (cached: :func:`wildfed_sim.embeddings.embed_grayscale`)."""
-    from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.demo import design_sites_with_public_split, public_split_indices
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.demo import demo_sites, public_images
     from wildfed_sim.embeddings import embed_grayscale
 
-    data = fetch_animal_mnist()
-    train, test = split_holdout(data, 0.2, seed=seed)
-    specs, _ = design_sites_with_public_split(train.labels, num_sites, seed=seed)
-    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
-    public = public_split_indices(len(train.labels), specs, train.images)  # as the demo's feature centre
+    train, test, specs, _ = demo_sites(seed, num_sites)
+    public = public_images(train, specs, public_per_class=0, seed=seed)  # as the demo's feature centre
     class_categories = tuple(SPECIES_TABLE[k].iucn for k in range(len(SPECIES_TABLE)))
     ranks = np.asarray([c.rank for c in class_categories], dtype=np.int8)
     sites = []
@@ -134,7 +130,7 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     from coordinator.optimizers.server_sgd import ServerSGD
     from edge_sdk.backends.torch_backend import TorchBackend
     from edge_sdk.data.feature_centre import public_centre
-    from edge_sdk.training import train_locally
+    from edge_sdk.training import TrainingInputs, train_locally
     from shared.models.kinds import model_spec
     from shared.privacy.randomness import InsecureRandomnessWarning, SeededRandom
     from shared.protocol import TrainingTask
@@ -154,6 +150,7 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     zs: dict[str, dict[str, float]] = {}
     centre = public_centre(fed.public_features) if config.centre else None
     total = float(sum(len(s) for s in fed.sites))
+    inputs = {s.site_id: TrainingInputs(s, centre) for s in fed.sites}  # as each gateway prepares them once
     for r in range(config.rounds):
         task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=config.local_steps,
                             expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
@@ -161,9 +158,8 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                             planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets)
         avg = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
         for site in fed.sites:
-            result = train_locally(backend=backend, dataset=site, task=task, global_weights=weights,
-                                   site_categories=site.species_categories, randomness=rngs[site.site_id],
-                                   feature_centre=centre)
+            result = train_locally(backend=backend, dataset=inputs[site.site_id], task=task, global_weights=weights,
+                                   site_categories=site.species_categories, randomness=rngs[site.site_id])
             zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
             for k, d in result.delta.items():
                 avg[k] += (len(site) / total) * d

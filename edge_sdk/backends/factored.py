@@ -21,20 +21,7 @@ import numpy as np
 from edge_sdk.backends.base import ParameterSpec
 from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
-__all__ = ["LinearFactors", "input_layer_prefix"]
-
-
-def input_layer_prefix(model_parameter_names: "list[str] | tuple[str, ...]") -> str | None:
-    """The prefix of the head model's Linear layer that reads the model input (``"phi.0"`` with an adapter,
-    ``"psi"`` without; ``shared.models.head``), from the names of **all** the model's parameters (not only the
-    trained ones: with the adapter frozen, ``psi`` reads the adapter's output, not the input), or None for other
-    models (then no cached input norm applies)."""
-    names = set(model_parameter_names)
-    if "phi.0.weight" in names:
-        return "phi.0"
-    if "psi.weight" in names and not any(n.startswith("phi.") for n in names):
-        return "psi"
-    return None
+__all__ = ["LinearFactors"]
 
 
 def _squared_rows(t: np.ndarray) -> np.ndarray:
@@ -52,7 +39,7 @@ class LinearFactors(PerExampleGradients):
             (out,) of one of them.
         layout: the backend's trainable parameters (the order of the flat vector).
         input_sq_norms: float64 (B,) upper bounds of the model inputs' squared norms, used for ``input_layer``,
-            the layer that reads the input (:func:`input_layer_prefix` of the whole model), instead of measuring its
+            the layer that reads the input (``shared.models.head.input_layer_prefix`` of the whole model), instead of measuring its
             ``a`` again; None (either): measure every layer.
 
     Attributes:

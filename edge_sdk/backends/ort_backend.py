@@ -53,10 +53,11 @@ import numpy as np
 
 from shared.errors import ConfigError
 
+from shared.models.head import input_layer_prefix
 from shared.models.kinds import SCOPES, ModelSpec, as_spec
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
-from edge_sdk.backends.factored import LinearFactors, input_layer_prefix
+from edge_sdk.backends.factored import LinearFactors
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
 
 __all__ = ["OrtBackend", "ArtifactCache", "import_onnxruntime", "ort_training_importable", "ARTIFACT_FORMAT"]

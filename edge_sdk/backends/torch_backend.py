@@ -34,10 +34,10 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from shared.errors import ConfigError
+from shared.models.head import input_layer_prefix
 from shared.models.kinds import SCOPES, ModelSpec, as_spec, trainable_names
 
 from edge_sdk.backends.base import ParameterSpec, TrainingBackend, checked_weights, register_backend
-from edge_sdk.backends.factored import input_layer_prefix
 from edge_sdk.privacy.per_example import PerExampleGradients, summation_error_bound
 
 __all__ = ["TorchBackend"]

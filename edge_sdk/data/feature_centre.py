@@ -92,14 +92,16 @@ def load_feature_centre(path: str | os.PathLike[str], *, dim: int) -> np.ndarray
 
 
 def first_layer(weights: Mapping[str, np.ndarray]) -> str:
-    """The prefix of the head model's layer that reads the embedding: ``"phi.0"`` with an adapter, else ``"psi"``.
+    """The prefix of the head model's layer that reads the embedding: ``"phi.0"`` with an adapter, else ``"psi"``
+    (:func:`shared.models.head.input_layer_prefix`).
 
     Raises:
         ValueError: the weights are not a head model (``shared.models.head.HeadConfig.from_weights``).
     """
-    from shared.models.head import HeadConfig
+    from shared.models.head import HeadConfig, input_layer_prefix
 
-    return "phi.0" if HeadConfig.from_weights(weights).has_adapter else "psi"
+    HeadConfig.from_weights(weights)  # names and shapes of a head model, or ValueError
+    return str(input_layer_prefix(weights))
 
 
 def _shift(weights: Mapping[str, np.ndarray], centre: np.ndarray, sign: float) -> dict[str, np.ndarray]:

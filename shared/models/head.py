@@ -36,7 +36,7 @@ torch is imported lazily by :func:`build_model`: the shapes, the initialisation 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,7 +47,7 @@ from shared.models.backbone import EMBEDDING_DIM
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["KIND", "EMBEDDING_DIM", "DEFAULT_ADAPTER_WIDTH", "HEAD_PREFIX", "ADAPTER_PREFIX", "HEAD_INITS",
+__all__ = ["input_layer_prefix", "KIND", "EMBEDDING_DIM", "DEFAULT_ADAPTER_WIDTH", "HEAD_PREFIX", "ADAPTER_PREFIX", "HEAD_INITS",
            "HeadConfig", "build_model", "initial_weights", "prepare_input"]
 
 KIND = "head"
@@ -130,6 +130,19 @@ class HeadConfig:
         if got != expected:
             raise ValueError(f"weights are not a head model: got {got}, a head model of these sizes has {expected}")
         return config
+
+
+def input_layer_prefix(model_parameter_names: Iterable[str]) -> str | None:
+    """The prefix of the head model's Linear layer that reads the model input (``"phi.0"`` with an adapter,
+    ``"psi"`` without), from the names of **all** the model's parameters (not only the trained ones: with the
+    adapter frozen, ``psi`` reads the adapter's output, not the input), or None for other models. Used by the
+    feature centre's bias fold and by the backends' cached input norms."""
+    names = set(model_parameter_names)
+    if "phi.0.weight" in names:
+        return "phi.0"
+    if "psi.weight" in names and not any(n.startswith("phi.") for n in names):
+        return "psi"
+    return None
 
 
 def build_model(config: HeadConfig) -> "torch.nn.Module":
