@@ -75,8 +75,9 @@ class DemoSettings:
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
         learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
-            al. 2019; 0 = FedAvg; post-processing of the aggregate, so free under DP); clipping_norm: C; target_delta: delta of every guarantee. None (the
-            default) for local_steps, expected_batch_size or learning_rate: the privacy mode's tuned value
+            al. 2019; 0 = FedAvg; post-processing of the aggregate, so free under DP); clipping_norm: C;
+            target_delta: delta of every guarantee. None (the default) for local_steps, expected_batch_size,
+            learning_rate or server_momentum: the privacy mode's tuned value
             (:data:`DP_DEFAULTS`, :data:`NON_PRIVATE_DEFAULTS`; tuned on seeds 101-103, never on seed 0). Under DP
             each per-example gradient is clipped to C, so the step is about lr * C; without DP the raw mean
             gradient (norm ~30 on these embeddings) is used, hence the larger non-private lr.

@@ -12,7 +12,8 @@ then the demo's held-out evaluation (:func:`wildfed_sim.evaluation.evaluate`). R
 (:class:`~shared.privacy.randomness.SeededRandom`): these are laboratory runs, never a deployment.
 
 What it leaves out is what does not change the learning: signing, chunking, the ledger's refusals (no site is
-halted in a planned run) and secure randomness. ``tests/sim/test_demo_sim.py`` checks one round against the hand-worked FedAvg of one full-batch step;
+halted in a planned run) and secure randomness. ``tests/sim/test_demo_sim.py`` checks one round against the
+hand-worked FedAvg of one full-batch step;
 ``wildfed_sim/tune_demo.py`` is the sweep that picked the demo's defaults (docs/demo-data.md, "Tuning").
 """
 

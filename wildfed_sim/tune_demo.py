@@ -9,7 +9,8 @@ accuracy; the non-private ones by its own accuracy. Run::
     .venv/bin/python -m wildfed_sim.tune_demo --seeds 101 103 --out tuning.json
 
 (about 10 minutes on 2 cores after the embeddings are cached; seed 102 was left out of the second grid: its
-site design holds no CR record, so it says nothing about the threatened categories). docs/demo-data.md, "Tuning", has the result.
+site design holds no CR record, so it says nothing about the threatened categories). docs/demo-data.md, "Tuning",
+has the result.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _run(job: tuple[str, int, tuple[int, int, float, float]] | tuple[str, int, t
     else:
         config = SimConfig(budgets=CCDPBudget.from_anchor("VU", 1.0, 1.0).table(), **common)
     out = simulate(_FEDERATIONS[seed], config, seed=seed, noise_seed=seed + 7919 * draw if draw else None)
-    return {"mode": mode, "seed": seed, "draw": draw, "local_steps": steps, "expected_batch_size": batch, "learning_rate": lr,
+    return {"mode": mode, "seed": seed, "draw": draw, "local_steps": steps, "expected_batch_size": batch,
+            "learning_rate": lr,
             "server_momentum": momentum, "overall": out["final"]["overall"],
             "by_category": out["final_by_category"], "round0": out["round0"]["overall"]}
 

@@ -39,7 +39,8 @@ class LinearFactors(PerExampleGradients):
             (out,) of one of them.
         layout: the backend's trainable parameters (the order of the flat vector).
         input_sq_norms: float64 (B,) upper bounds of the model inputs' squared norms, used for ``input_layer``,
-            the layer that reads the input (``shared.models.head.input_layer_prefix`` of the whole model), instead of measuring its
+            the layer that reads the input (``shared.models.head.input_layer_prefix`` of the whole model),
+            instead of measuring its
             ``a`` again; None (either): measure every layer.
 
     Attributes:

@@ -47,8 +47,8 @@ from shared.models.backbone import EMBEDDING_DIM
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["input_layer_prefix", "KIND", "EMBEDDING_DIM", "DEFAULT_ADAPTER_WIDTH", "HEAD_PREFIX", "ADAPTER_PREFIX", "HEAD_INITS",
-           "HeadConfig", "build_model", "initial_weights", "prepare_input"]
+__all__ = ["input_layer_prefix", "KIND", "EMBEDDING_DIM", "DEFAULT_ADAPTER_WIDTH", "HEAD_PREFIX", "ADAPTER_PREFIX",
+           "HEAD_INITS", "HeadConfig", "build_model", "initial_weights", "prepare_input"]
 
 KIND = "head"
 DEFAULT_ADAPTER_WIDTH = 256

@@ -68,7 +68,8 @@ def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient
     weights = {"psi.weight": np.zeros((k, e), np.float32), "psi.bias": np.array([0.2, -0.1, 0.0], np.float32)}
     task = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=n,
                         learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=1, privacy="none")
-    result = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)), dataset=Records(x, y, np.full(n, 6)),
+    result = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)),
+                           dataset=Records(x, y, np.full(n, 6)),
                            task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords(),
                            feature_centre=c)
     # by hand: W = 0, so p = softmax(b) for every record; the mean gradient on centred inputs, one step, fold back
@@ -82,7 +83,8 @@ def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient
     np.testing.assert_allclose(result.delta["psi.weight"], w1, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(result.delta["psi.bias"], b1_plain - weights["psi.bias"], rtol=1e-4, atol=1e-5)
     # without the centre the bias gradient is the same, the weight gradient is on the raw inputs
-    raw = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)), dataset=Records(x, y, np.full(n, 6)),
+    raw = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)),
+                        dataset=Records(x, y, np.full(n, 6)),
                         task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords())
     np.testing.assert_allclose(raw.delta["psi.weight"], -0.5 * err.T @ x.astype(np.float64) / n, rtol=1e-4,
                                atol=1e-6)
