@@ -152,20 +152,20 @@ def main() -> None:
 
     # CCDP: the gateway's per-step code, all six categories active, secure randomness.
     secure = SecureRandom()
-    mech = CCDPMechanism(clipping_norm=clip, noise_multipliers={c: z for c in IUCNCategory},
+    mech = CCDPMechanism(clipping_norms={c: clip for c in IUCNCategory}, noise_std=z * clip,
                          expected_batch_size=q * n_records, noise=secure)
-    eligible = np.ones(n_records, dtype=bool)
+    rates = np.full(n_records, q)  # every record at the base rate (what "scale" and the anchor category run)
     backend_dp = backend()
     realised: list[int] = []
 
     def ccdp_training_step() -> None:
-        realised.append(local_step(backend=backend_dp, dataset=site, eligible=eligible, sampling_rate=q,
+        realised.append(local_step(backend=backend_dp, dataset=site, inclusion_rates=rates,
                                    mechanism=mech, randomness=secure, learning_rate=lr))
 
     backend_nt = backend()
 
     def non_private_training_step() -> None:  # the same local_step, mechanism None: Poisson batch, mean gradient
-        local_step(backend=backend_nt, dataset=site, eligible=eligible, sampling_rate=q, mechanism=None,
+        local_step(backend=backend_nt, dataset=site, inclusion_rates=rates, mechanism=None,
                    randomness=secure, learning_rate=lr)
 
     backend_fx = backend()

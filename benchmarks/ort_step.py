@@ -64,7 +64,7 @@ def main() -> None:
     folder = ArtifactCache(tempfile.mkdtemp(prefix="wildfed-bench-")).store(
         model_hash(weights), build_artifacts(weights, model_hash=model_hash(weights)))
     secure = SecureRandom()
-    mech = CCDPMechanism(clipping_norm=clip, noise_multipliers={c: z for c in IUCNCategory},
+    mech = CCDPMechanism(clipping_norms={c: clip for c in IUCNCategory}, noise_std=z * clip,
                          expected_batch_size=float(args.batch), noise=secure)
 
     def make(kind: str):

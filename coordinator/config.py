@@ -25,12 +25,15 @@ Example (``wildfed-coordinator init`` writes this)::
     target_delta: 1.0e-5
     privacy: ccdp                         # local CCDP; "global" (secure aggregation, coordinator noises once;
                                           # needs local_steps: 1); "none" (no DP; comparison runs only)
+    ccdp_variant: sample                  # individualized DP-SGD: sample (per-category rates) or scale (norms)
     budget: {kind: from_anchor, category: VU, epsilon: 1.0, gamma: 1.0}   # or {kind: from_max, eps_max: 2, gamma: 1}
     num_classes: 10
     seed: 0                               # model init and site sampling only
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
     secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
+    global_noise: trusted-server          # privacy: global: trusted-server (the coordinator adds the noise) or
+                                          # distributed (each site adds a Skellam share under the masks)
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
     server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
@@ -334,6 +337,15 @@ class CoordinatorConfig(StrictModel):
     privacy: Literal["ccdp", "global", "grouped", "none"] = Field(
         "ccdp", description="ccdp: local DP at each gateway; global: secure aggregation, noise added once here; "
         "grouped: radio tasks' grouped-noise uploads (model: radio_unet)")
+    ccdp_variant: Literal["sample", "scale"] = Field(
+        "sample", description="how privacy: ccdp meets each category's budget with one noise draw per step "
+        "(individualized DP-SGD, Boenisch et al. 2023): sample = per-category Poisson rates, scale = per-category "
+        "clipping norms (Global DP rounds always sample)")
+    global_noise: Literal["trusted-server", "distributed"] = Field(
+        "trusted-server", description="privacy: global only. trusted-server: the coordinator adds one Gaussian "
+        "draw to the unmasked sum (it sees the unnoised sum); distributed: each site adds its share of Skellam "
+        "noise to its quantised sum before masking, calibrated for secagg.threshold survivors (Agarwal et al. "
+        "2021), so the coordinator only ever opens a noised sum")
     budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
                                                                       gamma=1.0))
     accountant: Literal["rdp", "pld"] = "rdp"

@@ -26,19 +26,25 @@ One Global DP round ``r`` (``privacy: global``; docs/privacy.md "Global DP mode"
    ``round_end`` message.
 4. **Noise, once.** With ``S = sum_{k in U3} Q(clip-sum_k)`` dequantised, the coordinator releases::
 
-       g~ = (S + N(0, sigma^2 I_d)) / sum_{k in U3} q_k N_k        sigma^2 = sum_{c in A} (z_c * C_eff)^2
+       g~ = (S + N(0, (z C_eff)^2 I_d)) / sum_{k in U3} q_k N_k
 
-   where A is the set of categories active at any survivor, ``C_eff = C + sqrt(d) / scale`` (the L2 sensitivity
-   of one record after rounding to the secagg grid: docs/secagg.md), and ``q_k = min(1, B / N_k)``. The model then
-   takes one SGD step ``theta <- theta - learning_rate * g~`` through the server optimizer.
+   with ``C_eff = C + sqrt(d) / scale`` (the L2 sensitivity of one record after rounding to the secagg grid:
+   docs/secagg.md) and ``q_k = min(1, B / N_k)``. The model then takes one SGD step
+   ``theta <- theta - learning_rate * g~`` through the server optimizer.
 5. **Store and close** as in CCDP mode.
 
-Calibration. z_c is the largest over the survivors holding category c of
-``calibrate_noise_multiplier(eps_c, delta, q_k, planned_rounds)``, so every survivor's spend over the planned rounds
-stays within its budget. As in CCDP mode, a record of category c is covered by the z_c share of the one Gaussian
-draw (the draw's full standard deviation is never smaller than its share).
+Calibration: individualized DP-SGD "Sample" (Boenisch et al., NeurIPS 2023, Sec. 4.1), one draw, one z. Before
+the tasks go out, z is the largest over the selected sites of the noise multiplier at which the federation's
+largest budget (every round the same anchor, so every round runs at one z) spends exactly that budget at q_k over
+``planned_rounds`` rounds
+(:func:`global_noise_multiplier`; q_k from the site's public record count, 1.0 where it is not enrolled with one).
+The task carries z; each site samples its category-c records at
+``q_kc = individual_sampling_rates(z, ...)[c] <= q_k``, the largest rate at which c's budget lasts the planned
+rounds, and the coordinator computes the same q_kc from the same public values. A record of category c at site k
+is in the sum with probability q_kc and moves it by at most C_eff, against noise z C_eff: its round is exactly
+``DPSGDEvent(z, q_kc, 1)``.
 
-Charging. Each survivor k is charged ``DPSGDEvent(z_c, q_k, 1)`` per active category c, durably, after the
+Charging. Each survivor k is charged ``DPSGDEvent(z, q_kc, 1)`` per active category c, durably, after the
 recovery shares are in and BEFORE the sum is unmasked. That is, before the coordinator sees any function of the
 data. A round abandoned before that point charges nothing; a crash after it leaves the spend charged exactly once
 (ledger rows are idempotent) and the round ``failed`` at restart: secure-aggregation state lives in memory only,
@@ -65,8 +71,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shared.envelope import Envelope, MessageKind, seal
 from shared.errors import PayloadError
 from shared.iucn import IUCNCategory, parse_category
-from shared.privacy.accounting import AccountantName, calibrated_noise_multiplier
-from shared.privacy.events import DPSGDEvent
+from shared.privacy.accounting import AccountantName
+from shared.privacy.distributed import distributed_plan, skellam_event
+from shared.privacy.events import DPSGDEvent, SkellamEvent
+from shared.privacy.individualized import anchor_noise_multiplier, individual_sampling_rates
 from shared.privacy.randomness import RandomSource, SecureRandom
 from shared.protocol import (SITE_STAGES, SecAggMessage, SecAggSettings, canonical_unflatten, decode_secagg,
                              encode_secagg)
@@ -80,7 +88,8 @@ from coordinator.storage import Store
 from coordinator.transport import Transport, TransportError
 
 __all__ = ["SecAggCollector", "StageInbox", "secagg_settings", "effective_sensitivity",
-           "global_noise_multipliers", "global_events", "noise_std", "GlobalRoundOutcome", "SecureAggregationRound"]
+           "global_noise_multiplier", "global_events", "distributed_events", "GlobalRoundOutcome",
+           "SecureAggregationRound"]
 
 log = logging.getLogger(__name__)
 
@@ -126,45 +135,85 @@ def effective_sensitivity(clipping_norm: float, vector_length: int, scale: float
     return float(clipping_norm) + math.sqrt(vector_length) / float(scale)
 
 
-def global_noise_multipliers(*, budgets: Mapping[IUCNCategory, float],
-                             sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]], target_delta: float,
-                             planned_rounds: int, accountant: AccountantName = "rdp") -> dict[IUCNCategory, float]:
-    """One noise multiplier per category active at any site: the largest that any site holding it needs.
-
-    ``z_c = max_k calibrate_noise_multiplier(eps_c, delta, q_k, planned_rounds)`` over the sites k that hold c, so
-    that ``planned_rounds`` rounds of ``DPSGDEvent(z_c, q_k, 1)`` spend at most eps_c at every such site
-    (dp-accounting, never the textbook formula).
+def global_noise_multiplier(*, budgets: Mapping[IUCNCategory, float],
+                            sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]], target_delta: float,
+                            planned_rounds: int, accountant: AccountantName = "rdp") -> float:
+    """The one noise multiplier z of a Global DP round (individualized DP-SGD "Sample", Boenisch et al. 2023,
+    Sec. 4.1): the largest over the sites of the z at which the site's anchor category (its largest active budget),
+    sampled at the site's q_k, spends exactly its budget over ``planned_rounds`` rounds of one step
+    (:func:`shared.privacy.individualized.anchor_noise_multiplier`). Every other category c of site k is then
+    sampled at the rate its budget allows at that z (:func:`global_events`), so no site's spend passes a budget.
 
     Args:
-        budgets: total epsilon per category. sites: ``{site: (q_k, active categories)}``.
+        budgets: total epsilon per category. sites: ``{site: (q_k, active categories)}`` (q_k from the site's
+            public record count; 1.0 where that is unknown, which only raises z).
         target_delta: delta. planned_rounds: the federation's planned rounds (one step each).
 
     Raises:
-        PayloadError: a site holds a category with no budget.
+        PayloadError: a site holds a category with no budget, or no site is given.
         ConfigError: a budget, delta or rate out of range (from ``shared.privacy.accounting``).
     """
-    out: dict[IUCNCategory, float] = {}
+    if not sites:
+        raise PayloadError("a Global DP round needs at least one site to calibrate its noise for")
+    out = 0.0
     for site, (q, categories) in sites.items():
-        for c in categories:
-            if c not in budgets:
-                raise PayloadError(f"site {site!r} trained category {c.value}, which has no budget")
-            z = calibrated_noise_multiplier(float(budgets[c]), float(target_delta), float(q), int(planned_rounds),
-                                            accountant)
-            out[c] = max(out.get(c, 0.0), z)
+        cats = tuple(categories)
+        missing = [c.value for c in cats if c not in budgets]
+        if missing:
+            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        out = max(out, anchor_noise_multiplier(budgets=budgets, categories=cats, target_delta=float(target_delta),
+                                               max_rate=float(q), steps=int(planned_rounds), accountant=accountant))
     return out
 
 
-def global_events(noise_multipliers: Mapping[IUCNCategory, float],
-                  sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]]) -> dict[str, dict[IUCNCategory, DPSGDEvent]]:
-    """What each site is charged for one Global DP round: ``DPSGDEvent(z_c, q_k, 1)`` per active category c."""
-    return {site: {c: DPSGDEvent(float(noise_multipliers[c]), float(q), 1) for c in categories}
-            for site, (q, categories) in sites.items()}
+def global_events(noise_multiplier: float, *, budgets: Mapping[IUCNCategory, float],
+                  sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]], target_delta: float,
+                  planned_rounds: int, accountant: AccountantName = "rdp"
+                  ) -> dict[str, dict[IUCNCategory, DPSGDEvent]]:
+    """What each site is charged for one Global DP round: ``DPSGDEvent(z, q_kc, 1)`` per active category c, where
+    q_kc is the rate the site sampled c at (:func:`shared.privacy.individualized.individual_sampling_rates` at z
+    and the site's q_k: the gateway's ``edge_sdk.training.clipped_sum_locally`` computes the same values).
+
+    Raises:
+        PayloadError: a site holds a category with no budget.
+    """
+    out: dict[str, dict[IUCNCategory, DPSGDEvent]] = {}
+    for site, (q, categories) in sites.items():
+        cats = tuple(categories)
+        missing = [c.value for c in cats if c not in budgets]
+        if missing:
+            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        rates = individual_sampling_rates(noise_multiplier=float(noise_multiplier), budgets=budgets, categories=cats,
+                                          target_delta=float(target_delta), max_rate=float(q),
+                                          steps=int(planned_rounds), accountant=accountant)
+        out[site] = {c: DPSGDEvent(float(noise_multiplier), float(rate), 1) for c, rate in rates.items()}
+    return out
 
 
-def noise_std(noise_multipliers: Mapping[IUCNCategory, float], sensitivity: float) -> float:
-    """``sigma = sqrt(sum_c (z_c * sensitivity)^2)``: the one Gaussian draw that carries every category's noise
-    (the same summed-variance argument as edge_sdk.privacy.ccdp, "Implementation note")."""
-    return float(math.sqrt(sum((z * sensitivity) ** 2 for z in noise_multipliers.values())))
+def distributed_events(noise_multiplier: float, *, budgets: Mapping[IUCNCategory, float],
+                       sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]], target_delta: float,
+                       planned_rounds: int, clipping_norm: float, vector_length: int, scale: float
+                       ) -> dict[str, dict[IUCNCategory, SkellamEvent]]:
+    """What each site is charged for one distributed Global DP round: per active category c the
+    :class:`~shared.privacy.events.SkellamEvent` of one release, for records clipped at the C_c of
+    ``shared.privacy.distributed.distributed_plan`` (the gateway's ``clipped_sum_locally`` clips at the same
+    values) under the total noise of t survivors.
+
+    Raises:
+        PayloadError: a site holds a category with no budget.
+    """
+    _, norms = distributed_plan(budgets=budgets, target_delta=target_delta, planned_rounds=planned_rounds,
+                                clipping_norm=clipping_norm, vector_length=vector_length, scale=scale)
+    out: dict[str, dict[IUCNCategory, SkellamEvent]] = {}
+    for site, (_, categories) in sites.items():
+        cats = tuple(categories)
+        missing = [c.value for c in cats if c not in budgets]
+        if missing:
+            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        out[site] = {c: skellam_event(noise_multiplier=noise_multiplier, anchor_clipping_norm=clipping_norm,
+                                      clipping_norm=norms[c], vector_length=vector_length, scale=scale)
+                     for c in cats}
+    return out
 
 
 # ---- collecting the sites' stage messages ---------------------------------------------------------------------
@@ -371,7 +420,11 @@ class SecureAggregationRound:
             for this round (a masked sum reporting one is refused). declared: per site, its declared categories
             (registry metadata); the charged and noised categories are the reported ones plus the declared,
             non-halted ones, so a site cannot lower its charge by under-reporting. clipping_norm, expected_batch_size:
-            C and B. key_timeout_s / shares_timeout_s / stage_timeout_s: waits. noise: secure source.
+            C and B. noise_multiplier: z, as the tasks carried it (:func:`global_noise_multiplier`, or
+            ``shared.privacy.distributed.distributed_plan``). distributed: the sites added the noise (Skellam shares
+            under the masks, calibrated for t survivors): the coordinator adds none and charges each survivor the
+            Skellam event of its categories' clipping norms (:func:`distributed_events`).
+            key_timeout_s / shares_timeout_s / stage_timeout_s: waits. noise: secure source.
         after_charge: called after charging, before unmasking (the crash-test hook).
     """
 
@@ -383,7 +436,8 @@ class SecureAggregationRound:
                  budgets: Mapping[IUCNCategory, float], halted: Mapping[str, frozenset[IUCNCategory]],
                  declared: Mapping[str, frozenset[IUCNCategory]],
                  target_delta: float, planned_rounds: int, accountant: AccountantName, clipping_norm: float,
-                 expected_batch_size: int, shares_timeout_s: float, stage_timeout_s: float,
+                 expected_batch_size: int, noise_multiplier: float, shares_timeout_s: float, stage_timeout_s: float,
+                 distributed: bool = False,
                  noise: RandomSource | None = None, after_charge: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.federation_id, self.round, self.model_hash = federation_id, round, model_hash
@@ -399,7 +453,8 @@ class SecureAggregationRound:
         self._halted = halted
         self._declared = declared
         self._delta, self._rounds, self._accountant = target_delta, planned_rounds, accountant
-        self._c, self._b = clipping_norm, expected_batch_size
+        self._c, self._b, self._z = clipping_norm, expected_batch_size, float(noise_multiplier)
+        self._distributed = bool(distributed)
         self._shares_timeout, self._stage_timeout = shares_timeout_s, stage_timeout_s
         self._noise = noise if noise is not None else SecureRandom()
         self._after_charge = after_charge
@@ -434,9 +489,13 @@ class SecureAggregationRound:
             sites = self._add_masked(server, set(routed))
             request = server.recovery_request()  # U3; raises if < t
             sites = {s: sites[s] for s in request.survivors}
-            z = global_noise_multipliers(budgets=self._budgets, sites=sites, target_delta=self._delta,
-                                         planned_rounds=self._rounds, accountant=self._accountant)
-            events = global_events(z, sites)
+            if self._distributed:
+                events = distributed_events(self._z, budgets=self._budgets, sites=sites, target_delta=self._delta,
+                                            planned_rounds=self._rounds, clipping_norm=self._c,
+                                            vector_length=self.params.vector_length, scale=self.params.scale)
+            else:
+                events = global_events(self._z, budgets=self._budgets, sites=sites, target_delta=self._delta,
+                                       planned_rounds=self._rounds, accountant=self._accountant)
             for site, ev in sorted(events.items()):
                 reason = self._over_budget(site, ev)
                 if reason is not None:
@@ -457,13 +516,15 @@ class SecureAggregationRound:
         except (SecAggError, PayloadError) as exc:  # NotEnoughSharesError is a SecAggError
             return self._fail(f"{type(exc).__name__}: {exc}")
         sensitivity = effective_sensitivity(self._c, self.params.vector_length, self.params.scale)
-        sigma = noise_std(z, sensitivity)
-        noisy = total + sigma * self._noise.standard_normal(total.shape[0])
+        sigma = self._z * sensitivity
+        # distributed: the noise is already in the opened sum (>= t Skellam shares, variance >= (z C_eff)^2)
+        noisy = total if self._distributed else total + sigma * self._noise.standard_normal(total.shape[0])
         expected_batch = sum(min(1.0, self._b / self._n[s]) * self._n[s] for s in request.survivors)
         gradient = canonical_unflatten((noisy / expected_batch).astype(np.float32), self.template)
         summary = (f"{len(request.survivors)} of {self.params.num_sites} sites unmasked "
-                   f"({len(request.dropped)} dropped after sharing); sigma={sigma:.4g} "
-                   f"(C_eff={sensitivity:.6g}, z={ {c.value: round(v, 4) for c, v in z.items()} }); "
+                   f"({len(request.dropped)} dropped after sharing); "
+                   f"{'distributed Skellam noise from the sites, ' if self._distributed else ''}sigma={sigma:.4g} "
+                   f"(C_eff={sensitivity:.6g}, z={self._z:.4g}); "
                    f"normaliser sum q_k N_k={expected_batch:.1f}")
         log.info("secagg: round %d: %s", self.round, summary)
         self._end("closed", summary)

@@ -53,7 +53,7 @@ from sqlalchemy import select
 from shared.errors import PrivacyBudgetError
 from shared.iucn import IUCNCategory, parse_category
 from shared.privacy.accounting import AccountantName, epsilon_spent
-from shared.privacy.events import DPSGDEvent
+from shared.privacy.events import DPSGDEvent, PrivacyEvent, SkellamEvent, parse_event
 
 from coordinator.storage import HaltRow, LedgerRow, RoundRow, Store, dumps
 
@@ -63,16 +63,19 @@ __all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_eps
 log = logging.getLogger(__name__)
 
 
-def coalesce(events: Iterable[DPSGDEvent]) -> tuple[DPSGDEvent, ...]:
-    """Merge events with equal (noise_multiplier, sampling_rate) by adding their steps; order of first occurrence.
+def coalesce(events: Iterable[PrivacyEvent]) -> tuple[PrivacyEvent, ...]:
+    """Merge events of the same per-step mechanism (``mechanism_key``: type and parameters) by adding their steps;
+    order of first occurrence.
 
-    Exact: k steps of the same subsampled Gaussian then m more are k + m steps of it.
+    Exact: k steps of the same mechanism then m more are k + m steps of it.
     """
-    steps: dict[tuple[float, float], int] = {}
+    first: dict[tuple, PrivacyEvent] = {}
+    steps: dict[tuple, int] = {}
     for ev in events:
-        key = (float(ev.noise_multiplier), float(ev.sampling_rate))
+        key = ev.mechanism_key()
+        first.setdefault(key, ev)
         steps[key] = steps.get(key, 0) + int(ev.steps)
-    return tuple(DPSGDEvent(z, q, t) for (z, q), t in steps.items())
+    return tuple(first[k].with_steps(t) for k, t in steps.items())
 
 
 def repeat_rounds(per_round: Sequence[DPSGDEvent], k: int) -> tuple[DPSGDEvent, ...]:
@@ -80,7 +83,7 @@ def repeat_rounds(per_round: Sequence[DPSGDEvent], k: int) -> tuple[DPSGDEvent, 
     times the steps: exact, by the definition of self-composition. ``k = 0`` gives ``()``."""
     if k <= 0:
         return ()
-    return tuple(DPSGDEvent(e.noise_multiplier, e.sampling_rate, e.steps * k) for e in per_round)
+    return tuple(e.with_steps(e.steps * k) for e in per_round)
 
 
 # Round privacy modes whose updates are never charged after the round (no late charge can arrive): Global DP charges
@@ -154,7 +157,7 @@ class PrivacyLedger:
                     LedgerRow.site_id == site_id, LedgerRow.round == round, LedgerRow.category == cat.value,
                     LedgerRow.mechanism == mechanism)).first()
                 if existing is not None:
-                    if DPSGDEvent.from_json(json.loads(existing.event_json)) != ev:
+                    if parse_event(json.loads(existing.event_json)) != ev:
                         raise LedgerError(
                             f"ledger already holds a different {mechanism} event for site {site_id!r}, round "
                             f"{round}, category {cat.value}; ledger rows are immutable")
@@ -189,7 +192,7 @@ class PrivacyLedger:
             if mechanism is not None:
                 q = q.where(LedgerRow.mechanism == mechanism)
             rows = s.scalars(q.order_by(LedgerRow.round, LedgerRow.id)).all()
-            return [DPSGDEvent.from_json(json.loads(r.event_json)) for r in rows]
+            return [parse_event(json.loads(r.event_json)) for r in rows]
 
     def categories(self, site_id: str) -> set[IUCNCategory]:
         """Categories for which the site has at least one recorded event."""
@@ -224,7 +227,7 @@ class PrivacyLedger:
         """
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
-        nxt = (next_event,) if isinstance(next_event, DPSGDEvent) else tuple(next_event)
+        nxt = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
         eps = composed_epsilon((*self.events(site_id, category), *nxt), self.target_delta,
                                accountant or self.accountant)
         return eps > budget
@@ -252,7 +255,7 @@ class PrivacyLedger:
         with self._store.session() as s:
             rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
                              .order_by(LedgerRow.round, LedgerRow.id)).all()
-            return [(int(r.round), DPSGDEvent.from_json(json.loads(r.event_json))) for r in rows]
+            return [(int(r.round), parse_event(json.loads(r.event_json))) for r in rows]
 
     def last_round_events(self, site_id: str) -> tuple[int | None, dict[IUCNCategory, DPSGDEvent]]:
         """``(round, {category: DP-SGD event})`` of the site's most recent round in the ledger; ``(None, {})`` if
@@ -277,7 +280,7 @@ class PrivacyLedger:
             out: dict[IUCNCategory, tuple[DPSGDEvent, ...]] = {}
             for r in rows:
                 cat = IUCNCategory(r.category)
-                out[cat] = (*out.get(cat, ()), DPSGDEvent.from_json(json.loads(r.event_json)))
+                out[cat] = (*out.get(cat, ()), parse_event(json.loads(r.event_json)))
             return int(last), out
 
     def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None
@@ -345,7 +348,7 @@ class PrivacyLedger:
             rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value,
                                                      LedgerRow.round != round)
                              .order_by(LedgerRow.round, LedgerRow.id)).all()
-            others = tuple(DPSGDEvent.from_json(json.loads(r.event_json)) for r in rows)
+            others = tuple(parse_event(json.loads(r.event_json)) for r in rows)
         mine = tuple(events)
         eps = composed_epsilon((*others, *repeat_rounds(mine, pending), *mine), self.target_delta,
                                accountant or self.accountant)
@@ -377,7 +380,7 @@ class PrivacyLedger:
         history = tuple(self.events(site_id, cat))
         per_round: tuple[DPSGDEvent, ...] | None
         if next_event is not None:
-            per_round = (next_event,) if isinstance(next_event, DPSGDEvent) else tuple(next_event)
+            per_round = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
         else:
             per_round = self.next_round_events(site_id, cat)
         if per_round is None:
@@ -472,7 +475,7 @@ class PrivacyLedger:
             given = (next_events or {}).get(cat)
             nxt: tuple[DPSGDEvent, ...] | None
             if given is not None:
-                nxt = (given,) if isinstance(given, DPSGDEvent) else tuple(given)
+                nxt = (given,) if isinstance(given, (DPSGDEvent, SkellamEvent)) else tuple(given)
             else:
                 nxt = self.next_round_events(site_id, cat, last_sets)
             if not nxt:

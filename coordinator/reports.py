@@ -37,7 +37,7 @@ class BudgetReportRow:
             included, after the rounds whose charges can still arrive); 0 exactly when the next halt check halts the
             category; None when the category never ran there.
         z_calibrated: noise multiplier of the site's last DP-SGD event of the category (calibrated with
-            dp-accounting).
+            dp-accounting). q_recorded: that event's sampling rate (CCDP "sample" gives each category its own).
         eps_rdp: RDP epsilon of the same events (beside the seed's bound).
         COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
         (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
@@ -55,6 +55,7 @@ class BudgetReportRow:
     eps_seed_bound: float
     z_textbook: float
     textbook_valid: bool
+    q_recorded: float | None = None
 
 
 ROUNDS_LEFT_CAP = 10_000
@@ -85,6 +86,7 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
                                                accountant=accountant, cap=ROUNDS_LEFT_CAP)
                 if nxt is not None else None,
                 halted=cat in halted, z_calibrated=float(dpsgd[-1].noise_multiplier) if dpsgd else None,
+                q_recorded=float(dpsgd[-1].sampling_rate) if dpsgd else None,
                 eps_rdp=spent if accountant == "rdp" else ledger.spent(site_id, cat, "rdp"),
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),

@@ -60,12 +60,13 @@ from sqlalchemy import select
 from shared.codec import decode_tensors, encode_tensors, model_hash
 from shared.envelope import MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
+from shared.privacy.distributed import distributed_plan
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
-from coordinator.global_dp import SecAggCollector, SecureAggregationRound, secagg_settings
+from coordinator.global_dp import SecAggCollector, SecureAggregationRound, global_noise_multiplier, secagg_settings
 from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.radio import city_artifact, expected_events, radio_task
 from coordinator.ledger import PrivacyLedger
@@ -414,6 +415,16 @@ class RoundManager:
         settings = secagg_settings(site_ids=selected, vector_length=d, clipping_norm=cfg.clipping_norm,
                                    expected_batch_size=cfg.expected_batch_size, threshold=cfg.secagg.threshold,
                                    modulus_bits=cfg.secagg.modulus_bits, max_abs_value=cfg.secagg.max_abs_value)
+        distributed = cfg.global_noise == "distributed"
+        if distributed:  # room on the grid for the sites' noise: 12 standard deviations of a share beyond the box
+            z0, _ = distributed_plan(budgets=cfg.budgets(), target_delta=float(cfg.target_delta),
+                                     planned_rounds=cfg.rounds, clipping_norm=float(cfg.clipping_norm),
+                                     vector_length=d, scale=settings.scale)
+            headroom = 12.0 * 1.1 * z0 * (float(cfg.clipping_norm) + 1.0) / math.sqrt(settings.threshold)
+            settings = secagg_settings(site_ids=selected, vector_length=d, clipping_norm=cfg.clipping_norm,
+                                       expected_batch_size=cfg.expected_batch_size, threshold=cfg.secagg.threshold,
+                                       modulus_bits=cfg.secagg.modulus_bits,
+                                       max_abs_value=settings.max_abs_value + headroom)
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy="global"))
@@ -421,12 +432,25 @@ class RoundManager:
         log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r, settings.threshold,
                  len(selected), base_hash[:12])
         artifacts = self.task_artifacts(base_hash, weights)
+        budgets = cfg.budgets()
+        enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
+        declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
+        # one z for the round, from values that are public and the same every round (so every round runs at one
+        # z and each category's rate stays what its budget was planned for): each site's q_k (its enrolled record
+        # count; 1.0 where unknown) and the federation's largest budget as every site's anchor
+        planned = {}
+        for s in selected:
+            n = enrolled[s].num_examples if s in enrolled else None
+            planned[s] = (min(1.0, cfg.expected_batch_size / n) if n else 1.0, tuple(budgets))
+        if distributed:  # one z and per-category clipping norms, from public values (shared.privacy.distributed)
+            z, _ = distributed_plan(budgets=budgets, target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
+                                    clipping_norm=float(cfg.clipping_norm), vector_length=d, scale=settings.scale)
+        else:
+            z = global_noise_multiplier(budgets=budgets, sites=planned, target_delta=float(cfg.target_delta),
+                                        planned_rounds=cfg.rounds, accountant=cfg.accountant)
         for site_id in selected:
             self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
-                               secagg=settings)
-        budgets = cfg.budgets()
-        declared = {site.site_id: frozenset(known_categories(site, self._ledger)) for site in self._registry.list()
-                    if site.site_id in selected}
+                               secagg=settings, noise_multiplier=z, distributed_noise=distributed)
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():
@@ -441,7 +465,8 @@ class RoundManager:
                 charge=lambda site, ev: self._ledger.record_round(site, r, ev), over_budget=over_budget,
                 budgets=budgets, halted=halted, declared=declared, target_delta=float(cfg.target_delta),
                 planned_rounds=cfg.rounds, accountant=cfg.accountant, clipping_norm=float(cfg.clipping_norm),
-                expected_batch_size=cfg.expected_batch_size, shares_timeout_s=cfg.round_deadline_s,
+                expected_batch_size=cfg.expected_batch_size, noise_multiplier=z, distributed=distributed,
+                shares_timeout_s=cfg.round_deadline_s,
                 stage_timeout_s=cfg.secagg.stage_timeout_s, after_charge=lambda: _test_crash_point("after_ledger"),
                 clock=self._clock).run()
         finally:
@@ -483,7 +508,8 @@ class RoundManager:
 
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
                       halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
-                      secagg: SecAggSettings | None = None) -> None:
+                      secagg: SecAggSettings | None = None, noise_multiplier: float | None = None,
+                      distributed_noise: bool = False) -> None:
         cfg = self.config
         radio = cfg.radio if cfg.model == "radio_unet" else None
         if radio is not None:
@@ -503,7 +529,9 @@ class RoundManager:
                             target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
                             budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
                             artifacts=artifact_digests(artifacts or {}), secagg=secagg,
-                            count_noise_multiplier=None if secagg is not None else self._count_noise())
+                            count_noise_multiplier=None if secagg is not None else self._count_noise(),
+                            ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
+                            distributed_noise=distributed_noise)
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
 
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,

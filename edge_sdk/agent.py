@@ -55,6 +55,7 @@ from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.radio import RadioMapSet
 from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
+from shared.privacy.distributed import skellam_noise, skellam_share_variance
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
 from shared.broker import MQTT_PUBLISH_OVERHEAD
@@ -177,6 +178,7 @@ class _SecAggRound:
     gradient: np.ndarray | None  # float32 (d,), canonical order; dropped once masked
     num_examples: int
     categories: tuple[str, ...]
+    noise: np.ndarray | None = None  # int64 (d,): this site's Skellam share (distributed DP); dropped once masked
 
 
 def update_message_id(round_: int) -> str:
@@ -627,7 +629,9 @@ class EdgeAgent:
                 self._inputs = TrainingInputs(self.dataset, self.feature_centre)
             result = train_locally(backend=self.backend, dataset=self._inputs, task=task, global_weights=weights,
                                    site_categories=self.config.categories, randomness=self._randomness(task),
-                                   num_classes=self.config.model_classes)
+                                   num_classes=self.config.model_classes,
+                                   class_categories=({s.class_index: s.iucn_category for s in self.config.species}
+                                                     if self.config.logit_adjustment else None))
         except PrivacyBudgetError as exc:
             self._reject("task", "privacy_budget", str(exc))
             return False
@@ -752,6 +756,12 @@ class EdgeAgent:
             self._reject("task", "model_mismatch", str(exc))
             return False
         state.gradient = canonical_flatten(result.gradient_sum)
+        if task.distributed_noise:  # distributed DP: this site's share of the noise, added before masking
+            assert task.noise_multiplier is not None  # a global task carries it (TrainingTask checks)
+            state.noise = skellam_noise(skellam_share_variance(
+                noise_multiplier=task.noise_multiplier, clipping_norm=task.clipping_norm,
+                vector_length=params.vector_length, scale=params.scale, threshold=params.threshold),
+                params.vector_length)
         state.num_examples = result.num_examples
         state.categories = tuple(c.value for c in result.categories)
         self.stats["tasks_trained"] += 1
@@ -784,8 +794,8 @@ class EdgeAgent:
                     raise SecAggError("share inbox before the gradient sum was ready, or a second inbox")
                 inbox = [EncryptedShare.from_json(x) for x in body.get("shares", [])]
                 state.client.receive_shares({x.sender: x for x in inbox})
-                masked = state.client.mask(state.gradient)
-                state.gradient = None  # the unmasked sum is not kept once it has left masked
+                masked = state.client.mask(state.gradient, integer_noise=state.noise)
+                state.gradient = state.noise = None  # the unmasked sum is not kept once it has left masked
                 self._send_secagg(state, SecAggMessage(
                     "masked", {"num_examples": state.num_examples, "categories": list(state.categories)}, masked))
             elif message.stage == "recovery_request":

@@ -122,6 +122,11 @@ class SiteConfig(BaseModel):
         feature_centre: a public centre of the embeddings (safetensors, :mod:`edge_sdk.data.feature_centre`):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
             public images, never from this site's records. Global DP rounds ignore it. Default: none.
+        logit_adjustment: under CCDP, train with the logit-adjusted loss for the species table's categories (the
+            head's bias shifted by ``log w_c``, the relative weight CCDP gives category c's records:
+            ``edge_sdk.training.train_locally``), so that sampling the threatened species less often does not
+            teach the model to predict them less often. A public constant; the privacy events are unchanged.
+            Default: on.
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
         class_names: ``{class index: scientific name}`` for every class of the federation's model (public; what
             ``wildfed-edge detect`` names a prediction of a species this site does not list). Naming only: the
@@ -174,6 +179,7 @@ class SiteConfig(BaseModel):
     embedding_cache: Path | None = None
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
     feature_centre: Path | None = None
+    logit_adjustment: bool = True
     num_classes: int | None = Field(default=None, ge=2)
     class_names: dict[int, str] = Field(default_factory=dict)
     allow_non_private: bool = False

@@ -2,40 +2,43 @@
 Global DP mode, the clipped gradient sum of one Poisson-sampled batch (:func:`clipped_sum_locally`).
 
 This module wires the pieces and holds no maths of its own: sampling (``edge_sdk.privacy.sampling``), the
-mechanism and its calibration (``edge_sdk.privacy.ccdp``), and a training backend (``edge_sdk.backends``). Per step
-(Abadi et al. 2016, Alg. 1): sample a batch with rate q from the records of active categories, take per-example
-gradients, privatise them (clip, per-category noisy sums, normalise by q * N_site), take one SGD step.
+mechanism and its calibration (``edge_sdk.privacy.ccdp``: individualized DP-SGD), and a training backend
+(``edge_sdk.backends``). Per step (Abadi et al. 2016, Alg. 1): sample a batch, each record of an active category at
+its category's rate q_c, take per-example gradients, privatise them (clip at the category's C_c, one Gaussian draw,
+normalise by q * N_site), take one SGD step.
 
 Sampling rate and normaliser (docs/privacy.md "What halting reveals"): q = min(1, B / N_site) with B the task's
 ``expected_batch_size`` and N_site the number of the site's records, all categories together (the site's declared
-public count, the FedAvg weight reported as ``UpdateReport.num_examples``). Records of a halted category are simply
+public count, the FedAvg weight reported as ``UpdateReport.num_examples``). q is the anchor category's rate (the
+"Sample" variant samples the other categories at calibrated q_c <= q). Records of a halted category are simply
 not sampled, and each step is normalised by q * N_site, so neither q, nor the normaliser, nor ``num_examples``
 changes when a category halts: nothing that leaves the gateway is a function of a per-category count (only the noisy
-class counts NIRA may ask for, which are noised and charged). Noise multipliers are calibrated for
-``planned_rounds * local_steps`` steps at that q; the events reported are those of the steps actually run.
+class counts NIRA may ask for, which are noised and charged). The plan is calibrated for
+``planned_rounds * local_steps`` steps; the events reported are those of the steps actually run.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
+from shared.privacy.distributed import distributed_plan
+from shared.privacy.individualized import individual_sampling_rates
 from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend, unflatten
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.data.feature_centre import centred_weights, uncentred_weights
-from edge_sdk.privacy.ccdp import (CCDPMechanism, active_categories, calibrate_category_noise, category_events,
-                                   clip_factors_from_norms)
+from edge_sdk.privacy.ccdp import CCDPMechanism, CCDPPlan, active_categories, clip_factors_from_norms, plan_ccdp
 from edge_sdk.privacy.per_example import summation_error_bound
 from edge_sdk.privacy.randomness import RandomSource
-from edge_sdk.privacy.sampling import poisson_sample
+from edge_sdk.privacy.sampling import sample_at_rates
 
 __all__ = ["LocalTrainingResult", "model_inputs", "TrainingInputs", "local_step", "train_locally", "ClippedSum",
            "clipped_sum_locally", "noisy_class_counts"]
@@ -51,14 +54,25 @@ class LocalTrainingResult:
         delta: ``{name: float32 array}``, local minus global weights (same names and shapes as the global model).
         report: the :class:`shared.protocol.UpdateReport` (num_examples = N_site, the public count; steps; DP
             events).
-        noise_multipliers: ``{category: z_c}`` used (empty for privacy "none").
-        sampling_rate: q = min(1, B / N_site).
+        plan: the :class:`~edge_sdk.privacy.ccdp.CCDPPlan` that ran (None for privacy "none").
+        sampling_rate: q = min(1, B / N_site), the anchor category's rate.
     """
 
     delta: dict[str, np.ndarray]
     report: UpdateReport
-    noise_multipliers: dict[IUCNCategory, float]
+    plan: CCDPPlan | None
     sampling_rate: float
+
+    @property
+    def noise_multipliers(self) -> dict[IUCNCategory, float]:
+        """``{category: sigma / C_c}``, the noise multiplier each active category's records saw (empty for
+        privacy "none")."""
+        return self.plan.noise_multipliers() if self.plan is not None else {}
+
+    @property
+    def sampling_rates(self) -> dict[IUCNCategory, float]:
+        """``{category: q_c}``, each active category's Poisson rate (empty for privacy "none")."""
+        return dict(self.plan.sampling_rates) if self.plan is not None else {}
 
 
 def noisy_class_counts(labels: np.ndarray, eligible: np.ndarray, *, num_classes: int, noise_std: float,
@@ -93,20 +107,20 @@ def local_step(
     *,
     backend: TrainingBackend,
     dataset: LocalDataset,
-    eligible: np.ndarray,
-    sampling_rate: float,
+    inclusion_rates: np.ndarray,
     mechanism: CCDPMechanism | None,
     randomness: RandomSource,
     learning_rate: float,
 ) -> int:
-    """One step of :func:`train_locally` (also what ``benchmarks/dp_step.py`` times): Poisson-sample a batch of
-    eligible records at rate q, then either the CCDP step (implicit per-example gradients -> ``privatize``) or,
-    with ``mechanism`` None, a non-private mean-gradient step; then the SGD update.
+    """One step of :func:`train_locally` (also what ``benchmarks/dp_step.py`` times): Poisson-sample a batch, record
+    i with probability ``inclusion_rates[i]`` (float (N,); 0 for records that must not be sampled), then either the
+    CCDP step (implicit per-example gradients -> ``privatize``) or, with ``mechanism`` None, a non-private
+    mean-gradient step; then the SGD update.
 
     Returns:
         The realised batch size (a non-private step with an empty batch is skipped).
     """
-    idx = poisson_sample(eligible, sampling_rate, randomness)
+    idx = sample_at_rates(inclusion_rates, randomness)
     x, y = model_inputs(dataset)[idx], dataset.labels[idx]
     if mechanism is not None:
         sq = getattr(dataset, "input_sq_norms", None)  # TrainingInputs: computed once per record, not per step
@@ -120,6 +134,20 @@ def local_step(
         return 0  # non-private: an empty batch has no gradient
     backend.apply_gradient(step, learning_rate)
     return int(idx.size)
+
+
+def _logit_offsets(plan: CCDPPlan, class_categories: Mapping[int, IUCNCategory] | None,
+                   weights: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """float32 (classes,) ``log w_{cat(y)}`` per class (0 for a class whose category is not active or not in the
+    table), or None when there is nothing to adjust (no table, no ``psi.bias``, or every weight 1)."""
+    if not class_categories or "psi.bias" not in weights:
+        return None
+    weight = plan.relative_weights()
+    offsets = np.zeros(np.asarray(weights["psi.bias"]).shape[0], dtype=np.float64)
+    for k, c in class_categories.items():
+        if 0 <= int(k) < offsets.shape[0] and c in weight:
+            offsets[int(k)] = np.log(weight[c])
+    return offsets.astype(np.float32) if np.any(offsets != 0) else None
 
 
 class TrainingInputs:
@@ -198,6 +226,7 @@ def train_locally(
     randomness: RandomSource,
     num_classes: int | None = None,
     feature_centre: np.ndarray | None = None,
+    class_categories: Mapping[int, IUCNCategory] | None = None,
 ) -> LocalTrainingResult:
     """Run ``task.local_steps`` steps from ``global_weights`` and return the delta and the report.
 
@@ -215,6 +244,14 @@ def train_locally(
         feature_centre: float32 (E,) public centre ``c`` of the embeddings, or None: the steps then run on
             ``x - c`` with the first layer's bias unfolded to ``b' + W c`` and folded back before the delta is
             taken (:mod:`edge_sdk.data.feature_centre`; the delta is in the plain form the federation stores).
+        class_categories: ``{class index: IUCN category}`` of the site's species table (public configuration), or
+            None. Under CCDP each category's records weigh ``w_c = (q_c / q)(C_c / C)`` in a step
+            (:meth:`~edge_sdk.privacy.ccdp.CCDPPlan.relative_weights`), so the classifier would learn a prior
+            skewed against the threatened species. Given the table, the steps run with the head's bias shifted by
+            ``log w_c`` for each class of category c and the shift is taken off before the delta: the logit-adjusted
+            loss (Menon et al., "Long-tail learning via logit adjustment", ICLR 2021, Sec. 4), which makes the
+            model fit the unskewed posterior. The shift is a public constant (it changes the loss, not the
+            clipping or the noise: the privacy events are unchanged).
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records, an active category has no
@@ -222,6 +259,7 @@ def train_locally(
         ConfigError: the weights do not fit the backend's model.
         PayloadError: counts asked for and the number of classes unknown.
     """
+    site_categories = tuple(site_categories)
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
     if isinstance(dataset, TrainingInputs):
@@ -240,34 +278,44 @@ def train_locally(
         backend.set_weights(centred_weights(plain, centre))
         start = plain
 
-    z: dict[IUCNCategory, float] = {}
+    plan: CCDPPlan | None = None
     mechanism: CCDPMechanism | None = None
+    offsets: np.ndarray | None = None
+    rates = np.where(eligible, q, 0.0)
     z_count = task.count_noise_multiplier
     # the count releases of every planned round are fixed in advance: calibrate the steps around them
     fixed = (DPSGDEvent(float(z_count), 1.0, task.planned_rounds),) if z_count else ()
     if task.privacy == "ccdp":
         try:
-            z = calibrate_category_noise(budgets=task.budgets, active=active, target_delta=task.target_delta,
-                                         sampling_rate=q, steps=task.planned_rounds * task.local_steps,
-                                         fixed_events=fixed)
+            plan = plan_ccdp(variant=task.ccdp_variant, budgets=task.budgets, active=active,
+                             target_delta=task.target_delta, sampling_rate=q,
+                             steps=task.planned_rounds * task.local_steps, clipping_norm=task.clipping_norm,
+                             fixed_events=fixed, site_categories=site_categories)
         except ConfigError as exc:
             if getattr(exc, "field", None) != "count_noise_multiplier":
                 raise
             raise PrivacyBudgetError(f"round {task.round}: {exc}; the site does not train") from None
-        mechanism = CCDPMechanism(clipping_norm=task.clipping_norm, noise_multipliers=z,
-                                  expected_batch_size=q * n_site, noise=randomness)
-        log.info("round %d: CCDP q=%.4g, C=%g, z=%s", task.round, q, task.clipping_norm,
-                 {c.value: round(v, 4) for c, v in z.items()})
+        mechanism = CCDPMechanism.from_plan(plan, expected_batch_size=q * n_site, noise=randomness)
+        offsets = _logit_offsets(plan, class_categories, start)
+        if offsets is not None:  # the logit-adjusted loss: train with b + log w, hand back the plain delta
+            w = backend.get_weights()
+            backend.set_weights({**w, "psi.bias": (w["psi.bias"] + offsets).astype(np.float32)})
+        rates = plan.inclusion_rates(train_on.categories)
+        log.info("round %d: CCDP (%s) sigma=%.4g, q=%s, C=%s", task.round, plan.variant, plan.noise_std,
+                 {c.value: round(v, 4) for c, v in plan.sampling_rates.items()},
+                 {c.value: round(v, 4) for c, v in plan.clipping_norms.items()})
 
     for _ in range(task.local_steps):
-        local_step(backend=backend, dataset=train_on, eligible=eligible, sampling_rate=q, mechanism=mechanism,
+        local_step(backend=backend, dataset=train_on, inclusion_rates=rates, mechanism=mechanism,
                    randomness=randomness, learning_rate=task.learning_rate)
 
     end = backend.get_weights()
+    if offsets is not None:
+        end = {**end, "psi.bias": (end["psi.bias"] - offsets).astype(np.float32)}
     if centre is not None:
         end = uncentred_weights(end, centre)  # post-processing with a public c
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}
-    events = category_events(z, sampling_rate=q, steps_run=task.local_steps) if mechanism is not None else {}
+    events = plan.events(task.local_steps) if plan is not None else {}
     counts: dict[int, float] = {}
     count_events: dict[IUCNCategory, DPSGDEvent] = {}
     if z_count is not None:
@@ -282,7 +330,7 @@ def train_locally(
             count_events = {c: DPSGDEvent(float(z_count), 1.0, 1) for c in active}
     report = UpdateReport(num_examples=n_site, local_steps=task.local_steps, events=events,
                           species_counts=counts, count_events=count_events)
-    return LocalTrainingResult(delta=delta, report=report, noise_multipliers=z, sampling_rate=q)
+    return LocalTrainingResult(delta=delta, report=report, plan=plan, sampling_rate=q)
 
 
 @dataclass(frozen=True)
@@ -296,6 +344,8 @@ class ClippedSum:
         categories: the active categories (public: species table minus halted ones), IUCN rank order.
         sampling_rate: q = min(1, B / N_site).
         batch_size: the realised batch size (stays on the gateway: it is data-dependent).
+        sampling_rates: ``{category: q_c}``, each active category's rate (individualized DP-SGD "Sample" at the
+            task's noise multiplier; the coordinator computes the same values to charge the ledger).
     """
 
     gradient_sum: dict[str, np.ndarray]
@@ -303,6 +353,7 @@ class ClippedSum:
     categories: tuple[IUCNCategory, ...]
     sampling_rate: float
     batch_size: int
+    sampling_rates: Mapping[IUCNCategory, float] = field(default_factory=dict)
 
 
 def clipped_sum_locally(
@@ -316,9 +367,11 @@ def clipped_sum_locally(
 ) -> ClippedSum:
     """Global DP mode, the site's part of one DP-SGD step (Abadi et al. 2016, Alg. 1, lines "sample", "compute
     gradient", "clip gradient"; the "add noise" line runs at the coordinator, once, on the sum over sites, in the
-    clear only after secure aggregation): Poisson-sample a batch at rate q from the eligible records, take per-example
-    gradients at ``global_weights``, clip each to L2 norm ``task.clipping_norm`` and sum them. No noise is added
-    here and the model is not stepped.
+    clear only after secure aggregation): Poisson-sample a batch, each active category c's records at its rate q_c
+    (individualized DP-SGD "Sample" at the task's ``noise_multiplier``:
+    :func:`shared.privacy.individualized.individual_sampling_rates`, at most q = min(1, B / N_site)), take
+    per-example gradients at ``global_weights``, clip each to L2 norm ``task.clipping_norm`` and sum them. No noise
+    is added here and the model is not stepped.
 
     Args: as :func:`train_locally`.
 
@@ -327,14 +380,35 @@ def clipped_sum_locally(
         ConfigError: the weights do not fit the backend's model.
     """
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
+    if task.noise_multiplier is None:
+        raise PayloadError("a global task must carry the coordinator's noise_multiplier")
     backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
-    idx = poisson_sample(eligible, q, randomness)
+    norms = {c: float(task.clipping_norm) for c in active}
+    if task.distributed_noise:  # "scale": every category at q, clipped at its C_c (shared.privacy.distributed)
+        assert task.secagg is not None  # a global task carries it (TrainingTask checks)
+        _, planned = distributed_plan(budgets=task.budgets, target_delta=task.target_delta,
+                                      planned_rounds=task.planned_rounds, clipping_norm=task.clipping_norm,
+                                      vector_length=task.secagg.vector_length, scale=task.secagg.scale)
+        rates = {c: q for c in active}
+        norms = {c: planned[c] for c in active}
+    else:  # "sample": one z, each category at its own rate
+        rates = individual_sampling_rates(noise_multiplier=float(task.noise_multiplier), budgets=task.budgets,
+                                          categories=active, target_delta=task.target_delta, max_rate=q,
+                                          steps=task.planned_rounds)
+    ranks = dataset.categories.astype(np.int64)
+    rate_table = np.zeros(max(c.rank for c in IUCNCategory) + 1)
+    norm_table = np.ones(max(c.rank for c in IUCNCategory) + 1)
+    for c, rate in rates.items():
+        rate_table[c.rank], norm_table[c.rank] = rate, norms[c]
+    idx = sample_at_rates(rate_table[ranks], randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
     if idx.size:
         grads = backend.per_example(model_inputs(dataset)[idx], dataset.labels[idx])
-        factors = clip_factors_from_norms(grads.norms, task.clipping_norm)
+        factors = clip_factors_from_norms(grads.norms, norm_table[ranks[idx]])
         flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
-    log.info("round %d: global DP: clipped sum of a Poisson batch at q=%.4g (C=%g), no local noise", task.round, q,
-             task.clipping_norm)
+    log.info("round %d: global DP: clipped sum of a Poisson batch at q=%s (C=%s), %s", task.round,
+             {c.value: round(v, 4) for c, v in rates.items()}, {c.value: round(v, 4) for c, v in norms.items()},
+             "its share of the noise added before masking" if task.distributed_noise else "no local noise")
     return ClippedSum(gradient_sum=unflatten(flat.astype(np.float32), backend.parameter_layout),
-                      num_examples=n_site, categories=active, sampling_rate=q, batch_size=int(idx.size))
+                      num_examples=n_site, categories=active, sampling_rate=q, batch_size=int(idx.size),
+                      sampling_rates=rates)

@@ -25,7 +25,7 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
 from shared.secagg import SecAggParams
 
-__all__ = ["TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
+__all__ = ["CCDP_VARIANTS", "TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
            "decode_update", "encode_ack", "decode_ack", "METADATA_KEY", "ARTIFACT_PREFIX",
            "decode_task_with_artifacts", "Detection", "DetectionRecord",
            "encode_detection", "decode_detection", "SecAggSettings", "SecAggMessage", "SITE_STAGES",
@@ -40,6 +40,8 @@ _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # a plain f
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 PrivacyMode = Literal["ccdp", "global", "grouped", "none"]
 PRIVACY_MODES = ("ccdp", "global", "grouped", "none")
+#: CCDP's individualized DP-SGD variants (Boenisch et al., NeurIPS 2023, Sec. 4.1 "Sample", 4.2 "Scale")
+CCDP_VARIANTS = ("sample", "scale")
 RADIO_DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive")
 """The upload defences of a radio task (edge_sdk.privacy.adaptive_noise), weakest first."""
 GUARANTEED_RADIO_DEFENCES = ("uniform", "adaptive")
@@ -279,6 +281,18 @@ class TrainingTask:
             sensitivity of the count vector to one record is 1), for NIRA's species-embedding weights; the noise
             multipliers of the DP-SGD steps are calibrated so that both together stay within each budget. 0 only
             with privacy ``"none"`` (exact counts). Left out of the JSON when None.
+        ccdp_variant: how a ``"ccdp"`` task meets each category's budget with one noise draw per step
+            (individualized DP-SGD, ``edge_sdk.privacy.ccdp``): ``"sample"`` (per-category sampling rates, one
+            clipping norm) or ``"scale"`` (per-category clipping norms, one rate). Left out of the JSON for other
+            modes; a ``"ccdp"`` task without it reads as ``"sample"``.
+        noise_multiplier: a ``"global"`` task's z (required there, absent otherwise): the coordinator adds one
+            Gaussian draw of standard deviation ``z * C_eff`` to the unmasked sum, and the site samples each active
+            category c at ``shared.privacy.individualized.individual_sampling_rates(z, ...)`` (at most its
+            q = min(1, B / N_site)), the rate at which c's budget is spent over the planned rounds.
+        distributed_noise: a ``"global"`` task only: True = distributed DP (the site adds its share of Skellam noise
+            to its quantised sum before masking, clips category c at ``C_c`` of
+            ``shared.privacy.distributed.distributed_plan`` and samples every category at q; the coordinator adds
+            nothing); False (default, left out of the JSON) = the trusted-server mode.
         radio: a radio-map task (:class:`RadioTask`) for base-station gateways; privacy is then ``"grouped"``
             (budgets under IUCN NE: a radio map has no species) or ``"none"``, and ``artifacts`` must carry
             ``radio.city_artifact``. Left out of the JSON when None (camera tasks).
@@ -301,9 +315,14 @@ class TrainingTask:
     secagg: SecAggSettings | None = None
     count_noise_multiplier: float | None = None
     radio: RadioTask | None = None
+    ccdp_variant: str = "sample"
+    noise_multiplier: float | None = None
+    distributed_noise: bool = False
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        if self.ccdp_variant not in CCDP_VARIANTS:
+            raise PayloadError(f"ccdp_variant must be one of {CCDP_VARIANTS}, got {self.ccdp_variant!r}")
         _positive("local_steps", self.local_steps, integer=True)
         _positive("expected_batch_size", self.expected_batch_size, integer=True)
         _positive("learning_rate", self.learning_rate)
@@ -325,7 +344,16 @@ class TrainingTask:
                 raise PayloadError(f"a global task runs exactly 1 local step (the coordinator noises the sum of "
                                    f"one batch), got local_steps={self.local_steps}")
             self.secagg.params(self.federation_id, self.round)  # validates
-        elif self.secagg is not None:
+            z = self.noise_multiplier
+            if isinstance(z, bool) or not isinstance(z, (int, float)) or not (0 < z < math.inf):
+                raise PayloadError(f"a global task must carry a positive noise_multiplier, got {z!r}")
+        elif self.noise_multiplier is not None:
+            raise PayloadError(f"noise_multiplier is only for global tasks, not {self.privacy!r}")
+        if type(self.distributed_noise) is not bool:
+            raise PayloadError(f"distributed_noise must be true or false, got {self.distributed_noise!r}")
+        if self.distributed_noise and self.privacy != "global":
+            raise PayloadError(f"distributed_noise is only for global tasks, not {self.privacy!r}")
+        if self.privacy != "global" and self.secagg is not None:
             raise PayloadError(f"secagg parameters are only for global tasks, not {self.privacy!r}")
         z = self.count_noise_multiplier
         if z is not None:
@@ -374,7 +402,10 @@ class TrainingTask:
                 **({"secagg": self.secagg.to_json()} if self.secagg is not None else {}),
                 **({"count_noise_multiplier": self.count_noise_multiplier}
                    if self.count_noise_multiplier is not None else {}),
-                **({"radio": self.radio.to_json()} if self.radio is not None else {})}
+                **({"radio": self.radio.to_json()} if self.radio is not None else {}),
+                **({"ccdp_variant": self.ccdp_variant} if self.privacy == "ccdp" else {}),
+                **({"noise_multiplier": self.noise_multiplier} if self.noise_multiplier is not None else {}),
+                **({"distributed_noise": True} if self.distributed_noise else {})}
 
 
 @dataclass(frozen=True)

@@ -723,11 +723,13 @@ class SecAggClient:
             raise SecAggError("U2 is known only after receive_shares")
         return self._participants
 
-    def mask(self, update: np.ndarray) -> np.ndarray:
-        """Round 2: ``y_u = Q(x_u) + PRG(b_u) + sum_{v in U2 \\ {u}} Delta_{u,v} PRG(s_{u,v}) mod 2^k``.
+    def mask(self, update: np.ndarray, integer_noise: np.ndarray | None = None) -> np.ndarray:
+        """Round 2: ``y_u = Q(x_u) + n_u + PRG(b_u) + sum_{v in U2 \\ {u}} Delta_{u,v} PRG(s_{u,v}) mod 2^k``.
 
         Args:
             update: float vector of shape ``(vector_length,)`` (the flattened, clipped update).
+            integer_noise: int64 ``(vector_length,)`` noise ``n_u`` added to the quantised update before masking
+                (distributed DP: this site's share of the Skellam noise, ``shared.privacy.distributed``), or None.
 
         Returns:
             ``params.dtype`` array of shape ``(vector_length,)``: uniformly distributed on ``Z_{2^k}^d`` given the
@@ -742,6 +744,11 @@ class SecAggClient:
             raise SecAggError("this client already masked an update; masks are one-time pads, use a new round")
         p, d, k = self.params, self.params.vector_length, self.params.modulus_bits
         y = quantise(update, p)
+        if integer_noise is not None:
+            n = np.asarray(integer_noise)
+            if n.shape != (d,) or not np.issubdtype(n.dtype, np.integer):
+                raise SecAggError(f"integer_noise must be an integer vector of shape ({d},), got {n.dtype} {n.shape}")
+            y += (n.astype(np.int64).view(np.uint64) & np.uint64(p.modulus - 1)).astype(p.dtype)
         self._masked = True
         y += expand_mask(_self_mask_key(self._self_seed, p, self.site_id), d, k)
         mine = self._advertised[self.site_id].mask_public

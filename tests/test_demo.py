@@ -85,14 +85,22 @@ def test_demo_global_dp_with_secure_aggregation(tmp_path):
         rows[(site, cat)].append((z, q, steps))
     budgets = {"CR": 1 / 3, "EN": 2 / 3, "VU": 1.0, "NT": 4 / 3, "LC": 5 / 3, "NE": 2.0}
     worst = defaultdict(float)
+    top_rate = defaultdict(float)  # per site, its largest rate: q_k = min(1, B / N_k) wherever a rate is capped
+    for (site, cat), events in rows.items():
+        top_rate[site] = max(top_rate[site], *(q for _, q, _ in events))
     for (site, cat), events in rows.items():
         assert [s for *_, s in events] == [1, 1]  # one step per round, charged once per round
-        worst[cat] = max(worst[cat], _direct_epsilon(events, 1e-5))
+        assert len({z for z, *_ in events}) == 1 and len({q for _, q, _ in events}) == 1  # the same every round
+        eps = _direct_epsilon(events, 1e-5)
+        worst[cat] = max(worst[cat], eps)
+        # one z for every site (individualized "sample"): each category is sampled at the rate that spends its
+        # budget over the 2 planned rounds, unless that rate would pass the site's q_k (then it runs at q_k)
+        assert eps <= budgets[cat] + 1e-9
+        assert eps >= budgets[cat] * 0.99 or events[0][1] == top_rate[site], (site, cat, eps)
     assert worst, "the ledger recorded nothing"
+    assert len({z for events in rows.values() for z, *_ in events}) == 1
     for cat, eps in worst.items():
         assert report["epsilon"][cat]["spent_max"] == pytest.approx(eps, rel=1e-6)
-        # calibrated for the 2 planned rounds: the site that needs the most noise ends at its budget
-        assert budgets[cat] * 0.99 <= eps <= budgets[cat] + 1e-9
 
 
 def test_radio_demo_small_federation(tmp_path):
@@ -110,3 +118,30 @@ def test_radio_demo_small_federation(tmp_path):
     expected = _direct_epsilon([(0.5 ** 0.5 * 3.0 / 2, 1.0, 1)], 1e-5)
     assert report["history"][0]["epsilon"] == pytest.approx({"bs-00": expected, "bs-01": expected}, rel=1e-9)
     assert result.history[0]["val_mse_db"] < 0  # a finite MSE below 1 (normalised gain), in dB
+
+
+def test_demo_global_dp_with_distributed_noise(tmp_path):
+    # Distributed DP: each gateway adds its Skellam share before masking; the coordinator adds nothing and charges
+    # Skellam events (real gateway processes, real MQTT, real images).
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["demo", "--sites", "3", "--rounds", "2", "--privacy", "global",
+                                      "--global-noise", "distributed", "--local-steps", "1",
+                                      "--expected-batch-size", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert [h["status"] for h in report["history"]] == ["closed", "closed"]
+    assert all(len(h["accepted"]) == 3 for h in report["history"])
+    db = sqlite3.connect(out / "coordinator" / "coordinator.db")
+    assert db.execute("SELECT count(*) FROM updates").fetchone() == (0,)
+    details = [r[0] for r in db.execute("SELECT detail FROM rounds ORDER BY round")]
+    assert all("distributed Skellam noise from the sites" in d for d in details)
+    budgets = {"CR": 1 / 3, "EN": 2 / 3, "VU": 1.0, "NT": 4 / 3, "LC": 5 / 3, "NE": 2.0}
+    per_cat = defaultdict(list)
+    for cat, event_json in db.execute("SELECT category, event_json FROM ledger"):
+        event = json.loads(event_json)
+        assert event["type"] == "skellam" and event["steps"] == 1
+        per_cat[cat].append(event)
+    assert per_cat, "the ledger recorded nothing"
+    for cat, events in per_cat.items():
+        # the ledger's epsilon (dp-accounting, zCDP events) stays within the budget it was calibrated for
+        assert 0 < report["epsilon"][cat]["spent_max"] <= budgets[cat] + 1e-9

@@ -46,9 +46,10 @@ What the bound is and is not: a *lower* bound on the epsilon of the implementati
 ``1 - beta``. A bound above the claim is evidence of a privacy bug (or of bad luck with probability <= beta per
 category). A bound below the claim proves nothing about privacy: one-run audits of Gaussian mechanisms are loose
 (Steinke et al.'s own DP-SGD experiments; Keinan, Shenfeld & Ligett 2025, "How well can differential privacy be
-audited in one run?"), and
-CCDP's fast path adds every active category's noise to every coordinate, so a canary sees more noise than its own
-z_c C. ``break_noise`` (test/diagnostic only) silences the Gaussian draws of the real mechanism to show that the
+audited in one run?"). Under CCDP (individualized DP-SGD, ``edge_sdk.privacy.ccdp``) a canary of category c goes
+through exactly the mechanism its claim is computed for (its category's rate q_c and noise multiplier), so the
+claim is not loosened by other categories' noise. ``break_noise`` (test/diagnostic only) silences the Gaussian
+draws of the real mechanism to show that the
 audit does detect a mechanism that adds no noise.
 
 Imports: the audit's purpose is to run the gateway's own mechanism code, so it imports ``edge_sdk`` (this package,
@@ -72,6 +73,7 @@ import scipy.stats
 
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory, parse_category
+from shared.protocol import CCDP_VARIANTS
 from shared.privacy.accounting import AccountantName, epsilon_spent
 from shared.privacy.events import DPSGDEvent
 
@@ -250,6 +252,7 @@ class AuditSettings:
         guess_fraction: share of each category's canaries that get a guess (half "in", half "out").
         beta: significance of the lower bound (0.05 = 95 % confidence).
         accountant: the ledger's accountant for the claimed epsilon (``"rdp"`` or ``"pld"``).
+        ccdp_variant: the individualized DP-SGD variant (``"sample"`` or ``"scale"``), as the task carries it.
         break_noise: TEST/DIAGNOSTIC ONLY: the Gaussian draws of the mechanism return zeros (no privacy at all), to
             show the audit catches a broken mechanism.
         seed: None (default) draws canary design and inclusion from OS entropy and the mechanism's sampling and
@@ -273,6 +276,7 @@ class AuditSettings:
     guess_fraction: float = 0.6
     beta: float = 0.05
     accountant: AccountantName = "rdp"
+    ccdp_variant: str = "sample"
     break_noise: bool = False
     seed: int | None = None
     probe_size: int = 512
@@ -309,6 +313,9 @@ class AuditSettings:
                               fix="use a confidence such as 0.95")
         if self.accountant not in ("rdp", "pld"):
             raise ConfigError(f"unknown accountant {self.accountant!r}", field="accountant", fix="use rdp or pld")
+        if self.ccdp_variant not in CCDP_VARIANTS:
+            raise ConfigError(f"unknown CCDP variant {self.ccdp_variant!r}", field="ccdp-variant",
+                              fix=f"use one of {', '.join(CCDP_VARIANTS)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}", field="seed")
         cats = tuple(parse_category(c, field="categories") for c in self.categories)
@@ -327,7 +334,8 @@ class AuditSettings:
                 "expected_batch_size": self.expected_batch_size, "learning_rate": self.learning_rate,
                 "clipping_norm": self.clipping_norm, "target_delta": self.target_delta,
                 "guess_fraction": self.guess_fraction, "beta": self.beta, "confidence": 1.0 - self.beta,
-                "accountant": self.accountant, "break_noise": self.break_noise, "seed": self.seed,
+                "accountant": self.accountant, "ccdp_variant": self.ccdp_variant, "break_noise": self.break_noise,
+                "seed": self.seed,
                 "probe_size": self.probe_size}
 
 
@@ -561,8 +569,9 @@ class CategoryAudit:
         lower_bound: empirical epsilon lower bound at confidence ``1 - beta``.
         ceiling: the bound had all ``guesses`` been correct: the largest epsilon this audit's size can certify
             (claims above it cannot be caught, whatever the mechanism does).
-        noise_multiplier: z_c the mechanism was calibrated to.
+        noise_multiplier: sigma / C_c, the noise multiplier the category's records saw.
         delta: the claim's delta (the task's target_delta).
+        sampling_rate: q_c, the category's Poisson rate (below the base rate under CCDP "sample").
     """
 
     category: IUCNCategory
@@ -575,6 +584,7 @@ class CategoryAudit:
     ceiling: float
     noise_multiplier: float
     delta: float
+    sampling_rate: float = float("nan")
 
     @property
     def exceeds_claim(self) -> bool:
@@ -586,8 +596,8 @@ class CategoryAudit:
         return {"category": self.category.value, "canaries": self.canaries, "included": self.included,
                 "guesses": self.guesses, "correct": self.correct, "claimed_epsilon": self.claimed_epsilon,
                 "lower_bound": self.lower_bound, "ceiling": self.ceiling,
-                "noise_multiplier": self.noise_multiplier, "delta": self.delta,
-                "exceeds_claim": self.exceeds_claim}
+                "noise_multiplier": self.noise_multiplier, "sampling_rate": self.sampling_rate,
+                "delta": self.delta, "exceeds_claim": self.exceeds_claim}
 
 
 @dataclass(frozen=True)
@@ -598,7 +608,7 @@ class AuditResult:
         settings: what ran.
         rows: one :class:`CategoryAudit` per audited category, most threatened first.
         num_real_records: real records at the audited site; num_active: N_active (real + canary slots).
-        sampling_rate: q used in every step.
+        sampling_rate: the base rate q = min(1, B / N_active) (the anchor category's; each row has its own q_c).
         scores: float64 (M,) canary scores, aligned with ``design``.
         design: the canaries (with the now-revealed inclusion bits).
         wall_seconds: training + audit time.
@@ -733,12 +743,14 @@ def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarr
     moved = np.zeros(total, dtype=np.float64)  # sum over rounds of delta at each canary's coordinate
     events: dict[IUCNCategory, list[DPSGDEvent]] = {c: [] for c in site_categories}
     z: dict[IUCNCategory, float] = {}
+    q_by_category: dict[IUCNCategory, float] = {}
     q = float("nan")
     for r in range(settings.rounds):
         task = TrainingTask(federation_id="audit", round=r, model_hash="0" * 64, local_steps=settings.local_steps,
                             expected_batch_size=settings.expected_batch_size,
                             learning_rate=float(settings.learning_rate), clipping_norm=float(settings.clipping_norm),
                             target_delta=settings.target_delta, planned_rounds=settings.rounds, privacy="ccdp",
+                            ccdp_variant=settings.ccdp_variant,
                             budgets=settings.budget.table())
         result = train_locally(backend=wrapped, dataset=dataset, task=task, global_weights=weights,
                                site_categories=site_categories, randomness=randomness)
@@ -747,6 +759,7 @@ def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarr
         for c, e in result.report.events.items():
             events[c].append(e)
         z, q = dict(result.noise_multipliers), float(result.sampling_rate)
+        q_by_category = result.sampling_rates
 
     scores = -moved
     rows = []
@@ -766,6 +779,7 @@ def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarr
                                             num_correct=v_correct, delta=settings.target_delta, beta=settings.beta),
             ceiling=epsilon_lower_bound(num_canaries=int(members.size), num_guesses=r_guess, num_correct=r_guess,
                                         delta=settings.target_delta, beta=settings.beta),
-            noise_multiplier=float(z[category]), delta=settings.target_delta))
+            noise_multiplier=float(z[category]), delta=settings.target_delta,
+            sampling_rate=float(q_by_category[category])))
     return AuditResult(settings=settings, rows=tuple(rows), num_real_records=n_real, num_active=len(dataset),
                        sampling_rate=q, scores=scores, design=design, wall_seconds=time.perf_counter() - start)

@@ -49,13 +49,18 @@ def demo(
                                 "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
                                 "(non-private reference)"),
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
+    ccdp_variant: str = typer.Option("sample", help="CCDP as individualized DP-SGD: sample (each category's "
+                                     "records sampled at their own rate) or scale (clipped at their own norm)"),
+    global_noise: str = typer.Option("trusted-server", help="with --privacy global: trusted-server (the "
+                                     "coordinator adds the noise) or distributed (each gateway adds a Skellam "
+                                     "share before secure aggregation masks its sum)"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
     local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 1 with DP, "
                                            "60 with --privacy none)"),
     expected_batch_size: int | None = typer.Option(None, help="records per step in expectation (q = B / N_site; "
                                                    "default 1024 with DP, 128 with --privacy none)"),
-    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 2 with DP, 10 with "
+    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 4 with DP, 10 with "
                                                "--privacy none: no clipping there)"),
     server_momentum: float | None = typer.Option(None, help="coordinator's server SGD momentum (FedAvgM; 0 = "
                                                  "FedAvg; default 0.5, the tuned value)"),
@@ -107,6 +112,7 @@ def demo(
     from wildfed_sim.demo import DemoSettings, run_demo
 
     settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
+                            ccdp_variant=ccdp_variant, global_noise=global_noise,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, server_momentum=server_momentum,
@@ -283,6 +289,8 @@ def audit(
                                          "fixed in advance, no search)"),
     confidence: float = typer.Option(0.95, help="confidence 1 - beta of the lower bound"),
     accountant: str = typer.Option("rdp", help="accountant of the claimed epsilon: rdp or pld"),
+    ccdp_variant: str = typer.Option("sample", help="individualized DP-SGD variant: sample (per-category rates) "
+                                     "or scale (per-category clipping norms)"),
     break_noise: bool = typer.Option(False, "--break-noise", help="DIAGNOSTIC ONLY: silence the mechanism's "
                                      "Gaussian noise, to show the audit detects a broken mechanism"),
     seed: int | None = typer.Option(None, help="seed canaries, sampling and noise for a reproducible run (no "
@@ -304,7 +312,8 @@ def audit(
         budget=CCDPBudget.from_anchor(anchor_category, anchor_epsilon, gamma), rounds=rounds,
         local_steps=local_steps, expected_batch_size=expected_batch_size, learning_rate=learning_rate,
         clipping_norm=clipping_norm, target_delta=target_delta, guess_fraction=guess_fraction,
-        beta=1.0 - confidence, accountant=accountant, break_noise=break_noise, seed=seed)  # type: ignore[arg-type]
+        beta=1.0 - confidence, accountant=accountant, ccdp_variant=ccdp_variant,  # type: ignore[arg-type]
+        break_noise=break_noise, seed=seed)
     if isinstance(site_records, bool) or site_records < 1:
         raise ConfigError(f"--site-records must be >= 1, got {site_records}", field="site-records",
                           fix="e.g. --site-records 500")
@@ -327,11 +336,12 @@ def audit(
     table = Table(title=f"empirical privacy audit ({'NOISE OFF, diagnostic' if break_noise else 'real mechanism'}; "
                         f"delta={target_delta:g}, q={result.sampling_rate:.4g}, "
                         f"{rounds * local_steps} steps, N_active={result.num_active})",
-                  caption=f"m canaries (in: secretly included), r guesses, v correct; z: noise multiplier; ceiling: "
+                  caption="m canaries (in: secretly included), r guesses, v correct; q: the category's sampling "
+                          "rate; z: its noise multiplier; ceiling: "
                           "the bound if all r guesses were right (no larger epsilon can be detected). Lower "
                           f"bound: Steinke, Nasr & Jagielski 2023, Thm 3.1, at {level} confidence: a lower bound, not "
                           f"a proof of privacy. Claimed: the ledger's epsilon for the steps run ({accountant}).")
-    for col in ("cat.", "m", "in", "r", "v", "z", "claimed ε", f"ε lower bound ({level})", "ceiling", "verdict"):
+    for col in ("cat.", "m", "in", "r", "v", "q", "z", "claimed ε", f"ε lower bound ({level})", "ceiling", "verdict"):
         table.add_column(col, justify="left" if col in ("cat.", "verdict") else "right")
     for row in result.rows:
         if row.exceeds_claim:
@@ -341,7 +351,8 @@ def audit(
         else:
             verdict = "[green]ok[/]"
         table.add_row(row.category.value, str(row.canaries), str(row.included), str(row.guesses), str(row.correct),
-                      f"{row.noise_multiplier:.3f}", f"{row.claimed_epsilon:.4f}", f"{row.lower_bound:.4f}",
+                      f"{row.sampling_rate:.4g}", f"{row.noise_multiplier:.3f}", f"{row.claimed_epsilon:.4f}",
+                      f"{row.lower_bound:.4f}",
                       f"{row.ceiling:.2f}", verdict)
     console.print(table)
     console.print(escape(f"written {run_dir / 'audit.json'} and {run_dir / 'canaries.csv'} "

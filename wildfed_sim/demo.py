@@ -48,7 +48,7 @@ __all__ = ["DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoS
 
 
 #: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
-DP_DEFAULTS: dict[str, Any] = {"local_steps": 1, "expected_batch_size": 1024, "learning_rate": 2.0,
+DP_DEFAULTS: dict[str, Any] = {"local_steps": 1, "expected_batch_size": 1024, "learning_rate": 4.0,
                                "server_momentum": 0.5}
 #: Demo defaults without privacy (no clipping: the mean gradient's norm is ~20, hence the larger step); same sweep
 NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 60, "expected_batch_size": 128, "learning_rate": 10.0,
@@ -72,6 +72,12 @@ class DemoSettings:
         privacy: ``"ccdp"`` (local DP at each gateway), ``"global"`` (secure aggregation, the coordinator adds
             the noise once per round; needs ``local_steps`` 1) or ``"none"`` (non-private reference).
         gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
+        ccdp_variant: how CCDP meets each category's budget with one noise draw per step (individualized DP-SGD,
+            :mod:`edge_sdk.privacy.ccdp`): ``"sample"`` (per-category Poisson rates; default) or ``"scale"``
+            (per-category clipping norms). Global DP rounds always sample.
+        global_noise: with ``privacy="global"``: ``"trusted-server"`` (the coordinator adds the noise to the
+            unmasked sum) or ``"distributed"`` (each gateway adds its share of Skellam noise before masking:
+            ``shared.privacy.distributed``).
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
         learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
@@ -118,6 +124,8 @@ class DemoSettings:
     rounds: int = 10
     privacy: str = "ccdp"
     gamma: float = 1.0
+    ccdp_variant: str = "sample"
+    global_noise: str = "trusted-server"
     anchor_category: str = "VU"
     anchor_epsilon: float = 1.0
     local_steps: int | None = None
@@ -161,6 +169,12 @@ class DemoSettings:
             raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}", field="rounds", fix="use --rounds 10")
+        if self.ccdp_variant not in ("sample", "scale"):
+            raise ConfigError(f"ccdp_variant must be 'sample' or 'scale', got {self.ccdp_variant!r}",
+                              field="ccdp_variant", fix="use --ccdp-variant sample or --ccdp-variant scale")
+        if self.global_noise not in ("trusted-server", "distributed"):
+            raise ConfigError(f"global_noise must be 'trusted-server' or 'distributed', got {self.global_noise!r}",
+                              field="global_noise", fix="use --global-noise trusted-server or distributed")
         if self.privacy not in ("ccdp", "global", "none"):
             raise ConfigError(f"privacy must be 'ccdp', 'global' or 'none', got {self.privacy!r}", field="privacy",
                               fix="use --privacy ccdp, --privacy global or --privacy none")
@@ -738,7 +752,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "round_deadline_s": settings.round_deadline_s, "local_steps": settings.local_steps,
             "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
             "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
-            "privacy": settings.privacy, "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
+            "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
+            "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
             "model": "head", "adapter_width": settings.adapter_width,
             "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
             "seed": settings.seed, "strategy": _strategy_config(settings),

@@ -113,6 +113,8 @@ class SimConfig:
     server_momentum: float = 0.0
     adapter_width: int = 0
     centre: bool = True
+    ccdp_variant: str = "sample"
+    logit_adjustment: bool = True
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None) -> dict[str, Any]:
@@ -123,7 +125,8 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
 
     Returns:
         ``{"round0": Accuracy.by_group, "final": Accuracy.by_group, "final_by_category": {code: accuracy},
-        "noise_multipliers": {site: {code: z}}, "weights": the final global model}`` (accuracies are fractions).
+        "noise_multipliers": {site: {code: z}}, "sampling_rates": {site: {code: q_c}}, "weights": the final global
+        model}`` (accuracies are fractions).
 
     Raises:
         ConfigError / PrivacyBudgetError: from :func:`edge_sdk.training.train_locally` on a bad configuration.
@@ -149,26 +152,31 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     round0 = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
     budgets = dict(config.budgets) if config.privacy != "none" else {}
     zs: dict[str, dict[str, float]] = {}
+    rates: dict[str, dict[str, float]] = {}
     centre = public_centre(fed.public_features) if config.centre else None
     total = float(sum(len(s) for s in fed.sites))
     inputs = {s.site_id: TrainingInputs(s, centre) for s in fed.sites}  # as each gateway prepares them once
+    table = dict(enumerate(fed.class_categories))  # the species table every demo gateway holds (public)
     for r in range(config.rounds):
         task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=config.local_steps,
                             expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
                             clipping_norm=config.clipping_norm, target_delta=config.target_delta,
-                            planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets)
+                            planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets,
+                            ccdp_variant=config.ccdp_variant)
         avg = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
         for site in fed.sites:
             result = train_locally(backend=backend, dataset=inputs[site.site_id], task=task, global_weights=weights,
-                                   site_categories=site.species_categories, randomness=rngs[site.site_id])
+                                   site_categories=site.species_categories, randomness=rngs[site.site_id],
+                                   class_categories=table if config.logit_adjustment else None)
             zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
+            rates[site.site_id] = {c.value: q for c, q in result.sampling_rates.items()}
             for k, d in result.delta.items():
                 avg[k] += (len(site) / total) * d
         weights = server.step(weights, {k: v.astype(np.float32) for k, v in avg.items()})
     final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
     return {"round0": round0.by_group, "final": final.by_group,
             "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": zs,
-            "weights": weights}
+            "sampling_rates": rates, "weights": weights}
 
 
 def summarise(values: Sequence[float]) -> tuple[float, float]:

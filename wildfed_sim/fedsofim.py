@@ -217,7 +217,8 @@ def run_federation(*, optimizer: Any, clients: Sequence[HeadData], evaluate_on: 
 
     feat_dim = clients[0].features.shape[1]
     weights = {WEIGHT: np.zeros((num_classes, feat_dim), np.float32), BIAS: np.zeros(num_classes, np.float32)}
-    mechanisms = [CCDPMechanism(clipping_norm=clipping_norm, noise_multipliers={UNIFORM_CATEGORY: noise_multiplier},
+    mechanisms = [CCDPMechanism(clipping_norms={UNIFORM_CATEGORY: clipping_norm},
+                                noise_std=float(noise_multiplier) * clipping_norm,
                                 expected_batch_size=float(len(c)), noise=noise) for c in clients]
     sizes = [len(c) for c in clients]
     event = DPSGDEvent(float(noise_multiplier), 1.0, 1)

@@ -163,15 +163,17 @@ def budget(config: Path = config_option(),
         console.print(f"[yellow]note: halting uses the config's accountant ({cfg.accountant}); spent and rounds left "
                       f"above are what {acc} gives[/]")
     cmp_ = Table(title="for comparison only: never used to calibrate, halt, or claim a guarantee",
-                 caption="z calibrated: the site's last event's noise multiplier (dp-accounting). textbook z = "
+                 caption="z calibrated, q: the site's last event's noise multiplier (dp-accounting) and sampling "
+                         "rate (CCDP samples each category at its own rate). textbook z = "
                          "sqrt(2 ln(1.25/δ))/ε_budget: one Gaussian release, holds only for ε < 1. seed's loose "
                          "bound: q sqrt(2 T ln(1/δ))/z (Abadi et al. Thm 1 without its constant; not a guarantee).")
-    for col in ("site", "category", "eps RDP", "seed's loose bound", "z calibrated", "textbook z"):
+    for col in ("site", "category", "eps RDP", "seed's loose bound", "z calibrated", "q", "textbook z"):
         cmp_.add_column(col, justify="left" if col in ("site", "category") else "right")
     for r in rows:
         z_text = f"{r.z_textbook:.3f}" if r.textbook_valid else f"[dim]{r.z_textbook:.3f} invalid (eps >= 1)[/]"
         cmp_.add_row(r.site_id, r.category.value, f"{r.eps_rdp:.4f}", f"{r.eps_seed_bound:.4f}",
-                     "-" if r.z_calibrated is None else f"{r.z_calibrated:.3f}", z_text)
+                     "-" if r.z_calibrated is None else f"{r.z_calibrated:.3f}",
+                     "-" if r.q_recorded is None else f"{r.q_recorded:.4g}", z_text)
     console.print(cmp_)
     if plot is not None:
         console.print(escape(f"burn-down plot written to {plot}"))

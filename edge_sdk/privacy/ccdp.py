@@ -1,46 +1,54 @@
-"""CCDP: conservation-calibrated DP-SGD, the per-category Gaussian mechanism (written once, backend-agnostic).
+"""CCDP: conservation-calibrated DP-SGD as individualized DP-SGD (written once, backend-agnostic).
 
-One step, for per-example gradients g_i (B, d) of a Poisson-sampled batch (DESIGN.md, "Privacy semantics";
-DP-SGD of Abadi et al. 2016, Alg. 1, with one noisy sum per IUCN category):
+Each IUCN category c has its own budget eps_c (``shared.iucn``). CCDP meets every budget exactly with ONE Gaussian
+draw per step, as individualized DP-SGD does (Boenisch, Mühl, Dziedzic, Rinberg and Papernot, "Have it your way:
+individualized privacy assignment for DP-SGD", NeurIPS 2023, Sec. 4; DESIGN.md "Privacy semantics"). Two
+variants, both behind :class:`CCDPMechanism`:
 
-1. clip:      g_i <- g_i * min(1, C / ||g_i||_2)                       so every ||g_i||_2 <= C
-2. sum:       S_c  = sum_{i in batch, cat(i) = c} g_i                  for every ACTIVE category c
-3. noise:     S~_c = S_c + N(0, (z_c C)^2 I_d)                         independently per category
-4. combine:   g~   = (sum_c S~_c) / (q * N_active)                     post-processing; expected batch size
+- **Sample** (the paper's Sec. 4.1): one noise multiplier z and one clipping norm C for every record; the records
+  of category c are Poisson-sampled at their own rate q_c. Category c's records go through
+  ``PoissonSampled(q_c, Gaussian(z))`` per step.
+- **Scale** (Sec. 4.2): one sampling rate q and one noise standard deviation sigma for every record; the records of
+  category c are clipped at their own norm ``C_c = sigma / z_c``. Category c's records go through
+  ``PoissonSampled(q, Gaussian(z_c))`` per step (a record's sensitivity is C_c, the noise sigma = z_c C_c).
 
-Active categories are the categories of the site's species table that the ledger has not halted. They are decided
-by configuration and the task, never by which records the batch happens to hold: a category with no record in the
-batch still gets its noise, so the noise magnitude reveals nothing about the data.
+One step, for per-example gradients g_i (B, d) of the batch (Abadi et al. 2016, Alg. 1, with per-record rates
+and clipping norms)::
 
-Formal guarantee: a record lies in exactly one category's sum, and adding/removing it changes that sum by at most
-C in L2 norm and no other sum; so (parallel composition) the record's privacy is that of the Poisson-subsampled
-Gaussian mechanism with noise multiplier z_c and rate q, composed over the steps run, i.e. the
-:class:`shared.privacy.events.DPSGDEvent` ``(z_c, q, steps)`` reported for its category. Step 4 is
-post-processing. Dividing by the expected (public) batch size instead of the realised (private) one keeps the
-output a function of the noisy sums alone.
+    sample:  record i joins the batch with probability q_{cat(i)}         (independently, every step)
+    clip:    g_i <- g_i * min(1, C_{cat(i)} / ||g_i||_2)
+    noise:   g~  = (sum_{i in batch} g_i + N(0, sigma^2 I_d)) / (q N_site)
 
-Implementation note: one draw with the summed variance. The released value is
-g~ = (sum_c (S_c + N_c)) / (q N_active) with N_c ~ N(0, (z_c C)^2 I_d) independent. A sum of independent Gaussians
-is Gaussian with the summed covariance, so sum_c N_c ~ N(0, sigma_tot^2 I_d) with sigma_tot^2 = sum_c (z_c C)^2, and
+Formal guarantee (per record, add/remove-one): adding or removing one record x of category c changes the clipped
+sum by at most C_c in L2 norm, and x is in the batch with probability q_c independently of every other record, so
+each step is, for x, the Poisson-subsampled Gaussian mechanism with rate q_c and noise multiplier sigma / C_c; over
+the steps run this is the :class:`shared.privacy.events.DPSGDEvent` ``(sigma / C_c, q_c, steps)`` that
+:meth:`CCDPPlan.events` reports for category c (the individualized analysis of the paper's Thm 4.1 and 4.2:
+the privacy loss of a record depends only on its own rate and sensitivity). The ledger records exactly that event,
+so the epsilon it prints for category c is the epsilon of what category c's records went through.
 
-    g~  =_d  (sum_c S_c + N(0, sigma_tot^2 I_d)) / (q N_active) = (total clipped sum + one draw) / (q N_active):
+Calibration (:func:`plan_ccdp`, with dp-accounting; the gateway uses only public values: the budgets, the site's
+species table, the halted list, B and N_site):
 
-the two expressions have the same distribution for every batch, so they are the same mechanism (the same output
-distribution on every pair of neighbouring datasets, hence the same per-category guarantee: a record's
-influence is still bounded by C and it is still covered by its own category's z_c C share of the noise).
-:meth:`CCDPMechanism.privatize`, the production path, draws that one vector (K times fewer secure Gaussians for
-K active categories, and one weighted sum instead of K); :meth:`CCDPMechanism.noisy_category_sums` with
-:meth:`CCDPMechanism.combine` is the per-category reference implementation, and the tests check that both agree
-(exactly without noise, in per-coordinate standard deviation with it). Only the released g~ is computed: the
-per-category noisy sums S~_c are never released, so nothing needs them individually.
+- the *anchor* is the category of the site's species table with the largest budget (halted or not, so z does not
+  change when a category halts); it is sampled at the base rate q = min(1, B/N_site) with clipping norm C (the
+  task's), and z is calibrated so that it spends exactly its budget over the planned steps;
+- Sample: for every other active category, q_c = the largest rate <= q at which ``PoissonSampled(q_c,
+  Gaussian(z))`` over the planned steps spends eps_c (``shared.privacy.accounting.calibrate_sampling_rate``);
+- Scale: for every other active category, z_c is calibrated at rate q for eps_c and ``C_c = z C / z_c``.
 
-Noise is drawn and added in float64 and the result is cast to float32 once (the backends' parameter dtype).
+Normaliser. The step is divided by q N_site, the expected batch size of the anchor's rate over all the site's
+records: a public number. The paper normalises by the expected batch size ``sum_c q_c N_c``, which is a function of
+the site's per-category record counts; those are private (one record of category c changes N_c), so dividing by it
+would release a function of the data that no noise covers. With Scale the two agree; with Sample the step is
+smaller by the factor ``sum_c q_c N_c / (q N_site)``, which the learning rate absorbs (docs/privacy.md).
 
-Edge cases:
+Active categories are the categories of the site's species table that the ledger has not halted: decided by
+configuration, never by which records a batch holds. Noise is drawn and added in float64 and the result is cast to
+float32 once (the backends' parameter dtype).
 
 =====================================  ===================================================
-batch empty                            output is pure noise / (q N_active); still a step
-category active but not in the batch   its noise is added anyway
+batch empty                            output is pure noise / (q N_site); still a step
 record of a non-active category        :class:`PrivacyBudgetError` (sampling must exclude it)
 all categories halted                  :class:`PrivacyBudgetError` (the site stops training)
 =====================================  ===================================================
@@ -50,52 +58,68 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from shared.errors import PrivacyBudgetError
+from shared.errors import ConfigError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
-from shared.privacy.accounting import calibrated_noise_multiplier
+from shared.privacy.accounting import AccountantName, calibrated_noise_multiplier
 from shared.privacy.events import DPSGDEvent
+from shared.privacy.individualized import anchor_category, anchor_noise_multiplier, individual_sampling_rates
+from shared.protocol import CCDP_VARIANTS
 
 from edge_sdk.privacy.per_example import MaterialisedGradients, PerExampleGradients
 from edge_sdk.privacy.randomness import RandomSource
 
 __all__ = [
+    "CCDPVariant",
+    "CCDP_VARIANTS",
     "clip_factors",
     "clip_factors_from_norms",
     "clip_per_example",
+    "CCDPPlan",
     "CCDPMechanism",
     "active_categories",
-    "calibrate_category_noise",
-    "category_events",
+    "plan_ccdp",
 ]
+
+CCDPVariant = Literal["sample", "scale"]
 
 # Clipping scales by C/||g|| times this, so float32 rounding (of the gradient or of a norm computed without
 # materialising it) cannot push a clipped norm above C.
 _CLIP_SAFETY = 1.0 - 1e-5
+_NUM_RANKS = max(c.rank for c in IUCNCategory) + 1
 
 
-def clip_factors_from_norms(norms: np.ndarray, clipping_norm: float) -> np.ndarray:
-    """Per-example scale factors ``min(1, C / ||g_i||_2)`` (Abadi et al. 2016, Alg. 1, "clip gradient").
+def clip_factors_from_norms(norms: np.ndarray, clipping_norm: float | np.ndarray) -> np.ndarray:
+    """Per-example scale factors ``min(1, C_i / ||g_i||_2)`` (Abadi et al. 2016, Alg. 1, "clip gradient").
 
     Args:
         norms: float (B,), L2 norms of the per-example gradients.
-        clipping_norm: C > 0, L2.
+        clipping_norm: C > 0 (L2), one for every example, or float (B,) one per example (individualized clipping,
+            the "Scale" variant).
 
     Returns:
         float32 (B,), in (0, 1]. When clipping is active the factor is shrunk by a relative 1e-5 so that float32
-        rounding cannot push a clipped norm above C.
+        rounding cannot push a clipped norm above C_i.
 
     Raises:
-        ValueError: C not positive.
+        ValueError: a clipping norm not positive, or a per-example array of the wrong shape.
     """
-    if not clipping_norm > 0:
-        raise ValueError(f"clipping_norm must be > 0, got {clipping_norm}")
     norms = np.asarray(norms, dtype=np.float64)
+    bound = np.asarray(clipping_norm, dtype=np.float64)
+    if bound.ndim == 0:
+        if not bound > 0:
+            raise ValueError(f"clipping_norm must be > 0, got {clipping_norm}")
+        bound = np.full(norms.shape, float(bound))
+    elif bound.shape != norms.shape:
+        raise ValueError(f"expected clipping norms {norms.shape}, got {bound.shape}")
+    elif not np.all(bound > 0):
+        raise ValueError("every clipping norm must be > 0")
     factors = np.ones_like(norms)
-    over = norms > clipping_norm
-    factors[over] = (clipping_norm / norms[over]) * _CLIP_SAFETY
+    over = norms > bound
+    factors[over] = (bound[over] / norms[over]) * _CLIP_SAFETY
     return factors.astype(np.float32)
 
 
@@ -110,121 +134,242 @@ def clip_per_example(per_example_grads: np.ndarray, clipping_norm: float) -> np.
     return grads * clip_factors(grads, clipping_norm)[:, None]
 
 
+def _rank_table(values: Mapping[IUCNCategory, float]) -> np.ndarray:
+    """float64 (ranks,) lookup table: ``values[c]`` at ``c.rank``, 0 elsewhere."""
+    table = np.zeros(_NUM_RANKS, dtype=np.float64)
+    for c, v in values.items():
+        table[c.rank] = float(v)
+    return table
+
+
 @dataclass(frozen=True)
-class CCDPMechanism:
-    """The CCDP step for one site (see the module docstring for the maths and the guarantee).
+class CCDPPlan:
+    """What one site runs for its active categories (see the module docstring): per category c a Poisson sampling
+    rate q_c and a clipping norm C_c, and one Gaussian noise draw of standard deviation sigma per step.
 
     Attributes:
-        clipping_norm: C, L2 bound of each example's contribution.
-        noise_multipliers: ``{category: z_c}`` for exactly the active categories; z_c = sigma_c / C > 0.
-        expected_batch_size: q * N_active (> 0), the public normaliser.
+        variant: ``"sample"`` (per-category q_c, one C) or ``"scale"`` (one q, per-category C_c).
+        noise_std: sigma, the standard deviation per coordinate of the one draw (units of the clipped sum).
+        sampling_rates: ``{category: q_c}`` in (0, 1] for exactly the active categories.
+        clipping_norms: ``{category: C_c}`` > 0 (L2) for the same categories.
+        anchor: the species table's category with the largest budget (sampled at the base rate with the task's C
+            while it is active; it may be halted).
+
+    Raises:
+        PrivacyBudgetError: no active category.
+        ValueError: mismatched categories, a rate outside (0, 1], a norm or sigma not positive, unknown variant.
+    """
+
+    variant: str
+    noise_std: float
+    sampling_rates: Mapping[IUCNCategory, float]
+    clipping_norms: Mapping[IUCNCategory, float]
+    anchor: IUCNCategory
+
+    def __post_init__(self) -> None:
+        if not self.sampling_rates:
+            raise PrivacyBudgetError("no active IUCN category: every category is halted, the site stops training")
+        if self.variant not in CCDP_VARIANTS:
+            raise ValueError(f"variant must be one of {CCDP_VARIANTS}, got {self.variant!r}")
+        if set(self.sampling_rates) != set(self.clipping_norms):
+            raise ValueError("sampling_rates and clipping_norms must name the same active categories")
+        if not self.noise_std > 0:
+            raise ValueError(f"noise_std must be > 0, got {self.noise_std}")
+        for c in self.sampling_rates:
+            if not 0 < self.sampling_rates[c] <= 1:
+                raise ValueError(f"sampling rate of {c.value} must be in (0, 1], got {self.sampling_rates[c]}")
+            if not self.clipping_norms[c] > 0:
+                raise ValueError(f"clipping norm of {c.value} must be > 0, got {self.clipping_norms[c]}")
+
+    @property
+    def categories(self) -> tuple[IUCNCategory, ...]:
+        """Active categories in IUCN rank order."""
+        return tuple(sorted(self.sampling_rates, key=lambda c: c.rank))
+
+    def noise_multiplier(self, category: IUCNCategory) -> float:
+        """``sigma / C_c``: the noise multiplier category c's records see (the same for every category under
+        Sample)."""
+        return float(self.noise_std / self.clipping_norms[category])
+
+    def noise_multipliers(self) -> dict[IUCNCategory, float]:
+        """``{category: sigma / C_c}`` in rank order."""
+        return {c: self.noise_multiplier(c) for c in self.categories}
+
+    def events(self, steps: int) -> dict[IUCNCategory, DPSGDEvent]:
+        """The DP events of ``steps`` steps: ``DPSGDEvent(sigma / C_c, q_c, steps)`` per active category, the
+        mechanism its records went through (module docstring, "Formal guarantee")."""
+        return {c: DPSGDEvent(self.noise_multiplier(c), float(self.sampling_rates[c]), int(steps))
+                for c in self.categories}
+
+    def relative_weights(self) -> dict[IUCNCategory, float]:
+        """``{c: (q_c / q_max) (C_c / C_max)}``: the expected weight of a (clipped) record of category c in a step,
+        relative to the anchor's (1.0 for the anchor; under "sample" the rate ratio, under "scale" the norm
+        ratio). Public: a function of the plan alone."""
+        q_max, c_max = max(self.sampling_rates.values()), max(self.clipping_norms.values())
+        return {c: float(self.sampling_rates[c] / q_max * self.clipping_norms[c] / c_max) for c in self.categories}
+
+    def inclusion_rates(self, categories: np.ndarray) -> np.ndarray:
+        """float64 (N,) Poisson inclusion probability of each record (q_c of its category, 0 for a record of a
+        category that is not active), from int (N,) IUCN ranks."""
+        ranks = np.asarray(categories).astype(np.int64)
+        ok = (ranks >= 0) & (ranks < _NUM_RANKS)
+        out = np.zeros(ranks.shape, dtype=np.float64)
+        out[ok] = _rank_table(self.sampling_rates)[ranks[ok]]
+        return out
+
+
+def plan_ccdp(
+    *,
+    variant: str,
+    budgets: Mapping[IUCNCategory, float],
+    active: Iterable[IUCNCategory],
+    target_delta: float,
+    sampling_rate: float,
+    steps: int,
+    clipping_norm: float,
+    fixed_events: tuple[DPSGDEvent, ...] = (),
+    accountant: AccountantName = "rdp",
+    site_categories: Iterable[IUCNCategory] | None = None,
+) -> CCDPPlan:
+    """Calibrate a site's :class:`CCDPPlan` from public values, with the real accountant (module docstring,
+    "Calibration"; Boenisch et al. 2023, Sec. 4.1-4.2).
+
+    Args:
+        variant: ``"sample"`` or ``"scale"``.
+        budgets: total epsilon per category (whole federation, per record).
+        active: the site's active categories (species table minus halted).
+        target_delta: delta of every guarantee.
+        sampling_rate: the base rate q = min(1, B / N_site).
+        steps: DP-SGD steps planned for the whole federation (``planned_rounds * local_steps``): running them all
+            spends at most each category's budget.
+        clipping_norm: C, the anchor's clipping norm (the task's).
+        fixed_events: other releases about every record whose noise is already set (NIRA's noisy counts over the
+            planned rounds): each category's steps are calibrated so that they and those releases stay within its
+            budget.
+        site_categories: the site's species table (halted categories included), from which the anchor is chosen
+            (default: ``active``). Choosing it from the table keeps z the same when a category halts, so every
+            round of the federation runs at one z and each category's rate stays what its budget was planned for.
+
+    Raises:
+        PrivacyBudgetError: no active category, or an active category without a budget.
+        ConfigError: unknown variant; a budget, delta, q or steps out of range, or the fixed releases alone
+            exceed a budget (field ``count_noise_multiplier``; from ``shared.privacy.accounting``).
+    """
+    if variant not in CCDP_VARIANTS:
+        raise ConfigError(f"unknown CCDP variant {variant!r}", field="ccdp_variant",
+                          fix=f"use one of {', '.join(CCDP_VARIANTS)}")
+    cats = tuple(sorted(set(active), key=lambda c: c.rank))
+    anchor_category(budgets, cats)  # raises for no active category or an active category without a budget
+    table = {c for c in (site_categories if site_categories is not None else cats) if c in budgets} | set(cats)
+    anchor = anchor_category(budgets, table)  # the largest budget of the species table
+    q, delta, fixed = float(sampling_rate), float(target_delta), tuple(fixed_events)
+    z = anchor_noise_multiplier(budgets=budgets, categories=(anchor,), target_delta=delta, max_rate=q,
+                                steps=int(steps), fixed_events=fixed, accountant=accountant)
+    sigma = z * float(clipping_norm)
+    if variant == "sample":
+        rates = individual_sampling_rates(noise_multiplier=z, budgets=budgets, categories=cats, target_delta=delta,
+                                          max_rate=q, steps=int(steps), fixed_events=fixed, accountant=accountant)
+        if anchor in rates:
+            rates[anchor] = q
+        norms = {c: float(clipping_norm) for c in cats}
+    else:
+        rates = {c: q for c in cats}
+        norms = {}
+        for c in cats:
+            z_c = z if c == anchor else calibrated_noise_multiplier(float(budgets[c]), delta, q, int(steps),
+                                                                    accountant, fixed)
+            norms[c] = sigma / max(z_c, z)  # never above C: a smaller budget never earns a larger norm
+    return CCDPPlan(variant=variant, noise_std=sigma, sampling_rates=rates, clipping_norms=norms, anchor=anchor)
+
+
+@dataclass(frozen=True)
+class CCDPMechanism:
+    """The CCDP step for one site: per-category clipping, one Gaussian draw, the public normaliser (module
+    docstring).
+
+    Attributes:
+        clipping_norms: ``{category: C_c}`` for exactly the active categories (L2, > 0).
+        noise_std: sigma (> 0), the standard deviation per coordinate of the one draw.
+        expected_batch_size: q N_site (> 0), the public normaliser.
         noise: the random source of the Gaussian noise (a :class:`~edge_sdk.privacy.randomness.SecureRandom` in
             production).
 
     Raises:
         PrivacyBudgetError: no active category.
-        ValueError: C, a z_c or the expected batch size not positive.
+        ValueError: a C_c, sigma or the expected batch size not positive.
     """
 
-    clipping_norm: float
-    noise_multipliers: Mapping[IUCNCategory, float]
+    clipping_norms: Mapping[IUCNCategory, float]
+    noise_std: float
     expected_batch_size: float
     noise: RandomSource = field(repr=False)
+    _table: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.noise_multipliers:
+        if not self.clipping_norms:
             raise PrivacyBudgetError("no active IUCN category: every category is halted, the site stops training")
-        if not self.clipping_norm > 0:
-            raise ValueError(f"clipping_norm must be > 0, got {self.clipping_norm}")
+        if not self.noise_std > 0:
+            raise ValueError(f"noise_std must be > 0, got {self.noise_std}")
         if not self.expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {self.expected_batch_size}")
-        for category, z in self.noise_multipliers.items():
-            if not z > 0:
-                raise ValueError(f"noise multiplier of {category.value} must be > 0, got {z}")
+        for category, c in self.clipping_norms.items():
+            if not c > 0:
+                raise ValueError(f"clipping norm of {category.value} must be > 0, got {c}")
+        object.__setattr__(self, "_table", _rank_table(self.clipping_norms))
+
+    @classmethod
+    def from_plan(cls, plan: CCDPPlan, *, expected_batch_size: float, noise: RandomSource) -> "CCDPMechanism":
+        """The mechanism that runs ``plan`` (its clipping norms and sigma; the sampling is the caller's, with
+        :meth:`CCDPPlan.inclusion_rates`)."""
+        return cls(clipping_norms=dict(plan.clipping_norms), noise_std=plan.noise_std,
+                   expected_batch_size=float(expected_batch_size), noise=noise)
 
     @property
     def categories(self) -> tuple[IUCNCategory, ...]:
-        """Active categories in IUCN rank order; row k of :meth:`noisy_category_sums` is ``categories[k]``."""
-        return tuple(sorted(self.noise_multipliers, key=lambda c: c.rank))
+        """Active categories in IUCN rank order."""
+        return tuple(sorted(self.clipping_norms, key=lambda c: c.rank))
 
-    def noisy_category_sums(self, per_example_grads: np.ndarray | PerExampleGradients,
-                            categories: np.ndarray) -> np.ndarray:
-        """Stages 1-3: clip, sum per active category, add that category's Gaussian noise.
+    def clipped_sum(self, per_example_grads: np.ndarray | PerExampleGradients, categories: np.ndarray) -> np.ndarray:
+        """``sum_i g_i min(1, C_{cat(i)} / ||g_i||)`` as float64 (d,), one weighted sum (no noise).
 
         Args:
             per_example_grads: float32 (B, d) array, B >= 0, or a
                 :class:`~edge_sdk.privacy.per_example.PerExampleGradients` (norms + weighted sums).
             categories: int (B,), IUCN rank of each example.
 
-        Returns:
-            float64 (K, d), K = number of active categories, rows ordered as :attr:`categories`.
-
         Raises:
             PrivacyBudgetError: an example belongs to a category that is not active.
             ValueError: shapes disagree.
         """
-        grads, ranks, factors = self._clip(per_example_grads, categories)
-        order = self.categories
-        active_ranks = np.asarray([c.rank for c in order], dtype=np.int64)
-        # Clip and sum in one weighted sum: weights[k, i] = factor_i if cat(i) == k else 0.
-        weights = (ranks[None, :] == active_ranks[:, None]).astype(np.float32) * factors[None, :]
-        sums = np.asarray(grads.weighted_sum(weights), dtype=np.float64)
-        stds = np.asarray([self.noise_multipliers[c] * self.clipping_norm for c in order], dtype=np.float64)
-        return sums + stds[:, None] * self.noise.standard_normal((len(order), sums.shape[1]))
-
-    def combine(self, noisy_sums: np.ndarray) -> np.ndarray:
-        """Stage 4 (post-processing): ``sum_c S~_c / expected_batch_size`` as float32 (d,)."""
-        return (np.sum(noisy_sums, axis=0) / self.expected_batch_size).astype(np.float32)
-
-    @property
-    def total_noise_std(self) -> float:
-        """``sigma_tot = sqrt(sum_c (z_c C)^2)`` over the active categories: the std of the one Gaussian draw of
-        :meth:`privatize` (see "Implementation note" in the module docstring)."""
-        return float(np.sqrt(sum((z * self.clipping_norm) ** 2 for z in self.noise_multipliers.values())))
-
-    def privatize(self, per_example_grads: np.ndarray | PerExampleGradients, categories: np.ndarray) -> np.ndarray:
-        """The whole step, as training runs it: per-example gradients ((B, d) array or implicit) -> float32 (d,)
-        private mean gradient ``(sum_i clip(g_i) + N(0, sigma_tot^2 I)) / (q N_active)``.
-
-        Same output distribution as :meth:`privatize_reference` (``combine(noisy_category_sums(...))``), with one
-        weighted sum and one Gaussian draw instead of K (module docstring, "Implementation note").
-
-        Raises:
-            PrivacyBudgetError: an example belongs to a category that is not active.
-            ValueError: shapes disagree.
-        """
-        grads, _, factors = self._clip(per_example_grads, categories)
-        total = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
-        total += self.total_noise_std * self.noise.standard_normal(total.shape[0])
-        total *= 1.0 / self.expected_batch_size
-        return total.astype(np.float32)
-
-    def privatize_reference(self, per_example_grads: np.ndarray | PerExampleGradients,
-                            categories: np.ndarray) -> np.ndarray:
-        """Stages 1-4 literally (K noisy category sums, then combined): the reference :meth:`privatize` is
-        tested against."""
-        return self.combine(self.noisy_category_sums(per_example_grads, categories))
-
-    def _clip(self, per_example_grads: np.ndarray | PerExampleGradients,
-              categories: np.ndarray) -> tuple[PerExampleGradients, np.ndarray, np.ndarray]:
-        """Checks shapes and categories; returns (gradients, int64 ranks (B,), float32 clip factors (B,))."""
         grads = (per_example_grads if isinstance(per_example_grads, PerExampleGradients)
                  else MaterialisedGradients(per_example_grads))
         ranks = np.asarray(categories).astype(np.int64)
         if ranks.shape != (grads.batch_size,):
             raise ValueError(f"expected categories ({grads.batch_size},), got {ranks.shape}")
-        # a lookup table over the IUCN ranks instead of np.isin: the same test, a fraction of the per-step cost
-        active = np.zeros(max(c.rank for c in IUCNCategory) + 1, dtype=bool)
-        active[[c.rank for c in self.noise_multipliers]] = True
-        in_range = (ranks >= 0) & (ranks < active.shape[0])
-        stray = ~in_range
-        stray[in_range] = ~active[ranks[in_range]]
+        bound = np.zeros(ranks.shape, dtype=np.float64)  # the lookup table doubles as the category check
+        in_range = (ranks >= 0) & (ranks < _NUM_RANKS)
+        bound[in_range] = self._table[ranks[in_range]]
+        stray = ~(bound > 0)
         if np.any(stray):
             raise PrivacyBudgetError(
                 f"{int(stray.sum())} example(s) of IUCN rank(s) {sorted(set(ranks[stray].tolist()))} are in the batch "
                 "but their category is not active (halted or not in the species table); sampling must exclude them"
             )
-        return grads, ranks, clip_factors_from_norms(grads.norms, self.clipping_norm)
+        factors = clip_factors_from_norms(grads.norms, bound)
+        return np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
+
+    def privatize(self, per_example_grads: np.ndarray | PerExampleGradients, categories: np.ndarray) -> np.ndarray:
+        """The whole step, as training runs it: per-example gradients ((B, d) array or implicit) -> float32 (d,)
+        private mean gradient ``(sum_i clip_{C_cat(i)}(g_i) + N(0, sigma^2 I)) / (q N_site)``.
+
+        Raises:
+            PrivacyBudgetError: an example belongs to a category that is not active.
+            ValueError: shapes disagree.
+        """
+        total = self.clipped_sum(per_example_grads, categories)
+        total += self.noise_std * self.noise.standard_normal(total.shape[0])
+        total *= 1.0 / self.expected_batch_size
+        return total.astype(np.float32)
 
 
 def active_categories(
@@ -233,44 +378,3 @@ def active_categories(
     """The site's categories (from its species table) that are not halted, in IUCN rank order."""
     halted_set = set(halted)
     return tuple(sorted({c for c in site_categories if c not in halted_set}, key=lambda c: c.rank))
-
-
-def calibrate_category_noise(
-    *,
-    budgets: Mapping[IUCNCategory, float],
-    active: Iterable[IUCNCategory],
-    target_delta: float,
-    sampling_rate: float,
-    steps: int,
-    fixed_events: tuple[DPSGDEvent, ...] = (),
-) -> dict[IUCNCategory, float]:
-    """Noise multiplier per active category from its epsilon budget, with the real (RDP) accountant.
-
-    ``z_c = calibrate_noise_multiplier(target_epsilon=budgets[c], target_delta, q, steps)`` where ``steps`` is the
-    number of DP-SGD steps planned for the whole federation (``planned_rounds * local_steps``), so running them
-    all spends at most ``budgets[c]`` (dp-accounting ``calibrate_dp_mechanism``; never the textbook single-release
-    Gaussian formula, shown only beside the ledger in `budget`; it holds only for eps < 1 and one step).
-    ``fixed_events`` are other releases about every record whose noise is already set (NIRA's noisy counts over the
-    planned rounds): the steps are calibrated so that they and those releases together stay within the budget.
-
-    Raises:
-        PrivacyBudgetError: an active category has no budget in ``budgets``.
-        ConfigError: a budget, delta, q or steps out of range (from ``shared.privacy.accounting``).
-    """
-    out: dict[IUCNCategory, float] = {}
-    for category in active:
-        if category not in budgets:
-            raise PrivacyBudgetError(
-                f"the task gives no epsilon budget for active category {category.value}; refusing to train it "
-                "(the coordinator must send a budget for every category of the site, or halt it)"
-            )
-        out[category] = calibrated_noise_multiplier(float(budgets[category]), float(target_delta),
-                                                    float(sampling_rate), int(steps), "rdp", tuple(fixed_events))
-    return out
-
-
-def category_events(
-    noise_multipliers: Mapping[IUCNCategory, float], *, sampling_rate: float, steps_run: int
-) -> dict[IUCNCategory, DPSGDEvent]:
-    """The DP events of what actually ran: ``DPSGDEvent(z_c, q, steps_run)`` per active category."""
-    return {c: DPSGDEvent(float(z), float(sampling_rate), int(steps_run)) for c, z in noise_multipliers.items()}

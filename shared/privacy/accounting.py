@@ -31,7 +31,7 @@ from shared.errors import ConfigError
 from shared.privacy.events import DPSGDEvent
 
 __all__ = ["AccountantName", "make_accountant", "epsilon_spent", "calibrate_noise_multiplier",
-           "calibrated_noise_multiplier"]
+           "calibrated_noise_multiplier", "calibrate_sampling_rate", "calibrated_sampling_rate"]
 
 AccountantName = Literal["rdp", "pld"]
 _NEIGHBOURS = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -164,3 +164,104 @@ def calibrated_noise_multiplier(target_epsilon: float, target_delta: float, samp
     return calibrate_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
                                       sampling_rate=sampling_rate, steps=steps, accountant=accountant,
                                       fixed_events=fixed_events)
+
+
+def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise_multiplier: float, steps: int,
+                            max_rate: float, accountant: AccountantName = "rdp", rtol: float = 1e-4,
+                            fixed_events: Sequence[DPSGDEvent] = ()) -> float:
+    """Largest Poisson sampling rate q <= ``max_rate`` (within a relative ``rtol``) such that ``steps`` steps of
+    ``PoissonSampled(q, Gaussian(noise_multiplier))``, composed with ``fixed_events``, are (``target_epsilon``,
+    ``target_delta``)-DP under the chosen accountant.
+
+    This is the "Sample" calibration of individualized DP-SGD (Boenisch et al., NeurIPS 2023, "Have it your way",
+    Sec. 4.1): one noise multiplier for every record, and each privacy group's records sampled at the rate its
+    budget allows. The root is bracketed in log q (the privacy loss grows with q) and found by the Illinois variant
+    of regula falsi on dp-accounting's epsilon (a handful of accountant calls; ``calibrate_dp_mechanism`` bisects
+    and needs a dozen or more), stopping at a rate whose epsilon is within ``rtol`` of the budget from below:
+    every rate returned has been checked with a fresh accountant, so it never overspends.
+
+    Returns:
+        q in (0, max_rate]; ``max_rate`` itself when it already fits the budget.
+
+    Raises:
+        ConfigError: epsilon not positive, delta not in (0,1), z not positive, max_rate not in (0,1], steps < 1,
+            or ``fixed_events`` alone already spend at least ``target_epsilon`` (no rate > 0 fits).
+    """
+    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
+        raise ConfigError(f"target_epsilon must be positive and finite, got {target_epsilon!r}",
+                          field="target_epsilon", fix="give each category a positive budget")
+    _check_delta(target_delta)
+    if not (isinstance(noise_multiplier, (int, float)) and 0 < noise_multiplier < math.inf):
+        raise ConfigError(f"noise_multiplier must be positive and finite, got {noise_multiplier!r}",
+                          field="noise_multiplier")
+    if not (0 < max_rate <= 1):
+        raise ConfigError(f"max_rate must be in (0, 1], got {max_rate!r}", field="sampling_rate",
+                          fix="use expected_batch_size <= number of records")
+    if type(steps) is not int or steps < 1:
+        raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
+    fixed = [e for e in fixed_events if e.steps > 0]
+
+    def spent(q: float) -> float:
+        return epsilon_spent([DPSGDEvent(float(noise_multiplier), q, steps), *fixed], target_delta=target_delta,
+                             accountant=accountant)
+
+    at_max = spent(float(max_rate))
+    if at_max <= target_epsilon:
+        return float(max_rate)
+    if fixed:
+        floor = epsilon_spent(fixed, target_delta=target_delta, accountant=accountant)
+        if floor >= target_epsilon:
+            raise ConfigError(f"the fixed releases alone spend eps={floor:.4g} >= the budget {target_epsilon:.4g}",
+                              field="count_noise_multiplier",
+                              fix="raise the noise of the fixed releases (e.g. NIRA's count_noise_multiplier) or "
+                                  "use public N_k weights")
+    # Bracket [lo, hi] in log q with spent(lo) <= target < spent(hi), then the Illinois variant of regula falsi
+    # (Dowell & Jarratt 1971) on g(log q) = spent(q) - target: the privacy loss is close to a power of q, so this
+    # needs a handful of accountant calls where bisection needs a dozen or more.
+    hi, f_hi = math.log(max_rate), at_max - target_epsilon
+    lo = hi + math.log(max(min(target_epsilon / at_max, 0.5), 1e-12))  # eps grows about linearly in small q
+    f_lo = spent(math.exp(lo)) - target_epsilon
+    while f_lo > 0:  # not yet feasible: move the lower end down (the old lower end is an upper end)
+        hi, f_hi = lo, f_lo
+        lo -= math.log(4.0)
+        if lo < math.log(max_rate) - 460:  # pragma: no cover - e^-460 always fits a budget the fixed releases fit
+            raise ConfigError(f"no sampling rate fits eps={target_epsilon:.4g} at z={noise_multiplier:.4g}",
+                              field="target_epsilon")
+        f_lo = spent(math.exp(lo)) - target_epsilon
+    side, gap = 0, -f_lo  # gap: target - spent(lo), the true value (Illinois halves the stored one)
+    for _ in range(100):
+        if gap <= rtol * target_epsilon or hi - lo <= rtol:
+            break
+        x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
+        x = min(max(x, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo))  # stay strictly inside the bracket
+        f_x = spent(math.exp(x)) - target_epsilon
+        if f_x > 0:
+            hi, f_hi = x, f_x
+            if side == 1:
+                f_lo /= 2.0  # Illinois: halve the stale end's value so the bracket shrinks from both sides
+            side = 1
+        else:
+            lo, f_lo, gap = x, f_x, -f_x
+            if side == -1:
+                f_hi /= 2.0
+            side = -1
+    # lo is feasible by construction (every value stored at lo was computed there and is <= 0 before halving)
+    q = math.exp(lo)
+    while spent(q) > target_epsilon:  # pragma: no cover - defensive: never return a rate outside the budget
+        q *= 1.0 - rtol
+    return q
+
+
+@functools.lru_cache(maxsize=1024)
+def calibrated_sampling_rate(target_epsilon: float, target_delta: float, noise_multiplier: float, steps: int,
+                             max_rate: float, accountant: AccountantName = "rdp",
+                             fixed_events: tuple[DPSGDEvent, ...] = ()) -> float:
+    """:func:`calibrate_sampling_rate`, memoised on its (hashable) arguments (the gateway plans the same rates
+    every round; each call is a root search through the accountant).
+
+    Raises:
+        ConfigError: as :func:`calibrate_sampling_rate`.
+    """
+    return calibrate_sampling_rate(target_epsilon=target_epsilon, target_delta=target_delta,
+                                   noise_multiplier=noise_multiplier, steps=steps, max_rate=max_rate,
+                                   accountant=accountant, fixed_events=fixed_events)

@@ -16,7 +16,7 @@ import dp_accounting
 
 from shared.errors import PayloadError
 
-__all__ = ["DPSGDEvent"]
+__all__ = ["DPSGDEvent", "SkellamEvent", "PrivacyEvent", "parse_event"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,14 @@ class DPSGDEvent:
                                                    dp_accounting.GaussianDpEvent(self.noise_multiplier))
         return dp_accounting.SelfComposedDpEvent(step, self.steps)
 
+    def mechanism_key(self) -> tuple[Any, ...]:
+        """What identifies the per-step mechanism (events with equal keys compose by adding their steps)."""
+        return ("dpsgd", float(self.noise_multiplier), float(self.sampling_rate))
+
+    def with_steps(self, steps: int) -> "DPSGDEvent":
+        """The same mechanism, ``steps`` steps."""
+        return DPSGDEvent(self.noise_multiplier, self.sampling_rate, int(steps))
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``type`` tag."""
         return {"type": "dpsgd", "noise_multiplier": float(self.noise_multiplier),
@@ -73,3 +81,109 @@ class DPSGDEvent:
         if set(fields) != {"noise_multiplier", "sampling_rate", "steps"}:
             raise PayloadError(f"DP event fields wrong: {sorted(fields)}")
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class SkellamEvent:
+    """``steps`` releases of the multi-dimensional Skellam mechanism (Agarwal, Kairouz and Liu, "The Skellam
+    Mechanism for Differentially Private Federated Learning", NeurIPS 2021): an integer vector whose every
+    coordinate carries independent symmetric Skellam noise of variance ``variance``, computed from data whose
+    add/remove-one sensitivity is at most ``l2_sensitivity`` in L2 and ``l1_sensitivity`` in L1 (all in the
+    integer units of the secure-aggregation grid). No subsampling is credited.
+
+    Privacy (their Thm 3.5, Cor 3.6): for every integer order alpha > 1 the mechanism is (alpha, eps(alpha))-RDP
+    with ``eps(alpha) <= alpha D2^2/(2 mu) + min(((2 alpha - 1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))``. The first
+    branch of the min is linear in alpha: ``eps(alpha) <= rho alpha + xi0`` with ``rho = D2^2/(2 mu) (1 + 1/mu)``
+    and ``xi0 = max(0, (6 D1 - D2^2)/(4 mu^2))``. RDP is non-decreasing in the order, so for real alpha > 1,
+    ``eps(alpha) <= eps(ceil(alpha)) <= rho alpha + rho + xi0``. :meth:`to_dp_event` is therefore dp-accounting's
+    ``ZCDpEvent(rho, xi = rho + xi0)`` ((alpha, xi + rho alpha)-RDP), composed and converted by dp-accounting's RDP
+    accountant (the PLD accountant does not take zCDP events and raises, never skips).
+
+    Attributes:
+        variance: mu > 0, per-coordinate variance of the released noise (integer units).
+        l2_sensitivity: D2 > 0. l1_sensitivity: D1 >= D2 (D1 <= sqrt(d) D2 always holds).
+        steps: number of releases (>= 0).
+
+    Raises:
+        PayloadError: a value is out of range (events arrive over the wire and from the ledger).
+    """
+
+    variance: float
+    l2_sensitivity: float
+    l1_sensitivity: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        for name in ("variance", "l2_sensitivity", "l1_sensitivity"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+                raise PayloadError(f"{name} must be positive and finite, got {v!r}")
+        if self.l1_sensitivity < self.l2_sensitivity:
+            raise PayloadError("l1_sensitivity must be at least l2_sensitivity")
+        if type(self.steps) is not int or self.steps < 0:
+            raise PayloadError(f"steps must be a non-negative integer, got {self.steps!r}")
+
+    @property
+    def noise_multiplier(self) -> float:
+        """``sqrt(mu) / D2``: the noise standard deviation over the L2 sensitivity (shown in the ledger's
+        columns; the accounting uses the exact parameters)."""
+        return float(math.sqrt(self.variance) / self.l2_sensitivity)
+
+    @property
+    def sampling_rate(self) -> float:
+        """1.0: no amplification by subsampling is credited."""
+        return 1.0
+
+    def zcdp(self) -> tuple[float, float]:
+        """``(rho, xi)`` of the per-release (xi, rho)-zCDP bound described in the class docstring."""
+        mu, d2, d1 = float(self.variance), float(self.l2_sensitivity), float(self.l1_sensitivity)
+        rho = d2 * d2 / (2.0 * mu) * (1.0 + 1.0 / mu)
+        xi0 = max(0.0, (6.0 * d1 - d2 * d2) / (4.0 * mu * mu))
+        return rho, rho + xi0
+
+    def mechanism_key(self) -> tuple[Any, ...]:
+        """What identifies the per-release mechanism (events with equal keys compose by adding their steps)."""
+        return ("skellam", float(self.variance), float(self.l2_sensitivity), float(self.l1_sensitivity))
+
+    def with_steps(self, steps: int) -> "SkellamEvent":
+        """The same mechanism, ``steps`` releases."""
+        return SkellamEvent(self.variance, self.l2_sensitivity, self.l1_sensitivity, int(steps))
+
+    def to_dp_event(self) -> dp_accounting.DpEvent:
+        """``SelfComposed(ZCDp(rho, xi), steps)`` (class docstring)."""
+        rho, xi = self.zcdp()
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(rho, xi), self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict with a ``type`` tag."""
+        return {"type": "skellam", "variance": float(self.variance), "l2_sensitivity": float(self.l2_sensitivity),
+                "l1_sensitivity": float(self.l1_sensitivity), "steps": int(self.steps)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "SkellamEvent":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            PayloadError: unknown ``type``, missing/extra fields, or values out of range.
+        """
+        if not isinstance(data, dict) or data.get("type") != "skellam":
+            raise PayloadError(f"not a Skellam event: {data!r}")
+        fields = {k: v for k, v in data.items() if k != "type"}
+        if set(fields) != {"variance", "l2_sensitivity", "l1_sensitivity", "steps"}:
+            raise PayloadError(f"Skellam event fields wrong: {sorted(fields)}")
+        return cls(**fields)
+
+
+#: the event types the ledger composes
+PrivacyEvent = DPSGDEvent | SkellamEvent
+
+
+def parse_event(data: Any) -> PrivacyEvent:
+    """An event from its JSON form, by its ``type`` tag (``"dpsgd"`` or ``"skellam"``).
+
+    Raises:
+        PayloadError: an unknown type (a reader never skips an event it cannot interpret) or bad fields.
+    """
+    if isinstance(data, dict) and data.get("type") == "skellam":
+        return SkellamEvent.from_json(data)
+    return DPSGDEvent.from_json(data)

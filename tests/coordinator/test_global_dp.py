@@ -22,7 +22,9 @@ from shared.iucn import IUCNCategory
 from shared.protocol import decode_secagg
 from shared.secagg import quantise
 
-from coordinator.global_dp import effective_sensitivity, global_noise_multipliers, noise_std, secagg_settings
+from shared.privacy.accounting import epsilon_spent
+
+from coordinator.global_dp import effective_sensitivity, global_events, global_noise_multiplier, secagg_settings
 from tests.coordinator.helpers import FED, SecAggSite, tiny_weights
 
 LC, CR, VU = IUCNCategory.LC, IUCNCategory.CR, IUCNCategory.VU
@@ -69,23 +71,26 @@ def test_settings_sensitivity_and_noise_are_the_documented_formulas():
     assert s.site_ids == ("a", "b", "c") and s.threshold == 2 and s.max_abs_value == 4.0 and s.scale == 2.0 ** 27
     assert 3 * 4 * 2 ** 28 >= 2 ** 31  # the next power of two would wrap
     assert effective_sensitivity(1.0, 8, 2.0 ** 27) == pytest.approx(1.0 + math.sqrt(8) / 2 ** 27)
-    assert noise_std({LC: 3.0, CR: 4.0}, 2.0) == pytest.approx(10.0)  # sqrt(9 + 16) * 2
 
 
-def test_noise_multipliers_are_the_largest_any_site_needs():
+def test_one_noise_multiplier_the_largest_any_site_needs_and_individual_rates():
     budgets = {LC: 5 / 3, CR: 1 / 3}
     sites = {"small": (0.5, (LC, CR)), "large": (0.05, (LC,))}
-    z = global_noise_multipliers(budgets=budgets, sites=sites, target_delta=1e-5, planned_rounds=10)
-    assert set(z) == {LC, CR}
-    # every site holding c stays within eps_c over 10 rounds; the one that needs the most noise sits at it
-    for c, holders in ((LC, (0.5, 0.05)), (CR, (0.5,))):
-        spends = [rdp_eps(z[c], q, 10) for q in holders]
-        assert max(spends) <= budgets[c] * (1 + 1e-9)
-        assert max(spends) == pytest.approx(budgets[c], rel=2e-3)
-    # the small site (q = 0.5) needs more noise than the large one for LC
-    z_large = global_noise_multipliers(budgets=budgets, sites={"large": sites["large"]}, target_delta=1e-5,
-                                       planned_rounds=10)
-    assert z[LC] > z_large[LC]
+    z = global_noise_multiplier(budgets=budgets, sites=sites, target_delta=1e-5, planned_rounds=10)
+    # the small site's anchor (LC at q = 0.5) needs the most noise and spends exactly its budget at z
+    assert rdp_eps(z, 0.5, 10) == pytest.approx(budgets[LC], rel=2e-3)
+    z_large = global_noise_multiplier(budgets=budgets, sites={"large": sites["large"]}, target_delta=1e-5,
+                                      planned_rounds=10)
+    assert z > z_large
+    events = global_events(z, budgets=budgets, sites=sites, target_delta=1e-5, planned_rounds=10)
+    assert set(events["small"]) == {LC, CR} and set(events["large"]) == {LC}
+    assert events["small"][LC].sampling_rate == 0.5 and events["large"][LC].sampling_rate == 0.05
+    # CR at the small site: sampled below q so that 10 rounds at z spend exactly CR's budget
+    cr = events["small"][CR]
+    assert cr.noise_multiplier == z and 0 < cr.sampling_rate < 0.5 and cr.steps == 1
+    assert budgets[CR] * 0.99 <= rdp_eps(z, cr.sampling_rate, 10) <= budgets[CR]
+    # the large site's LC is well inside its budget at the shared z (more noise than it needed)
+    assert rdp_eps(z, 0.05, 10) < budgets[LC]
 
 
 def test_global_round_releases_the_exact_sum_and_charges_before_unmasking(global_federation):
@@ -99,17 +104,19 @@ def test_global_round_releases_the_exact_sum_and_charges_before_unmasking(global
     _, weights = coord.rounds.current_model()
     for name, w0 in tiny_weights().items():
         np.testing.assert_allclose(weights[name], w0 + 0.5 * 0.25 / 12, rtol=0, atol=1e-6)
-    # each site charged one step at its own q with the shared z_c; CR only at b
+    # each site charged one step per category at the one z, at the rate its budget allows (at most its q); CR
+    # only at b
     budgets = coord.config.budgets()
+    z = coord.ledger.events("a", LC)[0].noise_multiplier
     for sid, q, cats in (("a", 0.5, {LC}), ("b", 0.25, {LC, CR}), ("c", 1.0, {LC})):
         assert coord.ledger.categories(sid) == cats
         for c in cats:
             (event,) = coord.ledger.events(sid, c)
-            assert (event.sampling_rate, event.steps) == (q, 1)
-            assert rdp_eps(event.noise_multiplier, q, 3) <= budgets[c] * (1 + 1e-9)
-    # z_LC is set by c (q = 1 needs the most noise) and equals its calibration
-    z_lc = coord.ledger.events("a", LC)[0].noise_multiplier
-    assert rdp_eps(z_lc, 1.0, 3) == pytest.approx(budgets[LC], rel=2e-3)
+            assert event.noise_multiplier == z and event.steps == 1 and event.sampling_rate <= q
+            assert rdp_eps(z, event.sampling_rate, 3) <= budgets[c] * (1 + 1e-9)
+    # the sites are enrolled without a record count, so z was planned at q = 1 for the federation's largest budget
+    assert rdp_eps(z, 1.0, 3) == pytest.approx(max(budgets.values()), rel=2e-3)
+    assert budgets[CR] * 0.99 <= rdp_eps(z, coord.ledger.events("b", CR)[0].sampling_rate, 3) <= budgets[CR]
     assert all(site.ends == [{"status": "closed", "reason": site.ends[0]["reason"]}] for site in sites)
     row = coord.store.rounds()[-1]
     assert row.privacy == "global" and "3 of 3 sites unmasked" in row.detail
@@ -163,3 +170,38 @@ def test_the_coordinator_sees_only_uniform_masked_vectors(global_federation):
     plain_counts = np.bincount(np.frombuffer(np.tile(plain, 32).astype("<u4").tobytes(), dtype=np.uint8),
                                minlength=256)
     assert stats.chisquare(plain_counts).pvalue < 1e-6
+
+
+def test_distributed_round_adds_no_noise_at_the_coordinator_and_charges_skellam_events(global_federation):
+    from shared.privacy.distributed import distributed_plan, skellam_event
+    from shared.privacy.events import SkellamEvent
+
+    # Prepare: distributed noise (the sites add it; these fake sites add none, so the opened sum is exact)
+    coord, transport, sites = global_federation([("a", 0.25, 8, ["LC"], {}), ("b", 0.5, 16, ["LC", "CR"], {}),
+                                                 ("c", -1.0, 4, ["LC"], {})], zero_noise=False,
+                                                global_noise="distributed")
+    # Execute
+    result = coord.run_round()
+    # Assert: the released step is the exact sum (nothing added by the coordinator), as in the trusted test above
+    assert result.status == "closed" and result.accepted == ("a", "b", "c")
+    _, weights = coord.rounds.current_model()
+    for name, w0 in tiny_weights().items():
+        np.testing.assert_allclose(weights[name], w0 + 0.5 * 0.25 / 12, rtol=0, atol=1e-6)
+    task = sites[0].task
+    assert task.distributed_noise and task.noise_multiplier > 0
+    params = task.secagg
+    budgets = coord.config.budgets()
+    z, norms = distributed_plan(budgets=budgets, target_delta=1e-5, planned_rounds=3, clipping_norm=1.0,
+                                vector_length=params.vector_length, scale=params.scale)
+    assert task.noise_multiplier == z
+    for sid, cats in (("a", {LC}), ("b", {LC, CR}), ("c", {LC})):
+        for c in cats:
+            (event,) = coord.ledger.events(sid, c)
+            assert isinstance(event, SkellamEvent) and event.steps == 1
+            assert event == skellam_event(noise_multiplier=z, anchor_clipping_norm=1.0, clipping_norm=norms[c],
+                                          vector_length=params.vector_length, scale=params.scale)
+            assert event.l2_sensitivity == pytest.approx(norms[c] * params.scale + math.sqrt(params.vector_length))
+            # three planned rounds of it stay within the category's budget, and spend it (within 1 %)
+            assert budgets[c] * 0.99 <= epsilon_spent([event.with_steps(3)], target_delta=1e-5) <= budgets[c]
+    assert norms[CR] < norms[LC] < 1.0  # per-category clipping ("scale"): CR's records move the sum least
+    assert "distributed Skellam noise from the sites" in coord.store.rounds()[-1].detail

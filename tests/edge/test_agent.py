@@ -119,12 +119,14 @@ def test_round_trip_task_update_ack(world) -> None:
     assert (header.kind, header.site_id, header.round) == (MessageKind.UPDATE, SITE, 1)
     assert header.base_model_hash == model_hash(coordinator.weights)
     report, delta = decode_update(coordinator.updates[0].payload)
-    # 3 records (1 CR, 2 NT), B = 2: q = 2/3; both site categories are active and reported.
+    # 3 records (1 CR, 2 NT), B = 2: q = 2/3; both site categories are active and reported. CCDP "sample": NT
+    # (the larger budget) at q, CR at a lower rate, one noise multiplier.
     assert report.num_examples == 3 and report.local_steps == 2
     assert set(report.events) == {Cat.CR, Cat.NT}
-    for event in report.events.values():
-        assert event.sampling_rate == pytest.approx(2 / 3) and event.steps == 2
-    assert report.events[Cat.CR].noise_multiplier > report.events[Cat.NT].noise_multiplier
+    assert all(event.steps == 2 for event in report.events.values())
+    assert report.events[Cat.NT].sampling_rate == pytest.approx(2 / 3)
+    assert 0 < report.events[Cat.CR].sampling_rate < 2 / 3
+    assert report.events[Cat.CR].noise_multiplier == report.events[Cat.NT].noise_multiplier
     assert {k: v.shape for k, v in delta.items()} == {k: v.shape for k, v in coordinator.weights.items()}
     assert all(np.all(np.isfinite(v)) for v in delta.values()) and any(np.any(v != 0) for v in delta.values())
     assert agent.outbox.pending() == []  # acked -> removed
@@ -234,8 +236,10 @@ def test_task_seed_is_honoured_only_when_the_site_allows_it(world, tmp_path: Pat
     assert not all(np.array_equal(c[k], d[k]) for k in c)  # otherwise secure, fresh randomness
 
 
-def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path) -> None:
-    # Prepare: the agent (site-1) and a peer site-0 run by the test with the real client; q = 1 (B = N = 3)
+@pytest.mark.parametrize("distributed", [False, True])
+def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path, distributed: bool) -> None:
+    # Prepare: the agent (site-1) and a peer site-0 run by the test with the real client; q = 1 (B = N = 3).
+    # distributed: the agent also adds its Skellam share of the noise (and clips CR at its smaller C_c)
     from shared.protocol import (SITE_STAGES, SecAggMessage, SecAggSettings, canonical_flatten, decode_secagg,
                                  encode_secagg)
     from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryShares, SecAggClient, SecAggServer
@@ -253,7 +257,10 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     settings = SecAggSettings(site_ids=("site-0", SITE), threshold=2, vector_length=d, max_abs_value=4.0,
                               scale=2.0 ** 24)
     task = coordinator.task(1, privacy="global", local_steps=1, expected_batch_size=3, clipping_norm=0.01,
-                            secagg=settings)
+                            secagg=settings, distributed_noise=distributed,
+                            # trusted: z so large that every category samples at q = 1; distributed: every category
+                            # samples at q = 1 anyway, and z = 2 keeps the noise far inside the 2^32 grid
+                            noise_multiplier=2.0 if distributed else 1e4)
     agent, _ = make_agent()
     # Refused unless the site config allows Global DP
     assert agent.handle_task(task) is False and agent.stats["rejected:global_dp_refused"] == 1
@@ -301,9 +308,27 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     data = embed_dataset(load_camtrap_dp(tmp_path / "pkg", agent.config.species_table, image_size=28),
                          tmp_path / "state" / "embeddings")  # what the gateway cached and trained on
     agent.backend.set_weights(coordinator.weights)
-    grads = clip_per_example(agent.backend.per_example_gradients(data.features, data.labels), 0.01)
+    raw = agent.backend.per_example_gradients(data.features, data.labels)
+    if not distributed:
+        grads = clip_per_example(raw, 0.01)
+    else:  # each record clipped at its category's C_c (the plan both sides compute from public values)
+        from edge_sdk.privacy.ccdp import clip_factors_from_norms
+        from shared.privacy.distributed import distributed_plan, skellam_share_variance
+
+        _, norms = distributed_plan(budgets={Cat.CR: 0.5, Cat.NT: 1.5}, target_delta=1e-5, planned_rounds=5,
+                                    clipping_norm=0.01, vector_length=d, scale=2.0 ** 24)
+        by_rank = {c.rank: c for c in Cat}
+        bound = np.array([norms[by_rank[int(r)]] for r in data.categories])
+        grads = raw * clip_factors_from_norms(np.linalg.norm(raw.astype(np.float64), axis=1), bound)[:, None]
     expected = canonical_flatten(unflatten(grads.sum(axis=0), agent.backend.parameter_layout)) + 0.5
-    np.testing.assert_allclose(total, expected, atol=2 / 2 ** 24 + 1e-6)
+    if not distributed:
+        np.testing.assert_allclose(total, expected, atol=2 / 2 ** 24 + 1e-6)
+    else:  # the opened sum carries the agent's integer share: variance share / scale^2 per coordinate
+        share = skellam_share_variance(noise_multiplier=2.0, clipping_norm=0.01, vector_length=d, scale=2.0 ** 24,
+                                       threshold=2)
+        noise = (total - expected) * 2.0 ** 24
+        assert abs(noise.var() / share - 1) < 0.05  # d = 20,530 coordinates: relative sd of the estimate ~1 %
+        assert abs(noise.mean()) < 5 * np.sqrt(share / d)
     assert agent._secagg is None and agent.stats["tasks_trained"] == 1
     agent.close()
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from shared.iucn import IUCNCategory as Cat
-from shared.protocol import decode_update
+from shared.protocol import SecAggSettings, decode_update
 
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.data.camtrap_dp import LocalDataset
@@ -32,6 +32,8 @@ from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
 from .test_agent import make_site
 from .test_training import FakeBackend, ZeroNoise, task
+
+SETTINGS = SecAggSettings(site_ids=("a", "b"), threshold=2, vector_length=2, max_abs_value=4.0, scale=2.0 ** 20)
 
 B = 2  # the fake coordinator's expected_batch_size
 
@@ -69,10 +71,11 @@ def test_agent_reports_the_same_public_values_before_and_after_the_en_halt(tmp_p
     before, after = reports
     # Assert: num_examples is the public count both times (the old code sent 3 then 2: the EN count leaked)
     assert before.num_examples == after.num_examples == n_site
-    # q's denominator is N_site both times: q = B / N_site (the old code sent 2/3 then 2/2)
+    # q's denominator is N_site both times: the anchor category (NT, the larger budget) samples at q = B / N_site
+    # (the old code sent 2/3 then 2/2); EN, under CCDP "sample", at a lower rate calibrated from public values
     for report in reports:
-        for event in report.events.values():
-            assert event.sampling_rate == pytest.approx(B / n_site, rel=0, abs=1e-15)
+        assert report.events[Cat.NT].sampling_rate == pytest.approx(B / n_site, rel=0, abs=1e-15)
+    assert 0 < before.events[Cat.EN].sampling_rate < B / n_site
     assert set(before.events) == {Cat.EN, Cat.NT} and set(after.events) == {Cat.NT}
     # the non-halted category's event (z calibrated at that q for the planned rounds) is the same function of
     # public values before and after: identical
@@ -101,12 +104,15 @@ def test_step_normaliser_is_q_times_the_public_count(halted) -> None:
     expected = -0.5 * np.array([1.2 + en, 1.6 + en]) / (0.5 * 4)
     np.testing.assert_allclose(result.delta["w"], expected, rtol=2e-5)
     assert result.sampling_rate == 0.5 and result.report.num_examples == 4
-    assert all(e.sampling_rate == 0.5 for e in result.report.events.values())
+    # the anchor (LC, the largest budget) samples at q; CR (and EN) below it (ZeroNoise still takes every record)
+    events = result.report.events
+    assert events[Cat.LC].sampling_rate == 0.5 and events[Cat.CR].sampling_rate < 0.5
 
 
 def test_global_dp_clipped_sum_reports_public_values_before_and_after_the_halt() -> None:
     sums = [clipped_sum_locally(backend=FakeBackend(), dataset=en_dataset(),
-                                task=task(halted=halted, expected_batch_size=2),
+                                task=task(halted=halted, expected_batch_size=2, privacy="global", local_steps=1,
+                                          secagg=SETTINGS, noise_multiplier=3.0),
                                 global_weights={"w": np.zeros(2, np.float32)},
                                 site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
             for halted in ((), (Cat.EN,))]

@@ -224,10 +224,11 @@ def test_one_dp_step_parity_through_the_gateway_step(head_artifacts, rng) -> Non
                     create_backend("torch", model=spec, threads=1)):
         backend.set_weights(weights)
         randomness = SeededRandom(11)
-        mech = CCDPMechanism(clipping_norm=0.5, noise_multipliers={Cat.CR: 2.0, Cat.LC: 0.8},
+        mech = CCDPMechanism(clipping_norms={Cat.CR: 0.2, Cat.LC: 0.5}, noise_std=0.4,
                              expected_batch_size=0.5 * n, noise=randomness)
+        rates = np.where(site.categories == Cat.CR.rank, 0.25, 0.5)  # individualized rates, as "sample" runs
         for _ in range(2):  # the second step starts from the first one's (noisy) weights
-            sizes.append(local_step(backend=backend, dataset=site, eligible=np.ones(n, bool), sampling_rate=0.5,
+            sizes.append(local_step(backend=backend, dataset=site, inclusion_rates=rates,
                                     mechanism=mech, randomness=randomness, learning_rate=0.3))
         after.append(flatten(backend.get_weights(), backend.parameter_layout))
     assert sizes[:2] == sizes[2:] and min(sizes) > 0
@@ -287,7 +288,7 @@ def test_head_model_trains_on_a_gateway_without_torch(head_artifacts, tmp_path, 
         rng = np.random.default_rng(0)
         x = rng.uniform(0, 6, (16, 20)).astype(np.float32)
         y = rng.integers(0, 5, 16)
-        mech = CCDPMechanism(clipping_norm=1.0, noise_multipliers={{Cat.NT: 1.0}}, expected_batch_size=16.0,
+        mech = CCDPMechanism(clipping_norms={{Cat.NT: 1.0}}, noise_std=1.0, expected_batch_size=16.0,
                              noise=SecureRandom())
         before = backend.get_weights()
         backend.apply_gradient(mech.privatize(backend.per_example(x, y), np.full(16, Cat.NT.rank)), 0.1)

@@ -168,18 +168,18 @@ def test_noisy_update_parity_and_noise_statistics(backends, rng) -> None:
                for b in (ort, torch_backend)]
     for name, value in results[1].delta.items():
         np.testing.assert_allclose(results[0].delta[name], value, rtol=0, atol=1e-5, err_msg=name)
-    # Secure noise: the privatised gradient minus the noiseless one has per-coordinate std sigma_tot / (q N).
+    # Secure noise: the privatised gradient minus the noiseless one has per-coordinate std sigma / (q N).
     x, y = batch(rng, 16)
     cats = np.full(16, Cat.NT.rank)
-    z = {Cat.CR: 1.3, Cat.NT: 0.7}
+    norms = {Cat.CR: 0.02, Cat.NT: 0.05}
     for b in (ort, torch_backend):
         b.set_weights(weights)
         grads = b.per_example(x, y)
-        clean = CCDPMechanism(clipping_norm=0.05, noise_multipliers=z, expected_batch_size=16.0,
+        clean = CCDPMechanism(clipping_norms=norms, noise_std=0.05 * 1.3, expected_batch_size=16.0,
                               noise=NoNoise(0)).privatize(grads, cats)
-        noisy = CCDPMechanism(clipping_norm=0.05, noise_multipliers=z, expected_batch_size=16.0,
+        noisy = CCDPMechanism(clipping_norms=norms, noise_std=0.05 * 1.3, expected_batch_size=16.0,
                               noise=SecureRandom()).privatize(grads, cats)
-        expected_std = 0.05 * np.sqrt(1.3 ** 2 + 0.7 ** 2) / 16.0
+        expected_std = 0.05 * 1.3 / 16.0
         diff = (noisy - clean).astype(np.float64)
         assert abs(diff.mean()) < 5 * expected_std / np.sqrt(diff.size)
         assert diff.std() == pytest.approx(expected_std, rel=0.03)  # d = 20,564 coordinates: ~0.5% sampling error

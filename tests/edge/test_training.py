@@ -77,10 +77,14 @@ def test_ccdp_step_hand_worked() -> None:
     assert result.sampling_rate == 2 / 6
     assert result.report.num_examples == 6 and result.report.local_steps == 1
     assert set(result.report.events) == {Cat.CR, Cat.LC}  # the halted category reports nothing
-    for cat, event in result.report.events.items():
-        assert event.sampling_rate == 2 / 6 and event.steps == 1
+    # individualized DP-SGD, "sample": one noise multiplier; LC (the largest active budget) at the base rate, CR
+    # at the lower rate its budget allows (ZeroNoise's uniforms 0 still take every record of rate > 0)
+    events = result.report.events
+    assert events[Cat.LC].sampling_rate == 2 / 6 and 0 < events[Cat.CR].sampling_rate < 2 / 6
+    assert events[Cat.CR].noise_multiplier == events[Cat.LC].noise_multiplier
+    for cat, event in events.items():
+        assert event.steps == 1 and event.sampling_rate == result.sampling_rates[cat]
         assert event.noise_multiplier == result.noise_multipliers[cat]
-    assert result.noise_multipliers[Cat.CR] > result.noise_multipliers[Cat.LC]
 
 
 def test_non_private_step_uses_realised_mean_and_reports_no_events() -> None:
@@ -131,11 +135,11 @@ def test_count_release_is_noised_charged_and_leaves_room_for_it_in_the_calibrati
     # the steps were calibrated around the 10 planned count releases: together exactly within each budget
     plain = train_locally(backend=FakeBackend(), dataset=data, task=task(), global_weights={"w": np.zeros(2, np.float32)},
                           site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
+    assert result.noise_multipliers[Cat.LC] > plain.noise_multipliers[Cat.LC]
     for cat, budget in ((Cat.CR, 0.5), (Cat.LC, 2.0)):
-        z = result.noise_multipliers[cat]
-        assert z > plain.noise_multipliers[cat]
+        z, q = result.noise_multipliers[cat], result.sampling_rates[cat]
         acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-        acc.compose(dp_accounting.PoissonSampledDpEvent(2 / 6, dp_accounting.GaussianDpEvent(z)), 10)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 10)
         acc.compose(dp_accounting.GaussianDpEvent(60.0), 10)
         assert budget * 0.995 <= acc.get_epsilon(1e-5) <= budget
 
@@ -145,3 +149,56 @@ def test_count_noise_that_alone_passes_the_budget_stops_training() -> None:
         train_locally(backend=FakeBackend(), dataset=dataset(), task=task(count_noise_multiplier=0.5),
                       global_weights={"w": np.zeros(2, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
                       randomness=ZeroNoise(), num_classes=1)
+
+
+class HeadFakeBackend(FakeBackend):
+    """FakeBackend with a head-shaped parameter set: ``psi.bias`` (3 classes) beside ``w``; records the bias it
+    trains at (the gradient of the bias is zero here, so only the re-parameterisation moves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = np.zeros(3, np.float32)
+        self.seen_bias: list[np.ndarray] = []
+
+    @property
+    def parameter_layout(self):
+        from edge_sdk.backends.base import ParameterSpec
+
+        return (ParameterSpec("w", (2,), 0), ParameterSpec("psi.bias", (3,), 2))
+
+    def set_weights(self, weights):
+        self.w = np.asarray(weights["w"], np.float32).copy()
+        self.bias = np.asarray(weights["psi.bias"], np.float32).copy()
+
+    def get_weights(self):
+        return {"w": self.w.copy(), "psi.bias": self.bias.copy()}
+
+    def per_example_gradients(self, x, y):
+        self.seen_bias.append(self.bias.copy())
+        g = np.asarray(x, np.float32).reshape(len(y), -1)
+        return np.concatenate([g, np.zeros((len(y), 3), np.float32)], axis=1)
+
+    def apply_gradient(self, flat_grad, learning_rate):
+        self.w = self.w - learning_rate * flat_grad[:2]
+
+
+def test_logit_adjustment_trains_at_bias_plus_log_weight_and_hands_back_the_plain_delta() -> None:
+    # classes 0 (CR), 1 (LC), 2 (EN, halted): LC is the anchor (q = 2/6), CR sampled at q_CR < q. The steps must
+    # see bias + log(q_CR / q) on class 0, 0 on class 1 (the anchor) and 0 on class 2 (not active); the delta of
+    # the bias is 0 (its gradient is 0 here), so the shift is taken off exactly.
+    backend = HeadFakeBackend()
+    bias0 = np.array([0.5, -0.25, 1.0], np.float32)
+    result = train_locally(backend=backend, dataset=dataset(), task=task(),
+                           global_weights={"w": np.zeros(2, np.float32), "psi.bias": bias0},
+                           site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise(),
+                           class_categories={0: Cat.CR, 1: Cat.LC, 2: Cat.EN})
+    q_cr, q = result.sampling_rates[Cat.CR], result.sampling_rates[Cat.LC]
+    assert q == 2 / 6 and q_cr < q
+    np.testing.assert_allclose(backend.seen_bias[0], bias0 + np.array([np.log(q_cr / q), 0.0, 0.0]), rtol=1e-6)
+    np.testing.assert_array_equal(result.delta["psi.bias"], np.zeros(3, np.float32))
+    # the events are those of the same plan without the adjustment (a public change of the loss only)
+    plain = train_locally(backend=HeadFakeBackend(), dataset=dataset(), task=task(),
+                          global_weights={"w": np.zeros(2, np.float32), "psi.bias": bias0},
+                          site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
+    assert plain.report.events == result.report.events
+    np.testing.assert_allclose(plain.delta["w"], result.delta["w"])

@@ -68,21 +68,34 @@ def secagg(**kw):
 
 
 def test_global_task_round_trip_and_rules():
-    t = task(privacy="global", local_steps=1, secagg=secagg())
+    t = task(privacy="global", local_steps=1, secagg=secagg(), noise_multiplier=1.5)
     back, _ = decode_task(encode_task(t, W))
-    assert back == t and back.secagg.params("f", 2).site_ids == ("a", "b", "c")
-    # a ccdp task leaves the field out, so older gateways read it unchanged
-    assert "secagg" not in task().to_json()
+    assert back == t and back.secagg.params("f", 2).site_ids == ("a", "b", "c") and back.noise_multiplier == 1.5
+    # a ccdp task leaves the fields out, so older gateways read it unchanged
+    assert "secagg" not in task().to_json() and "noise_multiplier" not in task().to_json()
     with pytest.raises(PayloadError, match="exactly 1 local step"):
-        task(privacy="global", local_steps=5, secagg=secagg())
+        task(privacy="global", local_steps=5, secagg=secagg(), noise_multiplier=1.5)
     with pytest.raises(PayloadError, match="carry secagg"):
         task(privacy="global", local_steps=1)
+    with pytest.raises(PayloadError, match="positive noise_multiplier"):
+        task(privacy="global", local_steps=1, secagg=secagg())
     with pytest.raises(PayloadError, match="only for global"):
         task(secagg=secagg())
+    with pytest.raises(PayloadError, match="noise_multiplier is only for global"):
+        task(noise_multiplier=1.0)
     with pytest.raises(PayloadError, match="threshold"):
-        task(privacy="global", local_steps=1, secagg=secagg(threshold=1))  # 2t > n fails
+        task(privacy="global", local_steps=1, secagg=secagg(threshold=1), noise_multiplier=1.5)  # 2t > n fails
     with pytest.raises(PayloadError, match="wrap"):
-        task(privacy="global", local_steps=1, secagg=secagg(scale=2.0 ** 29))  # 3 * 4 * 2^29 >= 2^31
+        task(privacy="global", local_steps=1, secagg=secagg(scale=2.0 ** 29), noise_multiplier=1.5)
+
+
+def test_ccdp_variant_is_carried_and_checked():
+    assert task().to_json()["ccdp_variant"] == "sample"
+    t = task(ccdp_variant="scale")
+    back, _ = decode_task(encode_task(t, W))
+    assert back.ccdp_variant == "scale"
+    with pytest.raises(PayloadError, match="ccdp_variant must be one of"):
+        task(ccdp_variant="split")
 
 
 def test_secagg_messages_round_trip_and_refuse_misplaced_parts():

@@ -136,7 +136,7 @@ def claims_from_dp_accounting(result):
     for row in result.rows:
         acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
         acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-            result.sampling_rate, dp_accounting.GaussianDpEvent(row.noise_multiplier)), steps))
+            row.sampling_rate, dp_accounting.GaussianDpEvent(row.noise_multiplier)), steps))
         out[row.category] = acc.get_epsilon(DELTA)
     return out
 

@@ -81,7 +81,7 @@ def test_clip_and_noise_path_by_hand():
     scale = np.where(norms > clip, clip / norms * (1 - 1e-5), 1.0)  # min(1, C/||g||), with the documented margin
     clipped_sum = (grads * scale[:, None]).sum(axis=0)
     for noise_value in (0.0, 1.0):
-        mech = CCDPMechanism(clipping_norm=clip, noise_multipliers={fs.UNIFORM_CATEGORY: z},
+        mech = CCDPMechanism(clipping_norms={fs.UNIFORM_CATEGORY: clip}, noise_std=z * clip,
                              expected_batch_size=float(n), noise=ConstantNoise(noise_value))
         got = fs.client_private_gradient(mech, head, data)
         expected = (clipped_sum + noise_value * z * clip) / n

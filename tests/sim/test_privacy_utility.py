@@ -244,6 +244,7 @@ def test_privacy_utility_command_tiny(tmp_path):
         assert summary["eps_cr_en"]["mean"] == pytest.approx(spent_cr_en)
         assert summary["eps_lc"]["mean"] == pytest.approx(eps["LC"]["spent_max"])
         budget_cr_en, budget_lc = BUDGETS[run["configuration"]]
-        assert 0 < spent_cr_en <= budget_cr_en + 1e-9
+        # >= 0: in this 1-round run CCDP "sample" may give CR a rate whose RDP epsilon rounds to 0
+        assert 0 <= spent_cr_en <= budget_cr_en + 1e-9
         assert 0 < eps["LC"]["spent_max"] <= budget_lc + 1e-9
         assert not math.isnan(summary["acc_overall"]["mean"])
