@@ -135,6 +135,16 @@ def effective_sensitivity(clipping_norm: float, vector_length: int, scale: float
     return float(clipping_norm) + math.sqrt(vector_length) / float(scale)
 
 
+def _budgeted(site: str, categories: Iterable[IUCNCategory], budgets: Mapping[IUCNCategory, float]
+              ) -> tuple[IUCNCategory, ...]:
+    """``tuple(categories)``; raises PayloadError naming the site's categories that have no budget."""
+    cats = tuple(categories)
+    missing = [c.value for c in cats if c not in budgets]
+    if missing:
+        raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+    return cats
+
+
 def global_noise_multiplier(*, budgets: Mapping[IUCNCategory, float],
                             sites: Mapping[str, tuple[float, Iterable[IUCNCategory]]], target_delta: float,
                             planned_rounds: int, accountant: AccountantName = "rdp") -> float:
@@ -157,10 +167,7 @@ def global_noise_multiplier(*, budgets: Mapping[IUCNCategory, float],
         raise PayloadError("a Global DP round needs at least one site to calibrate its noise for")
     out = 0.0
     for site, (q, categories) in sites.items():
-        cats = tuple(categories)
-        missing = [c.value for c in cats if c not in budgets]
-        if missing:
-            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        cats = _budgeted(site, categories, budgets)
         out = max(out, anchor_noise_multiplier(budgets=budgets, categories=cats, target_delta=float(target_delta),
                                                max_rate=float(q), steps=int(planned_rounds), accountant=accountant))
     return out
@@ -179,10 +186,7 @@ def global_events(noise_multiplier: float, *, budgets: Mapping[IUCNCategory, flo
     """
     out: dict[str, dict[IUCNCategory, DPSGDEvent]] = {}
     for site, (q, categories) in sites.items():
-        cats = tuple(categories)
-        missing = [c.value for c in cats if c not in budgets]
-        if missing:
-            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        cats = _budgeted(site, categories, budgets)
         rates = individual_sampling_rates(noise_multiplier=float(noise_multiplier), budgets=budgets, categories=cats,
                                           target_delta=float(target_delta), max_rate=float(q),
                                           steps=int(planned_rounds), accountant=accountant)
@@ -206,10 +210,7 @@ def distributed_events(noise_multiplier: float, *, budgets: Mapping[IUCNCategory
                                 clipping_norm=clipping_norm, vector_length=vector_length, scale=scale)
     out: dict[str, dict[IUCNCategory, SkellamEvent]] = {}
     for site, (_, categories) in sites.items():
-        cats = tuple(categories)
-        missing = [c.value for c in cats if c not in budgets]
-        if missing:
-            raise PayloadError(f"site {site!r} trained categories {missing}, which have no budget")
+        cats = _budgeted(site, categories, budgets)
         out[site] = {c: skellam_event(noise_multiplier=noise_multiplier, anchor_clipping_norm=clipping_norm,
                                       clipping_norm=norms[c], vector_length=vector_length, scale=scale)
                      for c in cats}

@@ -79,6 +79,17 @@ def _check_delta(target_delta: float) -> None:
                           fix="use a delta well below 1/N, e.g. 1e-5")
 
 
+def _check_fixed_floor(fixed: Sequence[DPSGDEvent], target_epsilon: float, target_delta: float,
+                       accountant: AccountantName) -> None:
+    """Raises ConfigError (field ``count_noise_multiplier``) when the fixed releases alone spend the budget."""
+    floor = epsilon_spent(fixed, target_delta=target_delta, accountant=accountant)
+    if floor >= target_epsilon:
+        raise ConfigError(f"the fixed releases alone spend eps={floor:.4g} >= the budget {target_epsilon:.4g}",
+                          field="count_noise_multiplier",
+                          fix="raise the noise of the fixed releases (e.g. NIRA's count_noise_multiplier) or "
+                              "use public N_k weights")
+
+
 def epsilon_spent(events: Sequence[DPSGDEvent], *, target_delta: float,
                   accountant: AccountantName = "rdp") -> float:
     """Epsilon of the composition of ``events`` at ``target_delta`` (per record, under add/remove-one).
@@ -126,12 +137,7 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
 
     fixed = [e for e in fixed_events if e.steps > 0]
     if fixed:
-        floor = epsilon_spent(fixed, target_delta=target_delta, accountant=accountant)
-        if floor >= target_epsilon:
-            raise ConfigError(f"the fixed releases alone spend eps={floor:.4g} >= the budget {target_epsilon:.4g}",
-                              field="count_noise_multiplier",
-                              fix="raise the noise of the fixed releases (e.g. NIRA's count_noise_multiplier) or "
-                                  "use public N_k weights")
+        _check_fixed_floor(fixed, target_epsilon, target_delta, accountant)
 
     def event(z: float) -> dp_accounting.DpEvent:
         if not fixed:
@@ -209,12 +215,7 @@ def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise
     if at_max <= target_epsilon:
         return float(max_rate)
     if fixed:
-        floor = epsilon_spent(fixed, target_delta=target_delta, accountant=accountant)
-        if floor >= target_epsilon:
-            raise ConfigError(f"the fixed releases alone spend eps={floor:.4g} >= the budget {target_epsilon:.4g}",
-                              field="count_noise_multiplier",
-                              fix="raise the noise of the fixed releases (e.g. NIRA's count_noise_multiplier) or "
-                                  "use public N_k weights")
+        _check_fixed_floor(fixed, target_epsilon, target_delta, accountant)
     # Bracket [lo, hi] in log q with spent(lo) <= target < spent(hi), then the Illinois variant of regula falsi
     # (Dowell & Jarratt 1971) on g(log q) = spent(q) - target: the privacy loss is close to a power of q, so this
     # needs a handful of accountant calls where bisection needs a dozen or more.
