@@ -21,7 +21,7 @@ import contextvars
 import functools
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import dp_accounting
@@ -71,6 +71,69 @@ def make_accountant(accountant: AccountantName = "rdp") -> dp_accounting.Privacy
     if accountant == "pld":
         return pld.PLDAccountant(neighboring_relation=_NEIGHBOURS)
     raise ConfigError(f"unknown accountant {accountant!r}", field="accountant", fix="use 'rdp' or 'pld'")
+
+
+def _search_accountant(accountant: AccountantName) -> dp_accounting.PrivacyAccountant:
+    """The accountant calibration searches with: for ``"rdp"``, dp-accounting's RDP accountant on the integer
+    orders of its default order list only (their RDP of the subsampled Gaussian has a closed form; the fractional
+    orders' series make a call about 6x slower). A minimum over fewer orders is never smaller, so a value found
+    within budget with it is within budget for the full accountant too (every result is then checked with
+    :func:`make_accountant`'s full one); the two differed by about 0.02 % of epsilon in the settings tried."""
+    if accountant == "rdp":
+        return rdp.RdpAccountant(orders=_INTEGER_ORDERS, neighboring_relation=_NEIGHBOURS)
+    return make_accountant(accountant)
+
+
+_INTEGER_ORDERS = [float(o) for o in rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS if float(o).is_integer()]
+
+
+def _search_epsilon(events: Sequence[DPSGDEvent], target_delta: float, accountant: AccountantName) -> float:
+    """:func:`epsilon_spent` with :func:`_search_accountant` (an upper bound of it)."""
+    acc = _search_accountant(accountant)
+    with _quiet_non_convergence():
+        acc.compose(dp_accounting.ComposedDpEvent([e.to_dp_event() for e in events if e.steps > 0]))
+        return float(acc.get_epsilon(target_delta))
+
+
+def _illinois(g: Callable[[float], float], lo: float, g_lo: float, hi: float, g_hi: float, tol: float) -> float:
+    """The Illinois variant of regula falsi (Dowell & Jarratt 1971) for an increasing ``g`` with ``g(lo) <= 0 <
+    g(hi)``: returns a point x with ``g(x) <= 0`` (computed there) and ``-g(x) <= tol`` or a bracket narrower than
+    ``tol``. Here g is a log-epsilon gap along a log parameter, close to linear, so a few calls suffice."""
+    side, gap = 0, -g_lo  # gap: the true -g(lo) (Illinois halves the stored end values)
+    for _ in range(60):
+        if gap <= tol or hi - lo <= tol:
+            break
+        x = hi - g_hi * (hi - lo) / (g_hi - g_lo)
+        x = min(max(x, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo))  # stay strictly inside the bracket
+        g_x = g(x)
+        if g_x > 0:
+            hi, g_hi = x, g_x
+            if side == 1:
+                g_lo /= 2.0
+            side = 1
+        else:
+            lo, g_lo, gap = x, g_x, -g_x
+            if side == -1:
+                g_hi /= 2.0
+            side = -1
+    return lo
+
+
+def _polish(g: Callable[[float], float], x: float, x_max: float, tol: float) -> float:
+    """From ``x`` with ``g(x) <= 0`` (the fast search's answer, feasible for the full accountant too), move up towards
+    the full accountant's root: bracket it within ``(x, x_max]`` and run :func:`_illinois` on the full ``g``."""
+    g_x = g(x)
+    if -g_x <= tol or x >= x_max:
+        return x
+    hi = min(x_max, x + 1.5 * (-g_x) + tol)  # g is about linear with slope >= ~1 in these coordinates
+    g_hi = g(hi)
+    while g_hi <= 0:
+        if hi >= x_max:
+            return hi
+        x, g_x = hi, g_hi
+        hi = min(x_max, hi + 2.0 * (-g_hi) + tol)
+        g_hi = g(hi)
+    return _illinois(g, x, g_x, hi, g_hi, tol)
 
 
 def _check_delta(target_delta: float) -> None:
@@ -147,8 +210,15 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
 
     with _quiet_non_convergence():
         z = float(dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(accountant), event, target_epsilon, target_delta,
+            lambda: _search_accountant(accountant), event, target_epsilon, target_delta,
             bracket_interval=dp_accounting.LowerEndpointAndGuess(0.05, 1.0), tol=tol))
+    if accountant == "rdp":  # the search's accountant only over-estimates: lower z to the full accountant's root
+        def g(x: float) -> float:  # x = -log z; epsilon grows with x
+            eps = epsilon_spent([DPSGDEvent(math.exp(-x), sampling_rate, steps), *fixed], target_delta=target_delta,
+                                accountant=accountant)
+            return math.log(max(eps, 1e-300)) - math.log(target_epsilon)
+
+        z = math.exp(-_polish(g, -math.log(z), -math.log(0.05), tol / max(z, 1e-12)))
     # Never return a value outside the budget, whatever side of the root the search ended on.
     while epsilon_spent([DPSGDEvent(z, sampling_rate, steps), *fixed], target_delta=target_delta,
                         accountant=accountant) > target_epsilon:
@@ -173,7 +243,7 @@ def calibrated_noise_multiplier(target_epsilon: float, target_delta: float, samp
 
 
 def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise_multiplier: float, steps: int,
-                            max_rate: float, accountant: AccountantName = "rdp", rtol: float = 1e-4,
+                            max_rate: float, accountant: AccountantName = "rdp", rtol: float = 1e-3,
                             fixed_events: Sequence[DPSGDEvent] = ()) -> float:
     """Largest Poisson sampling rate q <= ``max_rate`` (within a relative ``rtol``) such that ``steps`` steps of
     ``PoissonSampled(q, Gaussian(noise_multiplier))``, composed with ``fixed_events``, are (``target_epsilon``,
@@ -183,7 +253,7 @@ def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise
     Sec. 4.1): one noise multiplier for every record, and each privacy group's records sampled at the rate its
     budget allows. The root is bracketed in log q (the privacy loss grows with q) and found by the Illinois variant
     of regula falsi on dp-accounting's epsilon (a handful of accountant calls; ``calibrate_dp_mechanism`` bisects
-    and needs a dozen or more), stopping at a rate whose epsilon is within ``rtol`` of the budget from below:
+    and needs a dozen or more), stopping at a rate whose epsilon is within a relative ``rtol`` of the budget from below:
     every rate returned has been checked with a fresh accountant, so it never overspends.
 
     Returns:
@@ -207,7 +277,10 @@ def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise
         raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
     fixed = [e for e in fixed_events if e.steps > 0]
 
-    def spent(q: float) -> float:
+    def spent(q: float) -> float:  # the search's (integer-order) epsilon: an upper bound of the ledger's
+        return _search_epsilon([DPSGDEvent(float(noise_multiplier), q, steps), *fixed], target_delta, accountant)
+
+    def ledger_spent(q: float) -> float:
         return epsilon_spent([DPSGDEvent(float(noise_multiplier), q, steps), *fixed], target_delta=target_delta,
                              accountant=accountant)
 
@@ -216,39 +289,31 @@ def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise
         return float(max_rate)
     if fixed:
         _check_fixed_floor(fixed, target_epsilon, target_delta, accountant)
-    # Bracket [lo, hi] in log q with spent(lo) <= target < spent(hi), then the Illinois variant of regula falsi
-    # (Dowell & Jarratt 1971) on g(log q) = spent(q) - target: the privacy loss is close to a power of q, so this
-    # needs a handful of accountant calls where bisection needs a dozen or more.
-    hi, f_hi = math.log(max_rate), at_max - target_epsilon
-    lo = hi + math.log(max(min(target_epsilon / at_max, 0.5), 1e-12))  # eps grows about linearly in small q
-    f_lo = spent(math.exp(lo)) - target_epsilon
-    while f_lo > 0:  # not yet feasible: move the lower end down (the old lower end is an upper end)
-        hi, f_hi = lo, f_lo
-        lo -= math.log(4.0)
+    # Bracket [lo, hi] in x = log q with spent(lo) <= target < spent(hi), then the Illinois variant of regula falsi
+    # (Dowell & Jarratt 1971) on g(x) = log spent(e^x) - log target: the privacy loss is close to a power of q, so g
+    # is close to linear in x and this needs a few accountant calls where bisection needs a dozen or more.
+    def g(x: float) -> float:
+        return math.log(max(spent(math.exp(x)), 1e-300)) - math.log(target_epsilon)
+
+    hi, g_hi = math.log(max_rate), math.log(at_max) - math.log(target_epsilon)
+    lo = hi - g_hi  # the power-law guess with exponent 1: eps proportional to q
+    g_lo = g(lo)
+    while g_lo > 0:  # not yet feasible: move the lower end down (the old lower end is an upper end)
+        hi, g_hi = lo, g_lo
+        lo -= max(2.0 * g_lo, math.log(4.0))
         if lo < math.log(max_rate) - 460:  # pragma: no cover - e^-460 always fits a budget the fixed releases fit
             raise ConfigError(f"no sampling rate fits eps={target_epsilon:.4g} at z={noise_multiplier:.4g}",
                               field="target_epsilon")
-        f_lo = spent(math.exp(lo)) - target_epsilon
-    side, gap = 0, -f_lo  # gap: target - spent(lo), the true value (Illinois halves the stored one)
-    for _ in range(100):
-        if gap <= rtol * target_epsilon or hi - lo <= rtol:
-            break
-        x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
-        x = min(max(x, lo + 1e-3 * (hi - lo)), hi - 1e-3 * (hi - lo))  # stay strictly inside the bracket
-        f_x = spent(math.exp(x)) - target_epsilon
-        if f_x > 0:
-            hi, f_hi = x, f_x
-            if side == 1:
-                f_lo /= 2.0  # Illinois: halve the stale end's value so the bracket shrinks from both sides
-            side = 1
-        else:
-            lo, f_lo, gap = x, f_x, -f_x
-            if side == -1:
-                f_hi /= 2.0
-            side = -1
+        g_lo = g(lo)
+    lo = _illinois(g, lo, g_lo, hi, g_hi, rtol)
+
+    def g_full(x: float) -> float:  # the ledger's accountant: the fast one only over-estimates
+        return math.log(max(ledger_spent(math.exp(x)), 1e-300)) - math.log(target_epsilon)
+
+    lo = _polish(g_full, lo, math.log(max_rate), rtol)
     # lo is feasible by construction (every value stored at lo was computed there and is <= 0 before halving)
     q = math.exp(lo)
-    while spent(q) > target_epsilon:  # pragma: no cover - defensive: never return a rate outside the budget
+    while ledger_spent(q) > target_epsilon:  # pragma: no cover - never a rate outside the budget (the ledger's)
         q *= 1.0 - rtol
     return q
 
