@@ -35,7 +35,8 @@ from shared.protocol import TrainingTask, UpdateReport
 from edge_sdk.backends.base import TrainingBackend, unflatten
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.data.feature_centre import centred_weights, uncentred_weights
-from edge_sdk.privacy.ccdp import CCDPMechanism, CCDPPlan, active_categories, clip_factors_from_norms, plan_ccdp
+from edge_sdk.privacy.ccdp import (CCDPMechanism, CCDPPlan, active_categories, clip_factors_from_norms, plan_ccdp,
+                                   rank_table)
 from edge_sdk.privacy.per_example import summation_error_bound
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import sample_at_rates
@@ -396,10 +397,7 @@ def clipped_sum_locally(
                                           categories=active, target_delta=task.target_delta, max_rate=q,
                                           steps=task.planned_rounds)
     ranks = dataset.categories.astype(np.int64)
-    rate_table = np.zeros(max(c.rank for c in IUCNCategory) + 1)
-    norm_table = np.ones(max(c.rank for c in IUCNCategory) + 1)
-    for c, rate in rates.items():
-        rate_table[c.rank], norm_table[c.rank] = rate, norms[c]
+    rate_table, norm_table = rank_table(rates), rank_table(norms, default=1.0)  # inactive: rate 0, never clipped
     idx = sample_at_rates(rate_table[ranks], randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
     if idx.size:

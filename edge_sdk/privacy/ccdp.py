@@ -82,6 +82,7 @@ __all__ = [
     "CCDPMechanism",
     "active_categories",
     "plan_ccdp",
+    "rank_table",
 ]
 
 CCDPVariant = Literal["sample", "scale"]
@@ -134,9 +135,9 @@ def clip_per_example(per_example_grads: np.ndarray, clipping_norm: float) -> np.
     return grads * clip_factors(grads, clipping_norm)[:, None]
 
 
-def _rank_table(values: Mapping[IUCNCategory, float]) -> np.ndarray:
-    """float64 (ranks,) lookup table: ``values[c]`` at ``c.rank``, 0 elsewhere."""
-    table = np.zeros(_NUM_RANKS, dtype=np.float64)
+def rank_table(values: Mapping[IUCNCategory, float], default: float = 0.0) -> np.ndarray:
+    """float64 (ranks,) lookup table indexed by IUCN rank: ``values[c]`` at ``c.rank``, ``default`` elsewhere."""
+    table = np.full(_NUM_RANKS, float(default), dtype=np.float64)
     for c, v in values.items():
         table[c.rank] = float(v)
     return table
@@ -214,7 +215,7 @@ class CCDPPlan:
         ranks = np.asarray(categories).astype(np.int64)
         ok = (ranks >= 0) & (ranks < _NUM_RANKS)
         out = np.zeros(ranks.shape, dtype=np.float64)
-        out[ok] = _rank_table(self.sampling_rates)[ranks[ok]]
+        out[ok] = rank_table(self.sampling_rates)[ranks[ok]]
         return out
 
 
@@ -315,7 +316,7 @@ class CCDPMechanism:
         for category, c in self.clipping_norms.items():
             if not c > 0:
                 raise ValueError(f"clipping norm of {category.value} must be > 0, got {c}")
-        object.__setattr__(self, "_table", _rank_table(self.clipping_norms))
+        object.__setattr__(self, "_table", rank_table(self.clipping_norms))
 
     @classmethod
     def from_plan(cls, plan: CCDPPlan, *, expected_batch_size: float, noise: RandomSource) -> "CCDPMechanism":

@@ -136,6 +136,24 @@ def _polish(g: Callable[[float], float], x: float, x_max: float, tol: float) -> 
     return _illinois(g, x, g_x, hi, g_hi, tol)
 
 
+def _check_calibration(target_epsilon: float, target_delta: float, rate: float, rate_name: str, steps: int) -> None:
+    """The arguments both calibrations share: epsilon positive and finite, delta in (0, 1), the (largest) rate
+    ``rate_name`` in (0, 1], steps a positive integer.
+
+    Raises:
+        ConfigError: the first that is out of range.
+    """
+    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
+        raise ConfigError(f"target_epsilon must be positive and finite, got {target_epsilon!r}",
+                          field="target_epsilon", fix="give each category a positive budget")
+    _check_delta(target_delta)
+    if not (0 < rate <= 1):
+        raise ConfigError(f"{rate_name} must be in (0, 1], got {rate!r}", field="sampling_rate",
+                          fix="use expected_batch_size <= number of records")
+    if type(steps) is not int or steps < 1:
+        raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
+
+
 def _check_delta(target_delta: float) -> None:
     if not (isinstance(target_delta, (int, float)) and 0 < target_delta < 1):
         raise ConfigError(f"target_delta must be in (0, 1), got {target_delta!r}", field="target_delta",
@@ -188,16 +206,7 @@ def calibrate_noise_multiplier(*, target_epsilon: float, target_delta: float, sa
         ConfigError: epsilon not positive, delta not in (0,1), q not in (0,1], steps < 1, or ``fixed_events``
             alone already spend at least ``target_epsilon``.
     """
-    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
-        raise ConfigError(f"target_epsilon must be positive and finite, got {target_epsilon!r}",
-                          field="target_epsilon", fix="give each category a positive budget")
-    _check_delta(target_delta)
-    if not (0 < sampling_rate <= 1):
-        raise ConfigError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}", field="sampling_rate",
-                          fix="use expected_batch_size <= number of records")
-    if type(steps) is not int or steps < 1:
-        raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
-
+    _check_calibration(target_epsilon, target_delta, sampling_rate, "sampling_rate", steps)
     fixed = [e for e in fixed_events if e.steps > 0]
     if fixed:
         _check_fixed_floor(fixed, target_epsilon, target_delta, accountant)
@@ -263,18 +272,10 @@ def calibrate_sampling_rate(*, target_epsilon: float, target_delta: float, noise
         ConfigError: epsilon not positive, delta not in (0,1), z not positive, max_rate not in (0,1], steps < 1,
             or ``fixed_events`` alone already spend at least ``target_epsilon`` (no rate > 0 fits).
     """
-    if not (isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < math.inf):
-        raise ConfigError(f"target_epsilon must be positive and finite, got {target_epsilon!r}",
-                          field="target_epsilon", fix="give each category a positive budget")
-    _check_delta(target_delta)
+    _check_calibration(target_epsilon, target_delta, max_rate, "max_rate", steps)
     if not (isinstance(noise_multiplier, (int, float)) and 0 < noise_multiplier < math.inf):
         raise ConfigError(f"noise_multiplier must be positive and finite, got {noise_multiplier!r}",
                           field="noise_multiplier")
-    if not (0 < max_rate <= 1):
-        raise ConfigError(f"max_rate must be in (0, 1], got {max_rate!r}", field="sampling_rate",
-                          fix="use expected_batch_size <= number of records")
-    if type(steps) is not int or steps < 1:
-        raise ConfigError(f"steps must be a positive integer, got {steps!r}", field="steps")
     fixed = [e for e in fixed_events if e.steps > 0]
 
     def spent(q: float) -> float:  # the search's (integer-order) epsilon: an upper bound of the ledger's

@@ -19,6 +19,20 @@ from shared.errors import PayloadError
 __all__ = ["DPSGDEvent", "SkellamEvent", "PrivacyEvent", "parse_event"]
 
 
+def _fields(data: Any, kind: str, names: set[str]) -> dict[str, Any]:
+    """The fields of a JSON event of type ``kind`` (without the tag).
+
+    Raises:
+        PayloadError: not an object of that type, or fields other than ``names``.
+    """
+    if not isinstance(data, dict) or data.get("type") != kind:
+        raise PayloadError(f"unknown DP event {data!r}: expected type {kind!r}")
+    fields = {k: v for k, v in data.items() if k != "type"}
+    if set(fields) != names:
+        raise PayloadError(f"DP event fields wrong: {sorted(fields)}")
+    return fields
+
+
 @dataclass(frozen=True)
 class DPSGDEvent:
     """``steps`` steps of the Poisson-subsampled Gaussian mechanism (DP-SGD, Abadi et al. 2016, Alg. 1).
@@ -75,12 +89,7 @@ class DPSGDEvent:
         Raises:
             PayloadError: unknown ``type``, missing/extra fields, or values out of range.
         """
-        if not isinstance(data, dict) or data.get("type") != "dpsgd":
-            raise PayloadError(f"unknown DP event {data!r}: this reader knows type 'dpsgd'")
-        fields = {k: v for k, v in data.items() if k != "type"}
-        if set(fields) != {"noise_multiplier", "sampling_rate", "steps"}:
-            raise PayloadError(f"DP event fields wrong: {sorted(fields)}")
-        return cls(**fields)
+        return cls(**_fields(data, "dpsgd", {"noise_multiplier", "sampling_rate", "steps"}))
 
 
 @dataclass(frozen=True)
@@ -166,12 +175,7 @@ class SkellamEvent:
         Raises:
             PayloadError: unknown ``type``, missing/extra fields, or values out of range.
         """
-        if not isinstance(data, dict) or data.get("type") != "skellam":
-            raise PayloadError(f"not a Skellam event: {data!r}")
-        fields = {k: v for k, v in data.items() if k != "type"}
-        if set(fields) != {"variance", "l2_sensitivity", "l1_sensitivity", "steps"}:
-            raise PayloadError(f"Skellam event fields wrong: {sorted(fields)}")
-        return cls(**fields)
+        return cls(**_fields(data, "skellam", {"variance", "l2_sensitivity", "l1_sensitivity", "steps"}))
 
 
 #: the event types the ledger composes
