@@ -57,7 +57,8 @@ all categories halted                  :class:`PrivacyBudgetError` (the site sto
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -259,7 +260,24 @@ def plan_ccdp(
     if variant not in CCDP_VARIANTS:
         raise ConfigError(f"unknown CCDP variant {variant!r}", field="ccdp_variant",
                           fix=f"use one of {', '.join(CCDP_VARIANTS)}")
-    cats = tuple(sorted(set(active), key=lambda c: c.rank))
+    # every round of a federation asks for the same plan (the values are public and fixed for the run): calibrate
+    # once per process; the arguments are normalised to hashable values and the plan is immutable
+    plan = _plan_ccdp_cached(
+        variant, tuple(sorted(((c, float(e)) for c, e in budgets.items()), key=lambda t: t[0].rank)),
+        tuple(sorted(set(active), key=lambda c: c.rank)), float(target_delta), float(sampling_rate), int(steps),
+        float(clipping_norm), tuple(fixed_events), accountant,
+        None if site_categories is None else tuple(sorted(set(site_categories), key=lambda c: c.rank)))
+    # the cached plan is shared: hand out copies of its tables so no caller can change another's plan
+    return replace(plan, sampling_rates=dict(plan.sampling_rates), clipping_norms=dict(plan.clipping_norms))
+
+
+@lru_cache(maxsize=256)
+def _plan_ccdp_cached(variant: str, budget_items: tuple[tuple[IUCNCategory, float], ...],
+                      cats: tuple[IUCNCategory, ...], target_delta: float, sampling_rate: float, steps: int,
+                      clipping_norm: float, fixed_events: tuple[DPSGDEvent, ...], accountant: AccountantName,
+                      site_categories: tuple[IUCNCategory, ...] | None) -> CCDPPlan:
+    """:func:`plan_ccdp` on normalised arguments (memoised: calibration costs seconds, a lookup nothing)."""
+    budgets = dict(budget_items)
     anchor_category(budgets, cats)  # raises for no active category or an active category without a budget
     table = {c for c in (site_categories if site_categories is not None else cats) if c in budgets} | set(cats)
     anchor = anchor_category(budgets, table)  # the largest budget of the species table
