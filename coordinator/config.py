@@ -34,6 +34,8 @@ Example (``wildfed-coordinator init`` writes this)::
     secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
     global_noise: trusted-server          # privacy: global: trusted-server (the coordinator adds the noise) or
                                           # distributed (each site adds a Skellam share under the masks)
+    feature_centre: null                  # privacy: global: the gateways' public feature centre file (centred
+                                          # gradients, folded back here); local CCDP centres at the gateways
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
     server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
@@ -348,6 +350,11 @@ class CoordinatorConfig(StrictModel):
         "2021), so the coordinator only ever opens a noised sum")
     budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
                                                                       gamma=1.0))
+    feature_centre: Path | None = Field(
+        None, description="privacy: global, model: head only: the public feature centre file "
+        "(shared.models.feature_centre, the same file the gateways hold): Global DP tasks name it, the sites take "
+        "their gradients on centred embeddings and the coordinator folds the noisy sum back (local CCDP rounds "
+        "centre at the gateways without it)")
     accountant: Literal["rdp", "pld"] = "rdp"
     num_classes: int = Field(10, ge=2)
     seed: int | None = Field(0, description="round-0 model initialisation and site sampling (never privacy noise)")
@@ -425,6 +432,13 @@ class CoordinatorConfig(StrictModel):
                 raise ValueError("radio maps use strategy fedavg (NIRA's heads are the camera model's)")
         elif self.privacy == "grouped" or self.radio is not None:
             raise ValueError("privacy grouped and the radio: block are for model: radio_unet")
+        return self
+
+    @model_validator(mode="after")
+    def _feature_centre_consistent(self) -> "CoordinatorConfig":
+        if self.feature_centre is not None and (self.privacy != "global" or self.model != "head"):
+            raise ValueError("feature_centre is for privacy: global with model: head (local CCDP rounds centre at "
+                             "the gateways): remove it")
         return self
 
     @model_validator(mode="after")

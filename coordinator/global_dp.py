@@ -87,7 +87,7 @@ from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 from coordinator.transport import Transport, TransportError
 
-__all__ = ["SecAggCollector", "StageInbox", "secagg_settings", "effective_sensitivity",
+__all__ = ["SecAggCollector", "StageInbox", "secagg_settings", "plan_global_round", "effective_sensitivity",
            "global_noise_multiplier", "global_events", "distributed_events", "GlobalRoundOutcome",
            "SecureAggregationRound"]
 
@@ -125,6 +125,51 @@ def secagg_settings(*, site_ids: Iterable[str], vector_length: int, clipping_nor
     SecAggParams(federation_id="check", round=0, site_ids=sites, threshold=settings.threshold,
                  vector_length=settings.vector_length, max_abs_value=box, scale=scale, modulus_bits=modulus_bits)
     return settings
+
+
+def plan_global_round(*, budgets: Mapping[IUCNCategory, float], sampling_rates: Mapping[str, float],
+                      vector_length: int, clipping_norm: float, expected_batch_size: int, target_delta: float,
+                      planned_rounds: int, distributed: bool, threshold: int | None = None, modulus_bits: int = 32,
+                      max_abs_value: float | None = None, accountant: AccountantName = "rdp"
+                      ) -> tuple[SecAggSettings, float]:
+    """The secure-aggregation settings and the one noise multiplier z of a Global DP round, from public values only
+    (the same every round, so every round runs at one z and each category's rate stays what its budget was planned
+    for).
+
+    Trusted-server: z from :func:`global_noise_multiplier` with the federation's largest budget as every site's
+    anchor at its ``q_k``. Distributed: z (and the per-category clipping norms the sites use) from
+    :func:`shared.privacy.distributed.distributed_plan`; the box is widened by 12 standard deviations of a site's
+    Skellam share so that the sites' noise stays on the grid.
+
+    Args:
+        budgets: epsilon per category. sampling_rates: ``{site: q_k}`` for the selected sites (q_k = min(1, B/N_k)
+            from the enrolled record count; 1.0 where unknown). vector_length: d. clipping_norm: C.
+        expected_batch_size: B. target_delta, planned_rounds: as the federation's. distributed: the sites add the
+            noise. threshold, modulus_bits, max_abs_value: as :func:`secagg_settings`.
+
+    Raises:
+        ConfigError / PayloadError: as :func:`secagg_settings` and :func:`global_noise_multiplier`.
+    """
+    sites = tuple(sampling_rates)
+    settings = secagg_settings(site_ids=sites, vector_length=vector_length, clipping_norm=clipping_norm,
+                               expected_batch_size=expected_batch_size, threshold=threshold,
+                               modulus_bits=modulus_bits, max_abs_value=max_abs_value)
+    if distributed:
+        z0, _ = distributed_plan(budgets=budgets, target_delta=float(target_delta), planned_rounds=planned_rounds,
+                                 clipping_norm=float(clipping_norm), vector_length=vector_length,
+                                 scale=settings.scale)
+        headroom = 12.0 * 1.1 * z0 * (float(clipping_norm) + 1.0) / math.sqrt(settings.threshold)
+        settings = secagg_settings(site_ids=sites, vector_length=vector_length, clipping_norm=clipping_norm,
+                                   expected_batch_size=expected_batch_size, threshold=threshold,
+                                   modulus_bits=modulus_bits, max_abs_value=settings.max_abs_value + headroom)
+        z, _ = distributed_plan(budgets=budgets, target_delta=float(target_delta), planned_rounds=planned_rounds,
+                                clipping_norm=float(clipping_norm), vector_length=vector_length,
+                                scale=settings.scale)
+        return settings, z
+    z = global_noise_multiplier(budgets=budgets, sites={s: (q, tuple(budgets)) for s, q in sampling_rates.items()},
+                                target_delta=float(target_delta), planned_rounds=planned_rounds,
+                                accountant=accountant)
+    return settings, z
 
 
 def effective_sensitivity(clipping_norm: float, vector_length: int, scale: float) -> float:

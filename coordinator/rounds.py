@@ -60,13 +60,14 @@ from sqlalchemy import select
 from shared.codec import decode_tensors, encode_tensors, model_hash
 from shared.envelope import MessageKind, seal
 from shared.iucn import IUCNCategory, parse_category
-from shared.privacy.distributed import distributed_plan
+from shared.models.backbone import EMBEDDING_DIM
+from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
-from coordinator.global_dp import SecAggCollector, SecureAggregationRound, global_noise_multiplier, secagg_settings
+from coordinator.global_dp import SecAggCollector, SecureAggregationRound, plan_global_round
 from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.radio import city_artifact, expected_events, radio_task
 from coordinator.ledger import PrivacyLedger
@@ -159,6 +160,8 @@ class RoundManager:
                                                            registry=registry)
         self._artifacts = ArtifactStore(config.data_dir / "ort-artifacts")
         self._artifacts_failed = False
+        self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
+                        if config.feature_centre is not None else None)
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -412,19 +415,19 @@ class RoundManager:
             return RoundResult(round=r, status="skipped", selected=tuple(selected), accepted=(), model_hash=base_hash,
                                duration_s=self._clock() - t0)
         d = sum(int(np.asarray(w).size) for w in weights.values())
-        settings = secagg_settings(site_ids=selected, vector_length=d, clipping_norm=cfg.clipping_norm,
-                                   expected_batch_size=cfg.expected_batch_size, threshold=cfg.secagg.threshold,
-                                   modulus_bits=cfg.secagg.modulus_bits, max_abs_value=cfg.secagg.max_abs_value)
         distributed = cfg.global_noise == "distributed"
-        if distributed:  # room on the grid for the sites' noise: 12 standard deviations of a share beyond the box
-            z0, _ = distributed_plan(budgets=cfg.budgets(), target_delta=float(cfg.target_delta),
-                                     planned_rounds=cfg.rounds, clipping_norm=float(cfg.clipping_norm),
-                                     vector_length=d, scale=settings.scale)
-            headroom = 12.0 * 1.1 * z0 * (float(cfg.clipping_norm) + 1.0) / math.sqrt(settings.threshold)
-            settings = secagg_settings(site_ids=selected, vector_length=d, clipping_norm=cfg.clipping_norm,
-                                       expected_batch_size=cfg.expected_batch_size, threshold=cfg.secagg.threshold,
-                                       modulus_bits=cfg.secagg.modulus_bits,
-                                       max_abs_value=settings.max_abs_value + headroom)
+        budgets = cfg.budgets()
+        enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
+        # each site's q_k from its enrolled (public) record count; 1.0 where unknown, which only raises z
+        rates = {s: min(1.0, cfg.expected_batch_size / enrolled[s].num_examples)
+                 if s in enrolled and enrolled[s].num_examples else 1.0 for s in selected}
+        settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
+                                        clipping_norm=float(cfg.clipping_norm),
+                                        expected_batch_size=cfg.expected_batch_size,
+                                        target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
+                                        distributed=distributed, threshold=cfg.secagg.threshold,
+                                        modulus_bits=cfg.secagg.modulus_bits,
+                                        max_abs_value=cfg.secagg.max_abs_value, accountant=cfg.accountant)
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy="global"))
@@ -432,25 +435,11 @@ class RoundManager:
         log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r, settings.threshold,
                  len(selected), base_hash[:12])
         artifacts = self.task_artifacts(base_hash, weights)
-        budgets = cfg.budgets()
-        enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
         declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
-        # one z for the round, from values that are public and the same every round (so every round runs at one
-        # z and each category's rate stays what its budget was planned for): each site's q_k (its enrolled record
-        # count; 1.0 where unknown) and the federation's largest budget as every site's anchor
-        planned = {}
-        for s in selected:
-            n = enrolled[s].num_examples if s in enrolled else None
-            planned[s] = (min(1.0, cfg.expected_batch_size / n) if n else 1.0, tuple(budgets))
-        if distributed:  # one z and per-category clipping norms, from public values (shared.privacy.distributed)
-            z, _ = distributed_plan(budgets=budgets, target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
-                                    clipping_norm=float(cfg.clipping_norm), vector_length=d, scale=settings.scale)
-        else:
-            z = global_noise_multiplier(budgets=budgets, sites=planned, target_delta=float(cfg.target_delta),
-                                        planned_rounds=cfg.rounds, accountant=cfg.accountant)
         for site_id in selected:
             self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
-                               secagg=settings, noise_multiplier=z, distributed_noise=distributed)
+                               secagg=settings, noise_multiplier=z, distributed_noise=distributed,
+                               feature_centre=None if self._centre is None else centre_digest(self._centre))
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():
@@ -474,7 +463,10 @@ class RoundManager:
         new_hash = base_hash
         if outcome.status == "closed":
             assert outcome.noisy_gradient is not None
-            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in outcome.noisy_gradient.items()}
+            gradient = outcome.noisy_gradient
+            if self._centre is not None:  # the sites summed centred gradients: fold with the public c
+                gradient = uncentred_gradient(gradient, self._centre)
+            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in gradient.items()}
             new_weights = self._optimizer.step(weights, step)
             new_hash = model_hash(new_weights)
             self.save_optimizer_state(new_hash)
@@ -509,7 +501,7 @@ class RoundManager:
     def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
                       halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
                       secagg: SecAggSettings | None = None, noise_multiplier: float | None = None,
-                      distributed_noise: bool = False) -> None:
+                      distributed_noise: bool = False, feature_centre: str | None = None) -> None:
         cfg = self.config
         radio = cfg.radio if cfg.model == "radio_unet" else None
         if radio is not None:
@@ -531,7 +523,7 @@ class RoundManager:
                             artifacts=artifact_digests(artifacts or {}), secagg=secagg,
                             count_noise_multiplier=None if secagg is not None else self._count_noise(),
                             ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
-                            distributed_noise=distributed_noise)
+                            distributed_noise=distributed_noise, feature_centre=feature_centre)
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
 
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,

@@ -67,7 +67,7 @@ from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.config import SiteConfig, global_model_path, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.data.embedding import embed_dataset
-from edge_sdk.data.feature_centre import load_feature_centre
+from shared.models.feature_centre import centre_digest, load_feature_centre
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
 from edge_sdk.radio import RadioSiteTrainer, run_radio_task
@@ -733,6 +733,15 @@ class EdgeAgent:
         if params.vector_length != sum(int(np.asarray(w).size) for w in weights.values()):
             self._reject("task", "model_mismatch", f"secagg vector_length {params.vector_length} != model size")
             return False
+        centre = None
+        if task.feature_centre is not None:  # the coordinator folds the sum back with this c: use the same one
+            if self.feature_centre is None or centre_digest(self.feature_centre) != task.feature_centre:
+                have = "none" if self.feature_centre is None else centre_digest(self.feature_centre)[:12]
+                self._reject("task", "feature_centre_mismatch",
+                             f"the task's gradients are taken on embeddings centred by {task.feature_centre[:12]}, "
+                             f"this site's feature_centre is {have}: give the site the coordinator's centre file")
+                return False
+            centre = self.feature_centre
         self.outbox.set_state(_LAST_ROUND, str(task.round))  # durable before any data is touched
         client = SecAggClient(self.config.site_id, params)
         state = _SecAggRound(round=task.round, model_hash=task.model_hash, client=client, gradient=None,
@@ -741,12 +750,13 @@ class EdgeAgent:
         if not self._send_secagg(state, SecAggMessage("keys", client.public_keys().to_json())):
             return False
         started = time.monotonic()
-        if self.feature_centre is not None:
-            log.info("site %s: round %d: global DP sums plain (uncentred) gradients; feature_centre applies to "
-                     "local DP-SGD rounds only", self.config.site_id, task.round)
+        if self.feature_centre is not None and centre is None:
+            log.info("site %s: round %d: the global task names no feature centre: plain (uncentred) gradients",
+                     self.config.site_id, task.round)
         try:
             result = clipped_sum_locally(backend=self.backend, dataset=self.dataset, task=task, global_weights=weights,
-                                         site_categories=self.config.categories, randomness=self._randomness(task))
+                                         site_categories=self.config.categories, randomness=self._randomness(task),
+                                         feature_centre=centre)
         except PrivacyBudgetError as exc:
             self._secagg = None
             self._reject("task", "privacy_budget", str(exc))

@@ -119,7 +119,7 @@ class SiteConfig(BaseModel):
         embedding_cache: folder of the backbone-embedding cache (``edge_sdk.data.embedding``); default
             ``<outbox folder>/embeddings``.
         embedding_input_size: the backbone's input size S in pixels (128: chosen by measurement, docs/backbone.md).
-        feature_centre: a public centre of the embeddings (safetensors, :mod:`edge_sdk.data.feature_centre`):
+        feature_centre: a public centre of the embeddings (safetensors, :mod:`shared.models.feature_centre`):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
             public images, never from this site's records. Global DP rounds ignore it. Default: none.
         logit_adjustment: under CCDP, train with the logit-adjusted loss for the species table's categories (the

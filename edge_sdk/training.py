@@ -34,7 +34,7 @@ from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend, unflatten
 from edge_sdk.data.camtrap_dp import LocalDataset
-from edge_sdk.data.feature_centre import centred_weights, uncentred_weights
+from shared.models.feature_centre import centred_weights, uncentred_weights
 from edge_sdk.privacy.ccdp import (CCDPMechanism, CCDPPlan, active_categories, clip_factors_from_norms, plan_ccdp,
                                    rank_table)
 from edge_sdk.privacy.per_example import summation_error_bound
@@ -154,7 +154,7 @@ def _logit_offsets(plan: CCDPPlan, class_categories: Mapping[int, IUCNCategory] 
 class TrainingInputs:
     """A site's records as the training steps read them, prepared once and reused every round: the model inputs
     (``model_inputs(dataset)``, centred by ``feature_centre`` when one is given:
-    :mod:`edge_sdk.data.feature_centre`) and, for embeddings, an upper bound of each input's squared L2 norm, which
+    :mod:`shared.models.feature_centre`) and, for embeddings, an upper bound of each input's squared L2 norm, which
     the per-example gradient norms of the layer reading the input need at every step (computing it once per record
     instead of once per sampled record per step is what keeps the DP step near the non-private one).
 
@@ -244,7 +244,7 @@ def train_locally(
         num_classes: length of the count vector when the task asks for counts (default: from ``psi.bias``).
         feature_centre: float32 (E,) public centre ``c`` of the embeddings, or None: the steps then run on
             ``x - c`` with the first layer's bias unfolded to ``b' + W c`` and folded back before the delta is
-            taken (:mod:`edge_sdk.data.feature_centre`; the delta is in the plain form the federation stores).
+            taken (:mod:`shared.models.feature_centre`; the delta is in the plain form the federation stores).
         class_categories: ``{class index: IUCN category}`` of the site's species table (public configuration), or
             None. Under CCDP each category's records weigh ``w_c = (q_c / q)(C_c / C)`` in a step
             (:meth:`~edge_sdk.privacy.ccdp.CCDPPlan.relative_weights`), so the classifier would learn a prior
@@ -365,6 +365,7 @@ def clipped_sum_locally(
     global_weights: Mapping[str, np.ndarray],
     site_categories: Iterable[IUCNCategory],
     randomness: RandomSource,
+    feature_centre: np.ndarray | None = None,
 ) -> ClippedSum:
     """Global DP mode, the site's part of one DP-SGD step (Abadi et al. 2016, Alg. 1, lines "sample", "compute
     gradient", "clip gradient"; the "add noise" line runs at the coordinator, once, on the sum over sites, in the
@@ -374,16 +375,31 @@ def clipped_sum_locally(
     per-example gradients at ``global_weights``, clip each to L2 norm ``task.clipping_norm`` and sum them. No noise
     is added here and the model is not stepped.
 
-    Args: as :func:`train_locally`.
+    Args: as :func:`train_locally`; ``dataset`` may be prepared :class:`TrainingInputs`. ``feature_centre``:
+        float32 (E,), the public centre the task names (``task.feature_centre``): the gradients are taken of the
+        same function on ``x - c`` (:func:`shared.models.feature_centre.centred_weights`), so the sum is in the
+        centred form and the coordinator folds the noisy sum back with
+        :func:`shared.models.feature_centre.uncentred_gradient` (post-processing with a public c). None: plain.
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records.
-        ConfigError: the weights do not fit the backend's model.
+        ConfigError: the weights do not fit the backend's model, or the prepared inputs were centred by another
+            centre than ``feature_centre``.
     """
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
     if task.noise_multiplier is None:
         raise PayloadError("a global task must carry the coordinator's noise_multiplier")
-    backend.set_weights({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()})
+    plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
+    if isinstance(dataset, TrainingInputs):
+        same = (dataset.centre is None if feature_centre is None
+                else dataset.centre is not None and np.array_equal(dataset.centre, feature_centre))
+        if not same:
+            raise ConfigError("the prepared training inputs were centred by another feature centre",
+                              field="feature_centre", fix="prepare TrainingInputs with the task's centre")
+        inputs = dataset
+    else:
+        inputs = TrainingInputs(dataset, feature_centre)
+    backend.set_weights(plain if feature_centre is None else centred_weights(plain, feature_centre))
     norms = {c: float(task.clipping_norm) for c in active}
     if task.distributed_noise:  # "scale": every category at q, clipped at its C_c (shared.privacy.distributed)
         assert task.secagg is not None  # a global task carries it (TrainingTask checks)
@@ -401,7 +417,7 @@ def clipped_sum_locally(
     idx = sample_at_rates(rate_table[ranks], randomness)
     flat = np.zeros(backend.num_parameters, dtype=np.float64)
     if idx.size:
-        grads = backend.per_example(model_inputs(dataset)[idx], dataset.labels[idx])
+        grads = backend.per_example(inputs.features[idx], dataset.labels[idx])
         factors = clip_factors_from_norms(grads.norms, norm_table[ranks[idx]])
         flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
     log.info("round %d: global DP: clipped sum of a Poisson batch at q=%s (C=%s), %s", task.round,

@@ -293,6 +293,10 @@ class TrainingTask:
             to its quantised sum before masking, clips category c at ``C_c`` of
             ``shared.privacy.distributed.distributed_plan`` and samples every category at q; the coordinator adds
             nothing); False (default, left out of the JSON) = the trusted-server mode.
+        feature_centre: a ``"global"`` task only: hex SHA-256 of the public feature centre c
+            (``shared.models.feature_centre.centre_digest``) on whose centred embeddings the site takes its
+            gradients; the coordinator folds the noisy sum back with the same c. A site without that centre
+            refuses the task. None (left out of the JSON): gradients of the plain form.
         radio: a radio-map task (:class:`RadioTask`) for base-station gateways; privacy is then ``"grouped"``
             (budgets under IUCN NE: a radio map has no species) or ``"none"``, and ``artifacts`` must carry
             ``radio.city_artifact``. Left out of the JSON when None (camera tasks).
@@ -318,6 +322,7 @@ class TrainingTask:
     ccdp_variant: str = "sample"
     noise_multiplier: float | None = None
     distributed_noise: bool = False
+    feature_centre: str | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
@@ -353,6 +358,11 @@ class TrainingTask:
             raise PayloadError(f"distributed_noise must be true or false, got {self.distributed_noise!r}")
         if self.distributed_noise and self.privacy != "global":
             raise PayloadError(f"distributed_noise is only for global tasks, not {self.privacy!r}")
+        if self.feature_centre is not None:
+            if self.privacy != "global":
+                raise PayloadError(f"feature_centre is only for global tasks, not {self.privacy!r}")
+            if not (isinstance(self.feature_centre, str) and re.fullmatch(r"[0-9a-f]{64}", self.feature_centre)):
+                raise PayloadError(f"feature_centre must be a hex SHA-256, got {self.feature_centre!r}")
         if self.privacy != "global" and self.secagg is not None:
             raise PayloadError(f"secagg parameters are only for global tasks, not {self.privacy!r}")
         z = self.count_noise_multiplier
@@ -405,7 +415,8 @@ class TrainingTask:
                 **({"radio": self.radio.to_json()} if self.radio is not None else {}),
                 **({"ccdp_variant": self.ccdp_variant} if self.privacy == "ccdp" else {}),
                 **({"noise_multiplier": self.noise_multiplier} if self.noise_multiplier is not None else {}),
-                **({"distributed_noise": True} if self.distributed_noise else {})}
+                **({"distributed_noise": True} if self.distributed_noise else {}),
+                **({"feature_centre": self.feature_centre} if self.feature_centre is not None else {})}
 
 
 @dataclass(frozen=True)

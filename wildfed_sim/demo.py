@@ -116,7 +116,8 @@ class DemoSettings:
         nira_distance_threshold: NIRA's Jaccard-distance cut of the species-list dendrogram (None = 0.7).
         feature_centre: give every gateway the mean backbone embedding of the public split (the training images
             no site holds, less duplicates of site images) as its ``feature_centre``
-            (:mod:`edge_sdk.data.feature_centre`): local steps train on centred embeddings. On by default
+            (:mod:`shared.models.feature_centre`): local steps train on centred embeddings (Global DP: the
+            coordinator is given the same file and the sites' gradients are centred). On by default
             (chosen by the tuning sweep, docs/demo-data.md "Tuning"); ``--no-feature-centre`` for the plain head.
     """
 
@@ -316,10 +317,10 @@ def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple
 
 
 def _write_feature_centre(settings: DemoSettings, run_dir: Path, train: Any, specs: Any, console: Any) -> Path:
-    """The gateways' public feature centre (:mod:`edge_sdk.data.feature_centre`): the mean embedding of the
+    """The gateways' public feature centre (:mod:`shared.models.feature_centre`): the mean embedding of the
     training images no site holds, less byte-duplicates of site images (:func:`public_split_indices`), written to
     ``<run>/public/feature-centre.safetensors``."""
-    from edge_sdk.data.feature_centre import public_centre, save_feature_centre
+    from shared.models.feature_centre import public_centre, save_feature_centre
     from wildfed_sim.embeddings import embed_grayscale
 
     public = public_images(train, specs, public_per_class=settings.public_per_class, seed=settings.seed)
@@ -755,6 +756,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
             "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
             "model": "head", "adapter_width": settings.adapter_width,
+            # Global DP: the sites take centred gradients, the coordinator folds the noisy sum with the same file
+            **({"feature_centre": str(centre_path)} if settings.privacy == "global" and centre_path else {}),
             "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
             "seed": settings.seed, "strategy": _strategy_config(settings),
             "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}

@@ -94,10 +94,12 @@ def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
 class SimConfig:
     """One configuration: the demo's settings of the same names (``wildfed demo --help``).
 
-    ``privacy``: ``"ccdp"`` or ``"none"``; ``budgets``: epsilon per category (ignored for ``"none"``);
+    ``privacy``: ``"ccdp"`` (local DP at each gateway), ``"global"`` (one step per round: each site's clipped sum,
+    the noise added once to their sum; ``global_noise`` ``"trusted-server"`` or ``"distributed"``, as the demo's
+    ``--global-noise``) or ``"none"``; ``budgets``: epsilon per category (ignored for ``"none"``);
     ``server_learning_rate`` and ``server_momentum``: the coordinator's server SGD (1 and 0 are FedAvg);
     ``centre``: the gateways train on embeddings centred by the public split's mean (site config
-    ``feature_centre``, :mod:`edge_sdk.data.feature_centre`).
+    ``feature_centre``, :mod:`shared.models.feature_centre`).
     """
 
     privacy: str = "ccdp"
@@ -115,6 +117,7 @@ class SimConfig:
     centre: bool = True
     ccdp_variant: str = "sample"
     logit_adjustment: bool = True
+    global_noise: str = "trusted-server"
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None) -> dict[str, Any]:
@@ -125,15 +128,17 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
 
     Returns:
         ``{"round0": Accuracy.by_group, "final": Accuracy.by_group, "final_by_category": {code: accuracy},
-        "noise_multipliers": {site: {code: z}}, "sampling_rates": {site: {code: q_c}}, "weights": the final global
-        model}`` (accuracies are fractions).
+        "noise_multipliers": {site: {code: z}}, "sampling_rates": {site: {code: q_c}}, "events": {site: {category:
+        event}} (what each category's records went through over all rounds, as the ledger composes it: a
+        ``DPSGDEvent`` or, distributed Global DP, a ``SkellamEvent``; empty without privacy), "weights": the final
+        global model}`` (accuracies are fractions).
 
     Raises:
         ConfigError / PrivacyBudgetError: from :func:`edge_sdk.training.train_locally` on a bad configuration.
     """
     from coordinator.optimizers.server_sgd import ServerSGD
     from edge_sdk.backends.torch_backend import TorchBackend
-    from edge_sdk.data.feature_centre import public_centre
+    from shared.models.feature_centre import public_centre
     from edge_sdk.training import TrainingInputs, train_locally
     from shared.models.kinds import model_spec
     from shared.privacy.randomness import InsecureRandomnessWarning, SeededRandom
@@ -157,6 +162,13 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     total = float(sum(len(s) for s in fed.sites))
     inputs = {s.site_id: TrainingInputs(s, centre) for s in fed.sites}  # as each gateway prepares them once
     table = dict(enumerate(fed.class_categories))  # the species table every demo gateway holds (public)
+    if config.privacy == "global":
+        weights, events = _simulate_global(fed, config, weights, backend, server, rngs, centre, inputs)
+        final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
+        return {"round0": round0.by_group, "final": final.by_group,
+                "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": {},
+                "sampling_rates": {}, "events": events, "weights": weights}
+    events: dict[str, dict[IUCNCategory, Any]] = {}
     for r in range(config.rounds):
         task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=config.local_steps,
                             expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
@@ -169,6 +181,9 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                                    site_categories=site.species_categories, randomness=rngs[site.site_id],
                                    class_categories=table if config.logit_adjustment else None)
             zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
+            for c, ev in result.report.events.items():  # what the ledger would charge, composed over rounds
+                prev = events.setdefault(site.site_id, {}).get(c)
+                events[site.site_id][c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
             rates[site.site_id] = {c.value: q for c, q in result.sampling_rates.items()}
             for k, d in result.delta.items():
                 avg[k] += (len(site) / total) * d
@@ -176,7 +191,74 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
     return {"round0": round0.by_group, "final": final.by_group,
             "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": zs,
-            "sampling_rates": rates, "weights": weights}
+            "sampling_rates": rates, "events": events, "weights": weights}
+
+
+def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, np.ndarray], backend: Any, server: Any,
+                     rngs: Mapping[str, Any], centre: np.ndarray | None, inputs: Mapping[str, Any]
+                     ) -> dict[str, np.ndarray]:
+    """The demo's Global DP rounds without the transport (``coordinator.rounds.RoundManager.run_global_round``):
+    the same round plan (:func:`coordinator.global_dp.plan_global_round`), each site's
+    :func:`edge_sdk.training.clipped_sum_locally` quantised to the secure-aggregation grid
+    (:func:`shared.secagg.quantise`; the masks cancel in the sum, so they are left out) with its Skellam share
+    when the noise is distributed, the sum dequantised, the trusted server's Gaussian draw of std z C_eff
+    otherwise, the normaliser sum_k q_k N_k, the fold with the public centre and the server step. Every site
+    survives (the distributed noise is calibrated for the threshold t, so n > t survivors carry more).
+
+    Returns ``(weights, {site: {category: event over all rounds}})`` (the coordinator's charges,
+    :func:`coordinator.global_dp.global_events` / ``distributed_events``, composed over the rounds)."""
+    from coordinator.global_dp import distributed_events, effective_sensitivity, global_events, plan_global_round
+    from edge_sdk.training import clipped_sum_locally
+    from shared.models.feature_centre import centre_digest, uncentred_gradient
+    from shared.privacy.distributed import skellam_noise, skellam_share_variance
+    from shared.protocol import TrainingTask, canonical_flatten, canonical_unflatten
+    from shared.secagg import dequantise_sum, quantise
+
+    budgets = dict(config.budgets)
+    d = sum(int(np.asarray(w).size) for w in weights.values())
+    rates = {s.site_id: min(1.0, config.expected_batch_size / len(s)) for s in fed.sites}
+    distributed = config.global_noise == "distributed"
+    settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
+                                    clipping_norm=config.clipping_norm, expected_batch_size=config.expected_batch_size,
+                                    target_delta=config.target_delta, planned_rounds=config.rounds,
+                                    distributed=distributed)
+    params = settings.params("sim", 0)
+    sigma = z * effective_sensitivity(config.clipping_norm, d, settings.scale)
+    share_variance = skellam_share_variance(noise_multiplier=z, clipping_norm=config.clipping_norm, vector_length=d,
+                                            scale=settings.scale, threshold=settings.threshold)
+    normaliser = sum(rates[s.site_id] * len(s) for s in fed.sites)
+    first = fed.sites[0].site_id
+    for r in range(config.rounds):
+        task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=1,
+                            expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
+                            clipping_norm=config.clipping_norm, target_delta=config.target_delta,
+                            planned_rounds=config.rounds, privacy="global", budgets=budgets, secagg=settings,
+                            noise_multiplier=z, distributed_noise=distributed,
+                            feature_centre=None if centre is None else centre_digest(centre))
+        total = np.zeros(d, dtype=np.uint64)
+        for site in fed.sites:
+            part = clipped_sum_locally(backend=backend, dataset=inputs[site.site_id],
+                                       task=task, global_weights=weights, site_categories=site.species_categories,
+                                       randomness=rngs[site.site_id], feature_centre=centre)
+            y = quantise(canonical_flatten(part.gradient_sum), params).astype(np.uint64)
+            if distributed:
+                share = skellam_noise(share_variance, d, np.random.default_rng(int(rngs[site.site_id].random(1)[0] * 2**53)))
+                y = y + share.view(np.uint64)
+            total = (total + y) & np.uint64(params.modulus - 1)
+        summed = dequantise_sum(total.astype(params.dtype), params)
+        noisy = summed if distributed else summed + sigma * rngs[first].standard_normal(d)
+        gradient = canonical_unflatten((noisy / normaliser).astype(np.float32), weights)
+        if centre is not None:
+            gradient = uncentred_gradient(gradient, centre)
+        weights = server.step(weights, {k: (-config.learning_rate * v).astype(np.float32) for k, v in gradient.items()})
+    sites = {s.site_id: (rates[s.site_id], s.species_categories) for s in fed.sites}
+    per_round = (distributed_events(z, budgets=budgets, sites=sites, target_delta=config.target_delta,
+                                    planned_rounds=config.rounds, clipping_norm=config.clipping_norm,
+                                    vector_length=d, scale=settings.scale) if distributed
+                 else global_events(z, budgets=budgets, sites=sites, target_delta=config.target_delta,
+                                    planned_rounds=config.rounds))
+    return weights, {s: {c: ev.with_steps(ev.steps * config.rounds) for c, ev in evs.items()}
+                     for s, evs in per_round.items()}
 
 
 def summarise(values: Sequence[float]) -> tuple[float, float]:

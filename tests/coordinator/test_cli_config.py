@@ -32,6 +32,24 @@ def test_invalid_config_names_the_field(field, value):
     assert field in str(err.value) and "fix" in str(err.value)
 
 
+def test_feature_centre_is_for_global_dp_with_the_head_model_and_must_load(tmp_path):
+    import numpy as np
+
+    from shared.models.feature_centre import save_feature_centre
+
+    with pytest.raises(ConfigError, match="feature_centre is for privacy: global"):
+        config_from_dict({"federation_id": "f", "privacy": "ccdp", "feature_centre": str(tmp_path / "c")})
+    path = save_feature_centre(tmp_path / "centre.safetensors", np.zeros(7, np.float32), num_images=1, source="t")
+    config = config_from_dict({"federation_id": "f", "privacy": "global", "local_steps": 1,
+                               "feature_centre": str(path)})
+    from shared.models.backbone import EMBEDDING_DIM
+    from shared.models.feature_centre import load_feature_centre
+
+    with pytest.raises(ConfigError, match=f"shape \\({EMBEDDING_DIM},\\)") as err:  # what RoundManager loads
+        load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
+    assert err.value.field == "feature_centre"
+
+
 def test_invalid_budget_names_the_field(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"federation_id": "f", "budget": {"kind": "from_max", "eps_max": -1}}))

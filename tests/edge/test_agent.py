@@ -333,6 +333,41 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     agent.close()
 
 
+def test_global_task_naming_a_feature_centre_needs_the_same_centre(world, tmp_path: Path) -> None:
+    # The coordinator folds the noisy sum back with the centre the task names: a site without it, or with another
+    # one, must refuse before advertising keys (it would otherwise send gradients of another parametrisation)
+    from shared.models.feature_centre import centre_digest, save_feature_centre
+    from shared.protocol import SecAggSettings
+
+    coordinator, make_agent = world
+    d = sum(w.size for w in coordinator.weights.values())
+    settings = SecAggSettings(site_ids=("site-0", SITE), threshold=2, vector_length=d, max_abs_value=4.0,
+                              scale=2.0 ** 24)
+    centre = np.linspace(0.0, 1.0, 1280, dtype=np.float32)
+    save_feature_centre(tmp_path / "centre.safetensors", centre, num_images=3, source="test")
+    cfg = yaml.safe_load((tmp_path / "site.yaml").read_text())
+
+    def task(round_: int, digest: str) -> bytes:
+        return coordinator.task(round_, privacy="global", local_steps=1, expected_batch_size=3, clipping_norm=0.01,
+                                secagg=settings, noise_multiplier=1e4, feature_centre=digest)
+
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump({**cfg, "allow_global_dp": True}))
+    agent, _ = make_agent()
+    agent.start()
+    assert agent.handle_task(task(1, centre_digest(centre))) is False  # this site holds no centre
+    assert agent.stats["rejected:feature_centre_mismatch"] == 1 and agent._secagg is None
+    agent.close()
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump({**cfg, "allow_global_dp": True,
+                                                        "feature_centre": "centre.safetensors"}))
+    agent, _ = make_agent()
+    agent.start()
+    assert agent.handle_task(task(1, centre_digest(centre + 1))) is False  # another centre
+    assert agent.stats["rejected:feature_centre_mismatch"] == 1
+    assert agent.handle_task(task(2, centre_digest(centre))) is True  # the same: keys advertised
+    assert agent._secagg is not None
+    agent.close()
+
+
 def test_waiting_for_an_ack_with_max_rounds_reads_no_payload_per_message(world) -> None:
     """Issue 16, item 12: with ``max_rounds`` set, the run loop asks after every message whether the outbox is
     empty; that must not read the stored updates (a 40 MB update took 0.25 s per message). Counted two ways: the

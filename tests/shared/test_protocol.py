@@ -89,6 +89,19 @@ def test_global_task_round_trip_and_rules():
         task(privacy="global", local_steps=1, secagg=secagg(scale=2.0 ** 29), noise_multiplier=1.5)
 
 
+def test_global_task_carries_the_feature_centre_digest_and_checks_it():
+    digest = "ab" * 32
+    t = task(privacy="global", local_steps=1, secagg=secagg(), noise_multiplier=1.5, feature_centre=digest)
+    back, _ = decode_task(encode_task(t, W))
+    assert back.feature_centre == digest
+    assert "feature_centre" not in task(privacy="global", local_steps=1, secagg=secagg(),
+                                        noise_multiplier=1.5).to_json()
+    with pytest.raises(PayloadError, match="feature_centre is only for global"):
+        task(feature_centre=digest)
+    with pytest.raises(PayloadError, match="hex SHA-256"):
+        task(privacy="global", local_steps=1, secagg=secagg(), noise_multiplier=1.5, feature_centre="AB" * 32)
+
+
 def test_ccdp_variant_is_carried_and_checked():
     assert task().to_json()["ccdp_variant"] == "sample"
     t = task(ccdp_variant="scale")

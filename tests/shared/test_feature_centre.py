@@ -12,9 +12,9 @@ from shared.models.kinds import model_spec
 from shared.protocol import TrainingTask
 
 from edge_sdk.backends.torch_backend import TorchBackend
-from edge_sdk.data.feature_centre import (centred_weights, load_feature_centre, public_centre, save_feature_centre,
-                                          uncentred_weights)
-from edge_sdk.training import train_locally
+from shared.models.feature_centre import (centre_digest, centred_weights, load_feature_centre, public_centre,
+                                          save_feature_centre, uncentred_gradient, uncentred_weights)
+from edge_sdk.training import TrainingInputs, clipped_sum_locally, train_locally
 
 
 class AllRecords:
@@ -88,6 +88,58 @@ def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient
                         task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords())
     np.testing.assert_allclose(raw.delta["psi.weight"], -0.5 * err.T @ x.astype(np.float64) / n, rtol=1e-4,
                                atol=1e-6)
+
+
+def test_global_dp_centred_clipped_sum_folded_by_the_coordinator_matches_the_hand_worked_step():
+    # A Global DP round: the site clips gradients of the centred form, the coordinator folds the (here noise-free)
+    # mean with the public c before its step. By hand: the plain-form head (W, b') with b = b' + W c.
+    from shared.protocol import SecAggSettings
+
+    rng = np.random.default_rng(5)
+    n, e, k, clip, lr = 5, 1280, 3, 0.7, 0.4
+    x = rng.uniform(0, 6, (n, e)).astype(np.float32)
+    y = np.array([0, 2, 1, 1, 0])
+    c = rng.uniform(0, 6, e).astype(np.float32)
+    weights = {"psi.weight": (0.01 * rng.standard_normal((k, e))).astype(np.float32),
+               "psi.bias": np.array([0.3, -0.2, 0.1], np.float32)}
+    d = k * e + k
+    task = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=n,
+                        learning_rate=lr, clipping_norm=clip, target_delta=1e-5, planned_rounds=1, privacy="global",
+                        budgets={Cat.NE: 1.0}, noise_multiplier=1e4, feature_centre=centre_digest(c),
+                        secagg=SecAggSettings(site_ids=("a", "b"), threshold=2, vector_length=d, max_abs_value=10.0,
+                                              scale=2.0 ** 20))
+    backend = TorchBackend(model=model_spec("head", k, adapter_width=0))
+    part = clipped_sum_locally(backend=backend, dataset=Records(x, y, np.full(n, Cat.NE.rank, np.int8)), task=task,
+                               global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords(),
+                               feature_centre=c)
+    w, b_plain = weights["psi.weight"].astype(np.float64), weights["psi.bias"].astype(np.float64)
+    xc = x.astype(np.float64) - c
+    p = _softmax(x.astype(np.float64) @ w.T + b_plain)  # (n, k): the same function in either form
+    err = p - np.eye(k)[y]
+    norms = np.linalg.norm(err, axis=1) * np.sqrt((xc ** 2).sum(axis=1) + 1.0)
+    f = np.minimum(1.0, clip / norms)
+    s_w, s_b = (f[:, None] * err).T @ xc, (f[:, None] * err).sum(axis=0)
+    np.testing.assert_allclose(part.gradient_sum["psi.weight"], s_w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(part.gradient_sum["psi.bias"], s_b, rtol=1e-4, atol=1e-6)
+    folded = uncentred_gradient({"psi.weight": s_w / n, "psi.bias": s_b / n}, c)
+    new = {name: weights[name] - lr * folded[name] for name in weights}
+    # the stepped plain model is the centred model stepped by the same gradient: W' (x - c) + b - lr g_b
+    want = (w - lr * s_w / n) @ xc.T + (b_plain + w @ c - lr * s_b / n)[:, None]
+    got = new["psi.weight"].astype(np.float64) @ x.astype(np.float64).T + new["psi.bias"][:, None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # prepared inputs centred by another centre are refused, naming the field
+    with pytest.raises(ConfigError, match="another feature centre"):
+        clipped_sum_locally(backend=backend, dataset=TrainingInputs(Records(x, y, np.full(n, 6, np.int8)), None),
+                            task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords(),
+                            feature_centre=c)
+
+
+def test_centre_digest_is_sha256_of_the_float32_bytes():
+    import hashlib
+
+    c = np.arange(4, dtype=np.float64) / 3
+    assert centre_digest(c) == hashlib.sha256(np.asarray(c, "<f4").tobytes()).hexdigest()
+    assert centre_digest(c) != centre_digest(c + 1e-3)
 
 
 def test_ccdp_events_do_not_depend_on_the_centre():

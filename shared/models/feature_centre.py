@@ -34,7 +34,7 @@ import numpy as np
 from shared.errors import ConfigError
 
 __all__ = ["CENTRE_TENSOR", "public_centre", "save_feature_centre", "load_feature_centre", "first_layer",
-           "centred_weights", "uncentred_weights"]
+           "centred_weights", "uncentred_weights", "uncentred_gradient", "centre_digest"]
 
 CENTRE_TENSOR = "centre"
 
@@ -75,7 +75,7 @@ def load_feature_centre(path: str | os.PathLike[str], *, dim: int) -> np.ndarray
     from safetensors.numpy import load_file
 
     p = Path(path)
-    fix = "point feature_centre at a file written by edge_sdk.data.feature_centre.save_feature_centre, or remove it"
+    fix = "point feature_centre at a file written by shared.models.feature_centre.save_feature_centre, or remove it"
     if not p.is_file():
         raise ConfigError(f"feature centre file {p} does not exist", field="feature_centre", fix=fix)
     try:
@@ -131,3 +131,29 @@ def centred_weights(weights: Mapping[str, np.ndarray], centre: np.ndarray) -> di
 def uncentred_weights(weights: Mapping[str, np.ndarray], centre: np.ndarray) -> dict[str, np.ndarray]:
     """Inverse of :func:`centred_weights`: ``b' = b - W c`` (the form the federation stores and serves)."""
     return _shift(weights, centre, -1.0)
+
+
+def uncentred_gradient(gradient: Mapping[str, np.ndarray], centre: np.ndarray) -> dict[str, np.ndarray]:
+    """A gradient of the centred parametrisation -> the step of the plain form (Global DP mode: the sites sum
+    gradients taken on ``x - c``, the coordinator noises the sum and folds it back before its server step).
+
+    With ``b' = b - W c`` a step ``(W, b) -= lr (G_W, G_b)`` is the step ``(W, b') -= lr (G_W, G_b - G_W c)``:
+    the same linear map as :func:`uncentred_weights`, applied to the gradient. Linear and fixed, so it commutes with
+    summing over sites, with the noise and with the server optimizer's momentum; computed from a public c, it is
+    post-processing of the DP release.
+
+    Args:
+        gradient: head-model float32 arrays (the noisy mean gradient). centre: float (E,).
+
+    Raises:
+        ValueError: not a head model, or ``centre`` of the wrong length.
+    """
+    return _shift(gradient, centre, -1.0)
+
+
+def centre_digest(centre: np.ndarray) -> str:
+    """SHA-256 (hex) of the centre's float32 little-endian bytes: the value a Global DP task names so that the
+    coordinator and every site fold with the same c (:class:`shared.protocol.TrainingTask` ``feature_centre``)."""
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(centre, dtype="<f4").tobytes()).hexdigest()
