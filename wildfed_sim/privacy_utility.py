@@ -1,58 +1,46 @@
-"""Privacy-utility on real images: the seed's table, measured on the demo federation.
+"""The privacy-utility table (issue 19, item 4): per-category budgets against uniform DP, local against
+distributed noise, each configuration tuned on its own on seeds that are never reported.
 
-``wildfed experiment privacy-utility`` runs the demo federation (:func:`wildfed_sim.demo.
-run_demo`: embedded broker, one gateway process per site, Camtrap DP packages, the ledger) once per configuration
-and seed, on the same sites and the same held-out split for every configuration of a seed:
+``wildfed experiment privacy-utility`` runs the demo's learning problem (8 non-IID sites on Animal-MNIST, the
+frozen ImageNet EfficientNet-Lite0 backbone, a linear head psi trained from zero by the sites; public pretraining
+is the backbone only) through the in-process replay of the federation (:mod:`wildfed_sim.demo_sim`: the
+gateways' own ``train_locally`` / ``clipped_sum_locally``, the coordinator's round plan, secure-aggregation
+quantisation, FedAvg and server SGD; only the transport is left out). One run per configuration and seed:
 
-==================  ============================================================
-``none``            no privacy (non-private reference)
-``uniform-eps1``    uniform DP: every IUCN category eps = 1 (gamma 0, anchor VU = 1)
-``uniform-eps2``    uniform DP: every category eps = 2 (gamma 0, anchor VU = 2)
-``ccdp-gamma1``     CCDP gamma 1, anchor VU = 1: CR 0.33, EN 0.67, ..., LC 1.67, NE 2.00
-``ccdp-gamma2``     CCDP gamma 2, anchor VU = 1: CR 0.11, EN 0.44, ..., LC 2.78, NE 4.00
-==================  ============================================================
+==================================  ===========================================================================
+``none``                            no privacy: the non-private ceiling
+``uniform-eps0.33``                 local DP-SGD, every category eps = 1/3 (CR's protection for every record)
+``uniform-eps1`` / ``uniform-eps2`` local DP-SGD, every category eps = 1 / 2 (eps 2: CCDP gamma 1's upper end)
+``ccdp-g1-sample`` / ``-scale``     local CCDP gamma 1 (VU = 1: CR 0.33, EN 0.67, VU 1, NT 1.33, LC 1.67, NE 2),
+                                    individualized DP-SGD "Sample" / "Scale" (Boenisch et al., NeurIPS 2023)
+``ccdp-g2-sample`` / ``-scale``     gamma 2 (CR 0.11, EN 0.44, VU 1, NT 1.78, LC 2.78, NE 4)
+``global-ccdp-g1-trusted``          Global DP (secure aggregation, one step per round), CCDP gamma 1, the
+                                    coordinator adds the noise (trusted server)
+``global-ccdp-g1-distributed``      the same, each site adds its Skellam share before masking
+``global-uniform-eps0.33-dist.``    distributed Global DP, uniform eps = 1/3 (the fair rival there)
+==================================  ===========================================================================
 
-Columns, all read back from each run's ``report.json``: CR/EN, LC and overall accuracy on the held-out test split;
-the epsilon actually spent (ledger, RDP composition of every step) for CR/EN -- the larger of the CR and EN spends,
-each the largest over sites -- and for LC. Mean and sample standard deviation over seeds.
+Protocol (a reviewer's, README "Privacy-utility"):
 
-Public pretraining (DP transfer learning): with ``public_per_class = N > 0`` (default 100),
-:func:`~wildfed_sim.demo.design_sites_with_public_split` first reserves N training images of every class
-(1,000 of the 8,000 at N=100; drawn by the seed, from the training split only, so disjoint from the 2,000-image
-held-out test split) and designs the sites on the other 7,000; no site holds a public image (the sites keep the
-default design's sizes, 20 to 2,400, 4,373 images in all at K=8). With ``pretrain_epochs > 0`` the camera CNN (phi
-and psi) is trained on that public split centrally, without privacy, once per seed, and every configuration of
-that seed starts its federation from those weights; the private sites' records are only ever touched by DP-SGD.
-``public_per_class = 0`` takes the old public split instead -- the training images no site holds, about 3,600, not
-class-balanced (the site design takes every image of some species: at K=8, seed 0 none of bird, cat, cow, sheep).
-The public split's class counts, its images' positions in the published data set and the round-0 accuracy are
-recorded in ``privacy_utility.json`` (``pretraining.<seed>``).
+1. **Tuning.** Every configuration gets the same grid (:data:`DP_GRID`: learning rate x {local steps, clipping
+   norm, rounds}, 25 points; Global DP runs one step per round, so its grid swaps local steps for more clipping
+   norms; the non-private run has :data:`NON_PRIVATE_GRID`, 25 points without clipping) on the tuning seeds
+   (default 101 and 103: their own split, site design and noise). The point with the best mean overall accuracy
+   is kept for that configuration. The tuning seeds are never reported.
+2. **Reporting.** Each configuration's chosen point runs on the reported seeds (default 0-4). A seed fixes the
+   data split, the site design, the initial model and the noise, so two configurations of one seed are paired.
+3. **Statistics.** Mean and sample std over seeds per configuration; for each comparison
+   (:data:`COMPARISONS`) the paired differences, their mean and the 95 % Student-t interval (n - 1 degrees of
+   freedom). Round-0 accuracy (the zero head: every logit equal) and the non-private ceiling are in the table.
+4. **Epsilon.** Per IUCN category, the epsilon of the mechanism its records went through: each site's events
+   (what the ledger charges: ``DPSGDEvent(sigma/C_c, q_c, steps)`` locally, ``DPSGDEvent(z, q_kc, rounds)`` for
+   trusted Global DP, the Skellam event for distributed), composed by dp-accounting's RDP accountant
+   (:func:`shared.privacy.accounting.epsilon_spent`), the maximum over sites.
 
-Protocol tuning (2026-11-29, recorded so it can be judged). Tuned on ONE seed that is not in the reported grid
-(seed 7: its own split and sites) and on two configurations only, ``none`` and ``uniform-eps1``; the same
-hyper-parameters are then used for all five configurations. Criterion: the non-private run's final overall
-accuracy (the private run's agreed). Public split 100 per class; pretraining epochs were chosen
-on the *site* images (not the test split): 10 / 20 / 40 epochs at lr 0.1 gave 55.8 / 71.4 / 80.2 % on them (200
-per class: 72.8 / 80.4 / 87.7 %; lr 0.05 was worse), so 40 epochs, lr 0.1, batch 64, 100 per class. Then the local
-learning rate at 10 local steps, expected batch 128, C = 1 (accuracy on seed 7's held-out split, which shares
-images with those of seeds 0-2 -- another random split of the same 10,000 -- at round 0 -> after 10 rounds):
-
-=========  ====================  ====================
-local lr   none                  uniform eps = 1
-=========  ====================  ====================
-0.5        80.2 -> 59.9 %        80.2 -> 40.5 %
-0.05       80.2 -> 76.1 %        80.2 -> 78.0 %
-0.02       80.2 -> 77.6 %        80.2 -> 80.5 %
-=========  ====================  ====================
-
-so local lr 0.02. What this shows: on this deliberately non-IID design (one farmland site holds 55 % of the site
-images; at seed 7 no site holds a single wild dog), FedAvg weighted by site size pulls a class-balanced
-pretrained model towards the big sites' species at every learning rate tried; a smaller step only erodes it more
-slowly. No server learning rate was tried: the demo does not pass ``server_learning_rate`` to the coordinator.
-
-Output (``out_dir``): ``privacy_utility.json`` (settings, pretraining, every run's row, the summary),
-``privacy_utility.md`` (the table), ``privacy_utility.png`` (accuracy and epsilon per configuration, error bars =
-std over seeds), and one demo run folder per configuration and seed under ``runs/``.
+Outputs (``--out``): ``privacy_utility.json`` (settings, every tuning and reported run, the chosen points, the
+summary and the comparisons), ``privacy_utility.md`` (the tables), ``privacy_utility.png`` (accuracy per IUCN
+category against that category's epsilon, one line per configuration, the ceiling and round 0 as references) and
+``runs.jsonl`` (every run as it finished: an interrupted experiment resumes from it).
 """
 
 from __future__ import annotations
@@ -61,316 +49,448 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["Configuration", "CONFIGURATIONS", "PrivacyUtilitySettings", "run_privacy_utility", "row_from_report",
-           "summarise", "markdown_table", "expected_budgets"]
+__all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
+           "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "paired_interval",
+           "epsilon_by_category", "choose", "markdown_tables"]
 
 
 @dataclass(frozen=True)
 class Configuration:
-    """One row of the table: how the demo federation is privatised."""
+    """One row of the table.
+
+    Attributes:
+        name, label: identifier and display name.
+        privacy: ``"none"``, ``"ccdp"`` (local DP at each gateway) or ``"global"`` (secure aggregation).
+        gamma: CCDP exponent (0 = uniform DP), with ``epsilon`` the budget of VU (uniform: every category's).
+        variant: individualized DP-SGD ``"sample"`` or ``"scale"`` (local CCDP).
+        global_noise: ``"trusted-server"`` or ``"distributed"`` (Global DP).
+    """
 
     name: str
     label: str
-    privacy: str  # "none" or "ccdp"
-    gamma: float = 1.0
-    anchor_epsilon: float = 1.0
+    privacy: str
+    gamma: float = 0.0
+    epsilon: float = 1.0
+    variant: str = "sample"
+    global_noise: str = "trusted-server"
+
+    def budgets(self) -> dict[IUCNCategory, float]:
+        """Epsilon per category (:meth:`shared.iucn.CCDPBudget.from_anchor` at VU; uniform for gamma 0)."""
+        return CCDPBudget.from_anchor("VU", self.epsilon, self.gamma).table()
 
 
 CONFIGURATIONS: tuple[Configuration, ...] = (
-    Configuration("none", "no privacy", "none"),
-    Configuration("uniform-eps1", "uniform DP eps=1", "ccdp", gamma=0.0, anchor_epsilon=1.0),
-    Configuration("uniform-eps2", "uniform DP eps=2", "ccdp", gamma=0.0, anchor_epsilon=2.0),
-    Configuration("ccdp-gamma1", "CCDP gamma=1 (VU=1)", "ccdp", gamma=1.0, anchor_epsilon=1.0),
-    Configuration("ccdp-gamma2", "CCDP gamma=2 (VU=1)", "ccdp", gamma=2.0, anchor_epsilon=1.0),
+    Configuration("none", "no privacy (ceiling)", "none"),
+    Configuration("uniform-eps0.33", "uniform eps 0.33", "ccdp", 0.0, 1 / 3),
+    Configuration("uniform-eps1", "uniform eps 1", "ccdp", 0.0, 1.0),
+    Configuration("uniform-eps2", "uniform eps 2", "ccdp", 0.0, 2.0),
+    Configuration("ccdp-g1-sample", "CCDP g1 sample", "ccdp", 1.0, 1.0, "sample"),
+    Configuration("ccdp-g1-scale", "CCDP g1 scale", "ccdp", 1.0, 1.0, "scale"),
+    Configuration("ccdp-g2-sample", "CCDP g2 sample", "ccdp", 2.0, 1.0, "sample"),
+    Configuration("ccdp-g2-scale", "CCDP g2 scale", "ccdp", 2.0, 1.0, "scale"),
+    Configuration("global-ccdp-g1-trusted", "Global CCDP g1 trusted", "global", 1.0, 1.0),
+    Configuration("global-ccdp-g1-distributed", "Global CCDP g1 distributed", "global", 1.0, 1.0,
+                  global_noise="distributed"),
+    Configuration("global-uniform-eps0.33-distributed", "Global uniform 0.33 distributed", "global", 0.0, 1 / 3,
+                  global_noise="distributed"),
 )
 
-METRICS = ("acc_cr_en", "acc_lc", "acc_overall", "eps_cr_en", "eps_lc")
-"""Columns of the table (accuracies are fractions in [0, 1]; epsilons are None for the non-private run)."""
+#: (a, b, what it tests): paired differences a - b reported with 95 % intervals (the issue's acceptance)
+COMPARISONS: tuple[tuple[str, str, str], ...] = (
+    ("ccdp-g1-sample", "uniform-eps0.33", "CCDP g1 vs CR's protection for all (>= +15 points)"),
+    ("ccdp-g1-sample", "uniform-eps2", "CCDP g1 vs its upper end (within 3 points)"),
+    ("ccdp-g1-sample", "ccdp-g1-scale", "Sample vs Scale (picks the default variant)"),
+    ("ccdp-g2-sample", "ccdp-g2-scale", "Sample vs Scale at gamma 2"),
+    ("global-ccdp-g1-distributed", "global-ccdp-g1-trusted", "distributed vs trusted server (within 2)"),
+    ("global-ccdp-g1-distributed", "ccdp-g1-sample", "distributed Global vs local DP (>= +5)"),
+    ("global-ccdp-g1-distributed", "global-uniform-eps0.33-distributed", "CCDP vs uniform 0.33, distributed"),
+)
+
+#: the learning rates of every grid: a first run with 2-8 chose 2 or 8 for three configurations, so 1 and 16 were
+#: added for all (the same effort for every configuration)
+LEARNING_RATES = (1.0, 2.0, 4.0, 8.0, 16.0)
+#: (rounds, local_steps, clipping_norm, learning_rate) for local DP; 25 points
+DP_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
+    (r, s, c, lr) for (r, s, c) in ((10, 1, 1.0), (10, 2, 1.0), (10, 1, 0.5), (10, 1, 2.0), (20, 1, 1.0))
+    for lr in LEARNING_RATES)
+#: Global DP: one step per round, so the local-steps axis becomes another clipping norm; 25 points
+GLOBAL_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
+    (r, 1, c, lr) for (r, c) in ((10, 1.0), (10, 0.25), (10, 0.5), (10, 2.0), (20, 1.0)) for lr in LEARNING_RATES)
+#: no privacy (no clipping: the mean gradient's norm is ~20, hence the larger steps); 25 points
+NON_PRIVATE_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
+    (r, s, 1.0, lr) for (r, s) in ((10, 10), (10, 30), (10, 60), (20, 30), (20, 60))
+    for lr in (0.3, 1.0, 3.0, 10.0, 30.0))
+#: a one-point grid (tests and smoke runs: ``--grid tiny``)
+TINY_GRID: tuple[tuple[int, int, float, float], ...] = ((2, 1, 1.0, 4.0),)
 
 
-def expected_budgets(config: Configuration) -> dict[str, float] | None:
-    """Budgets of CR/EN (the larger, EN's) and LC, from the seed's formula eps_c = eps_VU * (rank(c)/3)^gamma.
-
-    Computed here from the ranks (CR 1, EN 2, VU 3, LC 5), independently of :mod:`shared.iucn`."""
-    if config.privacy == "none":
-        return None
-    return {"eps_cr_en": config.anchor_epsilon * (2 / 3) ** config.gamma,
-            "eps_lc": config.anchor_epsilon * (5 / 3) ** config.gamma}
+def grid_for(config: Configuration, grid: str) -> tuple[tuple[int, int, float, float], ...]:
+    """The tuning grid of ``config``: ``grid`` ``"full"`` (the module's grids) or ``"tiny"`` (one point)."""
+    if grid == "tiny":
+        return TINY_GRID if config.privacy != "none" else ((2, 10, 1.0, 3.0),)
+    return {"none": NON_PRIVATE_GRID, "global": GLOBAL_GRID}.get(config.privacy, DP_GRID)
 
 
 @dataclass(frozen=True)
 class PrivacyUtilitySettings:
-    """Knobs of the experiment (CLI flags of ``wildfed experiment privacy-utility``).
+    """Knobs of the experiment (the CLI's flags).
 
-    ``seeds``: one full grid per seed (data split, site design, initialisation; privacy noise stays random).
-    ``pretrain_epochs``: epochs on the public split (0 = from scratch), with SGD at ``pretrain_batch_size`` and
-    ``pretrain_learning_rate``; ``public_per_class``: size per class of the class-balanced public split (0 = the
-    images no site holds). Defaults are the tuned protocol of the module docstring (the CLI has the same defaults).
-    ``configurations``: names from
-    :data:`CONFIGURATIONS` (default all). The rest is passed to every demo run (see
-    :class:`~wildfed_sim.demo.DemoSettings`).
+    ``seeds``: reported seeds (at least 1; the protocol asks for 5); ``tuning_seeds``: the seeds the grid is run
+    on (disjoint from ``seeds``); ``configurations``: names from :data:`CONFIGURATIONS`; ``grid``: ``"full"`` or
+    ``"tiny"``; ``processes``: worker processes; ``sites``: sites of the demo design; ``expected_batch_size`` B,
+    ``server_momentum``, ``target_delta``: fixed for every configuration (the demo's).
+
+    Raises:
+        ConfigError: no seed, repeated seeds, a tuning seed among the reported ones, unknown configuration or grid.
     """
 
-    seeds: tuple[int, ...] = (0, 1, 2)
-    rounds: int = 10
-    sites: int = 8
-    pretrain_epochs: int = 40
-    pretrain_batch_size: int = 64
-    pretrain_learning_rate: float = 0.1
-    public_per_class: int = 100
-    local_steps: int = 10
-    expected_batch_size: int = 128
-    learning_rate: float = 0.02
-    clipping_norm: float = 1.0
-    target_delta: float = 1e-5
-    round_deadline_s: float = 300.0
-    out_dir: Path | None = None
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    tuning_seeds: tuple[int, ...] = (101, 103)
     configurations: tuple[str, ...] = tuple(c.name for c in CONFIGURATIONS)
+    grid: str = "full"
+    processes: int = 2
+    sites: int = 8
+    expected_batch_size: int = 1024
+    server_momentum: float = 0.5
+    target_delta: float = 1e-5
+    out_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        if not self.seeds:
-            raise ConfigError("at least one seed is needed", field="seeds", fix="use --seeds 0,1,2")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"seeds repeat: {self.seeds}", field="seeds", fix="list each seed once")
-        if self.pretrain_epochs < 0:
-            raise ConfigError("pretrain_epochs must be >= 0", field="pretrain_epochs", fix="use 0 for no pretraining")
-        if self.public_per_class < 0:
-            raise ConfigError("public_per_class must be >= 0", field="public_per_class",
-                              fix="use 100 (balanced public split) or 0 (the images no site holds)")
+        for name in ("seeds", "tuning_seeds"):
+            seeds = getattr(self, name)
+            if not seeds:
+                raise ConfigError(f"{name} is empty", field=name, fix="give at least one seed, e.g. 0,1,2,3,4")
+            if len(set(seeds)) != len(seeds):
+                raise ConfigError(f"{name} repeat: {seeds}", field=name, fix="list each seed once")
+        if set(self.seeds) & set(self.tuning_seeds):
+            raise ConfigError(f"seeds {sorted(set(self.seeds) & set(self.tuning_seeds))} are both tuned on and "
+                              "reported", field="tuning_seeds", fix="tune on seeds that are not reported")
         known = {c.name for c in CONFIGURATIONS}
         unknown = [c for c in self.configurations if c not in known]
         if unknown or not self.configurations:
             raise ConfigError(f"unknown configuration(s) {unknown}", field="configurations",
-                              fix="use some of " + ", ".join(sorted(known)))
+                              fix="use some of " + ", ".join(c.name for c in CONFIGURATIONS))
+        if self.grid not in ("full", "tiny"):
+            raise ConfigError(f"unknown grid {self.grid!r}", field="grid", fix="use full or tiny")
+        if self.processes < 1:
+            raise ConfigError("processes must be >= 1", field="processes", fix="use 1 or more")
 
 
 @dataclass
 class PrivacyUtilityResult:
-    """Rows per run, the summary per configuration, and where the files are."""
+    """Everything the experiment measured (also in ``privacy_utility.json``)."""
 
     out_dir: Path
+    tuning: list[dict[str, Any]] = field(default_factory=list)
+    chosen: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
     summary: list[dict[str, Any]] = field(default_factory=list)
-    pretraining: dict[str, Any] = field(default_factory=dict)
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
+    round0: dict[str, float] = field(default_factory=dict)
+    site_records: dict[str, dict[str, int]] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
 
-# ------------------------------------------------------------------------------------------ rows and summary
-def row_from_report(report: dict[str, Any], config: Configuration) -> dict[str, Any]:
-    """The table's columns for one run, read from its ``report.json`` content."""
-    acc = report["final_accuracy"]
-    row: dict[str, Any] = {"acc_cr_en": acc["CR/EN"], "acc_lc": acc["LC"], "acc_overall": acc["overall"]}
-    eps = report.get("epsilon") or {}
-    if config.privacy == "none":
-        row.update(eps_cr_en=None, eps_lc=None, budget_cr_en=None, budget_lc=None)
-    else:
-        row["eps_cr_en"] = max(eps.get(c, {}).get("spent_max", 0.0) for c in ("CR", "EN"))
-        row["eps_lc"] = eps.get("LC", {}).get("spent_max", 0.0)
-        row["budget_cr_en"] = max(eps.get(c, {}).get("budget", 0.0) for c in ("CR", "EN"))
-        row["budget_lc"] = eps.get("LC", {}).get("budget", 0.0)
-    return row
+# ------------------------------------------------------------------------------------------ statistics
+def paired_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict[str, float]:
+    """Mean of the paired differences ``a_i - b_i`` and its two-sided Student-t interval (n - 1 degrees of
+    freedom; Student 1908): ``mean +- t_{(1+confidence)/2, n-1} * sd / sqrt(n)``.
+
+    Returns ``{"n", "mean", "sd", "low", "high"}`` (fractions, like the inputs); for n = 1 the interval is
+    infinite.
+
+    Raises:
+        ValueError: different lengths or no pair.
+    """
+    from scipy import stats
+
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired samples need equal, non-zero lengths, got {len(a)} and {len(b)}")
+    diffs = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    if n == 1:
+        return {"n": 1, "mean": mean, "sd": math.nan, "low": -math.inf, "high": math.inf}
+    sd = statistics.stdev(diffs)
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half}
 
 
-def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+def epsilon_by_category(events: Mapping[str, Mapping[IUCNCategory, Any]], target_delta: float
+                        ) -> dict[str, float]:
+    """``{category code: epsilon}``: for each category the largest over sites of the epsilon of the events its
+    records went through (dp-accounting's RDP accountant via :func:`shared.privacy.accounting.epsilon_spent`)."""
+    from shared.privacy.accounting import epsilon_spent
+
+    out: dict[str, float] = {}
+    for per_site in events.values():
+        for cat, event in per_site.items():
+            eps = epsilon_spent([event], target_delta=target_delta)
+            out[cat.value] = max(out.get(cat.value, 0.0), eps)
+    return out
+
+
+def choose(tuning: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The grid point of configuration ``name`` with the best mean overall accuracy over the tuning seeds (ties:
+    the first in grid order). Raises ValueError when it has no tuning run."""
+    rows = [r for r in tuning if r["configuration"] == name]
+    if not rows:
+        raise ValueError(f"no tuning run of {name}")
+    points: dict[tuple, list[float]] = {}
+    for r in rows:
+        points.setdefault(tuple(r["point"]), []).append(r["overall"])
+    best = max(points, key=lambda p: statistics.fmean(points[p]))
+    return {"point": list(best), "tuning_mean": statistics.fmean(points[best]), "tuning_runs": len(points[best]),
+            "grid_points": len(points)}
+
+
+# ------------------------------------------------------------------------------------------ one run
+_FEDERATIONS: dict[tuple[int, int], Any] = {}
+
+
+def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) -> dict[str, Any]:
+    """One simulated federation (worker process): ``(configuration name, seed, point, fixed settings)``."""
+    from wildfed_sim.demo_sim import SimConfig, load_federation, simulate
+
+    name, seed, (rounds, steps, clip, lr), fixed = job
+    warnings.simplefilter("ignore")
+    config = next(c for c in CONFIGURATIONS if c.name == name)
+    key = (seed, fixed["sites"])
+    if key not in _FEDERATIONS:
+        _FEDERATIONS.clear()  # one federation per worker at a time (memory)
+        _FEDERATIONS[key] = load_federation(seed, num_sites=fixed["sites"])
+    privacy = "none" if config.privacy == "none" else config.privacy
+    sim = SimConfig(privacy=privacy, budgets=config.budgets(), rounds=rounds, local_steps=steps,
+                    expected_batch_size=fixed["expected_batch_size"] if privacy != "none" else 128,
+                    learning_rate=lr, clipping_norm=clip, target_delta=fixed["target_delta"],
+                    server_momentum=fixed["server_momentum"], ccdp_variant=config.variant,
+                    global_noise=config.global_noise)
+    t0 = time.monotonic()
+    out = simulate(_FEDERATIONS[key], sim, seed=seed)
+    eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}
+    return {"configuration": name, "seed": seed, "point": [rounds, steps, clip, lr],
+            "overall": out["final"]["overall"], "groups": out["final"], "by_category": out["final_by_category"],
+            "round0": out["round0"]["overall"], "epsilon": eps,
+            "budget": {c.value: e for c, e in config.budgets().items()} if privacy != "none" else {},
+            "events": {site: {c.value: ev.to_json() for c, ev in evs.items()}
+                       for site, evs in out.get("events", {}).items()},
+            "seconds": time.monotonic() - t0}
+
+
+def _job_key(name: str, seed: int, point: Sequence[float]) -> str:
+    return json.dumps([name, seed, [float(p) for p in point]])
+
+
+def _run_all(jobs: list[tuple], done: dict[str, dict[str, Any]], log_path: Path, processes: int,
+             console: Any, what: str) -> list[dict[str, Any]]:
+    """Run the jobs not in ``done`` (resuming from ``runs.jsonl``), with a progress bar; returns every job's row."""
+    from multiprocessing import get_context
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    todo = [j for j in jobs if _job_key(j[0], j[1], j[2]) not in done]
+    if todo:
+        with Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as bar, open(log_path, "a") as log:
+            task = bar.add_task(what, total=len(todo))
+            # "spawn": workers must not inherit torch's threads or the parent's open files
+            with get_context("spawn").Pool(processes) as pool:
+                for row in pool.imap_unordered(_run, todo):
+                    done[_job_key(row["configuration"], row["seed"], row["point"])] = row
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    bar.advance(task)
+    return [done[_job_key(j[0], j[1], j[2])] for j in jobs]
+
+
+# ------------------------------------------------------------------------------------------ tables and plot
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     if not vals:
-        return None, None
+        return math.nan, math.nan
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
-def summarise(runs: Sequence[dict[str, Any]], configurations: Sequence[Configuration]) -> list[dict[str, Any]]:
-    """Mean and sample std (0 for one seed) of every metric over the seeds, per configuration, in order."""
+def _summarise(runs: Sequence[dict[str, Any]], configs: Sequence[Configuration]) -> list[dict[str, Any]]:
     out = []
-    for config in configurations:
+    for config in configs:
         rows = [r for r in runs if r["configuration"] == config.name]
         entry: dict[str, Any] = {"configuration": config.name, "label": config.label, "seeds": len(rows)}
-        for metric in METRICS:
-            mean, std = _mean_std([r[metric] for r in rows])
-            entry[metric] = {"mean": mean, "std": std}
+        for group in ("overall", "CR/EN", "LC"):
+            entry[group] = _mean_std([r["groups"][group] for r in rows])
+        entry["by_category"] = {c.value: _mean_std([r["by_category"][c.value] for r in rows]) for c in IUCNCategory}
+        entry["epsilon"] = {c.value: max((r["epsilon"].get(c.value, 0.0) for r in rows), default=0.0)
+                            for c in IUCNCategory} if config.privacy != "none" else {}
+        entry["budget"] = rows[0]["budget"] if rows else {}
         out.append(entry)
     return out
 
 
-def _fmt(stat: dict[str, float | None], percent: bool) -> str:
-    if stat["mean"] is None:
-        return "- (no DP)" if not percent else "n/a"
-    if percent:
-        return f"{100 * stat['mean']:.1f} ± {100 * (stat['std'] or 0):.1f} %"
-    return f"{stat['mean']:.3f} ± {stat['std'] or 0:.3f}"
+def _pct(ms: tuple[float, float]) -> str:
+    return "n/a" if math.isnan(ms[0]) else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
 
 
-HEADERS = ("configuration", "CR/EN acc", "LC acc", "overall acc", "eps spent CR/EN", "eps spent LC")
-
-
-def _cells(entry: dict[str, Any]) -> list[str]:
-    return [entry["label"], _fmt(entry["acc_cr_en"], True), _fmt(entry["acc_lc"], True),
-            _fmt(entry["acc_overall"], True), _fmt(entry["eps_cr_en"], False), _fmt(entry["eps_lc"], False)]
-
-
-def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
-    """The summary as a GitHub markdown table (mean ± std over seeds)."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|---" + "|---:" * (len(HEADERS) - 1) + "|"]
-    lines += ["| " + " | ".join(_cells(e)) + " |" for e in summary]
+def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettings) -> str:
+    """The report: accuracy per configuration (mean ± std over the reported seeds), the epsilon per IUCN category
+    of what ran, the chosen grid points and the paired comparisons with 95 % intervals (percentage points)."""
+    cats = [c.value for c in IUCNCategory]
+    seeds, tuning = ", ".join(map(str, settings.seeds)), ", ".join(map(str, settings.tuning_seeds))
+    lines = [f"Reported seeds {seeds}; tuned on {tuning}"
+             f" (grid {settings.grid}); {settings.sites} sites, B = {settings.expected_batch_size}, server momentum "
+             f"{settings.server_momentum:g}, delta {settings.target_delta:g}. Round 0 (zero head): overall "
+             f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds.", "",
+             "| configuration | overall | CR/EN | LC | " + " | ".join(cats) + " | rounds, steps, C, lr |",
+             "|---" + "|---:" * (4 + len(cats)) + "|"]
+    for e in result.summary:
+        point = result.chosen.get(e["configuration"], {}).get("point")
+        lines.append(f"| {e['label']} | {_pct(e['overall'])} | {_pct(e['CR/EN'])} | {_pct(e['LC'])} | "
+                     + " | ".join(_pct(tuple(e["by_category"][c])) for c in cats)
+                     + f" | {', '.join(f'{p:g}' for p in point) if point else ''} |")
+    if result.site_records:
+        lines += ["", "Records per IUCN category held by the sites (all sites together), per reported seed: "
+                  + "; ".join(f"seed {s}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
+                              for s, counts in result.site_records.items()) + "."]
+    lines += ["", "Epsilon per IUCN category of the mechanism that ran (max over sites and seeds; budget in "
+              "brackets):", "", "| configuration | " + " | ".join(cats) + " |", "|---" + "|---:" * len(cats) + "|"]
+    for e in result.summary:
+        if not e["epsilon"]:
+            continue
+        lines.append(f"| {e['label']} | " + " | ".join(
+            f"{e['epsilon'][c]:.3f} ({e['budget'].get(c, math.nan):.3f})" if c in e["budget"] else "-"
+            for c in cats) + " |")
+    lines += ["", "Paired differences a - b over the reported seeds (percentage points; 95 % Student-t interval):",
+              "", "| a - b | what | overall | CR/EN |", "|---|---|---:|---:|"]
+    for comp in result.comparisons:
+        cells = []
+        for group in ("overall", "CR/EN"):
+            ci = comp[group]
+            cells.append(f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]")
+        lines.append(f"| {comp['a']} - {comp['b']} | {comp['what']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
-def _plot(summary: Sequence[dict[str, Any]], path: Path, title: str, round0: float | None = None) -> None:
+def _plot(result: PrivacyUtilityResult, path: Path) -> None:
+    """Accuracy of each IUCN category against that category's epsilon: one colour per DP configuration (a line
+    through its categories where the budgets differ), one marker per category; the ceiling and round 0 dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    from matplotlib.lines import Line2D
 
-    labels = [e["label"] for e in summary]
-    x = np.arange(len(summary))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
-    width = 0.27
-    for i, (metric, name) in enumerate((("acc_cr_en", "CR/EN"), ("acc_lc", "LC"), ("acc_overall", "overall"))):
-        means = [100 * (e[metric]["mean"] if e[metric]["mean"] is not None else math.nan) for e in summary]
-        stds = [100 * (e[metric]["std"] or 0.0) for e in summary]
-        ax1.bar(x + (i - 1) * width, means, width, yerr=stds, capsize=3, label=name)
-    if round0 is not None:
-        ax1.axhline(100 * round0, color="grey", linestyle="--", linewidth=1,
-                    label="overall, round 0 (pretrained only)")
-    ax1.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
-    ax1.set_ylabel("held-out test accuracy (%)")
-    ax1.set_title("Accuracy (mean ± std over seeds)")
-    ax1.grid(axis="y", alpha=0.3)
-    ax1.legend()
-    for i, (metric, name) in enumerate((("eps_cr_en", "CR/EN"), ("eps_lc", "LC"))):
-        means = [e[metric]["mean"] if e[metric]["mean"] is not None else math.nan for e in summary]
-        stds = [e[metric]["std"] or 0.0 for e in summary]
-        ax2.bar(x + (i - 0.5) * 0.38, means, 0.38, yerr=stds, capsize=3, label=name)
-    ax2.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
-    ax2.set_ylabel("epsilon spent (ledger, max over sites)")
-    ax2.set_title("Privacy spent (no bar: no DP)")
-    ax2.grid(axis="y", alpha=0.3)
-    ax2.legend()
-    fig.suptitle(title)
+    markers = {"CR": "v", "EN": "s", "VU": "D", "NT": "^", "LC": "o", "NE": "P"}
+    fig, ax = plt.subplots(figsize=(10, 6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles = []
+    for k, e in enumerate(e for e in result.summary if e["epsilon"]):
+        colour = colours[k % len(colours)]
+        shown = [c for c in markers if c in e["epsilon"] and not math.isnan(e["by_category"][c][0])]
+        xs, ys = [e["epsilon"][c] for c in shown], [100 * e["by_category"][c][0] for c in shown]
+        if len(set(round(x, 2) for x in xs)) > 1:  # per-category budgets: a line through the categories
+            ax.plot(xs, ys, color=colour, linewidth=1, alpha=0.7)
+        for c, x, y in zip(shown, xs, ys):
+            ax.scatter([x], [y], color=colour, marker=markers[c], s=36, zorder=3)
+        handles.append(Line2D([], [], color=colour, marker="o", linewidth=1, label=e["label"]))
+    for e in result.summary:
+        if not e["epsilon"]:
+            ax.axhline(100 * e["overall"][0], color="black", linestyle=":", linewidth=1)
+            handles.append(Line2D([], [], color="black", linestyle=":",
+                                  label=f"no privacy, overall {100 * e['overall'][0]:.1f} %"))
+    if "overall" in result.round0:
+        ax.axhline(100 * result.round0["overall"], color="grey", linestyle="--", linewidth=1)
+        handles.append(Line2D([], [], color="grey", linestyle="--", label="round 0 (zero head), overall"))
+    handles += [Line2D([], [], color="black", marker=m, linestyle="", label=c) for c, m in markers.items()]
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon of the category's records (max over sites; log scale)")
+    ax.set_ylabel("held-out accuracy of the category (%)")
+    ax.set_title("Accuracy per IUCN category against its epsilon (mean over the reported seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------------ the experiment
-def _pretrain(settings: PrivacyUtilitySettings, seed: int, out_dir: Path, console: Any) -> dict[str, Any]:
-    """Pretrain on the public split of ``seed`` (the same split and sites run_demo will build) and save."""
+def _site_records(settings: PrivacyUtilitySettings) -> dict[str, dict[str, int]]:
+    """``{seed: {category: records held by all sites}}`` of the reported seeds: a category no site holds cannot
+    be learned by any configuration (its ceiling is the non-private row's)."""
     import numpy as np
 
-    from wildfed_sim.animal_mnist import SPECIES_TABLE, fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.demo import (design_sites_with_public_split, pretrain_on_public_split, save_weights,
-                                  without_site_duplicates)
-    from wildfed_sim.evaluation import evaluate
+    from wildfed_sim.demo_sim import load_federation
 
-    data = fetch_animal_mnist()
-    train, test = split_holdout(data, 0.2, seed=seed)
-    specs, public = design_sites_with_public_split(train.labels, settings.sites, seed=seed,
-                                                   public_per_class=settings.public_per_class)
-    t0 = time.monotonic()
-    weights, n_public = pretrain_on_public_split(train, specs, epochs=settings.pretrain_epochs,
-                                                 batch_size=settings.pretrain_batch_size,
-                                                 learning_rate=settings.pretrain_learning_rate, seed=seed,
-                                                 public_per_class=settings.public_per_class)
-    path = save_weights(weights, out_dir / "pretrained" / f"seed-{seed}.safetensors")
-    public = without_site_duplicates(public, train.images, specs)  # what pretraining used (no copy of a site image)
-    class_counts = [int(c) for c in np.bincount(train.labels[public], minlength=len(SPECIES_TABLE))]
-    from wildfed_sim.embeddings import embed_grayscale
-
-    accuracy = dict(evaluate(weights, embed_grayscale(test.images, test.source_indices), test.labels,
-                             [e.iucn for e in SPECIES_TABLE]).by_group)
-    kind = (f"class-balanced, {settings.public_per_class} per class" if settings.public_per_class > 0
-            else "the images no site holds, not class-balanced")
-    console.log(f"seed {seed}: pretrained on the public split ({kind}: {n_public} of {len(train)} training "
-                f"images, held by no site), {settings.pretrain_epochs} epochs, {time.monotonic() - t0:.0f} s, "
-                f"{100 * accuracy['overall']:.1f} % overall on the held-out split -> {path}")
-    return {"path": str(path), "num_images": n_public, "num_train": len(train),
-            # what the demo's gateways hold: each site's images less byte-identical repeats (demo._prepare_sites)
-            "num_site_images": int(sum(distinct_images(train.images[s.indices]).size for s in specs)),
-            "epochs": settings.pretrain_epochs,
-            "batch_size": settings.pretrain_batch_size, "learning_rate": settings.pretrain_learning_rate,
-            "public_per_class": settings.public_per_class, "class_counts": class_counts,
-            "public_source_indices": [int(i) for i in train.source_indices[public]], "accuracy": accuracy}
+    out = {}
+    for seed in settings.seeds:
+        warnings.simplefilter("ignore")
+        fed = load_federation(seed, num_sites=settings.sites)
+        ranks = np.concatenate([s.categories for s in fed.sites]).astype(np.int64)
+        out[str(seed)] = {c.value: int((ranks == c.rank).sum()) for c in IUCNCategory}
+    return out
 
 
+# ------------------------------------------------------------------------------------------ the experiment
 def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None) -> PrivacyUtilityResult:
-    """Run every configuration for every seed (see the module docstring); write JSON, markdown and PNG."""
-    from rich.console import Console
-    from rich.table import Table
+    """Tune every configuration on the tuning seeds, run its chosen point on the reported seeds, and write the
+    tables, the plot and every run (module docstring). Resumes from ``<out>/runs.jsonl`` when it exists.
 
-    from wildfed_sim.demo import DemoSettings, new_run_dir, run_demo
+    Raises:
+        ConfigError: from the settings or a run's configuration.
+    """
+    from rich.console import Console
+
+    from wildfed_sim.demo import new_run_dir
 
     console = console or Console()
     t0 = time.monotonic()
-    out_dir = new_run_dir(settings.out_dir, "privacy-utility")
+    resume = settings.out_dir is not None and (Path(settings.out_dir) / "runs.jsonl").is_file()
+    out_dir = Path(settings.out_dir).resolve() if resume else new_run_dir(settings.out_dir, "privacy-utility")
+    log_path = out_dir / "runs.jsonl"
+    done: dict[str, dict[str, Any]] = {}
+    if log_path.exists():
+        for line in log_path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[_job_key(row["configuration"], row["seed"], row["point"])] = row
     configs = [c for c in CONFIGURATIONS if c.name in settings.configurations]
+    fixed = {"sites": settings.sites, "expected_batch_size": settings.expected_batch_size,
+             "target_delta": settings.target_delta, "server_momentum": settings.server_momentum}
     result = PrivacyUtilityResult(out_dir=out_dir)
-    total = len(configs) * len(settings.seeds)
-    done = 0
-    for seed in settings.seeds:
-        weights_path = None
-        if settings.pretrain_epochs > 0:
-            result.pretraining[str(seed)] = _pretrain(settings, seed, out_dir, console)
-            weights_path = Path(result.pretraining[str(seed)]["path"])
-        for config in configs:
-            done += 1
-            console.rule(f"[{done}/{total}] seed {seed}: {config.label}")
-            run_dir = out_dir / "runs" / f"{config.name}-seed{seed}"
-            demo = DemoSettings(sites=settings.sites, rounds=settings.rounds, privacy=config.privacy,
-                                gamma=config.gamma, anchor_category="VU", anchor_epsilon=config.anchor_epsilon,
-                                local_steps=settings.local_steps, expected_batch_size=settings.expected_batch_size,
-                                learning_rate=settings.learning_rate, clipping_norm=settings.clipping_norm,
-                                target_delta=settings.target_delta, round_deadline_s=settings.round_deadline_s,
-                                seed=seed, out_dir=run_dir, initial_weights_path=weights_path,
-                                public_per_class=settings.public_per_class)
-            run_demo(demo, console=console)
-            report = json.loads((run_dir / "report.json").read_text())
-            row = {"configuration": config.name, "label": config.label, "seed": seed,
-                   "report": str(run_dir / "report.json"), **row_from_report(report, config)}
-            result.runs.append(row)
-
-    result.summary = summarise(result.runs, configs)
+    jobs = [(c.name, s, p, fixed) for s in settings.tuning_seeds for c in configs for p in grid_for(c, settings.grid)]
+    result.tuning = _run_all(jobs, done, log_path, settings.processes, console, "tuning")
+    result.chosen = {c.name: choose(result.tuning, c.name) for c in configs}
+    jobs = [(c.name, s, tuple(result.chosen[c.name]["point"]), fixed) for s in settings.seeds for c in configs]
+    result.runs = _run_all(jobs, done, log_path, settings.processes, console, "reported seeds")
+    result.round0 = {"overall": statistics.fmean(r["round0"] for r in result.runs)}
+    result.site_records = _site_records(settings)
+    result.summary = _summarise(result.runs, configs)
+    names = {c.name for c in configs}
+    for a, b, what in COMPARISONS:
+        if a in names and b in names:
+            ra = {r["seed"]: r for r in result.runs if r["configuration"] == a}
+            rb = {r["seed"]: r for r in result.runs if r["configuration"] == b}
+            seeds = sorted(ra)
+            result.comparisons.append({"a": a, "b": b, "what": what, **{
+                g: paired_interval([ra[s]["groups"][g] for s in seeds], [rb[s]["groups"][g] for s in seeds])
+                for g in ("overall", "CR/EN")}})
     result.elapsed_s = time.monotonic() - t0
     settings_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(settings).items()}
     (out_dir / "privacy_utility.json").write_text(json.dumps(
-        {"settings": settings_json, "configurations": [asdict(c) for c in configs],
-         "pretraining": result.pretraining, "runs": result.runs, "summary": result.summary,
-         "elapsed_s": result.elapsed_s}, indent=2))
-    split = (f"class-balanced, {settings.public_per_class} training images per class held out of the site design"
-             if settings.public_per_class > 0 else "the training images no site holds, not class-balanced")
-    pre = (f"pretrained {settings.pretrain_epochs} epochs (batch {settings.pretrain_batch_size}, lr "
-           f"{settings.pretrain_learning_rate:g}) on the public split ({split})"
-           if settings.pretrain_epochs > 0 else "from scratch (no pretraining)")
-    caption = (f"{settings.sites} sites, {settings.rounds} rounds, {settings.local_steps} local steps, expected batch "
-               f"{settings.expected_batch_size}, local lr {settings.learning_rate:g}, clipping norm "
-               f"{settings.clipping_norm:g}, seeds {', '.join(map(str, settings.seeds))}; {pre}. Mean ± std over "
-               f"seeds. Epsilon: ledger RDP spend, max over sites (CR/EN: the larger of CR and EN), delta "
-               f"{settings.target_delta:g}.")
-    if result.pretraining:
-        round0 = {g: _mean_std([p["accuracy"][g] for p in result.pretraining.values()])
-                  for g in ("CR/EN", "LC", "overall")}
-        caption += (" Round-0 model (pretrained only, before any site trains): " + ", ".join(
-            f"{g} {_fmt({'mean': m, 'std': sd}, True)}" for g, (m, sd) in round0.items()) + ".")
-    (out_dir / "privacy_utility.md").write_text(f"# Privacy-utility on Animal-MNIST\n\n{caption}\n\n"
-                                                + markdown_table(result.summary))
-    _plot(result.summary, out_dir / "privacy_utility.png",
-          f"WildFed privacy-utility: {settings.sites} sites, {settings.rounds} rounds, {len(settings.seeds)} seed(s), "
-          + ("pretrained on the public split" if settings.pretrain_epochs > 0 else "from scratch"),
-          round0=_mean_std([p["accuracy"]["overall"] for p in result.pretraining.values()])[0]
-          if result.pretraining else None)
-
-    table = Table(title="privacy-utility (mean ± std over seeds)", caption=caption)
-    for i, h in enumerate(HEADERS):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for entry in result.summary:
-        table.add_row(*_cells(entry))
-    console.print(table)
-    console.log(f"written {out_dir / 'privacy_utility.json'}, .md, .png ({result.elapsed_s:.0f} s in all)")
+        {"settings": settings_json, "configurations": [asdict(c) for c in configs], "chosen": result.chosen,
+         "round0": result.round0, "site_records": result.site_records, "summary": result.summary,
+         "comparisons": result.comparisons,
+         "runs": result.runs, "tuning": result.tuning, "elapsed_s": result.elapsed_s}, indent=1))
+    md = markdown_tables(result, settings)
+    (out_dir / "privacy_utility.md").write_text("# Privacy-utility (issue 19, item 4)\n\n" + md)
+    _plot(result, out_dir / "privacy_utility.png")
+    console.print(md, soft_wrap=True, markup=False, highlight=False)
+    console.log(f"written {out_dir / 'privacy_utility.md'}, .json, .png ({result.elapsed_s:.0f} s)")
     return result
+
