@@ -242,7 +242,8 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
                                        randomness=rngs[site.site_id], feature_centre=centre)
             y = quantise(canonical_flatten(part.gradient_sum), params).astype(np.uint64)
             if distributed:
-                share = skellam_noise(share_variance, d, np.random.default_rng(int(rngs[site.site_id].random(1)[0] * 2**53)))
+                share_rng = np.random.default_rng(int(rngs[site.site_id].random(1)[0] * 2**53))
+                share = skellam_noise(share_variance, d, share_rng)
                 y = y + share.view(np.uint64)
             total = (total + y) & np.uint64(params.modulus - 1)
         summed = dequantise_sum(total.astype(params.dtype), params)
