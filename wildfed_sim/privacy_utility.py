@@ -51,6 +51,8 @@ import statistics
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from functools import lru_cache
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,14 +231,21 @@ def epsilon_by_category(events: Mapping[str, Mapping[IUCNCategory, Any]], target
                         ) -> dict[str, float]:
     """``{category code: epsilon}``: for each category the largest over sites of the epsilon of the events its
     records went through (dp-accounting's RDP accountant via :func:`shared.privacy.accounting.epsilon_spent`)."""
-    from shared.privacy.accounting import epsilon_spent
-
     out: dict[str, float] = {}
     for per_site in events.values():
         for cat, event in per_site.items():
-            eps = epsilon_spent([event], target_delta=target_delta)
+            eps = _event_epsilon(event, float(target_delta))
             out[cat.value] = max(out.get(cat.value, 0.0), eps)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _event_epsilon(event: Any, target_delta: float) -> float:
+    """:func:`shared.privacy.accounting.epsilon_spent` of one (hashable, immutable) event: sites and runs of one
+    configuration share most events, and each costs a full RDP composition."""
+    from shared.privacy.accounting import epsilon_spent
+
+    return epsilon_spent([event], target_delta=target_delta)
 
 
 def choose(tuning: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -300,15 +309,18 @@ def _run_all(jobs: list[tuple], done: dict[str, dict[str, Any]], log_path: Path,
     todo = [j for j in jobs if _job_key(j[0], j[1], j[2]) not in done]
     if todo:
         with Progress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=False) as bar, open(log_path, "a") as log:
+                      console=console, transient=False) as bar, open(log_path, "a") as log, \
+                ExitStack() as stack:
             task = bar.add_task(what, total=len(todo))
-            # "spawn": workers must not inherit torch's threads or the parent's open files
-            with get_context("spawn").Pool(processes) as pool:
-                for row in pool.imap_unordered(_run, todo):
-                    done[_job_key(row["configuration"], row["seed"], row["point"])] = row
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
-                    bar.advance(task)
+            if processes == 1:  # in this process: no worker start-up, the loaded federations are kept
+                rows = map(_run, todo)
+            else:  # "spawn": workers must not inherit torch's threads or the parent's open files
+                rows = stack.enter_context(get_context("spawn").Pool(processes)).imap_unordered(_run, todo)
+            for row in rows:
+                done[_job_key(row["configuration"], row["seed"], row["point"])] = row
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.advance(task)
     return [done[_job_key(j[0], j[1], j[2])] for j in jobs]
 
 
@@ -430,7 +442,7 @@ def _site_records(settings: PrivacyUtilitySettings) -> dict[str, dict[str, int]]
     out = {}
     for seed in settings.seeds:
         warnings.simplefilter("ignore")
-        fed = load_federation(seed, num_sites=settings.sites)
+        fed = _FEDERATIONS.get((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
         ranks = np.concatenate([s.categories for s in fed.sites]).astype(np.int64)
         out[str(seed)] = {c.value: int((ranks == c.rank).sum()) for c in IUCNCategory}
     return out
