@@ -150,9 +150,12 @@ def privacy_utility(
     seeds: str = typer.Option("0,1,2,3,4", help="comma-separated reported seeds (the protocol asks for >= 5)"),
     tuning_seeds: str = typer.Option("101,103", help="comma-separated seeds every configuration is tuned on "
                                      "(never reported)"),
-    configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of the "
-                                              "configurations (default all; see --help of the module)"),
-    grid: str = typer.Option("full", help="tuning grid: full (15 points per configuration) or tiny (1 point)"),
+    configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of: none, "
+                                              "uniform-eps0.33, uniform-eps1, uniform-eps2, ccdp-g1-sample, "
+                                              "ccdp-g1-scale, ccdp-g2-sample, ccdp-g2-scale, global-ccdp-g1-trusted, "
+                                              "global-ccdp-g1-distributed, global-uniform-eps0.33-distributed "
+                                              "(default all)"),
+    grid: str = typer.Option("full", help="tuning grid: full (25 points per configuration) or tiny (1 point)"),
     processes: int = typer.Option(2, help="worker processes"),
     sites: int = typer.Option(8, help="sites of the demo's design"),
     out: Path | None = typer.Option(None, help="output folder (default runs/privacy-utility-<UTC time>); an "

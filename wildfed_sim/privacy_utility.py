@@ -337,7 +337,7 @@ def _summarise(runs: Sequence[dict[str, Any]], configs: Sequence[Configuration])
     for config in configs:
         rows = [r for r in runs if r["configuration"] == config.name]
         entry: dict[str, Any] = {"configuration": config.name, "label": config.label, "seeds": len(rows)}
-        for group in ("overall", "CR/EN", "LC"):
+        for group in ("overall", "CR/EN"):
             entry[group] = _mean_std([r["groups"][group] for r in rows])
         entry["by_category"] = {c.value: _mean_std([r["by_category"][c.value] for r in rows]) for c in IUCNCategory}
         entry["epsilon"] = {c.value: max((r["epsilon"].get(c.value, 0.0) for r in rows), default=0.0)
@@ -353,20 +353,22 @@ def _pct(ms: tuple[float, float]) -> str:
 
 def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettings) -> str:
     """The report: accuracy per configuration (mean ± std over the reported seeds), the epsilon per IUCN category
-    of what ran, the chosen grid points and the paired comparisons with 95 % intervals (percentage points)."""
+    of what ran, the chosen grid points and the paired comparisons with 95 % intervals (percentage points; with one
+    reported seed there is no interval and the std is 0)."""
     cats = [c.value for c in IUCNCategory]
     seeds, tuning = ", ".join(map(str, settings.seeds)), ", ".join(map(str, settings.tuning_seeds))
     lines = [f"Reported seeds {seeds}; tuned on {tuning}"
              f" (grid {settings.grid}); {settings.sites} sites, B = {settings.expected_batch_size}, server momentum "
              f"{settings.server_momentum:g}, delta {settings.target_delta:g}. Round 0 (zero head): overall "
              f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds.", "",
-             "| configuration | overall | CR/EN | LC | " + " | ".join(cats) + " | rounds, steps, C, lr |",
-             "|---" + "|---:" * (4 + len(cats)) + "|"]
+             "| configuration | overall | CR/EN | " + " | ".join(cats) + " | rounds, steps, C, lr |",
+             "|---" + "|---:" * (3 + len(cats)) + "|"]
     for e in result.summary:
         point = result.chosen.get(e["configuration"], {}).get("point")
-        lines.append(f"| {e['label']} | {_pct(e['overall'])} | {_pct(e['CR/EN'])} | {_pct(e['LC'])} | "
-                     + " | ".join(_pct(tuple(e["by_category"][c])) for c in cats)
-                     + f" | {', '.join(f'{p:g}' for p in point) if point else ''} |")
+        shown = "" if not point else ", ".join(
+            "-" if (k == 2 and not e["epsilon"]) else f"{p:g}" for k, p in enumerate(point))  # no clipping: no C
+        lines.append(f"| {e['label']} | {_pct(e['overall'])} | {_pct(e['CR/EN'])} | "
+                     + " | ".join(_pct(tuple(e["by_category"][c])) for c in cats) + f" | {shown} |")
     if result.site_records:
         lines += ["", "Records per IUCN category held by the sites (all sites together), per reported seed: "
                   + "; ".join(f"seed {s}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
@@ -385,7 +387,9 @@ def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettin
         cells = []
         for group in ("overall", "CR/EN"):
             ci = comp[group]
-            cells.append(f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]")
+            interval = (f"[{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]" if ci["n"] > 1
+                        else "(one seed: no interval)")
+            cells.append(f"{100 * ci['mean']:+.1f} {interval}")
         lines.append(f"| {comp['a']} - {comp['b']} | {comp['what']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
