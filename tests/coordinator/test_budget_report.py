@@ -84,7 +84,10 @@ def test_rounds_left_with_mixed_history_matches_direct_composition(store, accoun
         ledger.record_round("s1", r, {CR: DPSGDEvent(*e)})
     nxt = history[-1]  # the site's last round's event
     # a budget half-way between 5 and 6 more rounds, composed directly
-    budget = (direct_epsilon(history + [nxt] * 5, accountant) + direct_epsilon(history + [nxt] * 6, accountant)) / 2
+    def more(k: int) -> list:  # k rounds of the next event: one self-composition of k times its steps
+        return history + [(nxt[0], nxt[1], nxt[2] * k)]
+
+    budget = (direct_epsilon(more(5), accountant) + direct_epsilon(more(6), accountant)) / 2
     assert ledger.rounds_left("s1", CR, budget, accountant=accountant) == 5
     # an explicit next event (a different rate) is honoured too
     other = (2.0, 0.02, 10)
