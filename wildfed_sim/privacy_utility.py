@@ -22,11 +22,13 @@ quantisation, FedAvg and server SGD; only the transport is left out). One run pe
 
 Protocol (a reviewer's, README "Privacy-utility"):
 
-1. **Tuning.** Every configuration gets the same grid (:data:`DP_GRID`: learning rate x {local steps, clipping
-   norm, rounds}, 25 points; Global DP runs one step per round, so its grid swaps local steps for more clipping
+1. **Tuning.** Stage 1: every configuration gets the same grid (:data:`DP_GRID`: learning rate x {local steps,
+   clipping norm, rounds}, 25 points; Global DP runs one step per round, so its grid swaps local steps for more clipping
    norms; the non-private run has :data:`NON_PRIVATE_GRID`, 25 points without clipping) on the tuning seeds
    (default 101 and 103: their own split, site design and noise). The point with the best mean overall accuracy
-   is kept for that configuration. The tuning seeds are never reported.
+   is kept for that configuration. Stage 2: the server momentum (:data:`MOMENTA`; stage 1 runs at the fixed 0.5)
+   at that point, and the best of all of the configuration's points is kept. The tuning seeds are never
+   reported.
 2. **Reporting.** Each configuration's chosen point runs on the reported seeds (default 0-4). A seed fixes the
    data split, the site design, the initial model and the noise, so two configurations of one seed are paired.
 3. **Statistics.** Mean and sample std over seeds per configuration; for each comparison
@@ -131,6 +133,9 @@ GLOBAL_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
 NON_PRIVATE_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
     (r, s, 1.0, lr) for (r, s) in ((10, 10), (10, 30), (10, 60), (20, 30), (20, 60))
     for lr in (0.3, 1.0, 3.0, 10.0, 30.0))
+#: stage 2 of the tuning (grid "full"): these server momenta besides the fixed one, at each configuration's best
+#: point of stage 1 (2 more points for every configuration)
+MOMENTA = (0.0, 0.5, 0.8)
 #: a one-point grid (tests and smoke runs: ``--grid tiny``)
 TINY_GRID: tuple[tuple[int, int, float, float], ...] = ((2, 1, 1.0, 4.0),)
 
@@ -149,7 +154,8 @@ class PrivacyUtilitySettings:
     ``seeds``: reported seeds (at least 1; the protocol asks for 5); ``tuning_seeds``: the seeds the grid is run
     on (disjoint from ``seeds``); ``configurations``: names from :data:`CONFIGURATIONS`; ``grid``: ``"full"`` or
     ``"tiny"``; ``processes``: worker processes; ``sites``: sites of the demo design; ``expected_batch_size`` B,
-    ``server_momentum``, ``target_delta``: fixed for every configuration (the demo's).
+    ``target_delta``: fixed for every configuration (the demo's); ``server_momentum``: the momentum of the tuning's
+    stage 1 (stage 2 tries :data:`MOMENTA` at each configuration's best point).
 
     Raises:
         ConfigError: no seed, repeated seeds, a tuning seed among the reported ones, unknown configuration or grid.
@@ -270,7 +276,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
     """One simulated federation (worker process): ``(configuration name, seed, point, fixed settings)``."""
     from wildfed_sim.demo_sim import SimConfig, load_federation, simulate
 
-    name, seed, (rounds, steps, clip, lr), fixed = job
+    name, seed, (rounds, steps, clip, lr, momentum), fixed = job
     warnings.simplefilter("ignore")
     config = next(c for c in CONFIGURATIONS if c.name == name)
     key = (seed, fixed["sites"])
@@ -281,12 +287,12 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
     sim = SimConfig(privacy=privacy, budgets=config.budgets(), rounds=rounds, local_steps=steps,
                     expected_batch_size=fixed["expected_batch_size"] if privacy != "none" else 128,
                     learning_rate=lr, clipping_norm=clip, target_delta=fixed["target_delta"],
-                    server_momentum=fixed["server_momentum"], ccdp_variant=config.variant,
+                    server_momentum=momentum, ccdp_variant=config.variant,
                     global_noise=config.global_noise)
     t0 = time.monotonic()
     out = simulate(_FEDERATIONS[key], sim, seed=seed)
     eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}
-    return {"configuration": name, "seed": seed, "point": [rounds, steps, clip, lr],
+    return {"configuration": name, "seed": seed, "point": [rounds, steps, clip, lr, momentum],
             "overall": out["final"]["overall"], "groups": out["final"], "by_category": out["final_by_category"],
             "round0": out["round0"]["overall"], "epsilon": eps,
             "budget": {c.value: e for c, e in config.budgets().items()} if privacy != "none" else {},
@@ -297,6 +303,12 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
 
 def _job_key(name: str, seed: int, point: Sequence[float]) -> str:
     return json.dumps([name, seed, [float(p) for p in point]])
+
+
+def _with_momentum(point: Sequence[float], momentum: float) -> tuple[float, ...]:
+    """A grid point (rounds, local steps, C, lr) with its server momentum appended; a point that has one already
+    (a run of the momentum stage, or a row of runs.jsonl) is returned unchanged."""
+    return tuple(point) if len(point) == 5 else (*point, float(momentum))
 
 
 def _run_all(jobs: list[tuple], done: dict[str, dict[str, Any]], log_path: Path, processes: int,
@@ -361,7 +373,7 @@ def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettin
              f" (grid {settings.grid}); {settings.sites} sites, B = {settings.expected_batch_size}, server momentum "
              f"{settings.server_momentum:g}, delta {settings.target_delta:g}. Round 0 (zero head): overall "
              f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds.", "",
-             "| configuration | overall | CR/EN | " + " | ".join(cats) + " | rounds, steps, C, lr |",
+             "| configuration | overall | CR/EN | " + " | ".join(cats) + " | rounds, steps, C, lr, momentum |",
              "|---" + "|---:" * (3 + len(cats)) + "|"]
     for e in result.summary:
         point = result.chosen.get(e["configuration"], {}).get("point")
@@ -474,14 +486,23 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
         for line in log_path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
+                # rows written before the momentum stage ran at the fixed momentum
+                row["point"] = list(_with_momentum(row["point"], settings.server_momentum))
                 done[_job_key(row["configuration"], row["seed"], row["point"])] = row
     configs = [c for c in CONFIGURATIONS if c.name in settings.configurations]
     fixed = {"sites": settings.sites, "expected_batch_size": settings.expected_batch_size,
              "target_delta": settings.target_delta, "server_momentum": settings.server_momentum}
     result = PrivacyUtilityResult(out_dir=out_dir)
-    jobs = [(c.name, s, p, fixed) for s in settings.tuning_seeds for c in configs for p in grid_for(c, settings.grid)]
+    m0 = settings.server_momentum
+    jobs = [(c.name, s, _with_momentum(p, m0), fixed) for s in settings.tuning_seeds for c in configs
+            for p in grid_for(c, settings.grid)]
     result.tuning = _run_all(jobs, done, log_path, settings.processes, console, "tuning")
     result.chosen = {c.name: choose(result.tuning, c.name) for c in configs}
+    if settings.grid == "full":  # stage 2: the server momentum at each configuration's chosen point
+        jobs = [(c.name, s, (*result.chosen[c.name]["point"][:4], m), fixed) for s in settings.tuning_seeds
+                for c in configs for m in MOMENTA if m != m0]
+        result.tuning += _run_all(jobs, done, log_path, settings.processes, console, "tuning: server momentum")
+        result.chosen = {c.name: choose(result.tuning, c.name) for c in configs}
     jobs = [(c.name, s, tuple(result.chosen[c.name]["point"]), fixed) for s in settings.seeds for c in configs]
     result.runs = _run_all(jobs, done, log_path, settings.processes, console, "reported seeds")
     result.round0 = {"overall": statistics.fmean(r["round0"] for r in result.runs)}
