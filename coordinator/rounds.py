@@ -162,6 +162,7 @@ class RoundManager:
         self._artifacts_failed = False
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
+        self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -439,7 +440,7 @@ class RoundManager:
         for site_id in selected:
             self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
                                secagg=settings, noise_multiplier=z, distributed_noise=distributed,
-                               feature_centre=None if self._centre is None else centre_digest(self._centre))
+                               feature_centre=self._centre_digest)
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():

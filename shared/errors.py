@@ -18,7 +18,10 @@ Hierarchy::
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "tagged_fields",
     "WildFedError",
     "ConfigError",
     "DatasetError",
@@ -89,3 +92,18 @@ class PayloadError(EnvelopeError):
 
 class PrivacyBudgetError(WildFedError):
     """An action would pass a privacy budget (epsilon of a site and IUCN category)."""
+
+
+def tagged_fields(data: Any, kind: str, names: set[str], what: str) -> dict[str, Any]:
+    """The fields of a JSON object tagged ``"type": kind`` (the tag removed), when they are exactly ``names``: how
+    the DP events and the secure-aggregation messages are read from the wire.
+
+    Raises:
+        PayloadError: not an object of that type (``unknown <what> ...``), or other fields than ``names``.
+    """
+    if not isinstance(data, dict) or data.get("type") != kind:
+        raise PayloadError(f"unknown {what} {data!r:.80}: expected type {kind!r}")
+    fields = {k: v for k, v in data.items() if k != "type"}
+    if set(fields) != names:
+        raise PayloadError(f"{what} fields wrong: {sorted(fields)}, expected {sorted(names)}")
+    return fields

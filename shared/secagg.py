@@ -68,7 +68,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from shared.envelope import validate_identifier
-from shared.errors import ConfigError, MalformedEnvelopeError, PayloadError, WildFedError
+from shared.errors import ConfigError, MalformedEnvelopeError, PayloadError, WildFedError, tagged_fields
 
 __all__ = [
     "PROTOCOL_LABEL",
@@ -485,15 +485,6 @@ def _hex(data: Any, name: str, length: int | None = None) -> bytes:
     return raw
 
 
-def _check_fields(data: Any, kind: str, fields: set[str]) -> dict[str, Any]:
-    if not isinstance(data, dict) or data.get("type") != kind:
-        raise PayloadError(f"expected a {kind!r} message, got {data!r:.80}")
-    body = {k: v for k, v in data.items() if k != "type"}
-    if set(body) != fields:
-        raise PayloadError(f"{kind} fields wrong: {sorted(body)}, expected {sorted(fields)}")
-    return body
-
-
 def _site_list(value: Any, name: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise PayloadError(f"{name} must be a list of site ids")
@@ -521,7 +512,7 @@ class AdvertisedKeys:
 
     @classmethod
     def from_json(cls, data: Any) -> "AdvertisedKeys":
-        body = _check_fields(data, "secagg_keys", {"site_id", "channel_public", "mask_public"})
+        body = tagged_fields(data, "secagg_keys", {"site_id", "channel_public", "mask_public"}, "secagg message")
         if not isinstance(body["site_id"], str):
             raise PayloadError("site_id must be a string")
         return cls(body["site_id"], _hex(body["channel_public"], "channel_public", 32),
@@ -545,7 +536,7 @@ class EncryptedShare:
 
     @classmethod
     def from_json(cls, data: Any) -> "EncryptedShare":
-        body = _check_fields(data, "secagg_share", {"sender", "recipient", "nonce", "ciphertext"})
+        body = tagged_fields(data, "secagg_share", {"sender", "recipient", "nonce", "ciphertext"}, "secagg message")
         if not isinstance(body["sender"], str) or not isinstance(body["recipient"], str):
             raise PayloadError("sender and recipient must be strings")
         return cls(body["sender"], body["recipient"], _hex(body["nonce"], "nonce", _GCM_NONCE_BYTES),
@@ -565,7 +556,7 @@ class RecoveryRequest:
 
     @classmethod
     def from_json(cls, data: Any) -> "RecoveryRequest":
-        body = _check_fields(data, "secagg_recovery_request", {"survivors", "dropped"})
+        body = tagged_fields(data, "secagg_recovery_request", {"survivors", "dropped"}, "secagg message")
         return cls(_site_list(body["survivors"], "survivors"), _site_list(body["dropped"], "dropped"))
 
 
@@ -585,7 +576,8 @@ class RecoveryShares:
 
     @classmethod
     def from_json(cls, data: Any) -> "RecoveryShares":
-        body = _check_fields(data, "secagg_recovery_shares", {"sender", "mask_key_shares", "self_mask_shares"})
+        body = tagged_fields(data, "secagg_recovery_shares", {"sender", "mask_key_shares", "self_mask_shares"},
+                             "secagg message")
         maps = {}
         for name in ("mask_key_shares", "self_mask_shares"):
             if not isinstance(body[name], dict):

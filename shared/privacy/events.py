@@ -14,23 +14,9 @@ from typing import Any
 
 import dp_accounting
 
-from shared.errors import PayloadError
+from shared.errors import PayloadError, tagged_fields
 
 __all__ = ["DPSGDEvent", "SkellamEvent", "PrivacyEvent", "parse_event"]
-
-
-def _fields(data: Any, kind: str, names: set[str]) -> dict[str, Any]:
-    """The fields of a JSON event of type ``kind`` (without the tag).
-
-    Raises:
-        PayloadError: not an object of that type, or fields other than ``names``.
-    """
-    if not isinstance(data, dict) or data.get("type") != kind:
-        raise PayloadError(f"unknown DP event {data!r}: expected type {kind!r}")
-    fields = {k: v for k, v in data.items() if k != "type"}
-    if set(fields) != names:
-        raise PayloadError(f"DP event fields wrong: {sorted(fields)}")
-    return fields
 
 
 @dataclass(frozen=True)
@@ -89,7 +75,7 @@ class DPSGDEvent:
         Raises:
             PayloadError: unknown ``type``, missing/extra fields, or values out of range.
         """
-        return cls(**_fields(data, "dpsgd", {"noise_multiplier", "sampling_rate", "steps"}))
+        return cls(**tagged_fields(data, "dpsgd", {"noise_multiplier", "sampling_rate", "steps"}, "DP event"))
 
 
 @dataclass(frozen=True)
@@ -175,7 +161,8 @@ class SkellamEvent:
         Raises:
             PayloadError: unknown ``type``, missing/extra fields, or values out of range.
         """
-        return cls(**_fields(data, "skellam", {"variance", "l2_sensitivity", "l1_sensitivity", "steps"}))
+        return cls(**tagged_fields(data, "skellam", {"variance", "l2_sensitivity", "l1_sensitivity", "steps"},
+                                   "DP event"))
 
 
 #: the event types the ledger composes
