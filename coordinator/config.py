@@ -139,6 +139,16 @@ class NiraConfig(StrictModel):
                                           "DP-SGD calibration leaves room for; too little noise for a budget stops "
                                           "the site with a clear error")
 
+    phi_weighting: Literal["records", "inverse_variance", "clusters"] = Field(
+        "records", description="weights of the clusters' mean deltas in the shared phi's step: records (N_m / N, "
+        "FedAvg's), inverse_variance (1 / the DP noise variance of each cluster's mean), or clusters (|C_m| / K, "
+        "the seed's rule, which multiplied the noise on phi by up to 2.9x under CCDP: docs/nira.md)")
+    min_cluster_records: int = Field(0, ge=0, description="a cluster from the species lists with fewer declared "
+                                     "records joins its most similar cluster (0: off)")
+    recluster_min_snr: float = Field(1.0, ge=0, description="re-cluster only in rounds whose similarity "
+                                     "signal-to-noise ratio (estimated from the updates and their DP noise "
+                                     "variance; docs/nira.md) is at least this; 0: always")
+
     @model_validator(mode="after")
     def _one_cut(self) -> "NiraConfig":
         if self.distance_threshold is not None and self.num_clusters is not None:

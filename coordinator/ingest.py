@@ -74,7 +74,7 @@ from shared.topics import ack_topic, parse_topic
 from coordinator.ledger import LedgerError, PrivacyLedger
 from coordinator.registry import SiteRegistry, UnknownSiteError
 from coordinator.storage import RoundRow, Store, UpdateRow
-from coordinator.strategies.base import Strategy
+from coordinator.strategies.base import Strategy, update_noise_variance
 from coordinator.transport import Transport, TransportError
 
 __all__ = ["RejectReason", "ReplayWindow", "Accepted", "Rejected", "RoundContext", "Ingestor"]
@@ -186,6 +186,7 @@ class RoundContext:
         num_classes: length of a count vector.
         expected_events: radio rounds: the exact events every upload must report (``coordinator.radio``); None for
             camera rounds.
+        learning_rate, clipping_norm, expected_batch_size: the task's (for :meth:`noise_variance`; 0: unknown).
     """
 
     round: int
@@ -203,6 +204,18 @@ class RoundContext:
     count_noise_multiplier: float | None = None
     num_classes: int | None = None
     expected_events: Mapping[IUCNCategory, DPSGDEvent] | None = None
+    learning_rate: float = 0.0
+    clipping_norm: float = 0.0
+    expected_batch_size: int = 0
+
+    def noise_variance(self, report: UpdateReport) -> float | None:
+        """The variance per coordinate of the DP noise in ``report``'s delta
+        (:func:`coordinator.strategies.base.update_noise_variance`), or None when the task's parameters are unknown."""
+        if self.learning_rate <= 0 or self.clipping_norm <= 0:
+            return None if report.events else 0.0
+        return update_noise_variance(report.events, clipping_norm=self.clipping_norm,
+                                     learning_rate=self.learning_rate, expected_batch_size=self.expected_batch_size,
+                                     num_examples=int(report.num_examples), local_steps=int(report.local_steps))
 
     def expected_hash(self, site_id: str) -> str:
         """The model hash ``site_id``'s update must have been trained from."""
@@ -527,7 +540,8 @@ class Ingestor:
         self._send_ack(env, Ack(round=ctx.round, accepted=True, reason="stored"))
         # 3. then the running sum
         ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight),
-                                species_counts=report.species_counts or None)
+                                species_counts=report.species_counts or None,
+                                noise_variance=ctx.noise_variance(report))
         if self.on_accepted is not None:
             self.on_accepted(ctx, accepted)
         self.counts["accepted"] += 1

@@ -322,7 +322,8 @@ class RoundManager:
                            privacy=self.config.privacy, local_steps=self._local_steps(), strategy=self._strategy,
                            site_hashes=site_hashes, bundle=bundle,
                            count_noise_multiplier=self._count_noise(),
-                           num_classes=self.config.num_classes, expected_events=expected_events(self.config))
+                           num_classes=self.config.num_classes, expected_events=expected_events(self.config),
+                           **self._task_noise_parameters())
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
         for site_id in selected:
@@ -379,7 +380,8 @@ class RoundManager:
                 continue
             report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
             ctx.strategy.accumulate(upd.site_id, delta, num_examples=int(report.num_examples),
-                                    species_counts=report.species_counts or None)
+                                    species_counts=report.species_counts or None,
+                                    noise_variance=ctx.noise_variance(report))
             ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=ctx.round, sequence=upd.sequence,
                                                  num_examples=upd.num_examples, weight=float(report.num_examples),
                                                  payload_sha256=upd.payload_sha256, events=report.events,
@@ -494,6 +496,15 @@ class RoundManager:
             return None
         return 0.0 if self.config.privacy == "none" else float(z)
 
+    def _task_noise_parameters(self) -> dict[str, float | int]:
+        """The camera tasks' learning rate, clipping norm and expected batch size (for the DP noise variance of an
+        update, :meth:`coordinator.ingest.RoundContext.noise_variance`); zeros for radio rounds (FedAvg only)."""
+        if self.config.model == "radio_unet":
+            return {}
+        cfg = self.config
+        return {"learning_rate": float(cfg.learning_rate), "clipping_norm": float(cfg.clipping_norm),
+                "expected_batch_size": int(cfg.expected_batch_size)}
+
     def _local_steps(self) -> int:
         """Local steps a task asks for: the config's, or a radio task's local epochs."""
         radio = self.config.radio if self.config.model == "radio_unet" else None
@@ -593,7 +604,8 @@ class RoundManager:
         for acc in ctx.accepted.values():
             report, delta = decode_update(self._store.get_blob(acc.payload_sha256))
             ctx.strategy.accumulate(acc.site_id, delta, num_examples=int(report.num_examples),
-                                    species_counts=report.species_counts or None)
+                                    species_counts=report.species_counts or None,
+                                    noise_variance=ctx.noise_variance(report))
 
     def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
         """Check the budgets again, ledger first (durable), then aggregate + step + store. Returns ``(status,
@@ -661,12 +673,13 @@ class RoundManager:
             ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights, selected=selected,
                                halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
                                local_steps=self._local_steps(), strategy=self._strategy, bundle=weights,
-                               expected_events=expected_events(self.config))
+                               expected_events=expected_events(self.config), **self._task_noise_parameters())
             for upd in self._store.updates_for_round(row.round):
                 report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
                 weight = float(report.num_examples)
                 self._strategy.accumulate(upd.site_id, delta, num_examples=int(weight),
-                                          species_counts=report.species_counts or None)
+                                          species_counts=report.species_counts or None,
+                                          noise_variance=ctx.noise_variance(report))
                 ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=row.round, sequence=upd.sequence,
                                                      num_examples=upd.num_examples, weight=weight,
                                                      payload_sha256=upd.payload_sha256, events=report.events,

@@ -271,7 +271,9 @@ def build_strategy(config: CoordinatorConfig, store: Store, registry: SiteRegist
                 recluster_every=cfg.recluster_every, recluster_margin=cfg.recluster_margin,
                 min_rounds_between_moves=cfg.min_rounds_between_moves, embedding_merging=cfg.embedding_merging,
                 head_prefix=cfg.head_prefix,
-                count_noise=cfg.count_noise_multiplier if cfg.embedding_weights == "noisy_counts" else None)
+                count_noise=cfg.count_noise_multiplier if cfg.embedding_weights == "noisy_counts" else None,
+                phi_weighting=cfg.phi_weighting, min_cluster_records=cfg.min_cluster_records,
+                recluster_min_snr=cfg.recluster_min_snr)
 
 
 def status_report(store: Store, registry: SiteRegistry) -> StatusReport:

@@ -10,13 +10,40 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Strategy", "Tensors"]
+__all__ = ["Strategy", "Tensors", "update_noise_variance"]
 
 #: name -> array, e.g. ``{"phi.conv1.weight": float32 (16, 1, 3, 3), ...}``.
 Tensors = Mapping[str, np.ndarray]
+
+
+def update_noise_variance(events: Mapping[Any, Any], *, clipping_norm: float, learning_rate: float,
+                          expected_batch_size: int, num_examples: int, local_steps: int) -> float | None:
+    """The variance per coordinate of the DP noise in one site's update (its delta), from public quantities only.
+
+    Each of the ``local_steps`` steps adds one Gaussian draw of std sigma = C * min_c z_c to the clipped sum (CCDP,
+    both variants: under "sample" every z_c is equal; under "scale" sigma = z_c C_c with C_c = C for the category of
+    the smallest z_c, ``edge_sdk.privacy.ccdp.CCDPPlan``), normalises it by q N_k = min(B, N_k) and multiplies by the
+    learning rate (``edge_sdk.training``, module docstring). So ``v_k = local_steps * (lr * sigma / min(B, N_k))^2``.
+
+    Args:
+        events: the update's ``{category: DPSGDEvent}`` (``UpdateReport.events``); empty: no privacy.
+        clipping_norm: C of the task (L2). learning_rate: the task's local learning rate.
+        expected_batch_size: B of the task. num_examples: N_k (declared, public). local_steps: steps actually run.
+
+    Returns:
+        v_k (float, squared model units), 0.0 without privacy, or None when ``num_examples`` or ``local_steps`` is
+        not positive (nothing to estimate).
+    """
+    if not events:
+        return 0.0
+    if num_examples <= 0 or local_steps <= 0 or expected_batch_size <= 0:
+        return None
+    sigma = clipping_norm * min(float(ev.noise_multiplier) for ev in events.values())
+    return float(local_steps * (learning_rate * sigma / min(expected_batch_size, num_examples)) ** 2)
 
 
 class Strategy(ABC):
@@ -52,7 +79,7 @@ class Strategy(ABC):
 
     @abstractmethod
     def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
-                   species_counts: Mapping[int, float] | None = None) -> None:
+                   species_counts: Mapping[int, float] | None = None, noise_variance: float | None = None) -> None:
         """Fold one site's delta (local minus global, same names/shapes as ``template``) into the running state.
 
         Args:
@@ -61,6 +88,8 @@ class Strategy(ABC):
             num_examples: the weight N_k (>= 1).
             species_counts: the site's noisy per-class counts when the round asked for them (NIRA's embedding
                 weights), else None.
+            noise_variance: the variance per coordinate of the DP noise in ``delta``
+                (:func:`update_noise_variance`: 0 without privacy, None unknown); FedAvg ignores it.
         """
 
     def count_noise_multiplier(self) -> float | None:

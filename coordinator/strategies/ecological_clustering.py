@@ -48,6 +48,7 @@ __all__ = [
     "jaccard",
     "jaccard_matrix",
     "cluster_sites",
+    "merge_small_clusters",
     "plot_similarity_heatmap",
     "recluster_from_updates",
     "pairwise_values",
@@ -421,6 +422,52 @@ def cluster_sites(similarity: np.ndarray, site_ids: Sequence[str], *, distance_t
                              linkage="average",
                              distance_threshold=None if distance_threshold is None else float(distance_threshold),
                              num_clusters=None if num_clusters is None else int(num_clusters), pinned=pins)
+
+
+def merge_small_clusters(assignment: ClusterAssignment, records: Mapping[str, float], min_records: float
+                         ) -> ClusterAssignment:
+    """Merge every cluster holding fewer than ``min_records`` records into its most similar cluster (issue 20,
+    item 1: a per-cluster head trained on a few dozen records is mostly DP noise).
+
+    Repeatedly, the cluster with the fewest records (ties: smallest label) that is below ``min_records`` and has no
+    pinned member joins the other cluster with the highest average-linkage similarity to it (the mean Jaccard over
+    all cross pairs, UPGMA's own criterion; ties: the larger cluster, then the smaller label), keeping the receiving
+    cluster's label (so its head). Stops when no unpinned cluster is below the minimum or one cluster is left.
+    Operator pins win: a cluster with a pinned site is never merged away (it may receive others).
+
+    Args:
+        assignment: the clusters (from :func:`cluster_sites`).
+        records: ``{site_id: N_k}`` the sites' declared public record counts (a missing site counts 0).
+        min_records: the minimum records per cluster (>= 0; 0 changes nothing).
+
+    Returns:
+        A new :class:`ClusterAssignment` (same matrix, cut and pins).
+
+    Raises:
+        ClusteringError: ``min_records`` negative or not finite.
+    """
+    if not (isinstance(min_records, (int, float)) and math.isfinite(min_records) and min_records >= 0):
+        raise ClusteringError(f"min_cluster_records must be a finite number >= 0, got {min_records!r}",
+                              field="min_cluster_records", fix="use 0 (off) or e.g. 500")
+    clusters = {label: list(members) for label, members in assignment.clusters.items()}
+    index = {s: i for i, s in enumerate(assignment.site_ids)}
+    sim = assignment.similarity
+
+    def size(label: str) -> float:
+        return float(sum(float(records.get(s, 0)) for s in clusters[label]))
+
+    def link(a: str, b: str) -> float:
+        return float(np.mean([sim[index[x], index[y]] for x in clusters[a] for y in clusters[b]]))
+
+    while len(clusters) > 1:
+        small = sorted((size(lbl), lbl) for lbl, m in clusters.items()
+                       if size(lbl) < min_records and not any(s in assignment.pinned for s in m))
+        if not small:
+            break
+        _, label = small[0]
+        target = min((lbl for lbl in clusters if lbl != label), key=lambda lbl: (-link(label, lbl), -size(lbl), lbl))
+        clusters[target].extend(clusters.pop(label))
+    return assignment.with_clusters(clusters)
 
 
 # ----------------------------------------------------------------------------------------------------------------

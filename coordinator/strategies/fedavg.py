@@ -89,7 +89,7 @@ class FedAvg(Strategy):
         self._acc = new_running_sum(template)
 
     def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
-                   species_counts: Mapping[int, float] | None = None) -> None:
+                   species_counts: Mapping[int, float] | None = None, noise_variance: float | None = None) -> None:
         """Add ``num_examples * delta`` to the running sum (see :func:`add_weighted`)."""
         if self._acc is None:
             raise ValueError("FedAvg.accumulate called before begin_round")

@@ -8,12 +8,23 @@ plain model names, so gateways see an ordinary model.
 Aggregation of one round (streaming: one running weighted sum per cluster, never the K updates):
 
 - intra-cluster FedAvg weighted by N_k: ``delta_m = sum_{k in m} N_k delta_k / sum_{k in m} N_k`` (phi and psi);
-- phi: inter-cluster average weighted by cluster size, ``delta_phi = sum_m (|C_m| / K) delta_m,phi``, where |C_m|
-  and K count the sites whose update was aggregated this round (so the weights sum to 1);
+- phi: an inter-cluster average ``delta_phi = sum_m w_m delta_m,phi`` with weights summing to 1 over the clusters
+  that sent updates this round (``phi_weighting``, issue 20):
+
+  - ``records`` (default): ``w_m = N_m / N``, the clusters' declared record counts, so phi moves exactly as FedAvg
+    over all sites would move it;
+  - ``inverse_variance``: ``w_m proportional to 1 / V_m``, with ``V_m = sum_{k in m} N_k^2 v_k / N_m^2`` the variance
+    per coordinate of the DP noise in cluster m's mean (``v_k`` from the site's reported events and the task:
+    :func:`coordinator.strategies.base.update_noise_variance`); the minimum-variance unbiased combination of the cluster means (Cochran 1954,
+    "The combination of estimates from different experiments"). Without noise information it falls back to records;
+  - ``clusters``: ``w_m = |C_m| / K`` (the seed's rule): a singleton cluster of a 55-record site weighs as much as a
+    cluster of thousands, which multiplied the noise on phi by 1.2-2.9x FedAvg's under CCDP (issue 20);
 - psi_m: ``delta_m,psi`` for each cluster with an update this round; other clusters' heads are unchanged.
 
 Clusters come from the sites' public species lists (Jaccard similarity, average-linkage hierarchical clustering:
-:mod:`coordinator.strategies.ecological_clustering`), with sensitive categories (CR, EN by default) left out. A
+:mod:`coordinator.strategies.ecological_clustering`), with sensitive categories (CR, EN by default) left out; a
+cluster with fewer than ``min_cluster_records`` declared records joins its most similar cluster
+(:func:`~coordinator.strategies.ecological_clustering.merge_small_clusters`). A
 site enrolled after clustering joins the cluster whose members' lists it shares most (mean Jaccard). Operators can
 pin a site to a cluster and force a re-cluster (``wildfed-coordinator clusters``).
 
@@ -23,7 +34,10 @@ memory independent of the model size, each phi-update is kept as a 4,096-dimensi
 sketch (Weinberger et al. 2009, "Feature Hashing for Large Scale Multitask Learning", §2: inner products are
 preserved in expectation). A site moves only when another cluster beats its own by a margin, and not more often
 than every ``min_rounds_between_moves`` rounds, so clusters do not flap. Every change is logged with its reason
-and kept in the strategy state.
+and kept in the strategy state. Re-clustering acts only when the round's similarity signal-to-noise ratio is at
+least ``recluster_min_snr`` (:func:`similarity_snr`, estimated from the updates and their known DP noise variance);
+each round's ratio is kept in the state (``diagnostics``) with the noise std on phi against FedAvg's, so an operator
+sees whether the similarities carry signal above the DP noise.
 
 Species-embedding merging (rare-species transfer): the embedding of species s at site k is row s of its trained
 head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged embedding is
@@ -60,23 +74,67 @@ restarted coordinator continues with the same clusters.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from shared.errors import ConfigError
+
 from coordinator.strategies.base import Strategy, Tensors
 from coordinator.strategies.ecological_clustering import (ClusterAssignment, cluster_sites, jaccard_matrix,
-                                                          recluster_from_updates, site_species_lists)
+                                                          merge_small_clusters, recluster_from_updates,
+                                                          site_species_lists)
 from coordinator.strategies.fedavg import RunningWeightedSum, add_weighted, new_running_sum
 
-__all__ = ["NIRA", "BUNDLE_PREFIX", "SKETCH_DIM", "hash_sketch", "match_labels"]
+__all__ = ["NIRA", "BUNDLE_PREFIX", "SKETCH_DIM", "PHI_WEIGHTINGS", "hash_sketch", "match_labels",
+           "similarity_snr"]
 
 log = logging.getLogger(__name__)
 
 BUNDLE_PREFIX = "nira/"
 SKETCH_DIM = 4096
 _STATE_KEY = "nira"
+PHI_WEIGHTINGS = ("records", "inverse_variance", "clusters")
+_DIAGNOSTICS_KEPT = 200  # rounds of diagnostics kept in the state
+
+
+def similarity_snr(squared_norms: Mapping[str, float], variances: Mapping[str, float | None], dim: int
+                   ) -> float | None:
+    """The signal-to-noise ratio of the pairwise inner products that re-clustering compares (median over pairs).
+
+    For a received update ``u_k = s_k + n_k`` (signal s_k, DP noise n_k with variance v_k per coordinate, d
+    coordinates), ``E||u_k||^2 = ||s_k||^2 + d v_k``, so ``r_k = max(0, ||u_k||^2 / (d v_k) - 1)`` estimates the
+    signal-to-noise power per coordinate. For a pair, ``<u_i, u_j>`` has signal at most ``||s_i|| ||s_j||`` and
+    noise variance ``||s_i||^2 v_j + ||s_j||^2 v_i + d v_i v_j``, so
+    ``SNR_ij = sqrt(d) sqrt(r_i r_j) / sqrt(r_i + r_j + 1)``: an upper bound of what the similarities can resolve
+    (two updates that differ in direction carry less). Below about 1, cosine similarities are noise.
+
+    Args:
+        squared_norms: ``{site: ||u_k||^2}`` of the received updates (phi part). variances: ``{site: v_k}``
+            (:func:`coordinator.strategies.base.update_noise_variance`). dim: d, the number of coordinates.
+
+    Returns:
+        The median SNR over the pairs (``inf`` when no site's update carries noise), or None with fewer than two
+        sites or a site of unknown variance.
+    """
+    sites = sorted(squared_norms)
+    if len(sites) < 2 or dim <= 0 or any(variances.get(s) is None for s in sites):
+        return None
+    if all(variances[s] == 0 for s in sites):
+        return math.inf
+    r = {s: (math.inf if variances[s] == 0 else max(0.0, squared_norms[s] / (dim * variances[s]) - 1.0))
+         for s in sites}
+    def pair(ra: float, rb: float) -> float:
+        if math.isinf(ra) and math.isinf(rb):
+            return math.inf
+        if math.isinf(ra) or math.isinf(rb):  # one noise-free update: the limit sqrt(d r) of the other
+            return math.sqrt(dim * min(ra, rb))
+        return math.sqrt(dim) * math.sqrt(ra * rb) / math.sqrt(ra + rb + 1.0)
+
+    values = [pair(r[a], r[b]) for i, a in enumerate(sites) for b in sites[i + 1:]]
+    return float(np.median(values))
 
 
 def hash_sketch(vector: np.ndarray, dim: int = SKETCH_DIM, *, seed: int = 0) -> np.ndarray:
@@ -137,6 +195,12 @@ class NIRA(Strategy):
         embedding_merging: whether to merge species embeddings. head_prefix: names of the head tensors.
         count_noise: with a value, merging is weighted by the sites' noisy per-class counts released with this
             noise std (the ``noisy_counts`` choice of the module docstring); None: public N_k weights.
+        phi_weighting: ``"records"`` (default), ``"inverse_variance"`` or ``"clusters"`` (module docstring).
+        min_cluster_records: clusters with fewer declared records join their most similar cluster (0: off).
+        recluster_min_snr: re-cluster only in rounds whose :func:`similarity_snr` is at least this (0: always).
+
+    Raises:
+        ConfigError: an unknown ``phi_weighting`` or a negative ``min_cluster_records`` / ``recluster_min_snr``.
     """
 
     def __init__(self, *, store: Any, site_metadata: Callable[[], Mapping[str, Mapping[str, Any]]],
@@ -144,7 +208,17 @@ class NIRA(Strategy):
                  species_classes: Mapping[str, int] | None = None,
                  species_categories: Mapping[str, str] | None = None, recluster_every: int = 0,
                  recluster_margin: float = 0.1, min_rounds_between_moves: int = 3, embedding_merging: bool = True,
-                 head_prefix: str = "psi.", count_noise: float | None = None) -> None:
+                 head_prefix: str = "psi.", count_noise: float | None = None, phi_weighting: str = "records",
+                 min_cluster_records: float = 0, recluster_min_snr: float = 0.0) -> None:
+        if phi_weighting not in PHI_WEIGHTINGS:
+            raise ConfigError(f"phi_weighting must be one of {PHI_WEIGHTINGS}, got {phi_weighting!r}",
+                              field="phi_weighting", fix="use records (FedAvg's weights) or inverse_variance")
+        for name, value in (("min_cluster_records", min_cluster_records), ("recluster_min_snr", recluster_min_snr)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}", field=name, fix="use 0 (off)")
+        self.phi_weighting = phi_weighting
+        self.min_cluster_records = float(min_cluster_records)
+        self.recluster_min_snr = float(recluster_min_snr)
         self._store = store
         self._site_metadata = site_metadata
         self._cut = dict(cut)
@@ -205,9 +279,14 @@ class NIRA(Strategy):
                                   species_categories=self._categories or None)
 
     def cluster_from_species(self, pins: Mapping[str, str] | None = None) -> ClusterAssignment:
-        """Jaccard similarity of the species lists -> average-linkage clusters (pins applied)."""
+        """Jaccard similarity of the species lists -> average-linkage clusters (pins applied), then clusters below
+        ``min_cluster_records`` declared records merged into their most similar one."""
         site_ids, similarity = jaccard_matrix(self.species_lists())
-        return cluster_sites(similarity, site_ids, pinned=dict(pins or {}), **self._cut)
+        assignment = cluster_sites(similarity, site_ids, pinned=dict(pins or {}), **self._cut)
+        if self.min_cluster_records > 0:
+            records = {s: float(m.get("num_examples") or 0) for s, m in self._site_metadata().items()}
+            assignment = merge_small_clusters(assignment, records, self.min_cluster_records)
+        return assignment
 
     def _log_change(self, state: dict[str, Any], round: int, site: str, old: str | None, new: str,
                     reason: str) -> None:
@@ -312,11 +391,19 @@ class NIRA(Strategy):
         self._acc = {c: new_running_sum(site_template) for c in assignment.clusters}
         self._sketches, self._emb_sum, self._emb_weight, self._emb_offset = {}, {}, {}, {}
         self._cluster_counts, self._cluster_reports = {}, {}
+        self._variance_sum: dict[str, float | None] = {c: 0.0 for c in assignment.clusters}  # sum N_k^2 v_k
+        self._phi_norms: dict[str, float] = {}
+        self._variances: dict[str, float | None] = {}
+        self._phi_dim = 0
 
     def accumulate(self, site_id: str, delta: Tensors, *, num_examples: int,
-                   species_counts: Mapping[int, float] | None = None) -> None:
+                   species_counts: Mapping[int, float] | None = None, noise_variance: float | None = None) -> None:
         """Add ``N_k * delta_k`` to the running sum of the site's cluster; keep a sketch of its phi-update (on
-        re-clustering rounds) and its species embeddings (for merging)."""
+        re-clustering rounds) and its species embeddings (for merging).
+
+        ``noise_variance``: v_k, the variance per coordinate of the DP noise in ``delta``
+        (:func:`coordinator.strategies.base.update_noise_variance`; 0 without privacy, None unknown), for ``inverse_variance`` weighting and
+        the similarity SNR."""
         if self._bundle is None:
             raise ValueError("NIRA.accumulate called before begin_round")
         cluster = self._assignment.site_cluster.get(site_id)
@@ -324,9 +411,17 @@ class NIRA(Strategy):
             raise ValueError(f"site {site_id!r} is in no cluster")
         add_weighted(self._acc[cluster], delta, float(num_examples))
         self._acc[cluster].contributors.append(site_id)
-        phi = np.concatenate([np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in sorted(delta)
-                              if not n.startswith(self.head_prefix)])
-        self._sketches[site_id] = hash_sketch(phi)
+        prev = self._variance_sum[cluster]
+        self._variance_sum[cluster] = (None if prev is None or noise_variance is None
+                                       else prev + float(num_examples) ** 2 * float(noise_variance))
+        self._variances[site_id] = noise_variance
+        parts = [np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in sorted(delta)
+                 if not n.startswith(self.head_prefix)]
+        if parts:  # a head-only model has no phi: nothing to re-cluster on
+            phi = np.concatenate(parts)
+            self._phi_dim = int(phi.size)
+            self._phi_norms[site_id] = float(phi @ phi)
+            self._sketches[site_id] = hash_sketch(phi)
         if self.embedding_merging and self.count_noise_multiplier() is not None:
             if not species_counts:
                 raise ValueError(f"site {site_id!r} sent no species counts though the round asked for them")
@@ -391,12 +486,12 @@ class NIRA(Strategy):
         """
         if self._bundle is None or self.count == 0:
             raise ValueError("no update was accumulated: nothing to aggregate")
-        total_sites = sum(acc.count for acc in self._acc.values())
+        shares = self.phi_weights()
         out = {k: np.zeros(np.shape(v), dtype=np.float64) for k, v in self._bundle.items()}
         for cluster, acc in self._acc.items():
             if acc.count == 0:
                 continue
-            share = acc.count / total_sites  # |C_m| / K over the sites aggregated this round
+            share = shares[cluster]
             for name, summed in acc.sums.items():
                 mean = summed / acc.total_weight  # intra-cluster FedAvg, weighted by N_k
                 if name.startswith(self.head_prefix):
@@ -404,6 +499,45 @@ class NIRA(Strategy):
                 else:
                     out[name] += share * mean
         return {k: v.astype(np.asarray(self._bundle[k]).dtype) for k, v in out.items()}
+
+    def _cluster_variances(self) -> dict[str, float | None]:
+        """V_m = sum_k N_k^2 v_k / N_m^2: the noise variance per coordinate of cluster m's mean delta this round."""
+        return {c: (None if self._variance_sum[c] is None else self._variance_sum[c] / acc.total_weight ** 2)
+                for c, acc in self._acc.items() if acc.count > 0}
+
+    def phi_weights(self) -> dict[str, float]:
+        """``{cluster: w_m}`` of this round's phi average (module docstring, ``phi_weighting``), over the clusters
+        with updates; they sum to 1. ``inverse_variance`` falls back to records when a variance is unknown or
+        zero (no privacy: equal precision per record)."""
+        active = {c: acc for c, acc in self._acc.items() if acc.count > 0}
+        if self.phi_weighting == "clusters":
+            total = sum(acc.count for acc in active.values())
+            return {c: acc.count / total for c, acc in active.items()}  # |C_m| / K over this round's sites
+        if self.phi_weighting == "inverse_variance":
+            variances = self._cluster_variances()
+            if all(v is not None and v > 0 for v in variances.values()):
+                precision = {c: 1.0 / float(v) for c, v in variances.items()}  # type: ignore[arg-type]
+                total = sum(precision.values())
+                return {c: p / total for c, p in precision.items()}
+            log.info("nira: inverse_variance weighting without every update's noise variance: records this round")
+        total = sum(acc.total_weight for acc in active.values())
+        return {c: acc.total_weight / total for c, acc in active.items()}
+
+    def round_diagnostics(self) -> dict[str, Any]:
+        """This round's ``{"similarity_snr": float | None, "phi_noise_std": float | None, "fedavg_noise_std":
+        float | None, "phi_weights": {cluster: w_m}}``: the SNR of re-clustering's similarities
+        (:func:`similarity_snr`), and the noise std per coordinate on the phi average against the one FedAvg over
+        the same updates would have (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
+        weights = self.phi_weights()
+        variances = self._cluster_variances()
+        phi_var = (None if any(variances[c] is None for c in weights)
+                   else sum(w * w * float(variances[c]) for c, w in weights.items()))  # type: ignore[arg-type]
+        n = sum(acc.total_weight for acc in self._acc.values())
+        sums = [self._variance_sum[c] for c, acc in self._acc.items() if acc.count > 0]
+        fedavg_var = None if any(v is None for v in sums) else sum(sums) / n ** 2  # type: ignore[arg-type]
+        snr = similarity_snr(self._phi_norms, self._variances, self._phi_dim) if self._phi_norms else None
+        return {"similarity_snr": snr, "phi_noise_std": None if phi_var is None else math.sqrt(phi_var),
+                "fedavg_noise_std": None if fedavg_var is None else math.sqrt(fedavg_var), "phi_weights": weights}
 
     def after_step(self, bundle: Tensors) -> dict[str, np.ndarray]:
         """Species-embedding merging: in each cluster, the head row of every species it lacks is initialised, once
@@ -447,9 +581,17 @@ class NIRA(Strategy):
         """Every ``recluster_every`` rounds: move sites whose phi-updates align with another cluster (margin and
         anti-flapping rules of :func:`~coordinator.strategies.ecological_clustering.recluster_from_updates`)."""
         lines: list[str] = []
+        state = self.state()
+        diagnostics = {"round": round, **self.round_diagnostics()}
+        state["diagnostics"] = (list(state.get("diagnostics", [])) + [_json_ready(diagnostics)])[-_DIAGNOSTICS_KEPT:]
+        self._save(state)
         if self.recluster_every <= 0 or round % self.recluster_every != 0 or len(self._sketches) < 2:
             return lines
-        state = self.state()
+        snr = diagnostics["similarity_snr"]
+        if self.recluster_min_snr > 0 and (snr is None or snr < self.recluster_min_snr):
+            lines.append(f"no re-clustering: similarity SNR {'unknown' if snr is None else format(snr, '.3g')} is below "
+                         f"recluster_min_snr {self.recluster_min_snr:g} (the similarities are DP noise)")
+            return lines
         current = ClusterAssignment.from_json(state["assignment"])
         # pinned sites never move (assignment.pinned), but their updates still count for the others
         new, changes = recluster_from_updates(dict(self._sketches), current, margin=self.margin,
@@ -468,3 +610,12 @@ class NIRA(Strategy):
         """Updates accumulated this round (all clusters)."""
         return sum(acc.count for acc in self._acc.values())
 
+
+
+def _json_ready(value: Any) -> Any:
+    """Floats that JSON can hold (inf and nan as strings), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    return value
