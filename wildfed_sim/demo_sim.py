@@ -40,6 +40,8 @@ class SimSite:
         site_id: ``site-00``... features: float32 (N, 1280) backbone embeddings. labels: int64 (N,) class indices.
         categories: int8 (N,) IUCN ranks of the records' species. species_categories: the categories of the site's
             species table (public configuration: they decide which categories get noise).
+        species: the class indices of the site's species table, sorted (CR/EN included: the site knows them; only
+            the others are on its public list, :meth:`public_metadata`).
     """
 
     site_id: str
@@ -47,22 +49,31 @@ class SimSite:
     labels: np.ndarray
     categories: np.ndarray
     species_categories: tuple[IUCNCategory, ...]
+    species: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def public_metadata(self, class_names: Sequence[str], class_categories: Sequence[IUCNCategory]
+                        ) -> dict[str, Any]:
+        """The registry metadata the demo enrols this site with: ``{"num_examples": N_k, "species": [scientific
+        names]}``, sensitive (CR/EN) species left out (DESIGN.md "Privacy semantics")."""
+        return {"num_examples": len(self),
+                "species": [class_names[c] for c in self.species if not class_categories[c].is_sensitive]}
 
 
 @dataclass(frozen=True)
 class SimFederation:
     """The demo's federation for one seed: sites, the held-out test split, and the public split (training images
     no site holds; only its embedding mean is used, never its labels) with ``class_categories[k]`` the IUCN
-    category of class k."""
+    category of class k and ``class_names[k]`` its scientific name (empty: the demo's species table)."""
 
     sites: tuple[SimSite, ...]
     test_features: np.ndarray
     test_labels: np.ndarray
     public_features: np.ndarray
     class_categories: tuple[IUCNCategory, ...]
+    class_names: tuple[str, ...] = ()
 
 
 def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
@@ -82,7 +93,8 @@ def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
         feats = embed_grayscale(train.images[idx], train.source_indices[idx])
         labels = train.labels[idx].astype(np.int64)
         sites.append(SimSite(s.site_id, feats, labels, ranks[labels],
-                             tuple(sorted({class_categories[c] for c in s.species}, key=lambda c: c.rank))))
+                             tuple(sorted({class_categories[c] for c in s.species}, key=lambda c: c.rank)),
+                             tuple(sorted(int(c) for c in s.species))))
     test_features = embed_grayscale(test.images, test.source_indices)
     public_features = (embed_grayscale(train.images[public], train.source_indices[public]) if len(public)
                        else np.zeros((0, test_features.shape[1]), np.float32))
@@ -120,23 +132,31 @@ class SimConfig:
     global_noise: str = "trusted-server"
 
 
-def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None) -> dict[str, Any]:
+def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None,
+             strategy: Any = None) -> dict[str, Any]:
     """Run ``config.rounds`` rounds of the demo's federation on ``fed`` and evaluate the global model.
 
     ``seed`` fixes the initial model and, unless ``noise_seed`` is given, the sampling and noise of every site
-    (``noise_seed``: another draw of them for the same initial model).
+    (``noise_seed``: another draw of them for the same initial model). ``strategy``: the coordinator's aggregation
+    strategy (:class:`coordinator.strategies.base.Strategy`, e.g. :class:`coordinator.strategies.nira.NIRA`; None:
+    FedAvg), driven as :class:`coordinator.rounds.RoundManager` drives it (prepare, site_weights, accumulate with
+    each update's DP noise variance, aggregate, server step, after_step, end_round); not with ``"global"``.
 
     Returns:
         ``{"round0": Accuracy.by_group, "final": Accuracy.by_group, "final_by_category": {code: accuracy},
         "noise_multipliers": {site: {code: z}}, "sampling_rates": {site: {code: q_c}}, "events": {site: {category:
         event}} (what each category's records went through over all rounds, as the ledger composes it: a
         ``DPSGDEvent`` or, distributed Global DP, a ``SkellamEvent``; empty without privacy), "weights": the final
-        global model}`` (accuracies are fractions).
+        global model (the strategy's bundle), "site_models": {site: the model it would receive}, "count_events":
+        {site: {category: DPSGDEvent}} of the noisy class counts a NIRA strategy asked for (empty otherwise)}`` (accuracies
+        are fractions; ``"final"`` evaluates ``"weights"`` under FedAvg and is empty under another strategy).
 
     Raises:
         ConfigError / PrivacyBudgetError: from :func:`edge_sdk.training.train_locally` on a bad configuration.
     """
     from coordinator.optimizers.server_sgd import ServerSGD
+    from coordinator.strategies.base import update_noise_variance
+    from coordinator.strategies.fedavg import FedAvg
     from edge_sdk.backends.torch_backend import TorchBackend
     from shared.models.feature_centre import public_centre
     from edge_sdk.training import TrainingInputs, train_locally
@@ -159,7 +179,6 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     zs: dict[str, dict[str, float]] = {}
     rates: dict[str, dict[str, float]] = {}
     centre = public_centre(fed.public_features) if config.centre else None
-    total = float(sum(len(s) for s in fed.sites))
     inputs = {s.site_id: TrainingInputs(s, centre) for s in fed.sites}  # as each gateway prepares them once
     table = dict(enumerate(fed.class_categories))  # the species table every demo gateway holds (public)
     if config.privacy == "global":
@@ -169,15 +188,22 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                 "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": {},
                 "sampling_rates": {}, "events": events, "weights": weights}
     events: dict[str, dict[IUCNCategory, Any]] = {}
+    count_events: dict[str, dict[IUCNCategory, Any]] = {}
+    plain = strategy is None
+    strategy = FedAvg() if strategy is None else strategy
     for r in range(config.rounds):
         task = TrainingTask(federation_id="sim", round=r, model_hash="0" * 64, local_steps=config.local_steps,
                             expected_batch_size=config.expected_batch_size, learning_rate=config.learning_rate,
                             clipping_norm=config.clipping_norm, target_delta=config.target_delta,
                             planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets,
-                            ccdp_variant=config.ccdp_variant)
-        avg = {k: np.zeros_like(v, dtype=np.float64) for k, v in weights.items()}
+                            ccdp_variant=config.ccdp_variant,
+                            count_noise_multiplier=strategy.count_noise_multiplier() if budgets else None)
+        bundle = strategy.prepare(weights, round=r + 1)  # the coordinator's rounds count from 1
+        strategy.begin_round(bundle)
         for site in fed.sites:
-            result = train_locally(backend=backend, dataset=inputs[site.site_id], task=task, global_weights=weights,
+            site_weights = strategy.site_weights(bundle, site.site_id)
+            result = train_locally(backend=backend, dataset=inputs[site.site_id], task=task,
+                                   global_weights=site_weights,
                                    site_categories=site.species_categories, randomness=rngs[site.site_id],
                                    class_categories=table if config.logit_adjustment else None)
             zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
@@ -185,13 +211,23 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                 prev = events.setdefault(site.site_id, {}).get(c)
                 events[site.site_id][c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
             rates[site.site_id] = {c.value: q for c, q in result.sampling_rates.items()}
-            for k, d in result.delta.items():
-                avg[k] += (len(site) / total) * d
-        weights = server.step(weights, {k: v.astype(np.float32) for k, v in avg.items()})
-    final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
-    return {"round0": round0.by_group, "final": final.by_group,
-            "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": zs,
-            "sampling_rates": rates, "events": events, "weights": weights}
+            variance = update_noise_variance(result.report.events, clipping_norm=config.clipping_norm,
+                                             learning_rate=config.learning_rate,
+                                             expected_batch_size=config.expected_batch_size,
+                                             num_examples=len(site), local_steps=int(result.report.local_steps))
+            strategy.accumulate(site.site_id, result.delta, num_examples=len(site), noise_variance=variance,
+                                species_counts=result.report.species_counts or None)
+            for c, ev in result.report.count_events.items():  # NIRA's noisy counts: the ledger's "counts" events
+                prev = count_events.setdefault(site.site_id, {}).get(c)
+                count_events[site.site_id][c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
+        weights = strategy.after_step(server.step(bundle, strategy.aggregate()))
+        strategy.end_round(r + 1)
+    site_models = {s.site_id: strategy.site_weights(weights, s.site_id) for s in fed.sites}
+    final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories) if plain else None
+    return {"round0": round0.by_group, "final": final.by_group if final else {},
+            "final_by_category": {c.value: a for c, a in final.by_category.items()} if final else {},
+            "noise_multipliers": zs, "sampling_rates": rates, "events": events, "count_events": count_events,
+            "weights": weights, "site_models": site_models}
 
 
 def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, np.ndarray], backend: Any, server: Any,

@@ -55,6 +55,7 @@ __all__ = [
     "SEED_JACCARD_RANGE",
     "load_mdd_categories",
     "wildlife_insights_metadata",
+    "wildlife_insights_counts",
     "serengeti_metadata",
     "jaccard_summary",
     "wildlife_insights_report",
@@ -168,6 +169,35 @@ def wildlife_insights_metadata(data_root: str | Path = DEFAULT_DATA_ROOT, *,
                     species[dep].add(f"{genus} {epithet}")
     metadata = {d: {"species": sorted(species[d]), "num_images": images[d]} for d in sorted(species)}
     return metadata, project
+
+
+def wildlife_insights_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *,
+                             exclude_taxa: Iterable[str] = ("Homo sapiens",)) -> dict[str, dict[str, int]]:
+    """Per-deployment image counts of each identified species of the two Wildlife Insights projects.
+
+    Args:
+        data_root: folder holding ``wildlife-insights/{cajambre,cristales}/images.csv``.
+        exclude_taxa: ``genus species`` names left out (default: people).
+
+    Returns:
+        ``{deployment_id: {"genus species": images}}`` (deployments without an identified species are absent).
+
+    Raises:
+        DatasetError: a file is missing.
+    """
+    root = Path(data_root) / "wildlife-insights"
+    excluded = set(exclude_taxa)
+    counts: dict[str, dict[str, int]] = {}
+    for name in WILDLIFE_INSIGHTS_PROJECTS:
+        folder = _require(root / name, "Wildlife Insights project folder")
+        with _require(folder / "images.csv", "images.csv").open(newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                genus, epithet = row["genus"].strip(), row["species"].strip()
+                taxon = f"{genus} {epithet}"
+                if genus and epithet and taxon not in excluded:
+                    per = counts.setdefault(row["deployment_id"], {})
+                    per[taxon] = per.get(taxon, 0) + 1
+    return {d: dict(sorted(c.items())) for d, c in sorted(counts.items())}
 
 
 def serengeti_metadata(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels: Iterable[str] = ("fire",),

@@ -415,13 +415,17 @@ class NIRA(Strategy):
         self._variance_sum[cluster] = (None if prev is None or noise_variance is None
                                        else prev + float(num_examples) ** 2 * float(noise_variance))
         self._variances[site_id] = noise_variance
-        parts = [np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in sorted(delta)
-                 if not n.startswith(self.head_prefix)]
-        if parts:  # a head-only model has no phi: nothing to re-cluster on
-            phi = np.concatenate(parts)
-            self._phi_dim = int(phi.size)
-            self._phi_norms[site_id] = float(phi @ phi)
+        names = [n for n in sorted(delta) if not n.startswith(self.head_prefix)]
+        if names:  # a head-only model has no phi: nothing to re-cluster on
+            phi = np.concatenate([np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in names])
             self._sketches[site_id] = hash_sketch(phi)
+            # the SNR's norms leave the biases out: a gateway that trains on centred inputs folds its public centre
+            # into the first layer's bias (shared.models.feature_centre), which adds noise there that v_k omits
+            weights = [np.asarray(delta[n], dtype=np.float64).reshape(-1) for n in names if not n.endswith("bias")]
+            if weights:
+                w = np.concatenate(weights)
+                self._phi_dim = int(w.size)
+                self._phi_norms[site_id] = float(w @ w)
         if self.embedding_merging and self.count_noise_multiplier() is not None:
             if not species_counts:
                 raise ValueError(f"site {site_id!r} sent no species counts though the round asked for them")
@@ -525,9 +529,10 @@ class NIRA(Strategy):
 
     def round_diagnostics(self) -> dict[str, Any]:
         """This round's ``{"similarity_snr": float | None, "phi_noise_std": float | None, "fedavg_noise_std":
-        float | None, "phi_weights": {cluster: w_m}}``: the SNR of re-clustering's similarities
-        (:func:`similarity_snr`), and the noise std per coordinate on the phi average against the one FedAvg over
-        the same updates would have (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
+        float | None, "phi_weights": {cluster: w_m}, "head_noise_std": {cluster: sqrt(V_m)},
+        "cluster_records": {cluster: N_m}}``: the SNR of re-clustering's similarities
+        (:func:`similarity_snr`, over phi's weight tensors: a gateway's centring fold adds noise to biases), and
+        the noise std per coordinate on the phi average against the one FedAvg over the same updates would have (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
         weights = self.phi_weights()
         variances = self._cluster_variances()
         phi_var = (None if any(variances[c] is None for c in weights)
@@ -537,7 +542,9 @@ class NIRA(Strategy):
         fedavg_var = None if any(v is None for v in sums) else sum(sums) / n ** 2  # type: ignore[arg-type]
         snr = similarity_snr(self._phi_norms, self._variances, self._phi_dim) if self._phi_norms else None
         return {"similarity_snr": snr, "phi_noise_std": None if phi_var is None else math.sqrt(phi_var),
-                "fedavg_noise_std": None if fedavg_var is None else math.sqrt(fedavg_var), "phi_weights": weights}
+                "fedavg_noise_std": None if fedavg_var is None else math.sqrt(fedavg_var), "phi_weights": weights,
+                "head_noise_std": {c: None if v is None else math.sqrt(v) for c, v in variances.items()},
+                "cluster_records": {c: float(acc.total_weight) for c, acc in self._acc.items() if acc.count > 0}}
 
     def after_step(self, bundle: Tensors) -> dict[str, np.ndarray]:
         """Species-embedding merging: in each cluster, the head row of every species it lacks is initialised, once
