@@ -65,7 +65,8 @@ species), and then left to training. Three adjustments make a row trained elsewh
   it. Pasting the bias made clusters predict species their sites do not hold.
 Earlier forms were measured as harmful (docs/nira.md): overwriting after every step, and once but without norm
 matching or with the bias. The current form, over 3 seeds without privacy, lifted NIRA from +6.6 ± 32.9 to
-+22.2 ± 11.1 points of macro accuracy over FedAvg; under CCDP it changed nothing. It is on by default.
++22.2 ± 11.1 points of macro accuracy over FedAvg; under CCDP it changed nothing (issue 20, 10 seeds: 66.5 against
+66.4 % macro, docs/nira.md, where most of that old gain turns out to be label masking). It is on by default.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
 restarted coordinator continues with the same clusters.
