@@ -234,9 +234,9 @@ def nira_head_experiment(
     methods: str | None = typer.Option(None, help="comma-separated subset of the methods (default: all; "
                                        "docs/nira.md lists them)"),
     sites: int = typer.Option(8, help="sites of the demo's design"),
-    structure: str = typer.Option("demo", help="demo (the demo's ecological site design) or wildlife-insights "
-                                  "(one site per real deployment of ../shared/data, its species in its own "
-                                  "proportions, Animal-MNIST images standing in)"),
+    structure: str = typer.Option("demo", help="demo (the demo's ecological site design), wildlife-insights or "
+                                  "serengeti (one site per real deployment / camera location of ../shared/data, "
+                                  "its species in its own proportions, Animal-MNIST images standing in)"),
     rounds: int = typer.Option(10, help="federated rounds per run"),
     out: Path | None = typer.Option(None, help="output folder (default runs/nira-head-<UTC time>); an existing "
                                     "one resumes from its runs.jsonl"),

@@ -148,7 +148,8 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
         event}} (what each category's records went through over all rounds, as the ledger composes it: a
         ``DPSGDEvent`` or, distributed Global DP, a ``SkellamEvent``; empty without privacy), "weights": the final
         global model (the strategy's bundle), "site_models": {site: the model it would receive}, "count_events":
-        {site: {category: DPSGDEvent}} of the noisy class counts a NIRA strategy asked for (empty otherwise)}`` (accuracies
+        {site: {category: DPSGDEvent}} of the noisy class counts a NIRA strategy asked for (empty otherwise)}``
+        (accuracies
         are fractions; ``"final"`` evaluates ``"weights"`` under FedAvg and is empty under another strategy).
 
     Raises:

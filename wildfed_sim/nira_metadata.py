@@ -57,6 +57,7 @@ __all__ = [
     "wildlife_insights_metadata",
     "wildlife_insights_counts",
     "serengeti_metadata",
+    "serengeti_counts",
     "jaccard_summary",
     "wildlife_insights_report",
     "serengeti_report",
@@ -198,6 +199,33 @@ def wildlife_insights_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *,
                     per = counts.setdefault(row["deployment_id"], {})
                     per[taxon] = per.get(taxon, 0) + 1
     return {d: dict(sorted(c.items())) for d, c in sorted(counts.items())}
+
+
+def serengeti_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels: Iterable[str] = ("fire",),
+                     merge_labels: Mapping[str, str] | None = None) -> dict[str, dict[str, int]]:
+    """Per-location annotation counts of each label of Snapshot Serengeti (``annotations.csv.gz``), with the same
+    label clean-up as :func:`serengeti_metadata` (``fire`` dropped, the three lion labels merged by default).
+
+    Returns:
+        ``{location: {label: annotation rows}}``.
+
+    Raises:
+        DatasetError: the file is missing.
+    """
+    path = _require(Path(data_root) / SERENGETI_RELATIVE_PATH, "Snapshot Serengeti annotations")
+    drop = set(drop_labels)
+    merge = dict(merge_labels) if merge_labels is not None else {
+        "lionfemale": "lion", "lionmale": "lion", "lioncub": "lion"}
+    counts: dict[str, dict[str, int]] = {}
+    with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            label = row["category_id"]
+            if label in drop:
+                continue
+            label = merge.get(label, label)
+            per = counts.setdefault(row["location"], {})
+            per[label] = per.get(label, 0) + 1
+    return {loc: dict(sorted(c.items())) for loc, c in sorted(counts.items())}
 
 
 def serengeti_metadata(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels: Iterable[str] = ("fire",),

@@ -15,8 +15,9 @@ Aggregation of one round (streaming: one running weighted sum per cluster, never
     over all sites would move it;
   - ``inverse_variance``: ``w_m proportional to 1 / V_m``, with ``V_m = sum_{k in m} N_k^2 v_k / N_m^2`` the variance
     per coordinate of the DP noise in cluster m's mean (``v_k`` from the site's reported events and the task:
-    :func:`coordinator.strategies.base.update_noise_variance`); the minimum-variance unbiased combination of the cluster means (Cochran 1954,
-    "The combination of estimates from different experiments"). Without noise information it falls back to records;
+    :func:`coordinator.strategies.base.update_noise_variance`); the minimum-variance unbiased combination of the
+    cluster means (Cochran 1954, "The combination of estimates from different experiments"). Without noise
+    information it falls back to records;
   - ``clusters``: ``w_m = |C_m| / K`` (the seed's rule): a singleton cluster of a 55-record site weighs as much as a
     cluster of thousands, which multiplied the noise on phi by 1.2-2.9x FedAvg's under CCDP (issue 20);
 - psi_m: ``delta_m,psi`` for each cluster with an update this round; other clusters' heads are unchanged.
@@ -403,8 +404,8 @@ class NIRA(Strategy):
         re-clustering rounds) and its species embeddings (for merging).
 
         ``noise_variance``: v_k, the variance per coordinate of the DP noise in ``delta``
-        (:func:`coordinator.strategies.base.update_noise_variance`; 0 without privacy, None unknown), for ``inverse_variance`` weighting and
-        the similarity SNR."""
+        (:func:`coordinator.strategies.base.update_noise_variance`; 0 without privacy, None unknown), for
+        ``inverse_variance`` weighting and the similarity SNR."""
         if self._bundle is None:
             raise ValueError("NIRA.accumulate called before begin_round")
         cluster = self._assignment.site_cluster.get(site_id)
@@ -533,7 +534,8 @@ class NIRA(Strategy):
         float | None, "phi_weights": {cluster: w_m}, "head_noise_std": {cluster: sqrt(V_m)},
         "cluster_records": {cluster: N_m}}``: the SNR of re-clustering's similarities
         (:func:`similarity_snr`, over phi's weight tensors: a gateway's centring fold adds noise to biases), and
-        the noise std per coordinate on the phi average against the one FedAvg over the same updates would have (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
+        the noise std per coordinate on the phi average against the one FedAvg over the same updates would have
+        (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
         weights = self.phi_weights()
         variances = self._cluster_variances()
         phi_var = (None if any(variances[c] is None for c in weights)
@@ -597,7 +599,8 @@ class NIRA(Strategy):
             return lines
         snr = diagnostics["similarity_snr"]
         if self.recluster_min_snr > 0 and (snr is None or snr < self.recluster_min_snr):
-            lines.append(f"no re-clustering: similarity SNR {'unknown' if snr is None else format(snr, '.3g')} is below "
+            shown = "unknown" if snr is None else format(snr, ".3g")
+            lines.append(f"no re-clustering: similarity SNR {shown} is below "
                          f"recluster_min_snr {self.recluster_min_snr:g} (the similarities are DP noise)")
             return lines
         current = ClusterAssignment.from_json(state["assignment"])
