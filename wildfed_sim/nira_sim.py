@@ -530,13 +530,23 @@ def _pct(ms: Sequence[float]) -> str:
 
 
 def _interval(c: Mapping[str, float]) -> str:
+    if not c.get("n") or math.isnan(c["mean"]):
+        return "n/a"
     return f"{100 * c['mean']:+.1f} [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
+
+
+def _structure_label(settings: NiraHeadSettings) -> str:
+    if settings.structure == "demo":
+        return f"the demo's design with {settings.sites} sites"
+    if settings.structure == "serengeti":
+        return f"{SERENGETI_SITES} Snapshot Serengeti locations per seed"
+    return "the 38 Wildlife Insights deployments"
 
 
 def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
     """The experiment's tables (markdown): the methods, the paired comparisons, the headroom, NIRA's diagnostics."""
     lines = [f"Reported seeds {', '.join(map(str, settings.seeds))}; tuned on seeds "
-             f"{', '.join(map(str, settings.tuning_seeds))}; CCDP gamma 1 (VU = 1), {settings.sites} sites, "
+             f"{', '.join(map(str, settings.tuning_seeds))}; CCDP gamma 1 (VU = 1), {_structure_label(settings)}, "
              f"{settings.rounds} rounds. Accuracies in % (mean ± sd over seeds).", "",
              "| method | chosen (lr, adapter, fine-tune steps) | macro | site mean | rare | CR/EN | epsilon spent "
              "(max over sites and seeds) |",

@@ -109,6 +109,8 @@ class RadioMapSettings:
     server_lr: float = 1.0
     width: int = 8
     attack_every: int = 10
+    attacker: str = "ridge"
+    template_step_px: int = 6
     allocator_every: int = 5
     allocator: AllocatorTraining = AllocatorTraining()
     target_delta: float = 1e-5
@@ -146,6 +148,12 @@ class RadioMapSettings:
         if self.city != "procedural" and self.city not in SCENES:
             raise ConfigError(f"unknown city {self.city!r}", field="city",
                               fix=f"use procedural or one of {', '.join(SCENES)}")
+        if self.attacker not in ("ridge", "template", "both"):
+            raise ConfigError(f"attacker must be ridge, template or both, got {self.attacker!r}", field="attacker",
+                              fix="use template (wildfed_sim.radio_attack) or ridge (fit_attacker)")
+        if type(self.template_step_px) is not int or self.template_step_px < 1:
+            raise ConfigError(f"template_step_px must be a positive integer, got {self.template_step_px!r}",
+                              field="template_step_px")
         if not 0 < self.floor_fraction <= 1:
             raise ConfigError(f"floor_fraction must be in (0, 1], got {self.floor_fraction}", field="floor_fraction")
 
@@ -399,7 +407,13 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
     proxy_rng = np.random.default_rng([seed, 31])        # the allocator's public proxy sites
     mpp = settings.metres_per_pixel
     out: dict[str, Any] = {"val_mse_db": [validation_mse_db(model, theta, data.validation)], "attack": [],
-                           "allocator": [], "shares": [], "update_norms": []}
+                           "allocator": [], "shares": [], "update_norms": [], "template_attack": []}
+    template = None
+    if settings.attacker in ("template", "both"):
+        from wildfed_sim.radio_attack import TemplateAttacker, candidate_grid
+
+        template = TemplateAttacker(candidate_grid(data.city[0], settings.template_step_px), layout.index)
+        template_rng = np.random.default_rng([seed, 37])  # the attacker's shadow draws: same for all defences
     for r in range(1, settings.rounds + 1):
         active = np.sort(schedule.choice(settings.clients, size=settings.active, replace=False))
         batch_seeds = schedule.integers(2**32, size=settings.active)
@@ -424,7 +438,24 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
         out["update_norms"].append(float(np.median(norms)))
         if shares:
             out["shares"].append({"round": r, "mean": np.mean(shares, axis=0).tolist()})
-        if r == 1 or r % settings.attack_every == 0:
+        if template is not None and (r == 1 or r % settings.attack_every == 0):
+            # noise-free shadow updates at every candidate centre, from this round's global model
+            def shadow_update(c: np.ndarray) -> np.ndarray:
+                maps, _ = site_maps(data.city, 0, settings.maps_per_client, radius_m=settings.site_radius_m,
+                                    rng=template_rng, model=settings.pathloss, geometry=settings.geometry, centre=c)
+                return _trainer(settings, "clip-only", maps, None, noise).train_round(
+                    theta, round_index=r, total_rounds=settings.rounds, rng=template_rng)[0].update
+
+            templates = template.templates(shadow_update)
+            for k, u in zip(active, released):
+                template.observe(f"client{k:02d}", u, templates)
+            truth = {f"client{k:02d}": data.clients[k].centre_px for k in range(settings.clients)}
+            errs = template.errors_m(truth, mpp)
+            rmse = float(np.sqrt(np.mean(np.square(list(errs.values())))))
+            out["template_attack"].append({"round": r, "rmse_m": rmse, "errors_m": errs,
+                                           "uploads": dict(template.uploads),
+                                           "candidates": int(len(template.candidates))})
+        if settings.attacker != "template" and (r == 1 or r % settings.attack_every == 0):
             # The attacker runs the gateways' own code on shadow sites of the public city.
             shadows = [_public_site(data, settings.maps_per_client, settings, attack_rng)
                        for _ in range(settings.shadow_sites)]

@@ -295,10 +295,11 @@ def transmitter_specs(tiles: np.ndarray, maps_per_tile: int, rng: np.random.Gene
 
 
 def site_maps(tiles: np.ndarray, tile_index: int, n_maps: int, *, radius_m: float, rng: np.random.Generator,
-              model: PathLossModel, geometry: RadioMapGeometry = RadioMapGeometry()
-              ) -> tuple[RadioMapSet, np.ndarray]:
+              model: PathLossModel, geometry: RadioMapGeometry = RadioMapGeometry(),
+              centre: np.ndarray | None = None) -> tuple[RadioMapSet, np.ndarray]:
     """One base-station site on ``tiles[tile_index]``: a uniformly random outdoor centre (the first draw from
-    ``rng``) and ``n_maps`` maps whose transmitters are uniformly random outdoor pixels within ``radius_m`` of it
+    ``rng``; or ``centre``, (row, col) pixels of an outdoor pixel, when given: an attacker's candidate) and
+    ``n_maps`` maps whose transmitters are uniformly random outdoor pixels within ``radius_m`` of it
     (the site's antennas and small cells; docs/radiomap.md).
 
     Returns:
@@ -308,7 +309,7 @@ def site_maps(tiles: np.ndarray, tile_index: int, n_maps: int, *, radius_m: floa
         ConfigError: as :func:`shared.radio.city.outdoor_position` and :func:`generate_maps`.
     """
     tile = np.asarray(tiles)[tile_index]
-    centre = np.asarray(outdoor_position(tile, rng), dtype=np.float64)
+    centre = np.asarray(outdoor_position(tile, rng) if centre is None else centre, dtype=np.float64)
     radius_px = radius_m / geometry.metres_per_pixel
     specs = np.asarray([(tile_index, *outdoor_position(tile, rng, centre=(centre[0], centre[1]),
                                                        radius_px=radius_px)) for _ in range(n_maps)], dtype=np.int64)
