@@ -37,7 +37,9 @@ Example (``wildfed-coordinator init`` writes this)::
     feature_centre: null                  # privacy: global: the gateways' public feature centre file (centred
                                           # gradients, folded back here); local CCDP centres at the gateways
     strategy: {kind: fedavg}              # or {kind: nira, distance_threshold: 0.7, recluster_every: 5, ...}
-    server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0}
+    server_optimizer: {kind: sgd, momentum: 0.0}   # or {kind: fedsofim, beta: 0.9, rho: 1.0, warmup_rounds: 0,
+                                          #  precondition: gradient}, or {kind: fedadam, beta1: 0.9, beta2: 0.99,
+                                          #  tau: 0.001}
     species: null                         # [{scientific_name, class_index, iucn_category}, ...] (NIRA merging)
     model: head                           # phi adapter + psi head on backbone embeddings; or radio_unet (radio maps):
     adapter_width: 0                      # head model: 0 = psi only (linear head), H > 0 = a 1280 -> H tanh adapter
@@ -66,7 +68,8 @@ from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
 __all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
-           "ServerSGDConfig", "FedSOFIMConfig", "TransferConfig", "CoordinatorConfig", "load_config", "save_config"]
+           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "CoordinatorConfig", "load_config",
+           "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -181,9 +184,21 @@ class FedSOFIMConfig(StrictModel):
     beta: float = Field(0.9, ge=0, lt=1, description="momentum of M_t = beta M + (1 - beta) G")
     rho: float = Field(1.0, gt=0, description="ridge of the Fisher proxy M M^T + rho I (large: SGD with eta/rho)")
     warmup_rounds: int = Field(0, ge=0, description="first steps taken as SGD with step eta/rho while M fills")
+    precondition: Literal["gradient", "momentum"] = Field(
+        "gradient", description="precondition the round's aggregate G (the seed's step) or the momentum M")
 
 
-ServerOptimizerConfig = Annotated[ServerSGDConfig | FedSOFIMConfig, Field(discriminator="kind")]
+class FedAdamConfig(StrictModel):
+    """FedAdam (Reddi et al. 2021, Alg. 2; coordinator/optimizers/fedadam.py); step size ``server_learning_rate``
+    (typically far below 1, e.g. 0.01)."""
+
+    kind: Literal["fedadam"] = "fedadam"
+    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
+    beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay")
+    tau: float = Field(1e-3, gt=0, description="adaptivity (large: momentum SGD with step eta/tau)")
+
+
+ServerOptimizerConfig = Annotated[ServerSGDConfig | FedSOFIMConfig | FedAdamConfig, Field(discriminator="kind")]
 
 
 class SpeciesEntry(StrictModel):

@@ -245,14 +245,18 @@ class Coordinator:
 
 def build_optimizer(config: CoordinatorConfig) -> ServerOptimizer:
     """The server optimizer ``config.server_optimizer`` names, with step size ``config.server_learning_rate``:
-    server SGD (optionally with momentum) or DP-FedSOFIM."""
+    server SGD (optionally with momentum), DP-FedSOFIM (on G or on M) or FedAdam."""
     cfg = config.server_optimizer
     if cfg.kind == "sgd":
         return ServerSGD(config.server_learning_rate, momentum=cfg.momentum)
+    if cfg.kind == "fedadam":
+        from coordinator.optimizers.fedadam import ServerAdam
+
+        return ServerAdam(learning_rate=config.server_learning_rate, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
     from coordinator.optimizers.fedsofim import DPFedSOFIM
 
     return DPFedSOFIM(learning_rate=config.server_learning_rate, beta=cfg.beta, rho=cfg.rho,
-                      warmup_rounds=cfg.warmup_rounds)
+                      warmup_rounds=cfg.warmup_rounds, precondition=cfg.precondition)
 
 
 def build_strategy(config: CoordinatorConfig, store: Store, registry: SiteRegistry) -> Strategy:

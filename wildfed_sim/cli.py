@@ -7,7 +7,7 @@ Commands::
     wildfed experiment privacy-utility ...  the privacy-utility table (tuned per configuration)
     wildfed experiment nira ...             FedAvg vs NIRA on the demo federation
     wildfed experiment nira-head ...        NIRA vs FedAvg baselines on the head under CCDP (in-process)
-    wildfed experiment fedsofim ...         DP-FedSOFIM vs DP-FedGD, frozen extractor, 20/100 clients
+    wildfed experiment fedsofim ...         DP-FedSOFIM vs DP-FedGD/AvgM/Adam, frozen extractor, 20/100 clients
     wildfed experiment radiomap ...         radio maps: adaptive grouped noise vs the seed's defences
     wildfed audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                             Steinke et al. 2023) beside the claimed epsilon per category
@@ -257,8 +257,9 @@ def nira_head_experiment(
 @experiment_app.command("fedsofim", add_help_option=False,
                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def fedsofim(ctx: typer.Context) -> None:
-    """DP-FedSOFIM vs DP-FedGD on a frozen, publicly pretrained feature extractor (issue 6): 20 and 100 clients,
-    eps 0.5-10, 3 seeds; writes fedsofim.json, .md and .png (options: --help)."""
+    """DP-FedSOFIM (on G and on M) vs DP-FedGD, DP-FedAvgM and DP-FedAdam on a frozen, publicly pretrained feature
+    extractor (issues 6, 20): 20 and 100 clients, eps 0.5-10, each optimizer tuned per cell on tuning seeds, 5
+    reported seeds; writes fedsofim.json, .md and .png (options: --help)."""
     # The experiment runs gateway-side DP code in-process (edge_sdk, torch); it is imported only when this command
     # runs, so that `wildfed --help` and the other commands start without loading it.
     from wildfed_sim.fedsofim import fedsofim_command

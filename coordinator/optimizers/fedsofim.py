@@ -5,7 +5,14 @@ The server treats the negated aggregate delta as the round's pseudo-gradient ``G
 
     M_t = beta M_{t-1} + (1 - beta) G_t
     F_t = M_t M_t^T + rho I                                   (never formed: d x d)
-    theta_{t+1} = theta_t - eta F_t^{-1} G_t
+    theta_{t+1} = theta_t - eta F_t^{-1} G_t               (precondition = "gradient", the seed's step)
+    theta_{t+1} = theta_t - eta F_t^{-1} M_t               (precondition = "momentum", issue 20)
+
+The second variant preconditions the momentum instead of the fresh aggregate. By Sherman-Morrison
+``F_t^{-1} M_t = M_t / (rho + |M_t|^2)``: server momentum SGD whose step shrinks as the momentum grows (step
+``eta / rho`` while ``|M|^2 << rho``, step length ``eta / |M|`` once ``|M|^2 >> rho``). It avoids the seed step's
+damping of the one direction the aggregates agree on (the empirical-Fisher pathology, Kunstner et al. 2019,
+"Limitations of the Empirical Fisher Approximation", §3).
 
 By Sherman-Morrison (Sherman & Morrison 1950; Golub & Van Loan, "Matrix Computations", §2.1.4):
 
@@ -43,7 +50,10 @@ from shared.errors import ConfigError
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.strategies.base import Tensors
 
-__all__ = ["DPFedSOFIM", "sherman_morrison_solve", "nira_groups", "single_group"]
+__all__ = ["DPFedSOFIM", "sherman_morrison_solve", "nira_groups", "single_group", "PRECONDITION"]
+
+PRECONDITION = ("gradient", "momentum")
+"""What :class:`DPFedSOFIM` preconditions: the round's aggregate G_t (the seed) or the momentum M_t."""
 
 _STEP_PREFIX = "fedsofim/step/"
 _MOMENTUM_PREFIX = "fedsofim/momentum/"
@@ -102,7 +112,10 @@ class DPFedSOFIM(ServerOptimizer):
 
     Args:
         learning_rate: eta > 0. beta: momentum in [0, 1). rho: ridge > 0 of the Fisher proxy.
-        warmup_rounds: steps per group taken as SGD with step eta / rho while M accumulates (>= 0).
+        warmup_rounds: steps per group taken with ``F = rho I`` while M accumulates (>= 0): SGD with step
+            eta / rho on G (``precondition="gradient"``) or on M (``"momentum"``).
+        precondition: the vector the preconditioner is applied to: ``"gradient"`` (G_t, the seed's step) or
+            ``"momentum"`` (M_t). The state (M and step counts) has the same format for both.
         group_of: maps a tensor name to its group; default :func:`nira_groups`, which makes one group of a plain
             model and separates NIRA's heads.
 
@@ -111,7 +124,7 @@ class DPFedSOFIM(ServerOptimizer):
     """
 
     def __init__(self, *, learning_rate: float = 1.0, beta: float = 0.9, rho: float = 1.0, warmup_rounds: int = 0,
-                 group_of: Callable[[str], str] = nira_groups) -> None:
+                 group_of: Callable[[str], str] = nira_groups, precondition: str = "gradient") -> None:
         checks = (("learning_rate", learning_rate, 0 < learning_rate < math.inf, "e.g. 1.0"),
                   ("beta", beta, 0 <= beta < 1, "e.g. 0.9"),
                   ("rho", rho, 0 < rho < math.inf, "e.g. 1.0; large rho tends to SGD with step eta/rho"),
@@ -119,6 +132,11 @@ class DPFedSOFIM(ServerOptimizer):
         for name, value, ok, fix in checks:
             if isinstance(value, bool) or not ok:
                 raise ConfigError(f"{name} = {value!r} is out of range", field=f"server_optimizer.{name}", fix=fix)
+        if precondition not in PRECONDITION:
+            raise ConfigError(f"precondition = {precondition!r} is not one of {PRECONDITION}",
+                              field="server_optimizer.precondition",
+                              fix="use 'gradient' (the seed's step on G) or 'momentum' (the step on M)")
+        self.precondition = precondition
         self.learning_rate, self.beta, self.rho = float(learning_rate), float(beta), float(rho)
         self.warmup_rounds = warmup_rounds
         self._group_of = group_of
@@ -132,12 +150,14 @@ class DPFedSOFIM(ServerOptimizer):
         return groups
 
     def step(self, weights: Tensors, avg_delta: Tensors) -> dict[str, np.ndarray]:
-        """One DP-FedSOFIM step per group: update M, precondition ``G = -avg_delta`` by Sherman-Morrison, step.
+        """One DP-FedSOFIM step per group: update M, precondition ``X`` (``G = -avg_delta`` or M, per
+        ``precondition``) by Sherman-Morrison, step.
 
         Computed in the parameters' float32 with float64 dot products, in the combined form
-        ``theta - eta (G / rho + c M)`` with ``c = -(M^T G) / (rho (rho + M^T M))``, which is
+        ``theta - eta (X / rho + c M)`` with ``c = -(M^T X) / (rho (rho + M^T M))``, which is
         :func:`sherman_morrison_solve` rearranged so that no term cancels: three model-sized float32 buffers per
-        step (the flat parameters, G, one scratch), and M updated in place.
+        step (the flat parameters, G, one scratch), and M updated in place. For ``X = M`` the two terms are
+        combined first, ``theta - eta M / (rho + M^T M)``, so nothing cancels there either.
 
         Args:
             weights: ``{name: float32 array}`` (the strategy's bundle). avg_delta: same names and shapes.
@@ -168,9 +188,13 @@ class DPFedSOFIM(ServerOptimizer):
             m += g
             t = self._steps.get(group, 0) + 1
             theta = _flat([weights[n] for n in names], dtype)
-            scratch = np.multiply(g, self.learning_rate / self.rho)
-            theta -= scratch
-            if t > self.warmup_rounds:
+            if self.precondition == "momentum":
+                mm = float(np.einsum("i,i->", m, m, dtype=np.float64)) if t > self.warmup_rounds else 0.0
+                theta -= np.multiply(m, self.learning_rate / (self.rho + mm))
+            else:
+                scratch = np.multiply(g, self.learning_rate / self.rho)
+                theta -= scratch
+            if self.precondition == "gradient" and t > self.warmup_rounds:
                 mm = float(np.einsum("i,i->", m, m, dtype=np.float64))
                 mg = float(np.einsum("i,i->", m, g, dtype=np.float64))
                 c = -mg / (self.rho * (self.rho + mm))

@@ -10,6 +10,7 @@ from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 
+from coordinator.optimizers.fedadam import ServerAdam
 from coordinator.optimizers.fedsofim import DPFedSOFIM, sherman_morrison_solve
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.service import Coordinator
@@ -142,3 +143,88 @@ def test_a_restarted_coordinator_resumes_the_optimizer_exactly(tmp_path):
     got = again.rounds.current_model()[1]
     assert all(np.array_equal(got[k], expected[k]) for k in expected)
     again.close()
+
+
+# ---- issue 20: the momentum-preconditioned variant, FedAdam, and both selectable in the config ---------------
+def test_momentum_preconditioned_step_equals_a_dense_solve():
+    # Prepare: two steps on d = 40 with rho below |M|^2, so the preconditioner acts
+    rng = np.random.default_rng(11)
+    w0 = {"a": rng.standard_normal(30).astype(np.float32), "b": rng.standard_normal((2, 5)).astype(np.float32)}
+    d1, d2 = ({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in w0.items()} for _ in range(2))
+    eta, beta, rho = 0.7, 0.8, 0.05
+    opt = DPFedSOFIM(learning_rate=eta, beta=beta, rho=rho, precondition="momentum")
+    # Execute
+    w1 = opt.step(w0, d1)
+    w2 = opt.step(w1, d2)
+    # Assert: theta_t - eta (M_t M_t^T + rho I)^-1 M_t by numpy's dense solve, in float64, sorted-name order
+    flat = lambda t: np.concatenate([np.asarray(t[k], np.float64).reshape(-1) for k in sorted(t)])  # noqa: E731
+    m1 = (1 - beta) * -flat(d1)
+    m2 = beta * m1 + (1 - beta) * -flat(d2)
+    assert m2 @ m2 > 10 * rho
+    dense = lambda m: np.linalg.solve(np.outer(m, m) + rho * np.eye(m.size), m)  # noqa: E731
+    np.testing.assert_allclose(flat(w1), flat(w0) - eta * dense(m1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flat(w2), flat(w1) - eta * dense(m2), rtol=1e-5, atol=1e-6)
+    assert set(opt.state_tensors()) == {"fedsofim/momentum/shared", "fedsofim/step/shared"}  # format unchanged
+
+
+def test_momentum_variant_state_round_trip_and_bad_precondition():
+    rng = np.random.default_rng(4)
+    w = {"a": rng.standard_normal(20).astype(np.float32)}
+    deltas = [{"a": rng.standard_normal(20).astype(np.float32)} for _ in range(3)]
+    first = DPFedSOFIM(learning_rate=0.3, beta=0.9, rho=0.01, precondition="momentum")
+    for d in deltas[:2]:
+        w = first.step(w, d)
+    second = DPFedSOFIM(learning_rate=0.3, beta=0.9, rho=0.01, precondition="momentum")
+    second.load_state_tensors(first.state_tensors())
+    a, b = first.step(w, deltas[2]), second.step(w, deltas[2])
+    assert np.array_equal(a["a"], b["a"])
+    with pytest.raises(ConfigError, match="precondition"):
+        DPFedSOFIM(precondition="fisher")
+
+
+def test_fedadam_two_steps_by_hand():
+    # Reddi et al. 2021, Alg. 2 with beta1 = 0.5, beta2 = 0.75, tau = 1, eta = 0.4, v_{-1} = tau^2 = 1.
+    # coordinate 0: Delta_1 = 1 -> m = 0.5, v = 0.75 + 0.25 = 1, step 0.4 * 0.5 / (1 + 1) = +0.1
+    #               Delta_2 = 3 -> m = 0.25 + 1.5 = 1.75, v = 0.75 + 2.25 = 3, step 0.4 * 1.75 / (sqrt 3 + 1)
+    # coordinate 1: Delta = 0 twice -> m = 0, no move
+    opt = ServerAdam(learning_rate=0.4, beta1=0.5, beta2=0.75, tau=1.0)
+    w1 = opt.step({"w": np.array([2.0, -1.0])}, {"w": np.array([1.0, 0.0])})
+    np.testing.assert_allclose(w1["w"], [2.1, -1.0], rtol=1e-12)
+    w2 = opt.step(w1, {"w": np.array([3.0, 0.0])})
+    np.testing.assert_allclose(w2["w"], [2.1 + 0.4 * 1.75 / (np.sqrt(3.0) + 1.0), -1.0], rtol=1e-12)
+    assert w2["w"].dtype == np.float64
+
+
+def test_fedadam_state_round_trip_and_bad_values():
+    rng = np.random.default_rng(8)
+    w = {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(2).astype(np.float32)}
+    deltas = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in w.items()} for _ in range(3)]
+    first = ServerAdam(learning_rate=0.05, tau=1e-2)
+    for d in deltas[:2]:
+        w = first.step(w, d)
+    state = first.state_tensors()
+    assert set(state) == {"fedadam/m/a", "fedadam/v/a", "fedadam/m/b", "fedadam/v/b"}
+    second = ServerAdam(learning_rate=0.05, tau=1e-2)
+    second.load_state_tensors({k: v.copy() for k, v in state.items()})
+    a, b = first.step(w, deltas[2]), second.step(w, deltas[2])
+    assert all(np.array_equal(a[k], b[k]) for k in a) and a["a"].dtype == np.float32
+    for kw in (dict(tau=0.0), dict(beta1=1.0), dict(beta2=-0.1), dict(learning_rate=0.0)):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            ServerAdam(**kw)
+    with pytest.raises(ValueError, match="disagrees"):
+        ServerAdam().load_state_tensors({"fedadam/m/a": np.zeros(2)})
+
+
+def test_the_config_selects_fedadam_and_the_momentum_variant(tmp_path):
+    from coordinator.service import build_optimizer
+
+    cfg = make_config(tmp_path, server_learning_rate=0.01,
+                      server_optimizer={"kind": "fedadam", "beta1": 0.8, "beta2": 0.9, "tau": 0.1})
+    opt = build_optimizer(cfg)
+    assert isinstance(opt, ServerAdam) and (opt.learning_rate, opt.beta1, opt.beta2, opt.tau) == (0.01, 0.8, 0.9, 0.1)
+    cfg = make_config(tmp_path, server_optimizer={"kind": "fedsofim", "rho": 0.01, "precondition": "momentum"})
+    opt = build_optimizer(cfg)
+    assert isinstance(opt, DPFedSOFIM) and opt.precondition == "momentum" and opt.rho == 0.01
+    assert build_optimizer(make_config(tmp_path, server_optimizer={"kind": "fedsofim"})).precondition == "gradient"
+    with pytest.raises(ConfigError, match="precondition"):
+        make_config(tmp_path, server_optimizer={"kind": "fedsofim", "precondition": "fisher"})

@@ -1,10 +1,11 @@
-"""The DP-FedSOFIM vs DP-FedGD experiment (wildfed_sim/fedsofim.py).
+"""The DP-FedSOFIM experiment (wildfed_sim/fedsofim.py; issues 6 and 20).
 
 Fast tests: the linear head's per-example gradients against torch autograd, the clip + noise path against a hand
-computation (noise replaced by an injected constant source: unit tests only), the server's pseudo-gradient, and the
-summary metrics on hand-made curves. A federation on synthetic features with a real SQLite ledger checks that the
-ledger's spend is dp-accounting's composition of the run's events and stays within the target. The slow test runs
-the whole command at a tiny size on Animal-MNIST.
+computation (noise replaced by an injected constant source: unit tests only), the server's pseudo-gradient, the
+pooled batched release against the per-client mechanisms, the grid widening on toy objectives, the optimizers the
+grid points name, and the summary on hand-made curves. A federation on synthetic features with a real SQLite
+ledger checks that the ledger's spend is dp-accounting's composition of the run's events and stays within the
+target. The slow test runs the whole command at a tiny size on Animal-MNIST.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 
 from wildfed_sim import fedsofim as fs
 from coordinator.ledger import PrivacyLedger
+from coordinator.optimizers.fedadam import ServerAdam
+from coordinator.optimizers.fedsofim import DPFedSOFIM
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.storage import Store
 from edge_sdk.privacy.ccdp import CCDPMechanism
@@ -99,41 +102,129 @@ def test_server_pseudo_gradient_and_fedgd_step():
     np.testing.assert_allclose(fs.flatten_head(new), [1 - 0.5, 1 - 4.5, 0.5], rtol=1e-6)
 
 
-def test_rounds_to_reach_dip_and_mean_std():
+def test_rounds_to_reach_and_mean_std():
     assert fs.rounds_to_reach([0.1, 0.5, 0.7, 0.6, 0.8], 0.7) == 2
     assert fs.rounds_to_reach([0.1, 0.5], 0.9) is None
-    dip = fs.largest_dip([0.1, 0.6, 0.7, 0.5, 0.55, 0.72, 0.71])
-    assert dip["peak_round"] == 2 and dip["dip_round"] == 3 and dip["recovered_round"] == 5
-    assert dip["depth"] == pytest.approx(0.2)
-    assert fs.largest_dip([0.1, 0.8, 0.6])["recovered_round"] is None
-    assert fs.largest_dip([0.1, 0.2, 0.3])["depth"] == 0.0
     stat = fs.mean_std([0.7, 0.8, None, 0.9])
     assert stat["mean"] == pytest.approx(0.8) and stat["std"] == pytest.approx(0.1) and stat["n"] == 3
 
 
-def test_summarise_hand_made_curves():
-    def run(opt, seed, curve):
-        return {"clients": 20, "epsilon": 1.0, "seed": seed, "optimizer": opt, "test": curve,
-                "spent_epsilon": 0.99, "noise_multiplier": 40.0}
+def _synthetic(n: int = 120, f: int = 6, c: int = 3, seed: int = 0) -> fs.HeadData:
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, c, size=n)
+    feats = (rng.normal(size=(c, f))[labels] + 0.5 * rng.normal(size=(n, f))).astype(np.float32)
+    return fs.HeadData(feats, labels.astype(np.int64))
 
-    runs = [run("dp-fedgd", 0, [0.1, 0.5, 0.6, 0.7]), run("dp-fedsofim", 0, [0.1, 0.7, 0.72, 0.74]),
-            run("dp-fedgd", 1, [0.1, 0.4, 0.6, 0.6]), run("dp-fedsofim", 1, [0.1, 0.5, 0.55, 0.58])]
-    (e,) = fs.summarise(runs)
-    assert e["dp-fedgd"]["final"]["mean"] == pytest.approx(0.65)
-    assert e["dp-fedgd"]["final"]["std"] == pytest.approx(math.sqrt(2 * 0.05 ** 2))
-    assert e["dp-fedsofim"]["final"]["mean"] == pytest.approx(0.66)
-    assert e["delta_final"]["mean"] == pytest.approx((0.04 - 0.02) / 2)
-    # seed 0: GD reaches 0.7 at round 3, SOFIM at round 1 (2 earlier); seed 1: GD reaches 0.6 at 2, SOFIM never
-    assert e["rounds_per_seed"] == {"dp-fedgd": [3, 2], "dp-fedsofim": [1, None]}
-    assert e["rounds_earlier"]["mean"] == 2 and e["rounds_earlier"]["n"] == 1 and e["sofim_not_reached"] == 1
-    np.testing.assert_allclose(e["dp-fedgd"]["mean_curve"], [0.1, 0.45, 0.6, 0.65])
-    # last-10 variants (the curves have 4 points, so "last 10" is all of them): GD seed 0 mean 0.475, seed 1 0.425
-    assert e["dp-fedgd"]["final_last10"]["mean"] == pytest.approx((0.475 + 0.425) / 2)
-    assert e["delta_last10"]["mean"] == pytest.approx(((0.565 - 0.475) + (0.4325 - 0.425)) / 2)
-    # seed 0: target 0.475 -> GD round 1 (0.5), SOFIM round 1; seed 1: target 0.425 -> GD round 2, SOFIM round 1
-    assert e["rounds_per_seed_last10"] == {"dp-fedgd": [1, 2], "dp-fedsofim": [1, 1]}
-    assert e["rounds_earlier_last10"]["mean"] == 0.5 and e["sofim_not_reached_last10"] == 0
-    assert "1 seed(s) never" in fs.markdown_table([e])
+
+def test_pooled_release_is_the_per_client_mechanisms_summed():
+    # Prepare: 4 clients of one pool, two different heads, clipping active, noise off
+    data = _synthetic()
+    clients = [fs.HeadData(data.features[i::4], data.labels[i::4]) for i in range(4)]
+    heads = np.random.default_rng(1).normal(size=(2, 3 * 6 + 3))
+    # Execute
+    pooled = fs.released_aggregates(heads, fs.Pool.of(data), num_classes=3, clipping_norm=0.5, noise_std=0.0,
+                                    noise=ConstantNoise(0.0))
+    # Assert: sum_k N_k g~_k / N with each client's CCDPMechanism (the product's path)
+    for p in range(2):
+        mechanisms = [CCDPMechanism(clipping_norms={fs.UNIFORM_CATEGORY: 0.5}, noise_std=1.0,
+                                    expected_batch_size=float(len(c)), noise=ConstantNoise(0.0)) for c in clients]
+        grads = [fs.client_private_gradient(m, fs.unflatten_head(heads[p], 3), c) for m, c in zip(mechanisms, clients)]
+        expected = fs.server_pseudo_gradient(grads, [len(c) for c in clients])
+        np.testing.assert_allclose(pooled[p], expected, rtol=1e-4, atol=1e-7)
+
+
+def test_run_batch_draws_noise_of_std_sqrt_k_z_c():
+    # One DP-FedGD round from the zero head with every 'standard normal' = 1: theta_1 = -eta (S + sqrt(K) z C) / N,
+    # S the clipped sum at theta = 0 (from the per-client mechanisms, noise off)
+    data = _synthetic(n=40)
+    k, z, clip, eta = 4, 3.0, 0.5, 0.7
+    res = fs.run_batch([ServerSGD(eta), ServerSGD(2 * eta)], fs.Pool.of(data), {"all": data}, rounds=1,
+                       clipping_norm=clip, noise_multiplier=z, num_clients=k, noise=ConstantNoise(1.0), num_classes=3)
+    zero = {fs.WEIGHT: np.zeros((3, 6), np.float32), fs.BIAS: np.zeros(3, np.float32)}
+    mech = CCDPMechanism(clipping_norms={fs.UNIFORM_CATEGORY: clip}, noise_std=1.0, expected_batch_size=1.0,
+                         noise=ConstantNoise(0.0))
+    s_sum = fs.client_private_gradient(mech, zero, data).astype(np.float64)
+    theta1 = -eta * (s_sum + math.sqrt(k) * z * clip) / len(data)
+    logits = data.features.astype(np.float64) @ theta1[:18].reshape(3, 6).T + theta1[18:]
+    assert res[0]["curves"]["all"] == [pytest.approx(np.mean(data.labels == 0)),
+                                       pytest.approx(np.mean(np.argmax(logits, axis=1) == data.labels))]
+    assert res[0]["momentum_sq"] is None and res[0]["diverged_round"] is None
+
+
+def test_grid_points_name_the_right_optimizers():
+    avgm = fs.make_optimizer("dp-fedavgm", {"eta_eff": 2.0, "momentum": 0.75})
+    assert isinstance(avgm, ServerSGD) and avgm.server_lr == pytest.approx(0.5) and avgm.momentum == 0.75
+    so = fs.make_optimizer("dp-fedsofim-m", {"eta_over_rho": 3.0, "rho": 0.01, "beta": 0.9})
+    assert isinstance(so, DPFedSOFIM) and so.precondition == "momentum" and so.learning_rate == pytest.approx(0.03)
+    assert fs.make_optimizer("dp-fedsofim", {"eta_over_rho": 3.0, "rho": 0.01, "beta": 0.9}).precondition == "gradient"
+    adam = fs.make_optimizer("dp-fedadam", {"eta": 0.01, "tau": 1e-3, "beta1": 0.9, "beta2": 0.99})
+    assert isinstance(adam, ServerAdam) and adam.tau == 1e-3
+    assert fs.step_size("dp-fedavgm", {"eta_eff": 2.0, "momentum": 0.75}) == pytest.approx(0.5)
+    for m in fs.OPTIMIZERS + (fs.CEILING,):  # every first grid point builds
+        fs.make_optimizer(m, fs.grid_points(fs.GRIDS[m])[0])
+    with pytest.raises(ConfigError, match="optimizers"):
+        fs.make_optimizer("dp-fedyogi", {})
+
+
+def test_a_grid_widens_until_the_optimum_is_interior():
+    # Prepare: a concave toy in log10(eta) peaked at eta = 1000, far above the first grid 0.1 .. 10
+    calls = []
+
+    def score(todo):
+        calls.append(len(todo))
+        return [-(math.log10(pt["eta"]) - 3.0) ** 2 for _, pt in todo]
+
+    # Execute
+    res = fs.tune_grids(score, {"toy": (fs.Axis("eta", (0.1, 1.0, 10.0), factor=10.0, per_widening=1),)},
+                        max_widenings=5)["toy"]
+    # Assert: widened 10 -> 100 -> 1000 -> 10000, then 1000 is interior
+    assert res["best"] == {"eta": 1000.0} and res["on_edge"] == []
+    assert res["widened"] == [{"axis": "eta", "edge": "high", "added": [v]} for v in (100.0, 1000.0, 10000.0)]
+    assert calls == [3, 1, 1, 1] and len(res["tried"]) == 6
+
+
+def test_widening_stops_at_its_limit_and_fixed_axes_never_widen():
+    # a two-axis toy with its optimum at rho = 1e-7 (below the grid 1e-4 .. 1) and mu at the top of a fixed list;
+    # two methods are scored in one call per pass
+    def score(todo):
+        return [-abs(math.log10(pt["rho"]) + 7) - (1 - pt.get("mu", 1)) for _, pt in todo]
+
+    grids = {"a": (fs._log_axis("rho", -4, 0, 1), fs.Axis("mu", (0.5, 0.9))), "b": (fs._log_axis("rho", -2, 0, 1),)}
+    seen = []
+    res = fs.tune_grids(lambda todo: (seen.append(sorted({m for m, _ in todo})), score(todo))[1], grids,
+                        max_widenings=2)
+    assert seen[0] == ["a", "b"]
+    assert res["a"]["best"] == {"rho": 1e-6, "mu": 0.9} and res["a"]["axes"]["rho"][0] == 1e-6
+    assert [w["added"] for w in res["a"]["widened"]] == [[1e-5], [1e-6]]
+    assert res["a"]["on_edge"] == ["rho", "mu"]            # still on an edge after 2 widenings, recorded
+    assert res["b"]["best"] == {"rho": 1e-4} and len(res["b"]["widened"]) == 2
+
+
+def test_summarise_cell_hand_made_curves():
+    def run(opt, seed, curve, msq=None):
+        return {"seed": seed, "optimizer": opt, "test": curve, "momentum_sq": msq}
+
+    runs = [run("dp-fedgd", 0, [0.1, 0.5, 0.6, 0.7]), run("dp-fedavgm", 0, [0.1, 0.6, 0.7, 0.72]),
+            run("dp-fedsofim", 0, [0.1, 0.7, 0.72, 0.74], [0.1, 0.2, 0.3]),
+            run("dp-fedgd", 1, [0.1, 0.4, 0.6, 0.6]), run("dp-fedavgm", 1, [0.1, 0.5, 0.5, 0.62]),
+            run("dp-fedsofim", 1, [0.1, 0.5, 0.55, 0.58], [0.1, 0.1, 0.5])]
+    tuning = {"dp-fedsofim": {"best": {"eta_over_rho": 2.0, "rho": 0.1, "beta": 0.9}, "widened": [], "on_edge": [],
+                              "tried": [{"score": 0.7}, {"score": 0.2}, {"score": math.nan}]}}
+    s = fs.summarise_cell(runs, tuning, ("dp-fedgd", "dp-fedavgm", "dp-fedsofim"))
+    assert s["round0"]["mean"] == pytest.approx(0.1)
+    so = s["dp-fedsofim"]
+    assert so["final"]["mean"] == pytest.approx(0.66) and so["eta"] == pytest.approx(0.2)
+    assert so["grid_spread"] == pytest.approx(0.5)
+    # paired vs DP-FedAvgM, final: diffs +0.02, -0.04 -> mean -0.01, sd 0.03 sqrt 2, t_{0.975, 1} = 12.7062
+    iv = so["paired_final"]
+    assert iv["mean"] == pytest.approx(-0.01) and iv["high"] - iv["mean"] == pytest.approx(12.7062 * 0.03, rel=1e-4)
+    # seed 0: GD's final 0.7 -> SOFIM at round 1, seed 1: 0.6 -> never (0.58 at most)
+    assert so["rounds_to_gd_final"]["mean"] == 1 and so["not_reached"] == 1
+    assert so["momentum_sq"] == {"median": pytest.approx(0.15), "final": pytest.approx(0.4)}
+    assert "paired_final" not in s["dp-fedavgm"]
+    cell = {"clients": 20, "epsilon": 1.0, "noise_multiplier": 40.0, "spent_epsilon": 0.99, "summary": s}
+    text = fs.markdown_tables([cell], ("dp-fedgd", "dp-fedavgm", "dp-fedsofim"), None)
+    assert "-1.0 [" in text and "eta 0.2, rho 0.1" in text and "(1 never)" in text
 
 
 def _direct_epsilon(z: float, steps: int, delta: float) -> float:
@@ -153,7 +244,8 @@ def test_federation_smoke_with_ledger(tmp_path):
     rounds, eps, delta = 5, 1.0, 1e-5
     z = calibrate_noise_multiplier(target_epsilon=eps, target_delta=delta, sampling_rate=1.0, steps=rounds)
     ledger = PrivacyLedger(Store(f"sqlite:///{tmp_path / 'ledger.db'}", tmp_path / "data"), target_delta=delta)
-    curves = fs.run_federation(optimizer=fs.make_optimizer("dp-fedsofim", {"eta": 1.0, "beta": 0.9, "rho": 1.0}),
+    curves = fs.run_federation(optimizer=fs.make_optimizer("dp-fedsofim", {"eta_over_rho": 1.0, "beta": 0.9,
+                                                                          "rho": 1.0}),
                                clients=clients, evaluate_on={"all": data}, rounds=rounds, clipping_norm=1.0,
                                noise_multiplier=z, noise=SecureRandom(), num_classes=3, ledger=ledger,
                                site_prefix="t/")
@@ -170,6 +262,10 @@ def test_federation_smoke_with_ledger(tmp_path):
 def test_settings_errors_name_the_field():
     with pytest.raises(ConfigError, match="rounds"):
         fs.FedSofimSettings(rounds=0)
+    with pytest.raises(ConfigError, match="tuning_seeds"):
+        fs.FedSofimSettings(seeds=(0, 101), tuning_seeds=(101,))
+    with pytest.raises(ConfigError, match="optimizers"):
+        fs.FedSofimSettings(optimizers=("dp-fedyogi",))
     with pytest.raises(ConfigError, match="epsilons"):
         fs._parse_list("1,x", float, "epsilons", "0.5,1")
 
@@ -177,17 +273,19 @@ def test_settings_errors_name_the_field():
 @pytest.mark.slow
 def test_command_end_to_end_tiny(tmp_path):
     out = tmp_path / "out"
-    settings = fs.FedSofimSettings(seeds=(0,), clients=(5,), epsilons=(1.0,), rounds=5, pretrain_epochs=1,
-                                   tune=False, out_dir=out)
+    settings = fs.FedSofimSettings(seeds=(0, 1), tuning_seeds=(101,), clients=(5,), epsilons=(1.0,), rounds=4,
+                                   pretrain_epochs=1, max_widenings=0, out_dir=out)
     result = fs.run_fedsofim_experiment(settings)
     assert {p.name for p in out.iterdir()} >= {"fedsofim.json", "fedsofim.md", "fedsofim.png", "ledger.db"}
     report = json.loads((out / "fedsofim.json").read_text())
-    assert len(report["runs"]) == 2 and {r["optimizer"] for r in report["runs"]} == set(fs.OPTIMIZERS)
-    z = report["runs"][0]["noise_multiplier"]
-    for r in report["runs"]:
-        assert len(r["test"]) == 6
-        assert r["spent_epsilon"] == pytest.approx(_direct_epsilon(z, 5, 1e-5), rel=1e-9)
-        assert r["spent_epsilon"] <= 1.0
+    (cell,) = report["cells"]
+    assert {r["optimizer"] for r in cell["runs"]} == set(fs.OPTIMIZERS) and len(cell["runs"]) == 10
+    assert {m: len(t["tried"]) for m, t in cell["tuning"].items()} == {m: len(fs.grid_points(fs.GRIDS[m]))
+                                                                       for m in fs.OPTIMIZERS}
+    assert all(len(r["test"]) == 5 for r in cell["runs"])
+    assert cell["spent_epsilon"] == pytest.approx(_direct_epsilon(cell["noise_multiplier"], 4, 1e-5), rel=1e-9)
+    assert cell["spent_epsilon"] <= 1.0
+    assert report["ceiling"]["summary"][fs.CEILING]["last10"]["n"] == 2
     info = result.seeds_info[0]
     assert info["public"] == 1000 and info["val"] == 700 and info["client_pool"] == 8000 - 1000 - 700
 
