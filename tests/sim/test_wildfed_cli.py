@@ -23,7 +23,7 @@ runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
 LAB = {"demo", "experiment", "audit", "clusters"}
-EXPERIMENTS = {"privacy-utility", "nira", "fedsofim", "radiomap"}
+EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap"}
 OPERATOR = {"init", "enrol", "rotate-key", "revoke-key", "keys", "broker-config", "status", "budget", "run",
             "ingest-worker", "provision", "serve", "import-deployments", "import-detections", "export-camtrap-dp",
             "user", "places", "clusters"}
