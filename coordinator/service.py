@@ -255,6 +255,10 @@ def build_optimizer(config: CoordinatorConfig) -> ServerOptimizer:
         return ServerAdam(learning_rate=config.server_learning_rate, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
     from coordinator.optimizers.fedsofim import DPFedSOFIM
 
+    if cfg.precondition == "gradient" and config.privacy != "none":
+        log.warning("server_optimizer: DP-FedSOFIM preconditioning the gradient (the seed's step) moved against the "
+                    "aggregates' common direction under DP noise and ended at chance accuracy at eps <= 1 with the "
+                    "head model (docs/fedsofim.md); precondition: momentum, or kind: sgd with momentum, did not")
     return DPFedSOFIM(learning_rate=config.server_learning_rate, beta=cfg.beta, rho=cfg.rho,
                       warmup_rounds=cfg.warmup_rounds, precondition=cfg.precondition)
 
