@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import csv
 import gzip
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +201,24 @@ def wildlife_insights_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *,
     return {d: dict(sorted(c.items())) for d, c in sorted(counts.items())}
 
 
+def _serengeti_rows(data_root: str | Path, drop_labels: Iterable[str], merge_labels: Mapping[str, str] | None
+                    ) -> Iterator[tuple[str, str, str | None]]:
+    """``(location, season, label)`` of every annotation row of ``annotations.csv.gz``; the label is None for a
+    dropped one (``drop_labels``) and renamed by ``merge_labels`` (default: the three lion labels to ``lion``).
+
+    Raises:
+        DatasetError: the file is missing.
+    """
+    path = _require(Path(data_root) / SERENGETI_RELATIVE_PATH, "Snapshot Serengeti annotations")
+    drop = set(drop_labels)
+    merge = dict(merge_labels) if merge_labels is not None else {
+        "lionfemale": "lion", "lionmale": "lion", "lioncub": "lion"}
+    with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            label = row["category_id"]
+            yield row["location"], row["season"], None if label in drop else merge.get(label, label)
+
+
 def serengeti_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels: Iterable[str] = ("fire",),
                      merge_labels: Mapping[str, str] | None = None) -> dict[str, dict[str, int]]:
     """Per-location annotation counts of each label of Snapshot Serengeti (``annotations.csv.gz``), with the same
@@ -212,18 +230,10 @@ def serengeti_counts(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels: 
     Raises:
         DatasetError: the file is missing.
     """
-    path = _require(Path(data_root) / SERENGETI_RELATIVE_PATH, "Snapshot Serengeti annotations")
-    drop = set(drop_labels)
-    merge = dict(merge_labels) if merge_labels is not None else {
-        "lionfemale": "lion", "lionmale": "lion", "lioncub": "lion"}
     counts: dict[str, dict[str, int]] = {}
-    with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            label = row["category_id"]
-            if label in drop:
-                continue
-            label = merge.get(label, label)
-            per = counts.setdefault(row["location"], {})
+    for loc, _, label in _serengeti_rows(data_root, drop_labels, merge_labels):
+        if label is not None:
+            per = counts.setdefault(loc, {})
             per[label] = per.get(label, 0) + 1
     return {loc: dict(sorted(c.items())) for loc, c in sorted(counts.items())}
 
@@ -243,22 +253,15 @@ def serengeti_metadata(data_root: str | Path = DEFAULT_DATA_ROOT, *, drop_labels
     Raises:
         DatasetError: the file is missing.
     """
-    path = _require(Path(data_root) / SERENGETI_RELATIVE_PATH, "Snapshot Serengeti annotations")
-    drop = set(drop_labels)
-    merge = dict(merge_labels) if merge_labels is not None else {
-        "lionfemale": "lion", "lionmale": "lion", "lioncub": "lion"}
     species: dict[str, set[str]] = {}
     counts: dict[str, int] = {}
     seasons: dict[str, set[str]] = {}
-    with gzip.open(path, "rt", newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            loc = row["location"]
-            counts[loc] = counts.get(loc, 0) + 1
-            seasons.setdefault(loc, set()).add(row["season"])
-            label = row["category_id"]
-            s = species.setdefault(loc, set())
-            if label not in drop:
-                s.add(merge.get(label, label))
+    for loc, season, label in _serengeti_rows(data_root, drop_labels, merge_labels):
+        counts[loc] = counts.get(loc, 0) + 1
+        seasons.setdefault(loc, set()).add(season)
+        s = species.setdefault(loc, set())
+        if label is not None:
+            s.add(label)
     return {loc: {"species": sorted(species[loc]), "num_annotations": counts[loc], "seasons": sorted(seasons[loc])}
             for loc in sorted(species)}
 

@@ -646,11 +646,12 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from wildfed_sim.demo import new_run_dir
     from wildfed_sim.privacy_utility import paired_interval
 
     t0 = time.monotonic()
-    out_dir = Path(settings.out_dir or Path("runs") / time.strftime("nira-head-%Y%m%dT%H%M%SZ", time.gmtime()))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    resume = settings.out_dir is not None and (Path(settings.out_dir) / "runs.jsonl").is_file()
+    out_dir = Path(settings.out_dir).resolve() if resume else new_run_dir(settings.out_dir, "nira-head")
     log_path = out_dir / "runs.jsonl"
     done: dict[str, dict[str, Any]] = {}
     if log_path.exists():

@@ -443,7 +443,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
             def shadow_update(c: np.ndarray) -> np.ndarray:
                 maps, _ = site_maps(data.city, 0, settings.maps_per_client, radius_m=settings.site_radius_m,
                                     rng=template_rng, model=settings.pathloss, geometry=settings.geometry, centre=c)
-                return _trainer(settings, "clip-only", maps, None, noise).train_round(
+                plain = "none" if defence == "none" else "clip-only"  # the defence without its noise
+                return _trainer(settings, plain, maps, None, noise).train_round(
                     theta, round_index=r, total_rounds=settings.rounds, rng=template_rng)[0].update
 
             templates = template.templates(shadow_update)
@@ -491,9 +492,12 @@ def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> lis
         out.append({
             "defence": defence,
             "val_mse_db": mean_std([r["val_mse_db"][-1] for r in mine]),
-            "rmse_final_m": mean_std([r["attack"][-1]["rmse_m"] for r in mine]),
-            "rmse_all_m": mean_std([_overall_rmse(r["attack"]) for r in mine]),
-            "naive_rmse_all_m": mean_std([_overall_rmse(r["attack"], "naive_errors_m") for r in mine]),
+            "rmse_final_m": mean_std([r["attack"][-1]["rmse_m"] if r["attack"] else None for r in mine]),
+            "rmse_all_m": mean_std([_overall_rmse(r["attack"]) if r["attack"] else None for r in mine]),
+            "naive_rmse_all_m": mean_std([_overall_rmse(r["attack"], "naive_errors_m") if r["attack"] else None
+                                          for r in mine]),
+            "template_rmse_final_m": mean_std([r["template_attack"][-1]["rmse_m"] if r.get("template_attack")
+                                               else None for r in mine]),
             "epsilon": mean_std([r.get("epsilon") for r in mine]),
             "seeds": [r["seed"] for r in mine],
         })
@@ -501,7 +505,7 @@ def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> lis
 
 
 HEADERS = ["defence", "validation MSE (dB), final", "attacker RMSE (m), final round", "attacker RMSE (m), all rounds",
-           "naive RMSE (m)", "eps per site (ledger, max)"]
+           "naive RMSE (m)", "template attacker RMSE (m), all uploads", "eps per site (ledger, max)"]
 
 
 def _fmt(stat: dict[str, Any], digits: int = 2) -> str:
@@ -513,7 +517,8 @@ def _fmt(stat: dict[str, Any], digits: int = 2) -> str:
 def _cells(entry: dict[str, Any]) -> list[str]:
     eps = _fmt(entry["epsilon"]) if entry["epsilon"]["n"] else "no guarantee"
     return [entry["defence"], _fmt(entry["val_mse_db"]), _fmt(entry["rmse_final_m"], 1),
-            _fmt(entry["rmse_all_m"], 1), _fmt(entry["naive_rmse_all_m"], 1), eps]
+            _fmt(entry["rmse_all_m"], 1), _fmt(entry["naive_rmse_all_m"], 1),
+            _fmt(entry.get("template_rmse_final_m", {"mean": None}), 1), eps]
 
 
 def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
@@ -634,6 +639,9 @@ def radiomap_command(
     floor_fraction: float = _opt(0.5, "phi: the adaptive defence's uniform noise floor, a fraction of the budget"),
     shadow_sites: int = _opt(24, "shadow sites the attacker simulates per attack round"),
     attack_every: int = _opt(10, "attack every this many rounds (and at round 1)"),
+    attacker: str = _opt("ridge", "ridge (regression on shadows, per upload), template (likelihood over a grid of "
+                         "candidate centres, summed over a site's uploads: wildfed_sim.radio_attack) or both"),
+    template_step_px: int = _opt(6, "the template attacker's candidate grid spacing in pixels"),
     pretrain_epochs: int = _opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
     city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
                      "needs `pip install --no-deps sionna-rt==2.2.0`) or procedural"),
@@ -650,5 +658,5 @@ def radiomap_command(
         rounds=rounds, clients=clients, active=active, maps_per_client=maps_per_client,
         noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
         shadow_sites=shadow_sites, attack_every=attack_every, city=city, pretrain_epochs=pretrain_epochs,
-        out_dir=out)
+        attacker=attacker, template_step_px=template_step_px, out_dir=out)
     run_radiomap_experiment(settings, console=Console())
