@@ -228,9 +228,9 @@ class RadioConfig(StrictModel):
     gateways, uploads through the grouped-noise defence. Each selected site trains ``local_epochs`` of Adam over
     its maps and uploads its whole delta clipped to ``clipping_norm``."""
 
-    defence: Literal["none", "clip-only", "uniform", "steered-uniform", "adaptive"] = Field(
-        "adaptive", description="uniform and adaptive state an (eps, delta) (privacy: grouped); the others none "
-        "(privacy: none)")
+    defence: Literal["none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping"] = Field(
+        "adaptive", description="uniform, adaptive and grouped-clipping state an (eps, delta) (privacy: grouped); "
+        "the others none (privacy: none)")
     noise_multiplier: float = Field(3.0, gt=0, description="z: each upload's noise budget is d (z C)^2")
     floor_fraction: float = Field(0.5, gt=0, le=1, description="phi: the adaptive defence's uniform floor")
     clipping_norm: float = Field(0.005, gt=0, description="C: L2 norm of each upload (model delta)")

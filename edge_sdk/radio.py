@@ -250,6 +250,32 @@ class RadioSiteTrainer:
             os.replace(tmp, path)
         return stats
 
+    def refresh_clipping_profile(self, global_flat: np.ndarray, *, proxies: list[tuple[RadioMapSet, np.ndarray]],
+                                 seed: int = 0) -> np.ndarray:
+        """The grouped-clipping defence's public profile (:func:`edge_sdk.privacy.adaptive_noise.clipping_profile`):
+        this site's own local training run on each public proxy site's maps from the global model, the median of
+        each group's update norm; installed in the mechanism and returned (float64 (G,)). Public inputs only, and
+        the proxies' randomness is public, so every gateway of a round computes the same profile.
+
+        Raises:
+            ValueError: not the grouped-clipping defence, or no proxy.
+        """
+        import dataclasses
+
+        from edge_sdk.privacy.adaptive_noise import clipping_profile
+
+        if self.defence != "grouped-clipping":
+            raise ValueError(f"the {self.defence} defence has no clipping profile")
+        if not proxies:
+            raise ValueError("the clipping profile needs at least one public proxy site")
+        rng = np.random.default_rng([seed, 41])
+        updates = np.stack([train_radio_maps(self.model, global_flat, maps, epochs=self.local_epochs,
+                                             learning_rate=self.learning_rate, batch_size=self.batch_size, rng=rng)
+                            for maps, _ in proxies])
+        profile = clipping_profile(updates, self.layout)
+        self.mechanism = dataclasses.replace(self.mechanism, clipping_profile=profile)
+        return profile
+
     def local_delta(self, global_flat: np.ndarray, *, rng: np.random.Generator) -> np.ndarray:
         """float64 (d,): the un-noised local update (never leaves the gateway)."""
         return train_radio_maps(self.model, global_flat, self.maps, epochs=self.local_epochs,
@@ -299,7 +325,8 @@ def proxy_sites(city: np.ndarray, radio: RadioTask, *, round_index: int) -> list
 def run_radio_task(trainer: RadioSiteTrainer, task: TrainingTask, weights: dict[str, np.ndarray],
                    artifacts: dict[str, bytes], *, rng: np.random.Generator
                    ) -> tuple[UpdateReport, dict[str, np.ndarray]]:
-    """One radio round at a gateway: refresh the allocator when due (adaptive; public inputs only), train, privatise.
+    """One radio round at a gateway: refresh the allocator (adaptive) or the clipping profile (grouped-clipping)
+    when due, from public inputs only; train; privatise.
 
     Args:
         trainer: the site's trainer, built for this task's settings.
@@ -326,6 +353,11 @@ def run_radio_task(trainer: RadioSiteTrainer, task: TrainingTask, weights: dict[
         city = read_city_artifact(artifacts.get(radio.city_artifact, b""))
         trainer.refresh_allocator(flat, proxies=proxy_sites(city, radio, round_index=task.round),
                                   round_index=task.round, total_rounds=task.planned_rounds, seed=task.round)
+    if trainer.defence == "grouped-clipping" and ((task.round - 1) % radio.allocator_every == 0
+                                                  or trainer.mechanism.clipping_profile is None):
+        city = read_city_artifact(artifacts.get(radio.city_artifact, b""))
+        trainer.refresh_clipping_profile(flat, proxies=proxy_sites(city, radio, round_index=task.round),
+                                         seed=task.round)
     upload, event = trainer.train_round(flat, round_index=task.round, total_rounds=task.planned_rounds, rng=rng)
     delta = canonical_unflatten(upload.update.astype(np.float32), weights)
     report = UpdateReport(num_examples=len(trainer.maps), local_steps=task.local_steps,

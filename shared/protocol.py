@@ -42,9 +42,9 @@ PrivacyMode = Literal["ccdp", "global", "grouped", "none"]
 PRIVACY_MODES = ("ccdp", "global", "grouped", "none")
 #: CCDP's individualized DP-SGD variants (Boenisch et al., NeurIPS 2023, Sec. 4.1 "Sample", 4.2 "Scale")
 CCDP_VARIANTS = ("sample", "scale")
-RADIO_DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive")
+RADIO_DEFENCES = ("none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping")
 """The upload defences of a radio task (edge_sdk.privacy.adaptive_noise), weakest first."""
-GUARANTEED_RADIO_DEFENCES = ("uniform", "adaptive")
+GUARANTEED_RADIO_DEFENCES = ("uniform", "adaptive", "grouped-clipping")
 """The radio defences that noise every coordinate, hence state an (eps, delta): privacy ``"grouped"``."""
 RADIO_CATEGORY = IUCNCategory.NE
 """The IUCN key of a radio upload's DP event and budget: the ledger keeps one stream per (site, IUCN category) and a
@@ -211,15 +211,15 @@ class RadioTask:
         return self.defence in GUARANTEED_RADIO_DEFENCES
 
     def floor_noise_multiplier(self) -> float:
-        """z_eff = sigma_floor / (2C) of one upload: sqrt(phi) z / 2 (adaptive), z / 2 (uniform)
-        (edge_sdk.privacy.adaptive_noise, "Formal guarantee").
+        """z_eff of one upload: sqrt(phi) z / 2 (adaptive), z / 2 (uniform, and grouped-clipping, whose per-group
+        norms and noise are calibrated to it) (edge_sdk.privacy.adaptive_noise, "Formal guarantee").
 
         Raises:
             PayloadError: the defence states no guarantee.
         """
         if self.defence == "adaptive":
             return math.sqrt(self.floor_fraction) * self.noise_multiplier / 2.0
-        if self.defence == "uniform":
+        if self.defence in ("uniform", "grouped-clipping"):
             return self.noise_multiplier / 2.0
         raise PayloadError(f"the {self.defence} defence states no guarantee")
 

@@ -89,7 +89,8 @@ def demo(
     task: str = typer.Option("camera", help="camera (camera traps, real images) or radiomap (base stations learn "
                              "a radio map; uses --sites (default 6 then), --rounds, --seed, --broker, --out, "
                              "--round-deadline-s, --defence, --city; docs/radiomap.md)"),
-    defence: str = typer.Option("adaptive", help="radiomap: none, clip-only, uniform, steered-uniform or adaptive"),
+    defence: str = typer.Option("adaptive", help="radiomap: none, clip-only, uniform, steered-uniform, adaptive "
+                                "or grouped-clipping"),
     city: str = typer.Option("procedural", help="radiomap: procedural, or a sionna-rt scene (munich, florence, "
                              "san_francisco, etoile; pip install --no-deps sionna-rt==2.2.0)"),
 ) -> None:

@@ -64,7 +64,7 @@ from shared.radio import (
     site_maps,
 )
 
-from edge_sdk.privacy.adaptive_noise import DEFENCES
+from edge_sdk.privacy.adaptive_noise import DEFENCES, grouped_clipping_norms
 from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator
 from edge_sdk.privacy.randomness import SecureRandom
 from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
@@ -367,12 +367,18 @@ def fit_attacker(features: np.ndarray, centres: np.ndarray, sensitive: np.ndarra
 
 # ---------------------------------------------------------------------------------------------- one run
 def _trainer(settings: RadioMapSettings, defence: str, maps: RadioMapSet, allocator: NoiseAllocator | None,
-             noise: Any) -> RadioSiteTrainer:
-    """The gateway's trainer (edge_sdk.radio) with the experiment's settings."""
-    return RadioSiteTrainer(maps=maps, defence=defence, clipping_norm=settings.clipping_norm,
-                            noise_multiplier=settings.noise_multiplier, floor_fraction=settings.floor_fraction,
-                            local_epochs=settings.local_epochs, learning_rate=settings.local_lr,
-                            batch_size=settings.batch_size, width=settings.width, allocator=allocator, noise=noise)
+             noise: Any, profile: np.ndarray | None = None) -> RadioSiteTrainer:
+    """The gateway's trainer (edge_sdk.radio) with the experiment's settings (and, for grouped-clipping, the
+    round's public clipping profile)."""
+    import dataclasses
+
+    trainer = RadioSiteTrainer(maps=maps, defence=defence, clipping_norm=settings.clipping_norm,
+                               noise_multiplier=settings.noise_multiplier, floor_fraction=settings.floor_fraction,
+                               local_epochs=settings.local_epochs, learning_rate=settings.local_lr,
+                               batch_size=settings.batch_size, width=settings.width, allocator=allocator, noise=noise)
+    if profile is not None:
+        trainer.mechanism = dataclasses.replace(trainer.mechanism, clipping_profile=profile)
+    return trainer
 
 
 def _public_site(data: ExperimentData, n_maps: int, settings: RadioMapSettings, rng: np.random.Generator
@@ -407,7 +413,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
     proxy_rng = np.random.default_rng([seed, 31])        # the allocator's public proxy sites
     mpp = settings.metres_per_pixel
     out: dict[str, Any] = {"val_mse_db": [validation_mse_db(model, theta, data.validation)], "attack": [],
-                           "allocator": [], "shares": [], "update_norms": [], "template_attack": []}
+                           "allocator": [], "shares": [], "update_norms": [], "template_attack": [],
+                           "clipping_norms": []}
     template = None
     if settings.attacker in ("template", "both"):
         from wildfed_sim.radio_attack import TemplateAttacker, candidate_grid
@@ -425,6 +432,16 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
                                                  round_index=r, total_rounds=settings.rounds,
                                                  settings=settings.allocator, seed=int(proxy_rng.integers(2**31)))
             out["allocator"].append({"round": r, **stats})
+        if defence == "grouped-clipping" and (r - 1) % settings.allocator_every == 0:
+            # public proxies only, so every gateway of the round computes the same profile: compute it once
+            proxies = [_public_site(data, settings.proxy_maps, settings, proxy_rng)
+                       for _ in range(settings.proxy_sites)]
+            profile = clients[0].refresh_clipping_profile(theta, proxies=[(p.maps, p.centre_px) for p in proxies],
+                                                          seed=r)
+            for c in clients[1:]:
+                c.mechanism = clients[0].mechanism
+            out["clipping_norms"].append({"round": r, "norms": grouped_clipping_norms(
+                profile, settings.clipping_norm).tolist()})
         released, norms, shares = [], [], []
         for k, bs in zip(active, batch_seeds):
             upload, event = clients[k].train_round(theta, round_index=r, total_rounds=settings.rounds,
@@ -443,9 +460,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
             def shadow_update(c: np.ndarray) -> np.ndarray:
                 maps, _ = site_maps(data.city, 0, settings.maps_per_client, radius_m=settings.site_radius_m,
                                     rng=template_rng, model=settings.pathloss, geometry=settings.geometry, centre=c)
-                plain = "none" if defence == "none" else "clip-only"  # the defence without its noise
-                return _trainer(settings, plain, maps, None, noise).train_round(
-                    theta, round_index=r, total_rounds=settings.rounds, rng=template_rng)[0].update
+                shadow = _trainer(settings, defence, maps, allocator, noise, clients[0].mechanism.clipping_profile)
+                return shadow.mechanism.clipped(shadow.local_delta(theta, rng=template_rng))  # without its noise
 
             templates = template.templates(shadow_update)
             for k, u in zip(active, released):
@@ -460,7 +476,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
             # The attacker runs the gateways' own code on shadow sites of the public city.
             shadows = [_public_site(data, settings.maps_per_client, settings, attack_rng)
                        for _ in range(settings.shadow_sites)]
-            shadow_updates = [_trainer(settings, defence, s.maps, allocator, noise).train_round(
+            shadow_updates = [_trainer(settings, defence, s.maps, allocator, noise,
+                                       clients[0].mechanism.clipping_profile).train_round(
                 theta, round_index=r, total_rounds=settings.rounds, rng=attack_rng)[0].update for s in shadows]
             predict, info = fit_attacker(np.stack(shadow_updates), np.stack([s.centre_px for s in shadows]),
                                          sensitive)

@@ -21,7 +21,21 @@ clip-only          clipping, no noise                                           
 uniform            d_g / d                                                      Gaussian, z_eff = z / 2
 steered-uniform    d_g / d_S on the sensitive groups (d_S their total), 0 else  none: the residual is not noised
 adaptive           phi d_g / d + (1 - phi) softmax(f_eta(s))_g                  Gaussian, z_eff = sqrt(phi) z / 2
+grouped-clipping   per-group clipping norms and noise (below)                   Gaussian, z_eff = z / 2
 =================  ===========================================================  ==================================
+
+Grouped clipping (issue 21, item 2) allocates clipping as well as noise, from public data only. A public *clipping
+profile* m_g > 0 (the typical norm of group g's update: :func:`clipping_profile`, the median over public proxy sites
+at the global model) gives per-group norms ``C_g = C m_g / ||m||`` (so sum_g C_g^2 = C^2), each group is clipped to
+its own C_g, and group g gets Gaussian noise of per-coordinate std sigma_g with::
+
+    sigma_g^2 = z^2 S C_g / sqrt(d_g),   S = sum_h C_h sqrt(d_h)
+
+Two neighbouring datasets give group-clipped updates at most 2 C_g apart in group g, so after scaling each group
+by 1 / sigma_g the mechanism is the Gaussian mechanism with unit noise and L2 sensitivity
+``2 sqrt(sum_g (C_g / sigma_g)^2) = 2 / z``: the same privacy profile as ``uniform`` (z_eff = z / 2), exactly.
+Among all sigma_g with that sensitivity, these minimise the total noise variance sum_g d_g sigma_g^2 (a Lagrange
+multiplier: d_g sigma_g proportional to C_g^2 / sigma_g^3); with one group they are uniform's z C.
 
 The adaptive defence and its floor. ``floor_fraction`` phi in (0, 1] reserves the part phi of the budget for a
 uniform floor, so every coordinate's variance is at least sigma_floor^2 = phi (zC)^2 whatever the allocator says.
@@ -63,7 +77,8 @@ from shared.protocol import GUARANTEED_RADIO_DEFENCES, RADIO_DEFENCES
 from edge_sdk.privacy.randomness import RandomSource
 
 __all__ = ["DEFENCES", "GUARANTEED_DEFENCES", "STATISTICS", "clip_update", "uniform_shares", "steered_shares",
-           "floored_shares", "group_noise_std", "upload_statistics", "PrivatisedUpload", "AdaptiveGroupedNoise"]
+           "floored_shares", "group_noise_std", "upload_statistics", "PrivatisedUpload", "AdaptiveGroupedNoise",
+           "clipping_profile", "grouped_clipping_norms", "grouped_clipping_noise_std", "clip_groups"]
 
 DEFENCES = RADIO_DEFENCES
 """The defences of the seed's evaluation, weakest first (the wire names of :class:`shared.protocol.RadioTask`)."""
@@ -150,6 +165,64 @@ def group_noise_std(shares: np.ndarray, layout: GroupLayout, *, noise_multiplier
     return np.sqrt(np.asarray(shares, dtype=np.float64) * budget / sizes)
 
 
+def clipping_profile(updates: np.ndarray, layout: GroupLayout) -> np.ndarray:
+    """float64 (G,): the median over public proxy updates of each group's L2 norm (floored at 1e-3 of the largest,
+    so no group gets a zero clipping norm): the grouped-clipping defence's public profile m_g.
+
+    Args:
+        updates: float (n, d), un-clipped updates of public proxy sites at the global model (n >= 1).
+
+    Raises:
+        ValueError: not (n, d) with n >= 1, or not finite.
+    """
+    u = np.asarray(updates, dtype=np.float64)
+    if u.ndim != 2 or u.shape[0] < 1 or u.shape[1] != layout.dimension or not np.all(np.isfinite(u)):
+        raise ValueError(f"updates must be finite (n >= 1, {layout.dimension}), got {u.shape}")
+    g = len(layout.names)
+    norms = np.sqrt(np.stack([np.bincount(layout.index, weights=row * row, minlength=g) for row in u]))
+    m = np.median(norms, axis=0)
+    return np.maximum(m, 1e-3 * float(m.max()) if m.max() > 0 else 1.0)
+
+
+def grouped_clipping_norms(profile: np.ndarray, clipping_norm: float) -> np.ndarray:
+    """float64 (G,): ``C_g = C m_g / ||m||_2`` (module docstring, "Grouped clipping"); sum_g C_g^2 = C^2.
+
+    Raises:
+        ValueError: a profile entry not positive and finite, or C not positive.
+    """
+    m = np.asarray(profile, dtype=np.float64)
+    if m.ndim != 1 or not np.all(np.isfinite(m)) or np.any(m <= 0) or not clipping_norm > 0:
+        raise ValueError("the clipping profile must be positive and finite, and C positive")
+    return clipping_norm * m / float(np.linalg.norm(m))
+
+
+def grouped_clipping_noise_std(norms: np.ndarray, layout: GroupLayout, *, noise_multiplier: float) -> np.ndarray:
+    """float64 (G,): ``sigma_g = z sqrt(S C_g / sqrt(d_g))``, ``S = sum_h C_h sqrt(d_h)`` (module docstring): the
+    per-coordinate noise std that gives the whitened sensitivity 2 / z with the least total variance."""
+    c = np.asarray(norms, dtype=np.float64)
+    roots = np.sqrt(layout.sizes.astype(np.float64))
+    total = float((c * roots).sum())
+    return noise_multiplier * np.sqrt(total * c / roots)
+
+
+def clip_groups(update: np.ndarray, layout: GroupLayout, norms: np.ndarray) -> tuple[np.ndarray, float]:
+    """Each group scaled to at most its own norm: ``u_g * min(1, C_g / ||u_g||)`` (the clip factor shrunk by a
+    relative 1e-6 as in :func:`clip_update`). Returns (float64 (d,), the whole update's L2 norm before clipping).
+
+    Raises:
+        ValueError: the update is not a finite (d,) array, or a norm is not positive.
+    """
+    u = np.asarray(update, dtype=np.float64)
+    if u.shape != (layout.dimension,) or not np.all(np.isfinite(u)):
+        raise ValueError(f"update must be a finite ({layout.dimension},) array, got {u.shape}")
+    c = np.asarray(norms, dtype=np.float64)
+    if c.shape != (len(layout.names),) or np.any(c <= 0):
+        raise ValueError("the group clipping norms must be positive, one per group")
+    g_norms = np.sqrt(np.bincount(layout.index, weights=u * u, minlength=len(layout.names)))
+    factor = np.where(g_norms > c, c / np.maximum(g_norms, np.finfo(np.float64).tiny) * _CLIP_SAFETY, 1.0)
+    return u * factor[layout.index], float(np.linalg.norm(u))
+
+
 def upload_statistics(noisy_update: np.ndarray, layout: GroupLayout, *, floor_std: float, clipping_norm: float,
                       round_index: int, total_rounds: int) -> np.ndarray:
     """The allocator's input s_{k,r}: float32 (G, len(STATISTICS)), one row per group, columns :data:`STATISTICS`:
@@ -220,6 +293,8 @@ class AdaptiveGroupedNoise:
         floor_fraction: phi in (0, 1], the adaptive defence's uniform floor (default 0.5).
         allocator: for ``adaptive``: a callable from statistics float32 (G, len(STATISTICS)) to shares float (G,)
             summing to 1 (:class:`edge_sdk.privacy.noise_allocator.NoiseAllocator`); must not read private data.
+        clipping_profile: for ``grouped-clipping``: the public profile m_g, float (G,) (:func:`clipping_profile`);
+            :meth:`privatise` refuses to run that defence without one.
 
     Raises:
         ValueError: unknown defence, non-positive C or z, phi out of (0, 1], or adaptive without an allocator.
@@ -231,13 +306,14 @@ class AdaptiveGroupedNoise:
     noise_multiplier: float
     floor_fraction: float = 0.5
     allocator: Callable[[np.ndarray], np.ndarray] | None = None
+    clipping_profile: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.defence not in DEFENCES:
             raise ValueError(f"defence must be one of {DEFENCES}, got {self.defence!r}")
         if not (isinstance(self.clipping_norm, (int, float)) and 0 < self.clipping_norm < math.inf):
             raise ValueError(f"clipping_norm must be positive and finite, got {self.clipping_norm!r}")
-        if self.defence in ("uniform", "steered-uniform", "adaptive") and not (
+        if self.defence in ("uniform", "steered-uniform", "adaptive", "grouped-clipping") and not (
                 isinstance(self.noise_multiplier, (int, float)) and 0 < self.noise_multiplier < math.inf):
             raise ValueError(f"noise_multiplier must be positive and finite, got {self.noise_multiplier!r}")
         if not (isinstance(self.floor_fraction, (int, float)) and 0 < self.floor_fraction <= 1):
@@ -262,9 +338,21 @@ class AdaptiveGroupedNoise:
             return None
         # floor_std / (2C) with C cancelled, so the value is bit-for-bit the one the coordinator expects
         # (shared.protocol.RadioTask.floor_noise_multiplier)
-        phi = self.floor_fraction if self.defence == "adaptive" else 1.0
+        phi = self.floor_fraction if self.defence == "adaptive" else 1.0  # uniform and grouped-clipping: z / 2
         return DPSGDEvent(math.sqrt(phi) * self.noise_multiplier / 2.0 if phi != 1.0 else self.noise_multiplier / 2.0,
                           1.0, 1)
+
+    def clipped(self, update: np.ndarray) -> np.ndarray:
+        """float64 (d,): the defence's deterministic part, the update as clipped before any noise (unchanged for
+        ``none``; per group for ``grouped-clipping``): what an attacker's noise-free template simulates."""
+        u = np.asarray(update, dtype=np.float64)
+        if self.defence == "none":
+            return u
+        if self.defence == "grouped-clipping":
+            if self.clipping_profile is None:
+                raise ValueError("grouped-clipping needs a public clipping profile (clipping_profile)")
+            return clip_groups(u, self.layout, grouped_clipping_norms(self.clipping_profile, self.clipping_norm))[0]
+        return clip_update(u, self.clipping_norm)[0]
 
     def privatise(self, update: np.ndarray, *, round_index: int, total_rounds: int,
                   noise: RandomSource) -> PrivatisedUpload:
@@ -286,6 +374,15 @@ class AdaptiveGroupedNoise:
             if not np.all(np.isfinite(u)):
                 raise ValueError("update must be finite")
             return PrivatisedUpload(u.astype(np.float32), None, np.zeros(g), float(np.linalg.norm(u)))
+        if self.defence == "grouped-clipping":
+            if self.clipping_profile is None:
+                raise ValueError("grouped-clipping needs a public clipping profile (clipping_profile) before the "
+                                 "first upload")
+            norms = grouped_clipping_norms(self.clipping_profile, self.clipping_norm)
+            clipped, norm = clip_groups(u, self.layout, norms)
+            std = grouped_clipping_noise_std(norms, self.layout, noise_multiplier=self.noise_multiplier)
+            out = clipped + std[self.layout.index] * noise.standard_normal(self.layout.dimension)
+            return PrivatisedUpload(out.astype(np.float32), None, std, norm)
         clipped, norm = clip_update(u, self.clipping_norm)
         if self.defence == "clip-only":
             return PrivatisedUpload(clipped.astype(np.float32), None, np.zeros(g), norm)

@@ -226,4 +226,4 @@ def test_bad_settings_are_refused():
         AdaptiveGroupedNoise(layout=layout, defence="uniform", clipping_norm=0.0, noise_multiplier=1.0)
     with pytest.raises(ValueError, match="allocator shares"):
         floored_shares(np.array([0.5, 0.5, 0.5, 0.5]), layout, 0.5)
-    assert set(DEFENCES) == {"none", "clip-only", "uniform", "steered-uniform", "adaptive"}
+    assert set(DEFENCES) == {"none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping"}

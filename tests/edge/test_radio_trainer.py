@@ -77,3 +77,25 @@ def test_flat_weights_round_trip():
     np.testing.assert_array_equal(flat_weights(trainer.model), theta.astype(np.float64))
     with pytest.raises(ValueError, match="shape"):
         set_flat_weights(trainer.model, theta[:-1])
+
+
+def test_grouped_clipping_takes_its_profile_from_public_proxies_and_clips_each_group():
+    from edge_sdk.privacy.adaptive_noise import grouped_clipping_norms
+
+    trainer = RadioSiteTrainer(maps=maps(2), defence="grouped-clipping", clipping_norm=0.003, noise_multiplier=3.0,
+                               local_epochs=1, batch_size=2, width=4)
+    flat = flat_weights(trainer.model)
+    proxies = [(maps(10 + k), np.zeros(2)) for k in range(3)]
+    profile = trainer.refresh_clipping_profile(flat, proxies=proxies, seed=1)
+    assert trainer.mechanism.clipping_profile is profile and np.all(profile > 0)
+    # the same public inputs give the same profile at another gateway
+    other = RadioSiteTrainer(maps=maps(3), defence="grouped-clipping", clipping_norm=0.003, noise_multiplier=3.0,
+                             local_epochs=1, batch_size=2, width=4)
+    np.testing.assert_array_equal(other.refresh_clipping_profile(flat, proxies=proxies, seed=1), profile)
+    delta = trainer.local_delta(flat, rng=np.random.default_rng(0))
+    clipped = trainer.mechanism.clipped(delta)
+    norms = grouped_clipping_norms(profile, 0.003)
+    for g in range(len(norms)):
+        assert np.linalg.norm(clipped[trainer.layout.index == g]) <= norms[g]
+    _, event = trainer.train_round(flat, round_index=1, total_rounds=5, rng=np.random.default_rng(0))
+    assert event is not None and event.noise_multiplier == 1.5

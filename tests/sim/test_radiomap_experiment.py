@@ -37,7 +37,7 @@ def test_small_setting_end_to_end(tmp_path):
     settings = RadioMapSettings(seeds=(0,), out_dir=tmp_path, **SMALL)
     result = run_radiomap_experiment(settings)
     runs = {r["defence"]: r for r in result.runs}
-    assert set(runs) == {"none", "clip-only", "uniform", "steered-uniform", "adaptive"}
+    assert set(runs) == {"none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping"}
     for run in runs.values():
         assert len(run["val_mse_db"]) == settings.rounds + 1 and all(math.isfinite(v) for v in run["val_mse_db"])
         assert [a["round"] for a in run["attack"]] == [1, 2]
@@ -50,7 +50,7 @@ def test_small_setting_end_to_end(tmp_path):
     from coordinator.storage import Store
 
     ledger = PrivacyLedger(Store(f"sqlite:///{tmp_path / 'ledger.db'}", tmp_path / "data"), target_delta=1e-5)
-    for defence, z_eff in (("uniform", 3.0 / 2), ("adaptive", math.sqrt(0.5) * 3.0 / 2)):
+    for defence, z_eff in (("uniform", 3.0 / 2), ("adaptive", math.sqrt(0.5) * 3.0 / 2), ("grouped-clipping", 1.5)):
         uploads = {}
         for k in range(settings.clients):
             events = ledger.events(f"seed0-{defence}-client{k:02d}", RADIO_CATEGORY)
