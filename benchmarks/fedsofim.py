@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._timing import interleaved  # noqa: E402
+from _timing import interleaved  # noqa: E402  (the script's folder; Opacus ships a top-level package "benchmarks")
 from coordinator.optimizers.fedsofim import DPFedSOFIM  # noqa: E402
 from coordinator.optimizers.server_sgd import ServerSGD  # noqa: E402
 
