@@ -132,7 +132,8 @@ def demo(
         raise typer.Exit(code=130) from None
 
 
-experiment_app = typer.Typer(name="experiment", help="Experiments on the demo federation (real images).",
+experiment_app = typer.Typer(name="experiment", help="Laboratory experiments: the demo federation replayed or run "
+                             "(privacy-utility, nira, nira-head), the seed's DP-FedSOFIM setting, radio maps.",
                              no_args_is_help=True, add_completion=False)
 app.add_typer(experiment_app, name="experiment")
 
@@ -232,8 +233,11 @@ def nira_experiment(
 def nira_head_experiment(
     seeds: str = typer.Option("0,1,2,3,4,5,6,7,8,9", help="reported seeds (comma-separated)"),
     tuning_seeds: str = typer.Option("101,103", help="tuning seeds, never reported"),
-    methods: str | None = typer.Option(None, help="comma-separated subset of the methods (default: all; "
-                                       "docs/nira.md lists them)"),
+    methods: str | None = typer.Option(None, help="comma-separated subset of: fedavg, fedavg+mask, "
+                                       "fedavg+fine-tune (local fine-tuning, never released), nira, nira+mask, "
+                                       "nira-head-only, nira-inverse-variance, nira-clusters, nira-no-merging, "
+                                       "nira-min-records, nira-recluster, nira-noisy-counts (default: all; "
+                                       "docs/nira.md)"),
     sites: int = typer.Option(8, help="sites of the demo's design"),
     structure: str = typer.Option("demo", help="demo (the demo's ecological site design), wildlife-insights or "
                                   "serengeti (one site per real deployment / camera location of ../shared/data, "
@@ -282,8 +286,8 @@ def _run_inner_command(ctx: typer.Context, command: Any, prog_name: str) -> None
                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def radiomap(ctx: typer.Context) -> None:
     """Federated RadioUNet radio maps with adaptive grouped noise (issue 7): 14 base-station sites, 6 per round,
-    50 rounds, 5 defences, 3 seeds; attacker localisation RMSE (m) and validation MSE (dB); writes radiomap.json,
-    .md and .png (options: --help)."""
+    50 rounds, 6 defences (grouped-clipping included), 3 seeds; attacker localisation RMSE (m) and validation MSE
+    (dB); writes radiomap.json, .md and .png (options: --help)."""
     # Runs gateway-side code (edge_sdk: the mechanism and allocator) in-process; imported only when it runs.
     from wildfed_sim.radiomap import radiomap_command
 

@@ -548,13 +548,13 @@ def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
     lines = [f"Reported seeds {', '.join(map(str, settings.seeds))}; tuned on seeds "
              f"{', '.join(map(str, settings.tuning_seeds))}; CCDP gamma 1 (VU = 1), {_structure_label(settings)}, "
              f"{settings.rounds} rounds. Accuracies in % (mean ± sd over seeds).", "",
-             "| method | chosen (lr, adapter, fine-tune steps) | macro | site mean | rare | CR/EN | epsilon spent "
+             "| method | chosen point | macro | site mean | rare | CR/EN | epsilon spent "
              "(max over sites and seeds) |",
              "|---|---|---|---|---|---|---|"]
     for e in result.summary:
         ch = result.choices[e["method"]]
-        chosen = f"{ch['point'][0]:g}, {ch['point'][1]}" + (f", {ch['fine_tune_steps']}" if ch["fine_tune_steps"]
-                                                            else "")
+        chosen = f"lr {ch['point'][0]:g}, adapter {ch['point'][1]}" + (
+            f", {ch['fine_tune_steps']} fine-tune steps" if ch["fine_tune_steps"] else "")
         order = {c.value: c.rank for c in IUCNCategory}
         spent = ", ".join(f"{c} {v:.2f}" for c, v in sorted(e.get("epsilon", {}).items(), key=lambda kv: order[kv[0]]))
         lines.append(f"| {e['label']} | {chosen} | " + " | ".join(_pct(e[m]) for m in METRICS) + f" | {spent} |")
@@ -563,6 +563,8 @@ def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
                           ("non-private ceiling + mask", "ceiling", "mask")):
         lines.append(f"| {name} | " + " | ".join(_pct(_mean_sd([r[key][sc][m] for r in result.references]))
                                                 for m in METRICS) + " |")
+    if len(settings.seeds) < 2:
+        lines += ["", "One reported seed: no spread (± 0.0) and no interval ([-inf, +inf]); report at least five."]
     lines += ["", f"Paired differences against the best baseline on the tuning seeds "
               f"(**{result.diagnostics.get('best_baseline')}**), points, 95 % t-interval:", "",
               "| method | macro | CR/EN | interval above 0 |", "|---|---|---|---|"]
@@ -572,7 +574,8 @@ def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
     d = result.diagnostics
     if d.get("snr"):
         lines += ["", "NIRA's similarity SNR per round (median over the reported seeds of the per-round median over "
-                  "site pairs) and the noise std on phi relative to FedAvg's over the same updates:", "",
+                  "site pairs; 0: the updates' squared norms are what the DP noise alone gives, so the similarities "
+                  "are noise; n/a: no phi) and the noise std on phi relative to FedAvg's over the same updates:", "",
                   "| training | SNR round 1 | SNR last | phi noise / FedAvg's | head noise / FedAvg's | "
                   "re-cluster moves |", "|---|---|---|---|---|---|"]
         for training, v in d["snr"].items():

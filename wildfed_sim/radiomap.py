@@ -646,7 +646,9 @@ def _write(result: RadioMapResult, settings: RadioMapSettings, out_dir: Path) ->
 def radiomap_command(
     seeds: str = _opt("0,1,2", "comma-separated seeds (tiles, transmitters, initial model, schedule; noise is "
                       "never seeded)"),
-    defences: str = _opt(",".join(DEFENCES), "comma-separated defences (default: all five)"),
+    defences: str = _opt(",".join(DEFENCES), "comma-separated defences, default all six: none, clip-only, uniform, "
+                         "steered-uniform, adaptive (learned noise shares over a uniform floor), grouped-clipping "
+                         "(per-group clipping norms from a public profile, noise calibrated to uniform's epsilon)"),
     rounds: int = _opt(50, "federated rounds"),
     clients: int = _opt(14, "clients (base-station sites)"),
     active: int = _opt(6, "active clients per round"),
@@ -664,10 +666,11 @@ def radiomap_command(
                      "needs `pip install --no-deps sionna-rt==2.2.0`) or procedural"),
     out: Path | None = _opt(None, "output folder (default runs/radiomap-<UTC time>)"),
 ) -> None:
-    """Federated RadioUNet radio maps with the seed's defences (none, clip-only, uniform, steered-uniform,
-    adaptive); attacker localisation RMSE (m) and validation MSE (dB) per round, 3 seeds. Writes radiomap.json,
-    .md, .png and the ledger. The default grid (15 runs) takes about an hour on 2 idle cores (it took 104 minutes on
-    busy ones); --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look."""
+    """Federated RadioUNet radio maps with six defences (the seed's none, clip-only, uniform, steered-uniform,
+    adaptive, and grouped-clipping); attacker localisation RMSE (m) and validation MSE (dB) per round, 3 seeds.
+    Writes radiomap.json, .md, .png and the ledger. The default grid (18 runs) takes well over an hour on 2 cores
+    (15 runs took 104 minutes on busy ones; --attacker template adds about 45 s per attack round and defence);
+    --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look."""
     from rich.console import Console
 
     settings = RadioMapSettings(
