@@ -208,9 +208,7 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                                    site_categories=site.species_categories, randomness=rngs[site.site_id],
                                    class_categories=table if config.logit_adjustment else None)
             zs[site.site_id] = {c.value: z for c, z in result.noise_multipliers.items()}
-            for c, ev in result.report.events.items():  # what the ledger would charge, composed over rounds
-                prev = events.setdefault(site.site_id, {}).get(c)
-                events[site.site_id][c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
+            _compose_into(events, site.site_id, result.report.events)  # what the ledger would charge
             rates[site.site_id] = {c.value: q for c, q in result.sampling_rates.items()}
             variance = update_noise_variance(result.report.events, clipping_norm=config.clipping_norm,
                                              learning_rate=config.learning_rate,
@@ -218,9 +216,7 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                                              num_examples=len(site), local_steps=int(result.report.local_steps))
             strategy.accumulate(site.site_id, result.delta, num_examples=len(site), noise_variance=variance,
                                 species_counts=result.report.species_counts or None)
-            for c, ev in result.report.count_events.items():  # NIRA's noisy counts: the ledger's "counts" events
-                prev = count_events.setdefault(site.site_id, {}).get(c)
-                count_events[site.site_id][c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
+            _compose_into(count_events, site.site_id, result.report.count_events)  # NIRA's noisy counts
         weights = strategy.after_step(server.step(bundle, strategy.aggregate()))
         strategy.end_round(r + 1)
     site_models = {s.site_id: strategy.site_weights(weights, s.site_id) for s in fed.sites}
@@ -229,6 +225,17 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
             "final_by_category": {c.value: a for c, a in final.by_category.items()} if final else {},
             "noise_multipliers": zs, "sampling_rates": rates, "events": events, "count_events": count_events,
             "weights": weights, "site_models": site_models}
+
+
+def _compose_into(into: dict[str, dict[IUCNCategory, Any]], site_id: str, events: Mapping[IUCNCategory, Any]) -> None:
+    """Add one round's ``{category: event}`` of ``site_id`` to the composition over rounds in ``into`` (a site's
+    events repeat the same mechanism every round, so composing is adding steps)."""
+    if not events:
+        return  # no privacy: nothing charged, no entry
+    per_site = into.setdefault(site_id, {})
+    for c, ev in events.items():
+        prev = per_site.get(c)
+        per_site[c] = ev if prev is None else prev.with_steps(prev.steps + ev.steps)
 
 
 def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, np.ndarray], backend: Any, server: Any,

@@ -65,6 +65,8 @@ import numpy as np
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
+from wildfed_sim.privacy_utility import mean_and_sd
+
 __all__ = ["Method", "TRAININGS", "METHODS", "BASELINES", "GRID", "NIRA_GRID", "HEAD_ONLY_GRID", "grid_for",
            "FINE_TUNE_STEPS", "MIN_CLUSTER_RECORDS",
            "NiraHeadSettings", "NiraHeadResult", "STRUCTURES", "real_structure_federation", "head_logits",
@@ -123,7 +125,7 @@ METHODS: tuple[Method, ...] = (
     Method("nira+mask", "nira", "mask", "NIRA + species mask"),
     Method("nira-head-only", "nira-head-only", "plain", "NIRA without phi (per-cluster heads only)"),
     Method("nira-inverse-variance", "nira-inverse-variance", "plain", "NIRA, phi by inverse noise variance"),
-    Method("nira-clusters", "nira-clusters", "plain", "NIRA, phi by |C_m|/K (seed)"),
+    Method("nira-clusters", "nira-clusters", "plain", "NIRA, phi by sites per cluster, C_m/K (seed)"),
     Method("nira-no-merging", "nira-no-merging", "plain", "NIRA, no embedding merging"),
     Method("nira-min-records", "nira-min-records", "plain", f"NIRA, clusters >= {MIN_CLUSTER_RECORDS} records"),
     Method("nira-recluster", "nira-recluster", "plain", "NIRA, re-clustering every 2 rounds"),
@@ -518,13 +520,6 @@ def _choose(rows: Sequence[Mapping[str, Any]], method: Method) -> dict[str, Any]
             "candidates": len(candidates)}
 
 
-def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
-    vals = [v for v in values if not math.isnan(v)]
-    if not vals:
-        return math.nan, math.nan
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
 def _pct(ms: Sequence[float]) -> str:
     return "n/a" if math.isnan(ms[0]) else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
 
@@ -561,7 +556,7 @@ def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
     lines += ["", "| headroom | macro | site mean | rare | CR/EN |", "|---|---|---|---|---|"]
     for name, key, sc in (("round 0", "round0", "plain"), ("non-private ceiling (central)", "ceiling", "plain"),
                           ("non-private ceiling + mask", "ceiling", "mask")):
-        lines.append(f"| {name} | " + " | ".join(_pct(_mean_sd([r[key][sc][m] for r in result.references]))
+        lines.append(f"| {name} | " + " | ".join(_pct(mean_and_sd([r[key][sc][m] for r in result.references]))
                                                 for m in METRICS) + " |")
     if len(settings.seeds) < 2:
         lines += ["", "One reported seed: no spread (± 0.0) and no interval ([-inf, +inf]); report at least five."]
@@ -584,19 +579,20 @@ def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _median_text(values: Sequence[float | None]) -> str:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return "n/a" if not vals else f"{statistics.median(vals):.3g}"
+
+
+def _snr(d: Mapping[str, Any]) -> float | None:
+    v = d.get("similarity_snr")  # a float, or "inf" (JSON cannot hold inf)
+    return None if v is None else float(v)
+
+
 def _diagnostics(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
     out = {}
     for training in sorted({r["training"] for r in rows if r.get("diagnostics")}):
         mine = [r for r in rows if r["training"] == training]
-
-        def med(values: list[float]) -> str:
-            vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-            return "n/a" if not vals else f"{statistics.median(vals):.3g}"
-
-        def snr(d: Mapping[str, Any]) -> float | None:
-            v = d.get("similarity_snr")
-            return None if v is None else float(v)
-
         ratios = [d["phi_noise_std"] / d["fedavg_noise_std"] for r in mine for d in r["diagnostics"]
                   if d.get("phi_noise_std") and d.get("fedavg_noise_std")]
         heads = []  # each cluster's head noise std over FedAvg's, averaged over the clusters by their records
@@ -605,9 +601,9 @@ def _diagnostics(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, str]]
                 h, f, n = d.get("head_noise_std") or {}, d.get("fedavg_noise_std"), d.get("cluster_records") or {}
                 if f and h and n and all(v is not None for v in h.values()):
                     heads.append(sum(n[c] * float(v) for c, v in h.items()) / sum(n.values()) / f)
-        out[training] = {"first": med([snr(r["diagnostics"][0]) for r in mine if r["diagnostics"]]),
-                         "last": med([snr(r["diagnostics"][-1]) for r in mine if r["diagnostics"]]),
-                         "noise_ratio": med(ratios), "head_ratio": med(heads),
+        out[training] = {"first": _median_text([_snr(r["diagnostics"][0]) for r in mine if r["diagnostics"]]),
+                         "last": _median_text([_snr(r["diagnostics"][-1]) for r in mine if r["diagnostics"]]),
+                         "noise_ratio": _median_text(ratios), "head_ratio": _median_text(heads),
                          "moves": str(sum(r.get("moves", 0) for r in mine))}
     return out
 
@@ -626,10 +622,9 @@ def _plot(result: NiraHeadResult, path: Path) -> None:
         ax.bar(np.arange(len(labels)) + 0.4 * i - 0.2, means, 0.4, yerr=sds, capsize=2,
                label={"macro": "macro", "cr_en": "CR/EN"}[metric])
     for name, key in (("round 0", "round0"), ("ceiling", "ceiling")):
-        ax.axhline(100 * statistics.fmean(r[key]["plain"]["macro"] for r in result.references), ls="--", lw=1,
-                   color="grey")
-        ax.text(len(labels) - 0.5, 100 * statistics.fmean(r[key]["plain"]["macro"] for r in result.references),
-                name, fontsize=7, va="bottom", ha="right")
+        level = 100 * statistics.fmean(r[key]["plain"]["macro"] for r in result.references)
+        ax.axhline(level, ls="--", lw=1, color="grey")
+        ax.text(len(labels) - 0.5, level, name, fontsize=7, va="bottom", ha="right")
     ax.set_xticks(np.arange(len(labels)))
     ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("accuracy per site (%)")
@@ -650,18 +645,13 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from wildfed_sim.demo import new_run_dir
-    from wildfed_sim.privacy_utility import paired_interval
+    from wildfed_sim.privacy_utility import paired_interval, read_runs
 
     t0 = time.monotonic()
     resume = settings.out_dir is not None and (Path(settings.out_dir) / "runs.jsonl").is_file()
     out_dir = Path(settings.out_dir).resolve() if resume else new_run_dir(settings.out_dir, "nira-head")
     log_path = out_dir / "runs.jsonl"
-    done: dict[str, dict[str, Any]] = {}
-    if log_path.exists():
-        for line in log_path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                done[_key(row["training"], row["seed"], row["point"])] = row
+    done = {_key(r["training"], r["seed"], r["point"]): r for r in read_runs(log_path)}
     methods = [m for m in METHODS if m.name in settings.methods]
     baselines = [m for m in methods if m.name in BASELINES]
     trainings = sorted({m.training for m in methods})
@@ -699,7 +689,7 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
             for c, e in r.get("epsilon", {}).items():
                 eps[c] = max(eps.get(c, 0.0), e)
         result.summary.append({"method": m.name, "label": m.label, "seeds": len(vals), "epsilon": eps,
-                               **{k: _mean_sd([v[k] for v in vals]) for k in METRICS}})
+                               **{k: mean_and_sd([v[k] for v in vals]) for k in METRICS}})
     best = max(baselines, key=lambda m: result.choices[m.name]["tuning_macro"]) if baselines else None
     if best is not None:
         base = scores(best)

@@ -64,7 +64,7 @@ from shared.iucn import CCDPBudget, IUCNCategory
 
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
            "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "paired_interval",
-           "epsilon_by_category", "choose", "markdown_tables"]
+           "epsilon_by_category", "choose", "markdown_tables", "read_runs", "mean_and_sd"]
 
 
 @dataclass(frozen=True)
@@ -337,7 +337,15 @@ def _run_all(jobs: list[tuple], done: dict[str, dict[str, Any]], log_path: Path,
 
 
 # ------------------------------------------------------------------------------------------ tables and plot
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+def read_runs(path: Path) -> list[dict[str, Any]]:
+    """The rows of a resumable run log (one JSON object per line; blank lines skipped; [] when absent)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean_and_sd(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, sample sd) of the values that are not None or nan; (nan, nan) when none is left, sd 0 for one."""
     vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     if not vals:
         return math.nan, math.nan
@@ -350,8 +358,8 @@ def _summarise(runs: Sequence[dict[str, Any]], configs: Sequence[Configuration])
         rows = [r for r in runs if r["configuration"] == config.name]
         entry: dict[str, Any] = {"configuration": config.name, "label": config.label, "seeds": len(rows)}
         for group in ("overall", "CR/EN"):
-            entry[group] = _mean_std([r["groups"][group] for r in rows])
-        entry["by_category"] = {c.value: _mean_std([r["by_category"][c.value] for r in rows]) for c in IUCNCategory}
+            entry[group] = mean_and_sd([r["groups"][group] for r in rows])
+        entry["by_category"] = {c.value: mean_and_sd([r["by_category"][c.value] for r in rows]) for c in IUCNCategory}
         entry["epsilon"] = {c.value: max((r["epsilon"].get(c.value, 0.0) for r in rows), default=0.0)
                             for c in IUCNCategory} if config.privacy != "none" else {}
         entry["budget"] = rows[0]["budget"] if rows else {}
@@ -482,13 +490,10 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     out_dir = Path(settings.out_dir).resolve() if resume else new_run_dir(settings.out_dir, "privacy-utility")
     log_path = out_dir / "runs.jsonl"
     done: dict[str, dict[str, Any]] = {}
-    if log_path.exists():
-        for line in log_path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                # rows written before the momentum stage ran at the fixed momentum
-                row["point"] = list(_with_momentum(row["point"], settings.server_momentum))
-                done[_job_key(row["configuration"], row["seed"], row["point"])] = row
+    for row in read_runs(log_path):
+        # rows written before the momentum stage ran at the fixed momentum
+        row["point"] = list(_with_momentum(row["point"], settings.server_momentum))
+        done[_job_key(row["configuration"], row["seed"], row["point"])] = row
     configs = [c for c in CONFIGURATIONS if c.name in settings.configurations]
     fixed = {"sites": settings.sites, "expected_batch_size": settings.expected_batch_size,
              "target_delta": settings.target_delta, "server_momentum": settings.server_momentum}

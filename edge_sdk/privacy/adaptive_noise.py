@@ -349,10 +349,19 @@ class AdaptiveGroupedNoise:
         if self.defence == "none":
             return u
         if self.defence == "grouped-clipping":
-            if self.clipping_profile is None:
-                raise ValueError("grouped-clipping needs a public clipping profile (clipping_profile)")
-            return clip_groups(u, self.layout, grouped_clipping_norms(self.clipping_profile, self.clipping_norm))[0]
+            return clip_groups(u, self.layout, self._group_norms())[0]
         return clip_update(u, self.clipping_norm)[0]
+
+    def _group_norms(self) -> np.ndarray:
+        """The grouped-clipping defence's C_g (:func:`grouped_clipping_norms` of the public profile).
+
+        Raises:
+            ValueError: no clipping profile yet.
+        """
+        if self.clipping_profile is None:
+            raise ValueError("grouped-clipping needs a public clipping profile (clipping_profile) before the "
+                             "first upload")
+        return grouped_clipping_norms(self.clipping_profile, self.clipping_norm)
 
     def privatise(self, update: np.ndarray, *, round_index: int, total_rounds: int,
                   noise: RandomSource) -> PrivatisedUpload:
@@ -375,10 +384,7 @@ class AdaptiveGroupedNoise:
                 raise ValueError("update must be finite")
             return PrivatisedUpload(u.astype(np.float32), None, np.zeros(g), float(np.linalg.norm(u)))
         if self.defence == "grouped-clipping":
-            if self.clipping_profile is None:
-                raise ValueError("grouped-clipping needs a public clipping profile (clipping_profile) before the "
-                                 "first upload")
-            norms = grouped_clipping_norms(self.clipping_profile, self.clipping_norm)
+            norms = self._group_norms()
             clipped, norm = clip_groups(u, self.layout, norms)
             std = grouped_clipping_noise_std(norms, self.layout, noise_multiplier=self.noise_multiplier)
             out = clipped + std[self.layout.index] * noise.standard_normal(self.layout.dimension)
