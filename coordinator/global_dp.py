@@ -29,7 +29,8 @@ One Global DP round ``r`` (``privacy: global``; docs/privacy.md "Global DP mode"
        g~ = (S + N(0, (z C_eff)^2 I_d)) / sum_{k in U3} q_k N_k
 
    with ``C_eff = C + sqrt(d) / scale`` (the L2 sensitivity of one record after rounding to the secagg grid:
-   docs/secagg.md) and ``q_k = min(1, B / N_k)``. The model then takes one SGD step
+   docs/secagg.md) and ``q_k = min(1, B / N_k)`` (1 under distributed noise, which credits no subsampling:
+   :func:`shared.privacy.distributed.site_sampling_rate`). The model then takes one SGD step
    ``theta <- theta - learning_rate * g~`` through the server optimizer.
 5. **Store and close** as in CCDP mode.
 
@@ -72,7 +73,7 @@ from shared.envelope import Envelope, MessageKind, seal
 from shared.errors import PayloadError
 from shared.iucn import IUCNCategory, parse_category
 from shared.privacy.accounting import AccountantName
-from shared.privacy.distributed import distributed_plan, skellam_event
+from shared.privacy.distributed import distributed_plan, site_sampling_rate, skellam_event
 from shared.privacy.events import DPSGDEvent, SkellamEvent
 from shared.privacy.individualized import anchor_noise_multiplier, individual_sampling_rates
 from shared.privacy.randomness import RandomSource, SecureRandom
@@ -142,8 +143,9 @@ def plan_global_round(*, budgets: Mapping[IUCNCategory, float], sampling_rates: 
     Skellam share so that the sites' noise stays on the grid.
 
     Args:
-        budgets: epsilon per category. sampling_rates: ``{site: q_k}`` for the selected sites (q_k = min(1, B/N_k)
-            from the enrolled record count; 1.0 where unknown). vector_length: d. clipping_norm: C.
+        budgets: epsilon per category. sampling_rates: ``{site: q_k}`` for the selected sites (q_k from
+            :func:`shared.privacy.distributed.site_sampling_rate`: ``min(1, B/N_k)`` from the enrolled record count,
+            1.0 where unknown or under distributed noise). vector_length: d. clipping_norm: C.
         expected_batch_size: B. target_delta, planned_rounds: as the federation's. distributed: the sites add the
             noise. threshold, modulus_bits, max_abs_value: as :func:`secagg_settings`.
 
@@ -565,7 +567,8 @@ class SecureAggregationRound:
         sigma = self._z * sensitivity
         # distributed: the noise is already in the opened sum (>= t Skellam shares, variance >= (z C_eff)^2)
         noisy = total if self._distributed else total + sigma * self._noise.standard_normal(total.shape[0])
-        expected_batch = sum(min(1.0, self._b / self._n[s]) * self._n[s] for s in request.survivors)
+        expected_batch = sum(site_sampling_rate(self._b, self._n[s], distributed=self._distributed) * self._n[s]
+                             for s in request.survivors)
         gradient = canonical_unflatten((noisy / expected_batch).astype(np.float32), self.template)
         summary = (f"{len(request.survivors)} of {self.params.num_sites} sites unmasked "
                    f"({len(request.dropped)} dropped after sharing); "
@@ -598,7 +601,8 @@ class SecureAggregationRound:
                 continue
             active = set(categories) | (set(self._declared.get(site, frozenset()))
                                         - set(self._halted.get(site, frozenset())))
-            sites[site] = (min(1.0, self._b / n), tuple(sorted(active, key=lambda c: c.rank)))
+            sites[site] = (site_sampling_rate(self._b, n, distributed=self._distributed),
+                           tuple(sorted(active, key=lambda c: c.rank)))
             self._n[site] = n
         return sites
 

@@ -63,6 +63,7 @@ from shared.iucn import IUCNCategory, parse_category
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
+from shared.privacy.distributed import site_sampling_rate
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
@@ -421,9 +422,11 @@ class RoundManager:
         distributed = cfg.global_noise == "distributed"
         budgets = cfg.budgets()
         enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
-        # each site's q_k from its enrolled (public) record count; 1.0 where unknown, which only raises z
-        rates = {s: min(1.0, cfg.expected_batch_size / enrolled[s].num_examples)
-                 if s in enrolled and enrolled[s].num_examples else 1.0 for s in selected}
+        # each site's q_k from its enrolled (public) record count; 1.0 where unknown, which only raises z, and
+        # 1.0 under distributed noise (no subsampling credited: shared.privacy.distributed.site_sampling_rate)
+        rates = {s: site_sampling_rate(cfg.expected_batch_size,
+                                       enrolled[s].num_examples if s in enrolled else None, distributed=distributed)
+                 for s in selected}
         settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
                                         clipping_norm=float(cfg.clipping_norm),
                                         expected_batch_size=cfg.expected_batch_size,

@@ -28,7 +28,7 @@ import numpy as np
 from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
-from shared.privacy.distributed import distributed_plan
+from shared.privacy.distributed import distributed_plan, site_sampling_rate
 from shared.privacy.individualized import individual_sampling_rates
 from shared.protocol import TrainingTask, UpdateReport
 
@@ -214,7 +214,8 @@ def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Ite
     if n_site == 0:
         raise PrivacyBudgetError(f"round {task.round}: the site has no records: the site does not train")
     eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
-    return active, eligible, n_site, min(1.0, task.expected_batch_size / n_site)
+    return active, eligible, n_site, site_sampling_rate(task.expected_batch_size, n_site,
+                                                        distributed=bool(task.distributed_noise))
 
 
 def train_locally(

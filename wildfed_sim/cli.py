@@ -154,20 +154,22 @@ def privacy_utility(
     tuning_seeds: str = typer.Option("101,103", help="comma-separated seeds every configuration is tuned on "
                                      "(never reported)"),
     configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of: none, "
-                                              "uniform-eps0.33, uniform-eps1, uniform-eps2, ccdp-g1-sample, "
+                                              "uniform-eps0.33, uniform-eps1, uniform-eps2, uniform-eps0.67, "
+                                              "uniform-eps1.33, uniform-eps1.67, ccdp-g1-sample, "
                                               "ccdp-g1-scale, ccdp-g2-sample, ccdp-g2-scale, global-ccdp-g1-trusted, "
-                                              "global-ccdp-g1-distributed, global-uniform-eps0.33-distributed "
-                                              "(default all)"),
+                                              "global-ccdp-g1-distributed, global-uniform-eps0.33-distributed, "
+                                              "global-ccdp-g1-distributed-1dropout (default all)"),
     grid: str = typer.Option("full", help="tuning grid: full (25 points per configuration) or tiny (1 point)"),
     processes: int = typer.Option(2, help="worker processes"),
     sites: int = typer.Option(8, help="sites of the demo's design"),
     out: Path | None = typer.Option(None, help="output folder (default runs/privacy-utility-<UTC time>); an "
                                     "existing one is resumed from its runs.jsonl"),
 ) -> None:
-    """The privacy-utility table (issue 19): no privacy, uniform DP eps 0.33 / 1 / 2, CCDP gamma 1 and 2 in both
-    individualized DP-SGD variants, Global DP with trusted-server and distributed noise; every configuration tuned
-    on the tuning seeds, then run on the reported seeds; paired differences with 95 % intervals; accuracy per IUCN
-    category against its epsilon. Writes privacy_utility.md, .json, .png and runs.jsonl."""
+    """The privacy-utility table (issue 19): no privacy, uniform DP at each of CCDP gamma 1's budgets (0.33 to 2),
+    CCDP gamma 1 and 2 in both individualized DP-SGD variants, Global DP with trusted-server and distributed noise
+    (the latter also calibrated for one dropout); every configuration tuned on the tuning seeds, then run on the
+    reported seeds; paired differences with 95 % intervals; CCDP against the per-category mixture of uniform runs;
+    accuracy per IUCN category against its epsilon. Writes privacy_utility.md, .json, .png and runs.jsonl."""
     from wildfed_sim.privacy_utility import CONFIGURATIONS, PrivacyUtilitySettings, run_privacy_utility
 
     names = (tuple(c.strip() for c in configurations.split(",") if c.strip()) if configurations

@@ -111,7 +111,9 @@ class SimConfig:
     ``--global-noise``) or ``"none"``; ``budgets``: epsilon per category (ignored for ``"none"``);
     ``server_learning_rate`` and ``server_momentum``: the coordinator's server SGD (1 and 0 are FedAvg);
     ``centre``: the gateways train on embeddings centred by the public split's mean (site config
-    ``feature_centre``, :mod:`shared.models.feature_centre`).
+    ``feature_centre``, :mod:`shared.models.feature_centre`); ``secagg_threshold``: Global DP's secure-aggregation
+    threshold t, which the distributed noise is calibrated for (None: the coordinator's default, coordinator config
+    ``secagg.threshold``).
     """
 
     privacy: str = "ccdp"
@@ -130,6 +132,7 @@ class SimConfig:
     ccdp_variant: str = "sample"
     logit_adjustment: bool = True
     global_noise: str = "trusted-server"
+    secagg_threshold: int | None = None
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None,
@@ -254,18 +257,19 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
     from coordinator.global_dp import distributed_events, effective_sensitivity, global_events, plan_global_round
     from edge_sdk.training import clipped_sum_locally
     from shared.models.feature_centre import centre_digest, uncentred_gradient
-    from shared.privacy.distributed import skellam_noise, skellam_share_variance
+    from shared.privacy.distributed import site_sampling_rate, skellam_noise, skellam_share_variance
     from shared.protocol import TrainingTask, canonical_flatten, canonical_unflatten
     from shared.secagg import dequantise_sum, quantise
 
     budgets = dict(config.budgets)
     d = sum(int(np.asarray(w).size) for w in weights.values())
-    rates = {s.site_id: min(1.0, config.expected_batch_size / len(s)) for s in fed.sites}
     distributed = config.global_noise == "distributed"
+    rates = {s.site_id: site_sampling_rate(config.expected_batch_size, len(s), distributed=distributed)
+             for s in fed.sites}
     settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
                                     clipping_norm=config.clipping_norm, expected_batch_size=config.expected_batch_size,
                                     target_delta=config.target_delta, planned_rounds=config.rounds,
-                                    distributed=distributed)
+                                    distributed=distributed, threshold=config.secagg_threshold)
     params = settings.params("sim", 0)
     sigma = z * effective_sensitivity(config.clipping_norm, d, settings.scale)
     share_variance = skellam_share_variance(noise_multiplier=z, clipping_norm=config.clipping_norm, vector_length=d,

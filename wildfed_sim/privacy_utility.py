@@ -63,7 +63,8 @@ from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
-           "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "paired_interval",
+           "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "paired_interval", "mixture_prediction",
+           "MIXTURE_REFERENCE",
            "epsilon_by_category", "choose", "markdown_tables", "read_runs", "mean_and_sd"]
 
 
@@ -77,6 +78,9 @@ class Configuration:
         gamma: CCDP exponent (0 = uniform DP), with ``epsilon`` the budget of VU (uniform: every category's).
         variant: individualized DP-SGD ``"sample"`` or ``"scale"`` (local CCDP).
         global_noise: ``"trusted-server"`` or ``"distributed"`` (Global DP).
+        tolerated_dropouts: distributed Global DP: the secure-aggregation threshold is ``sites - tolerated_dropouts``
+            and the Skellam shares are calibrated for it (None: the coordinator's default threshold
+            ``floor(sites / 2) + 1``, :func:`coordinator.global_dp.secagg_settings`).
     """
 
     name: str
@@ -86,6 +90,11 @@ class Configuration:
     epsilon: float = 1.0
     variant: str = "sample"
     global_noise: str = "trusted-server"
+    tolerated_dropouts: int | None = None
+
+    def threshold(self, sites: int) -> int | None:
+        """The secure-aggregation threshold t for ``sites`` sites (None: the coordinator's default)."""
+        return None if self.tolerated_dropouts is None else max(2, int(sites) - int(self.tolerated_dropouts))
 
     def budgets(self) -> dict[IUCNCategory, float]:
         """Epsilon per category (:meth:`shared.iucn.CCDPBudget.from_anchor` at VU; uniform for gamma 0)."""
@@ -97,6 +106,11 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration("uniform-eps0.33", "uniform eps 0.33", "ccdp", 0.0, 1 / 3),
     Configuration("uniform-eps1", "uniform eps 1", "ccdp", 0.0, 1.0),
     Configuration("uniform-eps2", "uniform eps 2", "ccdp", 0.0, 2.0),
+    # uniform DP at CCDP gamma 1's other budgets (EN, NT, LC): with the three above, the per-category reference
+    # of the mixture prediction (:func:`mixture_prediction`)
+    Configuration("uniform-eps0.67", "uniform eps 0.67", "ccdp", 0.0, 2 / 3),
+    Configuration("uniform-eps1.33", "uniform eps 1.33", "ccdp", 0.0, 4 / 3),
+    Configuration("uniform-eps1.67", "uniform eps 1.67", "ccdp", 0.0, 5 / 3),
     Configuration("ccdp-g1-sample", "CCDP g1 sample", "ccdp", 1.0, 1.0, "sample"),
     Configuration("ccdp-g1-scale", "CCDP g1 scale", "ccdp", 1.0, 1.0, "scale"),
     Configuration("ccdp-g2-sample", "CCDP g2 sample", "ccdp", 2.0, 1.0, "sample"),
@@ -106,7 +120,14 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
                   global_noise="distributed"),
     Configuration("global-uniform-eps0.33-distributed", "Global uniform 0.33 distributed", "global", 0.0, 1 / 3,
                   global_noise="distributed"),
+    Configuration("global-ccdp-g1-distributed-1dropout", "Global CCDP g1 distributed, 1 dropout tolerated", "global",
+                  1.0, 1.0, global_noise="distributed", tolerated_dropouts=1),
 )
+
+#: CCDP gamma 1's budget per category and the uniform configuration that gives every record that budget (the
+#: mixture prediction's reference)
+MIXTURE_REFERENCE: dict[str, str] = {"CR": "uniform-eps0.33", "EN": "uniform-eps0.67", "VU": "uniform-eps1",
+                                     "NT": "uniform-eps1.33", "LC": "uniform-eps1.67", "NE": "uniform-eps2"}
 
 #: (a, b, what it tests): paired differences a - b reported with 95 % intervals (the issue's acceptance)
 COMPARISONS: tuple[tuple[str, str, str], ...] = (
@@ -117,6 +138,8 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("global-ccdp-g1-distributed", "global-ccdp-g1-trusted", "distributed vs trusted server (within 2)"),
     ("global-ccdp-g1-distributed", "ccdp-g1-sample", "distributed Global vs local DP (>= +5)"),
     ("global-ccdp-g1-distributed", "global-uniform-eps0.33-distributed", "CCDP vs uniform 0.33, distributed"),
+    ("global-ccdp-g1-distributed-1dropout", "global-ccdp-g1-trusted",
+     "distributed calibrated for n - 1 survivors vs trusted server"),
 )
 
 #: the learning rates of every grid: a first run with 2-8 chose 2 or 8 for three configurations, so 1 and 16 were
@@ -205,6 +228,8 @@ class PrivacyUtilityResult:
     comparisons: list[dict[str, Any]] = field(default_factory=list)
     round0: dict[str, float] = field(default_factory=dict)
     site_records: dict[str, dict[str, int]] = field(default_factory=dict)
+    test_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    mixture: dict[str, Any] | None = None
     elapsed_s: float = 0.0
 
 
@@ -254,6 +279,44 @@ def _event_epsilon(event: Any, target_delta: float) -> float:
     return epsilon_spent([event], target_delta=target_delta)
 
 
+def mixture_prediction(runs: Sequence[dict[str, Any]], test_weights: Mapping[str, Mapping[str, float]],
+                       ccdp: str = "ccdp-g1-sample") -> dict[str, Any] | None:
+    """Does CCDP give each category the accuracy that its budget buys under uniform DP? For every reported seed
+    with a run of ``ccdp`` and of every configuration of :data:`MIXTURE_REFERENCE`, the *predicted* accuracy of
+    category c is the accuracy on c of the uniform run at c's budget (same seed, so paired), and the predicted
+    overall accuracy is ``sum_c w_c acc_c`` with ``w_c`` the fraction of the seed's held-out records in c.
+
+    Args:
+        runs: reported runs (rows of :func:`_run`). test_weights: ``{seed (str): {category code: w_c}}``.
+        ccdp: the configuration predicted.
+
+    Returns:
+        None when no seed has every run; else ``{"seeds": [...], "overall": paired_interval(actual, predicted),
+        "predicted_overall": mean, "by_category": {code: paired_interval(ccdp on c, reference on c)}}``
+        (fractions).
+    """
+    by = {(r["configuration"], r["seed"]): r for r in runs}
+    seeds = sorted(s for (c, s) in by if c == ccdp
+                   and all((ref, s) in by for ref in MIXTURE_REFERENCE.values()) and str(s) in test_weights)
+    if not seeds:
+        return None
+    actual, predicted = [], []
+    for s in seeds:
+        w = test_weights[str(s)]
+        actual.append(by[(ccdp, s)]["groups"]["overall"])
+        predicted.append(sum(w.get(c, 0.0) * by[(ref, s)]["by_category"][c]
+                             for c, ref in MIXTURE_REFERENCE.items() if w.get(c, 0.0) > 0))
+    cats = {}
+    for c, ref in MIXTURE_REFERENCE.items():
+        pairs = [(by[(ccdp, s)]["by_category"][c], by[(ref, s)]["by_category"][c]) for s in seeds]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None and not (math.isnan(a) or math.isnan(b))]
+        if pairs:
+            cats[c] = {"reference": ref, **paired_interval([a for a, _ in pairs], [b for _, b in pairs])}
+    return {"seeds": seeds, "overall": paired_interval(actual, predicted),
+            "predicted_overall": statistics.fmean(predicted), "actual_overall": statistics.fmean(actual),
+            "by_category": cats}
+
+
 def choose(tuning: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     """The grid point of configuration ``name`` with the best mean overall accuracy over the tuning seeds (ties:
     the first in grid order). Raises ValueError when it has no tuning run."""
@@ -288,7 +351,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
                     expected_batch_size=fixed["expected_batch_size"] if privacy != "none" else 128,
                     learning_rate=lr, clipping_norm=clip, target_delta=fixed["target_delta"],
                     server_momentum=momentum, ccdp_variant=config.variant,
-                    global_noise=config.global_noise)
+                    global_noise=config.global_noise, secagg_threshold=config.threshold(fixed["sites"]))
     t0 = time.monotonic()
     out = simulate(_FEDERATIONS[key], sim, seed=seed)
     eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}
@@ -411,6 +474,18 @@ def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettin
                         else "(one seed: no interval)")
             cells.append(f"{100 * ci['mean']:+.1f} {interval}")
         lines.append(f"| {comp['a']} - {comp['b']} | {comp['what']} | {cells[0]} | {cells[1]} |")
+    mix = result.mixture
+    if mix:
+        def ci(d: Mapping[str, float]) -> str:
+            tail = f" [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d["n"] > 1 else ""
+            return f"{100 * d['mean']:+.1f}{tail}"
+        lines += ["", "Mixture prediction: CCDP gamma 1 against, for each category, uniform DP at that category's "
+                  f"budget (paired over seeds {', '.join(map(str, mix['seeds']))}; predicted overall "
+                  f"{100 * mix['predicted_overall']:.1f} %, measured {100 * mix['actual_overall']:.1f} %, "
+                  f"difference {ci(mix['overall'])} points):", "",
+                  "| category | uniform reference | CCDP g1 - reference on the category |", "|---|---|---:|"]
+        for c, d in mix["by_category"].items():
+            lines.append(f"| {c} | {d['reference']} | {ci(d)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -472,6 +547,22 @@ def _site_records(settings: PrivacyUtilitySettings) -> dict[str, dict[str, int]]
     return out
 
 
+def _test_weights(settings: PrivacyUtilitySettings) -> dict[str, dict[str, float]]:
+    """``{seed: {category: fraction of the held-out records}}`` of the reported seeds (the weights of
+    :func:`mixture_prediction`)."""
+    import numpy as np
+
+    from wildfed_sim.demo_sim import load_federation
+
+    out = {}
+    for seed in settings.seeds:
+        warnings.simplefilter("ignore")
+        fed = _FEDERATIONS.get((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
+        ranks = np.asarray([fed.class_categories[int(y)].rank for y in fed.test_labels], dtype=np.int64)
+        out[str(seed)] = {c.value: float((ranks == c.rank).mean()) for c in IUCNCategory}
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the experiment
 def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None) -> PrivacyUtilityResult:
     """Tune every configuration on the tuning seeds, run its chosen point on the reported seeds, and write the
@@ -513,6 +604,9 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     result.round0 = {"overall": statistics.fmean(r["round0"] for r in result.runs)}
     result.site_records = _site_records(settings)
     result.summary = _summarise(result.runs, configs)
+    if {"ccdp-g1-sample", *MIXTURE_REFERENCE.values()} <= {c.name for c in configs}:
+        result.test_weights = _test_weights(settings)
+        result.mixture = mixture_prediction(result.runs, result.test_weights)
     names = {c.name for c in configs}
     for a, b, what in COMPARISONS:
         if a in names and b in names:
@@ -527,7 +621,7 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     (out_dir / "privacy_utility.json").write_text(json.dumps(
         {"settings": settings_json, "configurations": [asdict(c) for c in configs], "chosen": result.chosen,
          "round0": result.round0, "site_records": result.site_records, "summary": result.summary,
-         "comparisons": result.comparisons,
+         "comparisons": result.comparisons, "mixture": result.mixture,
          "runs": result.runs, "tuning": result.tuning, "elapsed_s": result.elapsed_s}, indent=1))
     md = markdown_tables(result, settings)
     (out_dir / "privacy_utility.md").write_text("# Privacy-utility (issue 19, item 4)\n\n" + md)

@@ -8,7 +8,9 @@ calibrated for the minimum number of survivors t (the secure-aggregation thresho
 ``mu / t`` per coordinate, so any t or more survivors give at least ``mu`` (dropouts mean less noise, never less
 than planned). Per-category budgets are met as in individualized DP-SGD's "Scale" variant (Boenisch et al.,
 NeurIPS 2023, Sec. 4.2): one noise level, category c's records clipped at ``C_c <= C``. Subsampling is not
-credited (dp-accounting has no subsampled-Skellam accounting), so every round is charged as a full release.
+credited (dp-accounting has no subsampled-Skellam accounting), so every round is charged as a full release, and
+so every site takes every record of an active category each round (:func:`site_sampling_rate` is 1): sampling
+that the accountant does not credit would only discard signal at the same noise.
 
 Integer units: with the secure-aggregation ``scale``, a record clipped at ``C_c`` moves its site's quantised sum by
 at most ``D2 = C_c scale + sqrt(d)`` in L2 (deterministic rounding moves each of d coordinates by at most 1/2 per
@@ -35,7 +37,32 @@ from shared.iucn import IUCNCategory
 from shared.privacy.accounting import epsilon_spent, make_accountant
 from shared.privacy.events import SkellamEvent
 
-__all__ = ["skellam_event", "skellam_share_variance", "distributed_plan", "skellam_noise"]
+__all__ = ["skellam_event", "skellam_share_variance", "distributed_plan", "skellam_noise", "site_sampling_rate"]
+
+
+def site_sampling_rate(expected_batch_size: int, num_examples: int | None, *, distributed: bool = False) -> float:
+    """A site's base Poisson rate q_k, computed alike by the gateway (which samples) and the coordinator (which
+    normalises by ``sum_k q_k N_k`` and charges the ledger): ``min(1, B / N_k)`` from the task's expected batch
+    size B and the site's public record count N_k (1.0 where N_k is unknown or 0, which only raises z); under
+    distributed noise 1.0 for every site, because the Skellam accounting credits no subsampling (module
+    docstring): a record left out of a round would cost the same epsilon as one put in.
+
+    Args:
+        expected_batch_size: B >= 1 (records per step in expectation). num_examples: N_k, or None.
+        distributed: the round's noise is the sites' Skellam shares (``TrainingTask.distributed_noise``).
+
+    Returns:
+        q_k in (0, 1].
+
+    Raises:
+        ConfigError (field ``expected_batch_size``): B < 1.
+    """
+    if not expected_batch_size >= 1:
+        raise ConfigError(f"expected_batch_size must be >= 1, got {expected_batch_size}",
+                          field="expected_batch_size", fix="use e.g. 1024")
+    if distributed or not num_examples:
+        return 1.0
+    return min(1.0, float(expected_batch_size) / float(num_examples))
 
 
 def _sensitivities(clipping_norm: float, vector_length: int, scale: float) -> tuple[float, float]:

@@ -182,11 +182,13 @@ def test_distributed_round_adds_no_noise_at_the_coordinator_and_charges_skellam_
                                                 global_noise="distributed")
     # Execute
     result = coord.run_round()
-    # Assert: the released step is the exact sum (nothing added by the coordinator), as in the trusted test above
+    # Assert: the released step is the exact sum (nothing added by the coordinator), as in the trusted test above,
+    # normalised by every record of the three sites, 8 + 16 + 4 = 28 (distributed noise credits no subsampling, so
+    # q_k = 1 at every site, where the trusted round normalises by sum_k min(1, B / N_k) N_k = 12)
     assert result.status == "closed" and result.accepted == ("a", "b", "c")
     _, weights = coord.rounds.current_model()
     for name, w0 in tiny_weights().items():
-        np.testing.assert_allclose(weights[name], w0 + 0.5 * 0.25 / 12, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights[name], w0 + 0.5 * 0.25 / 28, rtol=0, atol=1e-6)
     task = sites[0].task
     assert task.distributed_noise and task.noise_multiplier > 0
     params = task.secagg

@@ -79,3 +79,60 @@ def test_shares_of_t_sites_sum_to_the_planned_variance() -> None:
     assert abs(total.mean()) < 5 * math.sqrt(4 * share / 200_000)
     assert abs(total.var() / (4 * share) - 1) < 0.02
     assert stats.kstest(total / math.sqrt(4 * share), "norm").pvalue > 1e-3
+
+
+def test_site_sampling_rate_is_min_one_b_over_n_and_one_under_distributed_noise():
+    from shared.errors import ConfigError
+    from shared.privacy.distributed import site_sampling_rate
+
+    # by hand: B = 1024 at N = 2305, 470 and unknown; distributed credits no subsampling, so every record goes in
+    assert site_sampling_rate(1024, 2305) == pytest.approx(1024 / 2305, rel=1e-15)
+    assert site_sampling_rate(1024, 470) == 1.0 and site_sampling_rate(1024, None) == 1.0
+    assert site_sampling_rate(1024, 0) == 1.0
+    assert site_sampling_rate(1024, 2305, distributed=True) == 1.0
+    with pytest.raises(ConfigError, match="expected_batch_size"):
+        site_sampling_rate(0, 10)
+
+
+def test_a_distributed_site_sums_every_record_when_b_is_below_n():
+    # Prepare: 40 NE and 10 LC records, B = 5 (q would be 0.1); a source whose uniforms are all 0.5, so any rate
+    # below 0.5 would leave every record out and a rate of 1 takes every one
+    from edge_sdk.backends.torch_backend import TorchBackend
+    from edge_sdk.training import clipped_sum_locally
+    from shared.models.kinds import model_spec
+    from shared.protocol import SecAggSettings, TrainingTask
+
+    class Half:
+        def random(self, size):
+            return np.full(size, 0.5)
+
+        def standard_normal(self, size):
+            return np.zeros(size)
+
+    class Records:
+        def __init__(self, n_ne, n_lc, e):
+            rng = np.random.default_rng(3)
+            self.features = rng.standard_normal((n_ne + n_lc, e)).astype(np.float32)
+            self.labels = np.arange(n_ne + n_lc) % 3
+            self.categories = np.array([Cat.NE.rank] * n_ne + [Cat.LC.rank] * n_lc, np.int8)
+
+        def __len__(self):
+            return len(self.labels)
+
+    e, k = 8, 3
+    spec = model_spec("head", k, adapter_width=0, embedding_dim=e)
+    weights = spec.initial_weights(0)
+    d = sum(w.size for w in weights.values())
+    for distributed, want in ((True, 50), (False, 0)):
+        task = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=5,
+                            learning_rate=1.0, clipping_norm=1.0, target_delta=1e-5, planned_rounds=2,
+                            privacy="global", budgets={Cat.NE: 2.0, Cat.LC: 1.0}, noise_multiplier=3.0,
+                            distributed_noise=distributed,
+                            secagg=SecAggSettings(site_ids=("a", "b"), threshold=2, vector_length=d,
+                                                  max_abs_value=100.0, scale=2.0 ** 16))
+        # Execute
+        part = clipped_sum_locally(backend=TorchBackend(model=spec), dataset=Records(40, 10, e), task=task,
+                                   global_weights=weights, site_categories=[Cat.NE, Cat.LC], randomness=Half())
+        # Assert: distributed takes all 50 records at q = 1; trusted samples at q <= 0.1 < 0.5, so none
+        assert part.batch_size == want
+        assert part.sampling_rate == (1.0 if distributed else pytest.approx(0.1))

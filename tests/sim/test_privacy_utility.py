@@ -131,3 +131,38 @@ def test_privacy_utility_command_tiny(tmp_path):
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0, again.output
     assert (out / "runs.jsonl").read_text().splitlines() == lines
+
+
+def test_mixture_prediction_is_the_hand_worked_weighted_sum_of_the_uniform_runs():
+    from wildfed_sim.privacy_utility import MIXTURE_REFERENCE, mixture_prediction
+
+    # two seeds; each uniform run is perfect on "its" category and 0 elsewhere except uniform eps 2 (0.5 on NE);
+    # the held-out records: CR 10 %, EN 10 %, VU 20 %, NT 10 %, LC 20 %, NE 30 %
+    w = {"CR": 0.1, "EN": 0.1, "VU": 0.2, "NT": 0.1, "LC": 0.2, "NE": 0.3}
+    acc = {"CR": 0.4, "EN": 0.5, "VU": 0.6, "NT": 0.7, "LC": 0.8, "NE": 0.9}
+    runs = []
+    for seed, ccdp_overall in ((0, 0.70), (1, 0.60)):
+        for cat, ref in MIXTURE_REFERENCE.items():
+            runs.append({"configuration": ref, "seed": seed, "groups": {"overall": 0.0},
+                         "by_category": {c: (acc[c] if c == cat else 0.0) for c in w}})
+        runs.append({"configuration": "ccdp-g1-sample", "seed": seed, "groups": {"overall": ccdp_overall},
+                     "by_category": {c: acc[c] - 0.1 for c in w}})
+    runs.append({"configuration": "ccdp-g1-sample", "seed": 2, "groups": {"overall": 0.9},  # no references: left out
+                 "by_category": dict(acc)})
+    mix = mixture_prediction(runs, {"0": w, "1": w, "2": w})
+    # predicted overall, by hand: 0.1*0.4 + 0.1*0.5 + 0.2*0.6 + 0.1*0.7 + 0.2*0.8 + 0.3*0.9 = 0.71
+    assert mix["seeds"] == [0, 1]
+    assert mix["predicted_overall"] == pytest.approx(0.71) and mix["actual_overall"] == pytest.approx(0.65)
+    assert mix["overall"]["mean"] == pytest.approx(-0.06) and mix["overall"]["n"] == 2
+    for cat in w:  # CCDP is 0.1 below the reference on every category, on both seeds: sd 0
+        assert mix["by_category"][cat]["mean"] == pytest.approx(-0.1)
+        assert mix["by_category"][cat]["reference"] == MIXTURE_REFERENCE[cat]
+    assert mixture_prediction(runs[-1:], {"2": w}) is None
+
+
+def test_one_dropout_configuration_sets_the_threshold_from_the_number_of_sites():
+    by_name = {c.name: c for c in CONFIGURATIONS}
+    assert by_name["global-ccdp-g1-distributed-1dropout"].threshold(8) == 7
+    assert by_name["global-ccdp-g1-distributed"].threshold(8) is None  # the coordinator's default
+    for name, eps in (("uniform-eps0.67", 2 / 3), ("uniform-eps1.33", 4 / 3), ("uniform-eps1.67", 5 / 3)):
+        assert all(v == pytest.approx(eps) for v in by_name[name].budgets().values())
