@@ -9,14 +9,24 @@ Semantics (DESIGN.md "Privacy semantics"):
   :meth:`PrivacyLedger.record_round` returns. Re-recording the *same* event for the same key is a no-op (a
   coordinator that crashed between "ledger written" and "model stored" replays the round safely); a *different*
   event for an existing key raises :class:`LedgerError`.
-- Spend is never cached across processes: :meth:`PrivacyLedger.spent` composes *all* recorded events of the
-  (site, category) with a fresh dp-accounting accountant (shared.privacy.accounting.epsilon_spent; RDP by default,
-  Mironov 2017). An event the accountant does not support raises ``dp_accounting.UnsupportedEventError``; it is
-  never skipped.
+- Spend is the composition of *all* recorded events of the (site, category) by a dp-accounting accountant (RDP by
+  default, Mironov 2017; or PLD). An event the accountant does not support raises
+  ``dp_accounting.UnsupportedEventError``; it is never skipped.
+- Incremental (issue 22, item 4): per (site, category, accountant) the ledger keeps a running composition
+  (:class:`shared.privacy.running.RunningComposition`) in memory, and each question (spend, dry run, rounds left)
+  first composes into it only the rows it has not seen: a charge costs the same whatever the length of the history.
+  Dry runs compose the candidate events into a copy of it. The results equal those of composing the whole history
+  afresh (:func:`composed_epsilon`) to floating-point rounding for RDP and exactly for PLD (see that module).
+- The store stays the source of truth: the in-memory compositions are a cache of its rows, rebuilt from them on
+  first use (a new ``PrivacyLedger`` after a restart composes the stored history once per (site, category), coalesced:
+  one accountant evaluation per distinct mechanism). Several processes (ingest workers, the CLI, the web view) may
+  append to the same database: before every read the ledger fetches the rows of the (site, category) with an id
+  above the largest it has composed and then counts the rows; a count above what it has composed (a row with a
+  smaller id committed late by another writer) makes it compare ids and compose the missing rows. Rows committed
+  before the read are therefore never missed, as when the whole history was read.
 - Cost: identical (noise_multiplier, sampling_rate) events are coalesced before composing
   (``SelfComposed(e, a) o SelfComposed(e, b) = SelfComposed(e, a + b)``, the definition of self-composition), so
-  a site that repeats its calibrated event every round costs one accountant evaluation, not one per round; the
-  pure composition is memoised per process (:func:`composed_epsilon`).
+  a site that repeats its calibrated event every round costs one accountant evaluation, not one per round.
 - Halting: before a round is opened, :meth:`PrivacyLedger.halt_if_needed` dry-runs the site's *next* event of each
   category (by default the last event it reported for that category, since a site calibrates one noise multiplier
   for its whole planned schedule) and halts the category if the composed spend would pass its budget. Halts are
@@ -45,15 +55,17 @@ import json
 import logging
 import datetime as _dt
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from shared.errors import PrivacyBudgetError
 from shared.iucn import IUCNCategory, parse_category
 from shared.privacy.accounting import AccountantName, epsilon_spent
 from shared.privacy.events import DPSGDEvent, PrivacyEvent, SkellamEvent, parse_event
+from shared.privacy.running import RunningComposition, coalesce
 
 from coordinator.storage import HaltRow, LedgerRow, RoundRow, Store, dumps
 
@@ -61,21 +73,6 @@ __all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_eps
            "UNCHARGEABLE_PRIVACY"]
 
 log = logging.getLogger(__name__)
-
-
-def coalesce(events: Iterable[PrivacyEvent]) -> tuple[PrivacyEvent, ...]:
-    """Merge events of the same per-step mechanism (``mechanism_key``: type and parameters) by adding their steps;
-    order of first occurrence.
-
-    Exact: k steps of the same mechanism then m more are k + m steps of it.
-    """
-    first: dict[tuple, PrivacyEvent] = {}
-    steps: dict[tuple, int] = {}
-    for ev in events:
-        key = ev.mechanism_key()
-        first.setdefault(key, ev)
-        steps[key] = steps.get(key, 0) + int(ev.steps)
-    return tuple(first[k].with_steps(t) for k, t in steps.items())
 
 
 def repeat_rounds(per_round: Sequence[DPSGDEvent], k: int) -> tuple[DPSGDEvent, ...]:
@@ -94,6 +91,9 @@ UNCHARGEABLE_PRIVACY = frozenset({"global", "none"})
 @functools.lru_cache(maxsize=4096)
 def composed_epsilon(events: tuple[DPSGDEvent, ...], target_delta: float, accountant: AccountantName) -> float:
     """Epsilon of the composition of ``events`` (after :func:`coalesce`) at ``target_delta``; pure, memoised.
+
+    The whole history composed afresh: the reference the ledger's running compositions equal, and what it falls
+    back to for a replay whose stored events differ from the ones checked (:meth:`PrivacyLedger.round_would_exceed`).
 
     Raises:
         dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
@@ -116,6 +116,20 @@ class HaltInfo:
     halted_at: _dt.datetime | None
 
 
+@dataclass
+class _Stream:
+    """The running composition of one (site, category, accountant) and the ledger row ids composed into it."""
+
+    running: RunningComposition
+    ids: set[int] = field(default_factory=set)
+    max_id: int = 0
+
+
+def _mechanism_steps(events: Iterable[PrivacyEvent]) -> dict[tuple, int]:
+    """``{mechanism key: steps}`` of the events with steps: equal for two event lists that compose the same."""
+    return {e.mechanism_key(): int(e.steps) for e in coalesce(e for e in events if e.steps > 0)}
+
+
 class PrivacyLedger:
     """Append-only per-site, per-IUCN-category ledger of DP-SGD events, composed with dp-accounting.
 
@@ -124,14 +138,66 @@ class PrivacyLedger:
         target_delta: delta at which epsilon is reported (the federation's ``target_delta``), in (0, 1).
         accountant: default accountant name, ``"rdp"`` or ``"pld"`` (shared.privacy.accounting).
 
-    A new ``PrivacyLedger`` on the same database (e.g. after a restart) reports exactly the same spend: nothing is
-    kept in memory that is not also in the database.
+    A new ``PrivacyLedger`` on the same database (e.g. after a restart) reports exactly the same spend: what it keeps
+    in memory (a running composition per (site, category, accountant), module docstring) is rebuilt from the rows,
+    and rows appended by other processes are composed before every read. Safe to share between threads (one lock
+    around the running compositions).
     """
 
     def __init__(self, store: Store, *, target_delta: float, accountant: AccountantName = "rdp") -> None:
         self._store = store
         self.target_delta = float(target_delta)
         self.accountant: AccountantName = accountant
+        self._streams: dict[tuple[str, str, str], _Stream] = {}
+        self._lock = threading.RLock()
+
+    # ---- running compositions ------------------------------------------------------------------------------
+    def _running(self, site_id: str, cat: IUCNCategory, accountant: AccountantName) -> _Stream:
+        """The (site, category, accountant) stream with every row committed before this call composed into it.
+
+        Caller holds ``self._lock``. Reads only the rows it has not composed (module docstring: ids above the largest
+        composed, then a count; a count above what is composed means a smaller id committed late, found by comparing
+        ids). A count below it (rows removed: never in operation) rebuilds the stream from the store.
+
+        Raises:
+            dp_accounting.UnsupportedEventError: a new row's event is not supported (nothing of the batch is marked
+                composed, so every later read raises too: never skipped).
+            PayloadError: a new row does not parse as a known event type.
+        """
+        key = (site_id, cat.value, accountant)
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = _Stream(RunningComposition(target_delta=self.target_delta,
+                                                                 accountant=accountant))
+        where = (LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
+        with self._store.session() as s:
+            new = s.execute(select(LedgerRow.id, LedgerRow.event_json).where(*where, LedgerRow.id > st.max_id)
+                            .order_by(LedgerRow.id)).all()
+            count = int(s.execute(select(func.count(LedgerRow.id)).where(*where)).scalar_one())
+            known = len(st.ids) + len(new)
+            if count < len(st.ids):  # rows removed under us (e.g. a test reset the schema): start again
+                log.warning("ledger: %d row(s) of %s/%s vanished from the store; recomposing its history",
+                            len(st.ids) - count, site_id, cat.value)
+                del self._streams[key]
+                return self._running(site_id, cat, accountant)
+            if count > known:  # a row with an id below max_id was committed after the last read (another writer)
+                seen = st.ids | {int(i) for i, _ in new}
+                missing = [i for i in s.scalars(select(LedgerRow.id).where(*where)).all() if int(i) not in seen]
+                new = [*new, *s.execute(select(LedgerRow.id, LedgerRow.event_json)
+                                        .where(LedgerRow.id.in_(missing))).all()]
+        if new:
+            st.running.compose(parse_event(json.loads(ev)) for _, ev in sorted(new))
+            st.ids.update(int(i) for i, _ in new)
+            st.max_id = max(st.max_id, *(int(i) for i, _ in new))
+        return st
+
+    def _epsilon_with(self, site_id: str, category: IUCNCategory | str, extra: Sequence[PrivacyEvent],
+                      accountant: AccountantName | None) -> float:
+        """Epsilon of every recorded event of (site, category) followed by ``extra`` (a dry run; nothing written)."""
+        cat = parse_category(category)
+        with self._lock:
+            st = self._running(site_id, cat, accountant or self.accountant)
+            return st.running.epsilon_with(extra) if extra else st.running.epsilon()
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def record_round(self, site_id: str, round: int, events: Mapping[IUCNCategory | str, DPSGDEvent], *,
@@ -211,11 +277,14 @@ class PrivacyLedger:
         Returns:
             epsilon (float, >= 0; 0.0 when nothing is recorded).
 
+        Cost: the rows recorded since the last read are composed into the running composition; constant in the
+        number of earlier rounds.
+
         Raises:
             dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
+            PayloadError: a stored row does not parse as a known event type.
         """
-        return composed_epsilon(tuple(self.events(site_id, category)), self.target_delta,
-                                accountant or self.accountant)
+        return self._epsilon_with(site_id, category, (), accountant)
 
     def would_exceed(self, site_id: str, category: IUCNCategory | str,
                      next_event: DPSGDEvent | Sequence[DPSGDEvent], budget: float,
@@ -223,14 +292,17 @@ class PrivacyLedger:
         """Dry run: would recording ``next_event`` (one event, or a round's events of every mechanism) make the
         (site, category) spend pass ``budget`` (epsilon)?
 
-        Nothing is written.
+        Nothing is written. ``next_event`` is composed into a copy of the running composition (constant in the
+        number of recorded rounds).
+
+        Raises:
+            PrivacyBudgetError: ``budget`` not a positive finite epsilon.
+            dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
         nxt = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
-        eps = composed_epsilon((*self.events(site_id, category), *nxt), self.target_delta,
-                               accountant or self.accountant)
-        return eps > budget
+        return self._epsilon_with(site_id, category, nxt, accountant) > budget
 
     def halted(self, site_id: str) -> frozenset[IUCNCategory]:
         """Categories halted at ``site_id`` (empty set when none)."""
@@ -338,20 +410,36 @@ class PrivacyLedger:
         are replaced by ``events``, never counted twice), ``pending`` more rounds of ``events`` (other rounds whose
         charges can still arrive) and ``events``. Nothing is written.
 
+        Cost: constant in the number of recorded rounds when the round has no rows yet, or when its rows compose the
+        same as ``events`` (the update was charged at ingest: the running composition already holds them); a replay
+        whose stored rows differ from ``events`` (not seen in operation) composes the other rounds afresh.
+
         Raises:
             PrivacyBudgetError: ``budget`` not a positive finite epsilon.
+            dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
         cat = parse_category(category)
-        with self._store.session() as s:
-            rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value,
-                                                     LedgerRow.round != round)
-                             .order_by(LedgerRow.round, LedgerRow.id)).all()
-            others = tuple(parse_event(json.loads(r.event_json)) for r in rows)
+        acc = accountant or self.accountant
         mine = tuple(events)
-        eps = composed_epsilon((*others, *repeat_rounds(mine, pending), *mine), self.target_delta,
-                               accountant or self.accountant)
+        with self._lock:
+            st = self._running(site_id, cat, acc)
+            with self._store.session() as s:  # read after the stream: rows it has not composed are not "in" it
+                rows = s.execute(select(LedgerRow.id, LedgerRow.event_json).where(
+                    LedgerRow.site_id == site_id, LedgerRow.category == cat.value, LedgerRow.round == round)).all()
+            stored = [parse_event(json.loads(ev)) for i, ev in rows if int(i) in st.ids]
+            if not stored:
+                eps = st.running.epsilon_with((*repeat_rounds(mine, pending), *mine))
+            elif _mechanism_steps(stored) == _mechanism_steps(mine):  # this round's rows are ``events``: keep them
+                eps = st.running.epsilon_with(repeat_rounds(mine, pending))
+            else:
+                with self._store.session() as s:
+                    others_rows = s.scalars(select(LedgerRow.event_json).where(
+                        LedgerRow.site_id == site_id, LedgerRow.category == cat.value, LedgerRow.round != round)
+                        .order_by(LedgerRow.round, LedgerRow.id)).all()
+                others = tuple(parse_event(json.loads(ev)) for ev in others_rows)
+                eps = composed_epsilon((*others, *repeat_rounds(mine, pending), *mine), self.target_delta, acc)
         return eps > budget
 
     def rounds_left(self, site_id: str, category: IUCNCategory | str, budget: float, *,
@@ -373,11 +461,17 @@ class PrivacyLedger:
         Returns:
             ``k`` (0 when halted or when even one more round would pass the budget), or None when there is no
             event to extrapolate (the category never ran at this site).
+
+        Each ``k`` tried is a dry run on a copy of the running composition (constant in the number of recorded
+        rounds; a few tens of them for the search).
+
+        Raises:
+            PrivacyBudgetError: ``budget`` not a positive finite epsilon.
+            dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
         cat = parse_category(category)
         if not (budget > 0 and math.isfinite(budget)):
             raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
-        history = tuple(self.events(site_id, cat))
         per_round: tuple[DPSGDEvent, ...] | None
         if next_event is not None:
             per_round = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
@@ -392,7 +486,7 @@ class PrivacyLedger:
             pending = len(self.pending_rounds(site_id).get(site_id, ()))
 
         def eps(k: int) -> float:
-            return composed_epsilon((*history, *repeat_rounds(per_round, pending + k)), self.target_delta, acc)
+            return self._epsilon_with(site_id, cat, repeat_rounds(per_round, pending + k), acc)
 
         if eps(1) > budget:
             return 0
@@ -485,7 +579,7 @@ class PrivacyLedger:
                 continue
             dry = (*repeat_rounds(nxt, pending), *nxt)
             if self.would_exceed(site_id, cat, dry, budget):
-                after = composed_epsilon((*self.events(site_id, cat), *dry), self.target_delta, self.accountant)
+                after = self._epsilon_with(site_id, cat, dry, self.accountant)  # the same dry run (remembered)
                 first = nxt[0]
                 extra = f" + {len(nxt) - 1} other release(s)" if len(nxt) > 1 else ""
                 waiting = (f"; {pending} earlier round(s) sent but not yet charged count as spent (their updates "
