@@ -500,9 +500,12 @@ def _plot(result: PrivacyUtilityResult, path: Path) -> None:
 
     markers = {"CR": "v", "EN": "s", "VU": "D", "NT": "^", "LC": "o", "NE": "P"}
     fig, ax = plt.subplots(figsize=(10, 6))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    shown_configs = [e for e in result.summary if e["epsilon"]]
+    # one colour per configuration: the default cycle repeats after 10, so more need tab20's 20
+    colours = (plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(shown_configs) <= 10
+               else [plt.get_cmap("tab20")(i) for i in range(20)])
     handles = []
-    for k, e in enumerate(e for e in result.summary if e["epsilon"]):
+    for k, e in enumerate(shown_configs):
         colour = colours[k % len(colours)]
         shown = [c for c in markers if c in e["epsilon"] and not math.isnan(e["by_category"][c][0])]
         xs, ys = [e["epsilon"][c] for c in shown], [100 * e["by_category"][c][0] for c in shown]
