@@ -30,8 +30,8 @@ def _direct_epsilon(rows, delta):
 
 def test_demo_small_federation(tmp_path):
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["demo", "--sites", "3", "--rounds", "2", "--local-steps", "2",
-                                      "--expected-batch-size", "16", "--out", str(out)])
+    result = CliRunner().invoke(app, ["demo", "--sites", "3", "--rounds", "2", "--privacy", "ccdp",
+                                      "--local-steps", "2", "--expected-batch-size", "16", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 10_000
@@ -70,7 +70,8 @@ def test_demo_global_dp_with_secure_aggregation(tmp_path):
     # noise once per round (real gateway processes, real MQTT, real images).
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["demo", "--sites", "3", "--rounds", "2", "--privacy", "global",
-                                      "--local-steps", "1", "--expected-batch-size", "16", "--out", str(out)])
+                                      "--global-noise", "trusted-server", "--local-steps", "1",
+                                      "--expected-batch-size", "16", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert [h["status"] for h in report["history"]] == ["closed", "closed"]

@@ -46,23 +46,25 @@ def demo(
     sites: int | None = typer.Option(None, help="gateway sites, one process each (default: 8; 6 with --task "
                                      "radiomap)"),
     rounds: int = typer.Option(10, help="federated rounds"),
-    privacy: str = typer.Option("ccdp", help="ccdp (per-IUCN-category DP-SGD at each gateway), global (secure "
-                                "aggregation, the coordinator adds the noise; needs --local-steps 1) or none "
-                                "(non-private reference)"),
+    privacy: str | None = typer.Option(None, help="global (secure aggregation, the noise added once to the sum "
+                                       "over sites; needs --local-steps 1; the default with --strategy fedavg), "
+                                       "ccdp (per-IUCN-category DP-SGD at each gateway, local DP; the default with "
+                                       "--strategy nira) or none (non-private reference)"),
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
     ccdp_variant: str = typer.Option("sample", help="CCDP as individualized DP-SGD: sample (each category's "
                                      "records sampled at their own rate) or scale (clipped at their own norm)"),
-    global_noise: str = typer.Option("trusted-server", help="with --privacy global: trusted-server (the "
-                                     "coordinator adds the noise) or distributed (each gateway adds a Skellam "
-                                     "share before secure aggregation masks its sum)"),
+    global_noise: str = typer.Option("distributed", help="with --privacy global: distributed (each gateway "
+                                     "adds a Skellam share before secure aggregation masks its sum: the "
+                                     "coordinator never sees an unnoised sum) or trusted-server (the coordinator "
+                                     "adds the noise)"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
     local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 1 with DP, "
                                            "60 with --privacy none)"),
     expected_batch_size: int | None = typer.Option(None, help="records per step in expectation (q = B / N_site; "
                                                    "default 1024 with DP, 128 with --privacy none)"),
-    learning_rate: float | None = typer.Option(None, help="local SGD step size (default 4 with DP, 10 with "
-                                               "--privacy none: no clipping there)"),
+    learning_rate: float | None = typer.Option(None, help="SGD step size (default 8 with --privacy global, 4 "
+                                               "with ccdp, 10 with none: no clipping there)"),
     server_momentum: float | None = typer.Option(None, help="coordinator's server SGD momentum (FedAvgM; 0 = "
                                                  "FedAvg; default 0.5, the tuned value)"),
     clipping_norm: float = typer.Option(1.0, help="L2 clipping norm C of per-example gradients"),

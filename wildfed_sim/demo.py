@@ -74,15 +74,20 @@ class DemoSettings:
 
     Attributes:
         sites: number of gateway sites K (>= 2). rounds: federated rounds (>= 1).
-        privacy: ``"ccdp"`` (local DP at each gateway), ``"global"`` (secure aggregation, the coordinator adds
-            the noise once per round; needs ``local_steps`` 1) or ``"none"`` (non-private reference).
+        privacy: ``"ccdp"`` (local DP at each gateway), ``"global"`` (secure aggregation, the noise added once per
+            round to the sum, by the sites' shares or the coordinator: ``global_noise``; needs ``local_steps`` 1) or
+            ``"none"`` (non-private reference). None (the default): ``"global"`` with FedAvg, ``"ccdp"`` with NIRA
+            (whose per-cluster heads need the sites' own updates). Global DP with distributed noise is the default
+            because it is the mode that names the threatened species: the privacy-utility experiment measured it
+            +6.7 points over local CCDP at the same per-category epsilons, CR/EN 63.7 % against 53.0 % (README
+            "Privacy-utility"), and the coordinator never sees an unnoised sum.
         gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
         ccdp_variant: how CCDP meets each category's budget with one noise draw per step (individualized DP-SGD,
             :mod:`edge_sdk.privacy.ccdp`): ``"sample"`` (per-category Poisson rates; default) or ``"scale"``
             (per-category clipping norms). Global DP rounds always sample.
-        global_noise: with ``privacy="global"``: ``"trusted-server"`` (the coordinator adds the noise to the
-            unmasked sum) or ``"distributed"`` (each gateway adds its share of Skellam noise before masking:
-            ``shared.privacy.distributed``).
+        global_noise: with ``privacy="global"``: ``"distributed"`` (default: each gateway adds its share of
+            Skellam noise before masking, ``shared.privacy.distributed``) or ``"trusted-server"`` (the coordinator
+            adds the noise to the unmasked sum).
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
         learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
@@ -129,10 +134,10 @@ class DemoSettings:
 
     sites: int = 8
     rounds: int = 10
-    privacy: str = "ccdp"
+    privacy: str | None = None
     gamma: float = 1.0
     ccdp_variant: str = "sample"
-    global_noise: str = "trusted-server"
+    global_noise: str = "distributed"
     anchor_category: str = "VU"
     anchor_epsilon: float = 1.0
     local_steps: int | None = None
@@ -160,6 +165,8 @@ class DemoSettings:
     feature_centre: bool = True
 
     def __post_init__(self) -> None:
+        if self.privacy is None:  # Global DP with FedAvg; NIRA keeps per-cluster heads, which need local updates
+            object.__setattr__(self, "privacy", "ccdp" if self.strategy == "nira" else "global")
         # None: the tuned defaults of this privacy mode (DP_DEFAULTS / GLOBAL_DP_DEFAULTS / NON_PRIVATE_DEFAULTS)
         defaults = (NON_PRIVATE_DEFAULTS if self.privacy == "none"
                     else GLOBAL_DP_DEFAULTS if self.privacy == "global" else DP_DEFAULTS)

@@ -159,7 +159,10 @@ def test_demo_settings_defaults_keep_fedavg():
     s = DemoSettings()
     assert (s.strategy, s.nira_recluster_every, s.nira_embedding_merging, s.nira_distance_threshold) == (
         "fedavg", 0, True, None)
-    DemoSettings(strategy="nira", nira_recluster_every=3, nira_distance_threshold=0.7)  # valid
+    # the default privacy: distributed Global DP with FedAvg, local CCDP with NIRA (per-cluster heads)
+    assert (s.privacy, s.global_noise, s.local_steps) == ("global", "distributed", 1)
+    nira = DemoSettings(strategy="nira", nira_recluster_every=3, nira_distance_threshold=0.7)  # valid
+    assert nira.privacy == "ccdp"
 
 
 @pytest.mark.parametrize("kwargs, field", [
