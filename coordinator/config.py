@@ -26,6 +26,7 @@ Example (``wildfed-coordinator init`` writes this)::
     privacy: ccdp                         # local CCDP; "global" (secure aggregation, coordinator noises once;
                                           # needs local_steps: 1); "none" (no DP; comparison runs only)
     ccdp_variant: sample                  # individualized DP-SGD: sample (per-category rates) or scale (norms)
+    class_reweighting: 0.0                # privacy: ccdp: head rows scaled by w_c^-p after training (0 = off)
     budget: {kind: from_anchor, category: VU, epsilon: 1.0, gamma: 1.0}   # or {kind: from_max, eps_max: 2, gamma: 1}
     num_classes: 10
     seed: 0                               # model init and site sampling only
@@ -368,6 +369,10 @@ class CoordinatorConfig(StrictModel):
         "sample", description="how privacy: ccdp meets each category's budget with one noise draw per step "
         "(individualized DP-SGD, Boenisch et al. 2023): sample = per-category Poisson rates, scale = per-category "
         "clipping norms (Global DP rounds always sample)")
+    class_reweighting: float = Field(
+        0.0, ge=0, le=1, description="privacy: ccdp only. Exponent p of the post-processing that scales each class "
+        "row of the head's delta by w_c^-p, w_c the public relative weight of the class's IUCN category in a step "
+        "(TrainingTask.class_reweighting; 0 = off, 0.5 = square-root re-weighting, the demo's tuned value)")
     global_noise: Literal["trusted-server", "distributed"] = Field(
         "trusted-server", description="privacy: global only. trusted-server: the coordinator adds one Gaussian "
         "draw to the unmasked sum (it sees the unnoised sum); distributed: each site adds its share of Skellam "

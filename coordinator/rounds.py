@@ -538,7 +538,8 @@ class RoundManager:
                             artifacts=artifact_digests(artifacts or {}), secagg=secagg,
                             count_noise_multiplier=None if secagg is not None else self._count_noise(),
                             ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
-                            distributed_noise=distributed_noise, feature_centre=feature_centre)
+                            distributed_noise=distributed_noise, feature_centre=feature_centre,
+                            class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0)
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
 
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,

@@ -126,7 +126,8 @@ class SiteConfig(BaseModel):
             head's bias shifted by ``log w_c``, the relative weight CCDP gives category c's records:
             ``edge_sdk.training.train_locally``), so that sampling the threatened species less often does not
             teach the model to predict them less often. A public constant; the privacy events are unchanged.
-            Default: on.
+            It also hands the species table to the task's class re-weighting (``TrainingTask.class_reweighting``),
+            which needs it. Default: on.
         num_classes: model output size; ``None`` means ``max(class_index) + 1``.
         class_names: ``{class index: scientific name}`` for every class of the federation's model (public; what
             ``wildfed-edge detect`` names a prediction of a species this site does not list). Naming only: the

@@ -42,7 +42,7 @@ from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import sample_at_rates
 
 __all__ = ["LocalTrainingResult", "model_inputs", "TrainingInputs", "local_step", "train_locally", "ClippedSum",
-           "clipped_sum_locally", "noisy_class_counts"]
+           "clipped_sum_locally", "noisy_class_counts", "reweight_class_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,42 @@ def local_step(
         return 0  # non-private: an empty batch has no gradient
     backend.apply_gradient(step, learning_rate)
     return int(idx.size)
+
+
+def reweight_class_rows(delta: Mapping[str, np.ndarray], relative_weights: Mapping[IUCNCategory, float],
+                        class_categories: Mapping[int, IUCNCategory], power: float) -> dict[str, np.ndarray]:
+    """Scale each class row of the head's delta by ``w_c^-power`` (class k's IUCN category c; 1 for a class whose
+    category is not in ``relative_weights``): square-root (power 0.5) or full (1) inverse re-weighting of the
+    per-class signal that individualized DP-SGD thins out for the categories it samples or clips less
+    (class-frequency re-weighting as in Mahajan et al. 2018, Sec. 3.2, and Cui et al., CVPR 2019, applied to the
+    released delta instead of the loss, so that clipping and noise are untouched). The rows of ``psi.weight``
+    ((classes, H) float32) and the entries of ``psi.bias`` ((classes,) float32) are scaled; every other tensor is
+    returned unchanged. Post-processing of a DP output with public constants: no privacy cost.
+
+    Args:
+        delta: ``{name: float32 array}``, the model delta. relative_weights: ``{category: w_c in (0, 1]}``
+            (:meth:`~edge_sdk.privacy.ccdp.CCDPPlan.relative_weights`). class_categories: ``{class index:
+            category}``. power: p in [0, 1].
+
+    Raises:
+        ValueError: power outside [0, 1], a weight not in (0, 1], or no ``psi.weight`` / ``psi.bias`` in ``delta``.
+    """
+    if not 0.0 <= float(power) <= 1.0:
+        raise ValueError(f"power must be in [0, 1], got {power}")
+    if "psi.weight" not in delta or "psi.bias" not in delta:
+        raise ValueError("class-row re-weighting needs the head's psi.weight and psi.bias")
+    bias = np.asarray(delta["psi.bias"])
+    factors = np.ones(bias.shape[0], dtype=np.float64)
+    for k, c in class_categories.items():
+        if 0 <= int(k) < factors.shape[0] and c in relative_weights:
+            w = float(relative_weights[c])
+            if not 0.0 < w <= 1.0:
+                raise ValueError(f"relative weight of {c.value} must be in (0, 1], got {w}")
+            factors[int(k)] = w ** -float(power)
+    out = dict(delta)
+    out["psi.weight"] = (np.asarray(delta["psi.weight"], dtype=np.float64) * factors[:, None]).astype(np.float32)
+    out["psi.bias"] = (bias.astype(np.float64) * factors).astype(np.float32)
+    return out
 
 
 def _logit_offsets(plan: CCDPPlan, class_categories: Mapping[int, IUCNCategory] | None,
@@ -253,7 +289,9 @@ def train_locally(
             ``log w_c`` for each class of category c and the shift is taken off before the delta: the logit-adjusted
             loss (Menon et al., "Long-tail learning via logit adjustment", ICLR 2021, Sec. 4), which makes the
             model fit the unskewed posterior. The shift is a public constant (it changes the loss, not the
-            clipping or the noise: the privacy events are unchanged).
+            clipping or the noise: the privacy events are unchanged). Given the table and a task with
+            ``class_reweighting`` p > 0, each class row of the head's delta is then scaled by ``w_c^-p``
+            (:func:`reweight_class_rows`, post-processing with public constants).
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records, an active category has no
@@ -317,6 +355,8 @@ def train_locally(
     if centre is not None:
         end = uncentred_weights(end, centre)  # post-processing with a public c
     delta = {name: (end[name] - start[name]).astype(np.float32) for name in start}
+    if plan is not None and task.class_reweighting and class_categories:
+        delta = reweight_class_rows(delta, plan.relative_weights(), class_categories, task.class_reweighting)
     events = plan.events(task.local_steps) if plan is not None else {}
     counts: dict[int, float] = {}
     count_events: dict[IUCNCategory, DPSGDEvent] = {}

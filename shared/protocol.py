@@ -297,6 +297,14 @@ class TrainingTask:
             (``shared.models.feature_centre.centre_digest``) on whose centred embeddings the site takes its
             gradients; the coordinator folds the noisy sum back with the same c. A site without that centre
             refuses the task. None (left out of the JSON): gradients of the plain form.
+        class_reweighting: a ``"ccdp"`` task only: the exponent p in [0, 1] of the post-processing that scales
+            each class row of the head's delta (``psi.weight[k]``, ``psi.bias[k]``) by ``w_c^-p``, with ``w_c``
+            the public relative weight of a record of the class's IUCN category c in a step
+            (``CCDPPlan.relative_weights``): under individualized DP-SGD a threatened category's records are
+            sampled (or clipped) less, so its rows learn less per step; p = 1 undoes that in expectation and
+            multiplies the noise on those rows by the same factor, p = 0.5 (square-root re-weighting) halfway.
+            0 (default, left out of the JSON) = off. Post-processing of the DP release with public constants:
+            the events are unchanged.
         radio: a radio-map task (:class:`RadioTask`) for base-station gateways; privacy is then ``"grouped"``
             (budgets under IUCN NE: a radio map has no species) or ``"none"``, and ``artifacts`` must carry
             ``radio.city_artifact``. Left out of the JSON when None (camera tasks).
@@ -323,9 +331,15 @@ class TrainingTask:
     noise_multiplier: float | None = None
     distributed_noise: bool = False
     feature_centre: str | None = None
+    class_reweighting: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        p = self.class_reweighting
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p <= 1.0):
+            raise PayloadError(f"class_reweighting must be a number in [0, 1], got {p!r}")
+        if p and self.privacy != "ccdp":
+            raise PayloadError(f"class_reweighting is only for ccdp tasks, not {self.privacy!r}")
         if self.ccdp_variant not in CCDP_VARIANTS:
             raise PayloadError(f"ccdp_variant must be one of {CCDP_VARIANTS}, got {self.ccdp_variant!r}")
         _positive("local_steps", self.local_steps, integer=True)
@@ -416,7 +430,8 @@ class TrainingTask:
                 **({"ccdp_variant": self.ccdp_variant} if self.privacy == "ccdp" else {}),
                 **({"noise_multiplier": self.noise_multiplier} if self.noise_multiplier is not None else {}),
                 **({"distributed_noise": True} if self.distributed_noise else {}),
-                **({"feature_centre": self.feature_centre} if self.feature_centre is not None else {})}
+                **({"feature_centre": self.feature_centre} if self.feature_centre is not None else {}),
+                **({"class_reweighting": float(self.class_reweighting)} if self.class_reweighting else {})}
 
 
 @dataclass(frozen=True)

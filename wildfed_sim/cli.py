@@ -53,6 +53,9 @@ def demo(
     gamma: float = typer.Option(1.0, help="CCDP steepness: eps_c = eps_anchor * (rank(c)/rank(anchor))^gamma"),
     ccdp_variant: str = typer.Option("sample", help="CCDP as individualized DP-SGD: sample (each category's "
                                      "records sampled at their own rate) or scale (clipped at their own norm)"),
+    class_reweighting: float = typer.Option(0.5, help="with --privacy ccdp: scale each class row of a site's "
+                                            "head update by w_c^-p (w_c: how much less its IUCN category is "
+                                            "sampled; post-processing, no privacy cost); 0 = off"),
     global_noise: str = typer.Option("distributed", help="with --privacy global: distributed (each gateway "
                                      "adds a Skellam share before secure aggregation masks its sum: the "
                                      "coordinator never sees an unnoised sum) or trusted-server (the coordinator "
@@ -117,6 +120,7 @@ def demo(
 
     settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
                             ccdp_variant=ccdp_variant, global_noise=global_noise,
+                            class_reweighting=class_reweighting,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, server_momentum=server_momentum,
@@ -157,8 +161,9 @@ def privacy_utility(
                                      "(never reported)"),
     configurations: str | None = typer.Option(None, "--configurations", help="comma-separated subset of: none, "
                                               "uniform-eps0.33, uniform-eps1, uniform-eps2, uniform-eps0.67, "
-                                              "uniform-eps1.33, uniform-eps1.67, ccdp-g1-sample, "
-                                              "ccdp-g1-scale, ccdp-g2-sample, ccdp-g2-scale, global-ccdp-g1-trusted, "
+                                              "uniform-eps1.33, uniform-eps1.67, ccdp-g1-sample, ccdp-g1-sample-rw, "
+                                              "ccdp-g1-scale, ccdp-g2-sample, ccdp-g2-sample-rw, ccdp-g2-scale, "
+                                              "global-ccdp-g1-trusted, "
                                               "global-ccdp-g1-distributed, global-uniform-eps0.33-distributed, "
                                               "global-ccdp-g1-distributed-1dropout (default all)"),
     grid: str = typer.Option("full", help="tuning grid: full (25 points per configuration) or tiny (1 point)"),

@@ -88,6 +88,10 @@ class DemoSettings:
         global_noise: with ``privacy="global"``: ``"distributed"`` (default: each gateway adds its share of
             Skellam noise before masking, ``shared.privacy.distributed``) or ``"trusted-server"`` (the coordinator
             adds the noise to the unmasked sum).
+        class_reweighting: with ``privacy="ccdp"``: the exponent p of the post-processing that scales each class
+            row of a site's head delta by ``w_c^-p`` (``TrainingTask.class_reweighting``; 0 = off). 0.5 (square-root
+            re-weighting), chosen on tuning seeds 101, 103, 104 and 105 (2 draws each, CCDP gamma 1 at the demo's
+            defaults): overall 76.2 -> 77.1 %, CR/EN 69.6 -> 77.6 %; p = 1 gave CR/EN 81.6 % at 75.0 % overall.
         anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
         local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
         learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
@@ -138,6 +142,7 @@ class DemoSettings:
     gamma: float = 1.0
     ccdp_variant: str = "sample"
     global_noise: str = "distributed"
+    class_reweighting: float = 0.5
     anchor_category: str = "VU"
     anchor_epsilon: float = 1.0
     local_steps: int | None = None
@@ -183,6 +188,9 @@ class DemoSettings:
             raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}", field="rounds", fix="use --rounds 10")
+        if not (0.0 <= self.class_reweighting <= 1.0):
+            raise ConfigError(f"class_reweighting must be in [0, 1], got {self.class_reweighting}",
+                              field="class_reweighting", fix="use 0 (off), 0.5 (default) or 1")
         if self.ccdp_variant not in ("sample", "scale"):
             raise ConfigError(f"ccdp_variant must be 'sample' or 'scale', got {self.ccdp_variant!r}",
                               field="ccdp_variant", fix="use --ccdp-variant sample or --ccdp-variant scale")
@@ -767,6 +775,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
             "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
             "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
+            "class_reweighting": settings.class_reweighting if settings.privacy == "ccdp" else 0.0,
             "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
             "model": "head", "adapter_width": settings.adapter_width,
             # Global DP: the sites take centred gradients, the coordinator folds the noisy sum with the same file

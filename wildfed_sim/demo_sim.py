@@ -113,7 +113,8 @@ class SimConfig:
     ``centre``: the gateways train on embeddings centred by the public split's mean (site config
     ``feature_centre``, :mod:`shared.models.feature_centre`); ``secagg_threshold``: Global DP's secure-aggregation
     threshold t, which the distributed noise is calibrated for (None: the coordinator's default, coordinator config
-    ``secagg.threshold``).
+    ``secagg.threshold``); ``class_reweighting``: local CCDP's class-row re-weighting exponent
+    (``TrainingTask.class_reweighting``; needs ``logit_adjustment``, which hands the gateway the species table).
     """
 
     privacy: str = "ccdp"
@@ -133,6 +134,7 @@ class SimConfig:
     logit_adjustment: bool = True
     global_noise: str = "trusted-server"
     secagg_threshold: int | None = None
+    class_reweighting: float = 0.0
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None,
@@ -201,6 +203,7 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
                             clipping_norm=config.clipping_norm, target_delta=config.target_delta,
                             planned_rounds=config.rounds, privacy=config.privacy, budgets=budgets,
                             ccdp_variant=config.ccdp_variant,
+                            class_reweighting=config.class_reweighting if config.privacy == "ccdp" else 0.0,
                             count_noise_multiplier=strategy.count_noise_multiplier() if budgets else None)
         bundle = strategy.prepare(weights, round=r + 1)  # the coordinator's rounds count from 1
         strategy.begin_round(bundle)

@@ -81,6 +81,8 @@ class Configuration:
         tolerated_dropouts: distributed Global DP: the secure-aggregation threshold is ``sites - tolerated_dropouts``
             and the Skellam shares are calibrated for it (None: the coordinator's default threshold
             ``floor(sites / 2) + 1``, :func:`coordinator.global_dp.secagg_settings`).
+        class_reweighting: local CCDP: the exponent of the class-row re-weighting after training
+            (``TrainingTask.class_reweighting``; 0 = off).
     """
 
     name: str
@@ -91,6 +93,7 @@ class Configuration:
     variant: str = "sample"
     global_noise: str = "trusted-server"
     tolerated_dropouts: int | None = None
+    class_reweighting: float = 0.0
 
     def threshold(self, sites: int) -> int | None:
         """The secure-aggregation threshold t for ``sites`` sites (None: the coordinator's default)."""
@@ -113,7 +116,11 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration("uniform-eps1.67", "uniform eps 1.67", "ccdp", 0.0, 5 / 3),
     Configuration("ccdp-g1-sample", "CCDP g1 sample", "ccdp", 1.0, 1.0, "sample"),
     Configuration("ccdp-g1-scale", "CCDP g1 scale", "ccdp", 1.0, 1.0, "scale"),
+    Configuration("ccdp-g1-sample-rw", "CCDP g1 sample, class re-weighting 0.5", "ccdp", 1.0, 1.0, "sample",
+                  class_reweighting=0.5),
     Configuration("ccdp-g2-sample", "CCDP g2 sample", "ccdp", 2.0, 1.0, "sample"),
+    Configuration("ccdp-g2-sample-rw", "CCDP g2 sample, class re-weighting 0.5", "ccdp", 2.0, 1.0, "sample",
+                  class_reweighting=0.5),
     Configuration("ccdp-g2-scale", "CCDP g2 scale", "ccdp", 2.0, 1.0, "scale"),
     Configuration("global-ccdp-g1-trusted", "Global CCDP g1 trusted", "global", 1.0, 1.0),
     Configuration("global-ccdp-g1-distributed", "Global CCDP g1 distributed", "global", 1.0, 1.0,
@@ -138,6 +145,10 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("global-ccdp-g1-distributed", "global-ccdp-g1-trusted", "distributed vs trusted server (within 2)"),
     ("global-ccdp-g1-distributed", "ccdp-g1-sample", "distributed Global vs local DP (>= +5)"),
     ("global-ccdp-g1-distributed", "global-uniform-eps0.33-distributed", "CCDP vs uniform 0.33, distributed"),
+    ("ccdp-g1-sample-rw", "ccdp-g1-sample", "square-root class re-weighting (post-processing) at gamma 1"),
+    ("ccdp-g2-sample-rw", "ccdp-g2-sample", "square-root class re-weighting at gamma 2"),
+    ("ccdp-g1-sample-rw", "uniform-eps0.33", "CCDP g1 re-weighted vs CR's protection for all (>= +15)"),
+    ("ccdp-g1-sample-rw", "uniform-eps2", "CCDP g1 re-weighted vs its upper end (within 3)"),
     ("global-ccdp-g1-distributed-1dropout", "global-ccdp-g1-trusted",
      "distributed calibrated for n - 1 survivors vs trusted server"),
 )
@@ -351,7 +362,8 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
                     expected_batch_size=fixed["expected_batch_size"] if privacy != "none" else 128,
                     learning_rate=lr, clipping_norm=clip, target_delta=fixed["target_delta"],
                     server_momentum=momentum, ccdp_variant=config.variant,
-                    global_noise=config.global_noise, secagg_threshold=config.threshold(fixed["sites"]))
+                    global_noise=config.global_noise, secagg_threshold=config.threshold(fixed["sites"]),
+                    class_reweighting=config.class_reweighting)
     t0 = time.monotonic()
     out = simulate(_FEDERATIONS[key], sim, seed=seed)
     eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}

@@ -202,3 +202,76 @@ def test_logit_adjustment_trains_at_bias_plus_log_weight_and_hands_back_the_plai
                           site_categories=[Cat.CR, Cat.EN, Cat.LC], randomness=ZeroNoise())
     assert plain.report.events == result.report.events
     np.testing.assert_allclose(plain.delta["w"], result.delta["w"])
+
+
+def test_class_reweighting_scales_each_class_row_by_its_weight_to_the_minus_p() -> None:
+    # A real head (3 classes over 4 inputs) on 60 records: class 0 CR, class 1 LC (the largest budget: the anchor,
+    # sampled at q), class 2 VU. The same seeded draw twice: without and with class_reweighting 0.5. Row k of the
+    # delta must be the plain row times (q_c / q)^-0.5 (c = class k's category, q_c from the rates that ran); the
+    # events must not change (post-processing).
+    import warnings
+
+    from edge_sdk.backends.torch_backend import TorchBackend
+    from edge_sdk.training import reweight_class_rows
+    from shared.models.kinds import model_spec
+    from shared.privacy.randomness import InsecureRandomnessWarning, SeededRandom
+
+    class Records:
+        def __init__(self):
+            rng = np.random.default_rng(4)
+            self.features = rng.standard_normal((60, 4)).astype(np.float32)
+            self.labels = np.arange(60) % 3
+            self.categories = np.array([Cat.CR.rank, Cat.LC.rank, Cat.VU.rank], np.int8)[self.labels]
+
+        def __len__(self):
+            return 60
+
+    spec = model_spec("head", 3, adapter_width=0, embedding_dim=4)
+    weights = spec.initial_weights(0)
+    table = {0: Cat.CR, 1: Cat.LC, 2: Cat.VU}
+    results = []
+    for p in (0.0, 0.5):
+        t = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=2, expected_batch_size=30,
+                         learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=4, privacy="ccdp",
+                         budgets={Cat.CR: 0.5, Cat.VU: 1.0, Cat.LC: 2.0}, class_reweighting=p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureRandomnessWarning)
+            results.append(train_locally(backend=TorchBackend(model=spec), dataset=Records(), task=t,
+                                         global_weights=weights, site_categories=[Cat.CR, Cat.VU, Cat.LC],
+                                         randomness=SeededRandom(9), class_categories=table))
+    plain, rw = results
+    assert plain.report.events == rw.report.events
+    q = max(plain.sampling_rates.values())
+    assert plain.sampling_rates[Cat.LC] == q and plain.sampling_rates[Cat.CR] < plain.sampling_rates[Cat.VU] < q
+    for k, c in table.items():
+        factor = (plain.sampling_rates[c] / q) ** -0.5
+        np.testing.assert_allclose(rw.delta["psi.weight"][k], plain.delta["psi.weight"][k] * factor, rtol=1e-5)
+        np.testing.assert_allclose(rw.delta["psi.bias"][k], plain.delta["psi.bias"][k] * factor, rtol=1e-5)
+    # the helper by hand: weights 0.25 and 1, power 1 -> factors 4 and 1; other tensors untouched
+    out = reweight_class_rows({"psi.weight": np.ones((2, 2), np.float32), "psi.bias": np.ones(2, np.float32),
+                               "phi.0.weight": np.ones(3, np.float32)}, {Cat.CR: 0.25, Cat.LC: 1.0},
+                              {0: Cat.CR, 1: Cat.LC}, 1.0)
+    np.testing.assert_array_equal(out["psi.weight"], [[4, 4], [1, 1]])
+    np.testing.assert_array_equal(out["psi.bias"], [4, 1])
+    np.testing.assert_array_equal(out["phi.0.weight"], np.ones(3))
+    with pytest.raises(ValueError, match="power"):
+        reweight_class_rows(out, {Cat.CR: 0.25}, {0: Cat.CR}, 1.5)
+
+
+def test_class_reweighting_is_a_ccdp_task_field_in_zero_one_and_round_trips() -> None:
+    from shared.errors import PayloadError
+    from shared.protocol import decode_task, encode_task
+
+    base = dict(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=8,
+                learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=2, privacy="ccdp",
+                budgets={Cat.LC: 1.0})
+    t = TrainingTask(**base, class_reweighting=0.5)
+    assert t.to_json()["class_reweighting"] == 0.5
+    assert "class_reweighting" not in TrainingTask(**base).to_json()  # off: left out, older gateways read it
+    back, _ = decode_task(encode_task(t, {"w": np.zeros(2, np.float32)}))
+    assert back.class_reweighting == 0.5
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(PayloadError, match="class_reweighting"):
+            TrainingTask(**base, class_reweighting=bad)
+    with pytest.raises(PayloadError, match="only for ccdp"):
+        TrainingTask(**{**base, "privacy": "none", "budgets": {}}, class_reweighting=0.5)
