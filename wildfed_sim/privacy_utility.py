@@ -149,6 +149,7 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("ccdp-g2-sample-rw", "ccdp-g2-sample", "square-root class re-weighting at gamma 2"),
     ("ccdp-g1-sample-rw", "uniform-eps0.33", "CCDP g1 re-weighted vs CR's protection for all (>= +15)"),
     ("ccdp-g1-sample-rw", "uniform-eps2", "CCDP g1 re-weighted vs its upper end (within 3)"),
+    ("global-ccdp-g1-distributed", "ccdp-g1-sample-rw", "distributed Global vs re-weighted local DP (>= +5)"),
     ("global-ccdp-g1-distributed-1dropout", "global-ccdp-g1-trusted",
      "distributed calibrated for n - 1 survivors vs trusted server"),
 )
