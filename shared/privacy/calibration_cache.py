@@ -68,7 +68,8 @@ def _sha256(text: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _environment(module_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    items: dict[str, str] = {"python": f"{platform.python_implementation()} {sys.version_info[0]}.{sys.version_info[1]}"}
+    python = f"{platform.python_implementation()} {sys.version_info[0]}.{sys.version_info[1]}"
+    items: dict[str, str] = {"python": python}
     for lib in _LIBRARIES:
         try:
             items[lib] = importlib.metadata.version(lib)

@@ -121,7 +121,8 @@ CORRUPTIONS = {
     "empty": lambda p: p.write_bytes(b""),
     "not-json": lambda p: p.write_bytes(b"\x80\x04\x95 a pickle, say"),
     "a list": lambda p: p.write_text("[1, 2, 3]"),
-    "digit flipped, checksum stale": lambda p: p.write_text(p.read_text().replace('"noise_multiplier":', '"noise_multiplier":1', 1)),
+    "digit flipped, checksum stale": lambda p: p.write_text(
+        p.read_text().replace('"noise_multiplier":', '"noise_multiplier":1', 1)),
     "other inputs": lambda p: _forge_record(p),
     "overspending z": lambda p: _forge(p, lambda r: {**r, "noise_multiplier": r["noise_multiplier"] / 2}),
     "overspending rate": lambda p: _forge(p, lambda r: {**r, "per_category": {k: min(0.2, v * 4) for k, v in
