@@ -55,6 +55,7 @@ from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.radio import RadioMapSet
 from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
+from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.distributed import skellam_noise, skellam_share_variance
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
@@ -67,6 +68,7 @@ from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.config import SiteConfig, global_model_path, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.data.embedding import embed_dataset
+from edge_sdk.inference.weights import cache_dir
 from shared.models.feature_centre import centre_digest, load_feature_centre
 from edge_sdk.profiles import load_profile
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
@@ -125,6 +127,13 @@ def embedding_cache_dir(config: SiteConfig) -> Path:
     ``<outbox folder>/embeddings``."""
     return Path(config.embedding_cache) if config.embedding_cache is not None else Path(config.outbox).parent / \
         "embeddings"
+
+
+def calibration_cache_dir(config: SiteConfig) -> Path:
+    """Where the site keeps its CCDP calibrations across restarts: ``config.calibration_cache``, default
+    ``<wildfed cache>/calibration`` (:func:`edge_sdk.inference.weights.cache_dir`; public values, shared by the sites
+    of one machine)."""
+    return Path(config.calibration_cache) if config.calibration_cache is not None else cache_dir() / "calibration"
 
 
 def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str) -> None:
@@ -218,6 +227,7 @@ class EdgeAgent:
         self.artifact_cache = ArtifactCache(config.artifact_cache if config.artifact_cache is not None
                                             else Path(config.outbox).parent / "ort-artifacts")
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
+        self.calibration_cache = CalibrationCache(calibration_cache_dir(config))
         self.feature_centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                                if config.feature_centre is not None and config.task == "camera" else None)
         self._inputs: TrainingInputs | None = None  # the camera dataset as the training steps read it
@@ -631,7 +641,8 @@ class EdgeAgent:
                                    site_categories=self.config.categories, randomness=self._randomness(task),
                                    num_classes=self.config.model_classes,
                                    class_categories=({s.class_index: s.iucn_category for s in self.config.species}
-                                                     if self.config.logit_adjustment else None))
+                                                     if self.config.logit_adjustment else None),
+                                   calibration_cache=self.calibration_cache)
         except PrivacyBudgetError as exc:
             self._reject("task", "privacy_budget", str(exc))
             return False

@@ -118,6 +118,10 @@ class SiteConfig(BaseModel):
         image_size: side of the square grayscale copy of each image the loader keeps in memory (not a model input).
         embedding_cache: folder of the backbone-embedding cache (``edge_sdk.data.embedding``); default
             ``<outbox folder>/embeddings``.
+        calibration_cache: folder of the persistent cache of CCDP calibrations
+            (:mod:`shared.privacy.calibration_cache`: public values, JSON, re-checked with the accountant when read);
+            default ``<wildfed cache>/calibration`` (``$WILDFED_CACHE`` or ``~/.cache/wildfed``), shared by the
+            sites of one machine.
         embedding_input_size: the backbone's input size S in pixels (128: chosen by measurement, docs/backbone.md).
         feature_centre: a public centre of the embeddings (safetensors, :mod:`shared.models.feature_centre`):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
@@ -178,6 +182,7 @@ class SiteConfig(BaseModel):
     microbatch_size: int | None = Field(default=None, ge=1)
     image_size: int = Field(default=28, ge=4)
     embedding_cache: Path | None = None
+    calibration_cache: Path | None = None
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
     feature_centre: Path | None = None
     logit_adjustment: bool = True
@@ -279,7 +284,7 @@ class SiteConfig(BaseModel):
 
 
 _PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
-                "feature_centre",
+                "calibration_cache", "feature_centre",
                 "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
 
 

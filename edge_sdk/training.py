@@ -27,6 +27,7 @@ import numpy as np
 
 from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
+from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.events import DPSGDEvent
 from shared.privacy.distributed import distributed_plan, site_sampling_rate
 from shared.privacy.individualized import individual_sampling_rates
@@ -265,6 +266,7 @@ def train_locally(
     num_classes: int | None = None,
     feature_centre: np.ndarray | None = None,
     class_categories: Mapping[int, IUCNCategory] | None = None,
+    calibration_cache: CalibrationCache | None = None,
 ) -> LocalTrainingResult:
     """Run ``task.local_steps`` steps from ``global_weights`` and return the delta and the report.
 
@@ -292,6 +294,9 @@ def train_locally(
             clipping or the noise: the privacy events are unchanged). Given the table and a task with
             ``class_reweighting`` p > 0, each class row of the head's delta is then scaled by ``w_c^-p``
             (:func:`reweight_class_rows`, post-processing with public constants).
+        calibration_cache: where the CCDP plan's calibration is kept across processes (the agent's
+            ``<wildfed cache>/calibration``; :func:`~edge_sdk.privacy.ccdp.plan_ccdp`), or None: memoised in this
+            process only. The plan is bit-identical either way.
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records, an active category has no
@@ -330,7 +335,7 @@ def train_locally(
             plan = plan_ccdp(variant=task.ccdp_variant, budgets=task.budgets, active=active,
                              target_delta=task.target_delta, sampling_rate=q,
                              steps=task.planned_rounds * task.local_steps, clipping_norm=task.clipping_norm,
-                             fixed_events=fixed, site_categories=site_categories)
+                             fixed_events=fixed, site_categories=site_categories, cache=calibration_cache)
         except ConfigError as exc:
             if getattr(exc, "field", None) != "count_noise_multiplier":
                 raise

@@ -395,48 +395,82 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
     return path, public_key_to_pem(key.public_key())
 
 
-@contextmanager
-def _gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path, console: Any,
-              timeout_s: float = 120.0) -> Iterator[list[subprocess.Popen]]:
-    """Start one ``wildfed-edge run`` process per site; wait until each has subscribed; stop them on exit."""
-    procs: list[subprocess.Popen] = []
-    logs = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    try:
-        for path in config_paths:
+class _Gateways:
+    """The gateway processes of a run (:func:`_spawned_gateways`): started, then waited for, then stopped."""
+
+    def __init__(self, config_paths: list[Path], log_dir: Path, ready_dir: Path) -> None:
+        self.config_paths, self.log_dir, self.ready_dir = config_paths, log_dir, ready_dir
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[Any] = []
+
+    def start(self) -> None:
+        """One ``wildfed-edge run`` process per site (returns at once: each imports, loads and embeds its data and
+        connects on its own)."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for path in self.config_paths:
             site = path.parent.name
-            log = open(log_dir / f"{site}.log", "ab")
-            logs.append(log)
-            procs.append(subprocess.Popen(
+            log = open(self.log_dir / f"{site}.log", "ab")
+            self._logs.append(log)
+            self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "edge_sdk.cli", "run", "--config", str(path),
-                 "--ready-file", str(ready_dir / f"{site}.ready")],
+                 "--ready-file", str(self.ready_dir / f"{site}.ready")],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def wait_ready(self, console: Any, timeout_s: float = 120.0) -> None:
+        """Wait until every gateway has subscribed (its ready file exists), at most ``timeout_s`` from now.
+
+        Raises:
+            WildFedError: a gateway exited, or was not ready in time (the message quotes its log).
+        """
         deadline = time.monotonic() + timeout_s
-        for path, proc in zip(config_paths, procs):
+        for path, proc in zip(self.config_paths, self.procs):
             site = path.parent.name
-            while not (ready_dir / f"{site}.ready").exists():
+            while not (self.ready_dir / f"{site}.ready").exists():
                 if proc.poll() is not None:
-                    tail = (log_dir / f"{site}.log").read_text(errors="replace")[-2000:]
+                    tail = (self.log_dir / f"{site}.log").read_text(errors="replace")[-2000:]
                     raise WildFedError(f"gateway {site} exited with code {proc.returncode} before it was ready; "
-                                       f"its log ({log_dir / f'{site}.log'}) ends:\n{tail}")
+                                       f"its log ({self.log_dir / f'{site}.log'}) ends:\n{tail}")
                 if time.monotonic() > deadline:
                     raise WildFedError(f"gateway {site} was not ready within {timeout_s:.0f} s; "
-                                       f"see {log_dir / f'{site}.log'}")
+                                       f"see {self.log_dir / f'{site}.log'}")
                 time.sleep(0.1)
-        console.log(f"{len(procs)} gateway agents connected")
-        yield procs
-    finally:
-        for proc in procs:
+        console.log(f"{len(self.procs)} gateway agents connected")
+
+    def stop(self) -> None:
+        """SIGTERM every gateway still running, wait (then kill after 15 s); idempotent."""
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
+        for proc in self.procs:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for log in logs:
+        for log in self._logs:
             log.close()
+        self._logs.clear()
+
+
+@contextmanager
+def _spawned_gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path) -> Iterator[_Gateways]:
+    """Start one ``wildfed-edge run`` process per site and yield at once (:meth:`_Gateways.wait_ready` before the
+    first round); stop them on exit."""
+    gateways = _Gateways(config_paths, log_dir, ready_dir)
+    try:
+        gateways.start()
+        yield gateways
+    finally:
+        gateways.stop()
+
+
+@contextmanager
+def _gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path, console: Any,
+              timeout_s: float = 120.0) -> Iterator[list[subprocess.Popen]]:
+    """Start one ``wildfed-edge run`` process per site; wait until each has subscribed; stop them on exit."""
+    with _spawned_gateways(config_paths, log_dir, ready_dir) as gateways:
+        gateways.wait_ready(console, timeout_s)
+        yield gateways.procs
 
 
 # ------------------------------------------------------------------------------------------ public pretraining
@@ -724,11 +758,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
     from wildfed_sim.embeddings import embed_grayscale
 
-    t_embed = time.monotonic()
-    # the coordinator's held-out evaluation set, embedded once by the frozen backbone (cached for later runs)
-    test_features = embed_grayscale(test.images, test.source_indices)
-    console.log(f"held-out test split: {len(test)} backbone embeddings ({time.monotonic() - t_embed:.1f} s)")
     class_categories = [e.iucn for e in SPECIES_TABLE]
+    # the gateways read the feature centre when they start: written first, the coordinator's own preparation
+    # (held-out embeddings, pretraining, its database) then runs while they start
     centre_path = _write_feature_centre(settings, run_dir, train, specs, console) if settings.feature_centre else None
     # One federation id per run: two demos on one broker (--broker) must not see each other's topics (a shared id
     # made them exchange updates that the signature checks then rejected).
@@ -742,24 +774,6 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                               gamma=settings.gamma)
 
     result = DemoResult(run_dir=run_dir)
-    start_weights = None
-    if settings.initial_weights_path is not None:
-        start_weights = load_weights(Path(settings.initial_weights_path))
-        result.pretraining = {"source": str(settings.initial_weights_path)}
-        console.log(f"starting the federation from {settings.initial_weights_path}")
-    elif settings.pretrain_epochs > 0:
-        start_weights, n_public = pretrain_on_public_split(
-            train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
-            learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
-            public_per_class=settings.public_per_class, adapter_width=settings.adapter_width)
-        result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
-                              "epochs": settings.pretrain_epochs}
-        console.log(f"pretrained on the public split ({n_public} training images no site holds), "
-                    f"{settings.pretrain_epochs} epochs, non-private")
-    if start_weights is not None:
-        pre = evaluate(start_weights, test_features, test.labels, class_categories)
-        result.pretraining["accuracy"] = dict(pre.by_group)
-        console.log(f"round-0 model: {100 * pre.by_group['overall']:.1f}% overall on the held-out test split")
     with ExitStack() as stack:
         broker_url = settings.broker
         if broker_url is None:
@@ -767,6 +781,40 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
             console.log(f"embedded MQTT broker (amqtt) at {broker_url}")
         else:
             console.log(f"using MQTT broker {broker_url}")
+        site_configs, site_pems = [], []
+        for spec in specs:
+            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub,
+                                           centre_path)
+            site_configs.append(path)
+            site_pems.append(pem)
+        # Start the gateways now: each spends seconds importing, loading and embedding its data and connecting,
+        # which overlaps the coordinator's preparation below. They only subscribe until the first task, so nothing
+        # they do depends on it (the results are those of starting them last).
+        gateways = stack.enter_context(_spawned_gateways(site_configs, run_dir / "logs", run_dir / "ready"))
+        console.log(f"started {len(site_configs)} gateway agents")
+
+        t_embed = time.monotonic()
+        # the coordinator's held-out evaluation set, embedded once by the frozen backbone (cached for later runs)
+        test_features = embed_grayscale(test.images, test.source_indices)
+        console.log(f"held-out test split: {len(test)} backbone embeddings ({time.monotonic() - t_embed:.1f} s)")
+        start_weights = None
+        if settings.initial_weights_path is not None:
+            start_weights = load_weights(Path(settings.initial_weights_path))
+            result.pretraining = {"source": str(settings.initial_weights_path)}
+            console.log(f"starting the federation from {settings.initial_weights_path}")
+        elif settings.pretrain_epochs > 0:
+            start_weights, n_public = pretrain_on_public_split(
+                train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
+                learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
+                public_per_class=settings.public_per_class, adapter_width=settings.adapter_width)
+            result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
+                                  "epochs": settings.pretrain_epochs}
+            console.log(f"pretrained on the public split ({n_public} training images no site holds), "
+                        f"{settings.pretrain_epochs} epochs, non-private")
+        if start_weights is not None:
+            pre = evaluate(start_weights, test_features, test.labels, class_categories)
+            result.pretraining["accuracy"] = dict(pre.by_group)
+            console.log(f"round-0 model: {100 * pre.by_group['overall']:.1f}% overall on the held-out test split")
         config = config_from_dict({
             "federation_id": federation_id, "data_dir": str(coord_dir), "broker_url": broker_url,
             "signing_key_path": str(coord_dir / "keys" / "coordinator.key"),
@@ -787,20 +835,17 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
         save_config(config, coord_dir / "coordinator.yaml")
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
-        site_configs = []
-        for spec in specs:
-            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub,
-                                           centre_path)
+        stack.callback(gateways.stop)  # on the way out the gateways stop before the coordinator closes, as before
+        for spec, pem in zip(specs, site_pems):
             public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
                               if not SPECIES_TABLE[c].iucn.is_sensitive]
             coordinator.enrol(spec.site_id, pem, {"num_examples": spec.num_images, "biome": spec.biome,
                                                   "species": public_species,
                                                   "monitoring_months": spec.monitoring_months})
-            site_configs.append(path)
         console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
         _import_demo_deployments(coordinator.store, run_dir, specs, config, console)
 
-        stack.enter_context(_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
+        gateways.wait_ready(console)
         budgets = config.budgets()
         columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())

@@ -6,8 +6,8 @@ float32 batch and returns the float32 output.
 
 Choosing an engine (:func:`open_engine`, ``prefer="auto"``):
 
-1. a GPU is found (:func:`probe_gpu`: ``nvidia-smi``, else torch's CUDA) and TensorRT imports: the ONNX file is
-   built into an **FP16** TensorRT engine, cached (below), and run;
+1. a GPU is found (:func:`probe_gpu`: ``nvidia-smi``, else torch's CUDA on a Jetson or beside an NVIDIA driver) and
+   TensorRT imports: the ONNX file is built into an **FP16** TensorRT engine, cached (below), and run;
 2. otherwise, or when the TensorRT build fails: ONNX Runtime with the CUDA execution provider where the installed
    ORT has it, else the CPU provider. Every fallback is one WARNING log line that names the reason, e.g.
    ``inference: TensorRT is not installed (No module named 'tensorrt'); falling back to ONNX Runtime (CPU)``.
@@ -35,16 +35,20 @@ provider instead (logged as a fallback).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -95,9 +99,7 @@ class InferenceEngine(ABC):
 def ort_providers(device: Literal["auto", "cpu", "cuda"] = "auto") -> list[str]:
     """ONNX Runtime execution providers to use: CUDA first where the installed ORT has it (``auto``/``cuda``),
     then CPU."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
+    available = _import_onnxruntime().get_available_providers()
     if device != "cpu" and "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
@@ -117,8 +119,7 @@ class OrtEngine(InferenceEngine):
 
     def __init__(self, onnx_path: str | Path, *, device: Literal["auto", "cpu", "cuda"] = "auto",
                  threads: int | None = None) -> None:
-        import onnxruntime as ort
-
+        ort = _import_onnxruntime()
         options = ort.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = int(threads)
@@ -209,8 +210,37 @@ class GpuInfo:
     compute_capability: str
 
 
+def _import_onnxruntime() -> ModuleType:
+    """``onnxruntime``, imported without importing torch. With onnxruntime-training installed (x86 gateways),
+    ``import onnxruntime`` probes for ``ORTModule``, which imports torch wherever it is installed: seconds at every
+    start, for nothing that inference uses. Unless torch is already imported, torch is marked absent
+    (``sys.modules["torch"] = None``) during the import, so the probe fails quietly, as on a gateway without torch
+    (``edge_sdk.backends.ort_backend.import_onnxruntime`` does the same for the training API)."""
+    if "onnxruntime" in sys.modules or "torch" in sys.modules:
+        return importlib.import_module("onnxruntime")
+    sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" now raises ModuleNotFoundError
+    try:
+        return importlib.import_module("onnxruntime")
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
+def _torch_cuda_worth_asking() -> bool:
+    """Whether asking torch's CUDA can find a GPU that ``nvidia-smi`` did not: torch is already imported (asking costs
+    nothing), or the machine is a Jetson (aarch64, L4T: an integrated GPU and no ``nvidia-smi``), or an NVIDIA driver
+    is loaded (``/proc/driver/nvidia``). Elsewhere (an x86 gateway without an NVIDIA driver) ``import torch`` would
+    cost seconds at every start, and pull ``onnxruntime.training``'s torch modules in after it, to learn nothing."""
+    if sys.modules.get("torch") is not None:
+        return True
+    if platform.machine().lower() in ("aarch64", "arm64") or Path("/etc/nv_tegra_release").exists():
+        return True
+    return Path("/proc/driver/nvidia").exists()
+
+
 def probe_gpu() -> GpuInfo | None:
-    """The first GPU, from ``nvidia-smi`` (no imports) or torch's CUDA (Jetson has no nvidia-smi); None if none."""
+    """The first GPU, from ``nvidia-smi`` (no imports) or torch's CUDA (Jetson has no nvidia-smi; asked only where
+    :func:`_torch_cuda_worth_asking`); None if none."""
     if shutil.which("nvidia-smi"):
         try:
             proc = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
@@ -221,6 +251,8 @@ def probe_gpu() -> GpuInfo | None:
                 return GpuInfo(name=name, compute_capability=cc)
         except (OSError, subprocess.TimeoutExpired):
             pass
+    if not _torch_cuda_worth_asking():
+        return None
     try:
         import torch
     except ImportError:

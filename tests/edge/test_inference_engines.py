@@ -154,3 +154,71 @@ def test_prefer_tensorrt_logs_the_fallback_as_an_error(tmp_path, model, caplog):
     with caplog.at_level(logging.INFO, logger="edge_sdk.inference.engines"):
         open_engine(model, name="cnn", prefer="tensorrt", cache_root=tmp_path, gpu_probe=lambda: None)
     assert any(r.levelno == logging.ERROR and "falling back" in r.getMessage() for r in caplog.records)
+
+
+def test_an_x86_gateway_without_a_gpu_driver_probes_without_importing_torch(tmp_path) -> None:
+    """No ``nvidia-smi``, no NVIDIA driver, not a Jetson: the probe answers None without ``import torch`` (seconds at
+    every start of an ORT gateway whose embeddings are not cached yet, issue 22 item 5)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import shutil, sys, types
+        from edge_sdk.inference import engines
+        shutil.which = lambda name, *a, **k: None                        # no nvidia-smi
+        engines.platform.machine = lambda: "x86_64"                      # not a Jetson
+        engines.Path = lambda p: types.SimpleNamespace(exists=lambda: False)  # no L4T, no NVIDIA driver
+        print(engines.probe_gpu(), "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "False"]
+
+
+def test_a_jetson_or_an_imported_torch_still_asks_cuda(monkeypatch) -> None:
+    """Where nvidia-smi is missing but CUDA may be there, torch's CUDA answers (a stand-in torch here)."""
+    import sys
+    import types
+
+    from edge_sdk.inference import engines
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                            get_device_capability=lambda i: (8, 7),
+                                                            get_device_name=lambda i: "Orin"))
+    monkeypatch.setattr(engines.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert engines.probe_gpu() == GpuInfo("Orin", "8.7")
+
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(engines.platform, "machine", lambda: "aarch64")
+    assert engines._torch_cuda_worth_asking()
+    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(engines, "Path", lambda p: types.SimpleNamespace(exists=lambda: p == "/proc/driver/nvidia"))
+    assert engines._torch_cuda_worth_asking()
+    monkeypatch.setattr(engines, "Path", lambda p: types.SimpleNamespace(exists=lambda: False))
+    assert not engines._torch_cuda_worth_asking()
+
+
+def test_onnx_runtime_inference_runs_without_importing_torch(tmp_path) -> None:
+    """``import onnxruntime`` of onnxruntime-training probes ORTModule, which imports torch where installed; the
+    inference engine imports ORT with torch held off, so an ORT gateway embeds and classifies without torch."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model = tmp_path / "tiny.onnx"
+    onnx.save(tiny_onnx(seed=0), model)
+    code = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from edge_sdk.inference.engines import open_engine
+        engine = open_engine({str(model)!r}, name="tiny", prefer="ort", threads=1)
+        out = engine.run(np.ones((2, 8), np.float32))
+        print(out.shape, "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(2,", "4)", "False"]
