@@ -9,6 +9,7 @@ float64 buffer whatever the number of sites K. :func:`merge` combines partial su
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,8 +41,18 @@ def new_running_sum(template: Tensors) -> RunningWeightedSum:
 
 
 # Elements of the float64 scratch that add_weighted scales one slice of a tensor into (512 KiB: it stays in a 1 MiB L2
-# cache between the widening, the multiply and the add, so no model-sized temporary is written and read back).
+# cache between the widening, the multiply and the add, so no model-sized temporary is written and read back). One
+# scratch per thread, made once: a fresh 512 KiB buffer per call would be mapped and page-faulted anew every time,
+# which costs more than the whole accumulation of a small (camera head) update.
 _CHUNK = 1 << 16
+_scratch = threading.local()
+
+
+def _scratch_buffer() -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size != _CHUNK:
+        buf = _scratch.buf = np.empty(_CHUNK, np.float64)
+    return buf
 
 
 def add_weighted(acc: RunningWeightedSum, delta: Tensors, weight: float) -> None:
@@ -68,7 +79,7 @@ def add_weighted(acc: RunningWeightedSum, delta: Tensors, weight: float) -> None
             raise ValueError(f"delta {name!r} has shape {d.shape}, model has {buf.shape}")
         pairs.append((buf, d))
     w = float(weight)
-    scratch = np.empty(min(_CHUNK, max((d.size for _, d in pairs), default=0)), np.float64)
+    scratch = _scratch_buffer()
     for buf, d in pairs:
         _add_scaled(buf, d, w, scratch)
     acc.total_weight += w
@@ -76,20 +87,22 @@ def add_weighted(acc: RunningWeightedSum, delta: Tensors, weight: float) -> None
 
 
 def _add_scaled(buf: np.ndarray, d: np.ndarray, w: float, scratch: np.ndarray) -> None:
-    """``buf += w * d`` in float64 through ``scratch`` (float64, 1-D), slice by slice; ``buf`` float64, same shape."""
+    """``buf += w * d`` in float64 through ``scratch`` (float64, 1-D, not empty), slice by slice; ``buf`` float64,
+    same shape as ``d``."""
     if buf.size == 0:
         return
     if not buf.flags.c_contiguous:  # a flat view is needed to write back; never the case for new_running_sum's
         buf += w * d.astype(np.float64, copy=False)
         return
     flat, src = buf.reshape(-1), np.ravel(d)  # views (src is copied only if d is not contiguous)
-    for start in range(0, flat.size, scratch.size):
-        stop = min(start + scratch.size, flat.size)
-        tmp = scratch[:stop - start]
+    n, step = flat.size, scratch.size
+    for start in range(0, n, step):
+        b, s = (flat, src) if n <= step else (flat[start:start + step], src[start:start + step])
+        tmp = scratch[:b.size]
         # widen first (as astype(np.float64) does; exact for float32) so that the product is rounded in float64
-        np.copyto(tmp, src[start:stop], casting="unsafe")
+        np.copyto(tmp, s, casting="unsafe")
         np.multiply(tmp, w, out=tmp)
-        np.add(flat[start:stop], tmp, out=flat[start:stop])
+        np.add(b, tmp, out=b)
 
 
 def weighted_mean(acc: RunningWeightedSum) -> dict[str, np.ndarray]:
