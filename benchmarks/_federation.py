@@ -6,11 +6,12 @@ Nothing here is timed by itself; the scripts decide what to time.
 
 from __future__ import annotations
 
-import os
 import resource
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from _timing import load_average  # the script's folder, as every benchmark imports it
 
 __all__ = ["model_template", "num_parameters", "num_bytes", "update_delta", "seal_update", "load_average",
            "peak_rss_mib", "rss_mib", "reset_peak_rss", "print_table", "MiB"]
@@ -65,12 +66,6 @@ def seal_update(*, key, federation_id: str, site_id: str, round: int, model_hash
     payload = encode_update(UpdateReport(num_examples=num_examples, local_steps=5), delta)
     return seal(private_key=key, federation_id=federation_id, site_id=site_id, round=round,
                 base_model_hash=model_hash, kind=MessageKind.UPDATE, sequence=sequence, payload=payload).to_bytes()
-
-
-def load_average() -> str:
-    """``/proc/loadavg``'s 1/5/15-minute averages and the CPU count, for the printed header."""
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
 def _proc_status_kib(field: str, pid: int | str = "self") -> float:

@@ -3,12 +3,20 @@ shared machine hits every variant alike (ratios from one run stay meaningful).""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["interleaved"]
+__all__ = ["interleaved", "load_average"]
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (``os.getloadavg``) and the CPU count, for a benchmark's printed header and
+    footer: ratios from one run stay comparable only between runs under similar load."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
 def interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, np.ndarray]:

@@ -35,6 +35,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _timing import load_average  # noqa: E402  (the script's folder)
 from edge_sdk.inference.detector import YoloxDetector, detector_onnx, preprocess  # noqa: E402
 from edge_sdk.inference.engines import (EngineCache, EngineError, InferenceEngine, OrtEngine,  # noqa: E402
                                         TensorRTBuilder, ort_providers, probe_gpu)
@@ -80,13 +81,17 @@ def main() -> None:
     parser.add_argument("--images", type=Path, default=SAMPLE)
     parser.add_argument("--count", type=int, default=32, help="images per end-to-end pass")
     args = parser.parse_args()
+    if args.images != SAMPLE and not args.images.is_dir():
+        parser.error(f"--images {args.images}: no such folder (leave it out for the default sample, or synthetic "
+                     "noise images when that is absent too)")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     onnx_path = detector_onnx()
     images = _images(args.images, args.count)
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
           f"threads={args.threads}; images: {len(images)} of {images[0].size} from "
-          f"{args.images if args.images and args.images.is_dir() else 'synthetic noise'}; batch {args.batch}")
+          f"{args.images if args.images and args.images.is_dir() else 'synthetic noise'}; batch {args.batch}; "
+          f"{load_average()}")
     results: dict[str, tuple[float, float]] = {}
 
     results["ort-cpu"] = bench(OrtEngine(onnx_path, device="cpu", threads=args.threads), images, args.batch,
@@ -118,6 +123,7 @@ def main() -> None:
         print(f"\nTensorRT FP16 / ORT CUDA (engine): {ratio:.2f}x (target >= 3x)")
     else:
         print("\nTensorRT FP16 / ORT CUDA: skipped (needs a GPU with TensorRT and ORT's CUDA provider)")
+    print(f"finished; {load_average()}")
 
 
 if __name__ == "__main__":

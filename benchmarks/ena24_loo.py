@@ -125,6 +125,9 @@ def main() -> int:
     from edge_sdk.inference.embedder import OnnxEmbedder
 
     folder = photos_folder(args.photos)
+    if not (folder / "labels.csv").is_file():
+        parser.error(f"--photos {folder}: no labels.csv there (expected photos and a labels.csv of filepath,label; "
+                     "leave --photos out for ../shared/data/ena24-small or the committed subset)")
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
@@ -139,7 +142,8 @@ def main() -> int:
         correct = leave_one_out(emb.astype(np.float64), y, len(names), args)
         for name, n in correct.items():
             print(f"{size:4d} px  {name:18s} {n:2d}/{len(y)} correct (leave-one-out; chance {len(y) // len(names)})")
-    print(f"({time.perf_counter() - t0:.0f} s)")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(f"({time.perf_counter() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
     return 0
 
 

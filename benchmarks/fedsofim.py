@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _timing import interleaved  # noqa: E402  (the script's folder; Opacus ships a top-level package "benchmarks")
+from _timing import interleaved, load_average  # noqa: E402  (the script folder; Opacus has a package "benchmarks")
 from coordinator.optimizers.fedsofim import DPFedSOFIM  # noqa: E402
 from coordinator.optimizers.server_sgd import ServerSGD  # noqa: E402
 
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000,10000000")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    print(f"DP-FedSOFIM vs server SGD, {args.repeats} interleaved repeats; {load_average()}")
     rng = np.random.default_rng(0)
     rows = []
     for d in (int(x) for x in args.sizes.split(",")):
@@ -67,6 +68,7 @@ def main() -> None:
     for (d0, t0, m0), (d1, t1, m1) in zip(rows, rows[1:]):
         print(f"d x{d1 / d0:.0f} ({d0:,} -> {d1:,}): DP-FedSOFIM time x{np.median(t1['fedsofim']) / np.median(t0['fedsofim']):.1f}, "
               f"memory x{m1['fedsofim'] / max(m0['fedsofim'], 1):.1f}")
+    print(f"finished; {load_average()}")
 
 
 if __name__ == "__main__":

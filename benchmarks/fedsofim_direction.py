@@ -14,7 +14,9 @@ and M_t share, enters the step as ``(1 - a_t) s / rho``: for ``a_t > 1`` the ste
 
 Printed per case (K, eps): ``|M|^2`` at rounds 10 and T, the median ``a_t``, the norm of the noise-free clipped
 mean gradient ``s_t``, and the median over rounds >= 10 of the step's component along ``s_t / |s_t|``
-(DP-FedGD's is ``|s_t|``; negative means ascent).
+(DP-FedGD's is ``|s_t|``; negative means ascent), and that component over DP-FedGD's (the ratio: 1 = as far downhill
+as DP-FedGD, below 0 = uphill); then the load average. With ``--rounds`` under 10 the medians are over all rounds
+and "round 10" is the last one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _timing import load_average  # noqa: E402  (the script's folder)
 from shared.privacy.accounting import calibrate_noise_multiplier  # noqa: E402
 from shared.privacy.randomness import SecureRandom  # noqa: E402
 from wildfed_sim import fedsofim as fs  # noqa: E402
@@ -40,6 +43,10 @@ def main() -> None:
     ap.add_argument("--eta-over-rho", type=float, default=0.1)
     ap.add_argument("--beta", type=float, default=0.9)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    print(f"DP-FedSOFIM on G, {args.rounds} rounds, rho {args.rho:g}, eta/rho {args.eta_over_rho:g}, beta "
+          f"{args.beta:g}; {load_average()}", flush=True)
     settings = fs.FedSofimSettings()
     data = fs.prepare_seed(settings, 101)
     pool = fs.Pool.of(data.pool)
@@ -61,9 +68,13 @@ def main() -> None:
             coef.append(a)
             along.append(float(step @ s) / np.linalg.norm(s))
             s_norm.append(float(np.linalg.norm(s)))
-        print(f"K={k:3d} eps={eps:4g} (z={z:.2f}): |M|^2 round 10 {msq[9]:.3g}, round {args.rounds} {msq[-1]:.3g}; "
-              f"median a_t {np.median(coef[9:]):.2f}; |s| {np.median(s_norm[9:]):.3g}; step along s "
-              f"{np.median(along[9:]):+.3g}")
+        r10 = min(10, args.rounds)  # rounds >= 10 once the momentum is filled; all rounds in a short run
+        skip = r10 - 1 if args.rounds >= 10 else 0
+        ratio = np.median(along[skip:]) / np.median(s_norm[skip:])
+        print(f"K={k:3d} eps={eps:4g} (z={z:.2f}): |M|^2 round {r10} {msq[r10 - 1]:.3g}, round {args.rounds} "
+              f"{msq[-1]:.3g}; median a_t {np.median(coef[skip:]):.2f}; |s| {np.median(s_norm[skip:]):.3g}; step along "
+              f"s {np.median(along[skip:]):+.3g} (ratio to DP-FedGD's {ratio:+.2f})", flush=True)
+    print(f"finished; {load_average()}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import atheris
+try:
+    import atheris
+except ImportError:  # not a project dependency
+    raise SystemExit("fuzz_atheris.py needs atheris, which is not a project dependency: "
+                     "`.venv/bin/pip install atheris` (a wheel exists for CPython 3.11), then run it again") from None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/ is not installed
 

@@ -215,7 +215,7 @@ class TransferReceiver:
                     raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
                 if row is None:
                     s.add(TransferRow(transfer_id=manifest.transfer_id, site_id=site_id, round=h.round,
-                                      sequence=h.sequence, manifest_payload=env.payload,
+                                      sequence=h.sequence, manifest_payload=bytes(env.payload),
                                       num_chunks=manifest.num_chunks, created_at=now,
                                       expires_at=now + _dt.timedelta(seconds=self.limits.ttl_s)))
         except IntegrityError:  # another worker recorded the same manifest first

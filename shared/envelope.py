@@ -169,11 +169,18 @@ class EnvelopeHeader:
 
 @dataclass(frozen=True)
 class Envelope:
-    """A header, its Ed25519 signature (64 bytes) and the payload (opaque bytes, usually safetensors)."""
+    """A header, its Ed25519 signature (64 bytes) and the payload (opaque bytes, usually safetensors).
+
+    ``payload`` is read-only bytes-like: ``bytes`` where the envelope was sealed here, a read-only ``memoryview``
+    into the wire bytes where it was parsed by :meth:`from_bytes` (no copy of a multi-MiB update). Both compare
+    equal to ``bytes`` of the same content, hash alike and go wherever a buffer goes (``hashlib``, ``len``, file
+    writes, the decoders of :mod:`shared.protocol`); a caller that needs ``bytes`` itself (``.decode()``,
+    ``json.loads``, a database driver) calls ``bytes(payload)``.
+    """
 
     header: EnvelopeHeader
     signature: bytes
-    payload: bytes
+    payload: bytes | memoryview
 
     def to_bytes(self) -> bytes:
         """Encode for the wire (see the module docstring for the layout)."""
@@ -181,27 +188,42 @@ class Envelope:
         return MAGIC + struct.pack(">I", len(header)) + header + self.signature + self.payload
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Envelope":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Envelope":
         """Decode wire bytes. Parsing does **not** verify the signature: call :func:`verify`.
+
+        The payload is a read-only ``memoryview`` of ``data`` (zero copy) when ``data`` is ``bytes`` or a read-only
+        byte view of ``bytes``, which nothing can change; anything mutable (``bytearray``, a writable view) is
+        copied first, so that the envelope never aliases a buffer its owner may still write.
 
         Raises:
             MalformedEnvelopeError: bad magic, truncated data, oversized or malformed header.
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedEnvelopeError(f"expected bytes, got {type(data).__name__}")
-        data = bytes(data)
-        if len(data) < len(MAGIC) + 4 or data[:4] != MAGIC:
+        view = _immutable_view(data)
+        if len(view) < len(MAGIC) + 4 or view[:4] != MAGIC:
             raise MalformedEnvelopeError("not a WildFed envelope (bad magic)")
-        (header_length,) = struct.unpack(">I", data[4:8])
+        (header_length,) = struct.unpack(">I", view[4:8])
         if header_length > MAX_HEADER_LENGTH:
             raise MalformedEnvelopeError(f"header length {header_length} exceeds {MAX_HEADER_LENGTH} bytes")
         end = 8 + header_length
-        if len(data) < end + SIGNATURE_LENGTH:
+        if len(view) < end + SIGNATURE_LENGTH:
             raise MalformedEnvelopeError("envelope truncated")
-        header = EnvelopeHeader.from_canonical_bytes(data[8:end])
-        signature = data[end:end + SIGNATURE_LENGTH]
-        payload = data[end + SIGNATURE_LENGTH:]
+        header = EnvelopeHeader.from_canonical_bytes(bytes(view[8:end]))
+        signature = bytes(view[end:end + SIGNATURE_LENGTH])
+        payload = view[end + SIGNATURE_LENGTH:]
         return cls(header=header, signature=signature, payload=payload)
+
+
+def _immutable_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat, read-only byte view of ``data`` that no one can write through: of ``data`` itself where it is (or
+    views) immutable ``bytes``, else of a copy."""
+    if isinstance(data, bytes):
+        return memoryview(data)
+    if (isinstance(data, memoryview) and data.readonly and isinstance(data.obj, bytes) and data.c_contiguous
+            and data.format == "B" and data.ndim == 1):
+        return data
+    return memoryview(bytes(data))
 
 
 def seal(*, private_key: Ed25519PrivateKey, federation_id: str, site_id: str, round: int,

@@ -9,6 +9,7 @@ float64 buffer whatever the number of sites K. :func:`merge` combines partial su
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -39,24 +40,69 @@ def new_running_sum(template: Tensors) -> RunningWeightedSum:
                               dtypes={k: np.asarray(v).dtype for k, v in template.items()})
 
 
+# Elements of the float64 scratch that add_weighted scales one slice of a tensor into (512 KiB: it stays in a 1 MiB L2
+# cache between the widening, the multiply and the add, so no model-sized temporary is written and read back). One
+# scratch per thread, made once: a fresh 512 KiB buffer per call would be mapped and page-faulted anew every time,
+# which costs more than the whole accumulation of a small (camera head) update.
+_CHUNK = 1 << 16
+_scratch = threading.local()
+
+
+def _scratch_buffer() -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size != _CHUNK:
+        buf = _scratch.buf = np.empty(_CHUNK, np.float64)
+    return buf
+
+
 def add_weighted(acc: RunningWeightedSum, delta: Tensors, weight: float) -> None:
     """In place: ``acc.sums += weight * delta``; ``acc.total_weight += weight``.
 
+    Each element gets ``sums + fl64(weight * fl64(delta))``: ``delta`` is widened to float64 (exact for float32), the
+    product rounded once in float64, then added into the float64 sum, bit for bit what
+    ``sums += weight * delta.astype(np.float64)`` gives. The product goes through a small float64 scratch, one
+    :data:`_CHUNK`-element slice at a time, instead of two model-sized temporaries per tensor.
+
     Raises:
-        ValueError: ``weight`` not positive and finite, or ``delta``'s names/shapes differ from the accumulators.
+        ValueError: ``weight`` not positive and finite, or ``delta``'s names/shapes differ from the accumulators
+            (checked for every tensor before any is changed: a refused delta leaves ``acc`` as it was).
     """
     if not (weight > 0 and np.isfinite(weight)):
         raise ValueError(f"FedAvg weight must be positive and finite, got {weight!r}")
     if set(delta) != set(acc.sums):
         raise ValueError(f"delta tensor names differ from the model: missing {sorted(set(acc.sums) - set(delta))}, "
                          f"extra {sorted(set(delta) - set(acc.sums))}")
+    pairs = []
     for name, buf in acc.sums.items():
         d = np.asarray(delta[name])
         if d.shape != buf.shape:
             raise ValueError(f"delta {name!r} has shape {d.shape}, model has {buf.shape}")
-        buf += float(weight) * d.astype(np.float64, copy=False)
-    acc.total_weight += float(weight)
+        pairs.append((buf, d))
+    w = float(weight)
+    scratch = _scratch_buffer()
+    for buf, d in pairs:
+        _add_scaled(buf, d, w, scratch)
+    acc.total_weight += w
     acc.count += 1
+
+
+def _add_scaled(buf: np.ndarray, d: np.ndarray, w: float, scratch: np.ndarray) -> None:
+    """``buf += w * d`` in float64 through ``scratch`` (float64, 1-D, not empty), slice by slice; ``buf`` float64,
+    same shape as ``d``."""
+    if buf.size == 0:
+        return
+    if not buf.flags.c_contiguous:  # a flat view is needed to write back; never the case for new_running_sum's
+        buf += w * d.astype(np.float64, copy=False)
+        return
+    flat, src = buf.reshape(-1), np.ravel(d)  # views (src is copied only if d is not contiguous)
+    n, step = flat.size, scratch.size
+    for start in range(0, n, step):
+        b, s = (flat, src) if n <= step else (flat[start:start + step], src[start:start + step])
+        tmp = scratch[:b.size]
+        # widen first (as astype(np.float64) does; exact for float32) so that the product is rounded in float64
+        np.copyto(tmp, s, casting="unsafe")
+        np.multiply(tmp, w, out=tmp)
+        np.add(b, tmp, out=b)
 
 
 def weighted_mean(acc: RunningWeightedSum) -> dict[str, np.ndarray]:

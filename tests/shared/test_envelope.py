@@ -2,6 +2,7 @@
 
 import hashlib
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -86,3 +87,39 @@ def test_round_trip_property(payload, round_, seq, kind):
     back = Envelope.from_bytes(env.to_bytes())
     verify(back, KEY.public_key())
     assert back.payload == payload and back.header.kind is kind
+
+
+def test_from_bytes_keeps_a_view_of_the_wire_bytes_not_a_copy():
+    # Prepare: an update-sized payload
+    payload = bytes(range(256)) * 4096
+    wire = make(payload).to_bytes()
+    # Execute
+    back = Envelope.from_bytes(wire)
+    # Assert: the payload is a read-only view into ``wire`` itself, equal to the payload and verifiable
+    assert isinstance(back.payload, memoryview) and back.payload.readonly
+    assert back.payload.obj is wire
+    assert np.shares_memory(np.frombuffer(wire, np.uint8), np.frombuffer(back.payload, np.uint8))
+    assert back.payload == payload and back == make(payload) and hash(back) == hash(make(payload))
+    verify(back, KEY.public_key())
+    assert Envelope.from_bytes(back.to_bytes()) == back  # it re-encodes
+
+
+def test_from_bytes_of_a_read_only_view_of_bytes_does_not_copy_either():
+    wire = b"transport framing|" + make().to_bytes()
+    back = Envelope.from_bytes(memoryview(wire)[len(b"transport framing|"):])
+    assert back.payload.obj is wire and back.payload == b"payload-bytes"
+    verify(back, KEY.public_key())
+
+
+@pytest.mark.parametrize("mutable", [bytearray, lambda b: memoryview(bytearray(b)),
+                                     lambda b: memoryview(bytearray(b)).toreadonly()])
+def test_from_bytes_copies_a_buffer_its_owner_can_still_change(mutable):
+    # Prepare
+    buffer = mutable(make().to_bytes())
+    # Execute: parse, then the owner overwrites its buffer (e.g. a reused receive buffer)
+    back = Envelope.from_bytes(buffer)
+    owner = buffer.obj if isinstance(buffer, memoryview) else buffer
+    owner[-len(b"payload-bytes"):] = b"X" * len(b"payload-bytes")
+    # Assert: the envelope kept what it parsed
+    assert back.payload == b"payload-bytes"
+    verify(back, KEY.public_key())
