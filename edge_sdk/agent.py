@@ -651,7 +651,10 @@ class EdgeAgent:
             return False
 
         return self._send_update(task, result.report, result.delta, started=started,
-                                 detail=f"N={result.report.num_examples}, q={result.sampling_rate:.4g}")
+                                 detail=f"N={result.report.num_examples}, base rate q={result.sampling_rate:.4g}"
+                                 + (f", class re-weighting {task.class_reweighting:g}"
+                                    if task.class_reweighting and result.plan is not None
+                                    and self.config.logit_adjustment else ""))
 
     def _train_radio(self, task: TrainingTask, weights: dict[str, np.ndarray], artifacts: dict[str, bytes]) -> bool:
         """A radio round (edge_sdk.radio): allocator refresh when due, local RadioUNet training, grouped noise."""

@@ -466,7 +466,8 @@ def clipped_sum_locally(
         grads = backend.per_example(inputs.features[idx], dataset.labels[idx])
         factors = clip_factors_from_norms(grads.norms, norm_table[ranks[idx]])
         flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
-    log.info("round %d: global DP: clipped sum of a Poisson batch at q=%s (C=%s), %s", task.round,
+    log.info("round %d: global DP: clipped sum of %s at q=%s (C=%s), %s", task.round,
+             "every record (distributed noise credits no subsampling)" if task.distributed_noise else "a Poisson batch",
              {c.value: round(v, 4) for c, v in rates.items()}, {c.value: round(v, 4) for c, v in norms.items()},
              "its share of the noise added before masking" if task.distributed_noise else "no local noise")
     return ClippedSum(gradient_sum=unflatten(flat.astype(np.float32), backend.parameter_layout),

@@ -473,6 +473,17 @@ def _gateways(config_paths: list[Path], log_dir: Path, ready_dir: Path, console:
         yield gateways.procs
 
 
+def _privacy_label(settings: DemoSettings) -> str:
+    """The privacy mode as the demo's header and table name it, e.g. ``privacy global (distributed noise)``."""
+    if settings.privacy == "global":
+        return f"privacy global ({settings.global_noise} noise)"
+    if settings.privacy == "ccdp":
+        rw = settings.class_reweighting
+        return f"privacy ccdp (local, {settings.ccdp_variant}, class re-weighting {rw:g})" if rw else \
+            f"privacy ccdp (local, {settings.ccdp_variant})"
+    return f"privacy {settings.privacy}"
+
+
 # ------------------------------------------------------------------------------------------ public pretraining
 def public_split_indices(num_train: int, specs: Any, images: np.ndarray | None = None) -> np.ndarray:
     """Indices (into the training split) of the images that no site holds: the public pretraining split.
@@ -752,7 +763,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").mkdir(parents=True, exist_ok=True)
     console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
-                 f"privacy {settings.privacy}, strategy {settings.strategy}")
+                 f"{_privacy_label(settings)}, strategy {settings.strategy}")
     console.log(f"run folder {run_dir}")
 
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
@@ -894,7 +905,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     result.elapsed_s = time.monotonic() - t0
 
     table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} "
-                        f"round{'s' * (len(result.history) != 1)}, privacy {settings.privacy}, "
+                        f"round{'s' * (len(result.history) != 1)}, {_privacy_label(settings)}, "
                         f"strategy {settings.strategy}"
                         + (" (accuracy: each site's own model on the classes it holds, pooled; per-site macro "
                            "accuracy and the clusters are in report.json)" if settings.strategy == "nira" else ""))
@@ -902,9 +913,11 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     table.add_column("test accuracy", justify="right")
     table.add_column("epsilon spent (max over sites)", justify="right")
     table.add_column("budget", justify="right")
+    held = {SPECIES_TABLE[int(c)].iucn for spec in specs for c in spec.species}  # the sites' species tables
     for cat in IUCNCategory:
         e = result.epsilon.get(cat.value, {"spent_max": 0.0, "budget": budgets[cat]})
-        spent = f"{e['spent_max']:.3f}" if settings.privacy != "none" else "- (no DP)"
+        spent = (("- (no DP)" if settings.privacy == "none" else f"{e['spent_max']:.3f}") if cat in held
+                 else "- (no site holds it)")
         acc = result.final_accuracy.get(cat.value, math.nan)
         table.add_row(cat.value, "n/a" if math.isnan(acc) else f"{100 * acc:.1f}%", spent,
                       f"{budgets[cat]:.2f}" if settings.privacy != "none" else "-")
