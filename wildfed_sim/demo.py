@@ -770,6 +770,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     from wildfed_sim.embeddings import embed_grayscale
 
     class_categories = [e.iucn for e in SPECIES_TABLE]
+    held = {SPECIES_TABLE[int(c)].iucn for spec in specs for c in spec.species}  # categories of the sites' tables
     # the gateways read the feature centre when they start: written first, the coordinator's own preparation
     # (held-out embeddings, pretraining, its database) then runs while they start
     centre_path = _write_feature_centre(settings, run_dir, train, specs, console) if settings.feature_centre else None
@@ -876,7 +877,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                 result.history.append(entry)
                 info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
                         f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
-                if settings.privacy != "none":
+                if settings.privacy != "none" and IUCNCategory.CR in held:
                     info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
                 progress.update(task, advance=1, info=info)
         status = coordinator.status()
@@ -913,7 +914,6 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     table.add_column("test accuracy", justify="right")
     table.add_column("epsilon spent (max over sites)", justify="right")
     table.add_column("budget", justify="right")
-    held = {SPECIES_TABLE[int(c)].iucn for spec in specs for c in spec.species}  # the sites' species tables
     for cat in IUCNCategory:
         e = result.epsilon.get(cat.value, {"spent_max": 0.0, "budget": budgets[cat]})
         spent = (("- (no DP)" if settings.privacy == "none" else f"{e['spent_max']:.3f}") if cat in held
