@@ -230,7 +230,8 @@ class TrainingInputs:
 
 def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
                  ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
-    """``(active categories, eligible mask bool (N,), N_site, q = min(1, B / N_site))``.
+    """``(active categories, eligible mask bool (N,), N_site, q)`` with q = min(1, B / N_site), or 1 for a
+    distributed-noise Global DP task (:func:`shared.privacy.distributed.site_sampling_rate`).
 
     ``N_site = len(dataset)`` is the site's public record count (every category, halted or not); the mask marks the
     records of active categories, the only ones ever sampled. q and N_site depend only on public values (B, the

@@ -258,7 +258,8 @@ class TrainingTask:
         federation_id, round, model_hash: identify the round and the global model version (hex SHA-256).
         local_steps: DP-SGD steps to run this round.
         expected_batch_size: B; the site samples at rate q = min(1, B / N_site), N_site its public record count
-            (every category: a halted category's records are not sampled, but they stay in N_site).
+            (every category: a halted category's records are not sampled, but they stay in N_site); q = 1 for a
+            distributed-noise task (``shared.privacy.distributed.site_sampling_rate``).
         learning_rate: local SGD step size.
         clipping_norm: C, L2 bound of each per-example gradient.
         target_delta: delta of every category's (eps, delta) guarantee.
@@ -291,7 +292,7 @@ class TrainingTask:
             q = min(1, B / N_site)), the rate at which c's budget is spent over the planned rounds.
         distributed_noise: a ``"global"`` task only: True = distributed DP (the site adds its share of Skellam noise
             to its quantised sum before masking, clips category c at ``C_c`` of
-            ``shared.privacy.distributed.distributed_plan`` and samples every category at q; the coordinator adds
+            ``shared.privacy.distributed.distributed_plan`` and takes every record (q = 1); the coordinator adds
             nothing); False (default, left out of the JSON) = the trusted-server mode.
         feature_centre: a ``"global"`` task only: hex SHA-256 of the public feature centre c
             (``shared.models.feature_centre.centre_digest``) on whose centred embeddings the site takes its
