@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import dp_accounting
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from wildfed_sim.cli import app
@@ -136,6 +137,9 @@ def test_demo_global_dp_with_distributed_noise(tmp_path):
     assert db.execute("SELECT count(*) FROM updates").fetchone() == (0,)
     details = [r[0] for r in db.execute("SELECT detail FROM rounds ORDER BY round")]
     assert all("distributed Skellam noise from the sites" in d for d in details)
+    # the default tolerates one dropout: 3 sites, threshold t = 2 (a majority of 3), which the noise is calibrated for
+    config = yaml.safe_load((out / "coordinator" / "coordinator.yaml").read_text())
+    assert config["secagg"]["threshold"] == 2
     budgets = {"CR": 1 / 3, "EN": 2 / 3, "VU": 1.0, "NT": 4 / 3, "LC": 5 / 3, "NE": 2.0}
     per_cat = defaultdict(list)
     for cat, event_json in db.execute("SELECT category, event_json FROM ledger"):

@@ -60,6 +60,10 @@ def demo(
                                      "adds a Skellam share before secure aggregation masks its sum: the "
                                      "coordinator never sees an unnoised sum) or trusted-server (the coordinator "
                                      "adds the noise)"),
+    tolerated_dropouts: int | None = typer.Option(None, help="with --privacy global: sites that may drop out of "
+                                                  "a round and its secure sum still open; the threshold is sites "
+                                                  "minus this, and distributed noise is calibrated for it (default "
+                                                  "1: t = 7 of 8)"),
     anchor_category: str = typer.Option("VU", help="IUCN category pinned to --anchor-epsilon"),
     anchor_epsilon: float = typer.Option(1.0, help="total epsilon of the anchor category over the federation"),
     local_steps: int | None = typer.Option(None, help="(DP-)SGD steps per site per round (default: 1 with DP, "
@@ -120,6 +124,7 @@ def demo(
 
     settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
                             ccdp_variant=ccdp_variant, global_noise=global_noise,
+                            tolerated_dropouts=tolerated_dropouts,
                             class_reweighting=class_reweighting,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
