@@ -436,22 +436,28 @@ class _Gateways:
                 stdout=log, stderr=subprocess.STDOUT, env=env))
 
     def wait_ready(self, console: Any, timeout_s: float = 120.0) -> None:
-        """Wait until every gateway has subscribed (its ready file exists), at most ``timeout_s`` from now.
+        """Wait until every gateway has subscribed (its ready file exists). A gateway fails when ``timeout_s`` pass
+        with no new line in its log: one that is still making progress (a first run embeds its images for minutes
+        on a loaded machine, logging each chunk) is waited for.
 
         Raises:
-            WildFedError: a gateway exited, or was not ready in time (the message quotes its log).
+            WildFedError: a gateway exited, or its log stood still for ``timeout_s`` (the message quotes its log).
         """
-        deadline = time.monotonic() + timeout_s
         for path, proc in zip(self.config_paths, self.procs):
             site = path.parent.name
+            log_path = self.log_dir / f"{site}.log"
+            size, deadline = -1, time.monotonic() + timeout_s
             while not (self.ready_dir / f"{site}.ready").exists():
                 if proc.poll() is not None:
-                    tail = (self.log_dir / f"{site}.log").read_text(errors="replace")[-2000:]
+                    tail = log_path.read_text(errors="replace")[-2000:]
                     raise WildFedError(f"gateway {site} exited with code {proc.returncode} before it was ready; "
-                                       f"its log ({self.log_dir / f'{site}.log'}) ends:\n{tail}")
+                                       f"its log ({log_path}) ends:\n{tail}")
+                grown = log_path.stat().st_size if log_path.exists() else 0
+                if grown != size:  # progress: the silence is counted from the latest line
+                    size, deadline = grown, time.monotonic() + timeout_s
                 if time.monotonic() > deadline:
-                    raise WildFedError(f"gateway {site} was not ready within {timeout_s:.0f} s; "
-                                       f"see {self.log_dir / f'{site}.log'}")
+                    raise WildFedError(f"gateway {site} was not ready and logged nothing for {timeout_s:.0f} s; "
+                                       f"see {log_path}")
                 time.sleep(0.1)
         console.log(f"{len(self.procs)} gateway agents connected")
 

@@ -122,6 +122,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
     cache = EmbeddingCache(cache_root, backbone_id=backbone_id(), input_size=input_size, dim=EMBEDDING_DIM)
     keys = [record_key(m, h) for m, h in zip(dataset.media_ids, dataset.sha256)]
     opened: list["Embedder"] = [embedder] if embedder is not None else []
+    computed = [0]
 
     def compute(idx: np.ndarray) -> np.ndarray:
         if not opened:
@@ -130,7 +131,11 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
         if emb.input_size != input_size or emb.backbone_id != cache.backbone_id:
             raise ValueError(f"embedder {emb.backbone_id} at {emb.input_size} px does not match the cache "
                              f"({cache.backbone_id} at {input_size} px)")
-        return embed_pil(emb, [load_rgb(dataset.files[int(i)]) for i in idx])
+        values = embed_pil(emb, [load_rgb(dataset.files[int(i)]) for i in idx])
+        computed[0] += len(idx)
+        # progress in the log: a first run embeds for minutes, and whoever waits on the gateway sees it move
+        log.info("embeddings: %d computed so far (%d records in all)", computed[0], n)
+        return values
 
     features = cache.get_or_compute(keys, None, compute, chunk=chunk) if n else np.zeros((0, EMBEDDING_DIM),
                                                                                        np.float32)
