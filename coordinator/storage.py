@@ -33,10 +33,11 @@ Tables (SQLite by default, PostgreSQL by URL):
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
 name is complete. A blob is named by a 64-hex digest of its content: the SHA-256 the store computes, or a digest its
-caller verified, such as an update's payload digest (envelope format 2: a BLAKE3 hash list, ``shared.envelope``),
-so that a verified payload is not hashed again. The column ``payload_sha256`` keeps its name from envelope format 1,
-when that digest was a SHA-256; rows written since hold the format-2 payload digest. Rows are committed before :class:`Store` methods return ("durable" in the rest of the package
-means: committed to the database and, for payloads, fsync-ed to disk).
+caller verified, such as an update's payload digest (envelope format 2: a BLAKE3 hash list, ``shared.envelope``), so
+that a verified payload is not hashed again. The column ``payload_sha256`` keeps its name from envelope format 1,
+when that digest was a SHA-256; rows written since hold the format-2 payload digest. Rows are committed before
+:class:`Store` methods return ("durable" in the rest of the package means: committed to the database and, for
+payloads, fsync-ed to disk).
 
 PostgreSQL isolation for tests or shared servers: ``Store(url, schema="wf_x")`` maps every table into that schema
 through SQLAlchemy's ``schema_translate_map`` (the schema must exist).

@@ -4,14 +4,16 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
 
 * a message longer than the limit is refused before any parsing (``oversized``);
 * every other message is parsed once, here, and the parsed envelope is handed on (never parsed again);
-* a plain UPDATE envelope (small enough to travel whole) goes straight to :meth:`coordinator.ingest.Ingestor.handle_envelope`;
+* a plain UPDATE envelope (small enough to travel whole) goes straight to ingest
+  (:meth:`coordinator.ingest.Ingestor.handle_envelope`);
 * a MANIFEST envelope is checked like an update (topic, federation, site, signature with one of the site's valid
   keys, replay window) and against the open round before any chunk is kept (:meth:`Ingestor.precheck`); so is the
   inner envelope it announces: its header must name what the manifest's does (site, round, sequence, base model
   hash), its signature must verify with one of the site's valid keys, and the piece digests (leaves) must derive its
-  signed payload digest (:mod:`shared.transfer`). A new transfer is recorded (``transfers`` table). A manifest marked ``resume`` (the site reconnected or timed out) is
-  answered with a signed RECEIPT listing the chunks still missing, and the site sends only those. A manifest for
-  an update that is already stored gets its positive ACK again;
+  signed payload digest (:mod:`shared.transfer`). A new transfer is recorded (``transfers`` table). A manifest
+  marked ``resume`` (the site reconnected or timed out) is answered with a signed RECEIPT listing the chunks still
+  missing, and the site sends only those. A manifest for an update that is already stored gets its positive ACK
+  again;
 * a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
   only pass over the payload's bytes) and written to ``<data_dir>/transfers/<transfer id>/<index>.part``; when the
   last one is in, the inner envelope is the manifest's header and signature with the pieces joined, verified already,
@@ -23,8 +25,9 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
 Why files for chunk data and a table for manifests: the manifest rows are the state several ingest workers share
 (PostgreSQL), and a chunk file that exists under its final name is complete (temporary file + rename). Chunk files
 are not fsync-ed: a piece this process did not check and write itself (staged before a restart, or by another
-worker) is checked against its leaf again at assembly, so a chunk torn by a power cut is simply asked for again;
-a piece it wrote is not hashed twice. The blob directory (``data_dir``) is shared by every worker already (accepted payloads live there).
+worker) is checked against its leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a
+piece it wrote is not hashed twice. The blob directory (``data_dir``) is shared by every worker already (accepted
+payloads live there).
 
 Transfers not completed within ``ttl_s`` (default 48 h) expire: :meth:`TransferReceiver.sweep` deletes them, and
 a site whose transfer expired starts over (its next manifest is new again).

@@ -21,9 +21,9 @@ one function, fast everywhere", 2020) as the hash::
     digest   = BLAKE3-derive_key(PAYLOAD_DIGEST_CONTEXT, P as uint64 big-endian || leaf_0 || leaf_1 || ...)
 
 The digest uses BLAKE3's key-derivation mode (``derive_key``, one of the three modes of the BLAKE3 paper) with the
-hard-coded context string :data:`PAYLOAD_DIGEST_CONTEXT`, so a payload digest can never equal a leaf or any plain BLAKE3 hash, and
-``P`` is hashed in, so the same bytes under two piece sizes have two digests. An empty payload has no pieces: its
-digest is the derive-key hash of the 8 bytes of ``P`` alone. The piece is the unit a chunked transfer
+hard-coded context string :data:`PAYLOAD_DIGEST_CONTEXT`, so a payload digest can never equal a leaf or any plain
+BLAKE3 hash, and ``P`` is hashed in, so the same bytes under two piece sizes have two digests. An empty payload has
+no pieces: its digest is the derive-key hash of the 8 bytes of ``P`` alone. The piece is the unit a chunked transfer
 (:mod:`shared.transfer`) carries and checks: a receiver that got the leaves in a signed manifest checks each chunk
 with one BLAKE3 over its bytes, and the whole payload is then verified without a second pass. Every BLAKE3 call over
 payload bytes goes through :func:`hash_piece` (tests count the bytes hashed through it).

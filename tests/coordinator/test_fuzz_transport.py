@@ -37,12 +37,12 @@ reason codes of its defects, because the first failing check decides):
 Invariants asserted for EVERY generated message (:meth:`Harness.deliver`): ``handle`` never raises; the result is a
 :class:`~coordinator.ingest.Rejected` whose ``reason`` is a :class:`~coordinator.ingest.RejectReason` in the
 expected set with a non-empty detail (exactly one more rejection counted), or None only for a manifest or chunk that
-was legitimately kept (a genuine key's manifest binding its chunks, a chunk matching its piece digest); nothing is ever accepted except in the
-positive controls, where exactly the one genuine update is; the FedAvg running sum (count, weight, sums), the
-``updates`` and ``ledger`` tables are unchanged by every adversarial message; nothing is published to an
-unauthenticated sender, every published ACK / RECEIPT is signed by the coordinator, and no positive ACK goes out
-except the re-ACK of a replayed stored update. Every RECEIPT lists exactly the chunk indices not yet held (a
-model of the receiver, :class:`StreamModel`, tracks which chunks it must hold).
+was legitimately kept (a genuine key's manifest binding its chunks, a chunk matching its piece digest); nothing is
+ever accepted except in the positive controls, where exactly the one genuine update is; the FedAvg running sum
+(count, weight, sums), the ``updates`` and ``ledger`` tables are unchanged by every adversarial message; nothing is
+published to an unauthenticated sender, every published ACK / RECEIPT is signed by the coordinator, and no positive
+ACK goes out except the re-ACK of a replayed stored update. Every RECEIPT lists exactly the chunk indices not yet
+held (a model of the receiver, :class:`StreamModel`, tracks which chunks it must hold).
 
 Volume (asserted by each test): 8,750 whole envelopes (1,750 examples of 5) + 1,100 adversarial chunk streams +
 300 replay scenarios + 40 genuine streams with noise = 10,190 generated envelopes and chunk streams, about 17,000
