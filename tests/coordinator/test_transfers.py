@@ -420,6 +420,26 @@ def test_manifests_that_do_not_bind_their_chunks_are_refused_before_any_chunk_is
     coord.close()
 
 
+def test_a_key_revoked_between_the_manifest_and_the_last_chunk_refuses_the_update(tmp_path: Path) -> None:
+    """The chunked path does not verify the signature again at assembly, but it checks that the key that verified
+    the manifest's inner envelope is still valid: a key revoked meanwhile refuses the update (``no_valid_key``)."""
+    # Prepare: the manifest and every chunk but the last are in; then the operator revokes the site's key
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    messages = _messages(raw, s.key)
+    for m in messages[:-1]:
+        assert coord.transfers.handle(topic, m) is None
+    assert coord.registry.revoke_key("s1")
+    # Execute
+    result = coord.transfers.handle(topic, messages[-1])
+    # Assert
+    assert isinstance(result, Rejected) and result.reason is RejectReason.NO_VALID_KEY
+    assert "s1" not in ctx.accepted and coord.store.count_updates() == 0 and coord.transfers.pending() == []
+    coord.close()
+
+
 def test_a_format_1_envelope_and_a_wfc1_chunk_are_refused_naming_the_version_and_the_fix(tmp_path: Path) -> None:
     # Prepare: a format-1 update as the previous release sealed it (header with payload_sha256, domain v1)
     key = generate_signing_key()
