@@ -58,14 +58,18 @@ def update_delta(template: Mapping[str, np.ndarray], seed: int) -> dict[str, np.
 
 
 def seal_update(*, key, federation_id: str, site_id: str, round: int, model_hash: str,  # noqa: ANN001 - Ed25519 key
-                delta: Mapping[str, np.ndarray], num_examples: int, sequence: int = 1) -> bytes:
-    """The wire bytes of a site's signed UPDATE envelope (privacy "none": no DP events)."""
-    from shared.envelope import MessageKind, seal
+                delta: Mapping[str, np.ndarray], num_examples: int, sequence: int = 1,
+                chunk_size: int | None = None) -> bytes:
+    """The wire bytes of a site's signed UPDATE envelope (privacy "none": no DP events), sealed with the piece size
+    of ``chunk_size`` (``shared.transfer.piece_size_for``; None: the default, 256 KiB) as a gateway seals it."""
+    from shared.envelope import DEFAULT_PIECE_SIZE, MessageKind, seal
     from shared.protocol import UpdateReport, encode_update
+    from shared.transfer import piece_size_for
 
     payload = encode_update(UpdateReport(num_examples=num_examples, local_steps=5), delta)
     return seal(private_key=key, federation_id=federation_id, site_id=site_id, round=round,
-                base_model_hash=model_hash, kind=MessageKind.UPDATE, sequence=sequence, payload=payload).to_bytes()
+                base_model_hash=model_hash, kind=MessageKind.UPDATE, sequence=sequence, payload=payload,
+                piece_size=DEFAULT_PIECE_SIZE if chunk_size is None else piece_size_for(chunk_size)).to_bytes()
 
 
 def _proc_status_kib(field: str, pid: int | str = "self") -> float:

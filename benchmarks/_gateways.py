@@ -147,7 +147,8 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
             for site_id, key in keys.items():
                 i = index[site_id]  # distinct payloads: the coordinator's content-addressed blobs are all written
                 raw = seal_update(key=key, federation_id=federation_id, site_id=site_id, round=round_,
-                                  model_hash=model_hash, delta=deltas[i % 4], num_examples=100 + i, sequence=round_)
+                                  model_hash=model_hash, delta=deltas[i % 4], num_examples=100 + i, sequence=round_,
+                                  chunk_size=chunk_size)
                 out: list[bytes] = []
                 send(lambda t, p, out=out: out.append(bytes(p)), update_topic(federation_id, site_id), raw,
                      private_key=key, chunk_size=chunk_size)

@@ -16,7 +16,7 @@ aggregated). The first byte picks how the rest becomes a message:
 2. a genuine ``s2``-signed update whose payload is the input (every check behind the signature: safetensors,
    tensors, report);
 3. a genuine ``s2``-signed MANIFEST whose payload is the input;
-4. a chunk: ``b"WFC1"`` + the input;
+4. a chunk: ``b"WFC2"`` (``shared.transfer.CHUNK_MAGIC``) + the input;
 5. a genuine ``s2``-signed update whose ``wildfed`` report JSON is the input (UTF-8, errors replaced).
 
 A crash is any exception out of ``handle`` or a broken invariant: a result other than None or a ``Rejected`` with a

@@ -10,16 +10,18 @@ UPDATE envelope (safetensors delta + report, Ed25519, ``shared.envelope.seal``) 
 per K, over all K updates of one round:
 
 - ``(a) Ingestor.handle``: the full path of an update that travels whole, as ``TransferReceiver`` hands it over:
-  parse, topic/federation checks, Ed25519 signature + SHA-256 of the payload, replay window, round checks, decode
+  parse, topic/federation checks, Ed25519 signature + payload digest (BLAKE3 hash list, envelope format 2, one
+  pass), replay window, round checks, decode
   (safetensors) + tensor/finite checks + ``decode_update``, report checks, durable blob write (fsync + rename), DB
   row (SQLite commit), signed ACK published on an ``InMemoryTransport``, accumulation into FedAvg's float64 running
   sum. Each repeat is a new round (the blobs of the previous one are deleted, untimed);
 - ``(b) verify + decode + accumulate``: the same work without storage, checks or ACK: ``Envelope.from_bytes``,
-  ``shared.envelope.verify`` (signature + SHA-256), ``shared.protocol.decode_update``,
+  ``shared.envelope.verify`` (signature + payload digest, BLAKE3), ``shared.protocol.decode_update``,
   ``coordinator.strategies.fedavg.add_weighted``; each piece is also timed on its own;
-- ``(b0) the same before issue 22 item 3``: (b) with the code as it was (kept verbatim below as ``_old_from_bytes``,
-  a payload copy, and ``_old_add_weighted``, two full-size float64 temporaries per tensor), so that one run prints
-  the ratio before and after;
+- ``(b0) the same before issue 22 items 1 and 3``: (b) with the code as it was (kept verbatim below as
+  ``_old_from_bytes``, a payload copy, and ``_old_add_weighted``, two full-size float64 temporaries per tensor) and
+  envelope format 1's verification (``_old_verify``: Ed25519 over the header, then one SHA-256 over the payload
+  against the digest a format-1 header names, computed untimed), so that one run prints the ratio before and after;
 - ``(c) numpy add``: the baseline, ``np.add(acc, x_k, out=acc)`` over K float32 arrays of the same number of bytes.
 
 Throughput is (K x payload bytes) / time. Variants run in rotating, interleaved order (``_timing`` style) so that
@@ -37,6 +39,7 @@ means a streaming sum: never K updates in memory.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -76,6 +79,18 @@ def _old_from_bytes(data: bytes):  # noqa: ANN202 - shared.envelope.Envelope.fro
     signature = data[end:end + SIGNATURE_LENGTH]
     payload = data[end + SIGNATURE_LENGTH:]
     return Envelope(header=header, signature=signature, payload=payload)
+
+
+def _old_verify(env, public_key, payload_sha256: str) -> None:  # noqa: ANN001 - envelope format 1's verify
+    """Envelope format 1's verification cost: the Ed25519 signature over the header (the same call as format 2),
+    then SHA-256 over the whole payload against the digest its header named (``payload_sha256``)."""
+    import hashlib
+
+    from shared.envelope import verify_signature
+
+    verify_signature(env.header, env.signature, public_key)
+    if len(env.payload) != env.header.payload_length or hashlib.sha256(env.payload).hexdigest() != payload_sha256:
+        raise ValueError("payload differs from its format-1 digest")
 
 
 def _old_add_weighted(acc, delta, weight: float) -> None:  # noqa: ANN001 - fedavg.add_weighted before item 3
@@ -230,13 +245,22 @@ def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
             for x in xs:
                 np.add(acc32, x, out=acc32)
 
-        # (b) verify + decode + accumulate, pieces timed too; (b0) the same with the code before issue 22 item 3.
+        # (b) verify + decode + accumulate, pieces timed too; (b0) the same with the code before issue 22 items 1, 3.
         raws_b = [bench.envelope(i, 0) for i in range(k)]
-        piece_names = ("Envelope.from_bytes", "verify (Ed25519 + SHA-256)", "decode_update", "add_weighted (FedAvg)")
+        format1_digests = [hashlib.sha256(Envelope.from_bytes(r).payload).hexdigest() for r in raws_b]  # untimed
+        piece_names = ("Envelope.from_bytes", "verify (Ed25519 + payload hash)", "decode_update",
+                       "add_weighted (FedAvg)")
         pieces: dict[str, list[float]] = {f"{v} {n}": [] for v in ("(b)", "(b0)") for n in piece_names}
         sums: dict[str, np.ndarray] = {}
 
-        def make_vda(label: str, from_bytes: Callable, accumulate: Callable) -> Callable[[], None]:
+        def new_verify(env, public_key, i: int) -> None:  # noqa: ANN001 - format 2: Ed25519 + BLAKE3 hash list
+            verify(env, public_key)
+
+        def old_verify(env, public_key, i: int) -> None:  # noqa: ANN001 - format 1: Ed25519 + SHA-256
+            _old_verify(env, public_key, format1_digests[i])
+
+        def make_vda(label: str, from_bytes: Callable, verify_one: Callable, accumulate: Callable
+                     ) -> Callable[[], None]:
             def vda() -> None:
                 acc = new_running_sum(bench.template)
                 t = [0.0, 0.0, 0.0, 0.0]
@@ -244,7 +268,7 @@ def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
                     t0 = time.perf_counter()
                     env = from_bytes(raw)
                     t1 = time.perf_counter()
-                    verify(env, keys[env.header.site_id])
+                    verify_one(env, keys[env.header.site_id], i)
                     t2 = time.perf_counter()
                     report, delta = decode_update(env.payload)
                     t3 = time.perf_counter()
@@ -276,10 +300,12 @@ def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
             pass
 
         names = {"a": "(a) Ingestor.handle (full path)", "b": "(b) verify + decode + accumulate",
-                 "b0": "(b0) the same, before item 3", "c": "(c) numpy add (baseline)"}
+                 "b0": "(b0) the same, before items 1, 3", "c": "(c) numpy add (baseline)"}
         times = interleaved_prepared({names["a"]: (prepare_full, full),
-                                      names["b"]: (nothing, make_vda("(b)", Envelope.from_bytes, add_weighted)),
-                                      names["b0"]: (nothing, make_vda("(b0)", _old_from_bytes, _old_add_weighted)),
+                                      names["b"]: (nothing, make_vda("(b)", Envelope.from_bytes, new_verify,
+                                                                     add_weighted)),
+                                      names["b0"]: (nothing, make_vda("(b0)", _old_from_bytes, old_verify,
+                                                                      _old_add_weighted)),
                                       names["c"]: (nothing, numpy_add)}, repeats)
         for name in pieces:
             pieces[name] = pieces[name][1:]  # drop the warm-up call

@@ -262,7 +262,9 @@ class TransferConfig(StrictModel):
     """Chunked transfers, size limits and the replay window (``coordinator.transfers``, ``shared.transfer``)."""
 
     chunk_size_bytes: int = Field(256 * 1024, ge=1024, description="chunk size of task downloads (bytes); well "
-                                  "under the broker's packet limit (EMQX 1 MB by default)")
+                                  "under the broker's packet limit (EMQX 1 MB by default); tasks are sealed with "
+                                  "the largest power of two not above it as their piece size, and travel in chunks "
+                                  "of that size (shared.transfer.piece_size_for)")
     max_chunk_bytes: int = Field(1 << 20, ge=1024, description="largest upload chunk accepted (bytes)")
     max_update_bytes: int = Field(256 << 20, ge=1024, description="largest update a manifest may announce (bytes)")
     max_message_bytes: int = Field((1 << 20) + 65536, ge=2048, description="largest MQTT payload looked at, "

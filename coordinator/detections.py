@@ -128,7 +128,7 @@ class DetectionIngestor:
                       failure=record.failure, record_json=json.dumps(record.to_json(), sort_keys=True),
                       species_json=json.dumps(sorted({d.species for d in record.detections if d.species})),
                       source="gateway",
-                      sequence=h.sequence, payload_sha256=h.payload_sha256, sent_at=sent_at)
+                      sequence=h.sequence, payload_sha256=h.payload_digest, sent_at=sent_at)
         status = "stored"
         try:
             with self._store.session() as s:
@@ -136,7 +136,7 @@ class DetectionIngestor:
                                                            DetectionRow.media_id == record.media_id)).first()
                 if row is None:
                     s.add(DetectionRow(site_id=h.site_id, media_id=record.media_id, **values))
-                elif row.payload_sha256 == h.payload_sha256:
+                elif row.payload_sha256 == h.payload_digest:
                     status = "duplicate"
                 elif sent_at >= row.sent_at:
                     for k, v in values.items():

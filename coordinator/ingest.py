@@ -14,7 +14,8 @@ whole envelopes here. :meth:`Ingestor.handle` then checks, in this order (the fi
  5    site in the topic == site in the header                                   ``topic_mismatch``
  6    site is enrolled                                                          ``unknown_site``
       and has a valid key (not revoked; a rotated-out key only in its grace)   ``no_valid_key``
- 7    Ed25519 signature, payload length and SHA-256 verify (site's key)         ``bad_signature``
+ 7    Ed25519 signature, payload length and payload digest verify (site's      ``bad_signature``
+      key; the digest is the BLAKE3 hash list of shared.envelope, one pass)
  7b   timestamp within the replay window (ReplayWindow)                         ``bad_timestamp``
  8    a round is open and the header's round is it                              ``wrong_round``
       (an update for a *past* round that selected the site is ``late``: its
@@ -30,6 +31,13 @@ whole envelopes here. :meth:`Ingestor.handle` then checks, in this order (the fi
  16   no halted category was trained                                            ``halted_category``
  17   no event takes its (site, category) spend past the budget                 ``over_budget``
 ==== ======================================================================== =====================
+
+Parsed once, hashed once: :meth:`Ingestor.handle_envelope` takes an envelope its caller already parsed
+(:class:`coordinator.transfers.TransferReceiver` parses every message once to route it). A chunked update comes with
+``verified_by``: the receiver verified its signature with the site key of that fingerprint when the manifest came, and
+its payload piece by piece against the signed leaves (each byte hashed once, :mod:`shared.transfer`); check 7 then
+only checks that this key is still one of the site's valid keys (not revoked since), and hashes nothing. Every other
+check runs as for a whole update.
 
 Charging refused updates: an update that verified, came from a site selected for its round, and decodes, shows
 that the site *ran* those DP-SGD steps and that the coordinator has seen their output. Such updates refused as
@@ -64,7 +72,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from shared.envelope import Envelope, EnvelopeHeader, MessageKind, seal, verify
+from shared.envelope import Envelope, EnvelopeHeader, MessageKind, seal, verify_payload, verify_signature
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError, PayloadError, SignatureError
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
@@ -135,7 +143,8 @@ class Accepted:
         site_id, round, sequence: from the verified header.
         num_examples: N_k reported by the site (its public record count, every category; unchanged by halts).
         weight: the FedAvg weight used (= ``num_examples``).
-        payload_sha256: name of the stored blob.
+        payload_sha256: name of the stored blob: the update's payload digest (``shared.envelope``, a BLAKE3 hash
+            list, verified against the signature; the name is kept from format 1, when it was the SHA-256).
         events: ``{category: DPSGDEvent}`` the site ran (charged to the ledger when the round closes).
         count_events: ``{category: DPSGDEvent}`` of its noisy count release (NIRA), charged with ``events``.
         species_counts: ``{class index: noisy count}`` it released (empty when the task asked for none).
@@ -268,12 +277,28 @@ def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: Mes
     Raises:
         _Reject: with the reason code (malformed envelope, bad topic, wrong kind, wrong federation, topic mismatch).
     """
+    env = _parse_bytes(raw, max_bytes)
+    check_site_envelope(topic, env, federation_id=federation_id, kind=kind)
+    return env
+
+
+def _parse_bytes(raw: bytes, max_bytes: int) -> Envelope:
+    """Check 1: the size limit, then the bytes parse (``oversized``, ``malformed_envelope``, e.g. a retired format)."""
     if len(raw) > max_bytes:
         raise _Reject(RejectReason.OVERSIZED, f"message of {len(raw)} bytes exceeds the limit of {max_bytes}")
     try:
-        env = Envelope.from_bytes(raw)
+        return Envelope.from_bytes(raw)
     except MalformedEnvelopeError as exc:
         raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+
+
+def check_site_envelope(topic: str, env: Envelope, *, federation_id: str, kind: MessageKind) -> None:
+    """The checks of :func:`parse_site_envelope` after parsing, for an envelope parsed already: header integers in
+    range, the topic is a WildFed topic of channel ``kind``, the header's kind, federation and site match the topic.
+
+    Raises:
+        _Reject: with the reason code (malformed envelope, bad topic, wrong kind, wrong federation, topic mismatch).
+    """
     check_header_ranges(env)
     try:
         t_fed, t_site, channel = parse_topic(topic)
@@ -288,7 +313,6 @@ def parse_site_envelope(topic: str, raw: bytes, *, federation_id: str, kind: Mes
                       f"{federation_id!r}")
     if t_site != h.site_id:
         raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
-    return env
 
 
 def _decode_update(payload: bytes, *, check_weights: bool = True) -> tuple[UpdateReport, dict[str, np.ndarray]]:
@@ -308,31 +332,75 @@ def _decode_update(payload: bytes, *, check_weights: bool = True) -> tuple[Updat
     return report, delta
 
 
-def verify_site_envelope(env: Envelope, registry: SiteRegistry) -> str:
-    """Check ``env`` against the currently valid keys of the site its header names (its current key, and during a
-    rotation's grace period the previous one; revoked keys never: ``SiteRegistry.verification_keys``).
+def _site_keys(site_id: str, registry: SiteRegistry) -> list:
+    """The site's currently valid ``(fingerprint, public key)`` pairs (``SiteRegistry.verification_keys``).
+
+    Raises:
+        _Reject: unknown site, or a site with no valid key (revoked).
+    """
+    try:
+        keys = registry.verification_keys(site_id)
+    except UnknownSiteError as exc:
+        raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
+    if not keys:
+        raise _Reject(RejectReason.NO_VALID_KEY, f"site {site_id!r} has no valid key (revoked or expired); "
+                      "an operator must rotate in a new one")
+    return keys
+
+
+def verify_site_signature(header: EnvelopeHeader, signature: bytes, registry: SiteRegistry) -> str:
+    """Check the Ed25519 signature over ``header`` against the currently valid keys of the site it names (its
+    current key, and during a rotation's grace period the previous one; revoked keys never); the payload is not
+    looked at (a chunked upload's manifest names it by leaves, :mod:`shared.transfer`).
 
     Returns:
         the hex fingerprint of the key that verified.
 
     Raises:
-        _Reject: unknown site, a site with no valid key (revoked), or a signature / payload hash that does not verify.
+        _Reject: unknown site, a site with no valid key (revoked), or a signature that does not verify.
     """
-    try:
-        keys = registry.verification_keys(env.header.site_id)
-    except UnknownSiteError as exc:
-        raise _Reject(RejectReason.UNKNOWN_SITE, str(exc), exc) from exc
-    if not keys:
-        raise _Reject(RejectReason.NO_VALID_KEY, f"site {env.header.site_id!r} has no valid key (revoked or expired); "
-                      "an operator must rotate in a new one")
     error: SignatureError | None = None
-    for fingerprint, key in keys:
+    for fingerprint, key in _site_keys(header.site_id, registry):
         try:
-            verify(env, key)
+            verify_signature(header, signature, key)
             return fingerprint
         except SignatureError as exc:
             error = exc
     raise _Reject(RejectReason.BAD_SIGNATURE, str(error), error)
+
+
+def verify_site_envelope(env: Envelope, registry: SiteRegistry) -> str:
+    """Check ``env`` against the currently valid keys of the site its header names (:func:`verify_site_signature`),
+    then its payload against the signed length and payload digest, once (not once per key).
+
+    Returns:
+        the hex fingerprint of the key that verified.
+
+    Raises:
+        _Reject: unknown site, a site with no valid key (revoked), or a signature / payload digest that does not
+            verify.
+    """
+    fingerprint = verify_site_signature(env.header, env.signature, registry)
+    try:
+        verify_payload(env)
+    except SignatureError as exc:
+        raise _Reject(RejectReason.BAD_SIGNATURE, str(exc), exc) from exc
+    return fingerprint
+
+
+def check_site_key(site_id: str, fingerprint: str, registry: SiteRegistry) -> None:
+    """Check that the key ``fingerprint``, which verified a message of ``site_id`` earlier (a chunked upload's
+    manifest), is still one of the site's valid keys: the key checks of :func:`verify_site_envelope` without the
+    signature and the hashing, which were done when the key verified.
+
+    Raises:
+        _Reject: unknown site, a site with no valid key, or a key revoked (or rotated out) since it verified
+            (``no_valid_key``).
+    """
+    if fingerprint not in {fp for fp, _ in _site_keys(site_id, registry)}:
+        raise _Reject(RejectReason.NO_VALID_KEY, f"the key {fingerprint[:16]} that signed site {site_id!r}'s upload "
+                      "is no longer valid (revoked or rotated out since its manifest verified); the site must sign "
+                      "again with its current key")
 
 
 class Ingestor:
@@ -387,18 +455,43 @@ class Ingestor:
 
     # ---- the entry point ---------------------------------------------------------------------------------------
     def handle(self, topic: str, raw: bytes) -> Accepted | Rejected:
-        """Process one message from ``topic``. Never raises for bad input: returns :class:`Rejected` instead."""
+        """Process one message (wire bytes) from ``topic``: parse it, then :meth:`handle_envelope`. Never raises for
+        bad input: returns :class:`Rejected` instead."""
         with self._lock:
-            env: Envelope | None = None
+            try:
+                env = _parse_bytes(raw, MAX_SITE_MESSAGE_BYTES)
+            except _Reject as rej:
+                result = self._refuse(topic, rej, None, False)
+                self.changed.notify_all()
+                return result
+            return self.handle_envelope(topic, env)
+
+    def handle_envelope(self, topic: str, env: Envelope, *, verified_by: str | None = None) -> Accepted | Rejected:
+        """Process one envelope already parsed (checks 2-17 of the module docstring). Never raises for bad input.
+
+        Args:
+            topic: the MQTT topic it arrived on.
+            env: the parsed envelope (a whole update, or one reassembled by :func:`shared.transfer.assemble`).
+            verified_by: None: verify the signature and the payload digest here (check 7, one pass). A key
+                fingerprint: the caller verified ``env``'s signature with the site key of this fingerprint and its
+                payload against the signed payload digest (a chunked upload: its manifest, and each chunk against
+                its leaf); check 7 then only checks that the key is still valid, and nothing is hashed again.
+
+        Returns:
+            :class:`Accepted` or :class:`Rejected`.
+        """
+        with self._lock:
+            checked: Envelope | None = None
             verified = False
             try:
-                env = self._parse(topic, raw)
-                self._verify(env)
+                self._check(topic, env)
+                checked = env
+                self._verify(env, verified_by)
                 verified = True
                 self.check_replay(env)
                 result: Accepted | Rejected = self._admit(env)
             except _Reject as rej:
-                result = self._refuse(topic, rej, env, verified)
+                result = self._refuse(topic, rej, checked, verified)
             self.changed.notify_all()
             return result
 
@@ -470,11 +563,14 @@ class Ingestor:
         self.handle(topic, raw)
 
     # ---- checks ------------------------------------------------------------------------------------------------
-    def _parse(self, topic: str, raw: bytes) -> Envelope:
-        return parse_site_envelope(topic, raw, federation_id=self.federation_id, kind=MessageKind.UPDATE)
+    def _check(self, topic: str, env: Envelope) -> None:
+        check_site_envelope(topic, env, federation_id=self.federation_id, kind=MessageKind.UPDATE)
 
-    def _verify(self, env: Envelope) -> None:
-        verify_site_envelope(env, self._registry)
+    def _verify(self, env: Envelope, verified_by: str | None = None) -> None:
+        if verified_by is None:
+            verify_site_envelope(env, self._registry)
+        else:
+            check_site_key(env.header.site_id, verified_by, self._registry)
 
     def _check_binding(self, h: EnvelopeHeader) -> RoundContext | None:
         """The checks that need only the (verified) header: the round is open, the site was selected, the update
@@ -519,7 +615,7 @@ class Ingestor:
         weight = float(report.num_examples)  # N_k: declared public (shared.protocol.UpdateReport, docs/privacy.md)
 
         # 1. durable storage first
-        digest = self._store.put_blob(env.payload, sha256_hex=h.payload_sha256)  # verified against the signature
+        digest = self._store.put_blob(env.payload, sha256_hex=h.payload_digest)  # verified: the blob's name
         try:
             stored = self._store.add_update_if_open(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
                                                               num_examples=int(report.num_examples),
@@ -662,7 +758,7 @@ class Ingestor:
     def _nack(self, env: Envelope, rej: Rejected) -> None:
         if rej.reason is RejectReason.DUPLICATE:
             row = self._stored(env.header.round, env.header.site_id)
-            same = row is not None and (row.payload_sha256 == env.header.payload_sha256
+            same = row is not None and (row.payload_sha256 == env.header.payload_digest
                                         or (env.header.kind == MessageKind.MANIFEST
                                             and row.sequence == env.header.sequence))
             if same:

@@ -7,12 +7,11 @@ and sends it; a site that lost chunks, or was offline when the round opened, ans
 imports the other for it.
 
 On disk: ``<data_dir>/outgoing/<round>/<site>.head`` (magic, header, signature) names the payload file
-``payload-<sha256>.bin`` beside it, written once per content (every site whose payload is the same shares it).
+``payload-<payload digest>.bin`` beside it, written once per content (every site whose payload is the same shares it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.envelope import Envelope
 from shared.topics import task_topic
-from shared.transfer import NO_TRANSFER, Receipt, send
+from shared.transfer import NO_TRANSFER, Receipt, send, transfer_id_of
 
 from coordinator.config import CoordinatorConfig
 from coordinator.ingest import RoundContext
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
     """Where round ``r``'s sealed task for ``site_id`` is kept while the round is open (for resends): the envelope's
     head (magic, header, signature) in ``<data_dir>/outgoing/<r>/<site>.head``, which names the payload file
-    ``payload-<sha256>.bin`` beside it (shared by every site whose task payload is the same)."""
+    ``payload-<payload digest>.bin`` beside it (shared by every site whose task payload is the same)."""
     return config.data_dir / "outgoing" / str(r) / f"{site_id}.head"
 
 
@@ -45,7 +44,7 @@ def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, data: b
     head_path = outgoing_task_path(config, r, site_id)
     head_path.parent.mkdir(parents=True, exist_ok=True)
     split_at = len(data) - payload_length
-    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_sha256}.bin"
+    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_digest}.bin"
     if not payload_path.exists():
         tmp = payload_path.with_suffix(".tmp")
         tmp.write_bytes(data[split_at:])
@@ -60,7 +59,7 @@ def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes
         FileNotFoundError: none kept for (r, site).
     """
     head = outgoing_task_path(config, r, site_id).read_bytes()
-    digest = Envelope.from_bytes(head).header.payload_sha256  # the head parses: the payload is empty there
+    digest = Envelope.from_bytes(head).header.payload_digest  # the head parses: the payload is empty there
     return head + (outgoing_task_path(config, r, site_id).parent / f"payload-{digest}.bin").read_bytes()
 
 
@@ -90,7 +89,7 @@ def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key
         return
     if receipt.transfer_id == NO_TRANSFER:
         sent = send_task_bytes(config, transport, key, site_id, data)
-    elif receipt.transfer_id == hashlib.sha256(data).hexdigest():
+    elif receipt.transfer_id == transfer_id_of(data):
         sent = send_task_bytes(config, transport, key, site_id, data, missing=receipt.missing)
     else:
         log.info("outgoing: receipt from %s names transfer %s, not its round-%d task", site_id, receipt.transfer_id[:12],

@@ -64,7 +64,7 @@ from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.privacy.distributed import site_sampling_rate
-from shared.transfer import Receipt
+from shared.transfer import Receipt, piece_size_for
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
@@ -552,7 +552,8 @@ class RoundManager:
         if payload is None:
             payload = memo[key] = encode_task(task, weights, artifacts)
         env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
-                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r, payload=payload)
+                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r, payload=payload,
+                   piece_size=piece_size_for(cfg.transfer.chunk_size_bytes))  # chunks of a download are its pieces
         data = env.to_bytes()
         store_outgoing_task(cfg, r, site_id, data, len(payload))  # for resends while the round is open
         self._send_bytes(site_id, data)

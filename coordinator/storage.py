@@ -12,8 +12,8 @@ Tables (SQLite by default, PostgreSQL by URL):
                 row here (enrolled before this table existed, or by provisioning) has exactly its ``sites`` key
 ``rounds``      one row per round: status (``open`` / ``closed`` / ``failed``), base and new model hash,
                 selected sites, accepted count, open/close times
-``updates``     accepted updates: round, site, envelope sequence, ``num_examples``, payload SHA-256 (the
-                payload itself is a file in the blob directory named by that hash); unique per (round, site)
+``updates``     accepted updates: round, site, envelope sequence, ``num_examples``, the payload's digest (the
+                payload itself is a file in the blob directory named by it); unique per (round, site)
 ``rejections``  every rejected message: round (when known), site (when known), reason code, the typed error
                 that caused it, a human-readable detail, time
 ``ledger``      immutable privacy-ledger rows: one DP-SGD event per (site, round, IUCN category)
@@ -32,8 +32,12 @@ Tables (SQLite by default, PostgreSQL by URL):
 ============== ===========================================================================================
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
-name is complete. Rows are committed before :class:`Store` methods return ("durable" in the rest of the package
-means: committed to the database and, for payloads, fsync-ed to disk).
+name is complete. A blob is named by a 64-hex digest of its content: the SHA-256 the store computes, or a digest its
+caller verified, such as an update's payload digest (envelope format 2: a BLAKE3 hash list, ``shared.envelope``), so
+that a verified payload is not hashed again. The column ``payload_sha256`` keeps its name from envelope format 1,
+when that digest was a SHA-256; rows written since hold the format-2 payload digest. Rows are committed before
+:class:`Store` methods return ("durable" in the rest of the package means: committed to the database and, for
+payloads, fsync-ed to disk).
 
 PostgreSQL isolation for tests or shared servers: ``Store(url, schema="wf_x")`` maps every table into that schema
 through SQLAlchemy's ``schema_translate_map`` (the schema must exist).
@@ -151,7 +155,8 @@ class RoundRow(Base):
 
 
 class UpdateRow(Base):
-    """An accepted update; the payload (safetensors bytes) is the blob named ``payload_sha256``."""
+    """An accepted update; the payload (safetensors bytes) is the blob named ``payload_sha256`` (the envelope's
+    payload digest; the column's name is from envelope format 1, module docstring)."""
 
     __tablename__ = "updates"
     __table_args__ = (UniqueConstraint("round", "site_id", name="uq_updates_round_site"),)
@@ -235,7 +240,8 @@ class DetectionRow(Base):
     record's ISO 8601 capture time as sent (with its UTC offset); ``sent_at`` is the envelope's timestamp.
     ``species_json`` lists the distinct species of its boxes (they decide which deployments are sensitive).
     ``source`` is ``gateway`` for a record that came in a verified signed envelope, ``import:<file>`` for one an
-    operator imported (coordinator.web.formats; ``sequence`` 0, ``payload_sha256`` the record's own SHA-256).
+    operator imported (coordinator.web.formats; ``sequence`` 0, ``payload_sha256`` the record's own SHA-256); for a
+    gateway's record ``payload_sha256`` is the envelope's payload digest (a BLAKE3 hash list since envelope format 2).
     ``image_sha256`` names the image in the blob directory when the coordinator holds a copy (imports), else None
     (gateways keep their images).
     """
@@ -446,11 +452,12 @@ class Store:
         return self.blob_dir / sha256_hex[:2] / f"{sha256_hex}.bin"
 
     def put_blob(self, data: bytes, *, sha256_hex: str | None = None) -> str:
-        """Store ``data`` durably (fsync + atomic rename) and return its hex SHA-256; idempotent.
+        """Store ``data`` durably (fsync + atomic rename) and return its name (hex digest); idempotent.
 
         Args:
-            data: the bytes. sha256_hex: their SHA-256 when the caller has just verified it (e.g. an envelope's
-                payload, checked against its signed header), to save hashing them again; otherwise computed.
+            data: the bytes. sha256_hex: a 64-hex digest of them the caller has just verified, to name the blob by
+                without hashing again (an envelope's payload digest, checked against its signed header, or a
+                SHA-256); None: their SHA-256 is computed.
         """
         digest = sha256_hex if sha256_hex is not None else hashlib.sha256(data).hexdigest()
         path = self.blob_path(digest)

@@ -3,22 +3,31 @@
 Everything a site publishes on its update topic comes through :class:`TransferReceiver` first:
 
 * a message longer than the limit is refused before any parsing (``oversized``);
-* a plain UPDATE envelope (small enough to travel whole) goes straight to :class:`coordinator.ingest.Ingestor`;
+* every other message is parsed once, here, and the parsed envelope is handed on (never parsed again);
+* a plain UPDATE envelope (small enough to travel whole) goes straight to ingest
+  (:meth:`coordinator.ingest.Ingestor.handle_envelope`);
 * a MANIFEST envelope is checked like an update (topic, federation, site, signature with one of the site's valid
-  keys, replay window) and against the open round before any chunk is kept (:meth:`Ingestor.precheck`). A new
-  transfer is recorded (``transfers`` table). A manifest marked ``resume`` (the site reconnected or timed out) is
-  answered with a signed RECEIPT listing the chunks still missing, and the site sends only those. A manifest for
-  an update that is already stored gets its positive ACK again;
-* a chunk is checked against its transfer's manifest (index, length, SHA-256) and written to
-  ``<data_dir>/transfers/<transfer id>/<index>.part``; when the last one is in, the inner envelope is reassembled,
-  checked against the transfer id and handed to ingest, which stores it durably, ACKs it and aggregates it; the
-  staging is then deleted;
+  keys, replay window) and against the open round before any chunk is kept (:meth:`Ingestor.precheck`); so is the
+  inner envelope it announces: its header must name what the manifest's does (site, round, sequence, base model
+  hash), its signature must verify with one of the site's valid keys, and the piece digests (leaves) must derive its
+  signed payload digest (:mod:`shared.transfer`). A new transfer is recorded (``transfers`` table). A manifest
+  marked ``resume`` (the site reconnected or timed out) is answered with a signed RECEIPT listing the chunks still
+  missing, and the site sends only those. A manifest for an update that is already stored gets its positive ACK
+  again;
+* a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
+  only pass over the payload's bytes) and written to ``<data_dir>/transfers/<transfer id>/<index>.part``; when the
+  last one is in, the inner envelope is the manifest's header and signature with the pieces joined, verified already,
+  and goes to ingest with the fingerprint of the key that verified it (:meth:`Ingestor.handle_envelope`), which
+  checks that key is still valid, hashes nothing, stores the update durably, ACKs it and aggregates it; the staging
+  is then deleted;
 * a RECEIPT from a site asks for the missing chunks of a *download* (a task); it goes to the round manager.
 
 Why files for chunk data and a table for manifests: the manifest rows are the state several ingest workers share
 (PostgreSQL), and a chunk file that exists under its final name is complete (temporary file + rename). Chunk files
-are not fsync-ed, because their digests are checked again at assembly: a chunk torn by a power cut is simply asked
-for again. The blob directory (``data_dir``) is shared by every worker already (accepted payloads live there).
+are not fsync-ed: a piece this process did not check and write itself (staged before a restart, or by another
+worker) is checked against its leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a
+piece it wrote is not hashed twice. The blob directory (``data_dir``) is shared by every worker already (accepted
+payloads live there).
 
 Transfers not completed within ``ttl_s`` (default 48 h) expire: :meth:`TransferReceiver.sweep` deletes them, and
 a site whose transfer expired starts over (its next manifest is new again).
@@ -49,9 +58,10 @@ from shared.envelope import Envelope, MessageKind, seal
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError
 from shared.topics import ack_topic, parse_topic
 from shared.transfer import (CHUNK_HEADER_LENGTH, Chunk, Manifest, Receipt, TransferError, assemble, check_chunk,
-                             decode_manifest, decode_receipt, encode_receipt, is_chunk)
+                             check_manifest_header, decode_manifest, decode_receipt, encode_receipt, is_chunk)
 
-from coordinator.ingest import Ingestor, RejectReason, _Reject, check_header_ranges, verify_site_envelope
+from coordinator.ingest import (Ingestor, RejectReason, _Reject, check_header_ranges, verify_site_envelope,
+                                verify_site_signature)
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store, TransferRow, UpdateRow
 from coordinator.transport import Transport, TransportError
@@ -127,6 +137,11 @@ class TransferReceiver:
         # chunk). An entry of a transfer another worker finished is harmless: its chunks land in a folder that
         # the sweep removes.
         self._manifests: dict[str, tuple[str, Manifest]] = {}
+        # Per transfer, the fingerprint of the site key that verified its inner envelope's signature (a transfer
+        # recorded by another worker or before a restart has none here: its signature is checked at assembly), and
+        # the chunks this process checked and wrote (not hashed again at assembly).
+        self._verified_by: dict[str, str] = {}
+        self._fresh: dict[str, set[int]] = {}
         self._last_sweep = float("-inf")
 
     def __call__(self, topic: str, raw: bytes) -> None:
@@ -150,24 +165,20 @@ class TransferReceiver:
                 if is_chunk(raw):
                     return self._chunk(topic, raw)
                 try:
-                    kind = Envelope.from_bytes(raw).header.kind
-                except MalformedEnvelopeError:
-                    kind = None  # ingest records it as malformed
-                if kind == MessageKind.MANIFEST:
-                    return self._manifest(topic, raw)
-                if kind == MessageKind.RECEIPT:
-                    return self._receipt(topic, raw)
-                return self._ingestor.handle(topic, raw)
+                    env = Envelope.from_bytes(raw)  # the only parse: the envelope is handed on
+                except MalformedEnvelopeError as exc:
+                    raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+                if env.header.kind == MessageKind.MANIFEST:
+                    return self._manifest(topic, env)
+                if env.header.kind == MessageKind.RECEIPT:
+                    return self._receipt(topic, env)
+                return self._ingestor.handle_envelope(topic, env)
             except _Reject as rej:
                 return self._ingestor.record_rejection(topic, rej)
 
     # ---- manifests ---------------------------------------------------------------------------------------------
-    def _open_site_envelope(self, topic: str, raw: bytes, kind: MessageKind) -> tuple[Envelope, str]:
-        """Parse a site envelope of ``kind`` sent on its update topic, check topic/federation/site and signature."""
-        try:
-            env = Envelope.from_bytes(raw)
-        except MalformedEnvelopeError as exc:
-            raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+    def _open_site_envelope(self, topic: str, env: Envelope, kind: MessageKind) -> tuple[Envelope, str]:
+        """Check a parsed site envelope of ``kind`` sent on its update topic: topic/federation/site and signature."""
         try:
             t_fed, t_site, channel = parse_topic(topic)
         except (MalformedEnvelopeError, ConfigError) as exc:
@@ -183,8 +194,8 @@ class TransferReceiver:
         verify_site_envelope(env, self._registry)
         return env, h.site_id
 
-    def _manifest(self, topic: str, raw: bytes) -> object:
-        env, site_id = self._open_site_envelope(topic, raw, MessageKind.MANIFEST)
+    def _manifest(self, topic: str, env: Envelope) -> object:
+        env, site_id = self._open_site_envelope(topic, env, MessageKind.MANIFEST)
         h = env.header
         try:  # the sender is authenticated from here on: a refusal is NACKed, so the gateway stops resending
             self._ingestor.check_replay(env)
@@ -200,6 +211,11 @@ class TransferReceiver:
             if manifest.chunk_size > self.limits.max_chunk_bytes:
                 raise _Reject(RejectReason.OVERSIZED, f"chunk size {manifest.chunk_size} exceeds the limit of "
                               f"{self.limits.max_chunk_bytes} bytes")
+            try:  # the inner envelope is the one the manifest's header announced, signed by the same site
+                check_manifest_header(manifest, h)
+            except TransferError as exc:
+                raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+            verified_by = verify_site_signature(manifest.header, manifest.signature, self._registry)
         except _Reject as rej:
             return self._ingestor.refuse_verified(topic, rej, env)
         verdict = self._ingestor.precheck(env)  # round, selection, model version, duplicate (ACKs/NACKs itself)
@@ -220,6 +236,7 @@ class TransferReceiver:
                                       expires_at=now + _dt.timedelta(seconds=self.limits.ttl_s)))
         except IntegrityError:  # another worker recorded the same manifest first
             row = True
+        self._verified_by[manifest.transfer_id] = verified_by
         if row is None:
             self._manifests[manifest.transfer_id] = (site_id, manifest)
             log.info("transfers: %s announced round %d update %s (%d bytes in %d chunks)", site_id, h.round,
@@ -283,6 +300,7 @@ class TransferReceiver:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(chunk.data)
             os.replace(tmp, path)
+            self._fresh.setdefault(manifest.transfer_id, set()).add(chunk.index)
         if len(self._held(manifest.transfer_id)) < manifest.num_chunks:
             return None
         return self._complete(topic, manifest)
@@ -301,35 +319,40 @@ class TransferReceiver:
             pieces = [(folder / f"{i}.part").read_bytes() for i in range(manifest.num_chunks)]
         except FileNotFoundError:  # another worker assembled it and cleaned up
             return None
-        try:
-            inner = assemble(manifest, pieces)
-        except TransferError as exc:  # a torn chunk file: drop the bad pieces, the site resends them
-            damaged = 0
-            for i, piece in enumerate(pieces):
+        fresh = self._fresh.get(manifest.transfer_id, set())
+        damaged = 0
+        for i, piece in enumerate(pieces):  # pieces staged before a restart or by another worker: a torn file?
+            if i not in fresh:
                 try:
                     check_chunk(manifest, Chunk(manifest.transfer_id, i, piece))
                 except TransferError:
                     (folder / f"{i}.part").unlink(missing_ok=True)
                     damaged += 1
-            if not damaged:  # every chunk matches its digest, yet the whole is not the transfer: a bad manifest
+        if damaged:  # the site resends them
+            raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed: {damaged} damaged chunk(s) dropped")
+        env = assemble(manifest, pieces)  # verified piece by piece: nothing is hashed again
+        verified_by = self._verified_by.get(manifest.transfer_id)
+        if verified_by is None:  # recorded before a restart or by another worker: its signature, not its payload
+            try:
+                verified_by = verify_site_signature(manifest.header, manifest.signature, self._registry)
+            except _Reject:
                 self._drop(manifest.transfer_id)
-                raise _Reject(RejectReason.BAD_TRANSFER, f"the chunks match their digests but not the transfer id "
-                              f"({exc}): the manifest is inconsistent; transfer dropped", exc) from exc
-            raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed ({exc}); {damaged} damaged chunk(s) dropped",
-                          exc) from exc
-        result = self._ingestor.handle(topic, inner)
+                raise
+        result = self._ingestor.handle_envelope(topic, env, verified_by=verified_by)
         self._drop(manifest.transfer_id)
         return result
 
     def _drop(self, transfer_id: str) -> None:
         self._manifests.pop(transfer_id, None)
+        self._verified_by.pop(transfer_id, None)
+        self._fresh.pop(transfer_id, None)
         with self._store.session() as s:
             s.execute(delete(TransferRow).where(TransferRow.transfer_id == transfer_id))
         shutil.rmtree(self.staging_dir / transfer_id, ignore_errors=True)
 
     # ---- download receipts -------------------------------------------------------------------------------------
-    def _receipt(self, topic: str, raw: bytes) -> object:
-        env, site_id = self._open_site_envelope(topic, raw, MessageKind.RECEIPT)
+    def _receipt(self, topic: str, env: Envelope) -> object:
+        env, site_id = self._open_site_envelope(topic, env, MessageKind.RECEIPT)
         self._ingestor.check_replay(env)
         floor = self._receipt_floor.get(site_id)
         if floor is not None and env.header.sequence <= floor:
@@ -372,6 +395,8 @@ class TransferReceiver:
             orphans = []
         for tid in orphans:
             self._manifests.pop(tid, None)
+            self._verified_by.pop(tid, None)
+            self._fresh.pop(tid, None)
             shutil.rmtree(self.staging_dir / tid, ignore_errors=True)
         return expired
 

@@ -60,8 +60,9 @@ from shared.privacy.distributed import skellam_noise, skellam_share_variance
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryRequest, SecAggClient, SecAggError
 from shared.topics import ack_topic, secagg_topic, task_topic, update_topic
 from shared.broker import MQTT_PUBLISH_OVERHEAD
-from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, ResendTracker, TransferError, decode_manifest,
-                             decode_receipt, encode_receipt, is_chunk, send)
+from shared.transfer import (NO_TRANSFER, Chunk, Reassembly, Receipt, ResendTracker, TransferError,
+                             check_manifest_header, decode_manifest, decode_receipt, encode_receipt, is_chunk,
+                             piece_size_for, send, transfer_id_of, verify_manifest)
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
 from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
@@ -188,6 +189,15 @@ class _SecAggRound:
     num_examples: int
     categories: tuple[str, ...]
     noise: np.ndarray | None = None  # int64 (d,): this site's Skellam share (distributed DP); dropped once masked
+
+
+def _transfer_id(message: bytes) -> str:
+    """The transfer id a pending outbox message travels under when chunked (``shared.transfer.transfer_id_of``: a
+    hash of its header and signature, not of its payload), or ``""`` for bytes that are not an envelope."""
+    try:
+        return transfer_id_of(message)
+    except MalformedEnvelopeError:
+        return ""
 
 
 def update_message_id(round_: int) -> str:
@@ -399,6 +409,12 @@ class EdgeAgent:
         except TransferError as exc:
             self._reject("manifest", exc.reason, str(exc))
             return
+        try:  # the inner task: announced by this manifest's header, signed by the coordinator (before any chunk)
+            check_manifest_header(manifest, envelope.header)
+            verify_manifest(manifest, self._coordinator_key)
+        except EnvelopeError as exc:
+            self._reject("manifest", exc.reason, str(exc))
+            return
         if manifest.kind != MessageKind.TASK or manifest.total_length > self.config.max_task_bytes:
             self._reject("manifest", "oversized" if manifest.kind == MessageKind.TASK else "wrong_kind",
                          f"{manifest.kind.value} of {manifest.total_length} bytes (this site takes tasks of at most "
@@ -425,16 +441,16 @@ class EdgeAgent:
                 if chunk.transfer_id not in self._completed_downloads:
                     self._reject("chunk", "unknown_transfer", f"chunk {chunk.index} of {chunk.transfer_id[:12]}")
                 return False
-            if not reassembly.add(chunk):
+            if not reassembly.add(chunk):  # one BLAKE3 over the chunk against its signed leaf
                 return False
-            inner = reassembly.assemble()
+            inner = reassembly.assemble()  # verified piece by piece: not hashed again
         except TransferError as exc:
             self._reject("chunk", exc.reason, str(exc))
             return False
         del self._downloads[chunk.transfer_id]
         self._download_requests.pop(chunk.transfer_id, None)
         self._completed_downloads.append(chunk.transfer_id)
-        return self.handle_task(inner)
+        return self._handle_task_envelope(self._addressed(inner, MessageKind.TASK, "task"))
 
     def _stalled_downloads(self) -> list[str]:
         """Unexpired downloads with no new chunk for ``resend_interval_s`` (their transfer ids)."""
@@ -506,6 +522,11 @@ class EdgeAgent:
         except EnvelopeError as exc:
             self._reject(what, exc.reason, str(exc))
             return None
+        return self._addressed(envelope, kind, what)
+
+    def _addressed(self, envelope: Envelope, kind: MessageKind, what: str) -> Envelope | None:
+        """``envelope`` (verified) if it is of ``kind`` and addressed to this site in our federation; None if
+        rejected."""
         header = envelope.header
         if header.kind != kind:
             self._reject(what, "wrong_kind", f"kind {header.kind.value}, expected {kind.value}")
@@ -583,7 +604,11 @@ class EdgeAgent:
         Every rejection is logged with its reason and counted in :attr:`stats`; nothing here raises for bad
         input from the wire.
         """
-        envelope = self._open(data, MessageKind.TASK, "task")
+        return self._handle_task_envelope(self._open(data, MessageKind.TASK, "task"))
+
+    def _handle_task_envelope(self, envelope: Envelope | None) -> bool:
+        """:meth:`handle_task` for an envelope already verified and addressed (None: rejected already): a whole
+        task, or one reassembled from a chunked download whose chunks were checked against the signed manifest."""
         if envelope is None:
             return False
         header = envelope.header
@@ -690,7 +715,8 @@ class EdgeAgent:
         self.outbox.set_state(_SEQUENCE, str(sequence))
         update = seal(private_key=self._signing_key, federation_id=self.config.federation_id,
                       site_id=self.config.site_id, round=task.round, base_model_hash=task.model_hash,
-                      kind=MessageKind.UPDATE, sequence=sequence, payload=payload)
+                      kind=MessageKind.UPDATE, sequence=sequence, payload=payload,
+                      piece_size=piece_size_for(self.config.chunk_size_bytes))  # its chunks are its pieces
         message_id = update_message_id(task.round)
         self.outbox.put(message_id, self._update_topic, update.to_bytes())  # durable before publishing
         self.stats["tasks_trained"] += 1
@@ -888,10 +914,9 @@ class EdgeAgent:
             self._reject("ack", "stale_ack", f"ack for sequence {envelope.header.sequence}, the pending update of round "
                          f"{ack.round} has another sequence")
             return False
-        entry = self.outbox.entry(update_message_id(ack.round))
         removed = self.outbox.remove(update_message_id(ack.round))
-        if entry is not None:
-            self._upload_requests.forget(entry.sha256)
+        if pending is not None:
+            self._upload_requests.forget(_transfer_id(pending.payload))
         if ack.accepted:
             self.stats["acks_accepted"] += 1
             log.info("site %s: round %d update acknowledged%s", self.config.site_id, ack.round,
@@ -916,7 +941,8 @@ class EdgeAgent:
             self._reject("receipt", exc.reason, str(exc))
             return False
         for entry in self.outbox.pending():
-            if entry.sha256 != receipt.transfer_id:
+            message = self.outbox.get(entry.message_id)
+            if message is None or _transfer_id(message.payload) != receipt.transfer_id:
                 continue
             stuck = self._upload_requests.answered(receipt.transfer_id, receipt.missing)
             if stuck is not None:
@@ -928,9 +954,6 @@ class EdgeAgent:
                     f"chunk_size_bytes ({self.config.chunk_size_bytes}) is above the broker's message size limit "
                     f"(fix: lower chunk_size_bytes and set broker_max_packet_bytes to the broker's limit, now "
                     f"{self.config.broker_max_packet_bytes})"))
-                return False
-            message = self.outbox.get(entry.message_id)
-            if message is None:  # acknowledged meanwhile
                 return False
             log.info("site %s: resuming %s: %d chunk(s) missing", self.config.site_id, message.message_id,
                      len(receipt.missing))

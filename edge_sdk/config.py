@@ -142,9 +142,12 @@ class SiteConfig(BaseModel):
         allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
             cryptographically secure source).
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
-        chunk_size_bytes: uploads larger than this go as a signed manifest and chunks of this many bytes
-            (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit). Checked
-            at load against ``broker_max_packet_bytes`` (a chunk adds 40 bytes, MQTT at most 256).
+        chunk_size_bytes: uploads larger than this go as a signed manifest and chunks of at most this many bytes
+            (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit). Updates
+            are sealed with the largest power of two not above it as their piece size
+            (``shared.transfer.piece_size_for``), and their chunks are those pieces: a value that is a power of two
+            is used exactly. Checked at load against ``broker_max_packet_bytes`` (a chunk adds 40 bytes, MQTT at
+            most 256).
         broker_max_packet_bytes: the broker's limit on one MQTT message, bytes (Mosquitto ``max_packet_size``,
             EMQX ``mqtt.max_packet_size``); default what ``wildfed-coordinator broker-config`` sets,
             1,115,136. A broker drops larger messages, so a chunk size that does not fit is refused at start-up.

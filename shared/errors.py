@@ -11,7 +11,8 @@ Hierarchy::
     │   └── DatasetError                   bad Camtrap DP package / local dataset
     ├── EnvelopeError                      a wire message that must be rejected
     │   ├── MalformedEnvelopeError         bytes do not parse as an envelope
-    │   ├── SignatureError                 signature, payload hash or length does not verify
+    │   │   └── UnsupportedVersionError    a format version this reader does not read (retired or newer)
+    │   ├── SignatureError                 signature, payload digest or length does not verify
     │   └── PayloadError                   payload does not decode or has the wrong tensors
     └── PrivacyBudgetError                 an action would pass a privacy budget
 """
@@ -27,6 +28,7 @@ __all__ = [
     "DatasetError",
     "EnvelopeError",
     "MalformedEnvelopeError",
+    "UnsupportedVersionError",
     "SignatureError",
     "PayloadError",
     "PrivacyBudgetError",
@@ -78,8 +80,16 @@ class MalformedEnvelopeError(EnvelopeError):
     reason = "malformed"
 
 
+class UnsupportedVersionError(MalformedEnvelopeError):
+    """A wire message in a format version this reader does not read: a retired one (e.g. envelope format 1 or
+    ``WFC1`` chunks, retired by the hash-once design of ``shared.envelope``) or a newer one. The message names the
+    version and the fix: run the same WildFed release on the gateway and the coordinator."""
+
+    reason = "unsupported_version"
+
+
 class SignatureError(EnvelopeError):
-    """The Ed25519 signature, the payload SHA-256 or the payload length does not verify."""
+    """The Ed25519 signature, the payload digest (``shared.envelope``) or the payload length does not verify."""
 
     reason = "bad_signature"
 

@@ -389,7 +389,8 @@ def test_coordinator_killed_after_ingest_of_chunked_updates_counts_each_once(tmp
         for sid, value, n in sites_spec:
             t = ChunkingMqtt(mqtt_url, client_id=f"{fed}-{sid}")
             transports.append(t)
-            site = FakeSite(sid, t, key.public_key(), value=value, num_examples=n, events={LC: EVENT}, fed=fed)
+            site = FakeSite(sid, t, key.public_key(), value=value, num_examples=n, events={LC: EVENT}, fed=fed,
+                            piece_size=CHUNK)  # its updates travel in chunks of CHUNK bytes
             t.site_key = site.key
             site.attach()
             t.connect()
@@ -448,8 +449,8 @@ def test_site_publishing_for_another_site_is_refused(tmp_path: Path, mqtt_url: s
                                                         "gamma": 1.0})
     coord = Coordinator(cfg, signing_key=key, initial_weights=model())
     transports = {sid: CoordinatorMqtt(mqtt_url, client_id=f"{fed}-{sid}") for sid in ("A", "B")}
-    sites = {sid: FakeSite(sid, t, key.public_key(), value=1.0, num_examples=20, events={LC: EVENT}, fed=fed)
-             for sid, t in transports.items()}
+    sites = {sid: FakeSite(sid, t, key.public_key(), value=1.0, num_examples=20, events={LC: EVENT}, fed=fed,
+                           piece_size=CHUNK) for sid, t in transports.items()}
     try:
         for sid, site in sites.items():
             transports[sid].subscribe(ack_topic(fed, sid), site._on_ack)  # acks only: updates are sent by hand
@@ -488,7 +489,7 @@ def test_site_publishing_for_another_site_is_refused(tmp_path: Path, mqtt_url: s
         assert set(ctx.accepted) == {"B"} and [u.site_id for u in coord.store.updates_for_round(1)] == ["B"]
         assert [(x.round, x.accepted) for x in b.acks] == [(1, True)] and a.acks == []
         assert coord.transfers.pending() == []
-        assert split(genuine, CHUNK, kind="update")[0].num_chunks == 17
+        assert split(genuine)[0].num_chunks == 17
     finally:
         for t in transports.values():
             t.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.envelope import Envelope, MessageKind, seal, verify
+from shared.envelope import DEFAULT_PIECE_SIZE, Envelope, MessageKind, seal, verify
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.privacy.events import DPSGDEvent
@@ -56,6 +56,7 @@ class FakeSite:
     fed: str = FED
     last_weights: dict = field(default_factory=dict)
     counts: dict = field(default_factory=dict)  # {class index: count} reported when a task asks for counts
+    piece_size: int = DEFAULT_PIECE_SIZE  # of its updates' payload digest: the chunk size if they travel chunked
 
     def attach(self) -> "FakeSite":
         self.transport.subscribe(task_topic(self.fed, self.site_id), self._on_task)
@@ -96,7 +97,8 @@ class FakeSite:
                  kind=MessageKind.UPDATE, federation_id: str | None = None) -> bytes:
         self.sequence += 1
         env = seal(private_key=key or self.key, federation_id=federation_id or self.fed, site_id=site_id or self.site_id,
-                   round=round, base_model_hash=model_hash, kind=kind, sequence=self.sequence, payload=payload)
+                   round=round, base_model_hash=model_hash, kind=kind, sequence=self.sequence, payload=payload,
+                   piece_size=self.piece_size)
         raw = env.to_bytes()
         if self.tamper:
             raw = raw[:-1] + bytes([raw[-1] ^ 0xFF])

@@ -49,7 +49,7 @@ def test_artifact_set_contents_and_cache(tmp_path) -> None:
 def published_task(transport: InMemoryTransport) -> bytes:
     """The last task published, reassembled when it went as a manifest and chunks (shared.transfer): a task with
     ONNX Runtime artifacts is larger than the 256 KiB chunk size."""
-    from shared.transfer import Chunk, assemble, decode_manifest, is_chunk
+    from shared.transfer import Chunk, assemble, check_chunk, decode_manifest, is_chunk
 
     messages = [p for t, p in transport.published if t.endswith("/task")]
     if not is_chunk(messages[-1]):
@@ -58,7 +58,9 @@ def published_task(transport: InMemoryTransport) -> bytes:
     manifest = decode_manifest(Envelope.from_bytes(messages[start]).payload)
     chunks = sorted((Chunk.from_bytes(p, max_data_bytes=manifest.chunk_size) for p in messages[start + 1:]),
                     key=lambda c: c.index)
-    return assemble(manifest, [c.data for c in chunks])
+    for c in chunks:
+        check_chunk(manifest, c)  # each piece against its leaf in the signed manifest
+    return assemble(manifest, [c.data for c in chunks]).to_bytes()
 
 
 @pytest.mark.parametrize("ship", [True, False])

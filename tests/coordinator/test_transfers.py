@@ -1,8 +1,13 @@
 """Chunked, resumable uploads and downloads (shared.transfer, coordinator.transfers, the agent's side).
 
-What is checked, each against values worked out independently (sizes by hand, FedAvg in closed form):
-* the manifest/chunk format: split then assemble gives the bytes back; inconsistent manifests, oversized chunks
-  and altered chunks are refused with their reason;
+What is checked, each against values worked out independently (sizes by hand, digests with the blake3 library,
+FedAvg in closed form):
+* the manifest/chunk format (transfer format 2: chunks are the payload's pieces): split then assemble gives the
+  envelope back; the transfer id and the leaves match a computation by hand; inconsistent manifests, oversized
+  chunks, altered chunks and retired ``WFC1`` chunks are refused with their reason;
+* each payload byte is hashed once on the coordinator's chunked path (the bytes through BLAKE3 counted, and no
+  SHA-256 over payload-sized data); a manifest whose leaves do not derive the signed payload digest, whose inner
+  signature does not verify, or whose inner header differs from its own, is refused before any chunk is kept;
 * a round whose two updates arrive chunked closes with the FedAvg of the two deltas, each update accepted once;
 * resume: half the chunks, then a ``resume`` manifest, gets a signed RECEIPT listing exactly the other half; sending
   those completes the update, and the chunks sent over the whole transfer are n, not 2n; it also resumes after the
@@ -16,19 +21,25 @@ What is checked, each against values worked out independently (sizes by hand, Fe
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
+from collections import Counter
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
-from shared.envelope import Envelope, MessageKind
+import shared.envelope
+from shared.codec import encode_tensors
+from shared.envelope import Envelope, EnvelopeHeader, MessageKind, payload_digest_from_leaves, seal
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.protocol import decode_ack
 from shared.topics import ack_topic, update_topic
 from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, TransferError, assemble, check_chunk,
-                             decode_manifest, decode_receipt, encode_manifest, is_chunk, send, split)
+                             decode_manifest, decode_receipt, encode_manifest, is_chunk, piece_size_for,
+                             seal_manifest, send, split)
 
 from coordinator.ingest import Rejected, RejectReason
 from coordinator.service import Coordinator
@@ -46,30 +57,88 @@ def model() -> dict[str, np.ndarray]:
             "psi.b": np.array([0.5, -0.5], np.float32)}
 
 
+TRANSFER_ID_CONTEXT = "WildFed 2025-06-01 12:00:00 chunked transfer id v2"  # spelled out, not imported
+KEY = generate_signing_key()
+
+
+def inner(payload: bytes, piece_size: int = 1024, **fields) -> Envelope:
+    kw = dict(private_key=KEY, federation_id="testfed", site_id="s1", round=0, base_model_hash="",
+              kind=MessageKind.UPDATE, sequence=1, payload=payload, piece_size=piece_size)
+    return seal(**{**kw, **fields})
+
+
 # ---- the format ------------------------------------------------------------------------------------------------
 def test_split_and_assemble_round_trip_with_hand_counted_sizes() -> None:
-    data = bytes(range(256)) * 10 + b"x"  # 2,561 bytes -> chunks of 1,024, 1,024, 513
-    manifest, chunks = split(data, 1024, kind=MessageKind.UPDATE)
+    # Prepare: a payload of 2,561 bytes in pieces of 1 KiB -> chunks of 1,024, 1,024, 513 bytes
+    data = bytes(range(256)) * 10 + b"x"
+    env = inner(data)
+    # Execute
+    manifest, chunks = split(env.to_bytes())
+    # Assert: sizes and digests worked out by hand with the blake3 library
     assert manifest.num_chunks == 3 and [len(c.data) for c in chunks] == [1024, 1024, 513]
-    assert manifest.transfer_id == hashlib.sha256(data).hexdigest()
-    assert manifest.chunk_sha256[2] == hashlib.sha256(data[2048:]).hexdigest()
+    assert b"".join(c.data for c in chunks) == data  # the chunks are the payload's pieces, not the wire bytes
+    assert manifest.transfer_id == blake3.blake3(env.header.canonical_bytes() + env.signature,
+                                                 derive_key_context=TRANSFER_ID_CONTEXT).hexdigest()
+    assert manifest.leaves == (blake3.blake3(data[:1024]).digest(), blake3.blake3(data[1024:2048]).digest(),
+                               blake3.blake3(data[2048:]).digest())
+    assert (manifest.header, manifest.signature, manifest.chunk_size, manifest.total_length) == (
+        env.header, env.signature, 1024, 2561)
     wire = [Chunk.from_bytes(c.to_bytes(), max_data_bytes=1024) for c in chunks]
     assert all(is_chunk(c.to_bytes()) for c in chunks) and len(chunks[0].to_bytes()) == CHUNK_HEADER_LENGTH + 1024
+    assert chunks[0].to_bytes()[:4] == b"WFC2"
     for c in wire:
         check_chunk(manifest, c)
-    assert assemble(manifest, [c.data for c in wire]) == data
+    assert assemble(manifest, [c.data for c in wire]) == env
     assert decode_manifest(encode_manifest(manifest)) == manifest
 
 
-def test_bad_manifests_and_chunks_are_refused_with_their_reason() -> None:
-    manifest, chunks = split(b"a" * 3000, 1024, kind="update")
-    with pytest.raises(TransferError, match="lists 2 chunk digests") as info:
-        Manifest(manifest.transfer_id, MessageKind.UPDATE, 3000, 1024, manifest.chunk_sha256[:2])
+def test_a_payload_of_exactly_whole_pieces_and_one_of_a_single_piece() -> None:
+    four = split(inner(bytes(4096)))[0]
+    assert four.num_chunks == 4 and four.chunk_length(3) == 1024
+    one = split(inner(b"tiny"))[0]
+    assert one.num_chunks == 1 and one.leaves == (blake3.blake3(b"tiny").digest(),)
+
+
+def test_an_empty_payload_is_not_chunked_it_travels_whole() -> None:
+    env = inner(b"")
+    with pytest.raises(TransferError, match="nothing to transfer") as info:
+        split(env)
     assert info.value.reason == "bad_manifest"
+    out: list[bytes] = []
+    assert send(lambda t, p: out.append(p), "x", env.to_bytes(), private_key=KEY, chunk_size=1024) == 1
+    assert out == [env.to_bytes()]
+
+
+def test_piece_size_for_a_chunk_size_is_the_largest_power_of_two_not_above_it() -> None:
+    assert [piece_size_for(n) for n in (1024, 1025, 262_144, 999_704, 1 << 20)] == [
+        1024, 1024, 262_144, 524_288, 1 << 20]
+    with pytest.raises(TransferError, match="chunk_size_bytes"):
+        piece_size_for(1000)
+
+
+def test_an_envelope_sealed_with_pieces_larger_than_the_chunk_size_is_refused_before_publishing() -> None:
+    out: list[bytes] = []
+    with pytest.raises(TransferError, match="piece_size") as info:
+        send(lambda t, p: out.append(p), "x", inner(bytes(5000), 4096).to_bytes(), private_key=KEY, chunk_size=2048)
+    assert info.value.reason == "oversized" and out == []
+
+
+def test_bad_manifests_and_chunks_are_refused_with_their_reason() -> None:
+    data = bytes(i * 7 % 251 for i in range(3000))  # no two pieces alike
+    manifest, chunks = split(inner(data))
+    with pytest.raises(TransferError, match="lists 2 piece digests") as info:
+        Manifest(manifest.header, manifest.signature, manifest.leaves[:2])
+    assert info.value.reason == "bad_manifest"
+    with pytest.raises(TransferError, match="do not derive") as info:  # leaves of other data
+        Manifest(manifest.header, manifest.signature, (manifest.leaves[0], manifest.leaves[0], manifest.leaves[2]))
+    assert info.value.reason == "bad_manifest"
+    with pytest.raises(TransferError) as info:  # a WFC1 chunk (transfer format 1): refused naming the fix
+        Chunk.from_bytes(b"WFC1" + chunks[0].to_bytes()[4:], max_data_bytes=1024)
+    assert info.value.reason == "unsupported_version" and "same WildFed release" in str(info.value)
     with pytest.raises(TransferError) as info:
         Chunk.from_bytes(chunks[0].to_bytes(), max_data_bytes=512)
     assert info.value.reason == "oversized"
-    altered = Chunk(manifest.transfer_id, 1, b"b" * 1024)
+    altered = Chunk(manifest.transfer_id, 1, data[1024:2047] + bytes([data[2047] ^ 1]))
     with pytest.raises(TransferError) as info:
         check_chunk(manifest, altered)
     assert info.value.reason == "chunk_digest"
@@ -90,7 +159,8 @@ def coordinator(tmp_path: Path, bus: InMemoryTransport, key, **overrides) -> Coo
 
 
 def site(bus: InMemoryTransport, key, name: str, value: float, n: int) -> FakeSite:
-    return FakeSite(name, bus, key.public_key(), value=value, num_examples=n, events={IUCNCategory.VU: EVENT})
+    return FakeSite(name, bus, key.public_key(), value=value, num_examples=n, events={IUCNCategory.VU: EVENT},
+                    piece_size=CHUNK)  # its updates travel in 1 KiB chunks
 
 
 class ChunkingBus(InMemoryTransport):
@@ -159,7 +229,7 @@ def test_resume_manifest_gets_a_receipt_of_exactly_the_missing_chunks(tmp_path: 
     bus = InMemoryTransport()
     coord, s, ctx, raw = _open_round(tmp_path, key, bus)
     topic = update_topic("testfed", "s1")
-    manifest, chunks = split(raw, CHUNK, kind=MessageKind.UPDATE)
+    manifest, chunks = split(raw)
     n = manifest.num_chunks
     sent: list[bytes] = []
 
@@ -202,7 +272,7 @@ def test_resume_survives_a_coordinator_restart(tmp_path: Path) -> None:
     bus = InMemoryTransport()
     coord, s, ctx, raw = _open_round(tmp_path, key, bus)
     topic = update_topic("testfed", "s1")
-    manifest, chunks = split(raw, CHUNK, kind=MessageKind.UPDATE)
+    manifest, chunks = split(raw)
     send(lambda t, p: bus.publish(t, p) if not is_chunk(p) or Chunk.from_bytes(p, max_data_bytes=CHUNK).index < 5
          else None, topic, raw, private_key=s.key, chunk_size=CHUNK)
     from coordinator.transfers import TransferReceiver
@@ -212,6 +282,189 @@ def test_resume_survives_a_coordinator_restart(tmp_path: Path) -> None:
     restarted.handle(topic, _resume(raw, s.key))
     receipts = _receipts(bus, "s1", key)
     assert receipts[-1].missing == tuple(range(5, manifest.num_chunks))
+    coord.close()
+
+
+def test_after_a_restart_pieces_staged_before_are_checked_again_and_a_torn_one_is_asked_for(tmp_path: Path) -> None:
+    """Chunk files are not fsync-ed: a piece the running process did not check and write itself is checked against
+    its leaf at assembly. Here the coordinator restarts after staging chunks 0-4, chunk 2's file is torn (as a power
+    cut may leave it), and the remaining chunks reach the restarted receiver with no new manifest (as they would
+    reach another worker): assembly drops chunk 2 only, the next resume asks for it alone, and the update is then
+    accepted (the inner signature checked again from the stored manifest, the site's key still valid)."""
+    # Prepare
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    manifest, chunks = split(raw)
+    for p in _messages(raw, s.key)[:6]:  # the manifest and chunks 0-4
+        assert coord.transfers.handle(topic, p) is None
+    from coordinator.transfers import TransferReceiver
+
+    restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
+                                 ingestor=coord.ingestor, transport=bus, signing_key=key)
+    part = coord.store.data_dir / "transfers" / manifest.transfer_id / "2.part"
+    part.write_bytes(part.read_bytes()[:100] + bytes(CHUNK - 100))  # torn: right length, wrong bytes
+    # Execute 1: the other chunks reach the restarted receiver
+    results = [restarted.handle(topic, c.to_bytes()) for c in chunks[5:]]
+    # Assert 1: the last one completes the set, assembly finds the torn piece and drops it; nothing accepted
+    assert results[:-1] == [None] * (len(chunks) - 6)
+    assert isinstance(results[-1], Rejected) and results[-1].reason is RejectReason.BAD_TRANSFER
+    assert "1 damaged chunk(s) dropped" in results[-1].detail and not part.exists()
+    assert "s1" not in ctx.accepted
+    # Execute 2: the site resumes; Assert 2: only chunk 2 is asked for, and once it is in, the update is accepted
+    restarted.handle(topic, _resume(raw, s.key))
+    assert _receipts(bus, "s1", key)[-1].missing == (2,)
+    result = restarted.handle(topic, chunks[2].to_bytes())
+    assert result.__class__.__name__ == "Accepted" and "s1" in ctx.accepted and ctx.strategy.count == 1
+    coord.close()
+
+
+def _messages(raw: bytes, key) -> list[bytes]:
+    """What ``send`` publishes for ``raw`` in 1 KiB chunks: the manifest, then every chunk."""
+    out: list[bytes] = []
+    send(lambda t, p: out.append(p), "x", raw, private_key=key, chunk_size=CHUNK)
+    return out
+
+
+def test_each_payload_byte_is_hashed_once_on_the_chunked_path(tmp_path: Path, monkeypatch) -> None:
+    """The acceptance of issue 22 item 1: an update of 17 chunks through TransferReceiver, every byte given to BLAKE3
+    on the receiver counted (``shared.envelope.hash_piece``, the one function that hashes payload bytes): the update's
+    payload goes through it exactly once, piece by piece; the only other bytes hashed are the manifest's and the ACK's
+    own payloads (small envelopes verified and sealed as usual); and no SHA-256 runs over payload-sized data."""
+    # Prepare: the wire messages (made before counting: the sender's hashing is not the receiver's)
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, _ = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    delta = {k: (np.arange(v.size, dtype=np.float32) / v.size).reshape(v.shape) for k, v in model().items()}
+    raw = s.envelope(ctx.round, ctx.model_hash, s.payload(delta))  # no two pieces alike: each can be told apart
+    messages = _messages(raw, s.key)
+    payload = bytes(Envelope.from_bytes(raw).payload)
+    assert len(payload) > 16 * CHUNK and len(payload) % CHUNK != 0  # many chunks, the last one short
+    pieces = [payload[i:i + CHUNK] for i in range(0, len(payload), CHUNK)]
+    assert len(messages) == 1 + len(pieces) and len(set(pieces)) == len(pieces)
+    hashed: list[bytes] = []
+    real = shared.envelope.hash_piece
+    monkeypatch.setattr(shared.envelope, "hash_piece", lambda piece: (hashed.append(bytes(piece)), real(piece))[1])
+    sha256_sizes: list[int] = []
+    real_sha256 = hashlib.sha256
+
+    def counting_sha256(data=b"", **kw):
+        sha256_sizes.append(len(data))
+        return real_sha256(data, **kw)
+
+    monkeypatch.setattr(hashlib, "sha256", counting_sha256)
+    # Execute
+    results = [coord.transfers.handle(topic, m) for m in messages]
+    monkeypatch.undo()
+    # Assert: accepted; each piece of the payload hashed exactly once, and nothing else but the two small envelopes
+    assert results[-1].__class__.__name__ == "Accepted" and results[:-1] == [None] * len(pieces)
+    assert "s1" in ctx.accepted
+    counts = Counter(hashed)
+    assert all(counts[p] == 1 for p in pieces)
+    assert sum(len(h) for h in hashed if h in set(pieces)) == len(payload)
+    manifest_env = Envelope.from_bytes(messages[0])
+    ack_env = [Envelope.from_bytes(p) for t, p in bus.published if t == ack_topic("testfed", "s1")][-1]
+    assert ack_env.header.kind == MessageKind.ACK
+    assert sorted(hashed) == sorted(pieces + [bytes(manifest_env.payload), bytes(ack_env.payload)])
+    assert sum(map(len, hashed)) == len(payload) + manifest_env.header.payload_length + ack_env.header.payload_length
+    assert max(sha256_sizes, default=0) < CHUNK  # no SHA-256 of anything payload-sized (blob named by the digest)
+    assert coord.store.get_blob(ctx.accepted["s1"].payload_sha256) == payload
+    assert ctx.accepted["s1"].payload_sha256 == Envelope.from_bytes(raw).header.payload_digest
+    coord.close()
+
+
+def test_manifests_that_do_not_bind_their_chunks_are_refused_before_any_chunk_is_kept(tmp_path: Path) -> None:
+    """Leaves that do not derive the signed payload digest, an inner envelope signed by another key, and an inner
+    header that differs from the manifest envelope's: each refused (and NACKed: the manifest envelope verified) at
+    the manifest, nothing staged, and a genuine chunk of that transfer is then an unknown transfer's."""
+    # Prepare
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    genuine, chunks = split(raw)
+    body = {"header": genuine.header.canonical_bytes().decode(), "signature": genuine.signature.hex(),
+            "leaves": [x.hex() for x in genuine.leaves], "resume": False}  # the manifest's fields, written out
+    wrong_leaf = dict(body, leaves=[body["leaves"][1]] + body["leaves"][1:])  # leaf 0 replaced by leaf 1
+    other = generate_signing_key()
+    other_signed = Envelope.from_bytes(s.envelope(ctx.round, ctx.model_hash, bytes(Envelope.from_bytes(raw).payload),
+                                                  key=other))
+    other_manifest = split(other_signed)[0]
+
+    def manifest_envelope(payload_body: dict, *, sequence: int) -> bytes:
+        return seal(private_key=s.key, federation_id="testfed", site_id="s1", round=ctx.round,
+                    base_model_hash=ctx.model_hash, kind=MessageKind.MANIFEST, sequence=sequence,
+                    payload=encode_tensors({}, {"wildfed": json.dumps(payload_body)})).to_bytes()
+
+    cases = {
+        "leaves": (manifest_envelope(wrong_leaf, sequence=genuine.header.sequence), RejectReason.BAD_TRANSFER,
+                   "do not derive"),
+        "inner signature": (seal_manifest(private_key=s.key, manifest=other_manifest).to_bytes(),
+                            RejectReason.BAD_SIGNATURE, "does not verify"),
+        "header": (manifest_envelope(body, sequence=genuine.header.sequence + 40), RejectReason.BAD_TRANSFER,
+                   "sequence"),
+    }
+    for name, (message, reason, detail) in cases.items():
+        # Execute
+        result = coord.transfers.handle(topic, message)
+        # Assert
+        assert isinstance(result, Rejected) and result.reason is reason and detail in result.detail, name
+        assert coord.transfers.pending() == [] and not (coord.store.data_dir / "transfers").exists(), name
+        nack = decode_ack(Envelope.from_bytes(bus.published[-1][1]).payload)
+        assert not nack.accepted and reason.value in nack.reason, name
+    result = coord.transfers.handle(topic, chunks[0].to_bytes())
+    assert isinstance(result, Rejected) and result.reason is RejectReason.UNKNOWN_TRANSFER
+    assert "s1" not in ctx.accepted
+    coord.close()
+
+
+def test_a_key_revoked_between_the_manifest_and_the_last_chunk_refuses_the_update(tmp_path: Path) -> None:
+    """The chunked path does not verify the signature again at assembly, but it checks that the key that verified
+    the manifest's inner envelope is still valid: a key revoked meanwhile refuses the update (``no_valid_key``)."""
+    # Prepare: the manifest and every chunk but the last are in; then the operator revokes the site's key
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    messages = _messages(raw, s.key)
+    for m in messages[:-1]:
+        assert coord.transfers.handle(topic, m) is None
+    assert coord.registry.revoke_key("s1")
+    # Execute
+    result = coord.transfers.handle(topic, messages[-1])
+    # Assert
+    assert isinstance(result, Rejected) and result.reason is RejectReason.NO_VALID_KEY
+    assert "s1" not in ctx.accepted and coord.store.count_updates() == 0 and coord.transfers.pending() == []
+    coord.close()
+
+
+def test_a_format_1_envelope_and_a_wfc1_chunk_are_refused_naming_the_version_and_the_fix(tmp_path: Path) -> None:
+    # Prepare: a format-1 update as the previous release sealed it (header with payload_sha256, domain v1)
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    topic = update_topic("testfed", "s1")
+    payload = bytes(Envelope.from_bytes(raw).payload)
+    header = json.dumps({"base_model_hash": ctx.model_hash, "federation_id": "testfed", "format_version": 1,
+                         "kind": "update", "payload_length": len(payload),
+                         "payload_sha256": hashlib.sha256(payload).hexdigest(), "round": ctx.round, "sequence": 1,
+                         "site_id": "s1", "timestamp": Envelope.from_bytes(raw).header.timestamp},
+                        sort_keys=True, separators=(",", ":")).encode()
+    signature = s.key.sign(b"wildfed-envelope-v1\x00" + header)
+    v1 = b"WFE1" + len(header).to_bytes(4, "big") + header + signature + payload
+    wfc1 = b"WFC1" + bytes(32) + (0).to_bytes(4, "big") + payload[:CHUNK]
+    # Execute
+    refused_envelope = coord.transfers.handle(topic, v1)
+    refused_chunk = coord.transfers.handle(topic, wfc1)
+    # Assert
+    assert refused_envelope.reason is RejectReason.MALFORMED_ENVELOPE
+    assert "format_version 1 is retired" in refused_envelope.detail
+    assert "both sides must run the same WildFed release" in refused_envelope.detail
+    assert refused_chunk.reason is RejectReason.BAD_TRANSFER and "WFC2" in refused_chunk.detail
+    assert "transfer format 1" in refused_chunk.detail and "same WildFed release" in refused_chunk.detail
+    assert "s1" not in ctx.accepted and coord.transfers.pending() == []
     coord.close()
 
 
@@ -240,16 +493,18 @@ def test_refusals_before_any_chunk_is_kept(tmp_path: Path) -> None:
     assert isinstance(coord.transfers.handle(topic, out[1]), Rejected)  # its chunks: unknown transfer
     assert coord.store.rejection_counts()["unknown_transfer"] == 1
     # a manifest announcing more than max_update_bytes
-    big = Manifest("ab" * 32, MessageKind.UPDATE, coord.transfers.limits.max_update_bytes + 1, 1 << 20,
-                   tuple("cd" * 32 for _ in range(257)))
-    from shared.transfer import seal_manifest
-
-    env = seal_manifest(private_key=s.key, inner=Envelope.from_bytes(raw).header, manifest=big)
+    leaves = tuple(bytes([i % 256]) * 32 for i in range(257))
+    h = Envelope.from_bytes(raw).header
+    big = Manifest(EnvelopeHeader(**{**h.__dict__, "payload_length": coord.transfers.limits.max_update_bytes + 1,
+                                     "piece_size": 1 << 20,
+                                     "payload_digest": payload_digest_from_leaves(leaves, 1 << 20)}),
+                   bytes(64), leaves)
+    env = seal_manifest(private_key=s.key, manifest=big)
     result = coord.transfers.handle(topic, env.to_bytes())
     assert isinstance(result, Rejected) and result.reason is RejectReason.OVERSIZED
     # a genuine chunk sent on another site's topic
     send(lambda t, p: out.append(p), topic, raw, private_key=s.key, chunk_size=CHUNK)
-    coord.transfers.handle(topic, out[-len(split(raw, CHUNK, kind="update")[1]) - 1])  # its manifest
+    coord.transfers.handle(topic, out[-len(split(raw)[1]) - 1])  # its manifest
     other = update_topic("testfed", "s2")
     result = coord.transfers.handle(other, out[-1])
     assert isinstance(result, Rejected) and result.reason is RejectReason.TOPIC_MISMATCH
@@ -271,7 +526,7 @@ def test_incomplete_transfers_expire(tmp_path: Path) -> None:
     send(lambda t, p: out.append(p), topic, raw, private_key=s.key, chunk_size=CHUNK)
     now[0] = Envelope.from_bytes(raw).header.timestamp / 1000.0
     assert receiver.handle(topic, out[0]) is None and receiver.handle(topic, out[1]) is None
-    tid = split(raw, CHUNK, kind="update")[0].transfer_id
+    tid = split(raw)[0].transfer_id
     assert receiver.pending()[0][:3] == (tid, "s1", 1)
     now[0] += 3599.0
     assert receiver.sweep() == []
@@ -415,7 +670,7 @@ def test_sweep_drops_staging_left_for_a_stored_update(tmp_path: Path) -> None:
     for p in out[:3]:
         assert coord.transfers.handle(topic, p) is None  # manifest + 2 chunks staged
     assert coord.ingestor.handle(topic, raw).__class__.__name__ == "Accepted"  # the whole update stored meanwhile
-    tid = split(raw, CHUNK, kind="update")[0].transfer_id
+    tid = split(raw)[0].transfer_id
     assert [p[0] for p in coord.transfers.pending()] == [tid]
     assert coord.transfers.sweep() == [] and coord.transfers.pending() == []
     assert not (coord.store.data_dir / "transfers" / tid).exists()

@@ -1,18 +1,33 @@
-"""Envelope: sign/verify round trip, tamper detection, wrong key, strict parsing."""
+"""Envelope: sign/verify round trip, tamper detection, wrong key, strict parsing; the format-2 payload digest (a BLAKE3
+hash list) against a computation by hand with the ``blake3`` library, and the refusal of format 1."""
 
-import hashlib
+import json
+import struct
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.envelope import DOMAIN, Envelope, MessageKind, seal, verify
-from shared.errors import MalformedEnvelopeError, SignatureError
+import shared.envelope
+from shared.envelope import (DOMAIN, Envelope, EnvelopeHeader, MessageKind, payload_digest, payload_digest_from_leaves,
+                             payload_leaves, seal, verify)
+from shared.errors import MalformedEnvelopeError, SignatureError, UnsupportedVersionError
 from shared.keys import generate_signing_key
 
 KEY = generate_signing_key()
 OTHER = generate_signing_key()
+
+
+CONTEXT = "WildFed 2025-06-01 12:00:00 envelope payload digest v2"  # spelled out: the test does not import it
+
+
+def _by_hand(payload: bytes, piece: int) -> str:
+    """The format-2 payload digest written out with the blake3 library: leaves over ``piece``-byte pieces, then
+    derive_key over the piece size (8 bytes, big-endian) and the leaves."""
+    leaves = [blake3.blake3(payload[i:i + piece]).digest() for i in range(0, len(payload), piece)]
+    return blake3.blake3(piece.to_bytes(8, "big") + b"".join(leaves), derive_key_context=CONTEXT).hexdigest()
 
 
 def make(payload: bytes = b"payload-bytes") -> Envelope:
@@ -25,7 +40,8 @@ def test_round_trip_verifies_and_preserves_fields():
     back = Envelope.from_bytes(env.to_bytes())
     verify(back, KEY.public_key())
     assert back == env
-    assert back.header.payload_sha256 == hashlib.sha256(b"payload-bytes").hexdigest()
+    assert back.header.payload_digest == _by_hand(b"payload-bytes", 256 * 1024)
+    assert back.header.piece_size == 256 * 1024 and back.header.format_version == 2
     assert back.header.payload_length == len(b"payload-bytes")
     # The signature is an ordinary Ed25519 signature over domain + canonical header: a second check by hand.
     KEY.public_key().verify(back.signature, DOMAIN + back.header.canonical_bytes())
@@ -123,3 +139,104 @@ def test_from_bytes_copies_a_buffer_its_owner_can_still_change(mutable):
     # Assert: the envelope kept what it parsed
     assert back.payload == b"payload-bytes"
     verify(back, KEY.public_key())
+
+
+# ---- format 2: the payload digest ------------------------------------------------------------------------------
+def test_leaves_and_digest_of_a_payload_not_a_multiple_of_the_piece_size_match_a_computation_by_hand():
+    # Prepare: 2,561 bytes in pieces of 1,024 -> pieces of 1,024, 1,024 and 513 bytes
+    payload = bytes(range(256)) * 10 + b"x"
+    # Execute
+    leaves = payload_leaves(payload, 1024)
+    # Assert
+    assert leaves == [blake3.blake3(payload[:1024]).digest(), blake3.blake3(payload[1024:2048]).digest(),
+                      blake3.blake3(payload[2048:]).digest()]
+    assert len(payload[2048:]) == 513
+    expected = blake3.blake3(b"\x00\x00\x00\x00\x00\x00\x04\x00" + b"".join(leaves),
+                             derive_key_context=CONTEXT).hexdigest()
+    assert payload_digest_from_leaves(leaves, 1024) == expected == payload_digest(payload, 1024)
+    env = make_sized(payload, 1024)
+    assert env.header.payload_digest == expected and env.header.payload_length == 2561
+    verify(Envelope.from_bytes(env.to_bytes()), KEY.public_key())
+
+
+def make_sized(payload: bytes, piece_size: int) -> Envelope:
+    return seal(private_key=KEY, federation_id="fed-1", site_id="site_01", round=3, base_model_hash="ab" * 32,
+                kind=MessageKind.UPDATE, sequence=7, payload=payload, timestamp=1_700_000_000_000,
+                piece_size=piece_size)
+
+
+def test_an_empty_payload_has_no_leaves_and_the_digest_of_the_piece_size_alone():
+    env = make_sized(b"", 1024)
+    assert payload_leaves(b"", 1024) == []
+    assert env.header.payload_digest == blake3.blake3(struct.pack(">Q", 1024), derive_key_context=CONTEXT).hexdigest()
+    back = Envelope.from_bytes(env.to_bytes())
+    verify(back, KEY.public_key())
+    assert back.payload == b"" and back.header.payload_length == 0
+
+
+def test_the_piece_size_is_part_of_the_digest_and_signed():
+    payload = b"z" * 5000
+    a, b = make_sized(payload, 1024), make_sized(payload, 2048)
+    assert a.header.payload_digest == _by_hand(payload, 1024) != b.header.payload_digest == _by_hand(payload, 2048)
+    # a header that claims another piece size no longer verifies (the signature covers it)
+    forged = Envelope(header=EnvelopeHeader(**{**a.header.__dict__, "piece_size": 2048,
+                                               "payload_digest": b.header.payload_digest}),
+                      signature=a.signature, payload=payload)
+    with pytest.raises(SignatureError):
+        verify(forged, KEY.public_key())
+
+
+@pytest.mark.parametrize("piece_size", [1000, 512, 0, 3 * 1024, 1 << 31, 1024.0, True])
+def test_a_piece_size_that_is_not_a_power_of_two_in_range_is_refused_naming_the_field(piece_size):
+    with pytest.raises(MalformedEnvelopeError, match="piece_size"):
+        make_sized(b"abc", piece_size)
+
+
+def test_an_altered_piece_fails_verification():
+    payload = bytes(4096)
+    env = make_sized(payload, 1024)
+    altered = bytearray(payload)
+    altered[3000] = 1  # inside the third piece
+    with pytest.raises(SignatureError, match="digest"):
+        verify(Envelope(header=env.header, signature=env.signature, payload=bytes(altered)), KEY.public_key())
+
+
+def test_seal_and_verify_hash_each_payload_byte_once(monkeypatch):
+    # Prepare: count the bytes that go through the one function that hashes payload bytes
+    hashed: list[int] = []
+    real = shared.envelope.hash_piece
+    monkeypatch.setattr(shared.envelope, "hash_piece", lambda piece: (hashed.append(len(piece)), real(piece))[1])
+    payload = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: 10 full pieces of 1 KiB and one of 4 bytes
+    # Execute / Assert
+    env = make_sized(payload, 1024)
+    assert hashed == [1024] * 10 + [4]
+    hashed.clear()
+    verify(Envelope.from_bytes(env.to_bytes()), KEY.public_key())
+    assert sum(hashed) == len(payload) == 10_244
+
+
+def _v1_wire() -> bytes:
+    """A format-1 envelope as the previous release wrote it: the header names payload_sha256."""
+    import hashlib
+
+    payload = b"payload-bytes"
+    header = {"base_model_hash": "", "federation_id": "f", "format_version": 1, "kind": "update",
+              "payload_length": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(), "round": 0,
+              "sequence": 0, "site_id": "s", "timestamp": 1_700_000_000_000}
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return b"WFE1" + len(raw).to_bytes(4, "big") + raw + b"\x00" * 64 + payload
+
+
+def test_a_format_1_envelope_is_refused_naming_the_version_and_the_fix():
+    with pytest.raises(UnsupportedVersionError, match="format_version 1 is retired") as info:
+        Envelope.from_bytes(_v1_wire())
+    assert "same WildFed release" in str(info.value) and info.value.reason == "unsupported_version"
+    assert isinstance(info.value, MalformedEnvelopeError)  # receivers that refuse malformed envelopes refuse it
+
+
+def test_a_newer_format_is_refused_as_newer():
+    env = make()
+    header = env.header.canonical_bytes().replace(b'"format_version":2', b'"format_version":3')
+    wire = b"WFE1" + len(header).to_bytes(4, "big") + header + env.signature + env.payload
+    with pytest.raises(UnsupportedVersionError, match="format_version 3 is newer"):
+        Envelope.from_bytes(wire)
