@@ -520,7 +520,7 @@ def radio_data_sionna(
 ) -> None:
     """Ray-trace path-gain maps with Sionna RT on the real city scenes sionna-rt ships: every transmitter position of
     each chosen 256 m tile, on the experiment's 64 x 64 px grid (4 m/px). Needs sionna-rt with mitsuba and drjit,
-    Debian's libllvm19 and DRJIT_LIBLLVM_PATH (docs/radiomap-data.md); about 8 s per map on 2 CPU cores at the
+    Debian's libllvm19 and DRJIT_LIBLLVM_PATH (docs/radiomap-data.md); about 1-6 s per map on 2 CPU cores at the
     defaults. Prints the time and the fraction of outdoor pixels with a value."""
     from wildfed_sim.radio_data import run_sionna
 

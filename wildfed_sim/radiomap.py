@@ -445,7 +445,7 @@ def template_candidates(data: ExperimentData, client: int, settings: RadioMapSet
     pixel).
 
     Raises:
-        ValueError: no candidate is left (use a smaller step).
+        ConfigError (field ``template_step_px``): no candidate is left (a sparse Sionna set; use a smaller step).
     """
     from wildfed_sim.radio_attack import candidate_grid
 
@@ -454,8 +454,9 @@ def template_candidates(data: ExperimentData, client: int, settings: RadioMapSet
     radius_px = settings.site_radius_m / settings.metres_per_pixel
     near = (np.linalg.norm(grid[:, None, :] - allowed[None, :, :], axis=2) <= radius_px + 1e-9).any(axis=1)
     if not near.any():
-        raise ValueError(f"no template candidate of client {client} has a transmitter pixel within "
-                         f"{settings.site_radius_m} m: use a smaller template_step_px")
+        raise ConfigError(f"no template candidate on client {client}'s tile has a transmitter pixel of the "
+                          f"{data.source.name} maps within {settings.site_radius_m} m", field="template_step_px",
+                          fix="use a smaller --template-step-px, or a Sionna set with more transmitters per tile")
     return grid[near]
 
 
@@ -764,13 +765,17 @@ def radiomap_command(
     data: str = _opt("cost231", "where the maps come from: cost231 (free space + multi-wall, computed here) or "
                      "sionna (a Sionna RT set made by `wildfed radio-data sionna`; needs --sionna-dir)"),
     sionna_dir: Path | None = _opt(None, "with --data sionna: the set's folder (`wildfed radio-data sionna --out`)"),
+    validation_tiles: int | None = _opt(None, "held-out tiles per validation set (default: every tile of the city "
+                                        "that no client has, and every tile of the other city)"),
+    pretrain_tiles: int = _opt(16, "public tiles (pretraining, proxy and shadow sites), from the remaining cities"),
     out: Path | None = _opt(None, "output folder (default runs/radiomap-<UTC time>)"),
 ) -> None:
     """Federated RadioUNet radio maps with six defences (the seed's none, clip-only, uniform, steered-uniform,
     adaptive, and grouped-clipping) on per-client tiles; attacker localisation RMSE (m) and validation MSE (dB) on
     held-out tiles of the city and on another city, per round, 3 seeds.
     Writes radiomap.json, .md, .png and the ledger. The default grid (18 runs) takes well over an hour on 2 cores
-    (15 runs took 104 minutes on busy ones; --attacker template adds about 45 s per attack round and defence);
+    (15 runs took 104 minutes on busy ones; --attacker template searches each active client's tile, about 15 min per
+    attack round and defence on busy cores);
     --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look."""
     from rich.console import Console
 
@@ -780,5 +785,5 @@ def radiomap_command(
         noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
         shadow_sites=shadow_sites, attack_every=attack_every, city=city, pretrain_epochs=pretrain_epochs,
         attacker=attacker, template_step_px=template_step_px, validation_city=validation_city, data=data,
-        sionna_dir=sionna_dir, out_dir=out)
+        sionna_dir=sionna_dir, validation_tiles=validation_tiles, pretrain_tiles=pretrain_tiles, out_dir=out)
     run_radiomap_experiment(settings, console=Console())
