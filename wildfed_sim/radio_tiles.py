@@ -197,7 +197,13 @@ class MapSource(Protocol):
 
 @dataclass(frozen=True)
 class Cost231Source:
-    """Free space + COST 231 multi-wall maps on any outdoor pixel (:func:`shared.radio.generate_maps`)."""
+    """Free space + COST 231 multi-wall maps on any outdoor pixel (:func:`shared.radio.generate_maps`; COST 231
+    Final Report, 1999, ch. 4; docs/radiomap-data.md).
+
+    Attributes:
+        model: the path-loss model and normalisation window.
+        geometry: the tiles' size (px) and spacing (m/px).
+    """
 
     model: PathLossModel
     geometry: RadioMapGeometry = RadioMapGeometry()
@@ -208,7 +214,12 @@ class Cost231Source:
         return np.argwhere(~tiles.buildings[index]).astype(np.int64)
 
     def maps(self, tiles: TileSet, specs: np.ndarray) -> RadioMapSet:
-        """:func:`shared.radio.generate_maps` on ``tiles.buildings``."""
+        """:func:`shared.radio.generate_maps` on ``tiles.buildings``: inputs float32 (N, 2, H, W), targets float32
+        (N, 1, H, W) in [0, 1].
+
+        Raises:
+            ConfigError: as :func:`shared.radio.generate_maps` (a bad spec, a transmitter in a building).
+        """
         return generate_maps(tiles.buildings, np.asarray(specs, dtype=np.int64), model=self.model,
                              geometry=self.geometry)
 
@@ -255,13 +266,20 @@ class SionnaSource:
         return self.bank.tile(self._scene_tile(tiles, index)).transmitters.copy()
 
     def maps(self, tiles: TileSet, specs: np.ndarray) -> RadioMapSet:
-        """The traced maps of ``specs``: path gain in dB mapped to [0, 1] by :func:`shared.radio.normalise_gain`
-        (no ray: 0; buildings: 0), inputs from :func:`shared.radio.model_inputs`.
+        """The traced maps of ``specs``, int (N, 3) rows (tile index, row, col): path gain ``10 log10(g)`` dB mapped
+        to [0, 1] by :func:`shared.radio.normalise_gain` (no ray: 0; buildings: 0), inputs float32 (N, 2, H, W) from
+        :func:`shared.radio.model_inputs`, targets float32 (N, 1, H, W).
 
         Raises:
-            ConfigError (field ``specs``): a transmitter the set did not trace on that tile.
+            ConfigError (field ``specs``): not an (N, 3) array with N >= 1 and tile indices of ``tiles``, or a
+                transmitter the set did not trace on that tile.
         """
-        specs = np.asarray(specs, dtype=np.int64)
+        specs = np.asarray(specs)
+        if (specs.ndim != 2 or specs.shape[1] != 3 or len(specs) < 1 or not np.issubdtype(specs.dtype, np.integer)
+                or specs[:, 0].min() < 0 or specs[:, 0].max() >= len(tiles)):
+            raise ConfigError(f"must be an integer (N, 3) array of (tile, row, col) with tiles in [0, {len(tiles)})",
+                              field="specs", fix="build it from SionnaSource.positions")
+        specs = specs.astype(np.int64)
         n, side = len(specs), self.geometry.size_px
         inputs = np.empty((n, 2, side, side), dtype=np.float32)
         targets = np.empty((n, 1, side, side), dtype=np.float32)
@@ -319,8 +337,18 @@ def draw_site(source: MapSource, tiles: TileSet, index: int, n_maps: int, *, rad
         (the maps, tile index ``index`` on every map; the centre, float64 (2,) (row, col) in pixels).
 
     Raises:
-        ConfigError (field ``centre``): no allowed transmitter pixel within ``radius_px`` of ``centre``.
+        ConfigError: ``index`` not a tile of ``tiles`` (field ``tile_index``), ``n_maps`` not an int >= 1 (field
+            ``n_maps``), ``radius_px`` not a number >= 0 (field ``radius_px``), or no allowed transmitter pixel within
+            ``radius_px`` of ``centre`` (field ``centre``).
     """
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(tiles):
+        raise ConfigError(f"must be a tile index in [0, {len(tiles)}), got {index!r}", field="tile_index",
+                          fix="pick one of the set's tiles")
+    if isinstance(n_maps, bool) or not isinstance(n_maps, (int, np.integer)) or n_maps < 1:
+        raise ConfigError(f"must be an int >= 1, got {n_maps!r}", field="n_maps", fix="ask for at least one map")
+    if isinstance(radius_px, bool) or not isinstance(radius_px, (int, float)) or not radius_px >= 0:
+        raise ConfigError(f"must be a number >= 0, got {radius_px!r}", field="radius_px",
+                          fix="give the site radius in pixels (metres / metres_per_pixel)")
     allowed = source.positions(tiles, index)
     if centre is None:
         centre = allowed[int(rng.integers(len(allowed)))].astype(np.float64)

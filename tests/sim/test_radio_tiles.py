@@ -125,6 +125,11 @@ def test_draw_site_takes_transmitters_only_from_allowed_pixels_within_the_radius
     with pytest.raises(ConfigError) as info:  # (0, 0) is outdoors but 3 px from every other outdoor pixel
         draw_site(source, padded, 0, 2, radius_px=1.0, rng=rng, centre=np.array([1.0, 1.0]))
     assert info.value.field == "centre"
+    for kwargs, field in (({"index": 1}, "tile_index"), ({"n_maps": 0}, "n_maps"), ({"radius_px": -1.0}, "radius_px")):
+        args = {"index": 0, "n_maps": 2, "radius_px": 1.5, **kwargs}
+        with pytest.raises(ConfigError) as info:
+            draw_site(source, padded, args["index"], args["n_maps"], radius_px=args["radius_px"], rng=rng)
+        assert info.value.field == field
     # Without a centre, the first draw picks one of the allowed pixels.
     _, drawn = draw_site(source, padded, 0, 1, radius_px=1.5, rng=np.random.default_rng(5))
     assert tuple(int(v) for v in drawn) in {tuple(p) for p in source.positions(padded, 0).tolist()}
