@@ -13,6 +13,8 @@ Commands::
                                             Steinke et al. 2023) beside the claimed epsilon per category
     wildfed clusters check-metadata         cluster the real Wildlife Insights / Snapshot Serengeti deployments
                                             (../shared/data) and compare with their projects
+    wildfed radio-data tiles                the radio-map experiment's disjoint 256 m tiles of each city
+    wildfed radio-data sionna ...           ray-trace a radio-map set with Sionna RT (wildfed_sim.radio_data)
 
 Each runs both sides in this machine's processes (gateways, coordinator, broker) and reads no operator config. The
 operator's commands against a real federation are ``wildfed-coordinator``'s (coordinator/cli/). User errors
@@ -462,6 +464,88 @@ def check_metadata(data: Path = typer.Option(None, help="folder holding wildlife
         console.print(escape(f"written {out / 'metadata_checks.json'} (every number, the clusters and the heatmaps)"))
     if all("skipped" in r for r in result.values()):
         raise typer.Exit(code=2)
+
+
+radio_data_app = typer.Typer(name="radio-data", help="Radio-map data: the cities' disjoint 256 m tiles, and a "
+                             "ray-traced Sionna RT set (docs/radiomap-data.md).", no_args_is_help=True,
+                             add_completion=False)
+app.add_typer(radio_data_app, name="radio-data")
+
+
+def _sionna_settings(**fields: Any) -> Any:
+    from shared.radio.sionna_maps import SionnaSettings
+
+    return SionnaSettings(**fields)
+
+
+@radio_data_app.command("tiles")
+@friendly
+def radio_data_tiles(
+    scene: list[str] = typer.Option(None, help="a sionna-rt scene (repeat the option; default: all four)"),
+    tx_step_px: int = typer.Option(2, help="grid step of the transmitter positions a Sionna set traces"),
+) -> None:
+    """Each city's disjoint 256 m tiles (64 x 64 px at 4 m/px; building coverage 0.15-0.6), their building coverage
+    and the transmitter positions a Sionna set traces on each (outdoor pixels of a grid of --tx-step-px)."""
+    from shared.radio import SCENES
+    from wildfed_sim.radio_data import tiles_report
+
+    rows = tiles_report(list(scene or SCENES), _sionna_settings(tx_step_px=tx_step_px))
+    table = Table(title="radio-map tiles (wildfed experiment radiomap: clients and held-out tiles of the city, "
+                        "another city's, public tiles of the rest)")
+    for col in ("scene", "index", "tile", "coverage", "transmitters"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["scene"], str(r["index"]), r["tile"], f"{r['coverage']:.2f}", str(r["transmitters"]))
+    console.print(table)
+
+
+@radio_data_app.command("sionna")
+@friendly
+def radio_data_sionna(
+    out: Path = typer.Option(..., help="the set's folder: DIR/<scene>/*.npz (one per tile) and DIR/manifest.json; "
+                             "one settings per folder, tiles already traced are kept"),
+    scene: list[str] = typer.Option(["munich"], help="a sionna-rt scene: munich, florence, san_francisco, etoile "
+                                    "(repeat the option for several)"),
+    tiles: str = typer.Option("all", help="all, or a count N: the first N tiles of each scene"),
+    tile: list[int] = typer.Option(None, help="a tile index instead (repeat the option; wildfed radio-data tiles "
+                                   "lists them)"),
+    tx_step_px: int = typer.Option(2, help="transmitters on the outdoor pixels of a grid of this step (px)"),
+    tx_per_tile: int | None = typer.Option(None, help="at most this many of them per tile (a seeded subset)"),
+    samples_per_tx: int = typer.Option(1_000_000, help="rays per transmitter of the first trace"),
+    max_samples_per_tx: int = typer.Option(8_000_000, help="doubling the rays stops here"),
+    min_coverage: float = typer.Option(0.9, help="double the rays until this fraction of outdoor pixels has a value "
+                                       "(mean over a batch of transmitters)"),
+    max_depth: int = typer.Option(20, help="most interactions (reflections, refractions) per path"),
+    tx_height_m: float = typer.Option(6.0, help="transmitter height above ground (m)"),
+    rx_height_m: float = typer.Option(1.5, help="height of the measurement surface above ground (m)"),
+    frequency_hz: float = typer.Option(3.5e9, help="carrier frequency (Hz)"),
+    diffraction: bool = typer.Option(False, help="Sionna's diffraction (slower; off by default)"),
+    seed: int = typer.Option(0, help="the solver's seed and the --tx-per-tile subset's"),
+    batch: int = typer.Option(8, help="transmitters per solver call"),
+) -> None:
+    """Ray-trace path-gain maps with Sionna RT on the real city scenes sionna-rt ships: every transmitter position of
+    each chosen 256 m tile, on the experiment's 64 x 64 px grid (4 m/px). Needs sionna-rt with mitsuba and drjit,
+    Debian's libllvm19 and DRJIT_LIBLLVM_PATH (docs/radiomap-data.md); about 1-6 s per map on 2 CPU cores at the
+    defaults. Prints the time and the fraction of outdoor pixels with a value."""
+    from wildfed_sim.radio_data import run_sionna
+
+    settings = _sionna_settings(tx_step_px=tx_step_px, tx_per_tile=tx_per_tile, samples_per_tx=samples_per_tx,
+                                max_samples_per_tx=max_samples_per_tx, min_coverage=min_coverage,
+                                max_depth=max_depth, tx_height_m=tx_height_m, rx_height_m=rx_height_m,
+                                frequency_hz=frequency_hz, diffraction=diffraction, seed=seed, batch=batch)
+    report = run_sionna(out, list(scene), tiles, settings, indices=list(tile or []) or None, console=console)
+    table = Table(title=f"Sionna RT radio maps in {out}")
+    for col in ("tile", "maps", "outdoor pixels with a value (mean, min)", "rays per transmitter", "seconds", "cached"):
+        table.add_column(col)
+    for r in report["tiles"]:
+        table.add_row(r["tile"], str(r["transmitters"]), f"{r['coverage_mean']:.3f}, {r['coverage_min']:.3f}",
+                      ", ".join(f"{s:,}" for s in r["samples_per_tx"]), f"{r['elapsed_s']:.0f}",
+                      "yes" if r["cached"] else "no")
+    console.print(table)
+    per_map = report["seconds_per_map"]
+    console.print(escape(f"{report['maps']} maps on {len(report['tiles'])} tiles; outdoor pixels with a value: "
+                         f"{report['coverage_mean']:.3f} (mean over maps); {report['elapsed_s']:.0f} s in all"
+                         + (f", {per_map:.1f} s per traced map" if per_map else "")))
 
 
 if __name__ == "__main__":  # pragma: no cover

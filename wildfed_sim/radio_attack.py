@@ -2,13 +2,15 @@
 
 The ridge attacker of :func:`wildfed_sim.radiomap.fit_attacker` regresses the site centre on one released update
 from 24 shadows in 53k dimensions, so it could not even locate clip-only uploads (35.7 m RMSE at a 20 m site
-radius). This one asks, for every candidate position p on a grid of the public city map, how likely the site's
-releases are if the site sat at p:
+radius). This one asks, for every candidate position p on a grid over the site's own tile (each client sits on its
+own 256 m tile, whose buildings are public: :mod:`wildfed_sim.radio_tiles`), how likely the site's releases are if
+the site sat at p:
 
 1. **Templates.** At the round's global model theta_r, the attacker runs the gateway's own training and clipping
    (the ``clip-only`` defence: no noise) on a shadow site centred at each candidate p of :func:`candidate_grid`
-   (the site's maps are public city geometry with transmitters within the site radius of p, as
-   :func:`shared.radio.site_maps` draws them): T_p(r), float (d,). Clipping is the release's, so T_p and the
+   on the site's tile (its maps are that tile's public building raster with transmitters within the site radius of
+   p, as :func:`wildfed_sim.radio_tiles.draw_site` draws them; :func:`wildfed_sim.radiomap.template_candidates`
+   keeps the grid points that have a transmitter pixel of the map source within the radius): T_p(r), float (d,). Clipping is the release's, so T_p and the
    upload live on the same sphere of radius C.
 2. **Likelihood.** A release is ``u = T_c(r) + e`` with e the mechanism's Gaussian noise plus the template's own
    randomness (which maps, which batches), modelled as Gaussian, isotropic within each parameter group g of the
@@ -24,7 +26,7 @@ releases are if the site sat at p:
 3. **Evidence over rounds.** Each upload of a site adds its l(p | u) (the uploads' noises are independent), and
    the estimate is the candidate of largest total: a maximum-likelihood position over the grid.
 
-Everything the attacker uses is public: the city map, the global models it broadcast, the gateway code and the
+Everything the attacker uses is public: the site's tile of the city map, the global models it broadcast, the gateway code and the
 releases it received. The grid step bounds the accuracy from below (a centre is at most step * sqrt(2) / 2
 pixels from the nearest candidate).
 """

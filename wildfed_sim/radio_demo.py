@@ -2,11 +2,12 @@
 
 An MQTT broker (embedded ``amqtt`` unless ``--broker``), the coordinator with ``model: radio_unet``, and one
 ``wildfed-edge run`` process per base-station site, each with the ``radio-base-station`` profile and
-``task: radiomap``. The data is the radio-map experiment's (:mod:`wildfed_sim.radiomap`): one public
-city tile, each site a secret centre with 50 maps of transmitters within 20 m of it, validation maps on the same
-city, and a round-0 RadioUNet pretrained on public maps of other tiles. Each round the coordinator sends signed
-tasks carrying the city raster; the gateways retrain their allocators on public proxy sites when due, train
-locally, noise their uploads with the chosen defence and report its DP event, which the ledger records under NE.
+``task: radiomap``. The data is the radio-map experiment's (:mod:`wildfed_sim.radiomap`): each site on its own
+256 m tile of the city with a secret centre and 50 maps of transmitters within 20 m of it, validation maps on
+held-out tiles of the same city, and a round-0 RadioUNet pretrained on public maps of other tiles. Each round the
+coordinator sends signed tasks carrying one public tile of the city (:func:`coordinator.radio.city_raster`); the
+gateways retrain their allocators on public proxy sites drawn on it when due, train locally, noise their uploads
+with the chosen defence and report its DP event, which the ledger records under NE.
 
 Output (run folder): ``report.json`` (per round: validation MSE in dB, accepted sites, epsilon per site) and
 ``coordinator/coordinator.yaml`` (the operator commands work on the finished run with ``--config``).
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from shared.errors import ConfigError, WildFedError
+from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 from shared.protocol import GUARANTEED_RADIO_DEFENCES, RADIO_DEFENCES
@@ -121,8 +122,9 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
                                      maps_per_client=settings.maps_per_site, city=settings.city,
                                      pretrain_epochs=settings.pretrain_epochs)
     data = prepare_data(data_settings, settings.seed, cache_dir=run_dir / "data")
-    console.log(f"city: {settings.city} tile ({100 * data.city.mean():.0f} % buildings), {settings.sites} sites x "
-                f"{settings.maps_per_site} maps, {len(data.validation)} validation maps (64 x 64 px, 4 m/px)")
+    console.log(f"city: {settings.city}, {settings.sites} sites x {settings.maps_per_site} maps, each site on its own "
+                f"tile ({100 * data.tiles.clients.buildings.mean():.0f} % buildings), {len(data.validation)} "
+                f"validation maps on {len(data.tiles.validation)} held-out tiles (64 x 64 px, 4 m/px)")
     console.log(f"public pretraining: {len(data.pretraining)} maps of other tiles, {settings.pretrain_epochs} epochs "
                 f"(about 40 s on 2 idle cores)")
     initial = pretrain(data_settings, data, settings.seed, cache_dir=run_dir / "data", console=console)
@@ -155,8 +157,9 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
             "public_key_path": str(coordinator_pub), "rounds": settings.rounds,
             "round_deadline_s": settings.round_deadline_s, "privacy": settings.privacy, "model": "radio_unet",
             "radio": radio, "seed": settings.seed}).resolved(run_dir)
-        if not np.array_equal(city_raster(config.radio), data.city[0]):  # the tasks' city is the sites' city
-            raise WildFedError("the coordinator's city raster differs from the one the site data was drawn on")
+        public_tile = city_raster(config.radio)  # the gateways' proxy sites are drawn on this public tile
+        console.log(f"the tasks carry a public {settings.city} tile ({100 * public_tile.mean():.0f} % buildings) for "
+                    "the gateways' allocator proxies")
         save_config(config, coord_dir / "coordinator.yaml")
         start = canonical_unflatten(initial.astype(np.float32), template)
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start))

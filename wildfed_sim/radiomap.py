@@ -1,36 +1,47 @@
 """Federated RadioUNet radio maps with adaptive grouped noise: the seed's evaluation (issue 7; DESIGN.md Seeds,
-"Adaptive noise allocation").
+"Adaptive noise allocation"), on per-client tiles with two validation sets (issue 21, item 4).
 
-Protocol (per seed; the seed fixes the city tiles, the transmitter positions, the initial model and the client
+Protocol (per seed; the seed fixes the tiles' roles, the transmitter positions, the initial model and the client
 schedule; privacy noise is never seeded: it comes from :class:`shared.privacy.randomness.SecureRandom`):
 
-1. Data (:mod:`shared.radio`, cached under ``<out>/data``): 64 x 64 px maps at 4 m/px (256 m x 256 m tiles),
-   COST 231 multi-wall path loss, RadioMapSeer-style normalised gain. 14 clients = 14 base-station sites, each with
-   its own city tile, a secret site centre c_k (a uniformly random outdoor pixel) and 50 maps whose transmitters are
-   outdoor pixels within ``site_radius_m`` (20 m) of c_k (the site's antennas and small cells): 700 maps. Validation:
-   100 maps on 10 further tiles, transmitters anywhere outdoors. Public: 40 further tiles (the attacker's shadow
-   data and the gateways' allocator training; OpenStreetMap-like building data is public, transmitter sites are not).
+1. Data (:mod:`wildfed_sim.radio_tiles`, cached under ``<out>/data``): 64 x 64 px maps at 4 m/px (256 m x 256 m
+   tiles), RadioMapSeer-style normalised gain, from COST 231 multi-wall path loss (``data = cost231``) or from a
+   Sionna RT set (``data = sionna``, ``wildfed radio-data sionna``). The tiles (:func:`wildfed_sim.radio_tiles.plan_tiles`):
+   with a sionna-rt scene as the city (default munich), its disjoint grid of tiles (munich: 19) is permuted by the
+   seed; each of the 14 clients (base-station sites) gets its own tile, and the remaining tiles are held out for
+   validation. A second validation set lies on another city (default florence: 9 tiles), and the public tiles
+   (pretraining, the gateways' allocator proxies, the ridge attacker's shadows) on the remaining cities
+   (san_francisco and etoile: 16 tiles), so no tile has two roles. Client k has a secret site centre c_k (uniform
+   over its tile's transmitter pixels: every outdoor pixel for COST 231) and 50 maps whose transmitters are drawn
+   from the transmitter pixels within ``site_radius_m`` (20 m) of c_k (the site's antennas and small cells): 700
+   maps. Validation: ``validation_maps`` (100) maps spread evenly over the held-out tiles, and as many over the
+   other city's tiles, transmitters anywhere. Building data is public (OpenStreetMap); transmitter sites are not.
+   ``city = procedural`` draws every role's tiles from its own generator stream, the other city being a procedural
+   old town (:data:`wildfed_sim.radio_tiles.OLD_TOWN`).
 2. Federation: FedAvg over the clients, 6 of 14 active per round (drawn uniformly without replacement), 50 rounds;
    each active client runs ``local_epochs`` of Adam (lr ``local_lr``, batch 16, the radio base-station profile's
    micro-batch) on mse(stage 1) + mse(stage 2) from the global model, and uploads its delta through the defence
    (:class:`edge_sdk.privacy.adaptive_noise.AdaptiveGroupedNoise`: none, clip-only, uniform, steered-uniform,
-   adaptive, all at noise multiplier z = 3 and one clipping norm C). The server adds ``server_lr`` x the mean of
-   the released deltas. Each upload's DP event (uniform, adaptive) is recorded in a real
-   :class:`coordinator.ledger.PrivacyLedger` before the server uses it.
-3. Adaptive defence: every ``allocator_every`` rounds the allocator is trained on public maps at the current global
-   model (:func:`edge_sdk.privacy.noise_allocator.train_allocator`). Its inputs are public, so every gateway of the
-   round would compute the same allocator; the simulation trains it once per round and hands it to all.
-4. Attacker (separate from the gateways' proxy): at rounds 1 and every ``attack_every``-th round it simulates
-   ``shadow_sites`` shadow sites on public tiles (the same number of maps, the same local training from the same
-   global model, the same defence), fits kernel ridge regression from the released update to the site centre
-   (linear kernel on features standardised over the shadows; ridge strength and feature set -- the whole update or
-   only the transmitter-sensitive groups -- chosen by leave-one-out error on the shadows), and predicts the centre
-   of each active client from its real upload. Privacy RMSE = root mean squared Euclidean error in metres.
-   The naive baseline predicts the shadow centres' mean.
-5. Utility: validation MSE of stage 2's normalised map, in dB (10 log10 MSE, as the seed reports it), every round.
+   adaptive, grouped-clipping, all at noise multiplier z and one clipping norm C). The server adds ``server_lr`` x
+   the mean of the released deltas. Each upload's DP event (uniform, adaptive, grouped-clipping) is recorded in a
+   real :class:`coordinator.ledger.PrivacyLedger` before the server uses it.
+3. Adaptive defence and grouped clipping: every ``allocator_every`` rounds the allocator (or the clipping profile)
+   is computed from public proxy sites on the public tiles at the current global model. Its inputs are public, so
+   every gateway of the round would compute the same; the simulation computes it once per round and hands it to all.
+4. Attackers, at round 1 and every ``attack_every``-th round (``attacker``: ridge, template or both):
+   - ridge (:func:`fit_attacker`): ``shadow_sites`` shadow sites on random public tiles (the same number of maps,
+     the same local training from the same global model, the same defence), kernel ridge regression from the
+     released update to the site centre in tile pixels, applied to each active client's real upload;
+   - template (:mod:`wildfed_sim.radio_attack`): the attacker knows each client's tile (public building data) and
+     runs the gateways' training and clipping, without noise, on a shadow site at every candidate of a grid on that
+     tile; each upload's profile log-likelihood is summed over the site's uploads.
+   Privacy RMSE = root mean squared Euclidean error in metres. The ridge attacker's naive baseline predicts the
+   shadow centres' mean.
+5. Utility: validation MSE of stage 2's normalised map, in dB (10 log10 MSE, as the seed reports it), every round,
+   on the held-out tiles of the same city (``val_mse_db``) and on the other city (``val_other_mse_db``).
 
 Deviation from the product's transport: the clients run in one process (the same mechanism, allocator and ledger
-code as a base-station gateway, no MQTT), so the grid of 5 defences x 3 seeds fits 2 cores.
+code as a base-station gateway, no MQTT), so the grid of defences x seeds fits 2 cores.
 
 Output (``out_dir``): ``radiomap.json`` (settings, every run's curves, summary), ``radiomap.md`` (the table),
 ``radiomap.png`` (validation MSE per round and attacker RMSE per attack round, per defence), ``ledger.db``.
@@ -51,18 +62,7 @@ import numpy as np
 from shared.errors import ConfigError
 from shared.protocol import RADIO_CATEGORY
 from shared.models import radio_unet
-from shared.radio import (
-    PathLossModel,
-    RadioMapGeometry,
-    RadioMapSet,
-    SCENES,
-    cached_maps,
-    city_tiles,
-    generate_maps,
-    outdoor_position,
-    scene_tiles,
-    site_maps,
-)
+from shared.radio import PathLossModel, RadioMapGeometry, RadioMapSet, SCENES, cached_maps
 
 from edge_sdk.privacy.adaptive_noise import DEFENCES, grouped_clipping_norms
 from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator
@@ -70,6 +70,7 @@ from edge_sdk.privacy.randomness import SecureRandom
 from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
 
 from wildfed_sim.fedsofim import _opt, _parse_list, mean_std
+from wildfed_sim.radio_tiles import PROCEDURAL, MapSource, TilePlan, TileSet, draw_site, map_source, plan_tiles
 
 __all__ = ["RadioMapSettings", "SiteData", "ExperimentData", "prepare_data", "pretrain", "make_site", "local_update", "fit_attacker",
            "run_federation", "summarise", "markdown_table", "run_radiomap_experiment", "radiomap_command",
@@ -92,8 +93,9 @@ class RadioMapSettings:
     rounds: int = 50
     maps_per_client: int = 50
     validation_maps: int = 100
-    pretrain_tiles: int = 20
-    pretrain_maps_per_tile: int = 30
+    validation_tiles: int | None = None
+    pretrain_tiles: int = 16
+    pretrain_maps_per_tile: int = 38
     pretrain_epochs: int = 10
     shadow_sites: int = 24
     proxy_sites: int = 12
@@ -118,6 +120,9 @@ class RadioMapSettings:
     metres_per_pixel: float = 4.0
     max_walls: int | None = 4
     city: str = "munich"
+    validation_city: str | None = None
+    data: str = "cost231"
+    sionna_dir: Path | None = None
     out_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -145,9 +150,19 @@ class RadioMapSettings:
                      "metres_per_pixel"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}", field=name)
-        if self.city != "procedural" and self.city not in SCENES:
+        if self.city != PROCEDURAL and self.city not in SCENES:
             raise ConfigError(f"unknown city {self.city!r}", field="city",
                               fix=f"use procedural or one of {', '.join(SCENES)}")
+        if self.validation_tiles is not None and (type(self.validation_tiles) is not int or self.validation_tiles < 1):
+            raise ConfigError(f"validation_tiles must be None or a positive integer, got {self.validation_tiles!r}",
+                              field="validation_tiles", fix="leave it out to use every held-out tile")
+        if self.data not in ("cost231", "sionna"):
+            raise ConfigError(f"data must be cost231 or sionna, got {self.data!r}", field="data",
+                              fix="use cost231 (generated here) or sionna (a set of `wildfed radio-data sionna`)")
+        if self.data == "sionna" and (self.sionna_dir is None or self.city == PROCEDURAL):
+            raise ConfigError("--data sionna needs --sionna-dir and a sionna-rt scene as the city", field="sionna_dir",
+                              fix="add --sionna-dir DIR (made by `wildfed radio-data sionna --out DIR`) and keep "
+                                  "--city a scene")
         if self.attacker not in ("ridge", "template", "both"):
             raise ConfigError(f"attacker must be ridge, template or both, got {self.attacker!r}", field="attacker",
                               fix="use template (wildfed_sim.radio_attack) or ridge (fit_attacker)")
@@ -171,73 +186,107 @@ class RadioMapSettings:
 # ------------------------------------------------------------------------------------------------------ data
 @dataclass(frozen=True, eq=False)
 class SiteData:
-    """One (real or shadow) site: its maps and its secret centre (row, col) in pixels (float)."""
+    """One (real or shadow) site: its maps, its secret centre (row, col) in pixels (float64 (2,)) and the index of
+    its tile in the tile set it was drawn on (its maps' ``tiles`` entries)."""
 
     maps: RadioMapSet
     centre_px: np.ndarray
+    tile: int = 0
 
 
 @dataclass(frozen=True, eq=False)
 class ExperimentData:
-    """One seed's data: the federation's city tile (bool (1, H, W); public), its clients, the validation maps on
-    the same city, and the public pretraining maps on other tiles."""
+    """One seed's data (module docstring, step 1).
 
-    city: np.ndarray
+    Attributes:
+        tiles: the tiles by role (:class:`wildfed_sim.radio_tiles.TilePlan`); ``tiles.clients`` tile k is client k's.
+        source: where the maps come from (COST 231 or a Sionna set).
+        clients: client k's site on ``tiles.clients`` tile k.
+        validation: maps on the held-out tiles of the same city.
+        validation_other: maps on the other city's tiles.
+        pretraining: public maps on ``tiles.public``.
+    """
+
+    tiles: TilePlan
+    source: MapSource
     clients: list[SiteData]
     validation: RadioMapSet
+    validation_other: RadioMapSet
     pretraining: RadioMapSet
 
 
-def make_site(tiles: np.ndarray, tile_index: int, n_maps: int, settings: RadioMapSettings,
-              rng: np.random.Generator) -> SiteData:
-    """A site on ``tiles[tile_index]`` (:func:`shared.radio.site_maps`: a uniformly random outdoor centre, the first
-    draw from ``rng``, and ``n_maps`` maps with transmitters within ``site_radius_m`` of it)."""
-    maps, centre = site_maps(tiles, tile_index, n_maps, radius_m=settings.site_radius_m, rng=rng,
-                             model=settings.pathloss, geometry=settings.geometry)
-    return SiteData(maps, centre)
+def make_site(source: MapSource, tiles: TileSet, tile_index: int, n_maps: int, settings: RadioMapSettings,
+              rng: np.random.Generator, *, centre: np.ndarray | None = None) -> SiteData:
+    """A site on ``tiles[tile_index]`` (:func:`wildfed_sim.radio_tiles.draw_site`: a centre uniform over the tile's
+    transmitter pixels, the first draw from ``rng``, unless ``centre`` is given, and ``n_maps`` maps with
+    transmitters within ``site_radius_m`` of it).
+
+    Raises:
+        ConfigError: as :func:`wildfed_sim.radio_tiles.draw_site`.
+    """
+    maps, centre_px = draw_site(source, tiles, tile_index, n_maps,
+                                radius_px=settings.site_radius_m / settings.metres_per_pixel, rng=rng, centre=centre)
+    return SiteData(maps, centre_px, tile_index)
 
 
-def _uniform_maps(tiles: np.ndarray, per_tile: int, settings: RadioMapSettings, rng: np.random.Generator
-                  ) -> RadioMapSet:
-    specs = np.asarray([(t, *outdoor_position(tiles[t], rng)) for t in range(len(tiles)) for _ in range(per_tile)],
-                       dtype=np.int64)
-    return generate_maps(tiles, specs, model=settings.pathloss, geometry=settings.geometry)
+def _spread_maps(source: MapSource, tiles: TileSet, total: int, rng: np.random.Generator) -> RadioMapSet:
+    """``total`` maps spread round-robin over the tiles, each transmitter uniform over its tile's positions."""
+    positions = [source.positions(tiles, t) for t in range(len(tiles))]
+    rows = []
+    for i in range(int(total)):
+        t = i % len(tiles)
+        rows.append((t, *positions[t][int(rng.integers(len(positions[t])))]))
+    return source.maps(tiles, np.asarray(rows, dtype=np.int64))
 
 
 def prepare_data(settings: RadioMapSettings, seed: int, cache_dir: Path | None = None) -> ExperimentData:
-    """The seed's city, clients, validation and pretraining maps (module docstring, step 1); maps are cached as
-    safetensors under ``cache_dir`` when given."""
-    geometry = settings.geometry
-    rng = np.random.default_rng([seed, 7])
-    if settings.city == "procedural":
-        tiles = city_tiles(rng, 1 + settings.pretrain_tiles, geometry=geometry)
-    else:  # the federation's city is a crop of the real city; pretraining uses the other cities
-        others = [c for c in SCENES if c != settings.city]
-        counts = [len(range(i, settings.pretrain_tiles, len(others))) for i in range(len(others))]
-        tiles = np.concatenate([scene_tiles(settings.city, 1, rng, geometry=geometry)]
-                               + [scene_tiles(c, n, rng, geometry=geometry) for c, n in zip(others, counts) if n])
-    city = tiles[:1]
-    base = {"seed": seed, "city": settings.city, "geometry": asdict(geometry), "pathloss": asdict(settings.pathloss)}
+    """The seed's tiles, clients, two validation sets and pretraining maps (module docstring, step 1); maps are
+    cached as safetensors under ``cache_dir`` when given, keyed by the tiles' names and the source.
 
-    def cached(name: str, build: Callable[[], RadioMapSet], **key: Any) -> RadioMapSet:
+    Raises:
+        ConfigError: too few tiles for the roles (:func:`wildfed_sim.radio_tiles.plan_tiles`), or a Sionna set
+            without the tiles asked for (the fix names the command that traces them).
+    """
+    geometry = settings.geometry
+    plan = plan_tiles(city=settings.city, validation_city=settings.validation_city, clients=settings.clients,
+                      validation_tiles=settings.validation_tiles, public_tiles=settings.pretrain_tiles, seed=seed,
+                      geometry=geometry)
+    source = map_source(settings.data, model=settings.pathloss, geometry=geometry, sionna_dir=settings.sionna_dir)
+    base = {"seed": seed, "city": settings.city, "source": source.key()}
+
+    def cached(name: str, tiles: TileSet, build: Callable[[], RadioMapSet], **key: Any) -> RadioMapSet:
         if cache_dir is None:
             return build()
-        return cached_maps(cache_dir / f"seed{seed}-{name}.safetensors", build, key={**base, **key, "name": name})
+        return cached_maps(cache_dir / f"seed{seed}-{name}.safetensors", build,
+                           key={**base, **key, "name": name, "tiles": list(tiles.ids)})
 
     clients = []
+    radius_px = settings.site_radius_m / settings.metres_per_pixel
     for k in range(settings.clients):
-        centre = np.asarray(outdoor_position(city[0], np.random.default_rng([seed, 11, k])), dtype=np.float64)
-        maps = cached(f"client{k:02d}", lambda k=k: make_site(city, 0, settings.maps_per_client, settings,
-                                                              np.random.default_rng([seed, 11, k])).maps,
-                      maps=settings.maps_per_client, radius_m=settings.site_radius_m)
-        clients.append(SiteData(maps, centre))
-    validation = cached("validation", lambda: _uniform_maps(city, settings.validation_maps, settings,
-                                                            np.random.default_rng([seed, 13])),
-                        maps=settings.validation_maps)
-    pretraining = cached("pretraining", lambda: _uniform_maps(tiles[1:], settings.pretrain_maps_per_tile, settings,
-                                                              np.random.default_rng([seed, 23])),
-                         tiles=settings.pretrain_tiles, maps=settings.pretrain_maps_per_tile)
-    return ExperimentData(city, clients, validation, pretraining)
+        centre = draw_site_centre(source, plan.clients, k, np.random.default_rng([seed, 11, k]))
+        maps = cached(f"client{k:02d}", plan.clients,
+                      lambda k=k: make_site(source, plan.clients, k, settings.maps_per_client, settings,
+                                            np.random.default_rng([seed, 11, k])).maps,
+                      client=k, maps=settings.maps_per_client, radius_px=radius_px)
+        clients.append(SiteData(maps, centre, k))
+    validation = cached("validation", plan.validation,
+                        lambda: _spread_maps(source, plan.validation, settings.validation_maps,
+                                             np.random.default_rng([seed, 13])), maps=settings.validation_maps)
+    other = cached("validation-other", plan.other_city,
+                   lambda: _spread_maps(source, plan.other_city, settings.validation_maps,
+                                        np.random.default_rng([seed, 14])), maps=settings.validation_maps)
+    pretraining = cached("pretraining", plan.public,
+                         lambda: _spread_maps(source, plan.public, len(plan.public) * settings.pretrain_maps_per_tile,
+                                              np.random.default_rng([seed, 23])),
+                         maps=settings.pretrain_maps_per_tile)
+    return ExperimentData(plan, source, clients, validation, other, pretraining)
+
+
+def draw_site_centre(source: MapSource, tiles: TileSet, index: int, rng: np.random.Generator) -> np.ndarray:
+    """float64 (2,): the centre :func:`make_site` draws first from ``rng`` on ``tiles[index]`` (uniform over its
+    transmitter pixels), without making the maps."""
+    allowed = source.positions(tiles, index)
+    return allowed[int(rng.integers(len(allowed)))].astype(np.float64)
 
 
 def pretrain(settings: RadioMapSettings, data: ExperimentData, seed: int, cache_dir: Path | None = None,
@@ -254,8 +303,8 @@ def pretrain(settings: RadioMapSettings, data: ExperimentData, seed: int, cache_
     if settings.pretrain_epochs == 0:
         return theta
     key = json.dumps({"seed": seed, "city": settings.city, "width": settings.width, "epochs": settings.pretrain_epochs,
-                      "tiles": settings.pretrain_tiles, "maps": settings.pretrain_maps_per_tile,
-                      "lr": settings.pretrain_lr, "pathloss": asdict(settings.pathloss)}, sort_keys=True)
+                      "tiles": list(data.tiles.public.ids), "maps": settings.pretrain_maps_per_tile,
+                      "lr": settings.pretrain_lr, "source": data.source.key()}, sort_keys=True)
     path = cache_dir / f"seed{seed}-pretrained.safetensors" if cache_dir else None
     if path is not None and path.exists():
         try:
@@ -383,8 +432,32 @@ def _trainer(settings: RadioMapSettings, defence: str, maps: RadioMapSet, alloca
 
 def _public_site(data: ExperimentData, n_maps: int, settings: RadioMapSettings, rng: np.random.Generator
                  ) -> SiteData:
-    """A shadow (or proxy) site on the public city map, at a centre the attacker (or the gateway) chooses."""
-    return make_site(data.city, 0, n_maps, settings, rng)
+    """A shadow (or proxy) site on a public tile drawn uniformly from ``rng``, at a centre the attacker (or the
+    gateway) draws next."""
+    tile = int(rng.integers(len(data.tiles.public)))
+    return make_site(data.source, data.tiles.public, tile, n_maps, settings, rng)
+
+
+def template_candidates(data: ExperimentData, client: int, settings: RadioMapSettings) -> np.ndarray:
+    """float64 (n, 2): the template attacker's candidate centres on client ``client``'s tile: the outdoor pixels of
+    a grid of step ``template_step_px`` (:func:`wildfed_sim.radio_attack.candidate_grid`) that have a transmitter
+    pixel of the source within ``site_radius_m`` (all of them for COST 231, whose transmitters may be any outdoor
+    pixel).
+
+    Raises:
+        ConfigError (field ``template_step_px``): no candidate is left (a sparse Sionna set; use a smaller step).
+    """
+    from wildfed_sim.radio_attack import candidate_grid
+
+    grid = candidate_grid(data.tiles.clients.buildings[client], settings.template_step_px)
+    allowed = data.source.positions(data.tiles.clients, client).astype(np.float64)
+    radius_px = settings.site_radius_m / settings.metres_per_pixel
+    near = (np.linalg.norm(grid[:, None, :] - allowed[None, :, :], axis=2) <= radius_px + 1e-9).any(axis=1)
+    if not near.any():
+        raise ConfigError(f"no template candidate on client {client}'s tile has a transmitter pixel of the "
+                          f"{data.source.name} maps within {settings.site_radius_m} m", field="template_step_px",
+                          fix="use a smaller --template-step-px, or a Sionna set with more transmitters per tile")
+    return grid[near]
 
 
 def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: str, seed: int, *,
@@ -393,8 +466,10 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
     """One federated run of ``defence`` (module docstring, steps 2-5).
 
     Returns:
-        ``{"val_mse_db": [round 0..R], "attack": [{"round", "rmse_m", "naive_rmse_m", "errors_m", ...}],
-        "allocator": [...], "shares": [...]}``.
+        ``{"val_mse_db": [round 0..R] (held-out tiles of the city), "val_other_mse_db": [round 0..R] (the other
+        city), "attack": [{"round", "rmse_m", "naive_rmse_m", "errors_m", ...}] (ridge), "template_attack":
+        [{"round", "rmse_m", "errors_m", "uploads", "candidates"}] (per observed client), "allocator": [...],
+        "shares": [...], ...}``.
     """
     import torch
 
@@ -412,15 +487,12 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
     attack_rng = np.random.default_rng([seed, 19])       # shadow sites: same for all defences
     proxy_rng = np.random.default_rng([seed, 31])        # the allocator's public proxy sites
     mpp = settings.metres_per_pixel
-    out: dict[str, Any] = {"val_mse_db": [validation_mse_db(model, theta, data.validation)], "attack": [],
-                           "allocator": [], "shares": [], "update_norms": [], "template_attack": [],
+    out: dict[str, Any] = {"val_mse_db": [validation_mse_db(model, theta, data.validation)],
+                           "val_other_mse_db": [validation_mse_db(model, theta, data.validation_other)],
+                           "attack": [], "allocator": [], "shares": [], "update_norms": [], "template_attack": [],
                            "clipping_norms": []}
-    template = None
-    if settings.attacker in ("template", "both"):
-        from wildfed_sim.radio_attack import TemplateAttacker, candidate_grid
-
-        template = TemplateAttacker(candidate_grid(data.city[0], settings.template_step_px), layout.index)
-        template_rng = np.random.default_rng([seed, 37])  # the attacker's shadow draws: same for all defences
+    templates_of: dict[int, Any] = {}   # client -> its TemplateAttacker (candidates on the client's public tile)
+    template_rng = np.random.default_rng([seed, 37])  # the attacker's shadow draws: same for all defences
     for r in range(1, settings.rounds + 1):
         active = np.sort(schedule.choice(settings.clients, size=settings.active, replace=False))
         batch_seeds = schedule.integers(2**32, size=settings.active)
@@ -455,25 +527,32 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
         out["update_norms"].append(float(np.median(norms)))
         if shares:
             out["shares"].append({"round": r, "mean": np.mean(shares, axis=0).tolist()})
-        if template is not None and (r == 1 or r % settings.attack_every == 0):
-            # noise-free shadow updates at every candidate centre, from this round's global model
-            def shadow_update(c: np.ndarray) -> np.ndarray:
-                maps, _ = site_maps(data.city, 0, settings.maps_per_client, radius_m=settings.site_radius_m,
-                                    rng=template_rng, model=settings.pathloss, geometry=settings.geometry, centre=c)
-                shadow = _trainer(settings, defence, maps, allocator, noise, clients[0].mechanism.clipping_profile)
-                return shadow.mechanism.clipped(shadow.local_delta(theta, rng=template_rng))  # without its noise
+        if settings.attacker in ("template", "both") and (r == 1 or r % settings.attack_every == 0):
+            from wildfed_sim.radio_attack import TemplateAttacker
 
-            templates = template.templates(shadow_update)
+            profile = clients[0].mechanism.clipping_profile
             for k, u in zip(active, released):
-                template.observe(f"client{k:02d}", u, templates)
-            truth = {f"client{k:02d}": data.clients[k].centre_px for k in range(settings.clients)}
-            errs = template.errors_m(truth, mpp)
+                # The attacker knows client k's tile (public building data): noise-free shadow updates at every
+                # candidate centre on it, from this round's global model.
+                def shadow_update(c: np.ndarray, k: int = int(k)) -> np.ndarray:
+                    site = make_site(data.source, data.tiles.clients, k, settings.maps_per_client, settings,
+                                     template_rng, centre=c)
+                    shadow = _trainer(settings, defence, site.maps, allocator, noise, profile)
+                    return shadow.mechanism.clipped(shadow.local_delta(theta, rng=template_rng))  # without noise
+
+                attacker = templates_of.setdefault(int(k), TemplateAttacker(template_candidates(data, int(k), settings),
+                                                                            layout.index))
+                attacker.observe(f"client{k:02d}", u, attacker.templates(shadow_update))
+            errs = {name: err for k, a in sorted(templates_of.items())
+                    for name, err in a.errors_m({f"client{k:02d}": data.clients[k].centre_px}, mpp).items()}
             rmse = float(np.sqrt(np.mean(np.square(list(errs.values())))))
             out["template_attack"].append({"round": r, "rmse_m": rmse, "errors_m": errs,
-                                           "uploads": dict(template.uploads),
-                                           "candidates": int(len(template.candidates))})
+                                           "uploads": {f"client{k:02d}": a.uploads[f"client{k:02d}"]
+                                                       for k, a in sorted(templates_of.items())},
+                                           "candidates": {f"client{k:02d}": int(len(a.candidates))
+                                                          for k, a in sorted(templates_of.items())}})
         if settings.attacker != "template" and (r == 1 or r % settings.attack_every == 0):
-            # The attacker runs the gateways' own code on shadow sites of the public city.
+            # The attacker runs the gateways' own code on shadow sites of the public tiles.
             shadows = [_public_site(data, settings.maps_per_client, settings, attack_rng)
                        for _ in range(settings.shadow_sites)]
             shadow_updates = [_trainer(settings, defence, s.maps, allocator, noise,
@@ -489,6 +568,7 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
                                   "errors_m": errors.tolist(), "naive_errors_m": naive.tolist(), **info})
         theta = theta + settings.server_lr * np.mean(released, axis=0)
         out["val_mse_db"].append(validation_mse_db(model, theta, data.validation))
+        out["val_other_mse_db"].append(validation_mse_db(model, theta, data.validation_other))
         if on_round is not None:
             on_round(r)
     return out
@@ -501,7 +581,7 @@ def _overall_rmse(attacks: Sequence[dict[str, Any]], key: str = "errors_m") -> f
 
 
 def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> list[dict[str, Any]]:
-    """One entry per defence: final validation MSE (dB), attacker RMSE at the last attack round and over all attack
+    """One entry per defence: final validation MSE (dB) on the held-out tiles and on the other city, attacker RMSE at the last attack round and over all attack
     rounds (metres), the naive baseline, and the ledger's epsilon (max over clients), mean ± std over seeds."""
     out = []
     for defence in settings.defences:
@@ -509,6 +589,8 @@ def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> lis
         out.append({
             "defence": defence,
             "val_mse_db": mean_std([r["val_mse_db"][-1] for r in mine]),
+            "val_other_mse_db": mean_std([r["val_other_mse_db"][-1] if r.get("val_other_mse_db") else None
+                                          for r in mine]),
             "rmse_final_m": mean_std([r["attack"][-1]["rmse_m"] if r["attack"] else None for r in mine]),
             "rmse_all_m": mean_std([_overall_rmse(r["attack"]) if r["attack"] else None for r in mine]),
             "naive_rmse_all_m": mean_std([_overall_rmse(r["attack"], "naive_errors_m") if r["attack"] else None
@@ -521,7 +603,8 @@ def summarise(runs: Sequence[dict[str, Any]], settings: RadioMapSettings) -> lis
     return out
 
 
-HEADERS = ["defence", "validation MSE (dB), final", "attacker RMSE (m), final round", "attacker RMSE (m), all rounds",
+HEADERS = ["defence", "validation MSE (dB), held-out tiles, final", "validation MSE (dB), other city, final",
+           "attacker RMSE (m), final round", "attacker RMSE (m), all rounds",
            "naive RMSE (m)", "template attacker RMSE (m), all uploads", "eps per site (ledger, max)"]
 
 
@@ -533,7 +616,8 @@ def _fmt(stat: dict[str, Any], digits: int = 2) -> str:
 
 def _cells(entry: dict[str, Any]) -> list[str]:
     eps = _fmt(entry["epsilon"]) if entry["epsilon"]["n"] else "no guarantee"
-    return [entry["defence"], _fmt(entry["val_mse_db"]), _fmt(entry["rmse_final_m"], 1),
+    return [entry["defence"], _fmt(entry["val_mse_db"]),
+            _fmt(entry.get("val_other_mse_db", {"mean": None})), _fmt(entry["rmse_final_m"], 1),
             _fmt(entry["rmse_all_m"], 1), _fmt(entry["naive_rmse_all_m"], 1),
             _fmt(entry.get("template_rmse_final_m", {"mean": None}), 1), eps]
 
@@ -546,7 +630,8 @@ def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(runs: Sequence[dict[str, Any]], settings: RadioMapSettings, path: Path) -> None:
-    """Validation MSE per round and attacker RMSE per attack round, seed means, one line per defence."""
+    """Validation MSE per round (solid: held-out tiles of the city; dashed: the other city) and attacker RMSE per
+    attack round (circles: ridge; squares, dotted: template), seed means, one colour per defence."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -557,12 +642,21 @@ def plot(runs: Sequence[dict[str, Any]], settings: RadioMapSettings, path: Path)
         mine = [r for r in runs if r["defence"] == defence]
         if not mine:
             continue
-        left.plot(np.mean([r["val_mse_db"] for r in mine], axis=0), label=defence)
-        rounds = [a["round"] for a in mine[0]["attack"]]
-        right.plot(rounds, np.mean([[a["rmse_m"] for a in r["attack"]] for r in mine], axis=0), marker="o",
-                   label=defence)
-    naive = [np.mean([[a["naive_rmse_m"] for a in r["attack"]] for r in runs], axis=0)]
-    right.plot([a["round"] for a in runs[0]["attack"]], naive[0], "k--", label="naive (shadow mean)")
+        line, = left.plot(np.mean([r["val_mse_db"] for r in mine], axis=0), label=f"{defence}, held-out tiles")
+        if all(r.get("val_other_mse_db") for r in mine):
+            left.plot(np.mean([r["val_other_mse_db"] for r in mine], axis=0), linestyle="--", color=line.get_color(),
+                      label=f"{defence}, other city")
+        if mine[0]["attack"]:
+            rounds = [a["round"] for a in mine[0]["attack"]]
+            right.plot(rounds, np.mean([[a["rmse_m"] for a in r["attack"]] for r in mine], axis=0), marker="o",
+                       color=line.get_color(), label=f"{defence}, ridge")
+        if mine[0].get("template_attack"):
+            rounds = [a["round"] for a in mine[0]["template_attack"]]
+            right.plot(rounds, np.mean([[a["rmse_m"] for a in r["template_attack"]] for r in mine], axis=0),
+                       marker="s", linestyle=":", color=line.get_color(), label=f"{defence}, template")
+    if runs and runs[0]["attack"]:
+        naive = np.mean([[a["naive_rmse_m"] for a in r["attack"]] for r in runs], axis=0)
+        right.plot([a["round"] for a in runs[0]["attack"]], naive, "k--", label="naive (shadow mean)")
     left.set(xlabel="round", ylabel="validation MSE (dB)", title="utility (lower is better)")
     right.set(xlabel="round", ylabel="attacker RMSE (m)", title="privacy (higher is better)")
     left.legend()
@@ -663,13 +757,25 @@ def radiomap_command(
     template_step_px: int = _opt(6, "the template attacker's candidate grid spacing in pixels"),
     pretrain_epochs: int = _opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
     city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
-                     "needs `pip install --no-deps sionna-rt==2.2.0`) or procedural"),
+                     "needs `pip install --no-deps sionna-rt==2.2.0`; each client gets its own disjoint 256 m tile, "
+                     "the rest are held out for validation) or procedural"),
+    validation_city: str | None = _opt(None, "the city of the second validation set (default: florence, or munich "
+                                       "when --city florence; procedural-old-town with --city procedural); the "
+                                       "remaining cities' tiles are the public ones (pretraining, proxies, shadows)"),
+    data: str = _opt("cost231", "where the maps come from: cost231 (free space + multi-wall, computed here) or "
+                     "sionna (a Sionna RT set made by `wildfed radio-data sionna`; needs --sionna-dir)"),
+    sionna_dir: Path | None = _opt(None, "with --data sionna: the set's folder (`wildfed radio-data sionna --out`)"),
+    validation_tiles: int | None = _opt(None, "held-out tiles per validation set (default: every tile of the city "
+                                        "that no client has, and every tile of the other city)"),
+    pretrain_tiles: int = _opt(16, "public tiles (pretraining, proxy and shadow sites), from the remaining cities"),
     out: Path | None = _opt(None, "output folder (default runs/radiomap-<UTC time>)"),
 ) -> None:
     """Federated RadioUNet radio maps with six defences (the seed's none, clip-only, uniform, steered-uniform,
-    adaptive, and grouped-clipping); attacker localisation RMSE (m) and validation MSE (dB) per round, 3 seeds.
+    adaptive, and grouped-clipping) on per-client tiles; attacker localisation RMSE (m) and validation MSE (dB) on
+    held-out tiles of the city and on another city, per round, 3 seeds.
     Writes radiomap.json, .md, .png and the ledger. The default grid (18 runs) takes well over an hour on 2 cores
-    (15 runs took 104 minutes on busy ones; --attacker template adds about 45 s per attack round and defence);
+    (15 runs took 104 minutes on busy ones; --attacker template searches each active client's tile, about 15 min per
+    attack round and defence on busy cores);
     --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look."""
     from rich.console import Console
 
@@ -678,5 +784,6 @@ def radiomap_command(
         rounds=rounds, clients=clients, active=active, maps_per_client=maps_per_client,
         noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
         shadow_sites=shadow_sites, attack_every=attack_every, city=city, pretrain_epochs=pretrain_epochs,
-        attacker=attacker, template_step_px=template_step_px, out_dir=out)
+        attacker=attacker, template_step_px=template_step_px, validation_city=validation_city, data=data,
+        sionna_dir=sionna_dir, validation_tiles=validation_tiles, pretrain_tiles=pretrain_tiles, out_dir=out)
     run_radiomap_experiment(settings, console=Console())

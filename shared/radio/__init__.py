@@ -3,7 +3,10 @@
 No measured radio-map set is reachable offline, so WildFed generates its own (docs/radiomap-data.md): procedural
 city blocks as building rasters (:mod:`shared.radio.city`), free-space + multi-wall path loss along the direct ray
 on the raster (:mod:`shared.radio.pathloss`), and RadioMapSeer-style normalised gain maps with RadioUNet inputs,
-stored as safetensors (:mod:`shared.radio.dataset`).
+stored as safetensors (:mod:`shared.radio.dataset`). Real city footprints come from sionna-rt's scene files
+(:mod:`shared.radio.scenes`, cut into disjoint 256 m tiles by :func:`scene_grid`), and a ray-traced alternative to
+the COST 231 maps from Sionna RT (:mod:`shared.radio.sionna_maps`, imported on its own: it needs Mitsuba and Dr.Jit
+only to trace).
 
 Example::
 
@@ -26,7 +29,16 @@ from shared.radio.dataset import (
     site_maps,
     transmitter_specs,
 )
-from shared.radio.scenes import SCENES, footprint_raster, read_ply, scene_meshes, scene_path, scene_tiles
+from shared.radio.scenes import (
+    SCENES,
+    SceneTile,
+    footprint_raster,
+    read_ply,
+    scene_grid,
+    scene_meshes,
+    scene_path,
+    scene_tiles,
+)
 from shared.radio.pathloss import (
     PathLossModel,
     count_wall_crossings,
@@ -62,4 +74,6 @@ __all__ = [
     "scene_meshes",
     "footprint_raster",
     "scene_tiles",
+    "SceneTile",
+    "scene_grid",
 ]

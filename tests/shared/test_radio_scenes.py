@@ -22,6 +22,7 @@ from shared.radio.scenes import (
     rasterise_triangles,
     read_ply,
     scene_meshes,
+    scene_grid,
     scene_path,
     scene_tiles,
 )
@@ -212,4 +213,36 @@ def test_scene_tiles_shape_dtype_coverage_and_determinism(munich):
 def test_scene_tiles_raises_when_coverage_cannot_be_met():
     with pytest.raises(ConfigError) as info:
         scene_tiles("munich", 2, np.random.default_rng(0), coverage=(0.99, 1.0), max_tries=50)
+    assert info.value.field == "coverage"
+
+
+@needs_scenes
+def test_scene_grid_tiles_are_disjoint_crops_on_one_grid_and_every_acceptable_grid_cell_is_kept(munich):
+    _, raster, (x0, y0) = munich
+    tiles = scene_grid("munich")
+    assert len(tiles) == 19  # the count docs/radiomap-data.md gives (sionna-rt 2.2.0, 4 m/px, coverage 0.15-0.6)
+    assert [t.index for t in tiles] == list(range(19))
+    # Disjoint: every raster pixel is covered by at most one tile (counted on an occupancy raster).
+    occupancy = np.zeros(raster.shape, dtype=np.int64)
+    for t in tiles:
+        occupancy[t.row:t.row + 64, t.col:t.col + 64] += 1
+        np.testing.assert_array_equal(t.buildings, raster[t.row:t.row + 64, t.col:t.col + 64])
+        assert 0.15 <= t.coverage <= 0.6
+        assert t.origin_xy_m == pytest.approx((x0 + 4.0 * t.col, y0 - 4.0 * t.row))
+        assert t.tile_id == f"munich/r{t.row:03d}c{t.col:03d}"
+    assert occupancy.max() == 1
+    # One grid: every tile's offset is the same modulo 64, and every grid cell at that offset that fits and has
+    # acceptable coverage (checked here with a plain loop) is a tile.
+    dr, dc = tiles[0].row % 64, tiles[0].col % 64
+    assert all((t.row % 64, t.col % 64) == (dr, dc) for t in tiles)
+    expected = [(r, c) for r in range(dr, raster.shape[0] - 63, 64) for c in range(dc, raster.shape[1] - 63, 64)
+                if 0.15 <= raster[r:r + 64, c:c + 64].mean() <= 0.6]
+    assert [(t.row, t.col) for t in tiles] == expected
+    # Pixel centres in scene metres: pixel (0, 0) of a tile is half a pixel in from its north-west corner.
+    centre = tiles[3].pixel_centres_xy_m(np.array([[0, 0], [10, 20]]))
+    ox, oy = tiles[3].origin_xy_m
+    np.testing.assert_allclose(centre, [[ox + 2.0, oy - 2.0], [ox + 82.0, oy - 42.0]])
+    assert scene_grid("munich") is tiles or scene_grid("munich") == tiles  # fixed: the same tiles every call
+    with pytest.raises(ConfigError) as info:
+        scene_grid("munich", coverage=(0.7, 0.2))
     assert info.value.field == "coverage"

@@ -1,4 +1,5 @@
-"""The radio-map experiment (issue 7, "Evaluation"): a small setting end to end, the attacker, the allocator."""
+"""The radio-map experiment (issue 7, "Evaluation"; per-client tiles, issue 21 item 4): a small setting end to end,
+client sites on their own tiles, the attacker, the allocator."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_small_setting_end_to_end(tmp_path):
     assert set(runs) == {"none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping"}
     for run in runs.values():
         assert len(run["val_mse_db"]) == settings.rounds + 1 and all(math.isfinite(v) for v in run["val_mse_db"])
+        other = run["val_other_mse_db"]  # the second validation set: the other city
+        assert len(other) == settings.rounds + 1 and all(math.isfinite(v) for v in other)
         assert [a["round"] for a in run["attack"]] == [1, 2]
         for attack in run["attack"]:
             assert len(attack["errors_m"]) == settings.active
@@ -69,16 +72,27 @@ def test_small_setting_end_to_end(tmp_path):
     assert (tmp_path / "radiomap.png").stat().st_size > 0
 
 
-def test_client_sites_cluster_around_their_centre(tmp_path):
+def test_each_client_site_is_on_its_own_tile_around_its_centre(tmp_path):
     settings = RadioMapSettings(seeds=(0,), **SMALL)
     data = prepare_data(settings, 0, cache_dir=tmp_path)
     radius_px = settings.site_radius_m / settings.metres_per_pixel
-    for site in data.clients:
+    assert len(data.tiles.clients) == settings.clients
+    for k, site in enumerate(data.clients):
+        assert site.tile == k and np.all(site.maps.tiles == k)
+        tile = data.tiles.clients.buildings[k]
         distances = np.linalg.norm(site.maps.transmitters - site.centre_px, axis=1)
         assert np.all(distances <= radius_px + 1e-9)
-        assert not data.city[0][tuple(site.centre_px.astype(int))]  # centre outdoors
+        assert not tile[tuple(site.centre_px.astype(int))]  # centre outdoors, on the client's own tile
+        # the maps' building channel is the client's tile, not a shared crop
+        np.testing.assert_array_equal(site.maps.inputs[:, 0], np.broadcast_to(tile, site.maps.inputs[:, 0].shape))
+    # The two validation sets lie on the held-out tiles and the other city's, pretraining on the public tiles.
+    for maps, tiles in ((data.validation, data.tiles.validation), (data.validation_other, data.tiles.other_city),
+                        (data.pretraining, data.tiles.public)):
+        np.testing.assert_array_equal(maps.inputs[:, 0], tiles.buildings[maps.tiles])
+    assert len(data.validation) == len(data.validation_other) == settings.validation_maps
     again = prepare_data(settings, 0, cache_dir=tmp_path)  # from the cache: identical
     np.testing.assert_array_equal(again.clients[1].maps.targets, data.clients[1].maps.targets)
+    np.testing.assert_array_equal(again.validation_other.targets, data.validation_other.targets)
 
 
 def test_attacker_recovers_a_linear_leak_and_not_pure_noise():
@@ -113,7 +127,8 @@ def test_allocator_shares_state_and_training(tmp_path):
     data = prepare_data(settings, 0)
     model = radio_unet.build_model(width=2)
     layout = radio_unet.parameter_groups(model)
-    proxies = [make_site(data.city, 0, 2, settings, np.random.default_rng(i)) for i in range(3)]
+    proxies = [make_site(data.source, data.tiles.public, i % len(data.tiles.public), 2, settings,
+                         np.random.default_rng(i)) for i in range(3)]
     before = {k: v.copy() for k, v in allocator.state().items()}
     out = train_allocator(allocator, model=model, layout=layout, proxy_inputs=[p.maps.inputs for p in proxies],
                           proxy_targets=[p.maps.targets for p in proxies],

@@ -22,7 +22,7 @@ from wildfed_sim.cli import app as wildfed_app
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
-LAB = {"demo", "experiment", "audit", "clusters"}
+LAB = {"demo", "experiment", "audit", "clusters", "radio-data"}
 EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap"}
 OPERATOR = {"init", "enrol", "rotate-key", "revoke-key", "keys", "broker-config", "status", "budget", "run",
             "ingest-worker", "provision", "serve", "import-deployments", "import-detections", "export-camtrap-dp",
@@ -40,6 +40,7 @@ def test_the_lab_commands_are_wildfeds_and_the_operators_keep_theirs():
     assert _commands(wildfed_app) == LAB
     assert _commands(wildfed_app, "experiment") == EXPERIMENTS
     assert _commands(wildfed_app, "clusters") == {"check-metadata"}
+    assert _commands(wildfed_app, "radio-data") == {"tiles", "sionna"}
     assert _commands(coordinator_app) == OPERATOR
     assert _commands(coordinator_app, "clusters") == {"show", "recluster", "pin"}
     assert _commands(coordinator_app, "user") == {"add", "list", "set-role", "set-password", "disable", "enable"}
