@@ -5,8 +5,9 @@ What is checked, each against values worked out independently (sizes by hand, Fe
   and altered chunks are refused with their reason;
 * a round whose two updates arrive chunked closes with the FedAvg of the two deltas, each update accepted once;
 * resume: half the chunks, then a ``resume`` manifest, gets a signed RECEIPT listing exactly the other half; sending
-  those completes the update, and the chunks sent over the whole transfer are n, not 2n; it also resumes after the
-  coordinator restarts (chunks and manifest rows are on disk);
+  those completes the update, and the chunks sent over the whole transfer are n, not 2n; a transfer staged on disk
+  also resumes after the coordinator restarts (chunk files and manifest row), one staged in memory starts over;
+* chunk staging holds chunks in memory up to its limit and moves a transfer to disk past it;
 * a resume manifest for an update already stored is ACKed again and never aggregated twice;
 * incomplete transfers expire; a message over the size limit is refused before parsing;
 * a real EdgeAgent and a real Coordinator, both with 1 KiB chunks, run a round through a lossy link that drops
@@ -134,8 +135,8 @@ def test_a_round_of_chunked_updates_closes_with_their_fedavg(tmp_path: Path) -> 
     coord.close()
 
 
-def _open_round(tmp_path: Path, key, bus):
-    coord = coordinator(tmp_path, bus, key)
+def _open_round(tmp_path: Path, key, bus, **overrides):
+    coord = coordinator(tmp_path, bus, key, **overrides)
     s = site(bus, key, "s1", 1.0, 20)  # not attached: the test sends its update by hand
     coord.enrol("s1", s.public_pem, {"num_examples": 20, "categories": ["VU"]})
     ctx = coord.rounds.open_round()
@@ -195,23 +196,68 @@ def test_resume_manifest_gets_a_receipt_of_exactly_the_missing_chunks(tmp_path: 
     coord.close()
 
 
-def test_resume_survives_a_coordinator_restart(tmp_path: Path) -> None:
-    """Chunks and manifests are on disk: a restarted receiver (same store) answers the resume manifest with the
-    chunks it is still missing, not with all of them."""
+@pytest.mark.parametrize("staged", ["on_disk", "in_memory"])
+def test_resume_after_a_coordinator_restart(tmp_path: Path, staged: str) -> None:
+    """A transfer staged on disk (larger than ``spill_above_bytes``; here 0) has its manifest row and chunk files: a
+    restarted receiver (same store) answers the resume manifest with the chunks it is still missing, not with all
+    of them. A transfer staged in memory is forgotten by the restart: the receipt lists every chunk, and the chunks
+    the site then sends complete it (the update is accepted once)."""
     key = generate_signing_key()
     bus = InMemoryTransport()
-    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    spill = 0 if staged == "on_disk" else 1 << 20
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus, transfer={"spill_above_bytes": spill})
     topic = update_topic("testfed", "s1")
     manifest, chunks = split(raw, CHUNK, kind=MessageKind.UPDATE)
+    n = manifest.num_chunks
     send(lambda t, p: bus.publish(t, p) if not is_chunk(p) or Chunk.from_bytes(p, max_data_bytes=CHUNK).index < 5
          else None, topic, raw, private_key=s.key, chunk_size=CHUNK)
-    from coordinator.transfers import TransferReceiver
+    with coord.store.session() as db:
+        assert db.query(TransferRow).count() == (1 if staged == "on_disk" else 0)
+    assert coord.transfers.staging.memory_bytes == (0 if staged == "on_disk" else 5 * CHUNK)
+    from coordinator.transfers import TransferLimits, TransferReceiver
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
-                                 ingestor=coord.ingestor, transport=bus, signing_key=key)
+                                 ingestor=coord.ingestor, transport=bus, signing_key=key,
+                                 limits=TransferLimits(spill_above_bytes=spill))
     restarted.handle(topic, _resume(raw, s.key))
     receipts = _receipts(bus, "s1", key)
-    assert receipts[-1].missing == tuple(range(5, manifest.num_chunks))
+    expect_missing = tuple(range(5, n)) if staged == "on_disk" else tuple(range(n))
+    assert receipts[-1].missing == expect_missing
+    send(restarted.handle, topic, raw, private_key=s.key, chunk_size=CHUNK, missing=receipts[-1].missing)
+    assert "s1" in ctx.accepted and ctx.strategy.count == 1 and coord.store.count_updates() == 1
+    with coord.store.session() as db:
+        assert db.query(TransferRow).count() == 0
+    assert not (coord.store.data_dir / "transfers" / manifest.transfer_id).exists()
+    coord.close()
+
+
+def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None:
+    """With a memory limit of 3 chunks, a transfer's 4th chunk moves it to disk (its chunks and a manifest row):
+    from then on it resumes like a large transfer; the update completes once, and nothing is left behind."""
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus, transfer={"memory_limit_bytes": 3 * CHUNK})
+    topic = update_topic("testfed", "s1")
+    out: list[bytes] = []
+    send(lambda t, p: out.append(p), topic, raw, private_key=s.key, chunk_size=CHUNK)
+    tid = split(raw, CHUNK, kind="update")[0].transfer_id
+    for p in out[:4]:  # manifest + 3 chunks: in memory, no row, no file
+        assert coord.transfers.handle(topic, p) is None
+    staging = coord.transfers.staging
+    assert (staging.memory_bytes, staging.on_disk(tid), staging.spills) == (3 * CHUNK, False, 0)
+    assert not (coord.store.data_dir / "transfers" / tid).exists()
+    assert coord.transfers.pending() == [(tid, "s1", 3, len(out) - 1)]
+    assert coord.transfers.handle(topic, out[4]) is None  # the 4th would pass the limit: the transfer spills
+    assert (staging.memory_bytes, staging.on_disk(tid), staging.spills) == (0, True, 1)
+    assert sorted(p.name for p in (coord.store.data_dir / "transfers" / tid).glob("*.part")) == [
+        f"{i}.part" for i in range(4)]
+    with coord.store.session() as db:
+        assert [(r.transfer_id, r.site_id, r.num_chunks) for r in db.query(TransferRow)] == [(tid, "s1", len(out) - 1)]
+    assert coord.transfers.pending() == [(tid, "s1", 4, len(out) - 1)]
+    for p in out[5:]:
+        coord.transfers.handle(topic, p)
+    assert "s1" in ctx.accepted and coord.store.count_updates() == 1 and coord.transfers.pending() == []
+    assert not (coord.store.data_dir / "transfers" / tid).exists()
     coord.close()
 
 
