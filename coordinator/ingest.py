@@ -395,6 +395,12 @@ class Ingestor:
         #: True while a driver (the ingest thread's loop) calls :meth:`flush` when :meth:`flush_in` says so; False:
         #: every :meth:`handle` commits its update before returning.
         self.defer_commits = False
+        #: True when no other process stores updates for the rounds this one opens (a single coordinator,
+        #: ``ingest_workers: 0``; set by coordinator.service): then the open round's accepted and waiting updates,
+        #: kept here, say whether a site's update is in, with no query; the commit group's transaction still checks
+        #: the table (an update stored by a stray second process is then refused as a duplicate there, and counted
+        #: at the close: ``RoundManager._absorb_stored``). False: the table is read for each new update.
+        self.sole_ingest = False
         # (round, site, sequence) of updates whose "stored already?" read was made by precheck() for their manifest
         # in this process: the reassembled update is not read again (the group's transaction checks once more).
         self._prechecked: set[tuple[int, str, int]] = set()
@@ -588,7 +594,8 @@ class Ingestor:
         if h.base_model_hash != ctx.expected_hash(h.site_id):
             raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, round "
                           f"{ctx.round} trains site {h.site_id} from {ctx.expected_hash(h.site_id)[:12]}")
-        if h.site_id in ctx.accepted or (stored_read and self._stored(ctx.round, h.site_id) is not None):
+        if h.site_id in ctx.accepted or (stored_read and not self.sole_ingest
+                                         and self._stored(ctx.round, h.site_id) is not None):
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{ctx.round}")
         return ctx

@@ -177,6 +177,7 @@ class Coordinator:
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
         if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
+            self.ingestor.sole_ingest = True  # the open round's updates are all stored by this process
             handler: Any = self.transfers
             if isinstance(self.transport, MqttTransport):  # off paho's network thread (in-process buses stay sync)
                 # ... and that thread drives group commit (coordinator.group_commit): updates in flight together

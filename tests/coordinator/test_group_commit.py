@@ -69,7 +69,7 @@ def open_round(federation):
 
 def _update(site: FakeSite, ctx) -> bytes:
     return site.envelope(ctx.round, ctx.model_hash, site.payload({k: np.full_like(v, site.value)
-                                                                   for k, v in tiny_weights().items()}))
+                                                                   for k, v in ctx.template.items()}))
 
 
 def test_a_group_is_durable_before_any_of_its_acks_and_commits_once(open_round) -> None:
@@ -103,6 +103,45 @@ def test_a_group_is_durable_before_any_of_its_acks_and_commits_once(open_round) 
     assert ctx.strategy.count == 3 and sorted(ctx.accepted) == ["s1", "s2", "s3"]
     assert [s.acks[-1].accepted for s in sites.values()] == [True, True, True]
     assert coord.ingestor.group_stats == (1, 3) and coord.ingestor.flush_in() is None
+
+
+def test_a_chunked_update_costs_one_transaction_and_one_read_of_the_updates_table(tmp_path: Path) -> None:
+    """Manifest + chunks of one update through the receiver of a single coordinator: the whole accept path is one
+    database commit, and the only read of ``updates`` is the group's duplicate check inside it (no manifest row,
+    no per-chunk query, the keys cached)."""
+    from coordinator.service import Coordinator
+    from coordinator.transport import InMemoryTransport
+    from shared.keys import generate_signing_key
+    from shared.transfer import send
+    from tests.coordinator.helpers import make_config
+
+    bus, key = InMemoryTransport(), generate_signing_key()
+    weights = {"phi.w": np.linspace(-1, 1, 2048, dtype=np.float32).reshape(64, 32),
+               "psi.b": np.zeros(2, np.float32)}  # 8 KiB: a manifest and 9 chunks of 1 KiB
+    coord = Coordinator(make_config(tmp_path, privacy="none", ship_ort_artifacts=False), transport=bus,
+                        signing_key=key, initial_weights=weights)
+    site = FakeSite("s1", bus, key.public_key(), value=1.0, num_examples=10, events={})
+    bus.subscribe(ack_topic(FED, "s1"), site._on_ack)
+    coord.enrol("s1", site.public_pem, {"num_examples": 10})
+    coord.start()
+    ctx = coord.rounds.open_round()
+    sites = {"s1": site}
+    raw = _update(sites["s1"], ctx)
+    messages: list[bytes] = []
+    send(lambda t, p: messages.append(p), update_topic(FED, "s1"), raw, private_key=sites["s1"].key,
+         chunk_size=1024)
+    assert len(messages) >= 4  # a manifest and 3+ chunks
+    coord.registry.verification_keys("s1")  # the key cache warm, as after the site's first message
+    commits, update_reads = [], []
+    event.listen(coord.store.engine, "commit", lambda conn: commits.append(1))
+    event.listen(coord.store.engine, "before_cursor_execute",
+                 lambda conn, cur, sql, params, context, many: update_reads.append(sql)
+                 if sql.lstrip().upper().startswith("SELECT") and "FROM updates" in sql else None)
+    results = [coord.transfers.handle(update_topic(FED, "s1"), m) for m in messages]
+    assert isinstance(results[-1], Accepted) and all(r is None for r in results[:-1])
+    assert commits == [1] and len(update_reads) == 1
+    assert sites["s1"].acks[-1].accepted and coord.store.count_updates() == 1
+    coord.close()
 
 
 def test_a_full_group_commits_inside_the_call_that_fills_it(open_round) -> None:
