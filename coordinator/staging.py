@@ -2,18 +2,23 @@
 
 :class:`ChunkStaging` keeps the data of each transfer in progress (coordinator.transfers) either
 
-* in memory (the default for a transfer up to ``spill_above_bytes``, while the memory of every transfer held in
-  memory stays within ``memory_limit_bytes``): no file is written, listed, read back or removed per chunk, and the
-  transfer needs no database row. A coordinator restart forgets it; the gateway's next resume manifest is then
-  answered with a receipt listing every chunk, and it sends them again (a few MiB over a link that just carried
-  them), or
+* in memory: a transfer of at most ``spill_above_bytes`` is admitted to memory when its announced size fits in
+  what is left of ``memory_limit_bytes`` (the sizes of the transfers admitted before and not yet finished are
+  reserved). No file is written, listed, read back or removed per chunk, and the transfer needs no database row.
+  A coordinator restart forgets it; the gateway's next resume manifest is then answered with a receipt listing
+  every chunk, and it sends them again (a few MiB over a link that just carried them). Or
 * on disk ("spilled"), in the file layout ``<data_dir>/transfers/<transfer id>/<index>.part`` (a file that exists
   under its final name is complete: temporary file + rename; not fsync-ed, since the chunk digests are checked
-  again at assembly and a torn chunk is simply asked for again). A transfer larger than ``spill_above_bytes`` is
-  staged on disk from its first chunk; a transfer held in memory moves to disk, the chunks it already holds with
-  it, when its next chunk would take the memory of all transfers past ``memory_limit_bytes``. Its manifest is
-  recorded in the database (``transfers`` table, by the receiver), so after a restart its receipt lists exactly the
-  chunks still missing.
+  again at assembly and a torn chunk is simply asked for again): a transfer larger than ``spill_above_bytes``, or
+  one announced while the memory is reserved by others. Its manifest is recorded in the database (``transfers``
+  table, by the receiver), so after a restart its receipt lists exactly the chunks still missing.
+
+Why reserve at the manifest rather than fill memory chunk by chunk: when many gateways upload at once (200 in
+``benchmarks/load_200.py``), their chunks arrive interleaved; filled chunk by chunk, the memory would hold a few
+chunks of every transfer and every transfer would end up on disk. Reserved, the first transfers stay wholly in
+memory and only the rest pay for files, and the memory held never passes the limit. A transfer abandoned half way
+keeps its reservation until it expires (``transfer.ttl_s``); meanwhile new transfers are staged on disk, as before
+this module.
 
 Which chunks a transfer holds is kept in memory (a set per transfer); the folder of a spilled transfer is listed
 once, when a restarted process meets the transfer again, never per chunk.
@@ -46,7 +51,8 @@ class StagingLimits:
     """How much chunk data waits in memory (``transfer:`` in the coordinator config).
 
     Attributes:
-        memory_limit_bytes: chunk bytes held in memory over all transfers (>= 0; 0 stages everything on disk).
+        memory_limit_bytes: announced bytes of the transfers held in memory, all together (>= 0; 0 stages
+            everything on disk).
         spill_above_bytes: a transfer announcing more bytes than this is staged on disk from its first chunk, so it
             resumes across a coordinator restart (>= 0).
 
@@ -67,12 +73,14 @@ class StagingLimits:
 
 @dataclass
 class _Transfer:
-    """One transfer's staged chunks: in memory (``chunks``) or on disk (``held`` lists the files)."""
+    """One transfer's staged chunks: in memory (``chunks``; ``reserved`` bytes counted against the limit) or on disk
+    (``files``: the indices of its chunk files)."""
 
     num_chunks: int
     on_disk: bool
+    reserved: int = 0
     chunks: dict[int, bytes] = field(default_factory=dict)
-    held: set[int] = field(default_factory=set)
+    files: set[int] = field(default_factory=set)
 
 
 class ChunkStaging:
@@ -92,28 +100,41 @@ class ChunkStaging:
         self._transfers: dict[str, _Transfer] = {}
         self.memory_bytes = 0
         """Chunk bytes held in memory now, over all transfers."""
+        self.reserved_bytes = 0
+        """Announced bytes of the transfers admitted to memory and not finished (<= ``memory_limit_bytes``)."""
         self.spills = 0
-        """Transfers moved from memory to disk because the memory limit was reached."""
+        """Transfers of at most ``spill_above_bytes`` staged on disk because the memory was reserved by others."""
 
     # ---- transfers ---------------------------------------------------------------------------------------------
     def begin(self, transfer_id: str, *, total_length: int, num_chunks: int, known_on_disk: bool = False) -> bool:
-        """Track a transfer (no-op if tracked already).
+        """Track a transfer (no-op if tracked already), in memory if its size fits what is left unreserved.
 
         Args:
-            transfer_id: hex SHA-256 of the inner envelope. total_length: its bytes. num_chunks: its chunk count.
+            transfer_id: hex SHA-256 of the inner envelope. total_length: its announced bytes. num_chunks: its chunk
+                count.
             known_on_disk: the transfer has a database row from an earlier process or another worker: its chunks may
-                be in its folder already (listed once now).
+                be in its folder already (listed once now); it stays on disk.
 
         Returns:
             whether the transfer is staged on disk (then its manifest must be recorded in the database).
         """
         t = self._transfers.get(transfer_id)
-        if t is None:
-            on_disk = (self.shared or known_on_disk or total_length > self.limits.spill_above_bytes
-                       or self.limits.memory_limit_bytes == 0)
-            t = self._transfers[transfer_id] = _Transfer(num_chunks=num_chunks, on_disk=on_disk)
-            if on_disk and not self.shared:
-                t.held = self._list(transfer_id)
+        if t is not None:
+            return t.on_disk
+        memory = (not self.shared and not known_on_disk and total_length <= self.limits.spill_above_bytes
+                  and self.reserved_bytes + total_length <= self.limits.memory_limit_bytes)
+        if memory:
+            t = _Transfer(num_chunks=num_chunks, on_disk=False, reserved=total_length)
+            self.reserved_bytes += total_length
+        else:
+            t = _Transfer(num_chunks=num_chunks, on_disk=True)
+            if not self.shared and not known_on_disk and total_length <= self.limits.spill_above_bytes:
+                self.spills += 1
+                log.info("staging: %d of %d bytes of memory reserved: transfer %s (%d bytes) is staged on disk",
+                         self.reserved_bytes, self.limits.memory_limit_bytes, transfer_id[:12], total_length)
+            if not self.shared:
+                t.files = self._list(transfer_id)
+        self._transfers[transfer_id] = t
         return t.on_disk
 
     def tracks(self, transfer_id: str) -> bool:
@@ -130,32 +151,23 @@ class ChunkStaging:
         return list(self._transfers)
 
     # ---- chunks ------------------------------------------------------------------------------------------------
-    def put(self, transfer_id: str, index: int, data: bytes) -> bool:
-        """Keep chunk ``index`` (already checked against its manifest); a chunk held already is not written again.
-
-        Returns:
-            True when this call moved the transfer from memory to disk (the memory limit was reached): the caller
-            records its manifest in the database so that it resumes after a restart.
+    def put(self, transfer_id: str, index: int, data: bytes) -> None:
+        """Keep chunk ``index`` (already checked against its manifest: its length is the announced one, so a
+        transfer in memory never holds more than it reserved); a chunk held already is not written again.
 
         Raises:
             KeyError: the transfer is not tracked (:meth:`begin` first).
             OSError: a chunk file could not be written.
         """
         t = self._transfers[transfer_id]
-        spilled = False
         if not t.on_disk:
-            if index in t.chunks:
-                return False
-            if self.memory_bytes + len(data) <= self.limits.memory_limit_bytes:
+            if index not in t.chunks:
                 t.chunks[index] = data
                 self.memory_bytes += len(data)
-                return False
-            self._spill(transfer_id, t)
-            spilled = True
-        if self.shared or index not in t.held:
+            return
+        if self.shared or index not in t.files:
             self._write(transfer_id, index, data)
-            t.held.add(index)
-        return spilled
+            t.files.add(index)
 
     def held(self, transfer_id: str) -> set[int]:
         """Indices of the chunks held (a new set; empty for an untracked transfer). Shared staging lists the
@@ -166,17 +178,19 @@ class ChunkStaging:
         if not t.on_disk:
             return set(t.chunks)
         if self.shared:
-            t.held = self._list(transfer_id)
-        return set(t.held)
+            t.files = self._list(transfer_id)
+        return set(t.files)
 
     def count(self, transfer_id: str) -> int:
         """Number of chunks held (see :meth:`held`)."""
         t = self._transfers.get(transfer_id)
         if t is None:
             return 0
-        if t.on_disk and self.shared:
-            t.held = self._list(transfer_id)
-        return len(t.chunks) if not t.on_disk else len(t.held)
+        if not t.on_disk:
+            return len(t.chunks)
+        if self.shared:
+            t.files = self._list(transfer_id)
+        return len(t.files)
 
     def pieces(self, transfer_id: str) -> list[bytes] | None:
         """Every chunk's data in index order, or None when one is missing (e.g. another worker assembled the
@@ -202,31 +216,21 @@ class ChunkStaging:
         data = t.chunks.pop(index, None)
         if data is not None:
             self.memory_bytes -= len(data)
-        t.held.discard(index)
+        t.files.discard(index)
         (self.folder / transfer_id / f"{index}.part").unlink(missing_ok=True)
 
     def drop(self, transfer_id: str) -> None:
-        """Forget a transfer: its memory is freed and its folder removed (also for an untracked id's folder)."""
+        """Forget a transfer: its memory and reservation are freed and its folder removed (also for an untracked
+        id's folder)."""
         t = self._transfers.pop(transfer_id, None)
         if t is not None:
             self.memory_bytes -= sum(len(d) for d in t.chunks.values())
+            self.reserved_bytes -= t.reserved
             if not t.on_disk:
                 return
         shutil.rmtree(self.folder / transfer_id, ignore_errors=True)
 
     # ---- files -------------------------------------------------------------------------------------------------
-    def _spill(self, transfer_id: str, t: _Transfer) -> None:
-        """Move a transfer held in memory to its folder."""
-        for index, data in t.chunks.items():
-            self._write(transfer_id, index, data)
-            t.held.add(index)
-            self.memory_bytes -= len(data)
-        t.chunks.clear()
-        t.on_disk = True
-        self.spills += 1
-        log.info("staging: memory limit of %d bytes reached: transfer %s continues on disk",
-                 self.limits.memory_limit_bytes, transfer_id[:12])
-
     def _write(self, transfer_id: str, index: int, data: bytes) -> None:
         folder = self.folder / transfer_id
         path = folder / f"{index}.part"

@@ -16,10 +16,10 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
   staging is then deleted;
 * a RECEIPT from a site asks for the missing chunks of a *download* (a task); it goes to the round manager.
 
-Chunk data waits in memory, up to ``memory_limit_bytes`` over all transfers, for a transfer of at most
-``spill_above_bytes`` (defaults 256 MiB and 64 MiB); such a transfer has no database row, and a coordinator restart
-forgets it (the gateway's resume manifest then gets a receipt listing every chunk). A larger transfer, or one whose
-chunk would pass the memory limit, is staged on disk and its manifest recorded (``transfers`` table), so a restarted
+Chunk data waits in memory for a transfer of at most ``spill_above_bytes`` whose announced size fits in what is
+left of ``memory_limit_bytes`` (defaults 64 MiB and 256 MiB; sizes are reserved at the manifest); such a transfer
+has no database row, and a coordinator restart forgets it (the gateway's resume manifest then gets a receipt listing
+every chunk). Any other transfer is staged on disk and its manifest recorded (``transfers`` table), so a restarted
 coordinator answers its resume manifest with exactly the chunks still missing. Chunk files are not fsync-ed,
 because their digests are checked again at assembly: a chunk torn by a power cut is simply asked for again.
 
@@ -55,7 +55,7 @@ from shared.envelope import Envelope, MessageKind, seal
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError
 from shared.topics import ack_topic, parse_topic
 from shared.transfer import (CHUNK_HEADER_LENGTH, Chunk, Manifest, Receipt, TransferError, assemble, check_chunk,
-                             decode_manifest, decode_receipt, encode_manifest, encode_receipt, is_chunk)
+                             decode_manifest, decode_receipt, encode_receipt, is_chunk)
 
 from coordinator.ingest import (Accepted, Ingestor, Pending, RejectReason, _Reject, check_header_ranges,
                                 verify_site_envelope)
@@ -151,9 +151,9 @@ class TransferReceiver:
         # the sweep removes.
         self._manifests: dict[str, tuple[str, Manifest]] = {}
         self.staging = ChunkStaging(self.staging_dir, self.limits.staging, shared=shared_staging)
-        # Transfers staged in memory (no row): transfer id -> (round, sequence, created, expires); times in seconds
-        # since the epoch.
-        self._memory: dict[str, tuple[int, int, float, float]] = {}
+        # Transfers staged in memory (no row): transfer id -> (round, created, expires); times in seconds since the
+        # epoch.
+        self._memory: dict[str, tuple[int, float, float]] = {}
         # Single process: the ids of the transfers that have a row (site id as value), read once from the table and
         # kept up to date here, so a new transfer costs no query. None: not read yet (or shared staging: always ask).
         self._rows: dict[str, str] | None = None
@@ -252,7 +252,7 @@ class TransferReceiver:
                 self._record(tid, site_id, h.round, h.sequence, bytes(env.payload), manifest.num_chunks)
             elif not on_disk:
                 created = self._clock()
-                self._memory[tid] = (h.round, h.sequence, created, created + self.limits.ttl_s)
+                self._memory[tid] = (h.round, created, created + self.limits.ttl_s)
             if owner is None:
                 log.info("transfers: %s announced round %d update %s (%d bytes in %d chunks, staged %s)", site_id,
                          h.round, tid[:12], manifest.total_length, manifest.num_chunks,
@@ -344,9 +344,7 @@ class TransferReceiver:
         if not self.staging.tracks(tid):  # a manifest this process saw, of a transfer another worker finished
             self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
                                known_on_disk=True)
-        if self.staging.put(tid, chunk.index, chunk.data):  # moved to disk (memory limit): resumable from now on
-            round_, sequence, _, _ = self._memory.get(tid, (0, 0, 0.0, 0.0))
-            self._record(tid, owner, round_, sequence, encode_manifest(manifest), manifest.num_chunks)
+        self.staging.put(tid, chunk.index, chunk.data)
         if self.staging.count(tid) < manifest.num_chunks:
             return None
         return self._complete(topic, manifest)
@@ -417,7 +415,7 @@ class TransferReceiver:
         chunks); returns the expired ids."""
         now = self._now()
         self._last_sweep = self._clock()
-        in_memory = {(r, self._manifests[tid][0]): tid for tid, (r, _, _, _) in self._memory.items()
+        in_memory = {(r, self._manifests[tid][0]): tid for tid, (r, _, _) in self._memory.items()
                      if tid in self._manifests}
         with self._store.session() as s:
             rows = dict(s.execute(select(TransferRow.transfer_id, TransferRow.site_id)).all())
@@ -425,12 +423,13 @@ class TransferReceiver:
             done = list(s.scalars(select(TransferRow.transfer_id).join(
                 UpdateRow, (UpdateRow.round == TransferRow.round) & (UpdateRow.site_id == TransferRow.site_id))))
             if in_memory:
-                done += [in_memory[tuple(pair)] for pair in s.execute(select(UpdateRow.round, UpdateRow.site_id).where(
-                    tuple_(UpdateRow.round, UpdateRow.site_id).in_(sorted(in_memory))))]
+                stored = s.execute(select(UpdateRow.round, UpdateRow.site_id).where(
+                    tuple_(UpdateRow.round, UpdateRow.site_id).in_(sorted(in_memory))))
+                done += [in_memory[tuple(pair)] for pair in stored]
         live = set(rows)
         if not self.staging.shared:
             self._rows = rows  # the table is the truth; from here on kept up to date in memory
-        expired += [tid for tid, (_, _, _, expires) in self._memory.items() if expires < self._last_sweep]
+        expired += [tid for tid, (_, _, expires) in self._memory.items() if expires < self._last_sweep]
         for tid in expired:
             self._drop(tid)
             self._ingestor.counts["expired"] += 1
@@ -457,7 +456,7 @@ class TransferReceiver:
         out = [(_epoch(r.created_at), r.transfer_id, r.site_id, self._held_count(r.transfer_id), r.num_chunks)
                for r in rows]
         recorded = {r.transfer_id for r in rows}
-        for tid, (_, _, created, _) in self._memory.items():
+        for tid, (_, created, _) in self._memory.items():
             known = self._manifests.get(tid)
             if tid not in recorded and known is not None:
                 out.append((created, tid, known[0], self.staging.count(tid), known[1].num_chunks))

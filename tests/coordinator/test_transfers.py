@@ -7,7 +7,7 @@ What is checked, each against values worked out independently (sizes by hand, Fe
 * resume: half the chunks, then a ``resume`` manifest, gets a signed RECEIPT listing exactly the other half; sending
   those completes the update, and the chunks sent over the whole transfer are n, not 2n; a transfer staged on disk
   also resumes after the coordinator restarts (chunk files and manifest row), one staged in memory starts over;
-* chunk staging holds chunks in memory up to its limit and moves a transfer to disk past it;
+* chunk staging holds uploads in memory while their announced sizes fit its limit, and stages the others on disk;
 * a resume manifest for an update already stored is ACKed again and never aggregated twice;
 * incomplete transfers expire; a message over the size limit is refused before parsing;
 * a real EdgeAgent and a real Coordinator, both with 1 KiB chunks, run a round through a lossy link that drops
@@ -33,6 +33,7 @@ from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, 
 
 from coordinator.ingest import Rejected, RejectReason
 from coordinator.service import Coordinator
+from coordinator.staging import StagingLimits
 from coordinator.storage import TransferRow
 from coordinator.transport import InMemoryTransport
 from tests.support import camera_site
@@ -232,33 +233,72 @@ def test_resume_after_a_coordinator_restart(tmp_path: Path, staged: str) -> None
 
 
 def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None:
-    """With a memory limit of 3 chunks, a transfer's 4th chunk moves it to disk (its chunks and a manifest row):
-    from then on it resumes like a large transfer; the update completes once, and nothing is left behind."""
+    """With room in memory for one upload (its announced size is reserved at its manifest), the first upload is held
+    in memory (no row, no file) and the second, announced meanwhile, is staged on disk with its manifest row, so a
+    restarted receiver asks only for its missing chunks. Once the first is in, its room serves the next upload."""
     key = generate_signing_key()
     bus = InMemoryTransport()
-    coord, s, ctx, raw = _open_round(tmp_path, key, bus, transfer={"memory_limit_bytes": 3 * CHUNK})
-    topic = update_topic("testfed", "s1")
-    out: list[bytes] = []
-    send(lambda t, p: out.append(p), topic, raw, private_key=s.key, chunk_size=CHUNK)
-    tid = split(raw, CHUNK, kind="update")[0].transfer_id
-    for p in out[:4]:  # manifest + 3 chunks: in memory, no row, no file
-        assert coord.transfers.handle(topic, p) is None
-    staging = coord.transfers.staging
-    assert (staging.memory_bytes, staging.on_disk(tid), staging.spills) == (3 * CHUNK, False, 0)
-    assert not (coord.store.data_dir / "transfers" / tid).exists()
-    assert coord.transfers.pending() == [(tid, "s1", 3, len(out) - 1)]
-    assert coord.transfers.handle(topic, out[4]) is None  # the 4th would pass the limit: the transfer spills
-    assert (staging.memory_bytes, staging.on_disk(tid), staging.spills) == (0, True, 1)
-    assert sorted(p.name for p in (coord.store.data_dir / "transfers" / tid).glob("*.part")) == [
-        f"{i}.part" for i in range(4)]
-    with coord.store.session() as db:
-        assert [(r.transfer_id, r.site_id, r.num_chunks) for r in db.query(TransferRow)] == [(tid, "s1", len(out) - 1)]
-    assert coord.transfers.pending() == [(tid, "s1", 4, len(out) - 1)]
-    for p in out[5:]:
-        coord.transfers.handle(topic, p)
-    assert "s1" in ctx.accepted and coord.store.count_updates() == 1 and coord.transfers.pending() == []
-    assert not (coord.store.data_dir / "transfers" / tid).exists()
+    coord, s1, ctx, raw1 = _open_round(tmp_path, key, bus)
+    others = {}
+    for name in ("s2", "s3"):
+        others[name] = site(bus, key, name, 1.0, 20)
+        coord.enrol(name, others[name].public_pem, {"num_examples": 20, "categories": ["VU"]})
+    ctx.selected = frozenset({"s1", "s2", "s3"})
+    raws = {"s1": raw1, **{name: _update_of(s, ctx) for name, s in others.items()}}
+    keys = {"s1": s1.key, **{name: s.key for name, s in others.items()}}
+    out: dict[str, list[bytes]] = {}
+    for name, raw in raws.items():
+        out[name] = []
+        send(lambda t, p, name=name: out[name].append(p), update_topic("testfed", name), raw,
+             private_key=keys[name], chunk_size=CHUNK)
+    manifest = {name: split(raw, CHUNK, kind="update")[0] for name, raw in raws.items()}
+    assert len({m.total_length for m in manifest.values()}) == 1
+    size, n = manifest["s1"].total_length, manifest["s1"].num_chunks
+    receiver = coord.transfers
+    receiver.staging.limits = StagingLimits(memory_limit_bytes=size + 100)  # room for one upload
+    staging = receiver.staging
+
+    def handle(name: str, messages: list[bytes]) -> list[object]:
+        return [receiver.handle(update_topic("testfed", name), p) for p in messages]
+
+    def rows() -> list[str]:
+        with coord.store.session() as db:
+            return sorted(r.site_id for r in db.query(TransferRow))
+
+    def folder(name: str) -> Path:
+        return coord.store.data_dir / "transfers" / manifest[name].transfer_id
+
+    # Execute 1: s1 announces and sends 2 chunks, then s2 does the same
+    assert handle("s1", out["s1"][:3]) == [None] * 3
+    assert handle("s2", out["s2"][:3]) == [None] * 3
+    # Assert 1: s1 in memory, s2 on disk with its row
+    assert (staging.reserved_bytes, staging.memory_bytes, staging.spills) == (size, 2 * CHUNK, 1)
+    assert not folder("s1").exists() and sorted(p.name for p in folder("s2").glob("*.part")) == ["0.part", "1.part"]
+    assert rows() == ["s2"]
+    assert sorted(p[1:] for p in receiver.pending()) == [("s1", 2, n), ("s2", 2, n)]
+    # a restarted receiver: s2 resumes from its files
+    from coordinator.transfers import TransferReceiver
+
+    restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
+                                 ingestor=coord.ingestor, transport=bus, signing_key=key)
+    restarted.handle(update_topic("testfed", "s2"), _resume(raws["s2"], keys["s2"]))
+    assert _receipts(bus, "s2", key)[-1].missing == tuple(range(2, n))
+    # Execute 2: s1 completes; then s3 announces: s1's room is free again
+    handle("s1", out["s1"][3:])
+    assert "s1" in ctx.accepted and (staging.reserved_bytes, staging.memory_bytes) == (0, 0)
+    handle("s3", out["s3"][:1])
+    assert staging.reserved_bytes == size and not staging.on_disk(manifest["s3"].transfer_id) and rows() == ["s2"]
+    handle("s2", out["s2"][3:])
+    handle("s3", out["s3"][1:])
+    # Assert 2: every update accepted once; no row, folder or memory left
+    assert sorted(ctx.accepted) == ["s1", "s2", "s3"] and coord.store.count_updates() == 3
+    assert rows() == [] and not folder("s2").exists() and receiver.pending() == []
+    assert (staging.reserved_bytes, staging.memory_bytes, staging.spills) == (0, 0, 1)
     coord.close()
+
+
+def _update_of(s: FakeSite, ctx) -> bytes:
+    return s.envelope(ctx.round, ctx.model_hash, s.payload({k: np.full_like(v, 1.0) for k, v in model().items()}))
 
 
 def _resume(raw: bytes, key) -> bytes:
