@@ -77,7 +77,7 @@ from shared.privacy.events import DPSGDEvent
 from shared.protocol import Ack, UpdateReport, decode_update, encode_ack
 from shared.topics import ack_topic, parse_topic
 
-from coordinator.group_commit import GroupCommitPolicy, GroupCommitter, StagedUpdate
+from coordinator.group_commit import BackgroundCommits, GroupCommitPolicy, GroupCommitter, StagedUpdate
 from coordinator.ledger import LedgerError, PrivacyLedger
 from coordinator.registry import SiteRegistry, UnknownSiteError
 from coordinator.storage import RoundRow, Store, UpdateOutcome, UpdateRow
@@ -392,6 +392,7 @@ class Ingestor:
         self.changed = threading.Condition(self._lock)
         self.counts: Counter[str] = Counter()
         self._group = GroupCommitter(store, group_commit)
+        self._background: BackgroundCommits | None = None  # commit_in_background(): groups made durable on a thread
         #: True while a driver (the ingest thread's loop) calls :meth:`flush` when :meth:`flush_in` says so; False:
         #: every :meth:`handle` commits its update before returning.
         self.defer_commits = False
@@ -425,14 +426,35 @@ class Ingestor:
             return ctx
 
     # ---- group commit ------------------------------------------------------------------------------------------
+    def commit_in_background(self) -> None:
+        """From now on :meth:`flush_async` hands a due group to a committer thread
+        (:class:`coordinator.group_commit.BackgroundCommits`), so its fsyncs and commit overlap the checks of the
+        next messages; its ACKs and accumulation follow on that thread once it is durable. Idempotent."""
+        with self._lock:
+            if self._background is None:
+                self._background = BackgroundCommits(self._group, self.changed)
+
     def flush(self) -> None:
-        """Make the open commit group durable now, then ACK and accumulate its updates (coordinator.group_commit).
+        """Make every update waiting for a group commit durable now, then ACK and accumulate them, before returning
+        (coordinator.group_commit).
 
         Raises:
             OSError, sqlalchemy.exc.SQLAlchemyError: storing failed; nothing of the group was ACKed.
         """
         with self._lock:
             self._flush()
+
+    def flush_async(self) -> None:
+        """Start making the open group durable: on the committer thread after :meth:`commit_in_background` (waiting
+        only for the group already in flight), else as :meth:`flush`."""
+        with self._lock:
+            self._seal()
+
+    @property
+    def committing(self) -> bool:
+        """Whether an update is waiting for, or in, a group commit (open group or one in flight)."""
+        with self._lock:
+            return bool(len(self._group)) or (self._background is not None and self._background.in_flight)
 
     def flush_in(self) -> float | None:
         """Seconds until the open commit group must be flushed (<= 0: now), or None when none is open."""
@@ -445,11 +467,25 @@ class Ingestor:
         return self._group.groups, self._group.updates
 
     def _flush(self) -> None:
+        """Under the lock: the group in flight finished (waiting releases the lock), then the open group committed
+        in this thread."""
+        if self._background is not None:
+            self._background.wait()
         if len(self._group):
             try:
                 self._group.flush()
             finally:
                 self.changed.notify_all()
+
+    def _seal(self) -> None:
+        if self._background is not None:
+            self._background.seal()
+        else:
+            self._flush()
+
+    def _holds(self, round: int, site_id: str) -> bool:
+        return self._group.holds(round, site_id) or (self._background is not None
+                                                     and self._background.holds(round, site_id))
 
     @property
     def context(self) -> RoundContext | None:
@@ -480,8 +516,10 @@ class Ingestor:
                 staged = self._admit(topic, env)
             except _Reject as rej:
                 result: Accepted | Pending | Rejected = self._refuse(topic, rej, env, verified)
-            if not self.defer_commits or self._group.full() or (self._group.seconds_left() or 0.0) < 0:
+            if not self.defer_commits:
                 self._flush()
+            elif self._group.full() or (self._group.seconds_left() or 0.0) < 0:
+                self._seal()
             if staged is not None:
                 h = staged.row
                 result = staged.result if staged.done else Pending(site_id=h.site_id, round=h.round,
@@ -581,7 +619,7 @@ class Ingestor:
         Raises:
             _Reject: ``wrong_round``, ``not_selected``, ``stale_model`` or ``duplicate``.
         """
-        if self._group.holds(h.round, h.site_id):
+        if self._holds(h.round, h.site_id):
             self._flush()
         ctx = self._ctx
         if ctx is None or h.round != ctx.round:

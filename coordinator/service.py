@@ -183,9 +183,11 @@ class Coordinator:
                 # ... and that thread drives group commit (coordinator.group_commit): updates in flight together
                 # share one fsync pass and one commit, each ACKed after its group is durable.
                 handler = self._update_queue = QueuedCallback(self.transfers, name="wildfed-ingest",
-                                                              flush=self.ingestor.flush,
-                                                              flush_in=self.ingestor.flush_in)
+                                                              flush=self.ingestor.flush_async,
+                                                              flush_in=self.ingestor.flush_in,
+                                                              busy=lambda: self.ingestor.committing)
                 self.ingestor.defer_commits = True
+                self.ingestor.commit_in_background()  # a group's fsyncs overlap the checks of the next
             self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
@@ -201,6 +203,7 @@ class Coordinator:
             self.transport.close()
         if self._update_queue is not None:
             self._update_queue.close()
+            self.ingestor.flush()  # what was checked before the stop is made durable and ACKed
         self.store.dispose()
 
     def __enter__(self) -> "Coordinator":

@@ -427,10 +427,13 @@ class QueuedCallback:
         flush: makes the callback's open commit group durable (e.g. ``Ingestor.flush``); its exceptions are logged.
         flush_in: seconds until the open group must be flushed (<= 0: now), None when none is open (e.g.
             ``Ingestor.flush_in``).
+        busy: whether a commit group is still open or being committed (e.g. ``Ingestor.committing``); :meth:`drain`
+            waits for it. Default: ``flush_in() is not None``.
     """
 
     def __init__(self, callback: Callback, *, name: str = "wildfed-ingest", max_bytes: int = 64 << 20,
-                 flush: Callable[[], None] | None = None, flush_in: Callable[[], float | None] | None = None) -> None:
+                 flush: Callable[[], None] | None = None, flush_in: Callable[[], float | None] | None = None,
+                 busy: Callable[[], bool] | None = None) -> None:
         import queue
 
         self._callback = callback
@@ -441,6 +444,7 @@ class QueuedCallback:
         self._busy = False
         self._flush = flush
         self._flush_in = flush_in if flush is not None else None
+        self._group_busy = busy
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -514,6 +518,8 @@ class QueuedCallback:
         return True
 
     def _group_open(self) -> bool:
+        if self._group_busy is not None:
+            return self._group_busy()
         return self._flush_in is not None and self._flush_in() is not None
 
     def close(self) -> None:

@@ -144,6 +144,33 @@ def test_a_chunked_update_costs_one_transaction_and_one_read_of_the_updates_tabl
     coord.close()
 
 
+def test_a_group_committed_in_the_background_is_durable_before_its_acks(open_round) -> None:
+    """The committer thread (coordinator.service's wiring): the group's rows and blobs are in before its first ACK;
+    a re-delivery of an update whose group is in flight waits for it and is re-ACKed as a duplicate."""
+    coord, bus, ctx, sites = open_round(group_commit={"max_delay_s": 1.0})
+    coord.ingestor.defer_commits = True
+    coord.ingestor.commit_in_background()
+    at_ack, acked = [], threading.Event()
+
+    def observe(topic, raw):
+        at_ack.append((coord.store.count_updates(), len(list((coord.store.data_dir / "blobs").rglob("*.bin")))))
+        if len(at_ack) == 3:
+            acked.set()
+
+    for sid in sites:
+        bus.subscribe(ack_topic(FED, sid), observe)
+    raws = {sid: _update(site, ctx) for sid, site in sites.items()}
+    assert [coord.ingestor.handle(update_topic(FED, sid), raw) for sid, raw in raws.items()] == [
+        Pending(sid, ctx.round, 1) for sid in sites]
+    coord.ingestor.flush_async()  # returns at once; the committer thread does the rest
+    again = coord.ingestor.handle(update_topic(FED, "s2"), raws["s2"])  # waits for the group in flight
+    assert isinstance(again, Rejected) and again.reason is RejectReason.DUPLICATE
+    assert acked.wait(30) and at_ack[0] == (3, 3)
+    assert [(a.accepted, a.reason) for a in sites["s2"].acks] == [(True, "stored"),
+                                                                  (True, "duplicate: already stored")]
+    assert ctx.strategy.count == 3 and coord.ingestor.group_stats == (1, 3) and not coord.ingestor.committing
+
+
 def test_a_full_group_commits_inside_the_call_that_fills_it(open_round) -> None:
     coord, bus, ctx, sites = open_round(group_commit={"max_updates": 2, "max_delay_s": 1.0})
     coord.ingestor.defer_commits = True
@@ -175,9 +202,11 @@ def test_closing_the_round_commits_the_waiting_group_first(open_round) -> None:
     assert sites["s2"].acks[-1].accepted and coord.store.count_updates() == 1
 
 
-def test_the_ingest_thread_commits_a_lone_update_and_groups_a_busy_queue(open_round) -> None:
-    # Prepare: the ingest thread of an MQTT coordinator (QueuedCallback driving the groups), with a gate that can
-    # hold it inside its next message
+@pytest.mark.parametrize("committer", ["ingest_thread", "background"])
+def test_the_ingest_thread_commits_a_lone_update_and_groups_a_busy_queue(open_round, committer) -> None:
+    # Prepare: the ingest thread of an MQTT coordinator (QueuedCallback driving the groups; with "background" the
+    # groups are made durable on a committer thread, as coordinator.service wires it), with a gate that can hold it
+    # inside its next message
     coord, bus, ctx, sites = open_round(group_commit={"max_updates": 3, "max_delay_s": 1.0})
     acked = {sid: threading.Event() for sid in sites}
     for sid in sites:
@@ -189,7 +218,12 @@ def test_the_ingest_thread_commits_a_lone_update_and_groups_a_busy_queue(open_ro
         gate.wait(30)
         coord.transfers(topic, raw)
 
-    queue = QueuedCallback(gated, flush=coord.ingestor.flush, flush_in=coord.ingestor.flush_in)
+    if committer == "background":
+        coord.ingestor.commit_in_background()
+        queue = QueuedCallback(gated, flush=coord.ingestor.flush_async, flush_in=coord.ingestor.flush_in,
+                               busy=lambda: coord.ingestor.committing)
+    else:
+        queue = QueuedCallback(gated, flush=coord.ingestor.flush, flush_in=coord.ingestor.flush_in)
     coord.ingestor.defer_commits = True
     try:
         # Execute 1: a lone update; nothing follows it
