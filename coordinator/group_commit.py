@@ -65,6 +65,7 @@ from sqlalchemy.exc import IntegrityError
 from shared.errors import ConfigError
 
 from coordinator.storage import Store, UpdateOutcome, UpdateRow
+from coordinator.transport import mark_handler_thread
 
 __all__ = ["GroupCommitPolicy", "StagedUpdate", "GroupCommitter", "BackgroundCommits", "CRASH_AFTER_COMMIT"]
 
@@ -328,6 +329,7 @@ class BackgroundCommits:
         self._handoff.put(items)
 
     def _run(self) -> None:
+        mark_handler_thread()  # its ACKs go out as the ingest thread's do: no wait for each PUBACK under the lock
         while True:
             items = self._handoff.get()
             outcomes: list[UpdateOutcome] | None = None

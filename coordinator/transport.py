@@ -50,7 +50,7 @@ from shared.errors import ConfigError, WildFedError
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
 
-__all__ = ["QueuedCallback", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
+__all__ = ["QueuedCallback", "mark_handler_thread", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
            "parse_broker_url", "transport_from_config"]
 
 log = logging.getLogger(__name__)
@@ -402,7 +402,15 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
 
 
 _HANDLER_THREAD = threading.local()
-"""``active`` is True on a :class:`QueuedCallback`'s thread."""
+"""``active`` is True on a :class:`QueuedCallback`'s thread (and on threads that :func:`mark_handler_thread`)."""
+
+
+def mark_handler_thread() -> None:
+    """Declare the calling thread a message handler's thread: :meth:`MqttTransport.publish` from it does not wait
+    for the PUBACK (paho sends and retransmits QoS 1 by itself). For threads that publish ACKs on behalf of the
+    ingest thread, e.g. the group committer (coordinator.group_commit.BackgroundCommits): waiting there would hold
+    the ingest lock for a network round trip per ACK."""
+    _HANDLER_THREAD.active = True
 
 
 class QueuedCallback:

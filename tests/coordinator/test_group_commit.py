@@ -39,6 +39,7 @@ from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.staging import StagingLimits
 from coordinator.storage import LedgerRow, ModelVersionRow
+from coordinator import transport as transport_module
 from coordinator.transport import MqttTransport, QueuedCallback
 from tests.coordinator.helpers import EVENT, FED, FakeSite, tiny_weights
 from tests.coordinator.test_crash import direct_epsilon, prepare_federation, run_coordinator
@@ -152,8 +153,9 @@ def test_a_group_committed_in_the_background_is_durable_before_its_acks(open_rou
     coord.ingestor.commit_in_background()
     at_ack, acked = [], threading.Event()
 
-    def observe(topic, raw):
-        at_ack.append((coord.store.count_updates(), len(list((coord.store.data_dir / "blobs").rglob("*.bin")))))
+    def observe(topic, raw):  # the in-memory bus delivers in the publishing (committer) thread
+        at_ack.append((coord.store.count_updates(), len(list((coord.store.data_dir / "blobs").rglob("*.bin"))),
+                       getattr(transport_module._HANDLER_THREAD, "active", False)))
         if len(at_ack) == 3:
             acked.set()
 
@@ -165,7 +167,8 @@ def test_a_group_committed_in_the_background_is_durable_before_its_acks(open_rou
     coord.ingestor.flush_async()  # returns at once; the committer thread does the rest
     again = coord.ingestor.handle(update_topic(FED, "s2"), raws["s2"])  # waits for the group in flight
     assert isinstance(again, Rejected) and again.reason is RejectReason.DUPLICATE
-    assert acked.wait(30) and at_ack[0] == (3, 3)
+    # durable before the first ACK; the committer publishes without waiting for PUBACKs (MqttTransport.publish)
+    assert acked.wait(30) and at_ack[0] == (3, 3, True)
     assert [(a.accepted, a.reason) for a in sites["s2"].acks] == [(True, "stored"),
                                                                   (True, "duplicate: already stored")]
     assert ctx.strategy.count == 3 and coord.ingestor.group_stats == (1, 3) and not coord.ingestor.committing
