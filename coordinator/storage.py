@@ -77,9 +77,8 @@ from sqlalchemy import (
     delete,
     event,
     func,
-    or_,
+    insert,
     select,
-    tuple_,
 )
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
@@ -678,7 +677,8 @@ class Store:
         """Insert several accepted updates' rows in ONE transaction (one commit: one WAL fsync on SQLite), each only
         while its round is ``open`` (under a lock on the round rows, as :meth:`add_update_if_open`) and only if no
         update of its (round, site) is stored; the ``transfers`` rows of those (round, site) pairs are deleted in
-        the same transaction (their uploads are consumed: stored, or refused as duplicate or late).
+        the same transaction (their uploads are consumed: stored, or refused as duplicate or late). For a group
+        spanning several rounds, every (round, site) combination of the group's rounds and sites counts as consumed.
 
         Read once: the round statuses and the stored (round, site) pairs of the whole group are each read by one
         query inside the transaction.
@@ -698,13 +698,18 @@ class Store:
         if not rows:
             return []
         rounds = sorted({r.round for r in rows})
-        pairs = sorted({(r.round, r.site_id) for r in rows})
+        sites = sorted({r.site_id for r in rows})
         outcomes: list[UpdateOutcome] = []
-        with self.session() as s:
-            status = dict(s.execute(select(RoundRow.round, RoundRow.status).where(RoundRow.round.in_(rounds))
-                                    .with_for_update()).all())
-            stored = set(s.execute(select(UpdateRow.round, UpdateRow.site_id).where(
-                tuple_(UpdateRow.round, UpdateRow.site_id).in_(pairs))).all())
+        new: list[dict[str, Any]] = []
+        # SQLAlchemy Core in one transaction (no ORM unit of work), with statements whose shape does not depend on
+        # the group's size (expanding IN parameters), so their compiled form is cached. A group holds one round in
+        # practice (a round's close commits the group first), so round IN x site IN is the group's pairs.
+        with self.engine.begin() as conn:
+            status = {r: st for r, st in conn.execute(
+                select(RoundRow.round, RoundRow.status).where(RoundRow.round.in_(rounds)).with_for_update())}
+            stored = {(r, site) for r, site in conn.execute(
+                select(UpdateRow.round, UpdateRow.site_id).where(UpdateRow.round.in_(rounds),
+                                                                 UpdateRow.site_id.in_(sites)))}
             for row in rows:
                 key = (row.round, row.site_id)
                 st = status.get(row.round)
@@ -713,11 +718,14 @@ class Store:
                 elif key in stored:
                     outcomes.append(UpdateOutcome.DUPLICATE)
                 else:
-                    s.add(row)
+                    new.append({"round": row.round, "site_id": row.site_id, "sequence": row.sequence,
+                                "num_examples": row.num_examples, "payload_sha256": row.payload_sha256,
+                                "received_at": row.received_at or utcnow()})
                     stored.add(key)
                     outcomes.append(UpdateOutcome.STORED)
-            s.execute(delete(TransferRow).where(or_(*(
-                (TransferRow.round == r) & (TransferRow.site_id == site) for r, site in pairs))))
+            if new:
+                conn.execute(insert(UpdateRow), new)
+            conn.execute(delete(TransferRow).where(TransferRow.round.in_(rounds), TransferRow.site_id.in_(sites)))
         return outcomes
 
     def updates_for_round(self, round: int) -> list[UpdateRow]:
