@@ -279,9 +279,9 @@ class TransferConfig(StrictModel):
     max_dropped_sends: int = Field(3, ge=1, description="link drops in a row while one message waited for its "
                                    "PUBACK after which the broker is taken to refuse it (over its packet limit): it "
                                    "is no longer re-sent (coordinator.transport, docs/transport.md)")
-    memory_limit_bytes: int = Field(256 << 20, ge=0, description="chunk bytes of uploads in progress held in "
-                                    "memory over all transfers (bytes); past it a transfer is staged on disk "
-                                    "(coordinator.staging); 0: every transfer on disk")
+    memory_limit_bytes: int = Field(256 << 20, ge=0, description="announced bytes of the uploads in progress "
+                                    "held in memory, together (bytes); an upload whose size does not fit in what is "
+                                    "left is staged on disk (coordinator.staging); 0: every upload on disk")
     spill_above_bytes: int = Field(64 << 20, ge=0, description="an upload announcing more bytes than this is "
                                    "staged on disk from its first chunk, so it resumes after a coordinator restart "
                                    "(smaller ones held in memory start over then)")

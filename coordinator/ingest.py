@@ -46,8 +46,9 @@ shared by a group of updates (:mod:`coordinator.group_commit`): a checked update
 most, until its group's blobs are fsync-ed together and their rows committed in one transaction; its ACK and its
 accumulation follow that commit. Called directly, :meth:`Ingestor.handle` commits every update before it returns
 (groups of one); the ingest thread (``coordinator.transport.QueuedCallback``) sets :attr:`Ingestor.defer_commits`
-and flushes the groups itself, and :meth:`Ingestor.handle` then answers :class:`Pending` for an update whose group
-is not yet durable. A site whose
+and seals the groups when they are due, which a committer thread then makes durable, ACKs and accumulates
+(:meth:`Ingestor.commit_in_background`), and :meth:`Ingestor.handle` answers :class:`Pending` for an update whose
+group is not yet durable. A site whose
 signature verified but whose update was refused gets a signed negative ACK with the reason; a re-delivery of an
 already stored update (same payload hash; MQTT QoS 1 is at-least-once) is counted as ``duplicate`` and re-ACKed
 positively so the gateway can drop it from its outbox. Every ACK echoes the update's sequence (the idempotency key

@@ -82,7 +82,8 @@ class TransferLimits:
         max_message_bytes: largest MQTT payload looked at, bytes; checked before any parsing. A whole (unchunked)
             envelope must fit in it; anything larger must be chunked.
         ttl_s: seconds after which an incomplete transfer expires.
-        memory_limit_bytes: chunk bytes staged in memory over all transfers (coordinator.staging; 0: all on disk).
+        memory_limit_bytes: announced bytes of the transfers staged in memory, together (coordinator.staging; an
+            upload is admitted to memory at its manifest if its size fits; 0: all on disk).
         spill_above_bytes: a transfer larger than this is staged on disk (it resumes across a restart).
 
     Raises:
