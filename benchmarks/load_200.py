@@ -19,7 +19,8 @@ coordinator publishes the first task (after it opened the round for ingest), tel
 once; the coordinator keeps publishing the other tasks meanwhile, as in a real round.
 
 Printed: the round's times (opened -> closed; first update publish -> last gateway ACKed -> round closed, from the
-coordinator's database timestamps), MiB/s of updates, and the coordinator's peak RSS. ``--baseline`` then lets the
+coordinator's database timestamps), MiB/s of updates, the coordinator's time per update (wall, and its CPU time
+over the same span, sampled with psutil: on a shared machine the CPU time is the fairer measure) and its peak RSS. ``--baseline`` then lets the
 same gateways push the same messages to a plain counting subscriber (raw transfer through the same broker).
 """
 
@@ -184,12 +185,13 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(cfg_path)], cwd=tmp, stdout=out, stderr=err,
                                 env={**os.environ, "COLUMNS": "160"})
     ps = psutil.Process(proc.pid)
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, float]] = []  # (time, RSS MiB, CPU seconds user + system, all threads)
 
     def sample() -> None:
         while proc.poll() is None:
             try:
-                samples.append((time.time(), ps.memory_info().rss / MiB))
+                cpu = ps.cpu_times()
+                samples.append((time.time(), ps.memory_info().rss / MiB, cpu.user + cpu.system))
             except psutil.Error:
                 break
             time.sleep(0.1)
@@ -223,8 +225,11 @@ def main() -> None:
         status, accepted = row.status, row.num_accepted
         t_open, t_close = _epoch(row.opened_at), _epoch(row.closed_at) if row.closed_at else float("nan")
     rejections = store.rejection_counts()
-    before_updates = [rss for t, rss in samples if t < first]
-    during = [rss for t, rss in samples if first <= t <= t_close]
+    before_updates = [rss for t, rss, _ in samples if t < first]
+    during = [rss for t, rss, _ in samples if first <= t <= t_close]
+    cpu_before = max((c for t, _, c in samples if t < first), default=float("nan"))
+    cpu_at_close = max((c for t, _, c in samples if t <= t_close), default=float("nan"))
+    cpu_round = cpu_at_close - cpu_before  # sampled every 0.1 s: +-0.1 s at each end
 
     raw_time = None
     if args.baseline:
@@ -261,6 +266,10 @@ def main() -> None:
     print_table(["phase", "seconds", "MiB/s of updates"], rows)
     if raw_time is not None:
         print(f"ratio round closed / raw transfer: {(t_close - first) / raw_time:.2f}x")
+    print(f"coordinator time per update (first update published -> round closed, / {args.gateways}): "
+          f"{(t_close - first) / args.gateways * 1000:.1f} ms wall; its CPU (user + system, all threads) over the "
+          f"same span: {cpu_round:.1f} s = {cpu_round / args.gateways * 1000:.1f} ms per update (issue 22 target: "
+          "<= 15 ms)")
     print()
     print_table(["coordinator memory", "MiB"], [
         ["peak RSS (VmHWM at exit)", f"{vm.get('VmHWM', float('nan')):.0f}"],

@@ -16,8 +16,9 @@ Timed, in rotating order each repeat:
 
 - ``WildFed round``: from the first gateway's first publish to the coordinator's round close
   (``RoundManager.wait_for_quorum`` with quorum 1.0, then ``close_round``: ledger, FedAvg mean, server step, new
-  model stored). Every chunk goes through ``TransferReceiver`` (staged as a file), each reassembled update through
-  ``Ingestor.handle`` (verify, decode, checks, fsync-ed blob, DB row, signed ACK, running sum). Also printed: the
+  model stored). Every chunk goes through ``TransferReceiver`` (staged in memory, or as a file past
+  ``transfer.memory_limit_bytes``), each reassembled update through ``Ingestor.handle`` (verify, decode, checks,
+  then with its commit group: fsync-ed blob, DB row, signed ACK, running sum). Also printed: the
   time until the last gateway has its (verified) ACK;
 - ``raw transfer`` (baseline): the same gateways publish the same messages (same sizes, same order, QoS 1, each
   waiting for its PUBACK) to a plain topic; a plain paho subscriber in this process (QoS 1) only counts bytes. From

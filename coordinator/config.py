@@ -46,7 +46,9 @@ Example (``wildfed-coordinator init`` writes this)::
     adapter_width: 0                      # head model: 0 = psi only (linear head), H > 0 = a 1280 -> H tanh adapter
     radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
                                           #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
-    transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300}
+    transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300,
+               memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (coordinator.staging)
+    group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.group_commit
     ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
@@ -58,7 +60,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -68,9 +70,12 @@ from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
+if TYPE_CHECKING:
+    from coordinator.group_commit import GroupCommitPolicy
+
 __all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
-           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "CoordinatorConfig", "load_config",
-           "save_config"]
+           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "GroupCommitConfig",
+           "CoordinatorConfig", "load_config", "save_config"]
 
 
 class BudgetFromMax(StrictModel):
@@ -276,6 +281,12 @@ class TransferConfig(StrictModel):
     max_dropped_sends: int = Field(3, ge=1, description="link drops in a row while one message waited for its "
                                    "PUBACK after which the broker is taken to refuse it (over its packet limit): it "
                                    "is no longer re-sent (coordinator.transport, docs/transport.md)")
+    memory_limit_bytes: int = Field(256 << 20, ge=0, description="announced bytes of the uploads in progress "
+                                    "held in memory, together (bytes); an upload whose size does not fit in what is "
+                                    "left is staged on disk (coordinator.staging); 0: every upload on disk")
+    spill_above_bytes: int = Field(64 << 20, ge=0, description="an upload announcing more bytes than this is "
+                                   "staged on disk from its first chunk, so it resumes after a coordinator restart "
+                                   "(smaller ones held in memory start over then)")
 
     @model_validator(mode="after")
     def _fits(self) -> "TransferConfig":
@@ -284,6 +295,24 @@ class TransferConfig(StrictModel):
         if self.chunk_size_bytes > self.max_chunk_bytes:
             raise ValueError("transfer.chunk_size_bytes must not exceed max_chunk_bytes (fix: lower it)")
         return self
+
+
+class GroupCommitConfig(StrictModel):
+    """Group commit of accepted updates (``coordinator.group_commit``): several updates made durable by one batch of
+    fsyncs and one database commit, each ACKed only after its group is durable."""
+
+    max_updates: int = Field(32, ge=1, description="updates per group (1: every update committed alone)")
+    max_delay_s: float = Field(0.005, ge=0, le=1.0, description="seconds the first update of a group may wait for "
+                               "others (the most an ACK is delayed by grouping; 0: commit whenever ingest is idle)")
+    max_bytes: int = Field(128 << 20, ge=1024, description="payload bytes per group (they wait in memory until "
+                           "the group is durable)")
+
+    def policy(self) -> "GroupCommitPolicy":
+        """The :class:`coordinator.group_commit.GroupCommitPolicy` of these settings."""
+        from coordinator.group_commit import GroupCommitPolicy
+
+        return GroupCommitPolicy(max_updates=self.max_updates, max_delay_s=self.max_delay_s,
+                                 max_bytes=self.max_bytes)
 
 
 class WebConfig(StrictModel):
@@ -410,6 +439,8 @@ class CoordinatorConfig(StrictModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="chunked transfers, size limits, "
                                      "replay window")
     web: WebConfig = Field(default_factory=WebConfig, description="the rangers' web view (serve)")
+    group_commit: GroupCommitConfig = Field(default_factory=GroupCommitConfig, description="group commit of "
+                                            "accepted updates (max_updates, max_delay_s, max_bytes)")
     ingest_workers: int = Field(0, ge=0, description="0: this process ingests updates; N >= 1: N processes run "
                                 "`wildfed-coordinator ingest-worker` on an MQTT shared subscription and this one "
                                 "only opens, finalises (merges their partial sums) and closes rounds")

@@ -49,7 +49,14 @@ the aggregate. Only the library's typed errors are caught (``EnvelopeError`` sub
 identifier checks); anything else is a bug and propagates to the transport, which logs it.
 
 An accepted update is handled in this order: payload stored durably (blob fsync-ed + row committed), THEN a signed
-ACK is published on the site's ack topic, THEN the delta is folded into the round's running sum. A site whose
+ACK is published on the site's ack topic, THEN the delta is folded into the round's running sum. Durability is
+shared by a group of updates (:mod:`coordinator.group_commit`): a checked update waits, for a few milliseconds at
+most, until its group's blobs are fsync-ed together and their rows committed in one transaction; its ACK and its
+accumulation follow that commit. Called directly, :meth:`Ingestor.handle` commits every update before it returns
+(groups of one); the ingest thread (``coordinator.transport.QueuedCallback``) sets :attr:`Ingestor.defer_commits`
+and seals the groups when they are due, which a committer thread then makes durable, ACKs and accumulates
+(:meth:`Ingestor.commit_in_background`), and :meth:`Ingestor.handle` answers :class:`Pending` for an update whose
+group is not yet durable. A site whose
 signature verified but whose update was refused gets a signed negative ACK with the reason; a re-delivery of an
 already stored update (same payload hash; MQTT QoS 1 is at-least-once) is counted as ``duplicate`` and re-ACKed
 positively so the gateway can drop it from its outbox. Every ACK echoes the update's sequence (the idempotency key
@@ -70,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import SQLAlchemyError
 
 from shared.envelope import Envelope, EnvelopeHeader, MessageKind, seal, verify_payload, verify_signature
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError, PayloadError, SignatureError
@@ -79,13 +86,14 @@ from shared.privacy.events import DPSGDEvent
 from shared.protocol import Ack, UpdateReport, decode_update, encode_ack
 from shared.topics import ack_topic, parse_topic
 
+from coordinator.group_commit import BackgroundCommits, GroupCommitPolicy, GroupCommitter, StagedUpdate
 from coordinator.ledger import LedgerError, PrivacyLedger
 from coordinator.registry import SiteRegistry, UnknownSiteError
-from coordinator.storage import RoundRow, Store, UpdateRow
+from coordinator.storage import RoundRow, Store, UpdateOutcome, UpdateRow
 from coordinator.strategies.base import Strategy, update_noise_variance
 from coordinator.transport import Transport, TransportError
 
-__all__ = ["RejectReason", "ReplayWindow", "Accepted", "Rejected", "RoundContext", "Ingestor"]
+__all__ = ["RejectReason", "ReplayWindow", "Accepted", "Pending", "Rejected", "RoundContext", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +167,21 @@ class Accepted:
     events: Mapping[IUCNCategory, DPSGDEvent]
     count_events: Mapping[IUCNCategory, DPSGDEvent] = field(default_factory=dict)
     species_counts: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An update that passed every check and waits for its group to become durable (coordinator.group_commit): its
+    ACK and its accumulation follow the group's commit, within ``group_commit.max_delay_s``; it may still be refused
+    then as a duplicate or as late (another process stored one first, or the round closed meanwhile).
+
+    Attributes:
+        site_id, round, sequence: from the verified header.
+    """
+
+    site_id: str
+    round: int
+    sequence: int
 
 
 @dataclass(frozen=True)
@@ -411,14 +434,17 @@ class Ingestor:
         store, registry, ledger: coordinator state.
         transport: where ACKs are published.
         signing_key: the coordinator's Ed25519 key (signs ACKs).
+        group_commit: bounds of a commit group (:class:`coordinator.group_commit.GroupCommitPolicy`; default one).
 
     Thread-safe: :meth:`handle` serialises on an internal lock (paho calls it from its network thread). After each
-    message ``changed`` (a ``threading.Condition``) is notified so a waiting round manager can check its quorum.
+    message, and after each group commit, ``changed`` (a ``threading.Condition``) is notified so a waiting round
+    manager can check its quorum.
     """
 
     def __init__(self, *, federation_id: str, store: Store, registry: SiteRegistry, ledger: PrivacyLedger,
                  transport: Transport, signing_key: Ed25519PrivateKey,
-                 replay_window: ReplayWindow | None = None, clock: Callable[[], float] = time.time) -> None:
+                 replay_window: ReplayWindow | None = None, clock: Callable[[], float] = time.time,
+                 group_commit: GroupCommitPolicy | None = None) -> None:
         self.federation_id = federation_id
         self.replay_window = replay_window or ReplayWindow()
         self._clock = clock
@@ -434,6 +460,20 @@ class Ingestor:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         self.counts: Counter[str] = Counter()
+        self._group = GroupCommitter(store, group_commit)
+        self._background: BackgroundCommits | None = None  # commit_in_background(): groups made durable on a thread
+        #: True while a driver (the ingest thread's loop) calls :meth:`flush` when :meth:`flush_in` says so; False:
+        #: every :meth:`handle` commits its update before returning.
+        self.defer_commits = False
+        #: True when no other process stores updates for the rounds this one opens (a single coordinator,
+        #: ``ingest_workers: 0``; set by coordinator.service): then the open round's accepted and waiting updates,
+        #: kept here, say whether a site's update is in, with no query; the commit group's transaction still checks
+        #: the table (an update stored by a stray second process is then refused as a duplicate there, and counted
+        #: at the close: ``RoundManager._absorb_stored``). False: the table is read for each new update.
+        self.sole_ingest = False
+        # (round, site, sequence) of updates whose "stored already?" read was made by precheck() for their manifest
+        # in this process: the reassembled update is not read again (the group's transaction checks once more).
+        self._prechecked: set[tuple[int, str, int]] = set()
 
     # ---- round lifecycle ---------------------------------------------------------------------------------------
     def open_round(self, ctx: RoundContext) -> None:
@@ -442,11 +482,79 @@ class Ingestor:
             self._ctx = ctx
 
     def close_round(self) -> RoundContext | None:
-        """Stop accepting; return the closed round's context (with its accepted updates)."""
+        """Make the updates waiting for a group commit durable (ACKed and accumulated), then stop accepting; return
+        the closed round's context (with its accepted updates)."""
         with self._lock:
+            try:
+                self._flush()
+            except (OSError, SQLAlchemyError):  # nothing of the group was ACKed: its gateways re-send (late then)
+                log.exception("ingest: the updates waiting for a group commit could not be stored at round close")
             ctx, self._ctx = self._ctx, None
+            self._prechecked.clear()
             self.changed.notify_all()
             return ctx
+
+    # ---- group commit ------------------------------------------------------------------------------------------
+    def commit_in_background(self) -> None:
+        """From now on :meth:`flush_async` hands a due group to a committer thread
+        (:class:`coordinator.group_commit.BackgroundCommits`), so its fsyncs and commit overlap the checks of the
+        next messages; its ACKs and accumulation follow on that thread once it is durable. Idempotent."""
+        with self._lock:
+            if self._background is None:
+                self._background = BackgroundCommits(self._group, self.changed)
+
+    def flush(self) -> None:
+        """Make every update waiting for a group commit durable now, then ACK and accumulate them, before returning
+        (coordinator.group_commit).
+
+        Raises:
+            OSError, sqlalchemy.exc.SQLAlchemyError: storing failed; nothing of the group was ACKed.
+        """
+        with self._lock:
+            self._flush()
+
+    def flush_async(self) -> None:
+        """Start making the open group durable: on the committer thread after :meth:`commit_in_background` (waiting
+        only for the group already in flight), else as :meth:`flush`."""
+        with self._lock:
+            self._seal()
+
+    @property
+    def committing(self) -> bool:
+        """Whether an update is waiting for, or in, a group commit (open group or one in flight)."""
+        with self._lock:
+            return bool(len(self._group)) or (self._background is not None and self._background.in_flight)
+
+    def flush_in(self) -> float | None:
+        """Seconds until the open commit group must be flushed (<= 0: now), or None when none is open."""
+        with self._lock:
+            return self._group.seconds_left()
+
+    @property
+    def group_stats(self) -> tuple[int, int]:
+        """``(groups committed, updates in them)`` since start."""
+        return self._group.groups, self._group.updates
+
+    def _flush(self) -> None:
+        """Under the lock: the group in flight finished (waiting releases the lock), then the open group committed
+        in this thread."""
+        if self._background is not None:
+            self._background.wait()
+        if len(self._group):
+            try:
+                self._group.flush()
+            finally:
+                self.changed.notify_all()
+
+    def _seal(self) -> None:
+        if self._background is not None:
+            self._background.seal()
+        else:
+            self._flush()
+
+    def _holds(self, round: int, site_id: str) -> bool:
+        return self._group.holds(round, site_id) or (self._background is not None
+                                                     and self._background.holds(round, site_id))
 
     @property
     def context(self) -> RoundContext | None:
@@ -454,9 +562,18 @@ class Ingestor:
         return self._ctx
 
     # ---- the entry point ---------------------------------------------------------------------------------------
-    def handle(self, topic: str, raw: bytes) -> Accepted | Rejected:
+    def handle(self, topic: str, raw: bytes) -> Accepted | Pending | Rejected:
         """Process one message (wire bytes) from ``topic``: parse it, then :meth:`handle_envelope`. Never raises for
-        bad input: returns :class:`Rejected` instead."""
+        bad input: returns :class:`Rejected` instead.
+
+        Returns:
+            :class:`Accepted` (stored, ACKed, accumulated), :class:`Rejected`, or, while :attr:`defer_commits` is
+            set, :class:`Pending` for an update whose commit group is not yet durable (its outcome follows at the
+            group's flush: ACKed and accumulated, or refused as a duplicate or late).
+
+        Raises:
+            OSError, sqlalchemy.exc.SQLAlchemyError: a group could not be stored (nothing of it was ACKed).
+        """
         with self._lock:
             try:
                 env = _parse_bytes(raw, MAX_SITE_MESSAGE_BYTES)
@@ -466,7 +583,8 @@ class Ingestor:
                 return result
             return self.handle_envelope(topic, env)
 
-    def handle_envelope(self, topic: str, env: Envelope, *, verified_by: str | None = None) -> Accepted | Rejected:
+    def handle_envelope(self, topic: str, env: Envelope, *, verified_by: str | None = None
+                        ) -> Accepted | Pending | Rejected:
         """Process one envelope already parsed (checks 2-17 of the module docstring). Never raises for bad input.
 
         Args:
@@ -478,20 +596,33 @@ class Ingestor:
                 its leaf); check 7 then only checks that the key is still valid, and nothing is hashed again.
 
         Returns:
-            :class:`Accepted` or :class:`Rejected`.
+            as :meth:`handle`: :class:`Accepted`, :class:`Rejected`, or :class:`Pending` while its commit group is
+            not yet durable.
+
+        Raises:
+            OSError, sqlalchemy.exc.SQLAlchemyError: a group could not be stored (nothing of it was ACKed).
         """
         with self._lock:
             checked: Envelope | None = None
             verified = False
+            staged: StagedUpdate | None = None
             try:
                 self._check(topic, env)
                 checked = env
                 self._verify(env, verified_by)
                 verified = True
                 self.check_replay(env)
-                result: Accepted | Rejected = self._admit(env)
+                staged = self._admit(topic, env)
             except _Reject as rej:
-                result = self._refuse(topic, rej, checked, verified)
+                result: Accepted | Pending | Rejected = self._refuse(topic, rej, checked, verified)
+            if not self.defer_commits:
+                self._flush()
+            elif self._group.full() or (self._group.seconds_left() or 0.0) < 0:
+                self._seal()
+            if staged is not None:
+                h = staged.row
+                result = staged.result if staged.done else Pending(site_id=h.site_id, round=h.round,
+                                                                   sequence=h.sequence)
             self.changed.notify_all()
             return result
 
@@ -556,6 +687,8 @@ class Ingestor:
                     raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored round {h.round}")
             except _Reject as rej:
                 return self._refuse(f"manifest of {h.site_id}", rej, env, True)
+            if self._ctx is not None and h.round == self._ctx.round:
+                self._prechecked.add((h.round, h.site_id, h.sequence))
             return None
 
     def __call__(self, topic: str, raw: bytes) -> None:
@@ -572,9 +705,14 @@ class Ingestor:
         else:
             check_site_key(env.header.site_id, verified_by, self._registry)
 
-    def _check_binding(self, h: EnvelopeHeader) -> RoundContext | None:
+    def _check_binding(self, h: EnvelopeHeader, *, stored_read: bool = True) -> RoundContext | None:
         """The checks that need only the (verified) header: the round is open, the site was selected, the update
-        was trained from the model the site was sent, and no update of the site is in for the round.
+        was trained from the model the site was sent, and no update of the site is in for the round. An update of
+        the site waiting in the commit group is made durable first, so that this check sees it.
+
+        Args:
+            h: the verified header. stored_read: read the database for a stored update of the site (False when
+                this process read it for the update's manifest already; the group's transaction checks again).
 
         Returns:
             the open round's context, or None for an update of a past round that selected the site (a late update:
@@ -583,6 +721,8 @@ class Ingestor:
         Raises:
             _Reject: ``wrong_round``, ``not_selected``, ``stale_model`` or ``duplicate``.
         """
+        if self._holds(h.round, h.site_id):
+            self._flush()
         ctx = self._ctx
         if ctx is None or h.round != ctx.round:
             if self._selected_in_past_round(h.round, h.site_id):
@@ -594,14 +734,23 @@ class Ingestor:
         if h.base_model_hash != ctx.expected_hash(h.site_id):
             raise _Reject(RejectReason.STALE_MODEL, f"update trained from model {h.base_model_hash[:12]}, round "
                           f"{ctx.round} trains site {h.site_id} from {ctx.expected_hash(h.site_id)[:12]}")
-        if h.site_id in ctx.accepted or self._stored(ctx.round, h.site_id) is not None:
+        if h.site_id in ctx.accepted or (stored_read and not self.sole_ingest
+                                         and self._stored(ctx.round, h.site_id) is not None):
             raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an accepted update for round "
                           f"{ctx.round}")
         return ctx
 
-    def _admit(self, env: Envelope) -> Accepted:
+    def _admit(self, topic: str, env: Envelope) -> StagedUpdate:
+        """Check an update completely and hand it to the commit group; its finisher (:meth:`_finish`) ACKs and
+        accumulates it once the group is durable.
+
+        Raises:
+            _Reject: any check failed (a late update is charged first).
+        """
         h = env.header
-        ctx = self._check_binding(h)
+        key = (h.round, h.site_id, h.sequence)
+        ctx = self._check_binding(h, stored_read=key not in self._prechecked)
+        self._prechecked.discard(key)
         if ctx is None:
             open_r = "none" if self._ctx is None else str(self._ctx.round)
             self._charge_late(env)
@@ -613,29 +762,37 @@ class Ingestor:
         self._check_tensors(ctx, delta)
         events = self._check_report(ctx, h.site_id, report)
         weight = float(report.num_examples)  # N_k: declared public (shared.protocol.UpdateReport, docs/privacy.md)
-
-        # 1. durable storage first
-        digest = self._store.put_blob(env.payload, sha256_hex=h.payload_digest)  # verified: the blob's name
-        try:
-            stored = self._store.add_update_if_open(UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
-                                                              num_examples=int(report.num_examples),
-                                                              payload_sha256=digest))
-        except IntegrityError as exc:  # another worker stored one first (unique round+site)
-            raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored for round {ctx.round}",
-                          exc) from exc
-        if not stored:  # the finaliser closed the round meanwhile (scale-out): a late update, charged
-            self._charge(h.site_id, ctx.round, events, {IUCNCategory(c): e for c, e in report.count_events.items()})
-            raise _Reject(RejectReason.LATE, f"round {ctx.round} closed while this update was checked; its events "
-                          "were charged to the ledger, it is not aggregated")
         accepted = Accepted(site_id=h.site_id, round=ctx.round, sequence=h.sequence,
-                            num_examples=int(report.num_examples), weight=weight, payload_sha256=digest,
+                            num_examples=int(report.num_examples), weight=weight, payload_sha256=h.payload_digest,
                             events=events, count_events=dict(report.count_events),
                             species_counts=dict(report.species_counts))
+        # 1. durable storage first: blob + row, with the rest of the group (payload hash verified by the signature)
+        staged = StagedUpdate(row=UpdateRow(round=ctx.round, site_id=h.site_id, sequence=h.sequence,
+                                            num_examples=int(report.num_examples), payload_sha256=h.payload_digest),
+                              payload=env.payload, digest=h.payload_digest,
+                              finish=lambda outcome: self._finish(topic, env, ctx, report, delta, accepted, outcome))
+        self._group.submit(staged)
+        return staged
+
+    def _finish(self, topic: str, env: Envelope, ctx: RoundContext, report: UpdateReport,
+                delta: Mapping[str, np.ndarray], accepted: Accepted, outcome: UpdateOutcome) -> Accepted | Rejected:
+        """After the update's group committed: 2. the ACK, 3. the running sum (or the refusal the commit found)."""
+        h = env.header
+        try:
+            if outcome is UpdateOutcome.DUPLICATE:  # another worker stored one first (unique round+site)
+                raise _Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already stored for round {ctx.round}")
+            if outcome is UpdateOutcome.CLOSED:  # the finaliser closed the round meanwhile (scale-out): charged
+                self._charge(h.site_id, ctx.round, accepted.events,
+                             {IUCNCategory(c): e for c, e in report.count_events.items()})
+                raise _Reject(RejectReason.LATE, f"round {ctx.round} closed while this update was checked; its "
+                              "events were charged to the ledger, it is not aggregated")
+        except _Reject as rej:
+            return self._refuse(topic, rej, env, True)
         ctx.accepted[h.site_id] = accepted
         # 2. then the ACK
         self._send_ack(env, Ack(round=ctx.round, accepted=True, reason="stored"))
         # 3. then the running sum
-        ctx.strategy.accumulate(h.site_id, delta, num_examples=int(weight),
+        ctx.strategy.accumulate(h.site_id, delta, num_examples=accepted.num_examples,
                                 species_counts=report.species_counts or None,
                                 noise_variance=ctx.noise_variance(report))
         if self.on_accepted is not None:

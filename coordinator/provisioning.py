@@ -44,7 +44,7 @@ from shared.keys import generate_signing_key, key_fingerprint, load_private_key,
 from shared.profiles import GatewayProfile, check_profile_data, profile_path, read_profile_yaml
 
 from coordinator.config import CoordinatorConfig
-from coordinator.registry import SITE_ID_PATTERN, EnrolmentError, SiteRegistry
+from coordinator.registry import SITE_ID_PATTERN, EnrolmentError, SiteRegistry, mark_keys_changed
 from coordinator.storage import SiteRow, Store
 
 __all__ = ["ProvisionResult", "provision_site", "build_sdk_wheel", "project_source_root", "render_site_config",
@@ -333,4 +333,5 @@ def _unenrol(store: Store, site_id: str) -> None:
         row = s.get(SiteRow, site_id)
         if row is not None:
             s.delete(row)
+            mark_keys_changed(s)  # a running coordinator's key cache drops the site
     log.warning("provisioning of %s failed after enrolment; enrolment rolled back", site_id)

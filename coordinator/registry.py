@@ -9,9 +9,22 @@ Key rotation and revocation (docs/security.md): a site's *current* key is the on
 :meth:`SiteRegistry.get_public_key` returns). :meth:`SiteRegistry.rotate_key` makes a new key current and keeps
 the old one valid for a grace period (default 24 h), so updates signed just before the gateway switched keys still
 verify; :meth:`SiteRegistry.revoke_key` ends one key, or all of a site's keys, at once. What verifies a site's
-messages is :meth:`SiteRegistry.verification_keys`: it re-reads the database on every call, so a key revoked by
-another process (the CLI) stops verifying at once, with no cache to outlive it. Times are naive UTC
-(coordinator.storage.utcnow); tests inject a clock.
+messages is :meth:`SiteRegistry.verification_keys`. Times are naive UTC (coordinator.storage.utcnow); tests inject
+a clock.
+
+Key cache and its invalidation (issue 22, item 2). Verification keys are cached per site, with their validity
+(``valid_until``, ``revoked_at``), which is judged against the clock at every call, so a grace period ends on time
+without any invalidation. What changes a site's keys (:meth:`SiteRegistry.enrol`, :meth:`~SiteRegistry.rotate_key`,
+:meth:`~SiteRegistry.revoke_key`, provisioning's roll-back of an enrolment) increments the ``registry_version`` row
+(coordinator.storage.RegistryVersionRow) in the same transaction, and drops the process's own cache entry after the
+commit. Every :meth:`~SiteRegistry.verification_keys` call reads that one integer (one primary-key read, no ORM)
+and empties the cache when it moved, so a revocation committed by any process, the CLI included, is seen by the
+next verification: no window, no time bound to tune. The version is read before the keys, so keys read after a
+revocation are never cached under an older version. Chosen over a time bound (re-read every N seconds), which
+would let a revoked key verify for up to N seconds, and over SQLite's ``PRAGMA data_version`` (which moves on
+every commit of any table by any other connection, including this process's own pool). A change written to the
+tables by hand (SQL, not this module) does not move the counter: run ``wildfed-coordinator keys`` or restart the
+coordinator after such an edit (docs/security.md).
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -33,10 +46,10 @@ from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.keys import key_fingerprint, public_key_from_pem, public_key_to_pem
 
-from coordinator.storage import SiteKeyRow, SiteRow, Store, dumps, utcnow
+from coordinator.storage import RegistryVersionRow, SiteKeyRow, SiteRow, Store, dumps, utcnow
 
 __all__ = ["Site", "SiteKey", "SiteRegistry", "EnrolmentError", "UnknownSiteError", "KeyRotationError",
-           "SITE_ID_PATTERN", "DEFAULT_GRACE_S", "read_site_key_file"]
+           "SITE_ID_PATTERN", "DEFAULT_GRACE_S", "read_site_key_file", "mark_keys_changed", "registry_version"]
 
 #: Default grace period of a rotated-out key, seconds (24 h: a gateway offline for a day can still deliver an
 #: update it signed with its old key before it learned of the rotation).
@@ -46,6 +59,31 @@ DEFAULT_GRACE_S = 24 * 3600.0
 #: slashes, no spaces, at most 64 characters.
 SITE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
+
+
+def mark_keys_changed(session: Any) -> None:
+    """Increment the registry's change counter (``registry_version``) inside ``session``'s transaction: call it in
+    every transaction that adds, removes, rotates or revokes a site key, so every process's key cache notices at its
+    next verification once the transaction commits (module docstring).
+
+    Args:
+        session: an open SQLAlchemy session (its commit publishes the change; a roll-back undoes it).
+    """
+    bumped = session.execute(update(RegistryVersionRow).where(RegistryVersionRow.id == 1)
+                             .values(version=RegistryVersionRow.version + 1)).rowcount
+    if not bumped:  # a database from before the counter: the first change creates it (primary key 1: one row)
+        session.add(RegistryVersionRow(id=1, version=1))
+        session.flush()
+
+
+def registry_version(store: Store) -> int:
+    """The registry's change counter (0 when no key was ever changed through this module); one primary-key read."""
+    with store.engine.connect() as conn:
+        value = conn.execute(_VERSION_QUERY).scalar()
+    return int(value or 0)
+
+
+_VERSION_QUERY = select(RegistryVersionRow.version).where(RegistryVersionRow.id == 1)
 
 
 def _parse_site_key(pem: str, error: type[Exception], what: str, *, fix: str) -> Ed25519PublicKey:
@@ -200,8 +238,9 @@ class SiteRegistry:
     """Enrol, list and look up sites in a :class:`~coordinator.storage.Store`.
 
     Public keys are parsed once and cached; the cache is rebuilt from the database on a miss, so a second
-    process that enrols a site is seen by a running coordinator. Key validity (:meth:`verification_keys`) is never
-    cached: it is read from the database on each call, so a revocation by another process takes effect at once.
+    process that enrols a site is seen by a running coordinator. The keys that verify a site
+    (:meth:`verification_keys`) are cached with their validity and dropped whenever the registry's change counter
+    moves (module docstring): a revocation committed by this or any other process counts at the next verification.
 
     A site's key is its own (issue 16, item 8): enrolment and rotation refuse a key that another site has, or had
     (a signature must name one site), and the coordinator's own key (:meth:`reserve`; the CLI and
@@ -218,6 +257,8 @@ class SiteRegistry:
                  reserved_keys: Iterable[Ed25519PublicKey] = ()) -> None:
         self._store = store
         self._cache: dict[str, Site] = {}
+        self._keys_cache: dict[str, list[SiteKey]] = {}  # site -> every key with its validity (keys())
+        self._keys_version: int | None = None  # the registry_version the cache was read at
         self._clock = clock
         self._reserved = {key_fingerprint(k) for k in reserved_keys}
 
@@ -278,8 +319,10 @@ class SiteRegistry:
                                      fix="choose another site id, or remove the old enrolment deliberately first")
             self._check_key_is_new(s, public_key, site_id, EnrolmentError)
             s.add(SiteRow(site_id=site_id, public_key_pem=public_key_to_pem(public_key), metadata_json=dumps(meta)))
+            mark_keys_changed(s)
         site = Site(site_id=site_id, public_key=public_key, metadata=meta)
         self._cache[site_id] = site
+        self._keys_cache.pop(site_id, None)
         return site
 
     def _from_row(self, row: SiteRow) -> Site:
@@ -371,8 +414,10 @@ class SiteRegistry:
     def verification_keys(self, site_id: str, now: _dt.datetime | None = None) -> list[tuple[str, Ed25519PublicKey]]:
         """The keys that verify ``site_id``'s messages at ``now``: ``[(fingerprint, key), ...]``, current first.
 
-        Read from the database on every call (no cache), so a revocation by another process counts at once. An
-        empty list means the site may not send anything (every key revoked or past its grace period).
+        Cached per site; the cache is emptied whenever the registry's change counter moved, which this call reads
+        every time (one primary-key read), so a rotation or revocation committed by any process counts at once.
+        Validity is judged at ``now`` on every call. An empty list means the site may not send anything (every key
+        revoked or past its grace period).
 
         Args:
             site_id: the site.
@@ -382,7 +427,15 @@ class SiteRegistry:
             UnknownSiteError: ``site_id`` is not enrolled.
         """
         moment = self._now(now)
-        return [(k.fingerprint, k.public_key) for k in self.keys(site_id) if k.valid_at(moment)]
+        version = registry_version(self._store)  # before the keys: keys read later are at least this new
+        if version != self._keys_version:
+            self._keys_cache.clear()
+            self._keys_version = version
+        keys = self._keys_cache.get(site_id)
+        if keys is None:
+            keys = self.keys(site_id)  # raises UnknownSiteError (never cached)
+            self._keys_cache[site_id] = keys
+        return [(k.fingerprint, k.public_key) for k in keys if k.valid_at(moment)]
 
     def rotate_key(self, site_id: str, new_public_key_pem: str, *, grace_s: float = DEFAULT_GRACE_S,
                    now: _dt.datetime | None = None) -> SiteKey:
@@ -390,7 +443,7 @@ class SiteRegistry:
 
         Keys still in an earlier grace period keep their own (earlier) end. The new key becomes what
         :meth:`get_public_key` returns, here at once and in other processes after their cache is refreshed
-        (verification uses :meth:`verification_keys`, which has no cache).
+        (verification uses :meth:`verification_keys`, whose cache the change counter invalidates everywhere).
 
         Args:
             site_id: an enrolled site.
@@ -431,7 +484,9 @@ class SiteRegistry:
             s.add(SiteKeyRow(site_id=site_id, fingerprint=new_fp, public_key_pem=pem, created_at=moment))
             row.public_key_pem = pem
             meta = json.loads(row.metadata_json or "{}")
+            mark_keys_changed(s)
         self._cache[site_id] = Site(site_id=site_id, public_key=new_key, metadata=meta)
+        self._keys_cache.pop(site_id, None)
         return SiteKey(fingerprint=new_fp, public_key=new_key, current=True, created_at=moment)
 
     def revoke_key(self, site_id: str, fingerprint: str | None = None, *,
@@ -474,4 +529,6 @@ class SiteRegistry:
                 if key_row.revoked_at is None:
                     key_row.revoked_at = moment
                     revoked.append(key_row.fingerprint)
+            mark_keys_changed(s)
+        self._keys_cache.pop(site_id, None)  # committed: this process never verifies with the revoked key again
         return revoked

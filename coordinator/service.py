@@ -124,7 +124,8 @@ class Coordinator:
         t = config.transfer
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
                                  ledger=self.ledger, transport=self.transport, signing_key=self._key,
-                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
+                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s),
+                                 group_commit=config.group_commit.policy())
         self.detections = DetectionIngestor(federation_id=config.federation_id, store=self.store,
                                             registry=self.registry)
         if strategy is None:
@@ -139,7 +140,8 @@ class Coordinator:
             federation_id=config.federation_id, store=self.store, registry=self.registry, ingestor=self.ingestor,
             transport=self.transport, signing_key=self._key,
             limits=TransferLimits(max_chunk_bytes=t.max_chunk_bytes, max_update_bytes=t.max_update_bytes,
-                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s),
+                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s,
+                                  memory_limit_bytes=t.memory_limit_bytes, spill_above_bytes=t.spill_above_bytes),
             on_download_receipt=self.rounds.resend_task)
         self._started = False
         self._update_queue: QueuedCallback | None = None
@@ -175,9 +177,17 @@ class Coordinator:
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
         if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
+            self.ingestor.sole_ingest = True  # the open round's updates are all stored by this process
             handler: Any = self.transfers
             if isinstance(self.transport, MqttTransport):  # off paho's network thread (in-process buses stay sync)
-                handler = self._update_queue = QueuedCallback(self.transfers, name="wildfed-ingest")
+                # ... and that thread drives group commit (coordinator.group_commit): updates in flight together
+                # share one fsync pass and one commit, each ACKed after its group is durable.
+                handler = self._update_queue = QueuedCallback(self.transfers, name="wildfed-ingest",
+                                                              flush=self.ingestor.flush_async,
+                                                              flush_in=self.ingestor.flush_in,
+                                                              busy=lambda: self.ingestor.committing)
+                self.ingestor.defer_commits = True
+                self.ingestor.commit_in_background()  # a group's fsyncs overlap the checks of the next
             self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
@@ -193,6 +203,7 @@ class Coordinator:
             self.transport.close()
         if self._update_queue is not None:
             self._update_queue.close()
+            self.ingestor.flush()  # what was checked before the stop is made durable and ACKed
         self.store.dispose()
 
     def __enter__(self) -> "Coordinator":

@@ -29,6 +29,8 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``web_sessions`` logged-in web-view sessions: SHA-256 of the cookie token, account, CSRF token, expiry
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
                 (coordinator.workers)
+``registry_version`` one row: a counter every change of a site's keys increments in the same transaction
+                (coordinator.registry caches verification keys and re-reads them when it moves)
 ============== ===========================================================================================
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
@@ -37,7 +39,15 @@ caller verified, such as an update's payload digest (envelope format 2: a BLAKE3
 that a verified payload is not hashed again. The column ``payload_sha256`` keeps its name from envelope format 1,
 when that digest was a SHA-256; rows written since hold the format-2 payload digest. Rows are committed before
 :class:`Store` methods return ("durable" in the rest of the package means: committed to the database and, for
-payloads, fsync-ed to disk).
+payloads, fsync-ed to disk). :meth:`Store.put_blobs` and
+:meth:`Store.add_updates_if_open` are the batched forms ingest's group commit uses (coordinator.group_commit):
+several blobs written before their fsyncs are issued, several updates' rows in one transaction.
+
+SQLite runs in write-ahead-log mode with ``synchronous=FULL`` (set and checked on every new connection): a commit
+appends to the WAL and fsyncs it, so it survives power loss, and readers never block the writer nor the writer them
+(SQLite, "Write-Ahead Logging", https://www.sqlite.org/wal.html; "PRAGMA synchronous": in WAL mode FULL syncs the
+WAL at every commit, NORMAL does not and may lose the last commits on power loss). WAL needs the database on a
+local file system (its index is shared memory): a database file on a network share is refused with a clear error.
 
 PostgreSQL isolation for tests or shared servers: ``Store(url, schema="wf_x")`` maps every table into that schema
 through SQLAlchemy's ``schema_translate_map`` (the schema must exist).
@@ -50,8 +60,9 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +78,14 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    delete,
+    event,
     func,
+    insert,
     select,
 )
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -95,7 +109,9 @@ __all__ = [
     "WebSessionRow",
     "DeploymentRow",
     "PlaceRow",
+    "RegistryVersionRow",
     "Store",
+    "UpdateOutcome",
     "utcnow",
 ]
 
@@ -285,6 +301,17 @@ class TransferRow(Base):
     expires_at: Mapped[_dt.datetime] = mapped_column(DateTime, index=True)
 
 
+class RegistryVersionRow(Base):
+    """The registry's change counter (one row, ``id`` 1): every enrolment, key rotation, revocation and removal of
+    a site increments ``version`` in the transaction that makes the change (coordinator.registry), so a process
+    that caches verification keys sees a change committed by any process by reading this one integer. A database
+    without the row reads as version 0."""
+
+    __tablename__ = "registry_version"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class PartialSumRow(Base):
     """One ingest worker's partial FedAvg sum for one round (coordinator.workers): the running weighted sum as a
     blob (float64 safetensors), the sites it covers with what their updates reported (JSON), and its total weight.
@@ -366,6 +393,56 @@ class PlaceRow(Base):
     lift_reason: Mapped[str] = mapped_column(Text, default="")
 
 
+class UpdateOutcome(str, Enum):
+    """What :meth:`Store.add_updates_if_open` did with one update row."""
+
+    STORED = "stored"  #: inserted (committed with its group)
+    DUPLICATE = "duplicate"  #: an update of this (round, site) was already stored: nothing written
+    CLOSED = "closed"  #: the round is no longer open: nothing written (ingest charges the update as late)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """fsync a folder, so the renames into it survive power loss (POSIX: fsync of the file is not enough)."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _is_file_sqlite(url: str) -> bool:
+    """Whether ``url`` is SQLite on a file (in-memory databases have no journal to put in WAL mode)."""
+    if not url.startswith("sqlite"):
+        return False
+    database = make_url(url).database
+    return bool(database) and database != ":memory:" and "mode=memory" not in url
+
+
+def _sqlite_wal_durable(dbapi_connection: Any, _record: Any) -> None:
+    """SQLAlchemy ``connect`` listener: put a new SQLite connection in WAL mode with ``synchronous=FULL`` and check
+    that both took (https://www.sqlite.org/wal.html, https://www.sqlite.org/pragma.html#pragma_synchronous).
+
+    Raises:
+        ConfigError: SQLite refused WAL (e.g. the file is on a network file system without shared memory) or
+            FULL (field ``database_url``).
+    """
+    cursor = dbapi_connection.cursor()
+    try:
+        mode = str(cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+        if mode != "wal":
+            raise ConfigError(f"SQLite kept journal_mode {mode!r} instead of 'wal'", field="database_url",
+                              fix="put the SQLite file on a local file system (WAL needs shared memory), or use "
+                                  "PostgreSQL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        level = int(cursor.execute("PRAGMA synchronous").fetchone()[0])
+        if level < 2:  # 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA
+            raise ConfigError(f"SQLite synchronous is {level}, not FULL (2)", field="database_url",
+                              fix="do not override PRAGMA synchronous below FULL: commits would not survive power "
+                                  "loss")
+    finally:
+        cursor.close()
+
+
 def _fsync_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename, fsync the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -380,11 +457,7 @@ def _fsync_write(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
 
 
 class Store:
@@ -418,6 +491,8 @@ class Store:
             raise ConfigError(f"cannot build a database engine from {url!r}: {exc}", field="database_url",
                               fix="use sqlite:///path/to/coordinator.db or postgresql+psycopg2://user@host/db"
                               ) from exc
+        if _is_file_sqlite(url):
+            event.listen(engine, "connect", _sqlite_wal_durable)
         if schema is not None:
             engine = engine.execution_options(schema_translate_map={None: schema})
         self.engine: Engine = engine
@@ -430,6 +505,12 @@ class Store:
             except OperationalError as exc:
                 raise ConfigError(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
                                   fix="start the database server or correct the URL") from exc
+            try:  # the registry's change counter exists from the start, so key changes only ever update it
+                with self.session() as s:
+                    if s.get(RegistryVersionRow, 1) is None:
+                        s.add(RegistryVersionRow(id=1, version=0))
+            except IntegrityError:
+                pass  # another process created it at the same moment
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -464,6 +545,54 @@ class Store:
         if not path.exists():
             _fsync_write(path, data)
         return digest
+
+    def put_blobs(self, blobs: Sequence[tuple[bytes, str]]) -> None:
+        """Store several blobs durably, their syncs batched (group commit, coordinator.group_commit): every new file
+        is written first, then each is fsync-ed, renamed into place, and each folder they went into is fsync-ed
+        once. A file that exists under its name is complete, as with :meth:`put_blob`; idempotent.
+
+        Batching lets the file system commit its journal once for the group where it can (ext4 and XFS merge the
+        metadata of files synced back to back into one journal transaction), instead of once per blob.
+
+        Args:
+            blobs: ``(data, 64-hex digest of data)`` pairs, the digests already verified by the caller (e.g. an
+                envelope's payload against its signed header).
+
+        Raises:
+            OSError: a write, fsync or rename failed (disk full, I/O error); files already renamed are complete
+                blobs, temporary files are removed.
+        """
+        written: list[tuple[int, str, Path]] = []
+        open_fds: set[int] = set()
+        seen: set[Path] = set()
+        try:
+            for data, digest in blobs:
+                path = self.blob_path(digest)
+                if path in seen or path.exists():
+                    continue
+                seen.add(path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+                open_fds.add(fd)
+                written.append((fd, tmp, path))
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            for fd, _, _ in written:
+                os.fsync(fd)
+            for fd, tmp, path in written:
+                open_fds.discard(fd)
+                os.close(fd)
+                os.replace(tmp, path)
+        except BaseException:
+            for fd, tmp, _ in written:
+                if fd in open_fds:
+                    os.close(fd)
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            raise
+        for folder in {path.parent for _, _, path in written}:
+            _fsync_dir(folder)
 
     def get_blob(self, sha256_hex: str) -> bytes:
         """Read a blob back; raises ``FileNotFoundError`` if it was never stored."""
@@ -550,6 +679,61 @@ class Store:
                 return False
             s.add(row)
         return True
+
+    def add_updates_if_open(self, rows: Sequence[UpdateRow]) -> list[UpdateOutcome]:
+        """Insert several accepted updates' rows in ONE transaction (one commit: one WAL fsync on SQLite), each only
+        while its round is ``open`` (under a lock on the round rows, as :meth:`add_update_if_open`) and only if no
+        update of its (round, site) is stored; the ``transfers`` rows of those (round, site) pairs are deleted in
+        the same transaction (their uploads are consumed: stored, or refused as duplicate or late). For a group
+        spanning several rounds, every (round, site) combination of the group's rounds and sites counts as consumed.
+
+        Read once: the round statuses and the stored (round, site) pairs of the whole group are each read by one
+        query inside the transaction.
+
+        Args:
+            rows: new :class:`UpdateRow` objects (not yet added to any session); at most one per (round, site) is
+                stored, a later one of the same pair is a duplicate.
+
+        Returns:
+            one :class:`UpdateOutcome` per row, in order.
+
+        Raises:
+            sqlalchemy.exc.IntegrityError: another process stored an update of one of these (round, site) pairs
+                between the read and the commit (PostgreSQL, several ingest workers); nothing of the group is
+                written, and the caller retries row by row.
+        """
+        if not rows:
+            return []
+        rounds = sorted({r.round for r in rows})
+        sites = sorted({r.site_id for r in rows})
+        outcomes: list[UpdateOutcome] = []
+        new: list[dict[str, Any]] = []
+        # SQLAlchemy Core in one transaction (no ORM unit of work), with statements whose shape does not depend on
+        # the group's size (expanding IN parameters), so their compiled form is cached. A group holds one round in
+        # practice (a round's close commits the group first), so round IN x site IN is the group's pairs.
+        with self.engine.begin() as conn:
+            status = {r: st for r, st in conn.execute(
+                select(RoundRow.round, RoundRow.status).where(RoundRow.round.in_(rounds)).with_for_update())}
+            stored = {(r, site) for r, site in conn.execute(
+                select(UpdateRow.round, UpdateRow.site_id).where(UpdateRow.round.in_(rounds),
+                                                                 UpdateRow.site_id.in_(sites)))}
+            for row in rows:
+                key = (row.round, row.site_id)
+                st = status.get(row.round)
+                if st is not None and st != "open":
+                    outcomes.append(UpdateOutcome.CLOSED)
+                elif key in stored:
+                    outcomes.append(UpdateOutcome.DUPLICATE)
+                else:
+                    new.append({"round": row.round, "site_id": row.site_id, "sequence": row.sequence,
+                                "num_examples": row.num_examples, "payload_sha256": row.payload_sha256,
+                                "received_at": row.received_at or utcnow()})
+                    stored.add(key)
+                    outcomes.append(UpdateOutcome.STORED)
+            if new:
+                conn.execute(insert(UpdateRow), new)
+            conn.execute(delete(TransferRow).where(TransferRow.round.in_(rounds), TransferRow.site_id.in_(sites)))
+        return outcomes
 
     def updates_for_round(self, round: int) -> list[UpdateRow]:
         """Accepted-update rows of one round, in arrival order."""

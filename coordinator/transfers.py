@@ -15,19 +15,26 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
   missing, and the site sends only those. A manifest for an update that is already stored gets its positive ACK
   again;
 * a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
-  only pass over the payload's bytes) and written to ``<data_dir>/transfers/<transfer id>/<index>.part``; when the
-  last one is in, the inner envelope is the manifest's header and signature with the pieces joined, verified already,
-  and goes to ingest with the fingerprint of the key that verified it (:meth:`Ingestor.handle_envelope`), which
-  checks that key is still valid, hashes nothing, stores the update durably, ACKs it and aggregates it; the staging
-  is then deleted;
+  only pass over the payload's bytes) and staged (:class:`coordinator.staging.ChunkStaging`: in memory, or past a
+  limit in ``<data_dir>/transfers/<transfer id>/<index>.part``); when the last one is in, the inner envelope is the
+  manifest's header and signature with the pieces joined, verified already, and goes to ingest with the fingerprint
+  of the key that verified it (:meth:`Ingestor.handle_envelope`), which checks that key is still valid, hashes
+  nothing, stores the update durably, ACKs it and aggregates it; the staging is then deleted;
 * a RECEIPT from a site asks for the missing chunks of a *download* (a task); it goes to the round manager.
 
-Why files for chunk data and a table for manifests: the manifest rows are the state several ingest workers share
-(PostgreSQL), and a chunk file that exists under its final name is complete (temporary file + rename). Chunk files
-are not fsync-ed: a piece this process did not check and write itself (staged before a restart, or by another
-worker) is checked against its leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a
-piece it wrote is not hashed twice. The blob directory (``data_dir``) is shared by every worker already (accepted
-payloads live there).
+Chunk data waits in memory for a transfer of at most ``spill_above_bytes`` whose announced size fits in what is
+left of ``memory_limit_bytes`` (defaults 64 MiB and 256 MiB; sizes are reserved at the manifest); such a transfer
+has no database row, and a coordinator restart forgets it (the gateway's resume manifest then gets a receipt listing
+every chunk). Any other transfer is staged on disk and its manifest recorded (``transfers`` table), so a restarted
+coordinator answers its resume manifest with exactly the chunks still missing. Chunk files are not fsync-ed: a piece
+this process did not check and write itself (staged before a restart, or by another worker) is checked against its
+leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a piece it checked is not hashed
+twice.
+
+Several ingest workers (``shared_staging=True``, coordinator.workers): the broker spreads one transfer's chunks over
+the workers of the shared subscription, so every transfer is staged on disk in the shared ``data_dir`` and recorded
+in the shared database (PostgreSQL), and whichever worker receives the last chunk assembles it (the behaviour before
+in-memory staging, kept for this deployment).
 
 Transfers not completed within ``ttl_s`` (default 48 h) expire: :meth:`TransferReceiver.sweep` deletes them, and
 a site whose transfer expired starts over (its next manifest is new again).
@@ -43,15 +50,13 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
 from shared.envelope import Envelope, MessageKind, seal
@@ -60,9 +65,10 @@ from shared.topics import ack_topic, parse_topic
 from shared.transfer import (CHUNK_HEADER_LENGTH, Chunk, Manifest, Receipt, TransferError, assemble, check_chunk,
                              check_manifest_header, decode_manifest, decode_receipt, encode_receipt, is_chunk)
 
-from coordinator.ingest import (Ingestor, RejectReason, _Reject, check_header_ranges, verify_site_envelope,
-                                verify_site_signature)
+from coordinator.ingest import (Accepted, Ingestor, Pending, RejectReason, _Reject, check_header_ranges,
+                                verify_site_envelope, verify_site_signature)
 from coordinator.registry import SiteRegistry
+from coordinator.staging import ChunkStaging, StagingLimits
 from coordinator.storage import Store, TransferRow, UpdateRow
 from coordinator.transport import Transport, TransportError
 
@@ -84,14 +90,28 @@ class TransferLimits:
         max_message_bytes: largest MQTT payload looked at, bytes; checked before any parsing. A whole (unchunked)
             envelope must fit in it; anything larger must be chunked.
         ttl_s: seconds after which an incomplete transfer expires.
+        memory_limit_bytes: announced bytes of the transfers staged in memory, together (coordinator.staging; an
+            upload is admitted to memory at its manifest if its size fits; 0: all on disk).
+        spill_above_bytes: a transfer larger than this is staged on disk (it resumes across a restart).
+
+    Raises:
+        ConfigError: a value out of range (names ``transfer.<field>`` and the fix).
     """
 
     max_chunk_bytes: int = 1 << 20
     max_update_bytes: int = 256 << 20
     max_message_bytes: int = (1 << 20) + 65536
     ttl_s: float = 48 * 3600.0
+    memory_limit_bytes: int = StagingLimits.memory_limit_bytes
+    spill_above_bytes: int = StagingLimits.spill_above_bytes
+
+    @property
+    def staging(self) -> StagingLimits:
+        """The staging part of these limits."""
+        return StagingLimits(memory_limit_bytes=self.memory_limit_bytes, spill_above_bytes=self.spill_above_bytes)
 
     def __post_init__(self) -> None:
+        self.staging  # noqa: B018 - validates memory_limit_bytes and spill_above_bytes (ConfigError)
         for name in ("max_chunk_bytes", "max_update_bytes", "max_message_bytes"):
             if int(getattr(self, name)) < 1024:
                 raise ConfigError(f"{name} is {getattr(self, name)}", field=f"transfer.{name}",
@@ -113,6 +133,8 @@ class TransferReceiver:
         on_download_receipt: ``callback(site_id, round, receipt)`` for a site asking for the missing chunks of a
             task (the round manager re-publishes them); None: ignored.
         clock: wall clock, seconds since the epoch (tests inject one).
+        shared_staging: several ingest workers share the data folder and database (coordinator.workers): every
+            transfer is staged on disk and recorded, so any worker can finish it (module docstring).
 
     Thread-safe (one lock); call it as a transport callback: ``receiver(topic, payload)``.
     """
@@ -120,7 +142,7 @@ class TransferReceiver:
     def __init__(self, *, federation_id: str, store: Store, registry: SiteRegistry, ingestor: Ingestor,
                  transport: Transport, signing_key: Ed25519PrivateKey, limits: TransferLimits | None = None,
                  on_download_receipt: Callable[[str, int, Receipt], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, shared_staging: bool = False) -> None:
         self.federation_id = federation_id
         self._store = store
         self._registry = registry
@@ -142,6 +164,13 @@ class TransferReceiver:
         # the chunks this process checked and wrote (not hashed again at assembly).
         self._verified_by: dict[str, str] = {}
         self._fresh: dict[str, set[int]] = {}
+        self.staging = ChunkStaging(self.staging_dir, self.limits.staging, shared=shared_staging)
+        # Transfers staged in memory (no row): transfer id -> (round, created, expires); times in seconds since the
+        # epoch.
+        self._memory: dict[str, tuple[int, float, float]] = {}
+        # Single process: the ids of the transfers that have a row (site id as value), read once from the table and
+        # kept up to date here, so a new transfer costs no query. None: not read yet (or shared staging: always ask).
+        self._rows: dict[str, str] | None = None
         self._last_sweep = float("-inf")
 
     def __call__(self, topic: str, raw: bytes) -> None:
@@ -223,28 +252,31 @@ class TransferReceiver:
             return verdict
         if self._clock() - self._last_sweep > SWEEP_INTERVAL_S:
             self.sweep()
-        now = self._now()
-        try:
-            with self._store.session() as s:
-                row = s.get(TransferRow, manifest.transfer_id)
-                if row is not None and row.site_id != site_id:
-                    raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
-                if row is None:
-                    s.add(TransferRow(transfer_id=manifest.transfer_id, site_id=site_id, round=h.round,
-                                      sequence=h.sequence, manifest_payload=bytes(env.payload),
-                                      num_chunks=manifest.num_chunks, created_at=now,
-                                      expires_at=now + _dt.timedelta(seconds=self.limits.ttl_s)))
-        except IntegrityError:  # another worker recorded the same manifest first
-            row = True
-        self._verified_by[manifest.transfer_id] = verified_by
-        if row is None:
-            self._manifests[manifest.transfer_id] = (site_id, manifest)
-            log.info("transfers: %s announced round %d update %s (%d bytes in %d chunks)", site_id, h.round,
-                     manifest.transfer_id[:12], manifest.total_length, manifest.num_chunks)
+        tid = manifest.transfer_id
+        known = self._manifests.get(tid)
+        if known is not None and known[0] != site_id:
+            raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
+        if known is None or not self.staging.tracks(tid):
+            owner = self._row_owner(tid)
+            if owner is not None and owner != site_id:
+                raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
+            on_disk = self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
+                                         known_on_disk=owner is not None)
+            self._manifests[tid] = (site_id, manifest)
+            if on_disk and owner is None:
+                self._record(tid, site_id, h.round, h.sequence, bytes(env.payload), manifest.num_chunks)
+            elif not on_disk:
+                created = self._clock()
+                self._memory[tid] = (h.round, created, created + self.limits.ttl_s)
+            if owner is None:
+                log.info("transfers: %s announced round %d update %s (%d bytes in %d chunks, staged %s)", site_id,
+                         h.round, tid[:12], manifest.total_length, manifest.num_chunks,
+                         "on disk" if on_disk else "in memory")
+        self._verified_by[tid] = verified_by
         if not manifest.resume:
             return None  # the chunks follow the manifest
         # A resume probe: the site reconnected (or timed out) and asks where to resume.
-        held = self._held(manifest.transfer_id)
+        held = self.staging.held(tid)
         if len(held) == manifest.num_chunks:
             return self._complete(topic, manifest)
         missing = tuple(i for i in range(manifest.num_chunks) if i not in held)
@@ -253,6 +285,36 @@ class TransferReceiver:
         log.info("transfers: %s resumes %s: %d of %d chunks missing", site_id, manifest.transfer_id[:12],
                  len(missing), manifest.num_chunks)
         return None
+
+    def _row_owner(self, transfer_id: str) -> str | None:
+        """The site whose manifest row ``transfer_id`` has, or None when it has none (no query in a single process
+        once the ids were read)."""
+        if self.staging.shared:
+            with self._store.session() as s:
+                row = s.get(TransferRow, transfer_id)
+                return None if row is None else row.site_id
+        return self._row_ids().get(transfer_id)
+
+    def _row_ids(self) -> dict[str, str]:
+        if self._rows is None:
+            with self._store.session() as s:
+                self._rows = dict(s.execute(select(TransferRow.transfer_id, TransferRow.site_id)).all())
+        return self._rows
+
+    def _record(self, transfer_id: str, site_id: str, round: int, sequence: int, manifest_payload: bytes,
+                num_chunks: int) -> None:
+        """Record the manifest of a transfer staged on disk, so that it resumes after a restart."""
+        now = self._now()
+        try:
+            with self._store.session() as s:
+                s.add(TransferRow(transfer_id=transfer_id, site_id=site_id, round=round, sequence=sequence,
+                                  manifest_payload=manifest_payload, num_chunks=num_chunks, created_at=now,
+                                  expires_at=now + _dt.timedelta(seconds=self.limits.ttl_s)))
+        except IntegrityError:  # another worker recorded the same manifest first
+            pass
+        if self._rows is not None:
+            self._rows[transfer_id] = site_id
+        self._memory.pop(transfer_id, None)
 
     def _send_receipt(self, site_id: str, h, receipt: Receipt) -> None:  # noqa: ANN001 - an EnvelopeHeader
         try:
@@ -275,13 +337,15 @@ class TransferReceiver:
         except (MalformedEnvelopeError, ConfigError) as exc:
             raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
         known = self._manifests.get(chunk.transfer_id)
-        if known is None:
-            with self._store.session() as s:
+        if known is None and (self.staging.shared or chunk.transfer_id in self._row_ids()):
+            with self._store.session() as s:  # a transfer staged on disk by an earlier process or another worker
                 row = s.get(TransferRow, chunk.transfer_id)
                 if row is not None:
                     known = (row.site_id, decode_manifest(row.manifest_payload))
             if known is not None:
                 self._manifests[chunk.transfer_id] = known
+                self.staging.begin(chunk.transfer_id, total_length=known[1].total_length,
+                                   num_chunks=known[1].num_chunks, known_on_disk=True)
         if known is None or channel != "update":
             raise _Reject(RejectReason.UNKNOWN_TRANSFER, f"chunk {chunk.index} of transfer {chunk.transfer_id[:12]}, "
                           "which has no (unexpired) manifest; the site resends after its manifest is answered")
@@ -292,32 +356,20 @@ class TransferReceiver:
             check_chunk(manifest, chunk)
         except TransferError as exc:
             raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
-        folder = self.staging_dir / manifest.transfer_id
-        path = folder / f"{chunk.index}.part"
-        if not path.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(chunk.data)
-            os.replace(tmp, path)
-            self._fresh.setdefault(manifest.transfer_id, set()).add(chunk.index)
-        if len(self._held(manifest.transfer_id)) < manifest.num_chunks:
+        tid = manifest.transfer_id
+        if not self.staging.tracks(tid):  # a manifest this process saw, of a transfer another worker finished
+            self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
+                               known_on_disk=True)
+        self.staging.put(tid, chunk.index, chunk.data)
+        self._fresh.setdefault(tid, set()).add(chunk.index)  # checked here: not hashed again
+        if self.staging.count(tid) < manifest.num_chunks:
             return None
         return self._complete(topic, manifest)
 
-    def _held(self, transfer_id: str) -> set[int]:
-        folder = self.staging_dir / transfer_id
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return set()
-        return {int(n[:-5]) for n in names if n.endswith(".part") and n[:-5].isdigit()}
-
     def _complete(self, topic: str, manifest: Manifest) -> object:
-        folder = self.staging_dir / manifest.transfer_id
-        try:
-            pieces = [(folder / f"{i}.part").read_bytes() for i in range(manifest.num_chunks)]
-        except FileNotFoundError:  # another worker assembled it and cleaned up
+        tid = manifest.transfer_id
+        pieces = self.staging.pieces(tid)
+        if pieces is None:  # another worker assembled it and cleaned up
             return None
         fresh = self._fresh.get(manifest.transfer_id, set())
         damaged = 0
@@ -326,7 +378,7 @@ class TransferReceiver:
                 try:
                     check_chunk(manifest, Chunk(manifest.transfer_id, i, piece))
                 except TransferError:
-                    (folder / f"{i}.part").unlink(missing_ok=True)
+                    self.staging.discard(tid, i)
                     damaged += 1
         if damaged:  # the site resends them
             raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed: {damaged} damaged chunk(s) dropped")
@@ -339,16 +391,23 @@ class TransferReceiver:
                 self._drop(manifest.transfer_id)
                 raise
         result = self._ingestor.handle_envelope(topic, env, verified_by=verified_by)
-        self._drop(manifest.transfer_id)
+        # An update that went to the commit group has its manifest row deleted in the group's transaction.
+        self._drop(manifest.transfer_id, row=not isinstance(result, (Accepted, Pending)))
         return result
 
-    def _drop(self, transfer_id: str) -> None:
+    def _drop(self, transfer_id: str, *, row: bool = True) -> None:
+        """Forget a transfer: its staging, and (``row``) its manifest row if it has one."""
         self._manifests.pop(transfer_id, None)
+        self._memory.pop(transfer_id, None)
         self._verified_by.pop(transfer_id, None)
         self._fresh.pop(transfer_id, None)
-        with self._store.session() as s:
-            s.execute(delete(TransferRow).where(TransferRow.transfer_id == transfer_id))
-        shutil.rmtree(self.staging_dir / transfer_id, ignore_errors=True)
+        has_row = self.staging.shared or self._rows is None or transfer_id in self._rows
+        if self._rows is not None:
+            self._rows.pop(transfer_id, None)
+        self.staging.drop(transfer_id)
+        if row and has_row:
+            with self._store.session() as s:
+                s.execute(delete(TransferRow).where(TransferRow.transfer_id == transfer_id))
 
     # ---- download receipts -------------------------------------------------------------------------------------
     def _receipt(self, topic: str, env: Envelope) -> object:
@@ -373,15 +432,26 @@ class TransferReceiver:
         return _dt.datetime.fromtimestamp(self._clock(), tz=_dt.timezone.utc).replace(tzinfo=None)
 
     def sweep(self) -> list[str]:
-        """Delete transfers past their expiry, and staging left for an update that is already stored (a process
-        killed between storing a reassembled update and deleting its chunks); returns the expired ids."""
+        """Delete transfers past their expiry (recorded ones and those staged in memory), and staging left for an
+        update that is already stored (a process killed between storing a reassembled update and deleting its
+        chunks); returns the expired ids."""
         now = self._now()
         self._last_sweep = self._clock()
+        in_memory = {(r, self._manifests[tid][0]): tid for tid, (r, _, _) in self._memory.items()
+                     if tid in self._manifests}
         with self._store.session() as s:
-            live = set(s.scalars(select(TransferRow.transfer_id)))
+            rows = dict(s.execute(select(TransferRow.transfer_id, TransferRow.site_id)).all())
             expired = list(s.scalars(select(TransferRow.transfer_id).where(TransferRow.expires_at < now)))
             done = list(s.scalars(select(TransferRow.transfer_id).join(
                 UpdateRow, (UpdateRow.round == TransferRow.round) & (UpdateRow.site_id == TransferRow.site_id))))
+            if in_memory:
+                stored = s.execute(select(UpdateRow.round, UpdateRow.site_id).where(
+                    tuple_(UpdateRow.round, UpdateRow.site_id).in_(sorted(in_memory))))
+                done += [in_memory[tuple(pair)] for pair in stored]
+        live = set(rows)
+        if not self.staging.shared:
+            self._rows = rows  # the table is the truth; from here on kept up to date in memory
+        expired += [tid for tid, (_, _, expires) in self._memory.items() if expires < self._last_sweep]
         for tid in expired:
             self._drop(tid)
             self._ingestor.counts["expired"] += 1
@@ -394,15 +464,39 @@ class TransferReceiver:
         except FileNotFoundError:
             orphans = []
         for tid in orphans:
+            if self.staging.on_disk(tid) and not self.staging.shared:
+                continue  # recorded by this process after the query above
             self._manifests.pop(tid, None)
             self._verified_by.pop(tid, None)
             self._fresh.pop(tid, None)
-            shutil.rmtree(self.staging_dir / tid, ignore_errors=True)
+            self.staging.drop(tid)
         return expired
 
     def pending(self) -> list[tuple[str, str, int, int]]:
-        """Incomplete transfers: ``(transfer id, site id, chunks held, chunks announced)``."""
+        """Incomplete transfers, oldest first: ``(transfer id, site id, chunks held, chunks announced)``; those
+        recorded in the database (staged on disk, by this or an earlier process) and those staged in memory."""
         with self._store.session() as s:
             rows = list(s.scalars(select(TransferRow).order_by(TransferRow.created_at)))
-        return [(r.transfer_id, r.site_id, len(self._held(r.transfer_id)), r.num_chunks) for r in rows]
+        out = [(_epoch(r.created_at), r.transfer_id, r.site_id, self._held_count(r.transfer_id), r.num_chunks)
+               for r in rows]
+        recorded = {r.transfer_id for r in rows}
+        for tid, (_, created, _) in self._memory.items():
+            known = self._manifests.get(tid)
+            if tid not in recorded and known is not None:
+                out.append((created, tid, known[0], self.staging.count(tid), known[1].num_chunks))
+        return [entry[1:] for entry in sorted(out, key=lambda e: e[0])]
 
+    def _held_count(self, transfer_id: str) -> int:
+        """Chunks held of a recorded transfer (its folder is listed if this process has not met it yet)."""
+        if self.staging.tracks(transfer_id):
+            return self.staging.count(transfer_id)
+        try:
+            names = os.listdir(self.staging_dir / transfer_id)
+        except FileNotFoundError:
+            return 0
+        return sum(1 for n in names if n.endswith(".part") and n[:-5].isdigit())
+
+
+def _epoch(naive_utc: _dt.datetime) -> float:
+    """Seconds since the epoch of a naive UTC datetime (the tables' convention)."""
+    return naive_utc.replace(tzinfo=_dt.timezone.utc).timestamp()

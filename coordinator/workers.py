@@ -6,8 +6,9 @@ DESIGN.md "Scale": past a few hundred gateways, updates are ingested by N worker
   and EMQX also serve shared subscriptions to MQTT 3.1.1 clients), so the broker hands each message to one worker;
 * runs the same :class:`~coordinator.transfers.TransferReceiver` and :class:`~coordinator.ingest.Ingestor` as a
   single coordinator, with the round it ingests for read from the database (the round row the finaliser opened);
-* keeps a FedAvg running sum of what it accepted and, after every accepted update, writes it durably as its
-  *partial sum* (``partial_sums`` table + a blob), with the sites it covers and what they reported.
+* keeps a FedAvg running sum of what it accepted and, after every commit group that accepted updates
+  (coordinator.group_commit), writes it durably as its *partial sum* (``partial_sums`` table + a blob), with the
+  sites it covers and what they reported.
 
 The finaliser (the coordinator process that opens and closes rounds, ``ingest_workers > 0`` in its config) does not
 subscribe to updates. It waits until the round's ``updates`` rows reach the quorum, then closes the round in the
@@ -20,7 +21,11 @@ rows are unique per site, round and category). The partial sums' encoding and th
 :mod:`coordinator.partial_sums`; the task resends a worker answers are :mod:`coordinator.outgoing`.
 
 State shared by the workers and the finaliser: the database (PostgreSQL; SQLite only on one machine) and the blob
-directory ``data_dir`` (accepted payloads, partial sums, chunk staging), which must be one shared folder. The path
+directory ``data_dir`` (accepted payloads, partial sums, chunk staging), which must be one shared folder. The
+broker hands each *message* to one worker, so the chunks of one upload are spread over the workers: a worker stages
+every chunk on disk in the shared folder and records every manifest in the database (``shared_staging``,
+coordinator.staging; a single coordinator keeps chunks in memory instead), and whichever worker receives a
+transfer's last chunk assembles it. The path
 to an MQTT cluster: point every worker and gateway at the cluster's listener (EMQX cluster, or Mosquitto bridges);
 shared subscriptions are then balanced cluster-wide (EMQX) or per node (bridged Mosquitto: give each node's
 workers the same group name). Only FedAvg is merged this way; NIRA's per-cluster heads are sums too, but are not
@@ -97,15 +102,19 @@ class IngestWorker:
         t = config.transfer
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
                                  ledger=self.ledger, transport=self.transport, signing_key=key,
-                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
-        self.ingestor.on_accepted = self._write_partial
+                                 replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s),
+                                 group_commit=config.group_commit.policy())
+        self.ingestor.on_accepted = self._note_accepted
+        self._dirty: RoundContext | None = None  # the round whose running sum changed since its partial was written
         self.receiver = TransferReceiver(
             federation_id=config.federation_id, store=self.store, registry=self.registry, ingestor=self.ingestor,
             transport=self.transport, signing_key=key,
             limits=TransferLimits(max_chunk_bytes=t.max_chunk_bytes, max_update_bytes=t.max_update_bytes,
-                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s),
+                                  max_message_bytes=t.max_message_bytes, ttl_s=t.ttl_s,
+                                  memory_limit_bytes=t.memory_limit_bytes, spill_above_bytes=t.spill_above_bytes),
             on_download_receipt=lambda site, r, receipt: answer_download_receipt(
-                config, self.transport, key, self.ingestor.context, site, r, receipt))
+                config, self.transport, key, self.ingestor.context, site, r, receipt),
+            shared_staging=True)  # the broker spreads one transfer's chunks over the workers (coordinator.staging)
         self._lock = threading.Lock()
         self._queue: QueuedCallback | None = None
 
@@ -116,7 +125,9 @@ class IngestWorker:
             self.transport.connect()
         handler = self.on_message
         if isinstance(self.transport, MqttTransport):  # off paho's network thread (coordinator.transport)
-            handler = self._queue = QueuedCallback(self.on_message, name=f"wildfed-ingest-{self.worker_id}")
+            handler = self._queue = QueuedCallback(self.on_message, name=f"wildfed-ingest-{self.worker_id}",
+                                                   flush=self._flush, flush_in=self.ingestor.flush_in)
+            self.ingestor.defer_commits = True
         self.transport.subscribe(shared_updates_filter(self.config.federation_id), handler)
         log.info("ingest worker %s: listening on %s", self.worker_id,
                  shared_updates_filter(self.config.federation_id))
@@ -134,7 +145,27 @@ class IngestWorker:
         """Transport callback: bring the round context up to date with the database, then receive the message."""
         with self._lock:
             self.refresh_round()
-            return self.receiver.handle(topic, raw)
+            try:
+                return self.receiver.handle(topic, raw)
+            finally:
+                self._write_dirty_partial()
+
+    def _flush(self) -> None:
+        """Group commit, driven by the ingest thread (coordinator.group_commit), under the worker's lock; then the
+        partial sum, once for the whole group."""
+        with self._lock:
+            try:
+                self.ingestor.flush()
+            finally:
+                self._write_dirty_partial()
+
+    def _note_accepted(self, ctx: RoundContext, accepted: Accepted) -> None:
+        self._dirty = ctx
+
+    def _write_dirty_partial(self) -> None:
+        ctx, self._dirty = self._dirty, None
+        if ctx is not None:
+            self._write_partial(ctx)
 
     def refresh_round(self) -> RoundContext | None:
         """Open ingest for the round the finaliser has open in the database (a new FedAvg sum per round), or close
@@ -165,8 +196,10 @@ class IngestWorker:
         log.info("ingest worker %s: ingesting round %d", self.worker_id, row.round)
         return ctx
 
-    def _write_partial(self, ctx: RoundContext, accepted: Accepted) -> None:
-        """After each accepted update: this worker's partial sum and covered sites, durably (blob, then row)."""
+    def _write_partial(self, ctx: RoundContext) -> None:
+        """After each commit group that accepted updates: this worker's partial sum and covered sites, durably
+        (blob, then row). A worker killed before it is written leaves stored updates no partial covers: the
+        finaliser reads those from their blobs (module docstring)."""
         acc = ctx.strategy.running_sum  # type: ignore[attr-defined] - FedAvg
         digest = self.store.put_blob(encode_partial(acc))
         sites = [accepted_to_json(a) for a in ctx.accepted.values()]

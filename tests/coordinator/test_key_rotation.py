@@ -221,3 +221,113 @@ def test_ingest_worker_refuses_to_start_beside_a_coordinator_that_ingests(tmp_pa
     assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
     res = runner.invoke(app, ["ingest-worker", "--worker-id", "w1", "-c", str(tmp_path / "c" / "coordinator.yaml")])
     assert res.exit_code == 2 and "ingest_workers" in res.output, res.output
+
+
+# ---- the verification-key cache (issue 22, item 2) ----------------------------------------------------------------
+def _count_key_reads(store: Store) -> list[str]:
+    """Every SQL statement that reads the ``site_keys`` or ``sites`` table (the key cache's misses)."""
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def _record(conn, cursor, statement, params, context, executemany) -> None:  # noqa: ANN001
+        if statement.lstrip().upper().startswith("SELECT") and ("site_keys" in statement or "FROM sites" in statement):
+            seen.append(statement)
+
+    return seen
+
+
+def test_keys_are_cached_and_a_revocation_in_this_process_counts_at_once(tmp_path: Path) -> None:
+    # Prepare: a site with two valid keys (rotated, in its grace period), its keys read once
+    store = Store(f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "d")
+    reg = SiteRegistry(store, clock=Clock(T0))
+    (p1, f1), (p2, f2) = _pem(), _pem()
+    reg.enrol("s1", p1)
+    reg.rotate_key("s1", p2, grace_s=3600)
+    reads = _count_key_reads(store)
+    assert _fps(reg, "s1") == [f2, f1]
+    first = len(reads)
+    assert first >= 1
+    # Execute 1: many verifications, nothing changed: no key read at all (the cache serves them)
+    for _ in range(20):
+        assert _fps(reg, "s1") == [f2, f1]
+    assert len(reads) == first
+    # Execute 2: revoke the old key in this process; Assert: the very next call no longer has it
+    assert reg.revoke_key("s1", f1) == [f1]
+    assert _fps(reg, "s1") == [f2]
+    assert len(reads) > first  # re-read after the change
+    # the grace period still ends on the clock, with no change to invalidate anything
+    reg.revoke_key("s1", f2)
+    assert _fps(reg, "s1") == []
+    store.dispose()
+
+
+def test_a_revoked_key_stops_verifying_updates_at_once(tmp_path: Path) -> None:
+    """Through ingest: an update signed with a key revoked a moment ago (after the registry cached it) is refused
+    (``no_valid_key``), the one before the revocation was accepted."""
+    from coordinator.ingest import Accepted, RejectReason, Rejected
+    from coordinator.service import Coordinator
+    from coordinator.transport import InMemoryTransport
+    from shared.iucn import IUCNCategory
+    from shared.topics import update_topic
+    from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
+
+    bus = InMemoryTransport()
+    key = generate_signing_key()
+    coord = Coordinator(make_config(tmp_path, round_deadline_s=5.0), transport=bus, signing_key=key,
+                        initial_weights=tiny_weights())
+    sites = {sid: FakeSite(sid, bus, key.public_key(), value=1.0, num_examples=10, events={IUCNCategory.LC: EVENT})
+             for sid in ("s1", "s2")}
+    for sid, site in sites.items():
+        coord.enrol(sid, site.public_pem, {"num_examples": 10})
+    coord.start()
+    ctx = coord.rounds.open_round()
+    delta = {k: v * 0 + 1 for k, v in tiny_weights().items()}
+    first = coord.ingestor.handle(update_topic("testfed", "s1"), sites["s1"].envelope(
+        ctx.round, ctx.model_hash, sites["s1"].payload(delta)))
+    assert isinstance(first, Accepted)  # s1's keys are cached now
+    coord.registry.revoke_key("s2")
+    refused = coord.ingestor.handle(update_topic("testfed", "s2"), sites["s2"].envelope(
+        ctx.round, ctx.model_hash, sites["s2"].payload(delta)))
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.NO_VALID_KEY
+    coord.registry.revoke_key("s1")
+    again = coord.ingestor.handle(update_topic("testfed", "s1"), sites["s1"].envelope(
+        ctx.round, ctx.model_hash, sites["s1"].payload(delta)))
+    assert isinstance(again, Rejected) and again.reason is RejectReason.NO_VALID_KEY
+    coord.close()
+
+
+def test_a_revocation_by_another_process_is_seen_by_the_next_verification(tmp_path: Path) -> None:
+    """The CLI in a real subprocess revokes a key the running registry has cached: the next verification in this
+    process no longer returns it (the registry's change counter moved), with no time bound to wait out."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+    from coordinator.config import load_config
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
+    cfg_path = tmp_path / "c" / "coordinator.yaml"
+    (p1, f1), (p2, f2) = _pem(), _pem()
+    (tmp_path / "1.pub").write_text(p1)
+    (tmp_path / "2.pub").write_text(p2)
+    assert runner.invoke(app, ["enrol", "s1", "--public-key", str(tmp_path / "1.pub"), "-c", str(cfg_path)]
+                         ).exit_code == 0
+    cfg = load_config(cfg_path)
+    running = SiteRegistry(Store(cfg.database_url, cfg.data_dir))
+    assert _fps(running, "s1") == [f1]  # cached
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "coordinator.cli"]
+    done = subprocess.run(cmd + ["rotate-key", "s1", "--public-key", str(tmp_path / "2.pub"), "--grace-hours", "1",
+                                 "-c", str(cfg_path)], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _fps(running, "s1") == [f2, f1]
+    done = subprocess.run(cmd + ["revoke-key", "s1", "--fingerprint", f1[:16], "-c", str(cfg_path)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _fps(running, "s1") == [f2]

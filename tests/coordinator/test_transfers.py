@@ -10,8 +10,9 @@ FedAvg in closed form):
   signature does not verify, or whose inner header differs from its own, is refused before any chunk is kept;
 * a round whose two updates arrive chunked closes with the FedAvg of the two deltas, each update accepted once;
 * resume: half the chunks, then a ``resume`` manifest, gets a signed RECEIPT listing exactly the other half; sending
-  those completes the update, and the chunks sent over the whole transfer are n, not 2n; it also resumes after the
-  coordinator restarts (chunks and manifest rows are on disk);
+  those completes the update, and the chunks sent over the whole transfer are n, not 2n; a transfer staged on disk
+  also resumes after the coordinator restarts (chunk files and manifest row), one staged in memory starts over;
+* chunk staging holds uploads in memory while their announced sizes fit its limit, and stages the others on disk;
 * a resume manifest for an update already stored is ACKed again and never aggregated twice;
 * incomplete transfers expire; a message over the size limit is refused before parsing;
 * a real EdgeAgent and a real Coordinator, both with 1 KiB chunks, run a round through a lossy link that drops
@@ -43,6 +44,7 @@ from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, 
 
 from coordinator.ingest import Rejected, RejectReason
 from coordinator.service import Coordinator
+from coordinator.staging import StagingLimits
 from coordinator.storage import TransferRow
 from coordinator.transport import InMemoryTransport
 from tests.support import camera_site
@@ -204,8 +206,8 @@ def test_a_round_of_chunked_updates_closes_with_their_fedavg(tmp_path: Path) -> 
     coord.close()
 
 
-def _open_round(tmp_path: Path, key, bus):
-    coord = coordinator(tmp_path, bus, key)
+def _open_round(tmp_path: Path, key, bus, **overrides):
+    coord = coordinator(tmp_path, bus, key, **overrides)
     s = site(bus, key, "s1", 1.0, 20)  # not attached: the test sends its update by hand
     coord.enrol("s1", s.public_pem, {"num_examples": 20, "categories": ["VU"]})
     ctx = coord.rounds.open_round()
@@ -265,23 +267,103 @@ def test_resume_manifest_gets_a_receipt_of_exactly_the_missing_chunks(tmp_path: 
     coord.close()
 
 
-def test_resume_survives_a_coordinator_restart(tmp_path: Path) -> None:
-    """Chunks and manifests are on disk: a restarted receiver (same store) answers the resume manifest with the
-    chunks it is still missing, not with all of them."""
+@pytest.mark.parametrize("staged", ["on_disk", "in_memory"])
+def test_resume_after_a_coordinator_restart(tmp_path: Path, staged: str) -> None:
+    """A transfer staged on disk (larger than ``spill_above_bytes``; here 0) has its manifest row and chunk files: a
+    restarted receiver (same store) answers the resume manifest with the chunks it is still missing, not with all
+    of them. A transfer staged in memory is forgotten by the restart: the receipt lists every chunk, and the chunks
+    the site then sends complete it (the update is accepted once)."""
     key = generate_signing_key()
     bus = InMemoryTransport()
-    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    spill = 0 if staged == "on_disk" else 1 << 20
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus, transfer={"spill_above_bytes": spill})
     topic = update_topic("testfed", "s1")
     manifest, chunks = split(raw)
+    n = manifest.num_chunks
     send(lambda t, p: bus.publish(t, p) if not is_chunk(p) or Chunk.from_bytes(p, max_data_bytes=CHUNK).index < 5
          else None, topic, raw, private_key=s.key, chunk_size=CHUNK)
+    with coord.store.session() as db:
+        assert db.query(TransferRow).count() == (1 if staged == "on_disk" else 0)
+    assert coord.transfers.staging.memory_bytes == (0 if staged == "on_disk" else 5 * CHUNK)
+    from coordinator.transfers import TransferLimits, TransferReceiver
+
+    restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
+                                 ingestor=coord.ingestor, transport=bus, signing_key=key,
+                                 limits=TransferLimits(spill_above_bytes=spill))
+    restarted.handle(topic, _resume(raw, s.key))
+    receipts = _receipts(bus, "s1", key)
+    expect_missing = tuple(range(5, n)) if staged == "on_disk" else tuple(range(n))
+    assert receipts[-1].missing == expect_missing
+    send(restarted.handle, topic, raw, private_key=s.key, chunk_size=CHUNK, missing=receipts[-1].missing)
+    assert "s1" in ctx.accepted and ctx.strategy.count == 1 and coord.store.count_updates() == 1
+    with coord.store.session() as db:
+        assert db.query(TransferRow).count() == 0
+    assert not (coord.store.data_dir / "transfers" / manifest.transfer_id).exists()
+    coord.close()
+
+
+def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None:
+    """With room in memory for one upload (its announced size is reserved at its manifest), the first upload is held
+    in memory (no row, no file) and the second, announced meanwhile, is staged on disk with its manifest row, so a
+    restarted receiver asks only for its missing chunks. Once the first is in, its room serves the next upload."""
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord, s1, ctx, raw1 = _open_round(tmp_path, key, bus)
+    others = {}
+    for name in ("s2", "s3"):
+        others[name] = site(bus, key, name, 1.0, 20)
+        coord.enrol(name, others[name].public_pem, {"num_examples": 20, "categories": ["VU"]})
+    ctx.selected = frozenset({"s1", "s2", "s3"})
+    raws = {"s1": raw1, **{name: _update_of(s, ctx) for name, s in others.items()}}
+    keys = {"s1": s1.key, **{name: s.key for name, s in others.items()}}
+    out: dict[str, list[bytes]] = {}
+    for name, raw in raws.items():
+        out[name] = []
+        send(lambda t, p, name=name: out[name].append(p), update_topic("testfed", name), raw,
+             private_key=keys[name], chunk_size=CHUNK)
+    manifest = {name: split(raw, CHUNK, kind="update")[0] for name, raw in raws.items()}
+    assert len({m.total_length for m in manifest.values()}) == 1
+    size, n = manifest["s1"].total_length, manifest["s1"].num_chunks
+    receiver = coord.transfers
+    receiver.staging.limits = StagingLimits(memory_limit_bytes=size + 100)  # room for one upload
+    staging = receiver.staging
+
+    def handle(name: str, messages: list[bytes]) -> list[object]:
+        return [receiver.handle(update_topic("testfed", name), p) for p in messages]
+
+    def rows() -> list[str]:
+        with coord.store.session() as db:
+            return sorted(r.site_id for r in db.query(TransferRow))
+
+    def folder(name: str) -> Path:
+        return coord.store.data_dir / "transfers" / manifest[name].transfer_id
+
+    # Execute 1: s1 announces and sends 2 chunks, then s2 does the same
+    assert handle("s1", out["s1"][:3]) == [None] * 3
+    assert handle("s2", out["s2"][:3]) == [None] * 3
+    # Assert 1: s1 in memory, s2 on disk with its row
+    assert (staging.reserved_bytes, staging.memory_bytes, staging.spills) == (size, 2 * CHUNK, 1)
+    assert not folder("s1").exists() and sorted(p.name for p in folder("s2").glob("*.part")) == ["0.part", "1.part"]
+    assert rows() == ["s2"]
+    assert sorted(p[1:] for p in receiver.pending()) == [("s1", 2, n), ("s2", 2, n)]
+    # a restarted receiver: s2 resumes from its files
     from coordinator.transfers import TransferReceiver
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key)
-    restarted.handle(topic, _resume(raw, s.key))
-    receipts = _receipts(bus, "s1", key)
-    assert receipts[-1].missing == tuple(range(5, manifest.num_chunks))
+    restarted.handle(update_topic("testfed", "s2"), _resume(raws["s2"], keys["s2"]))
+    assert _receipts(bus, "s2", key)[-1].missing == tuple(range(2, n))
+    # Execute 2: s1 completes; then s3 announces: s1's room is free again
+    handle("s1", out["s1"][3:])
+    assert "s1" in ctx.accepted and (staging.reserved_bytes, staging.memory_bytes) == (0, 0)
+    handle("s3", out["s3"][:1])
+    assert staging.reserved_bytes == size and not staging.on_disk(manifest["s3"].transfer_id) and rows() == ["s2"]
+    handle("s2", out["s2"][3:])
+    handle("s3", out["s3"][1:])
+    # Assert 2: every update accepted once; no row, folder or memory left
+    assert sorted(ctx.accepted) == ["s1", "s2", "s3"] and coord.store.count_updates() == 3
+    assert rows() == [] and not folder("s2").exists() and receiver.pending() == []
+    assert (staging.reserved_bytes, staging.memory_bytes, staging.spills) == (0, 0, 1)
     coord.close()
 
 
@@ -466,6 +548,10 @@ def test_a_format_1_envelope_and_a_wfc1_chunk_are_refused_naming_the_version_and
     assert "transfer format 1" in refused_chunk.detail and "same WildFed release" in refused_chunk.detail
     assert "s1" not in ctx.accepted and coord.transfers.pending() == []
     coord.close()
+
+
+def _update_of(s: FakeSite, ctx) -> bytes:
+    return s.envelope(ctx.round, ctx.model_hash, s.payload({k: np.full_like(v, 1.0) for k, v in model().items()}))
 
 
 def _resume(raw: bytes, key) -> bytes:
