@@ -121,7 +121,8 @@ def test_a_chunked_update_costs_one_transaction_and_one_read_of_the_updates_tabl
                "psi.b": np.zeros(2, np.float32)}  # 8 KiB: a manifest and 9 chunks of 1 KiB
     coord = Coordinator(make_config(tmp_path, privacy="none", ship_ort_artifacts=False), transport=bus,
                         signing_key=key, initial_weights=weights)
-    site = FakeSite("s1", bus, key.public_key(), value=1.0, num_examples=10, events={})
+    site = FakeSite("s1", bus, key.public_key(), value=1.0, num_examples=10, events={},
+                    piece_size=1024)  # its update travels in 1 KiB chunks (envelope format 2: pieces = chunks)
     bus.subscribe(ack_topic(FED, "s1"), site._on_ack)
     coord.enrol("s1", site.public_pem, {"num_examples": 10})
     coord.start()

@@ -321,7 +321,7 @@ def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None
         out[name] = []
         send(lambda t, p, name=name: out[name].append(p), update_topic("testfed", name), raw,
              private_key=keys[name], chunk_size=CHUNK)
-    manifest = {name: split(raw, CHUNK, kind="update")[0] for name, raw in raws.items()}
+    manifest = {name: split(raw)[0] for name, raw in raws.items()}
     assert len({m.total_length for m in manifest.values()}) == 1
     size, n = manifest["s1"].total_length, manifest["s1"].num_chunks
     receiver = coord.transfers
@@ -376,7 +376,7 @@ def test_after_a_restart_pieces_staged_before_are_checked_again_and_a_torn_one_i
     # Prepare
     key = generate_signing_key()
     bus = InMemoryTransport()
-    coord, s, ctx, raw = _open_round(tmp_path, key, bus)
+    coord, s, ctx, raw = _open_round(tmp_path, key, bus, transfer={"spill_above_bytes": 0})  # staged on disk
     topic = update_topic("testfed", "s1")
     manifest, chunks = split(raw)
     for p in _messages(raw, s.key)[:6]:  # the manifest and chunks 0-4
