@@ -72,7 +72,7 @@ def demo(
                                            "60 with --privacy none)"),
     expected_batch_size: int | None = typer.Option(None, help="records per step in expectation (q = B / N_site; "
                                                    "default 1024 with DP, 128 with --privacy none)"),
-    learning_rate: float | None = typer.Option(None, help="SGD step size (default 8 with --privacy global, 4 "
+    learning_rate: float | None = typer.Option(None, help="SGD step size (default 12 with --privacy global, 4 "
                                                "with ccdp, 10 with none: no clipping there)"),
     server_momentum: float | None = typer.Option(None, help="coordinator's server SGD momentum (FedAvgM; 0 = "
                                                  "FedAvg; default 0.5, the tuned value)"),

@@ -212,9 +212,9 @@ class DemoSettings:
         if self.tolerated_dropouts is None:
             object.__setattr__(self, "tolerated_dropouts", min(1, max(0, self.sites - self.sites // 2 - 1)))
         if type(self.tolerated_dropouts) is not int or not 0 <= self.tolerated_dropouts < self.sites - self.sites // 2:
-            raise ConfigError(f"tolerated_dropouts must be an integer in [0, {self.sites - self.sites // 2 - 1}] with "
-                              f"{self.sites} sites (the threshold sites - dropouts must stay a majority), got "
-                              f"{self.tolerated_dropouts!r}", field="tolerated_dropouts",
+            raise ConfigError(f"must be an integer from 0 to {self.sites - self.sites // 2 - 1} with {self.sites} sites "
+                              f"(the secure-aggregation threshold, sites minus tolerated dropouts, must stay a "
+                              f"majority), got {self.tolerated_dropouts!r}", field="tolerated_dropouts",
                               fix="use --tolerated-dropouts 1, or at most half the sites less one")
         if self.privacy not in ("ccdp", "global", "none"):
             raise ConfigError(f"privacy must be 'ccdp', 'global' or 'none', got {self.privacy!r}", field="privacy",
@@ -893,6 +893,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
         _import_demo_deployments(coordinator.store, run_dir, specs, config, console)
 
+        console.log("waiting for the gateways to connect (each imports its libraries, loads its Camtrap DP "
+                    "package and embeds its images; about a minute, longer on a first run or a busy machine)")
         gateways.wait_ready(console)
         budgets = config.budgets()
         columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),

@@ -776,7 +776,8 @@ def radiomap_command(
     Writes radiomap.json, .md, .png and the ledger. The default grid (18 runs) takes well over an hour on 2 cores
     (15 runs took 104 minutes on busy ones; --attacker template searches each active client's tile, about 15 min per
     attack round and defence on busy cores);
-    --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look."""
+    --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look (the real cities need `pip install --no-deps
+    sionna-rt==2.2.0`; --city procedural needs nothing more)."""
     from rich.console import Console
 
     settings = RadioMapSettings(
