@@ -678,13 +678,22 @@ class RadioMapResult:
 
 
 def run_radiomap_experiment(settings: RadioMapSettings, *, console: Any = None) -> RadioMapResult:
-    """Every (seed, defence) run with the ledger; writes radiomap.json/.md/.png after each run."""
+    """Every (seed, defence) run with the ledger; writes radiomap.json/.md/.png after each run.
+
+    Raises:
+        ConfigError: a city scene is named and sionna-rt, which ships the scenes, is not installed (checked before
+            anything is written).
+    """
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from coordinator.ledger import PrivacyLedger
     from coordinator.storage import Store
+    from shared.radio.scenes import scene_path
 
+    for city in (settings.city, settings.validation_city):  # before any folder, file or progress bar
+        if city is not None and city in SCENES:
+            scene_path(city)  # ConfigError naming the sionna-rt install when its scenes are absent
     out_dir = settings.out_dir or Path("runs") / time.strftime("radiomap-%Y%m%dT%H%M%SZ", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     store = Store(f"sqlite:///{out_dir / 'ledger.db'}", out_dir / "data")

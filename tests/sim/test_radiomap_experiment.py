@@ -144,3 +144,22 @@ def test_allocator_shares_state_and_training(tmp_path):
                         proxy_centres=np.zeros((0, 2)), task_inputs=proxies[0].maps.inputs,
                         task_targets=proxies[0].maps.targets, clipping_norm=0.01, noise_multiplier=3.0,
                         floor_fraction=0.5, round_index=1, total_rounds=2)
+
+
+def test_a_city_without_sionna_rt_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # the city scenes ship with sionna-rt; where it is absent the run stops with the install step and leaves no
+    # folder, ledger or cached data behind
+    import importlib.metadata
+
+    from shared.errors import ConfigError
+    from wildfed_sim.radiomap import RadioMapSettings, run_radiomap_experiment
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    out = tmp_path / "run"
+    settings = RadioMapSettings(seeds=(0,), city="munich", out_dir=out)  # names are checked, not the install
+    with pytest.raises(ConfigError, match="sionna-rt") as err:
+        run_radiomap_experiment(settings)
+    assert err.value.field == "city" and not out.exists()
