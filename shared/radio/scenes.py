@@ -441,12 +441,7 @@ def scene_tiles(scene: str, count: int, rng: np.random.Generator, *,
     raster, _ = _footprint(name, float(geometry.metres_per_pixel))
     size = int(geometry.size_px)
     rows, cols = raster.shape
-    if rows < size or cols < size:
-        raise ConfigError(f"scene {scene!r} is {rows} x {cols} px, smaller than one {size} px tile", field="city",
-                          fix="use a smaller tile or another scene")
-    # Coverage of every possible crop at once, from a summed-area table (exact integer counts).
-    table = np.zeros((rows + 1, cols + 1), dtype=np.int64)
-    table[1:, 1:] = raster.cumsum(axis=0).cumsum(axis=1)
+    table = _summed_area(raster, size, scene)  # coverage of every possible crop, exact integer counts
     total = size * size
     tiles = np.empty((int(count), size, size), dtype=bool)
     found = 0
@@ -506,15 +501,26 @@ class SceneTile:
                         axis=1)
 
 
-@functools.lru_cache(maxsize=16)
-def _grid(scene: str, size: int, metres_per_pixel: float, low: float, high: float) -> tuple[SceneTile, ...]:
-    raster, origin = _footprint(scene, metres_per_pixel)
+def _summed_area(raster: np.ndarray, size: int, scene: str) -> np.ndarray:
+    """int64 (rows + 1, cols + 1) summed-area table of a bool (rows, cols) footprint raster (Crow 1984): the built
+    pixels of the crop with top-left (r, c) and side ``size`` are ``T[r+s, c+s] - T[r, c+s] - T[r+s, c] + T[r, c]``.
+
+    Raises:
+        ConfigError: the raster is smaller than one ``size`` px tile (field ``city``).
+    """
     rows, cols = raster.shape
     if rows < size or cols < size:
         raise ConfigError(f"scene {scene!r} is {rows} x {cols} px, smaller than one {size} px tile", field="city",
                           fix="use a smaller tile or another scene")
     table = np.zeros((rows + 1, cols + 1), dtype=np.int64)
     table[1:, 1:] = raster.cumsum(axis=0).cumsum(axis=1)
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _grid(scene: str, size: int, metres_per_pixel: float, low: float, high: float) -> tuple[SceneTile, ...]:
+    raster, origin = _footprint(scene, metres_per_pixel)
+    table = _summed_area(raster, size, scene)
     total = size * size
 
     # ok[r, c]: the crop with top-left pixel (r, c) is acceptable (coverage from the summed-area table).
