@@ -209,10 +209,11 @@ class DemoSettings:
         if self.global_noise not in ("trusted-server", "distributed"):
             raise ConfigError(f"global_noise must be 'trusted-server' or 'distributed', got {self.global_noise!r}",
                               field="global_noise", fix="use --global-noise trusted-server or distributed")
+        most = self.sites - (self.sites // 2 + 1)  # the threshold may not fall below the smallest majority
         if self.tolerated_dropouts is None:
-            object.__setattr__(self, "tolerated_dropouts", min(1, max(0, self.sites - self.sites // 2 - 1)))
-        if type(self.tolerated_dropouts) is not int or not 0 <= self.tolerated_dropouts < self.sites - self.sites // 2:
-            raise ConfigError(f"must be an integer from 0 to {self.sites - self.sites // 2 - 1} with {self.sites} sites "
+            object.__setattr__(self, "tolerated_dropouts", min(1, most))
+        if type(self.tolerated_dropouts) is not int or not 0 <= self.tolerated_dropouts <= most:
+            raise ConfigError(f"must be an integer from 0 to {most} with {self.sites} sites "
                               f"(the secure-aggregation threshold, sites minus tolerated dropouts, must stay a "
                               f"majority), got {self.tolerated_dropouts!r}", field="tolerated_dropouts",
                               fix="use --tolerated-dropouts 1, or at most half the sites less one")
