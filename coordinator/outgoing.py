@@ -38,18 +38,21 @@ def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
     return config.data_dir / "outgoing" / str(r) / f"{site_id}.head"
 
 
-def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, data: bytes, payload_length: int) -> None:
+def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, env: Envelope) -> None:
     """Keep a sealed task for resends: its head per site, its payload once per content (no fsync: a lost file only
-    means the site waits for the next round)."""
+    means the site waits for the next round).
+
+    Raises:
+        OSError: a file could not be written.
+    """
     head_path = outgoing_task_path(config, r, site_id)
     head_path.parent.mkdir(parents=True, exist_ok=True)
-    split_at = len(data) - payload_length
-    payload_path = head_path.parent / f"payload-{Envelope.from_bytes(data).header.payload_digest}.bin"
+    payload_path = head_path.parent / f"payload-{env.header.payload_digest}.bin"
     if not payload_path.exists():
         tmp = payload_path.with_suffix(".tmp")
-        tmp.write_bytes(data[split_at:])
+        tmp.write_bytes(env.payload)
         tmp.replace(payload_path)
-    head_path.write_bytes(data[:split_at])
+    head_path.write_bytes(env.head_bytes())
 
 
 def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes:
@@ -64,12 +67,17 @@ def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes
 
 
 def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey, site_id: str,
-                    data: bytes, *, missing: tuple[int, ...] | None = None) -> int:
-    """Publish a sealed task on the site's task topic, chunked past ``transfer.chunk_size_bytes``
-    (``shared.transfer.send``); returns the number of messages."""
+                    data: bytes | Envelope, *, missing: tuple[int, ...] | None = None) -> int:
+    """Publish a sealed task (an envelope sealed here, or its wire bytes) on the site's task topic, chunked past
+    ``transfer.chunk_size_bytes`` (``shared.transfer.send``); returns the number of messages."""
     topic = task_topic(config.federation_id, site_id)
-    return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
-                chunk_size=config.transfer.chunk_size_bytes, missing=missing)
+    pipelined = getattr(transport, "pipelined", None)  # MqttTransport: the chunks' PUBACKs awaited together
+    if pipelined is None:
+        return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
+                    chunk_size=config.transfer.chunk_size_bytes, missing=missing)
+    with pipelined() as publish:
+        return send(publish, topic, data, private_key=key, chunk_size=config.transfer.chunk_size_bytes,
+                    missing=missing)
 
 
 def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey,

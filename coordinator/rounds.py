@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
 from shared.codec import decode_tensors, encode_tensors, model_hash
-from shared.envelope import MessageKind, seal
+from shared.envelope import Envelope, MessageKind, readdress, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
@@ -92,7 +92,9 @@ class RoundResult:
     Attributes:
         round: number. status: ``closed`` (new model) / ``failed`` (no quorum) / ``skipped`` (no site selectable).
         selected: sites offered the round. accepted: sites whose update was aggregated (or charged, if failed).
-        model_hash: the global model after the round. duration_s: wall time.
+        model_hash: the global model after the round. duration_s: wall time, seconds, from the round's start (the
+        halt check) to its close. open_s: seconds from the round's start until its last task was published (0.0
+        where no task went out): the part of the gap between rounds that the round's opening takes.
         halted: per site, halted categories at the start of the round.
     """
 
@@ -103,6 +105,7 @@ class RoundResult:
     model_hash: str
     duration_s: float
     halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
+    open_s: float = 0.0
 
 
 def derive_seed(seed: int | None, round: int, label: str) -> int | None:
@@ -282,11 +285,12 @@ class RoundManager:
         if ctx is None:
             return RoundResult(round=self.next_round(), status="skipped", selected=(), accepted=(),
                                model_hash=self.current_model()[0], duration_s=self._clock() - t0)
+        open_s = self._clock() - t0
         self.wait_for_quorum(ctx)
         result = self.close_round(ctx)
         return RoundResult(round=result.round, status=result.status, selected=result.selected,
                            accepted=result.accepted, model_hash=result.model_hash, duration_s=self._clock() - t0,
-                           halted=result.halted)
+                           halted=result.halted, open_s=open_s)
 
     def open_round(self) -> RoundContext | None:
         """Halt, select, let the strategy prepare its bundle, record the round as ``open``, start ingest, publish
@@ -313,7 +317,7 @@ class RoundManager:
             if key not in by_arrays:
                 by_arrays[key] = model_hash(w)
             site_hashes[site] = by_arrays[key]
-        self._payloads: dict[tuple[str, str, tuple[str, ...]], bytes] = {}  # one encoded task per distinct content
+        self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}  # one sealed task per content
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy=self.config.privacy))
@@ -446,6 +450,7 @@ class RoundManager:
             self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
                                secagg=settings, noise_multiplier=z, distributed_noise=distributed,
                                feature_centre=self._centre_digest)
+        open_s = self._clock() - t0
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():
@@ -489,7 +494,8 @@ class RoundManager:
         return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
                            accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
                            duration_s=self._clock() - t0,
-                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c})
+                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c},
+                           open_s=open_s)
 
     def _count_noise(self) -> float | None:
         """The count release tasks ask for: the strategy's (NIRA with noisy counts); exact counts (0) when the
@@ -548,18 +554,19 @@ class RoundManager:
         memo = getattr(self, "_payloads", {})
         key = (model_hash_, json.dumps(task.to_json(), sort_keys=True),
                tuple(sorted(artifact_digests(artifacts or {}).values())))
-        payload = memo.get(key)
-        if payload is None:
-            payload = memo[key] = encode_task(task, weights, artifacts)
-        env = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
-                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r, payload=payload,
-                   piece_size=piece_size_for(cfg.transfer.chunk_size_bytes))  # chunks of a download are its pieces
-        data = env.to_bytes()
-        store_outgoing_task(cfg, r, site_id, data, len(payload))  # for resends while the round is open
-        self._send_bytes(site_id, data)
+        sealed = memo.get(key)
+        if sealed is None:  # encoded and hashed once per distinct task content; each further site is a new header
+            env = memo[key] = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
+                                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
+                                   payload=encode_task(task, weights, artifacts),
+                                   piece_size=piece_size_for(cfg.transfer.chunk_size_bytes))  # chunks = pieces
+        else:
+            env = readdress(sealed, private_key=self._key, site_id=site_id)
+        store_outgoing_task(cfg, r, site_id, env)  # for resends while the round is open
+        self._send_envelope(site_id, env)
 
-    def _send_bytes(self, site_id: str, data: bytes) -> int:
-        return send_task_bytes(self.config, self._transport, self._key, site_id, data)
+    def _send_envelope(self, site_id: str, env: Envelope) -> int:
+        return send_task_bytes(self.config, self._transport, self._key, site_id, env)
 
     def _outgoing_path(self, r: int, site_id: str) -> Path:
         return outgoing_task_path(self.config, r, site_id)

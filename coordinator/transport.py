@@ -39,7 +39,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -320,25 +321,66 @@ class MqttTransport:
         Raises:
             TransportError: paho refused the publish.
         """
+        info = self._publish_nowait(topic, payload, qos)
+        if info is not None:
+            self._wait_published([info])
+
+    @contextmanager
+    def pipelined(self) -> Iterator[Callable[[str, bytes], None]]:
+        """``with transport.pipelined() as publish:`` each ``publish(topic, payload)`` (QoS 1) is handed to paho at
+        once, without waiting for its PUBACK; leaving the block waits until the broker has them all (as
+        :meth:`publish` waits for one, same deadline: ``connect_timeout_s`` from the last PUBACK received). For the
+        chunks of one large message (a task download): their round trips overlap instead of adding up, while at most
+        one message's chunks wait in paho's queue.
+
+        Raises:
+            TransportError: paho refused a publish (raised at once; chunks handed over before it still go out).
+        """
+        infos: list = []
+
+        def publish(topic: str, payload: bytes) -> None:
+            info = self._publish_nowait(topic, payload, 1)
+            if info is not None:
+                infos.append(info)
+
+        yield publish
+        self._wait_published(infos)
+
+    def _publish_nowait(self, topic: str, payload: bytes, qos: int):
+        """Hand a message to paho; the ``MQTTMessageInfo`` to wait on, or None when there is nothing to wait for
+        (refused before sending, queued while disconnected, or called where waiting could deadlock: see
+        :meth:`publish`).
+
+        Raises:
+            TransportError: paho refused the publish.
+        """
         refused = self.refusals.refused(topic, payload)
         if refused is not None:
             self.refused += 1
             if topic not in self._refusal_logged:
                 self._refusal_logged.add(topic)
                 log.error("mqtt: not sent: %s", refused)
-            return
+            return None
         info = self._client.publish(topic, payload, qos=qos)
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
             raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).
         if (info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread
                 and not getattr(_HANDLER_THREAD, "active", False)):
-            deadline = time.monotonic() + self.connect_timeout_s
+            return info
+        return None
+
+    def _wait_published(self, infos: list) -> None:
+        """Wait until each of ``infos`` is PUBACKed or refused by the broker; gives up (returns) after
+        ``connect_timeout_s`` without progress (paho still completes the exchange in the background)."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        for info in infos:
             while not info.is_published() and info.mid not in self._refused_mids:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    break
+                    return
                 info.wait_for_publish(timeout=min(remaining, 0.05))
+            deadline = time.monotonic() + self.connect_timeout_s
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
         """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect).

@@ -722,7 +722,7 @@ class EdgeAgent:
         self.stats["tasks_trained"] += 1
         log.info("site %s: round %d trained in %.1f s (%s); update stored in outbox",
                  self.config.site_id, task.round, time.monotonic() - started, detail)
-        self._publish(message_id, self._update_topic, update.to_bytes())
+        self._publish(message_id, self._update_topic, update)  # the envelope: its leaves are not hashed again
         return True
 
     def _drained(self) -> None:
@@ -861,11 +861,11 @@ class EdgeAgent:
             return False
         return True
 
-    def _publish(self, message_id: str, topic: str, payload: bytes, *, resume: bool = False,
+    def _publish(self, message_id: str, topic: str, payload: bytes | Envelope, *, resume: bool = False,
                  missing: tuple[int, ...] | None = None) -> bool:
-        """Publish an outbox message: whole, or as a manifest and chunks when it is larger than
-        ``config.chunk_size_bytes``; ``resume`` sends only the manifest (the coordinator answers with a receipt),
-        ``missing`` only those chunks (``shared.transfer.send``)."""
+        """Publish an outbox message (its bytes, or the envelope just sealed): whole, or as a manifest and chunks
+        when it is larger than ``config.chunk_size_bytes``; ``resume`` sends only the manifest (the coordinator
+        answers with a receipt), ``missing`` only those chunks (``shared.transfer.send``)."""
         published = [0]
 
         def publish(t: str, p: bytes) -> None:
@@ -893,7 +893,8 @@ class EdgeAgent:
             return False
         self.stats["updates_published"] += 1
         self._next_resend = time.monotonic() + self._resend_delay()  # the interval counts from the last send
-        log.info("site %s: published %s (%d bytes)", self.config.site_id, message_id, len(payload))
+        log.info("site %s: published %s (%d bytes)", self.config.site_id, message_id,
+                 payload.wire_length if isinstance(payload, Envelope) else len(payload))
         return True
 
     def handle_ack(self, data: bytes) -> bool:

@@ -53,7 +53,7 @@ import re
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from blake3 import blake3
@@ -77,6 +77,8 @@ __all__ = [
     "payload_digest_from_leaves",
     "payload_digest",
     "seal",
+    "readdress",
+    "immutable_view",
     "verify",
     "verify_signature",
     "verify_payload",
@@ -244,11 +246,26 @@ class Envelope:
     header: EnvelopeHeader
     signature: bytes
     payload: bytes | memoryview
+    leaves: tuple[bytes, ...] | None = field(default=None, compare=False, repr=False)
+    """The payload's piece digests (:func:`payload_leaves`) where the sender computed them (:func:`seal`,
+    :func:`readdress`), so that chunking (``shared.transfer.split``) does not hash the payload again; None where the
+    envelope was parsed. A cache only: a receiver never trusts it (it checks the manifest's leaves against the signed
+    digest, ``shared.transfer.check_manifest_header``)."""
+
+    def head_bytes(self) -> bytes:
+        """The wire form without the payload bytes (magic, header length, header, signature): ``to_bytes()`` is
+        ``head_bytes() + payload``."""
+        header = self.header.canonical_bytes()
+        return MAGIC + struct.pack(">I", len(header)) + header + self.signature
+
+    @property
+    def wire_length(self) -> int:
+        """``len(to_bytes())``, bytes, without building the wire form."""
+        return len(MAGIC) + 4 + len(self.header.canonical_bytes()) + SIGNATURE_LENGTH + len(self.payload)
 
     def to_bytes(self) -> bytes:
         """Encode for the wire (see the module docstring for the layout)."""
-        header = self.header.canonical_bytes()
-        return MAGIC + struct.pack(">I", len(header)) + header + self.signature + self.payload
+        return self.head_bytes() + self.payload
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Envelope":
@@ -263,7 +280,7 @@ class Envelope:
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MalformedEnvelopeError(f"expected bytes, got {type(data).__name__}")
-        view = _immutable_view(data)
+        view = immutable_view(data)
         if len(view) < len(MAGIC) + 4 or view[:4] != MAGIC:
             raise MalformedEnvelopeError("not a WildFed envelope (bad magic)")
         (header_length,) = struct.unpack(">I", view[4:8])
@@ -384,9 +401,10 @@ def payload_digest(payload: bytes | bytearray | memoryview, piece_size: int = DE
     return payload_digest_from_leaves(payload_leaves(payload, piece_size), piece_size)
 
 
-def _immutable_view(data: bytes | bytearray | memoryview) -> memoryview:
-    """A flat, read-only byte view of ``data`` that no one can write through: of ``data`` itself where it is (or
-    views) immutable ``bytes``, else of a copy."""
+def immutable_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat, read-only byte view (format ``"B"``, 1-D) of ``data`` that no one can write through: of ``data``
+    itself where it is (or views) immutable ``bytes`` (zero copy), else of a copy (``bytearray``, a writable or
+    strided view). Slices of the result are zero-copy views that keep the bytes alive."""
     if isinstance(data, bytes):
         return memoryview(data)
     if (isinstance(data, memoryview) and data.readonly and isinstance(data.obj, bytes) and data.c_contiguous
@@ -411,13 +429,39 @@ def seal(*, private_key: Ed25519PrivateKey, federation_id: str, site_id: str, ro
         MalformedEnvelopeError: a header field is invalid (including ``piece_size``).
     """
     check_piece_size(piece_size)
+    payload = payload if type(payload) is bytes else bytes(payload)  # immutable: the leaves stay its digests
+    leaves = tuple(payload_leaves(payload, piece_size))
     header = EnvelopeHeader(
         format_version=FORMAT_VERSION, federation_id=federation_id, site_id=site_id, round=round,
         base_model_hash=base_model_hash, kind=MessageKind(kind), sequence=sequence,
         timestamp=int(time.time() * 1000) if timestamp is None else timestamp,
-        payload_digest=payload_digest(payload, piece_size), piece_size=piece_size, payload_length=len(payload))
+        payload_digest=payload_digest_from_leaves(leaves, piece_size), piece_size=piece_size,
+        payload_length=len(payload))
     signature = private_key.sign(DOMAIN + header.canonical_bytes())
-    return Envelope(header=header, signature=signature, payload=bytes(payload))
+    return Envelope(header=header, signature=signature, payload=payload, leaves=leaves)
+
+
+def readdress(envelope: Envelope, *, private_key: Ed25519PrivateKey, site_id: str,
+              timestamp: int | None = None) -> Envelope:
+    """The same payload sealed for another site: a new header (``site_id``, ``timestamp``; every other field,
+    the payload digest included, kept) signed with ``private_key``. The payload is not hashed again: it is the same
+    immutable object whose digest the header already names (the coordinator sends one task payload to many sites).
+
+    Args:
+        envelope: an envelope sealed by this process (:func:`seal`), whose payload is immutable.
+        private_key: the sender's Ed25519 key. site_id: the new addressee. timestamp: Unix ms; defaults to now.
+
+    Raises:
+        MalformedEnvelopeError: a bad ``site_id``.
+
+    Source: Ed25519 (RFC 8032) over ``DOMAIN + canonical header``, as :func:`seal`.
+    """
+    header = replace(envelope.header, site_id=site_id,
+                     timestamp=int(time.time() * 1000) if timestamp is None else timestamp)
+    signature = private_key.sign(DOMAIN + header.canonical_bytes())
+    leaves = envelope.leaves if envelope.leaves is not None else tuple(
+        payload_leaves(envelope.payload, header.piece_size))
+    return Envelope(header=header, signature=signature, payload=envelope.payload, leaves=leaves)
 
 
 def verify_signature(header: EnvelopeHeader, signature: bytes, public_key: Ed25519PublicKey) -> None:

@@ -239,11 +239,15 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of a transfer: ``data`` is bytes ``[index * chunk_size, ...)`` of the inner envelope's payload."""
+    """One piece of a transfer: ``data`` is bytes ``[index * chunk_size, ...)`` of the inner envelope's payload.
+
+    ``data`` is ``bytes`` or a read-only ``memoryview`` of immutable bytes (a slice of the MQTT message in
+    :meth:`from_bytes`, of the payload in :func:`split`): never copied on the way, never writable.
+    """
 
     transfer_id: str
     index: int
-    data: bytes
+    data: bytes | memoryview
 
     def to_bytes(self) -> bytes:
         """Wire form: ``b"WFC2" | transfer id (32 raw bytes) | index (uint32 BE) | data``."""
@@ -272,9 +276,9 @@ class Chunk:
                                 "WildFed release)", "unsupported_version")
         if len(raw) <= CHUNK_HEADER_LENGTH or magic != CHUNK_MAGIC:
             raise TransferError("not a WildFed chunk (bad magic or no data)")
-        raw = bytes(raw)
-        (index,) = struct.unpack(">I", raw[36:40])
-        return cls(transfer_id=raw[4:36].hex(), index=index, data=raw[CHUNK_HEADER_LENGTH:])
+        view = _envelope.immutable_view(raw)  # the data is a view of the message, not a copy
+        (index,) = struct.unpack(">I", view[36:40])
+        return cls(transfer_id=view[4:36].hex(), index=index, data=view[CHUNK_HEADER_LENGTH:])
 
 
 @dataclass(frozen=True)
@@ -322,11 +326,11 @@ def split(inner: Envelope | bytes | memoryview) -> tuple[Manifest, list[Chunk]]:
     if h.payload_length > MAX_CHUNKS * h.piece_size:
         raise TransferError(f"a payload of {h.payload_length} bytes in pieces of {h.piece_size} makes more than "
                             f"{MAX_CHUNKS} chunks", "oversized")
-    manifest = Manifest(header=h, signature=env.signature, leaves=tuple(payload_leaves(env.payload, h.piece_size)))
-    view = memoryview(env.payload).cast("B")
+    leaves = env.leaves if env.leaves is not None else tuple(payload_leaves(env.payload, h.piece_size))
+    manifest = Manifest(header=h, signature=env.signature, leaves=leaves)
+    view = _envelope.immutable_view(env.payload)
     p = h.piece_size
-    return manifest, [Chunk(manifest.transfer_id, i, bytes(view[i * p:(i + 1) * p]))
-                      for i in range(manifest.num_chunks)]
+    return manifest, [Chunk(manifest.transfer_id, i, view[i * p:(i + 1) * p]) for i in range(manifest.num_chunks)]
 
 
 def _metadata_payload(body: dict) -> bytes:
@@ -536,7 +540,7 @@ def chunks_to_send(chunks: Iterable[Chunk], missing: Iterable[int] | None) -> li
     return [c for c in chunks if c.index in wanted]
 
 
-def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes, *, private_key: Ed25519PrivateKey,
+def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes | Envelope, *, private_key: Ed25519PrivateKey,
          chunk_size: int = DEFAULT_CHUNK_SIZE, resume: bool = False, missing: Iterable[int] | None = None,
          max_message_bytes: int | None = None, on_chunk: Callable[[str, int], None] | None = None,
          on_probe: Callable[[str], None] | None = None) -> int:
@@ -545,8 +549,10 @@ def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes, *, pri
 
     Args:
         publish: ``publish(topic, payload)``; raises the transport's error when the broker does not take it.
-        topic: where to publish. inner: the signed envelope's wire bytes, sealed with a ``piece_size`` of at most
-            ``chunk_size`` (:func:`piece_size_for`). private_key: the sender's key (signs the manifest).
+        topic: where to publish. inner: the signed envelope, or its wire bytes, sealed with a ``piece_size`` of at
+            most ``chunk_size`` (:func:`piece_size_for`); an :class:`Envelope` from :func:`shared.envelope.seal`
+            carries its leaves, so that its payload is not hashed again here. private_key: the sender's key (signs
+            the manifest).
         chunk_size: the largest chunk the sender publishes, bytes; an envelope of at most this many bytes goes whole.
         resume: send only the manifest, marked ``resume`` (the receiver answers with a :class:`Receipt`).
         missing: send the manifest's chunks with these indices only, without the manifest (the answer to a
@@ -571,10 +577,12 @@ def send(publish: Callable[[str, bytes], None], topic: str, inner: bytes, *, pri
                                 "that chunks, and the manifest listing one digest per chunk, fit", "oversized")
         return payload
 
-    if len(inner) <= chunk_size and not resume and missing is None:
-        publish(topic, check(inner, "message"))
+    env = inner if isinstance(inner, Envelope) else None
+    size = len(inner) if env is None else env.wire_length
+    if size <= chunk_size and not resume and missing is None:
+        publish(topic, check(inner if env is None else env.to_bytes(), "message"))
         return 1
-    env = Envelope.from_bytes(inner)
+    env = env if env is not None else Envelope.from_bytes(inner)
     if env.header.piece_size > chunk_size:
         raise TransferError(f"the envelope was sealed with pieces of {env.header.piece_size} bytes, larger than the "
                             f"chunk size {chunk_size}: it cannot travel in chunks of that size (fix: seal with "

@@ -865,7 +865,7 @@ def chunk_streams(draw: st.DrawFn, h: Harness, model: StreamModel) -> Stream:
             messages.append((f"truncated chunk {i}", topic, raw[:draw(BITS) % len(raw)]))
         elif op == "oversize":
             messages.append((f"oversized chunk {i}", topic,
-                             Chunk(c.transfer_id, i, c.data + bytes(LIMITS.max_chunk_bytes)).to_bytes()))
+                             Chunk(c.transfer_id, i, bytes(c.data) + bytes(LIMITS.max_chunk_bytes)).to_bytes()))
         elif op == "unknown":
             tid = hashlib.sha256(b"unknown" + env.to_bytes() + bytes([i])).hexdigest()
             messages.append((f"chunk {i} of an unknown transfer", topic, Chunk(tid, i, c.data).to_bytes()))

@@ -37,7 +37,7 @@ from shared.envelope import Envelope, EnvelopeHeader, MessageKind, payload_diges
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.protocol import decode_ack
-from shared.topics import ack_topic, update_topic
+from shared.topics import ack_topic, task_topic, update_topic
 from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, TransferError, assemble, check_chunk,
                              decode_manifest, decode_receipt, encode_manifest, is_chunk, piece_size_for,
                              seal_manifest, send, split)
@@ -109,6 +109,23 @@ def test_an_empty_payload_is_not_chunked_it_travels_whole() -> None:
     out: list[bytes] = []
     assert send(lambda t, p: out.append(p), "x", env.to_bytes(), private_key=KEY, chunk_size=1024) == 1
     assert out == [env.to_bytes()]
+
+
+def test_chunks_are_views_of_their_message_and_of_the_payload_never_copies_of_a_writable_buffer() -> None:
+    """Issue 22: a parsed chunk's data is a read-only view into the MQTT message (no 256 KiB copy per chunk) and
+    ``split``'s chunks view the payload; a chunk parsed from a bytearray is a copy, unchanged when it changes."""
+    payload = bytes(range(256)) * 10
+    manifest, chunks = split(inner(payload))
+    assert all(c.data.obj is chunks[0].data.obj for c in chunks) and b"".join(c.data for c in chunks) == payload
+    raw = chunks[1].to_bytes()
+    parsed = Chunk.from_bytes(raw, max_data_bytes=1024)
+    assert parsed.data.obj is raw and parsed.data.readonly and parsed.data == payload[1024:2048]
+    check_chunk(manifest, parsed)
+    mutable = bytearray(raw)
+    copied = Chunk.from_bytes(mutable, max_data_bytes=1024)
+    mutable[-1] ^= 0xFF
+    assert copied.data == payload[1024:2048]
+    check_chunk(manifest, copied)
 
 
 def test_piece_size_for_a_chunk_size_is_the_largest_power_of_two_not_above_it() -> None:
@@ -454,6 +471,45 @@ def test_each_payload_byte_is_hashed_once_on_the_chunked_path(tmp_path: Path, mo
     assert max(sha256_sizes, default=0) < CHUNK  # no SHA-256 of anything payload-sized (blob named by the digest)
     assert coord.store.get_blob(ctx.accepted["s1"].payload_sha256) == payload
     assert ctx.accepted["s1"].payload_sha256 == Envelope.from_bytes(raw).header.payload_digest
+    coord.close()
+
+
+def test_a_rounds_task_payload_is_hashed_once_for_all_its_sites(tmp_path: Path, monkeypatch) -> None:
+    """Issue 22: the coordinator seals one task payload for three sites (FedAvg gives each the same model) and sends
+    each in 1 KiB chunks. BLAKE3 sees the payload's bytes once in all (``seal``; besides, each site's small manifest
+    envelope), not once per site nor again when chunking (``readdress`` re-signs a header; ``split`` reuses the
+    leaves); and each site's chunks reassemble into an envelope addressed to it that verifies, payload digest
+    included, under the coordinator's key."""
+    # Prepare: three enrolled sites, tasks chunked at 1 KiB, every byte given to BLAKE3 counted
+    key = generate_signing_key()
+    bus = InMemoryTransport()
+    coord = coordinator(tmp_path, bus, key, transfer={"chunk_size_bytes": CHUNK, "max_chunk_bytes": CHUNK})
+    for name in ("s1", "s2", "s3"):
+        coord.enrol(name, site(bus, key, name, 1.0, 20).public_pem, {"num_examples": 20, "categories": ["VU"]})
+    hashed: list[int] = []
+    real = shared.envelope.hash_piece
+    monkeypatch.setattr(shared.envelope, "hash_piece", lambda piece: (hashed.append(len(piece)), real(piece))[1])
+    # Execute
+    ctx = coord.rounds.open_round()
+    monkeypatch.undo()
+    # Assert: one payload's worth of bytes hashed; each site's task complete, its own, and genuine
+    assert ctx is not None and ctx.selected == {"s1", "s2", "s3"}
+    payloads, manifest_bytes = set(), 0
+    for name in ("s1", "s2", "s3"):
+        messages = [p for t, p in bus.published if t == task_topic("testfed", name)]
+        manifest_env = Envelope.from_bytes(messages[0])
+        manifest_bytes += manifest_env.header.payload_length  # each site's manifest is its own small envelope
+        manifest = decode_manifest(manifest_env.payload)
+        chunks = [Chunk.from_bytes(m, max_data_bytes=CHUNK) for m in messages[1:]]
+        assert manifest.num_chunks == len(chunks) > 16
+        for c in chunks:
+            check_chunk(manifest, c)
+        env = assemble(manifest, [c.data for c in sorted(chunks, key=lambda c: c.index)])
+        shared.envelope.verify(env, key.public_key())  # signature, then a fresh BLAKE3 of the payload (not counted)
+        assert env.header.site_id == name and env.header.kind == MessageKind.TASK
+        payloads.add(bytes(env.payload))
+    assert len(payloads) == 1
+    assert sum(hashed) == len(payloads.pop()) + manifest_bytes  # before: 2 x 3 x the payload (seal, split per site)
     coord.close()
 
 
