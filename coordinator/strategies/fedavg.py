@@ -99,9 +99,9 @@ def _add_scaled(buf: np.ndarray, d: np.ndarray, w: float, scratch: np.ndarray) -
     for start in range(0, n, step):
         b, s = (flat, src) if n <= step else (flat[start:start + step], src[start:start + step])
         tmp = scratch[:b.size]
-        # widen first (as astype(np.float64) does; exact for float32) so that the product is rounded in float64
-        np.copyto(tmp, s, casting="unsafe")
-        np.multiply(tmp, w, out=tmp)
+        # the ufunc widens s to float64 (as astype(np.float64) does; exact for float32) before multiplying, so the
+        # product is rounded in float64; widen and multiply are one pass over the slice
+        np.multiply(s, w, out=tmp, dtype=np.float64)
         np.add(b, tmp, out=b)
 
 
