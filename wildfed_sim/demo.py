@@ -25,6 +25,7 @@ import math
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -902,7 +903,12 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("rounds", total=settings.rounds, info="training...")
+            closed_at = None  # monotonic time the previous round's result came back (just after its close)
             for round_result in coordinator.iter_rounds():
+                got_at = time.monotonic()
+                # the gap: from the previous round's close to this round's last task published (the sites idle)
+                gap_s = (None if closed_at is None
+                         else got_at - round_result.duration_s + round_result.open_s - closed_at)
                 _, weights = coordinator.rounds.current_model()
                 acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
                                                   class_categories, test_features)
@@ -910,7 +916,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                 entry = {"round": round_result.round, "status": round_result.status,
                          "selected": list(round_result.selected), "accepted": list(round_result.accepted),
                          "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
-                         "per_site": sites_eval["summary"]}
+                         "per_site": sites_eval["summary"], "gap_s": gap_s}
                 if settings.strategy == "nira":
                     entry["clusters"] = _nira_state(coordinator)["clusters"]
                 result.history.append(entry)
@@ -919,6 +925,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                 if settings.privacy != "none" and IUCNCategory.CR in held:
                     info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
                 progress.update(task, advance=1, info=info)
+                closed_at = got_at
         status = coordinator.status()
         result.rejections = dict(status.rejections)
         result.epsilon = _epsilon_by_category(coordinator)
@@ -967,6 +974,11 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                       "", "")
     console.print(table)
     console.log(f"rejected updates by reason: {result.rejections or 'none'}")
+    gaps = [h["gap_s"] for h in result.history if h.get("gap_s") is not None]
+    if gaps:
+        console.log(f"gaps between rounds (a round's close to the next round's last task published, which "
+                    f"includes this demo's evaluation of each round): median {statistics.median(gaps):.2f} s, "
+                    f"max {max(gaps):.2f} s")
 
     report = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
