@@ -20,10 +20,12 @@ Semantics (DESIGN.md "Privacy semantics"):
 - The store stays the source of truth: the in-memory compositions are a cache of its rows, rebuilt from them on
   first use (a new ``PrivacyLedger`` after a restart composes the stored history once per (site, category), coalesced:
   one accountant evaluation per distinct mechanism). Several processes (ingest workers, the CLI, the web view) may
-  append to the same database: before every read the ledger fetches the rows of the (site, category) with an id
-  above the largest it has composed and then counts the rows; a count above what it has composed (a row with a
-  smaller id committed late by another writer) makes it compare ids and compose the missing rows. Rows committed
-  before the read are therefore never missed, as when the whole history was read.
+  append to the same database: before every read the ledger fetches the site's rows of the categories asked about
+  (one category for :meth:`PrivacyLedger.spent`; all of them at once for the halt check and
+  :meth:`PrivacyLedger.spent_by_category`) with an id above the smallest largest-composed id, skipping those already
+  composed, and then counts the rows per category; a count above what it has composed (a row with a smaller id
+  committed late by another writer) makes it compare ids and compose the missing rows. Rows committed before the
+  read are therefore never missed, as when the whole history was read.
 - Cost: identical (noise_multiplier, sampling_rate) events are coalesced before composing
   (``SelfComposed(e, a) o SelfComposed(e, b) = SelfComposed(e, a + b)``, the definition of self-composition), so
   a site that repeats its calibrated event every round costs one accountant evaluation, not one per round.
@@ -125,6 +127,12 @@ class _Stream:
     max_id: int = 0
 
 
+def _check_budget(budget: float) -> None:
+    """Raises PrivacyBudgetError: ``budget`` is not a positive finite epsilon."""
+    if not (budget > 0 and math.isfinite(budget)):
+        raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+
+
 def _mechanism_steps(events: Iterable[PrivacyEvent]) -> dict[tuple, int]:
     """``{mechanism key: steps}`` of the events with steps: equal for two event lists that compose the same."""
     return {e.mechanism_key(): int(e.steps) for e in coalesce(e for e in events if e.steps > 0)}
@@ -153,51 +161,103 @@ class PrivacyLedger:
 
     # ---- running compositions ------------------------------------------------------------------------------
     def _running(self, site_id: str, cat: IUCNCategory, accountant: AccountantName) -> _Stream:
-        """The (site, category, accountant) stream with every row committed before this call composed into it.
+        """The (site, category, accountant) stream with every row committed before this call composed into it
+        (:meth:`_refresh` of that one category). Caller holds ``self._lock``.
 
-        Caller holds ``self._lock``. Reads only the rows it has not composed (module docstring: ids above the largest
-        composed, then a count; a count above what is composed means a smaller id committed late, found by comparing
-        ids). A count below it (rows removed: never in operation) rebuilds the stream from the store.
+        Raises:
+            dp_accounting.UnsupportedEventError, PayloadError: as :meth:`_refresh`.
+        """
+        self._refresh(site_id, (cat,), accountant)
+        return self._streams[(site_id, cat.value, accountant)]
+
+    def _refresh(self, site_id: str, cats: Iterable[IUCNCategory], accountant: AccountantName) -> None:
+        """Compose into the (site, c, accountant) stream of each category ``c`` in ``cats`` every row committed
+        before this call, in two reads whatever the number of categories.
+
+        Caller holds ``self._lock``. Reads the site's rows of those categories that no stream has composed (ids
+        above the smallest largest-composed id; rows already composed are skipped by id), then counts the rows per
+        category (module docstring: a count above what is composed means a smaller id committed late, found by
+        comparing ids). A count below it (rows removed: never in operation) rebuilds that stream from the store.
 
         Raises:
             dp_accounting.UnsupportedEventError: a new row's event is not supported (nothing of the batch is marked
                 composed, so every later read raises too: never skipped).
             PayloadError: a new row does not parse as a known event type.
         """
-        key = (site_id, cat.value, accountant)
-        st = self._streams.get(key)
-        if st is None:
-            st = self._streams[key] = _Stream(RunningComposition(target_delta=self.target_delta,
-                                                                 accountant=accountant))
-        where = (LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
+        cats = sorted(set(cats), key=lambda c: c.rank)
+        if not cats:
+            return
+        streams = {}
+        for cat in cats:
+            key = (site_id, cat.value, accountant)
+            if key not in self._streams:
+                self._streams[key] = _Stream(RunningComposition(target_delta=self.target_delta,
+                                                                accountant=accountant))
+            streams[cat.value] = self._streams[key]
+        since = min(st.max_id for st in streams.values())
+        where = (LedgerRow.site_id == site_id, LedgerRow.category.in_(list(streams)))
+        new: dict[str, list] = {c: [] for c in streams}
         with self._store.session() as s:
-            new = s.execute(select(LedgerRow.id, LedgerRow.event_json).where(*where, LedgerRow.id > st.max_id)
-                            .order_by(LedgerRow.id)).all()
-            count = int(s.execute(select(func.count(LedgerRow.id)).where(*where)).scalar_one())
-            known = len(st.ids) + len(new)
-            if count < len(st.ids):  # rows removed under us (e.g. a test reset the schema): start again
-                log.warning("ledger: %d row(s) of %s/%s vanished from the store; recomposing its history",
-                            len(st.ids) - count, site_id, cat.value)
-                del self._streams[key]
-                return self._running(site_id, cat, accountant)
-            if count > known:  # a row with an id below max_id was committed after the last read (another writer)
-                seen = st.ids | {int(i) for i, _ in new}
-                missing = [i for i in s.scalars(select(LedgerRow.id).where(*where)).all() if int(i) not in seen]
-                new = [*new, *s.execute(select(LedgerRow.id, LedgerRow.event_json)
-                                        .where(LedgerRow.id.in_(missing))).all()]
-        if new:
-            st.running.compose(parse_event(json.loads(ev)) for _, ev in sorted(new))
-            st.ids.update(int(i) for i, _ in new)
-            st.max_id = max(st.max_id, *(int(i) for i, _ in new))
-        return st
+            for i, c, ev in s.execute(select(LedgerRow.id, LedgerRow.category, LedgerRow.event_json)
+                                      .where(*where, LedgerRow.id > since).order_by(LedgerRow.id)).all():
+                if int(i) not in streams[c].ids:
+                    new[c].append((i, ev))
+            counts = dict(s.execute(select(LedgerRow.category, func.count(LedgerRow.id)).where(*where)
+                                    .group_by(LedgerRow.category)).all())
+            vanished = []
+            for c, st in streams.items():
+                count = int(counts.get(c, 0))
+                if count < len(st.ids):  # rows removed under us (e.g. a test reset the schema): start again
+                    log.warning("ledger: %d row(s) of %s/%s vanished from the store; recomposing its history",
+                                len(st.ids) - count, site_id, c)
+                    vanished.append(c)
+                elif count > len(st.ids) + len(new[c]):  # an id below what was read committed late (another writer)
+                    seen = st.ids | {int(i) for i, _ in new[c]}
+                    missing = [i for i in s.scalars(select(LedgerRow.id).where(
+                        LedgerRow.site_id == site_id, LedgerRow.category == c)).all() if int(i) not in seen]
+                    new[c] += s.execute(select(LedgerRow.id, LedgerRow.event_json)
+                                        .where(LedgerRow.id.in_(missing))).all()
+        for c, st in streams.items():
+            if c in vanished or not new[c]:
+                continue
+            st.running.compose(parse_event(json.loads(ev)) for _, ev in sorted(new[c]))
+            st.ids.update(int(i) for i, _ in new[c])
+            st.max_id = max(st.max_id, *(int(i) for i, _ in new[c]))
+        if vanished:
+            for c in vanished:
+                del self._streams[(site_id, c, accountant)]
+            self._refresh(site_id, [IUCNCategory(c) for c in vanished], accountant)
 
     def _epsilon_with(self, site_id: str, category: IUCNCategory | str, extra: Sequence[PrivacyEvent],
-                      accountant: AccountantName | None) -> float:
-        """Epsilon of every recorded event of (site, category) followed by ``extra`` (a dry run; nothing written)."""
+                      accountant: AccountantName | None, *, refresh: bool = True) -> float:
+        """Epsilon of every recorded event of (site, category) followed by ``extra`` (a dry run; nothing written).
+        ``refresh=False``: the caller has just refreshed the category (:meth:`_refresh`); a stream never read
+        is refreshed anyway."""
         cat = parse_category(category)
+        acc = accountant or self.accountant
         with self._lock:
-            st = self._running(site_id, cat, accountant or self.accountant)
+            st = self._streams.get((site_id, cat.value, acc)) if not refresh else None
+            if st is None:
+                st = self._running(site_id, cat, acc)
             return st.running.epsilon_with(extra) if extra else st.running.epsilon()
+
+    def spent_by_category(self, site_id: str, categories: Iterable[IUCNCategory | str],
+                          accountant: AccountantName | None = None) -> dict[IUCNCategory, float]:
+        """:meth:`spent` of several categories of one site, read from the store once (two queries in all, where
+        :meth:`spent` makes two per category): what a budget table of many sites needs.
+
+        Returns:
+            ``{category: epsilon}`` (0.0 where nothing is recorded).
+
+        Raises:
+            ConfigError: a key is not an IUCN category. dp_accounting.UnsupportedEventError, PayloadError: as
+                :meth:`spent`.
+        """
+        cats = [parse_category(c) for c in categories]
+        acc = accountant or self.accountant
+        with self._lock:
+            self._refresh(site_id, cats, acc)
+            return {c: self._streams[(site_id, c.value, acc)].running.epsilon() for c in cats}
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def record_round(self, site_id: str, round: int, events: Mapping[IUCNCategory | str, DPSGDEvent], *,
@@ -299,8 +359,7 @@ class PrivacyLedger:
             PrivacyBudgetError: ``budget`` not a positive finite epsilon.
             dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
-        if not (budget > 0 and math.isfinite(budget)):
-            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        _check_budget(budget)
         nxt = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
         return self._epsilon_with(site_id, category, nxt, accountant) > budget
 
@@ -418,8 +477,7 @@ class PrivacyLedger:
             PrivacyBudgetError: ``budget`` not a positive finite epsilon.
             dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
-        if not (budget > 0 and math.isfinite(budget)):
-            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        _check_budget(budget)
         cat = parse_category(category)
         acc = accountant or self.accountant
         mine = tuple(events)
@@ -470,8 +528,7 @@ class PrivacyLedger:
             dp_accounting.UnsupportedEventError: the accountant cannot interpret an event.
         """
         cat = parse_category(category)
-        if not (budget > 0 and math.isfinite(budget)):
-            raise PrivacyBudgetError(f"budget must be a positive finite epsilon, got {budget!r}")
+        _check_budget(budget)
         per_round: tuple[DPSGDEvent, ...] | None
         if next_event is not None:
             per_round = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
@@ -563,7 +620,10 @@ class PrivacyLedger:
         last_sets = self.last_round_event_sets(site_id)[1]
         if pending is None:
             pending = len(self.pending_rounds(site_id, before_round=round).get(site_id, ()))
-        for cat in self.categories(site_id) | set(next_events or {}):
+        cats = self.categories(site_id) | set(next_events or {})
+        with self._lock:  # the site's rows read once for every category (the dry runs below need no store read)
+            self._refresh(site_id, cats, self.accountant)
+        for cat in sorted(cats, key=lambda c: c.rank):
             if cat in already:
                 continue
             given = (next_events or {}).get(cat)
@@ -578,8 +638,9 @@ class PrivacyLedger:
             if budget is None:
                 continue
             dry = (*repeat_rounds(nxt, pending), *nxt)
-            if self.would_exceed(site_id, cat, dry, budget):
-                after = self._epsilon_with(site_id, cat, dry, self.accountant)  # the same dry run (remembered)
+            _check_budget(budget)
+            after = self._epsilon_with(site_id, cat, dry, self.accountant, refresh=False)
+            if after > budget:
                 first = nxt[0]
                 extra = f" + {len(nxt) - 1} other release(s)" if len(nxt) > 1 else ""
                 waiting = (f"; {pending} earlier round(s) sent but not yet charged count as spent (their updates "

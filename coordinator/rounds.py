@@ -167,6 +167,8 @@ class RoundManager:
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
+        # the open round's sealed tasks, one per distinct content (payload encoded and hashed once for its sites)
+        self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -317,7 +319,7 @@ class RoundManager:
             if key not in by_arrays:
                 by_arrays[key] = model_hash(w)
             site_hashes[site] = by_arrays[key]
-        self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}  # one sealed task per content
+        self._payloads = {}  # one sealed task per distinct content
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy=self.config.privacy))
@@ -446,6 +448,7 @@ class RoundManager:
                  len(selected), base_hash[:12])
         artifacts = self.task_artifacts(base_hash, weights)
         declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
+        self._payloads = {}  # one sealed task per distinct content (sites differ only in their halted categories)
         for site_id in selected:
             self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
                                secagg=settings, noise_multiplier=z, distributed_noise=distributed,
@@ -551,7 +554,7 @@ class RoundManager:
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,
                    weights: Mapping[str, np.ndarray], artifacts: Mapping[str, bytes] | None) -> None:
         cfg = self.config
-        memo = getattr(self, "_payloads", {})
+        memo = self._payloads
         key = (model_hash_, json.dumps(task.to_json(), sort_keys=True),
                tuple(sorted(artifact_digests(artifacts or {}).values())))
         sealed = memo.get(key)

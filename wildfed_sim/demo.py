@@ -916,7 +916,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                 entry = {"round": round_result.round, "status": round_result.status,
                          "selected": list(round_result.selected), "accepted": list(round_result.accepted),
                          "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
-                         "per_site": sites_eval["summary"], "gap_s": gap_s}
+                         "per_site": sites_eval["summary"], "gap_s": gap_s,
+                         "open_s": round_result.open_s}
                 if settings.strategy == "nira":
                     entry["clusters"] = _nira_state(coordinator)["clusters"]
                 result.history.append(entry)

@@ -258,6 +258,73 @@ def test_rows_from_another_writer_are_never_missed(store):
     assert_decision_matches(lambda b: reader.would_exceed("s1", LC, nxt, b), direct_epsilon([*ev, *nxt]))
 
 
+def test_one_read_of_a_sites_rows_serves_every_category_and_misses_no_late_row(store):
+    """``spent_by_category`` and ``halt_if_needed`` read a site's rows once for all its categories (issue 22: the
+    demo's halt checks and budget table made two queries per category): the values equal dp-accounting composing
+    each category's history directly, including rows another writer committed late with a smaller id, and the
+    number of SQL reads does not grow with the number of categories."""
+    from sqlalchemy import event
+
+    # Prepare: three categories with different histories (rows written by hand with chosen ids, as two writers
+    # would), read once; then a row for VU above every id read and one for CR below all of them, committed late
+    reader = PrivacyLedger(store, target_delta=DELTA)
+    writer = PrivacyLedger(store, target_delta=DELTA)
+
+    def row(row_id: int, rnd: int, cat: IUCNCategory, ev: DPSGDEvent, mechanism: str = "dpsgd") -> None:
+        with store.session() as s:
+            s.add(LedgerRow(id=row_id, site_id="s1", round=rnd, category=cat.value,
+                            noise_multiplier=ev.noise_multiplier, sampling_rate=ev.sampling_rate, steps=ev.steps,
+                            event_json=dumps(ev.to_json()), mechanism=mechanism))
+
+    hist = {LC: [DPSGDEvent(1.1, 0.02, 10), DPSGDEvent(1.3, 0.03, 10)],
+            VU: [DPSGDEvent(1.3, 0.03, 20), DPSGDEvent(1.1, 0.02, 10)], CR: [DPSGDEvent(0.9, 0.015, 5)]}
+    row(10, 1, LC, hist[LC][0]), row(11, 1, VU, hist[VU][0]), row(12, 1, CR, hist[CR][0])
+    row(20, 2, LC, hist[LC][1]), row(21, 2, VU, hist[VU][1])
+    assert reader.spent_by_category("s1", hist) == pytest.approx({c: direct_epsilon(e) for c, e in hist.items()},
+                                                                  rel=REL, abs=0)
+    row(60, 4, VU, COUNTS, "counts")
+    row(5, 3, CR, DPSGDEvent(0.9, 0.015, 5))  # an id below every id the reader has composed
+    hist[VU].append(COUNTS)
+    hist[CR].append(DPSGDEvent(0.9, 0.015, 5))
+    # two more sites for the halt check: every category of each in its last round; three categories and one
+    one_round = {LC: DPSGDEvent(1.1, 0.02, 10), VU: DPSGDEvent(1.3, 0.03, 20), CR: DPSGDEvent(0.9, 0.015, 5)}
+    for r in (1, 2):
+        writer.record_round("three", r, one_round)
+        writer.record_round("one", r, {LC: one_round[LC]})
+    statements: list[str] = []
+
+    def reads() -> int:
+        n = len([q for q in statements if q.lstrip().upper().startswith("SELECT")])
+        statements.clear()
+        return n
+
+    listener = lambda conn, cursor, sql, *a: statements.append(sql)  # noqa: E731
+    event.listen(store.engine, "before_cursor_execute", listener)
+    try:
+        # Execute
+        spent = reader.spent_by_category("s1", [LC, VU, CR])
+        spent_reads = reads()
+        budgets = {c: direct_epsilon([ev] * 3) * (1 + 1e-6) for c, ev in one_round.items()}  # round 3 fits, 4 not
+        halted = {site: reader.halt_if_needed(site, budgets, round=3, pending=0) for site in ("three", "one")}
+        halted_reads = reads()  # both sites
+        reader.halt_if_needed("one", budgets, round=3, pending=0)
+        one_reads = reads()
+        reader.halt_if_needed("three", budgets, round=3, pending=0)
+        three_reads = reads()
+        after = reader.halt_if_needed("three", budgets, round=3, pending=1)  # one round in flight: 4 rounds, halt
+    finally:
+        event.remove(store.engine, "before_cursor_execute", listener)
+    # Assert: every category equals its direct composition, in four reads (new rows, counts, then the ids of the
+    # category whose count shows a late row below every id read, and that row); EN (no rows) 0; the halt checks decide as dp-accounting does, reading the store as
+    # often for a site of three categories as for a site of one
+    assert spent == pytest.approx({c: direct_epsilon(e) for c, e in hist.items()}, rel=REL, abs=0)
+    assert spent_reads == 4
+    assert reader.spent_by_category("s1", [IUCNCategory.EN, LC])[IUCNCategory.EN] == 0.0
+    assert halted == {"three": frozenset(), "one": frozenset()} and halted_reads > 0
+    assert three_reads == one_reads
+    assert after == frozenset(one_round)
+
+
 class _Counting:
     """Counts calls of dp-accounting's RdpAccountant.compose and of its RDP evaluation of a subsampled Gaussian."""
 
