@@ -50,6 +50,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -333,10 +334,11 @@ class RoundManager:
                            **self._task_noise_parameters())
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
-        for site_id in selected:
-            artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
-            self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
-                               halted.get(site_id, frozenset()), artifacts)
+        with self._publishing():
+            for site_id in selected:
+                artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
+                self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
+                                   halted.get(site_id, frozenset()), artifacts)
         _test_crash_point("after_publish")
         return ctx
 
@@ -449,10 +451,11 @@ class RoundManager:
         artifacts = self.task_artifacts(base_hash, weights)
         declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
         self._payloads = {}  # one sealed task per distinct content (sites differ only in their halted categories)
-        for site_id in selected:
-            self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
-                               secagg=settings, noise_multiplier=z, distributed_noise=distributed,
-                               feature_centre=self._centre_digest)
+        with self._publishing():
+            for site_id in selected:
+                self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
+                                   secagg=settings, noise_multiplier=z, distributed_noise=distributed,
+                                   feature_centre=self._centre_digest)
         open_s = self._clock() - t0
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
@@ -567,6 +570,12 @@ class RoundManager:
             env = readdress(sealed, private_key=self._key, site_id=site_id)
         store_outgoing_task(cfg, r, site_id, env)  # for resends while the round is open
         self._send_envelope(site_id, env)
+
+    def _publishing(self) -> AbstractContextManager:
+        """A block in which the round's tasks go out without a PUBACK wait each (``MqttTransport.pipelined``), all
+        acknowledged when it ends; a plain block for a transport without it."""
+        pipelined = getattr(self._transport, "pipelined", None)
+        return pipelined() if pipelined is not None else nullcontext()
 
     def _send_envelope(self, site_id: str, env: Envelope) -> int:
         return send_task_bytes(self.config, self._transport, self._key, site_id, env)

@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -208,6 +209,7 @@ class MqttTransport:
         self.refused = 0
         """Messages given up as refused by the broker, or not sent because one no larger was (observability)."""
         self._refused_mids: set[int] = set()
+        self._pipeline = threading.local()  # the open pipelined() block of each thread (nested blocks join it)
         self._refusal_logged: set[str] = set()
         self._suspect: tuple[str, bytes] | None = None  # the largest message in flight at the last drop
         self._client.on_connect = self._on_connect
@@ -326,25 +328,46 @@ class MqttTransport:
             self._wait_published([info])
 
     @contextmanager
-    def pipelined(self) -> Iterator[Callable[[str, bytes], None]]:
+    def pipelined(self, max_pending_bytes: int = 64 * 1024 * 1024) -> Iterator[Callable[[str, bytes], None]]:
         """``with transport.pipelined() as publish:`` each ``publish(topic, payload)`` (QoS 1) is handed to paho at
         once, without waiting for its PUBACK; leaving the block waits until the broker has them all (as
-        :meth:`publish` waits for one, same deadline: ``connect_timeout_s`` from the last PUBACK received). For the
-        chunks of one large message (a task download): their round trips overlap instead of adding up, while at most
-        one message's chunks wait in paho's queue.
+        :meth:`publish` waits for one, same deadline: ``connect_timeout_s`` without progress). The round trips of a
+        round's task chunks overlap instead of adding up.
+
+        Args:
+            max_pending_bytes: payload bytes handed to paho and not yet acknowledged, at most; past it ``publish``
+                waits for the oldest first (paho queues what it cannot send yet in memory).
+
+        A block opened inside another one on the same thread joins it: its messages are waited for when the outer
+        block ends (a round wraps all its sites' tasks, each of which ``coordinator.outgoing`` sends in a block).
 
         Raises:
-            TransportError: paho refused a publish (raised at once; chunks handed over before it still go out).
+            TransportError: paho refused a publish (raised at once; messages handed over before it still go out).
         """
-        infos: list = []
+        outer = getattr(self._pipeline, "publish", None)
+        if outer is not None:
+            yield outer
+            return
+        pending: deque[tuple[object, int]] = deque()
+        held = [0]
 
         def publish(topic: str, payload: bytes) -> None:
             info = self._publish_nowait(topic, payload, 1)
-            if info is not None:
-                infos.append(info)
+            if info is None:
+                return
+            pending.append((info, len(payload)))
+            held[0] += len(payload)
+            while held[0] > max_pending_bytes and pending:
+                oldest, size = pending.popleft()
+                self._wait_published([oldest])
+                held[0] -= size
 
-        yield publish
-        self._wait_published(infos)
+        self._pipeline.publish = publish
+        try:
+            yield publish
+            self._wait_published([info for info, _ in pending])
+        finally:
+            self._pipeline.publish = None
 
     def _publish_nowait(self, topic: str, payload: bytes, qos: int):
         """Hand a message to paho; the ``MQTTMessageInfo`` to wait on, or None when there is nothing to wait for

@@ -122,8 +122,9 @@ def test_cli_run_connects_and_stops_when_no_site_can_train(tmp_path, broker_url)
 
 
 def test_pipelined_publishes_arrive_in_order_and_are_all_acknowledged_when_the_block_ends(broker_url):
-    """``MqttTransport.pipelined`` (a task's chunks): 24 messages of 64 KiB handed to paho without a wait each; when
-    the block ends the broker has PUBACKed every one, and a subscriber gets them all, in order, intact."""
+    """``MqttTransport.pipelined`` (a round's task chunks): 24 messages of 64 KiB handed to paho without a wait each
+    (at most ``max_pending_bytes`` unacknowledged; half of them from a nested block, which joins the outer one);
+    when the outer block ends the broker has PUBACKed every one, and a subscriber gets them all, in order, intact."""
     import threading
 
     topic = f"wf-test/{uuid.uuid4().hex[:10]}/task"
@@ -145,9 +146,13 @@ def test_pipelined_publishes_arrive_in_order_and_are_all_acknowledged_when_the_b
         sub.subscribe(topic, on_message)
         sub.connect()
         pub.connect()
-        with pub.pipelined() as publish:
-            for m in messages:
+        with pub.pipelined(max_pending_bytes=200_000) as publish:  # at most 3 of them unacknowledged at a time
+            for m in messages[:12]:
                 publish(topic, m)
+            with pub.pipelined() as inner:  # a nested block joins the outer one
+                assert inner is publish
+                for m in messages[12:]:
+                    inner(topic, m)
         assert len(infos) == len(messages) and all(i is not None and i.is_published() for i in infos)
         assert done.wait(30)
         assert got == messages
