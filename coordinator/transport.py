@@ -50,6 +50,8 @@ from shared.broker import (DEFAULT_MAX_DROPS, RefusedMessages, check_client_opti
 from shared.errors import ConfigError, WildFedError
 
 if TYPE_CHECKING:
+    from paho.mqtt.client import MQTTMessageInfo
+
     from coordinator.config import CoordinatorConfig
 
 __all__ = ["QueuedCallback", "mark_handler_thread", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
@@ -348,7 +350,7 @@ class MqttTransport:
         if outer is not None:
             yield outer
             return
-        pending: deque[tuple[object, int]] = deque()
+        pending: deque[tuple[MQTTMessageInfo, int]] = deque()
         held = [0]
 
         def publish(topic: str, payload: bytes) -> None:
@@ -369,7 +371,7 @@ class MqttTransport:
         finally:
             self._pipeline.publish = None
 
-    def _publish_nowait(self, topic: str, payload: bytes, qos: int):
+    def _publish_nowait(self, topic: str, payload: bytes, qos: int) -> MQTTMessageInfo | None:
         """Hand a message to paho; the ``MQTTMessageInfo`` to wait on, or None when there is nothing to wait for
         (refused before sending, queued while disconnected, or called where waiting could deadlock: see
         :meth:`publish`).
@@ -393,7 +395,7 @@ class MqttTransport:
             return info
         return None
 
-    def _wait_published(self, infos: list) -> None:
+    def _wait_published(self, infos: list[MQTTMessageInfo]) -> None:
         """Wait until each of ``infos`` is PUBACKed or refused by the broker; gives up (returns) after
         ``connect_timeout_s`` without progress (paho still completes the exchange in the background)."""
         deadline = time.monotonic() + self.connect_timeout_s
