@@ -977,8 +977,8 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     console.log(f"rejected updates by reason: {result.rejections or 'none'}")
     gaps = [h["gap_s"] for h in result.history if h.get("gap_s") is not None]
     if gaps:
-        console.log(f"gaps between rounds (a round's close to the next round's last task published, which "
-                    f"includes this demo's evaluation of each round): median {statistics.median(gaps):.2f} s, "
+        console.log(f"gaps between rounds (from the end of one round until every task of the next is sent, this "
+                    f"demo's evaluation of each round included): median {statistics.median(gaps):.2f} s, "
                     f"max {max(gaps):.2f} s")
 
     report = {
