@@ -23,7 +23,7 @@ from shared.transfer import NO_TRANSFER, Receipt, send, transfer_id_of
 
 from coordinator.config import CoordinatorConfig
 from coordinator.ingest import RoundContext
-from coordinator.transport import Transport
+from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["outgoing_task_path", "store_outgoing_task", "load_outgoing_task", "send_task_bytes",
            "answer_download_receipt"]
@@ -71,11 +71,7 @@ def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed2551
     """Publish a sealed task (an envelope sealed here, or its wire bytes) on the site's task topic, chunked past
     ``transfer.chunk_size_bytes`` (``shared.transfer.send``); returns the number of messages."""
     topic = task_topic(config.federation_id, site_id)
-    pipelined = getattr(transport, "pipelined", None)  # MqttTransport: the chunks' PUBACKs awaited together
-    if pipelined is None:
-        return send(lambda t, p: transport.publish(t, p, qos=1), topic, data, private_key=key,
-                    chunk_size=config.transfer.chunk_size_bytes, missing=missing)
-    with pipelined() as publish:
+    with pipelined_publish(transport) as publish:  # MqttTransport: the chunks' PUBACKs awaited together
         return send(publish, topic, data, private_key=key, chunk_size=config.transfer.chunk_size_bytes,
                     missing=missing)
 

@@ -50,7 +50,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,7 +78,7 @@ from coordinator.partial_sums import collect_round
 from coordinator.registry import Site, SiteRegistry
 from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
-from coordinator.transport import Transport
+from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
 
@@ -334,7 +333,7 @@ class RoundManager:
                            **self._task_noise_parameters())
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
-        with self._publishing():
+        with pipelined_publish(self._transport):  # the round's tasks: PUBACKs awaited once
             for site_id in selected:
                 artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
                 self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
@@ -451,7 +450,7 @@ class RoundManager:
         artifacts = self.task_artifacts(base_hash, weights)
         declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
         self._payloads = {}  # one sealed task per distinct content (sites differ only in their halted categories)
-        with self._publishing():
+        with pipelined_publish(self._transport):  # the round's tasks: PUBACKs awaited once
             for site_id in selected:
                 self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
                                    secagg=settings, noise_multiplier=z, distributed_noise=distributed,
@@ -570,12 +569,6 @@ class RoundManager:
             env = readdress(sealed, private_key=self._key, site_id=site_id)
         store_outgoing_task(cfg, r, site_id, env)  # for resends while the round is open
         self._send_envelope(site_id, env)
-
-    def _publishing(self) -> AbstractContextManager:
-        """A block in which the round's tasks go out without a PUBACK wait each (``MqttTransport.pipelined``), all
-        acknowledged when it ends; a plain block for a transport without it."""
-        pipelined = getattr(self._transport, "pipelined", None)
-        return pipelined() if pipelined is not None else nullcontext()
 
     def _send_envelope(self, site_id: str, env: Envelope) -> int:
         return send_task_bytes(self.config, self._transport, self._key, site_id, env)

@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig
 
 __all__ = ["QueuedCallback", "mark_handler_thread", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
-           "parse_broker_url", "transport_from_config"]
+           "parse_broker_url", "transport_from_config", "pipelined_publish"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,16 @@ class Transport(Protocol):
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
         """Deliver every message matching ``topic_filter`` to ``callback(topic, payload)``."""
         ...
+
+
+def pipelined_publish(transport: Transport) -> AbstractContextManager[Callable[[str, bytes], None]]:
+    """``with pipelined_publish(transport) as publish:`` QoS 1 publishes that do not wait for their PUBACK each
+    where the transport can (:meth:`MqttTransport.pipelined`: all acknowledged when the block ends), else plain
+    ``transport.publish`` calls (the in-memory bus delivers at once)."""
+    pipelined = getattr(transport, "pipelined", None)
+    if pipelined is not None:
+        return pipelined()
+    return nullcontext(lambda topic, payload: transport.publish(topic, payload, qos=1))
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
