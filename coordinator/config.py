@@ -27,6 +27,7 @@ Example (``wildfed-coordinator init`` writes this)::
                                           # needs local_steps: 1); "none" (no DP; comparison runs only)
     ccdp_variant: sample                  # individualized DP-SGD: sample (per-category rates) or scale (norms)
     class_reweighting: 0.0                # privacy: ccdp: head rows scaled by w_c^-p after training (0 = off)
+    posthoc_logit_adjustment: 0.0         # tau: predict with psi.bias - tau log(public-metadata prior); 0 = off
     budget: {kind: from_anchor, category: VU, epsilon: 1.0, gamma: 1.0}   # or {kind: from_max, eps_max: 2, gamma: 1}
     num_classes: 10
     seed: 0                               # model init and site sampling only
@@ -404,6 +405,13 @@ class CoordinatorConfig(StrictModel):
         0.0, ge=0, le=1, description="privacy: ccdp only. Exponent p of the post-processing that scales each class "
         "row of the head's delta by w_c^-p, w_c the public relative weight of the class's IUCN category in a step "
         "(TrainingTask.class_reweighting; 0 = off, 0.5 = square-root re-weighting, the demo's tuned value)")
+    posthoc_logit_adjustment: float = Field(
+        0.0, ge=0, le=4, description="tau of the post-hoc logit adjustment (Menon et al. 2021): the model the sites "
+        "keep for detect, and the coordinator's inference model, predict argmax f_k(x) - tau log pi_k, pi the class "
+        "prior estimated from the enrolled sites' public metadata (species lists, num_examples; "
+        "shared.models.logit_adjustment). Post-processing of public values, no privacy cost; training is "
+        "unchanged. 0 = off; 1 = the balanced-error Bayes rule (the demo's default). model: head, strategy: "
+        "fedavg and a species table only")
     global_noise: Literal["trusted-server", "distributed"] = Field(
         "trusted-server", description="privacy: global only. trusted-server: the coordinator adds one Gaussian "
         "draw to the unmasked sum (it sees the unnoised sum); distributed: each site adds its share of Skellam "
@@ -502,6 +510,21 @@ class CoordinatorConfig(StrictModel):
         if self.feature_centre is not None and (self.privacy != "global" or self.model != "head"):
             raise ValueError("feature_centre is for privacy: global with model: head (local CCDP rounds centre at "
                              "the gateways): remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _posthoc_logit_adjustment_consistent(self) -> "CoordinatorConfig":
+        if self.posthoc_logit_adjustment > 0:
+            if not math.isfinite(self.posthoc_logit_adjustment):
+                raise ValueError("posthoc_logit_adjustment must be finite")
+            if self.model != "head" or getattr(self.strategy, "kind", "fedavg") != "fedavg":
+                raise ValueError("posthoc_logit_adjustment adjusts one global head for the whole federation's "
+                                 "prior: it needs model: head and strategy {kind: fedavg} (NIRA's per-cluster "
+                                 "heads are not supported); set posthoc_logit_adjustment: 0")
+            if not self.species:
+                raise ValueError("posthoc_logit_adjustment needs the species table (species: [{scientific_name, "
+                                 "class_index, iucn_category}, ...]) to read the sites' species lists; add it or "
+                                 "set posthoc_logit_adjustment: 0")
         return self
 
     @model_validator(mode="after")

@@ -62,6 +62,7 @@ from shared.envelope import Envelope, MessageKind, readdress, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
+from shared.models.logit_adjustment import adjusted_for_prediction, prediction_offsets, registry_log_prior
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.privacy.distributed import site_sampling_rate
 from shared.transfer import Receipt, piece_size_for
@@ -169,6 +170,7 @@ class RoundManager:
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
         # the open round's sealed tasks, one per distinct content (payload encoded and hashed once for its sites)
         self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}
+        self._offsets: tuple[int, tuple[float, ...] | None] | None = None  # (round, offsets) of prediction_offsets
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -211,6 +213,43 @@ class RoundManager:
             raise LookupError("no global model stored yet: start the Coordinator (it stores the initial model)")
         weights, _ = decode_tensors(self._store.get_model(h))
         return h, weights
+
+    def prediction_offsets(self, round: int | None = None) -> tuple[float, ...] | None:
+        """The post-hoc logit adjustment of the federation's head (``config.posthoc_logit_adjustment`` = tau > 0): float
+        offsets (K,) ``tau (log pi - mean log pi)``, pi estimated from the enrolled sites' public metadata
+        (:func:`shared.models.logit_adjustment.registry_log_prior`); None when tau is 0, the model is not a head or
+        no site lists a species of the table (logged). Computed once per ``round`` (None: recomputed) from the
+        registry as it is then; public values only, nothing is charged.
+        """
+        cfg = self.config
+        if not cfg.posthoc_logit_adjustment > 0 or cfg.model != "head" or not cfg.species:
+            return None
+        if round is not None and self._offsets is not None and self._offsets[0] == round:
+            return self._offsets[1]
+        metadata = {site.site_id: site.metadata for site in self._registry.list()}
+        index = {e.scientific_name: int(e.class_index) for e in cfg.species}
+        try:
+            offsets: tuple[float, ...] | None = tuple(
+                float(v) for v in prediction_offsets(registry_log_prior(metadata, index, int(cfg.num_classes)),
+                                                     float(cfg.posthoc_logit_adjustment)))
+        except ValueError as exc:
+            log.warning("rounds: no logit adjustment: %s", exc)
+            offsets = None
+        if round is not None:
+            self._offsets = (round, offsets)
+        return offsets
+
+    def inference_model(self) -> tuple[str, dict[str, np.ndarray]]:
+        """``(hash, weights)`` of the model to predict with: :meth:`current_model` (its hash: the stored version's)
+        with the logit adjustment of :meth:`prediction_offsets` taken off ``psi.bias`` when there is one, the same
+        model the sites keep for ``detect``.
+
+        Raises:
+            LookupError: no model stored yet.
+        """
+        h, weights = self.current_model()
+        offsets = self.prediction_offsets()
+        return h, weights if offsets is None else adjusted_for_prediction(weights, offsets)
 
     def save_optimizer_state(self, model_hash_: str) -> None:
         """Store the server optimizer's state (if any) for the model version ``model_hash_`` (a blob, named in the
@@ -550,7 +589,8 @@ class RoundManager:
                             count_noise_multiplier=None if secagg is not None else self._count_noise(),
                             ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
                             distributed_noise=distributed_noise, feature_centre=feature_centre,
-                            class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0)
+                            class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
+                            prediction_offsets=self.prediction_offsets(r))
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
 
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,

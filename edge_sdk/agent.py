@@ -31,6 +31,7 @@ sets ``allow_non_private``; a task's ``seed`` is ignored (secure randomness is u
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -52,6 +53,7 @@ from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, P
 from shared.keys import load_private_key, load_public_key
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.kinds import ModelSpec, spec_from_weights
+from shared.models.logit_adjustment import adjusted_for_prediction
 from shared.radio import RadioMapSet
 from shared.protocol import (COORDINATOR_STAGES, SecAggMessage, TrainingTask, UpdateReport, canonical_flatten,
                              decode_ack, decode_secagg, decode_task_with_artifacts, encode_secagg, encode_update)
@@ -137,13 +139,27 @@ def calibration_cache_dir(config: SiteConfig) -> Path:
     return Path(config.calibration_cache) if config.calibration_cache is not None else cache_dir() / "calibration"
 
 
-def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str) -> None:
+def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str,
+                      prediction_offsets: tuple[float, ...] | None = None) -> None:
     """Write ``weights`` (float32 arrays) to ``path`` atomically (a temporary file, then ``os.replace``), as
-    safetensors (``shared.codec.encode_tensors``, the wire's encoding) with metadata ``round`` and ``model_hash``."""
+    safetensors (``shared.codec.encode_tensors``, the wire's encoding) with metadata ``round`` and ``model_hash``
+    (the global model version it comes from).
+
+    ``prediction_offsets`` (the task's, float (K,)): the model kept is the one ``detect`` should predict with, the
+    global model with ``psi.bias - offsets`` (post-hoc logit adjustment, :mod:`shared.models.logit_adjustment`);
+    the metadata then also holds ``prediction_offsets`` (JSON list).
+
+    Raises:
+        ValueError: offsets that do not fit the model's ``psi.bias``. OSError: the file could not be written.
+    """
+    metadata = {"round": str(int(round_)), "model_hash": model_hash_hex}
+    if prediction_offsets is not None:
+        weights = adjusted_for_prediction(weights, prediction_offsets)
+        metadata["prediction_offsets"] = json.dumps([float(v) for v in prediction_offsets])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(encode_tensors({k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
-                                   metadata={"round": str(int(round_)), "model_hash": model_hash_hex}))
+                                   metadata=metadata))
     os.replace(tmp, path)
 
 
@@ -647,8 +663,9 @@ class EdgeAgent:
         if self.select_backend(task, artifacts, weights) is None:
             return False
         try:  # the newest accepted model, for detect (a failure here must not cost the round)
-            save_global_model(global_model_path(self.config), weights, round_=task.round, model_hash_hex=actual_hash)
-        except OSError as exc:
+            save_global_model(global_model_path(self.config), weights, round_=task.round, model_hash_hex=actual_hash,
+                              prediction_offsets=task.prediction_offsets)
+        except (OSError, ValueError) as exc:
             log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,
                         task.round, exc)
         if task.privacy == "global":

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -309,6 +309,10 @@ class TrainingTask:
         radio: a radio-map task (:class:`RadioTask`) for base-station gateways; privacy is then ``"grouped"``
             (budgets under IUCN NE: a radio map has no species) or ``"none"``, and ``artifacts`` must carry
             ``radio.city_artifact``. Left out of the JSON when None (camera tasks).
+        prediction_offsets: camera tasks only: float (K,) ``tau (log pi_k - mean log pi)``, the post-hoc logit
+            adjustment (Menon et al. 2021, sec. 4) the coordinator computed from public registry metadata
+            (:mod:`shared.models.logit_adjustment`). The site trains on the global model as sent and keeps for
+            ``detect`` the model with ``psi.bias - offsets``. None (default, left out of the JSON) = no adjustment.
     """
 
     federation_id: str
@@ -333,9 +337,20 @@ class TrainingTask:
     distributed_noise: bool = False
     feature_centre: str | None = None
     class_reweighting: float = 0.0
+    prediction_offsets: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        offsets = self.prediction_offsets
+        if offsets is not None:
+            if (isinstance(offsets, (str, bytes, Mapping)) or not isinstance(offsets, Sequence) or len(offsets) < 2
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                           for v in offsets)):
+                raise PayloadError(f"prediction_offsets must be a list of >= 2 finite numbers (one per class), "
+                                   f"got {offsets!r}")
+            if self.radio is not None:
+                raise PayloadError("prediction_offsets are for camera (species) tasks, not radio tasks")
+            object.__setattr__(self, "prediction_offsets", tuple(float(v) for v in offsets))
         p = self.class_reweighting
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= p <= 1.0):
             raise PayloadError(f"class_reweighting must be a number in [0, 1], got {p!r}")
@@ -432,7 +447,9 @@ class TrainingTask:
                 **({"noise_multiplier": self.noise_multiplier} if self.noise_multiplier is not None else {}),
                 **({"distributed_noise": True} if self.distributed_noise else {}),
                 **({"feature_centre": self.feature_centre} if self.feature_centre is not None else {}),
-                **({"class_reweighting": float(self.class_reweighting)} if self.class_reweighting else {})}
+                **({"class_reweighting": float(self.class_reweighting)} if self.class_reweighting else {}),
+                **({"prediction_offsets": list(self.prediction_offsets)}
+                   if self.prediction_offsets is not None else {})}
 
 
 @dataclass(frozen=True)

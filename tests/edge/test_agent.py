@@ -155,6 +155,32 @@ def test_the_gateway_keeps_the_newest_accepted_global_model_for_detect(world) ->
     agent.close()
 
 
+def test_the_model_kept_for_detect_carries_the_tasks_logit_adjustment(world) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from edge_sdk.config import global_model_path
+
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    path = global_model_path(agent.config)
+    classes = coordinator.weights["psi.bias"].shape[0]
+    # offsets that do not fit the head: the round still trains, but no model is kept for detect
+    assert agent.handle_task(coordinator.task(1, prediction_offsets=[0.1] * (classes + 1))) is True
+    assert not path.exists()
+    offsets = [0.5 * (-1) ** k for k in range(classes)]
+    assert agent.handle_task(coordinator.task(2, prediction_offsets=offsets)) is True
+    with safe_open(str(path), framework="numpy") as fh:
+        meta = fh.metadata()
+        kept = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert meta["model_hash"] == model_hash(coordinator.weights) and json.loads(meta["prediction_offsets"]) == offsets
+    np.testing.assert_allclose(kept["psi.bias"], coordinator.weights["psi.bias"] - np.asarray(offsets), atol=1e-7)
+    for name in set(coordinator.weights) - {"psi.bias"}:
+        np.testing.assert_array_equal(kept[name], coordinator.weights[name])
+    agent.close()
+
+
 def test_rejects_forged_misaddressed_duplicate_and_non_private_tasks(world) -> None:
     coordinator, make_agent = world
     agent, _ = make_agent()

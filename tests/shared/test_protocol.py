@@ -111,6 +111,16 @@ def test_ccdp_variant_is_carried_and_checked():
         task(ccdp_variant="split")
 
 
+def test_prediction_offsets_are_carried_as_floats_and_checked():
+    assert "prediction_offsets" not in task().to_json()  # absent when off: older gateways read the same JSON
+    t = task(prediction_offsets=[0.25, -0.25])
+    back, _ = decode_task(encode_task(t, W))
+    assert back.prediction_offsets == (0.25, -0.25) and back == t
+    for bad in ([0.1], [0.1, float("nan")], [True, 0.0], "0.1,0.2", {"a": 0.1, "b": 0.2}):
+        with pytest.raises(PayloadError, match="prediction_offsets"):
+            task(prediction_offsets=bad)
+
+
 def test_secagg_messages_round_trip_and_refuse_misplaced_parts():
     from shared.protocol import COORDINATOR_STAGES, SITE_STAGES, SecAggMessage, decode_secagg, encode_secagg
 
