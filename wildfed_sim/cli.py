@@ -58,6 +58,9 @@ def demo(
     class_reweighting: float = typer.Option(0.5, help="with --privacy ccdp: scale each class row of a site's "
                                             "head update by w_c^-p (w_c: how much less its IUCN category is "
                                             "sampled; post-processing, no privacy cost); 0 = off"),
+    posthoc_logit_adjustment: float | None = typer.Option(
+        None, help="tau of the post-hoc logit adjustment of the served model: predict argmax f_k(x) - tau log pi_k, "
+        "pi from the sites' public metadata (no privacy cost); default 1 with --strategy fedavg, 0 (off) with nira"),
     global_noise: str = typer.Option("distributed", help="with --privacy global: distributed (each gateway "
                                      "adds a Skellam share before secure aggregation masks its sum: the "
                                      "coordinator never sees an unnoised sum) or trusted-server (the coordinator "
@@ -127,7 +130,7 @@ def demo(
     settings = DemoSettings(sites=8 if sites is None else sites, rounds=rounds, privacy=privacy, gamma=gamma,
                             ccdp_variant=ccdp_variant, global_noise=global_noise,
                             tolerated_dropouts=tolerated_dropouts,
-                            class_reweighting=class_reweighting,
+                            class_reweighting=class_reweighting, posthoc_logit_adjustment=posthoc_logit_adjustment,
                             anchor_category=anchor_category.upper(), anchor_epsilon=anchor_epsilon,
                             local_steps=local_steps, expected_batch_size=expected_batch_size,
                             learning_rate=learning_rate, server_momentum=server_momentum,
@@ -178,6 +181,10 @@ def privacy_utility(
     sites: int = typer.Option(8, help="sites of the demo's design"),
     out: Path | None = typer.Option(None, help="output folder (default runs/privacy-utility-<UTC time>); an "
                                     "existing one is resumed from its runs.jsonl"),
+    posthoc_logit_adjustment: float = typer.Option(
+        1.0, help="tau of the post-hoc logit adjustment every configuration's model is evaluated (and tuned) with, "
+        "the prior from the sites' public metadata, as the demo's coordinator serves it; 0 = the model as trained "
+        "(each run records both)"),
 ) -> None:
     """The privacy-utility table (issue 19): no privacy, uniform DP at each of CCDP gamma 1's budgets (0.33 to 2),
     CCDP gamma 1 and 2 in both individualized DP-SGD variants, Global DP with trusted-server and distributed noise
@@ -190,7 +197,7 @@ def privacy_utility(
              else tuple(c.name for c in CONFIGURATIONS))
     settings = PrivacyUtilitySettings(seeds=_parse_seeds(seeds), tuning_seeds=_parse_seeds(tuning_seeds),
                                       configurations=names, grid=grid, processes=processes, sites=sites,
-                                      out_dir=out)
+                                      prediction_tau=posthoc_logit_adjustment, out_dir=out)
     try:
         run_privacy_utility(settings, console=console)
     except KeyboardInterrupt:

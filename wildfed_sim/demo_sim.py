@@ -29,7 +29,7 @@ import numpy as np
 
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["SimSite", "SimFederation", "load_federation", "SimConfig", "simulate"]
+__all__ = ["SimSite", "SimFederation", "load_federation", "SimConfig", "simulate", "prediction_offsets_for"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,11 @@ class SimConfig:
     ``feature_centre``, :mod:`shared.models.feature_centre`); ``secagg_threshold``: Global DP's secure-aggregation
     threshold t, which the distributed noise is calibrated for (None: the coordinator's default, coordinator config
     ``secagg.threshold``); ``class_reweighting``: local CCDP's class-row re-weighting exponent
-    (``TrainingTask.class_reweighting``; needs ``logit_adjustment``, which hands the gateway the species table).
+    (``TrainingTask.class_reweighting``; needs ``logit_adjustment``, which hands the gateway the species table);
+    ``prediction_tau``: the coordinator's post-hoc logit adjustment (coordinator config
+    ``posthoc_logit_adjustment``, the demo's ``--posthoc-logit-adjustment``): the model is evaluated with
+    ``psi.bias - tau (log pi - mean log pi)``, pi estimated from the sites' public metadata
+    (:mod:`shared.models.logit_adjustment`); 0 = off.
     """
 
     privacy: str = "ccdp"
@@ -135,6 +139,23 @@ class SimConfig:
     global_noise: str = "trusted-server"
     secagg_threshold: int | None = None
     class_reweighting: float = 0.0
+    prediction_tau: float = 0.0
+
+
+def prediction_offsets_for(fed: SimFederation, tau: float) -> np.ndarray | None:
+    """float64 (K,) offsets of the post-hoc logit adjustment with ``tau`` from the sites' public metadata
+    (:meth:`SimSite.public_metadata`, as the demo enrols them; the coordinator's
+    ``RoundManager.prediction_offsets``), or None for tau 0."""
+    from shared.models.logit_adjustment import prediction_offsets, registry_log_prior
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+
+    if not tau > 0:
+        return None
+    k = len(fed.class_categories)
+    names = fed.class_names or tuple(SPECIES_TABLE[j].scientific_name for j in range(k))
+    metadata = {s.site_id: s.public_metadata(names, fed.class_categories) for s in fed.sites}
+    index = {name: k for k, name in enumerate(names)}
+    return prediction_offsets(registry_log_prior(metadata, index, k), tau)
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None,
@@ -155,7 +176,9 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
         global model (the strategy's bundle), "site_models": {site: the model it would receive}, "count_events":
         {site: {category: DPSGDEvent}} of the noisy class counts a NIRA strategy asked for (empty otherwise)}``
         (accuracies
-        are fractions; ``"final"`` evaluates ``"weights"`` under FedAvg and is empty under another strategy).
+        are fractions; ``"final"`` evaluates ``"weights"`` under FedAvg, logit-adjusted when
+        ``config.prediction_tau`` > 0, and is empty under another strategy), ``"final_unadjusted"``: ``"weights"``
+        as trained (equal to ``"final"`` for tau 0).
 
     Raises:
         ConfigError / PrivacyBudgetError: from :func:`edge_sdk.training.train_locally` on a bad configuration.
@@ -189,8 +212,8 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
     table = dict(enumerate(fed.class_categories))  # the species table every demo gateway holds (public)
     if config.privacy == "global":
         weights, events = _simulate_global(fed, config, weights, backend, server, rngs, centre, inputs)
-        final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
-        return {"round0": round0.by_group, "final": final.by_group,
+        final, plain_final = _final(fed, weights, config.prediction_tau)
+        return {"round0": round0.by_group, "final": final.by_group, "final_unadjusted": plain_final.by_group,
                 "final_by_category": {c.value: a for c, a in final.by_category.items()}, "noise_multipliers": {},
                 "sampling_rates": {}, "events": events, "weights": weights}
     events: dict[str, dict[IUCNCategory, Any]] = {}
@@ -226,11 +249,25 @@ def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: in
         weights = strategy.after_step(server.step(bundle, strategy.aggregate()))
         strategy.end_round(r + 1)
     site_models = {s.site_id: strategy.site_weights(weights, s.site_id) for s in fed.sites}
-    final = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories) if plain else None
+    final, plain_final = _final(fed, weights, config.prediction_tau) if plain else (None, None)
     return {"round0": round0.by_group, "final": final.by_group if final else {},
+            "final_unadjusted": plain_final.by_group if plain_final else {},
             "final_by_category": {c.value: a for c, a in final.by_category.items()} if final else {},
             "noise_multipliers": zs, "sampling_rates": rates, "events": events, "count_events": count_events,
             "weights": weights, "site_models": site_models}
+
+
+def _final(fed: SimFederation, weights: Mapping[str, np.ndarray], tau: float) -> tuple[Any, Any]:
+    """(the served model's held-out Accuracy, logit-adjusted with ``tau``; the trained model's Accuracy)."""
+    from shared.models.logit_adjustment import adjusted_for_prediction
+    from wildfed_sim.evaluation import evaluate
+
+    plain = evaluate(weights, fed.test_features, fed.test_labels, fed.class_categories)
+    offsets = prediction_offsets_for(fed, tau)
+    if offsets is None:
+        return plain, plain
+    served = adjusted_for_prediction(weights, offsets)
+    return evaluate(served, fed.test_features, fed.test_labels, fed.class_categories), plain
 
 
 def _compose_into(into: dict[str, dict[IUCNCategory, Any]], site_id: str, events: Mapping[IUCNCategory, Any]) -> None:

@@ -205,9 +205,13 @@ class PrivacyUtilitySettings:
     expected_batch_size: int = 1024
     server_momentum: float = 0.5
     target_delta: float = 1e-5
+    prediction_tau: float = 1.0
     out_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.prediction_tau) and self.prediction_tau >= 0):
+            raise ConfigError(f"prediction_tau must be a finite number >= 0, got {self.prediction_tau!r}",
+                              field="prediction_tau", fix="use 1 (the balanced-error rule) or 0 (as trained)")
         for name in ("seeds", "tuning_seeds"):
             seeds = getattr(self, name)
             if not seeds:
@@ -364,12 +368,14 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
                     learning_rate=lr, clipping_norm=clip, target_delta=fixed["target_delta"],
                     server_momentum=momentum, ccdp_variant=config.variant,
                     global_noise=config.global_noise, secagg_threshold=config.threshold(fixed["sites"]),
-                    class_reweighting=config.class_reweighting)
+                    class_reweighting=config.class_reweighting, prediction_tau=fixed.get("prediction_tau", 0.0))
     t0 = time.monotonic()
     out = simulate(_FEDERATIONS[key], sim, seed=seed)
     eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}
     return {"configuration": name, "seed": seed, "point": [rounds, steps, clip, lr, momentum],
             "overall": out["final"]["overall"], "groups": out["final"], "by_category": out["final_by_category"],
+            "overall_unadjusted": out["final_unadjusted"]["overall"], "groups_unadjusted": out["final_unadjusted"],
+            "prediction_tau": fixed.get("prediction_tau", 0.0),
             "round0": out["round0"]["overall"], "epsilon": eps,
             "budget": {c.value: e for c, e in config.budgets().items()} if privacy != "none" else {},
             "events": {site: {c.value: ev.to_json() for c, ev in evs.items()}
@@ -456,7 +462,10 @@ def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettin
     lines = [f"Reported seeds {seeds}; tuned on {tuning}"
              f" (grid {settings.grid}); {settings.sites} sites, B = {settings.expected_batch_size}, server momentum "
              f"{settings.server_momentum:g}, delta {settings.target_delta:g}. Round 0 (zero head): overall "
-             f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds.", "",
+             f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds"
+             + (f", of the model as served: post-hoc logit adjustment tau {settings.prediction_tau:g} with the prior "
+                "from the sites' public metadata (each run's unadjusted accuracy is in the json)."
+                if settings.prediction_tau > 0 else ", of the model as trained (no logit adjustment)."), "",
              "| configuration | overall | CR/EN | " + " | ".join(cats) + " | rounds, steps, C, lr, momentum |",
              "|---" + "|---:" * (3 + len(cats)) + "|"]
     for e in result.summary:
@@ -598,12 +607,17 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     log_path = out_dir / "runs.jsonl"
     done: dict[str, dict[str, Any]] = {}
     for row in read_runs(log_path):
+        if float(row.get("prediction_tau", 0.0)) != settings.prediction_tau:
+            raise ConfigError(f"{log_path} holds runs evaluated with logit adjustment tau "
+                              f"{row.get('prediction_tau', 0.0)}, not {settings.prediction_tau}",
+                              field="prediction_tau", fix="resume with the same --logit-adjustment, or use a new --out")
         # rows written before the momentum stage ran at the fixed momentum
         row["point"] = list(_with_momentum(row["point"], settings.server_momentum))
         done[_job_key(row["configuration"], row["seed"], row["point"])] = row
     configs = [c for c in CONFIGURATIONS if c.name in settings.configurations]
     fixed = {"sites": settings.sites, "expected_batch_size": settings.expected_batch_size,
-             "target_delta": settings.target_delta, "server_momentum": settings.server_momentum}
+             "target_delta": settings.target_delta, "server_momentum": settings.server_momentum,
+             "prediction_tau": settings.prediction_tau}
     result = PrivacyUtilityResult(out_dir=out_dir)
     m0 = settings.server_momentum
     jobs = [(c.name, s, _with_momentum(p, m0), fixed) for s in settings.tuning_seeds for c in configs

@@ -79,3 +79,34 @@ def test_global_round_is_the_folded_clipped_mean_plus_noise_of_the_calibrated_st
         acc.compose(dp_accounting.PoissonSampledDpEvent(event.sampling_rate, dp_accounting.GaussianDpEvent(
             event.noise_multiplier)))
         assert 0.99 * eps <= acc.get_epsilon(1e-5) <= eps * (1 + 1e-9)
+
+
+def test_logit_adjusted_evaluation_is_the_trained_model_with_the_metadata_prior_taken_off_the_logits():
+    # Three classes of the demo's table at two sites; site-00 lists classes 0 and 1 (6 records), site-01 lists
+    # classes 1 and 2 (3 records). Hand-worked prior: n = (3, 3 + 1.5, 1.5), offsets = tau (log pi - mean log pi).
+    import dataclasses
+    import math
+
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+
+    rng = np.random.default_rng(2)
+    fed = _federation(rng)
+    cats = tuple(SPECIES_TABLE[k].iucn for k in range(3))
+    sites = (dataclasses.replace(fed.sites[0], species=(0, 1)), dataclasses.replace(fed.sites[1], species=(1, 2)))
+    assert not any(c.is_sensitive for c in cats)  # all three are on the public lists
+    fed = dataclasses.replace(fed, sites=sites, class_categories=cats)
+    config = SimConfig(privacy="none", rounds=1, local_steps=2, expected_batch_size=100, learning_rate=0.002)
+    plain = simulate(fed, config, seed=0)
+    tau = 1.0
+    served = simulate(fed, dataclasses.replace(config, prediction_tau=tau), seed=0)
+    np.testing.assert_equal(served["final_unadjusted"], plain["final"])  # NaN for groups without test records
+    sizes = (len(sites[0]), len(sites[1]))
+    n = np.array([sizes[0] / 2, sizes[0] / 2 + sizes[1] / 2, sizes[1] / 2], np.float64)
+    log_pi = np.log(n / n.sum())
+    offsets = tau * (log_pi - log_pi.mean())
+    w = served["weights"]
+    logits = fed.test_features.astype(np.float64) @ w["psi.weight"].astype(np.float64).T + w["psi.bias"]
+    expected = float(np.mean(np.argmax(logits - offsets, axis=1) == fed.test_labels))
+    assert served["final"]["overall"] == pytest.approx(expected)
+    assert (np.argmax(logits - offsets, axis=1) != np.argmax(logits, axis=1)).any()  # the offsets matter here
+    assert math.isclose(offsets.sum(), 0.0, abs_tol=1e-12)
