@@ -14,7 +14,7 @@ from shared.models.logit_adjustment import adjusted_for_prediction, prediction_o
 TABLE = {"Panthera leo": 0, "Loxodonta africana": 1, "Giraffa camelopardalis": 2, "Diceros bicornis": 3}
 
 
-def test_prior_spreads_each_sites_records_over_its_listed_species_and_fills_the_unlisted_with_the_geometric_mean():
+def test_prior_spreads_each_sites_records_over_its_listed_species_and_gives_the_unlisted_the_rarest_estimate():
     metadata = {
         "a": {"num_examples": 100, "species": ["Panthera leo", "Loxodonta africana"]},
         # a name outside the table does not count in the site's list: 60 records over 2 species
@@ -23,7 +23,7 @@ def test_prior_spreads_each_sites_records_over_its_listed_species_and_fills_the_
         "d": {"species": ["Panthera leo"]},  # no record count: skipped
     }
     n = [50.0, 50.0 + 30.0, 30.0]
-    n.append((50.0 * 80.0 * 30.0) ** (1 / 3))  # Diceros bicornis (CR) is on no public list
+    n.append(30.0)  # Diceros bicornis (CR) is on no public list: as rare as the rarest listed species
     expected = [math.log(v / sum(n)) for v in n]
     np.testing.assert_allclose(registry_log_prior(metadata, TABLE, 4), expected, rtol=0, atol=1e-12)
 
