@@ -31,20 +31,36 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_for_port(host: str, port: int, timeout_s: float = 20.0) -> None:
-    """Block until a TCP connection to ``host:port`` succeeds.
+    """Block until an MQTT broker on ``host:port`` answers a CONNECT with a successful CONNACK (MQTT 3.1.1,
+    sec. 3.1-3.2; paho's client), then disconnect cleanly. A bare TCP probe would do, but the broker logs every
+    connection that closes before its CONNECT as a failed client session (amqtt: "Failed to initialize client
+    session"), which reads like an error in the demo's broker log.
 
     Raises:
-        TimeoutError: nothing accepted connections within ``timeout_s`` seconds.
+        TimeoutError: no broker accepted a connection within ``timeout_s`` seconds.
     """
+    import paho.mqtt.client as mqtt
+
     deadline = time.monotonic() + timeout_s
     while True:
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wildfed-probe-{os.getpid()}")
         try:
-            with socket.create_connection((host, port), timeout=0.5):
+            client.connect(host, port, keepalive=10)
+            while not client.is_connected() and time.monotonic() < deadline:
+                if client.loop(timeout=0.2) != mqtt.MQTT_ERR_SUCCESS:
+                    break
+            if client.is_connected():
+                client.disconnect()
+                client.loop(timeout=0.2)  # sends the DISCONNECT
                 return
         except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no MQTT broker accepted connections on {host}:{port} within {timeout_s} s")
-            time.sleep(0.1)
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                client.socket() and client.socket().close()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no MQTT broker accepted connections on {host}:{port} within {timeout_s} s")
+        time.sleep(0.1)
 
 
 async def serve(port: int) -> None:
