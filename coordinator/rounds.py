@@ -62,7 +62,7 @@ from shared.envelope import Envelope, MessageKind, readdress, seal
 from shared.iucn import IUCNCategory, parse_category
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
-from shared.models.logit_adjustment import adjusted_for_prediction, prediction_offsets, registry_log_prior
+from shared.models.logit_adjustment import adjusted_for_prediction, metadata_offsets
 from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
 from shared.privacy.distributed import site_sampling_rate
 from shared.transfer import Receipt, piece_size_for
@@ -230,8 +230,8 @@ class RoundManager:
         index = {e.scientific_name: int(e.class_index) for e in cfg.species}
         try:
             offsets: tuple[float, ...] | None = tuple(
-                float(v) for v in prediction_offsets(registry_log_prior(metadata, index, int(cfg.num_classes)),
-                                                     float(cfg.posthoc_logit_adjustment)))
+                float(v) for v in metadata_offsets(metadata, index, int(cfg.num_classes),
+                                                   float(cfg.posthoc_logit_adjustment)))
         except ValueError as exc:
             log.warning("rounds: no logit adjustment: %s", exc)
             offsets = None
@@ -248,8 +248,13 @@ class RoundManager:
             LookupError: no model stored yet.
         """
         h, weights = self.current_model()
+        return h, self.served_model(weights)
+
+    def served_model(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``weights`` (a global model, e.g. from :meth:`current_model`) as predicted with: ``psi.bias`` less the
+        offsets of :meth:`prediction_offsets` when there are some, else the same tensors (a new dict)."""
         offsets = self.prediction_offsets()
-        return h, weights if offsets is None else adjusted_for_prediction(weights, offsets)
+        return dict(weights) if offsets is None else adjusted_for_prediction(weights, offsets)
 
     def save_optimizer_state(self, model_hash_: str) -> None:
         """Store the server optimizer's state (if any) for the model version ``model_hash_`` (a blob, named in the

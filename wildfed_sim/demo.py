@@ -718,14 +718,11 @@ def _evaluate_model(settings: DemoSettings, coordinator: Any, bundle: Any, specs
     return accuracy_from_predictions(np.concatenate(preds), np.concatenate(labels), class_categories), details
 
 
-def _trained_accuracy(settings: DemoSettings, coordinator: Any, test: Any, class_categories: Any,
-                      test_features: np.ndarray) -> Any:
-    """Held-out accuracy of the global model as trained (no logit adjustment), for the report beside the served
-    model's (FedAvg only)."""
-    from wildfed_sim.evaluation import evaluate
-
-    _, weights = coordinator.rounds.current_model()
-    return evaluate(weights, test_features, test.labels, class_categories)
+def _served_and_trained(coordinator: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(the model as served, logit-adjusted when the coordinator is configured so; the same model as trained),
+    from one read of the current global model."""
+    _, trained = coordinator.rounds.current_model()
+    return coordinator.rounds.served_model(trained), trained
 
 
 # ------------------------------------------------------------------------------------------ reporting
@@ -946,10 +943,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                 # the gap: from the previous round's close to this round's last task published (the sites idle)
                 gap_s = (None if closed_at is None
                          else got_at - round_result.duration_s + round_result.open_s - closed_at)
-                _, weights = coordinator.rounds.inference_model()  # as served: logit-adjusted when configured
+                weights, trained = _served_and_trained(coordinator)  # as served: logit-adjusted when configured
                 acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
                                                   class_categories, test_features)
-                unadjusted = (_trained_accuracy(settings, coordinator, test, class_categories, test_features)
+                unadjusted = (evaluate(trained, test_features, test.labels, class_categories)
                               if settings.posthoc_logit_adjustment else None)
                 eps = _epsilon_by_category(coordinator)
                 entry = {"round": round_result.round, "status": round_result.status,
@@ -971,12 +968,12 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         status = coordinator.status()
         result.rejections = dict(status.rejections)
         result.epsilon = _epsilon_by_category(coordinator)
-        _, final_weights = coordinator.rounds.inference_model()
+        final_weights, trained = _served_and_trained(coordinator)
         final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
                                              class_categories, test_features)
         result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
         if settings.posthoc_logit_adjustment:
-            plain = _trained_accuracy(settings, coordinator, test, class_categories, test_features)
+            plain = evaluate(trained, test_features, test.labels, class_categories)
             result.final_accuracy_unadjusted = {**plain.by_group,
                                                 **{c.value: v for c, v in plain.by_category.items()}}
             result.prediction_offsets = list(coordinator.rounds.prediction_offsets() or ())

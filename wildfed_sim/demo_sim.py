@@ -146,16 +146,16 @@ def prediction_offsets_for(fed: SimFederation, tau: float) -> np.ndarray | None:
     """float64 (K,) offsets of the post-hoc logit adjustment with ``tau`` from the sites' public metadata
     (:meth:`SimSite.public_metadata`, as the demo enrols them; the coordinator's
     ``RoundManager.prediction_offsets``), or None for tau 0."""
-    from shared.models.logit_adjustment import prediction_offsets, registry_log_prior
+    from shared.models.logit_adjustment import metadata_offsets
     from wildfed_sim.animal_mnist import SPECIES_TABLE
 
     if not tau > 0:
         return None
-    k = len(fed.class_categories)
-    names = fed.class_names or tuple(SPECIES_TABLE[j].scientific_name for j in range(k))
+    num_classes = len(fed.class_categories)
+    names = fed.class_names or tuple(SPECIES_TABLE[j].scientific_name for j in range(num_classes))
     metadata = {s.site_id: s.public_metadata(names, fed.class_categories) for s in fed.sites}
     index = {name: k for k, name in enumerate(names)}
-    return prediction_offsets(registry_log_prior(metadata, index, k), tau)
+    return metadata_offsets(metadata, index, num_classes, tau)
 
 
 def simulate(fed: SimFederation, config: SimConfig, *, seed: int, noise_seed: int | None = None,

@@ -56,8 +56,10 @@ def wait_for_port(host: str, port: int, timeout_s: float = 20.0) -> None:
         except OSError:
             pass
         finally:
-            with contextlib.suppress(Exception):
-                client.socket() and client.socket().close()
+            sock = client.socket()  # still open after a refused or unanswered CONNECT
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
         if time.monotonic() > deadline:
             raise TimeoutError(f"no MQTT broker accepted connections on {host}:{port} within {timeout_s} s")
         time.sleep(0.1)

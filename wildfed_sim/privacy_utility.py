@@ -610,7 +610,7 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
         if float(row.get("prediction_tau", 0.0)) != settings.prediction_tau:
             raise ConfigError(f"{log_path} holds runs evaluated with logit adjustment tau "
                               f"{row.get('prediction_tau', 0.0)}, not {settings.prediction_tau}",
-                              field="prediction_tau", fix="resume with the same --logit-adjustment, or use a new --out")
+                              field="prediction_tau", fix="resume with the same --posthoc-logit-adjustment, or use a new --out")
         # rows written before the momentum stage ran at the fixed momentum
         row["point"] = list(_with_momentum(row["point"], settings.server_momentum))
         done[_job_key(row["configuration"], row["seed"], row["point"])] = row

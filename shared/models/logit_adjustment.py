@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BIAS", "registry_log_prior", "prediction_offsets", "adjusted_for_prediction"]
+__all__ = ["BIAS", "registry_log_prior", "prediction_offsets", "metadata_offsets", "adjusted_for_prediction"]
 
 BIAS = "psi.bias"
 """The head's bias (K,), the tensor a logit adjustment shifts (:mod:`shared.models.head`)."""
@@ -94,6 +94,17 @@ def prediction_offsets(log_prior: np.ndarray, tau: float) -> np.ndarray:
     if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau >= 0):
         raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
     return float(tau) * (lp - lp.mean())
+
+
+def metadata_offsets(site_metadata: Mapping[str, Mapping[str, Any]], class_index: Mapping[str, int],
+                     num_classes: int, tau: float) -> np.ndarray:
+    """:func:`prediction_offsets` of :func:`registry_log_prior`: float64 (K,) offsets from public registry metadata
+    (the coordinator's ``RoundManager.prediction_offsets`` and the demo's replay both take them from here).
+
+    Raises:
+        ValueError: as :func:`registry_log_prior` and :func:`prediction_offsets`.
+    """
+    return prediction_offsets(registry_log_prior(site_metadata, class_index, num_classes), tau)
 
 
 def adjusted_for_prediction(weights: Mapping[str, np.ndarray], offsets: Sequence[float] | np.ndarray
