@@ -198,12 +198,14 @@ class Coordinator:
         return self.rounds.recover()
 
     def close(self) -> None:
-        """Disconnect the transport (if the coordinator built it) and release database connections."""
-        if self._owns_transport and isinstance(self.transport, MqttTransport):
-            self.transport.close()
+        """Stop ingesting (what was checked before the stop is made durable and ACKed), then disconnect the
+        transport (if the coordinator built it; it lets its last ACKs go out first) and release database
+        connections. The ACKs need the transport: it is closed last."""
         if self._update_queue is not None:
             self._update_queue.close()
-            self.ingestor.flush()  # what was checked before the stop is made durable and ACKed
+            self.ingestor.flush()
+        if self._owns_transport and isinstance(self.transport, MqttTransport):
+            self.transport.close()
         self.store.dispose()
 
     def __enter__(self) -> "Coordinator":

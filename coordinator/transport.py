@@ -222,6 +222,7 @@ class MqttTransport:
         """Messages given up as refused by the broker, or not sent because one no larger was (observability)."""
         self._refused_mids: set[int] = set()
         self._pipeline = threading.local()  # the open pipelined() block of each thread (nested blocks join it)
+        self._unwaited: deque[MQTTMessageInfo] = deque()  # QoS 1 replies sent where waiting could deadlock
         self._refusal_logged: set[str] = set()
         self._suspect: tuple[str, bytes] | None = None  # the largest message in flight at the last drop
         self._client.on_connect = self._on_connect
@@ -400,9 +401,15 @@ class MqttTransport:
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
             raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).
-        if (info.rc == self._mqtt.MQTT_ERR_SUCCESS and threading.get_ident() != self._loop_thread
-                and not getattr(_HANDLER_THREAD, "active", False)):
+        if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
+            return None
+        if threading.get_ident() != self._loop_thread and not getattr(_HANDLER_THREAD, "active", False):
             return info
+        if qos > 0:  # not waited for here; close() lets paho finish it before it disconnects
+            with self._lock:
+                while self._unwaited and self._unwaited[0].is_published():
+                    self._unwaited.popleft()
+                self._unwaited.append(info)
         return None
 
     def _wait_published(self, infos: list[MQTTMessageInfo]) -> None:
@@ -428,7 +435,15 @@ class MqttTransport:
             self._client.subscribe(topic_filter, qos=1)
 
     def close(self) -> None:
-        """Disconnect and stop the network thread."""
+        """Disconnect and stop the network thread, after waiting (``connect_timeout_s`` without progress at most)
+        for the QoS 1 messages that were handed to paho without a wait (the ACKs and receipts of
+        :class:`QueuedCallback` handlers): a coordinator that stops right after a round must not drop its last ACKs
+        in paho's buffers."""
+        if self._connected.is_set() and threading.get_ident() != self._loop_thread:
+            with self._lock:
+                unwaited = list(self._unwaited)
+                self._unwaited.clear()
+            self._wait_published(unwaited)
         self._closing = True
         self._client.disconnect()
         self._client.loop_stop()

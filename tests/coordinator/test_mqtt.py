@@ -159,3 +159,41 @@ def test_pipelined_publishes_arrive_in_order_and_are_all_acknowledged_when_the_b
     finally:
         pub.close()
         sub.close()
+
+
+def test_close_lets_the_replies_sent_without_a_wait_go_out_first(broker_url):
+    """Replies a ``QueuedCallback`` handler publishes (ACKs, receipts) are not waited for where they are sent; a
+    coordinator that stops right after its last round then closes the transport at once. ``close`` must let paho
+    finish them first: 16 messages of 256 KiB published as a handler publishes them, then ``close`` straight away,
+    and a subscriber gets every one."""
+    import threading
+
+    from coordinator import transport as transport_module
+
+    topic = f"wf-test/{uuid.uuid4().hex[:10]}/ack"
+    pub = MqttTransport(broker_url, client_id=f"close-pub-{uuid.uuid4().hex[:8]}")
+    sub = MqttTransport(broker_url, client_id=f"close-sub-{uuid.uuid4().hex[:8]}")
+    messages = [bytes([i]) * 262144 for i in range(16)]
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def on_message(t: str, p: bytes) -> None:
+        got.append(bytes(p))
+        if len(got) == len(messages):
+            done.set()
+
+    try:
+        sub.subscribe(topic, on_message)
+        sub.connect()
+        pub.connect()
+        transport_module._HANDLER_THREAD.active = True  # this thread publishes as a QueuedCallback handler does
+        try:
+            for m in messages:
+                pub.publish(topic, m)
+        finally:
+            transport_module._HANDLER_THREAD.active = False
+        pub.close()
+        assert done.wait(30), f"{len(got)} of {len(messages)} arrived"
+        assert got == messages
+    finally:
+        sub.close()
