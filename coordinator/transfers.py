@@ -16,7 +16,7 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
   again;
 * a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
   only pass over the payload's bytes) and staged (:class:`coordinator.staging.ChunkStaging`: in memory, or past a
-  limit in ``<data_dir>/transfers/<transfer id>/<index>.part``); when the last one is in, the inner envelope is the
+  limit in ``<data_dir>/transfers/<transfer id>/``); when the last one is in, the inner envelope is the
   manifest's header and signature with the pieces joined, verified already, and goes to ingest with the fingerprint
   of the key that verified it (:meth:`Ingestor.handle_envelope`), which checks that key is still valid, hashes
   nothing, stores the update durably, ACKs it and aggregates it; the staging is then deleted;
@@ -261,7 +261,7 @@ class TransferReceiver:
             if owner is not None and owner != site_id:
                 raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
             on_disk = self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
-                                         known_on_disk=owner is not None)
+                                         chunk_size=manifest.chunk_size, known_on_disk=owner is not None)
             self._manifests[tid] = (site_id, manifest)
             if on_disk and owner is None:
                 self._record(tid, site_id, h.round, h.sequence, bytes(env.payload), manifest.num_chunks)
@@ -345,7 +345,8 @@ class TransferReceiver:
             if known is not None:
                 self._manifests[chunk.transfer_id] = known
                 self.staging.begin(chunk.transfer_id, total_length=known[1].total_length,
-                                   num_chunks=known[1].num_chunks, known_on_disk=True)
+                                   num_chunks=known[1].num_chunks, chunk_size=known[1].chunk_size,
+                                   known_on_disk=True)
         if known is None or channel != "update":
             raise _Reject(RejectReason.UNKNOWN_TRANSFER, f"chunk {chunk.index} of transfer {chunk.transfer_id[:12]}, "
                           "which has no (unexpired) manifest; the site resends after its manifest is answered")
@@ -359,7 +360,7 @@ class TransferReceiver:
         tid = manifest.transfer_id
         if not self.staging.tracks(tid):  # a manifest this process saw, of a transfer another worker finished
             self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
-                               known_on_disk=True)
+                               chunk_size=manifest.chunk_size, known_on_disk=True)
         self.staging.put(tid, chunk.index, chunk.data)
         self._fresh.setdefault(tid, set()).add(chunk.index)  # checked here: not hashed again
         if self.staging.count(tid) < manifest.num_chunks:

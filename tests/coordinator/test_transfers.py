@@ -25,6 +25,7 @@ import hashlib
 import json
 import threading
 from collections import Counter
+import struct
 from pathlib import Path
 
 import blake3
@@ -360,7 +361,10 @@ def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None
     assert handle("s2", out["s2"][:3]) == [None] * 3
     # Assert 1: s1 in memory, s2 on disk with its row
     assert (staging.reserved_bytes, staging.memory_bytes, staging.spills) == (size, 2 * CHUNK, 1)
-    assert not folder("s1").exists() and sorted(p.name for p in folder("s2").glob("*.part")) == ["0.part", "1.part"]
+    assert not folder("s1").exists() and sorted(p.name for p in folder("s2").iterdir()) == ["chunks", "held"]
+    s2_chunks = split(raws["s2"])[1]
+    assert (folder("s2") / "held").read_bytes() == struct.pack(">II", 0, 1)  # the log: indices 0 and 1
+    assert (folder("s2") / "chunks").read_bytes() == bytes(s2_chunks[0].data) + bytes(s2_chunks[1].data)
     assert rows() == ["s2"]
     assert sorted(p[1:] for p in receiver.pending()) == [("s1", 2, n), ("s2", 2, n)]
     # a restarted receiver: s2 resumes from its files
@@ -402,14 +406,21 @@ def test_after_a_restart_pieces_staged_before_are_checked_again_and_a_torn_one_i
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key)
-    part = coord.store.data_dir / "transfers" / manifest.transfer_id / "2.part"
-    part.write_bytes(part.read_bytes()[:100] + bytes(CHUNK - 100))  # torn: right length, wrong bytes
+    folder = coord.store.data_dir / "transfers" / manifest.transfer_id
+    data = bytearray((folder / "chunks").read_bytes())
+    assert len(data) == 5 * CHUNK and data[2 * CHUNK:3 * CHUNK] == bytes(chunks[2].data)
+    data[2 * CHUNK + 100:3 * CHUNK] = bytes(CHUNK - 100)  # chunk 2 torn: right length, wrong bytes
+    (folder / "chunks").write_bytes(bytes(data))
+    with open(folder / "held", "ab") as fh:  # and the log's last record torn (2 of its 4 bytes)
+        fh.write(b"\x00\x00")
     # Execute 1: the other chunks reach the restarted receiver
     results = [restarted.handle(topic, c.to_bytes()) for c in chunks[5:]]
     # Assert 1: the last one completes the set, assembly finds the torn piece and drops it; nothing accepted
     assert results[:-1] == [None] * (len(chunks) - 6)
     assert isinstance(results[-1], Rejected) and results[-1].reason is RejectReason.BAD_TRANSFER
-    assert "1 damaged chunk(s) dropped" in results[-1].detail and not part.exists()
+    assert "1 damaged chunk(s) dropped" in results[-1].detail
+    held = (folder / "held").read_bytes()  # the log no longer lists chunk 2 (its torn record is gone too)
+    assert sorted(i for (i,) in struct.iter_unpack(">I", held)) == [i for i in range(len(chunks)) if i != 2]
     assert "s1" not in ctx.accepted
     # Execute 2: the site resumes; Assert 2: only chunk 2 is asked for, and once it is in, the update is accepted
     restarted.handle(topic, _resume(raw, s.key))
