@@ -115,6 +115,29 @@ def main() -> None:
     def broadcast(cmd: tuple) -> list:
         return broadcast_to(pipes, cmd)
 
+    import psutil
+
+    this = psutil.Process()
+    workers = [psutil.Process(p.pid) for p in procs]
+    brokers = [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("mosquitto")]
+
+    def thread_cpu() -> dict[str, float]:
+        """CPU seconds so far of each thread of this process, by thread name (native threads without a Python
+        name by id)."""
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out: dict[str, float] = {}
+        for t in this.threads():
+            name = names.get(t.id, f"native-{t.id}")
+            out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+        return out
+
+    def cpu() -> tuple[float, float, float]:
+        """CPU seconds (user + system) so far of this process, the gateway workers, the local Mosquitto(s)."""
+        def s(p) -> float:  # noqa: ANN001
+            t = p.cpu_times()
+            return t.user + t.system
+        return s(this), sum(s(w) for w in workers), sum(s(b) for b in brokers)
+
     rows, ratios = [], []
     try:
         for rep in range(args.repeats):
@@ -124,6 +147,7 @@ def main() -> None:
             order = ["raw", "round"] if rep % 2 == 0 else ["round", "raw"]
             times: dict[str, float] = {}
             for variant in order:
+                c0, t0 = cpu(), thread_cpu()
                 if variant == "raw":
                     counter.update(bytes=0, expected=total_bytes, last=0.0)
                     done.clear()
@@ -139,6 +163,7 @@ def main() -> None:
                     rctx = coord.rounds.open_round()
                     t_tasks = time.time() - t_open
                     assert rctx is not None and rctx.round == r and rctx.model_hash == h
+                    c0, t0 = cpu(), thread_cpu()  # the tasks' publishing is not timed, nor counted
                     for pipe in pipes:
                         pipe.send(("updates", 60.0))  # the edge agent's default resend interval
                     coord.rounds.wait_for_quorum(rctx)
@@ -156,6 +181,11 @@ def main() -> None:
                     print(f"  repeat {rep + 1}: round {r} closed with {len(result.accepted)} updates: all ACKed "
                           f"{times['acked']:.2f} s, closed {times['round']:.2f} s after the first publish (tasks "
                           f"published in {t_tasks:.2f} s before)", flush=True)
+                c1, t1 = cpu(), thread_cpu()
+                busy = sorted(((t1[n] - t0.get(n, 0.0), n) for n in t1), reverse=True)
+                print(f"    CPU s of {variant}: this process {c1[0] - c0[0]:.2f} ("
+                      + ", ".join(f"{n} {d:.2f}" for d, n in busy if d >= 0.01)
+                      + f"), gateways {c1[1] - c0[1]:.2f}, broker {c1[2] - c0[2]:.2f}", flush=True)
             ratios.append(times["round"] / times["raw"])
             rows.append([f"repeat {rep + 1}", f"{total_bytes / MiB:.1f}", f"{times['raw']:.2f}",
                          f"{total_bytes / MiB / times['raw']:.0f}", f"{times['acked']:.2f}", f"{times['round']:.2f}",
