@@ -32,6 +32,7 @@ within one repeat: compare several repeats).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import threading
@@ -138,7 +139,9 @@ def main() -> None:
             return t.user + t.system
         return s(this), sum(s(w) for w in workers), sum(s(b) for b in brokers)
 
-    rows, ratios = [], []
+    rows, ratios, bounds = [], [], []
+    spent: dict[str, tuple[float, float, float]] = {}
+    cores = os.cpu_count() or 1
     try:
         for rep in range(args.repeats):
             r, h = coord.rounds.next_round(), coord.rounds.current_model()[0]
@@ -183,10 +186,20 @@ def main() -> None:
                           f"published in {t_tasks:.2f} s before)", flush=True)
                 c1, t1 = cpu(), thread_cpu()
                 busy = sorted(((t1[n] - t0.get(n, 0.0), n) for n in t1), reverse=True)
-                print(f"    CPU s of {variant}: this process {c1[0] - c0[0]:.2f} ("
+                spent[variant] = tuple(b - a for a, b in zip(c0, c1))
+                print(f"    CPU s of {variant}: this process {spent[variant][0]:.2f} ("
                       + ", ".join(f"{n} {d:.2f}" for d, n in busy if d >= 0.01)
-                      + f"), gateways {c1[1] - c0[1]:.2f}, broker {c1[2] - c0[2]:.2f}", flush=True)
+                      + f"), gateways {spent[variant][1]:.2f}, broker {spent[variant][2]:.2f}; all "
+                      f"{sum(spent[variant]):.2f} CPU s in {times[variant]:.2f} s = "
+                      f"{sum(spent[variant]) / times[variant]:.2f} of {cores} cores", flush=True)
             ratios.append(times["round"] / times["raw"])
+            # The round cannot take less wall time than all its CPU seconds spread over every core; the coordinator
+            # may use at most what 1.5x the raw transfer's wall time leaves on the cores after the gateways and the
+            # broker (as they used in this round).
+            others = spent["round"][1] + spent["round"][2]
+            bounds.append((sum(spent["round"]) / cores / times["raw"],
+                           spent["round"][0] / args.gateways * 1e3,
+                           max(0.0, 1.5 * times["raw"] * cores - others) / args.gateways * 1e3))
             rows.append([f"repeat {rep + 1}", f"{total_bytes / MiB:.1f}", f"{times['raw']:.2f}",
                          f"{total_bytes / MiB / times['raw']:.0f}", f"{times['acked']:.2f}", f"{times['round']:.2f}",
                          f"{total_bytes / MiB / times['round']:.0f}", f"{times['acked'] / times['raw']:.2f}",
@@ -206,6 +219,10 @@ def main() -> None:
     print(f"\n{args.gateways} gateways x 1 update, model {args.params:,} parameters; {load_average()}")
     print_table(["", "MiB", "raw s", "raw MiB/s", "all ACKed s", "round closed s", "round MiB/s", "ACKed/raw",
                  "closed/raw"], rows)
+    print("CPU bound per repeat (all CPU seconds of the round / cores / raw transfer time; the round's ratio cannot "
+          "be below it): " + ", ".join(f"{b[0]:.2f}x" for b in bounds))
+    print("coordinator CPU per update, used / the most that a 1.5x round leaves it: "
+          + ", ".join(f"{b[1]:.1f} / {b[2]:.1f} ms" for b in bounds))
     med = float(np.median(ratios))
     print(f"median ratio round closed / raw transfer: {med:.2f}x (target <= 1.5x: {'met' if med <= 1.5 else 'NOT met'})")
 
