@@ -164,6 +164,11 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
 
 
 
+_MAX_TOPICS_CACHED = 4096
+"""Topics whose handlers :class:`MqttTransport` remembers (then it starts over): bounded, since the wildcard filters
+match any site id a broker lets through."""
+
+
 class MqttTransport:
     """paho-mqtt 2.x client (``CallbackAPIVersion.VERSION2``), QoS 1, auto re-subscribe after reconnects.
 
@@ -210,6 +215,7 @@ class MqttTransport:
         self._refused: str | None = None
         self._client.max_inflight_messages_set(64)
         self._subs: list[tuple[str, Callback]] = []
+        self._targets: dict[str, list[Callback]] = {}  # topic -> its handlers, emptied when a filter is added
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._loop_thread: int | None = None
@@ -290,11 +296,16 @@ class MqttTransport:
 
     def _on_message(self, client, userdata, message) -> None:  # noqa: ANN001
         self._loop_thread = threading.get_ident()
-        with self._lock:
-            targets = [cb for f, cb in self._subs if topic_matches(_unshared(f), message.topic)]
+        topic = message.topic
+        with self._lock:  # the handlers of a topic are looked up once (a chunked update is 17 messages on one topic)
+            targets = self._targets.get(topic)
+            if targets is None:
+                if len(self._targets) >= _MAX_TOPICS_CACHED:
+                    self._targets.clear()
+                targets = self._targets[topic] = [cb for f, cb in self._subs if topic_matches(_unshared(f), topic)]
         for cb in targets:
             try:
-                cb(message.topic, bytes(message.payload))
+                cb(topic, bytes(message.payload))
             except Exception:  # noqa: BLE001 - never let a handler bug kill paho's network thread
                 log.exception("mqtt: handler for %s raised", message.topic)
 
@@ -431,6 +442,7 @@ class MqttTransport:
         splitting the messages; DESIGN.md "Scale"): ``callback`` then gets the messages matching ``<filter>``."""
         with self._lock:
             self._subs.append((topic_filter, callback))
+            self._targets.clear()
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
 

@@ -197,3 +197,31 @@ def test_close_lets_the_replies_sent_without_a_wait_go_out_first(broker_url):
         assert got == messages
     finally:
         sub.close()
+
+
+def test_each_topic_reaches_the_handlers_of_every_filter_it_matches_also_after_a_new_subscription() -> None:
+    """The transport remembers a topic's handlers (no broker needed: paho's callback is called directly); a filter
+    added later is seen by a topic looked up before, and a topic no filter matches reaches nobody."""
+    from types import SimpleNamespace
+
+    transport = MqttTransport("mqtt://127.0.0.1:1", client_id=f"t-{uuid.uuid4().hex[:6]}")
+    got: list[tuple[str, str, bytes]] = []
+    transport.subscribe("wildfed/f/+/update", lambda t, p: got.append(("update", t, p)))
+    transport.subscribe("$share/g/wildfed/f/s1/#", lambda t, p: got.append(("s1", t, p)))
+
+    def deliver(topic: str, payload: bytes) -> None:
+        transport._on_message(None, None, SimpleNamespace(topic=topic, payload=payload))
+
+    deliver("wildfed/f/s1/update", b"a")
+    deliver("wildfed/f/s2/update", b"b")
+    deliver("wildfed/f/s1/update", b"c")  # looked up before: the same two handlers
+    deliver("wildfed/g/s1/update", b"x")  # another federation: nobody
+    assert got == [("update", "wildfed/f/s1/update", b"a"), ("s1", "wildfed/f/s1/update", b"a"),
+                   ("update", "wildfed/f/s2/update", b"b"),
+                   ("update", "wildfed/f/s1/update", b"c"), ("s1", "wildfed/f/s1/update", b"c")]
+    got.clear()
+    transport.subscribe("wildfed/+/+/update", lambda t, p: got.append(("any", t, p)))
+    deliver("wildfed/f/s2/update", b"d")
+    deliver("wildfed/g/s1/update", b"y")
+    assert got == [("update", "wildfed/f/s2/update", b"d"), ("any", "wildfed/f/s2/update", b"d"),
+                   ("any", "wildfed/g/s1/update", b"y")]

@@ -279,3 +279,20 @@ def test_immutable_view_never_aliases_a_writable_buffer():
     view = shared.envelope.immutable_view(buf)
     buf[0] = ord("z")
     assert bytes(view) == b"abcdef" and view.readonly
+
+
+def test_canonical_bytes_are_the_sorted_compact_json_of_the_fields_and_follow_replace():
+    """The header's canonical encoding, kept once computed, equals the encoding written out by hand from the
+    fields, and a header made by ``dataclasses.replace`` (another round) gets its own encoding, not the cached one."""
+    import dataclasses
+    import json as _json
+
+    header = make().header
+    by_hand = ('{"base_model_hash":"' + "ab" * 32 + '","federation_id":"fed-1","format_version":2,"kind":"update",'
+               f'"payload_digest":"{header.payload_digest}","payload_length":13,"piece_size":262144,"round":3,'
+               '"sequence":7,"site_id":"site_01","timestamp":1700000000000}').encode()
+    assert header.canonical_bytes() == by_hand
+    assert header.canonical_bytes() is header.canonical_bytes()  # computed once
+    other = dataclasses.replace(header, round=4)
+    assert _json.loads(other.canonical_bytes())["round"] == 4 and other.canonical_bytes() != by_hand
+    assert other == dataclasses.replace(header, round=4) and set(vars(header)) == set(header.__dataclass_fields__)
