@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -54,6 +55,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
     parser.add_argument("--chunk-size", type=int, default=256 * 1024, help="bytes per chunk (shared.transfer)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a round may take")
+    parser.add_argument("--essential", action="store_true",
+                        help="also send the same messages to a subscriber that only does what any coordinator must "
+                             "(hash each message, write each update durably, accumulate it) and print its CPU")
     args = parser.parse_args()
 
     import paho.mqtt.client as mqtt
@@ -61,6 +65,7 @@ def main() -> None:
     from coordinator.config import config_from_dict
     from coordinator.service import Coordinator
     from coordinator.transport import parse_broker_url
+    from shared.envelope import hash_piece
     from shared.keys import generate_signing_key, public_key_to_pem
 
     from _gateways import broadcast_to, spawn_workers
@@ -90,7 +95,49 @@ def main() -> None:
     done = threading.Event()
     sub_ready = threading.Event()
 
+    # The --essential variant's subscriber: what any coordinator must do with the same messages, and nothing else.
+    essential_prefix = f"bench/{fed}/essential"
+    jobs: queue.Queue = queue.Queue()
+    essential: dict = {"per_site": 0, "parts": {}, "acc": None, "updates": 0, "expected": 0, "last": 0.0}
+    essential_done = threading.Event()
+    (tmp / "essential").mkdir()
+
+    def essential_worker() -> None:
+        """Per completed update: its bytes joined, written to a file and fsync-ed (``Store.put_blobs``), and its
+        float32 values widened, scaled and added into a float64 running sum (FedAvg's ``_add_scaled``). No
+        signature, decode, tensor checks, database row or ACK."""
+        from coordinator.strategies.fedavg import _add_scaled, _scratch_buffer
+
+        scratch = _scratch_buffer()
+        while (item := jobs.get()) is not None:
+            data = b"".join(item)
+            fd = os.open(tmp / "essential" / f"{essential['updates']}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                         0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            values = np.frombuffer(data, dtype=np.float32, count=len(data) // 4)
+            if essential["acc"] is None or essential["acc"].size != values.size:
+                essential["acc"] = np.zeros(values.size)
+            with np.errstate(all="ignore"):  # not every byte is a float (headers): the arithmetic is the same
+                _add_scaled(essential["acc"], values, 0.05, scratch)
+            essential["updates"] += 1
+            if essential["updates"] >= essential["expected"]:
+                essential["last"] = time.time()
+                essential_done.set()
+
+    threading.Thread(target=essential_worker, name="essential", daemon=True).start()
+
     def on_raw(client, userdata, message) -> None:  # noqa: ANN001
+        if message.topic.startswith(essential_prefix):  # each message hashed once as it comes (check_chunk)
+            hash_piece(message.payload)
+            parts = essential["parts"].setdefault(message.topic, [])
+            parts.append(message.payload)
+            if len(parts) == essential["per_site"]:
+                jobs.put(essential["parts"].pop(message.topic))
+            return
         counter["bytes"] += len(message.payload)
         counter["last"] = time.time()
         if counter["expected"] is not None and counter["bytes"] >= counter["expected"]:
@@ -100,7 +147,7 @@ def main() -> None:
                       clean_session=True)
     sub.on_message = on_raw
     sub.on_subscribe = lambda *a: sub_ready.set()
-    sub.on_connect = lambda client, *a: client.subscribe(f"{raw_prefix}/+", qos=1)
+    sub.on_connect = lambda client, *a: client.subscribe([(f"{raw_prefix}/+", 1), (f"{essential_prefix}/+", 1)])
     sub.connect(host, port, keepalive=60)
     sub.loop_start()
     if not sub_ready.wait(30):
@@ -139,7 +186,7 @@ def main() -> None:
             return t.user + t.system
         return s(this), sum(s(w) for w in workers), sum(s(b) for b in brokers)
 
-    rows, ratios, bounds = [], [], []
+    rows, ratios, bounds, essentials = [], [], [], []
     spent: dict[str, tuple[float, float, float]] = {}
     cores = os.cpu_count() or 1
     try:
@@ -147,11 +194,21 @@ def main() -> None:
             r, h = coord.rounds.next_round(), coord.rounds.current_model()[0]
             sealed = broadcast(("seal", r, h))
             total_bytes, total_msgs = sum(s[1] for s in sealed), sum(s[2] for s in sealed)
-            order = ["raw", "round"] if rep % 2 == 0 else ["round", "raw"]
+            order = (["raw", "round"] if rep % 2 == 0 else ["round", "raw"]) + (["essential"] if args.essential else [])
             times: dict[str, float] = {}
             for variant in order:
                 c0, t0 = cpu(), thread_cpu()
-                if variant == "raw":
+                if variant == "essential":
+                    essential.update(per_site=total_msgs // args.gateways, parts={}, updates=0,
+                                     expected=args.gateways, last=0.0)
+                    essential_done.clear()
+                    out = broadcast(("raw", essential_prefix))
+                    if not essential_done.wait(args.timeout):
+                        raise SystemExit(f"essential: {essential['updates']} of {args.gateways} updates")
+                    times["essential"] = essential["last"] - min(o[1]["first_publish"] for o in out)
+                    print(f"  repeat {rep + 1}: essential work only (hash, durable write, accumulate), one update "
+                          f"after the other: {times['essential']:.2f} s", flush=True)
+                elif variant == "raw":
                     counter.update(bytes=0, expected=total_bytes, last=0.0)
                     done.clear()
                     out = broadcast(("raw", raw_prefix))
@@ -165,6 +222,7 @@ def main() -> None:
                     t_open = time.time()
                     rctx = coord.rounds.open_round()
                     t_tasks = time.time() - t_open
+                    task_cpu = (cpu()[0] - c0[0]) / args.gateways * 1e3
                     assert rctx is not None and rctx.round == r and rctx.model_hash == h
                     c0, t0 = cpu(), thread_cpu()  # the tasks' publishing is not timed, nor counted
                     for pipe in pipes:
@@ -183,7 +241,8 @@ def main() -> None:
                     times["round"] = t_close - first
                     print(f"  repeat {rep + 1}: round {r} closed with {len(result.accepted)} updates: all ACKed "
                           f"{times['acked']:.2f} s, closed {times['round']:.2f} s after the first publish (tasks "
-                          f"published in {t_tasks:.2f} s before)", flush=True)
+                          f"published in {t_tasks:.2f} s before, {task_cpu:.1f} ms of this process's CPU per site)",
+                          flush=True)
                 c1, t1 = cpu(), thread_cpu()
                 busy = sorted(((t1[n] - t0.get(n, 0.0), n) for n in t1), reverse=True)
                 spent[variant] = tuple(b - a for a, b in zip(c0, c1))
@@ -200,6 +259,8 @@ def main() -> None:
             bounds.append((sum(spent["round"]) / cores / times["raw"],
                            spent["round"][0] / args.gateways * 1e3,
                            max(0.0, 1.5 * times["raw"] * cores - others) / args.gateways * 1e3))
+            if args.essential:
+                essentials.append(spent["essential"][0] / args.gateways * 1e3)
             rows.append([f"repeat {rep + 1}", f"{total_bytes / MiB:.1f}", f"{times['raw']:.2f}",
                          f"{total_bytes / MiB / times['raw']:.0f}", f"{times['acked']:.2f}", f"{times['round']:.2f}",
                          f"{total_bytes / MiB / times['round']:.0f}", f"{times['acked'] / times['raw']:.2f}",
@@ -223,6 +284,9 @@ def main() -> None:
           "be below it): " + ", ".join(f"{b[0]:.2f}x" for b in bounds))
     print("coordinator CPU per update, used / the most that a 1.5x round leaves it: "
           + ", ".join(f"{b[1]:.1f} / {b[2]:.1f} ms" for b in bounds))
+    if essentials:
+        print("essential CPU per update (receive, hash, durable write, accumulate: no signature, decode, checks, row "
+              "or ACK): " + ", ".join(f"{e:.1f} ms" for e in essentials))
     med = float(np.median(ratios))
     print(f"median ratio round closed / raw transfer: {med:.2f}x (target <= 1.5x: {'met' if med <= 1.5 else 'NOT met'})")
 
