@@ -307,19 +307,35 @@ class ChunkStaging:
         os.replace(tmp, folder / _HELD)
 
     def _list(self, transfer_id: str) -> set[int]:
-        """The chunks held on disk: the log's indices (a torn last record and out-of-range indices ignored), or, in
-        shared staging, the chunk files."""
-        if not self.shared:
-            t = self._transfers.get(transfer_id)
+        """The chunks held on disk in this staging's layout (see :meth:`on_disk_chunks`)."""
+        t = self._transfers.get(transfer_id)
+        return self.on_disk_chunks(transfer_id, shared=self.shared, num_chunks=t.num_chunks if t else None)
+
+    def on_disk_chunks(self, transfer_id: str, *, shared: bool | None = None,
+                       num_chunks: int | None = None) -> set[int]:
+        """Indices of the chunks of ``transfer_id`` found on disk, without tracking it (e.g. for a status listing
+        of transfers recorded by another process).
+
+        Args:
+            shared: which layout to read: ``False`` the index log of a single process's spilled transfer (a torn
+                last record ignored), ``True`` the chunk files of shared staging; ``None`` (default) the log where
+                one exists, else the chunk files.
+            num_chunks: indices at or above it are ignored (``None``: none are).
+        """
+        folder = self.folder / transfer_id
+        if shared is None:
+            shared = not (folder / _HELD).exists()
+        if not shared:
             try:
-                log_bytes = (self.folder / transfer_id / _HELD).read_bytes()
+                log_bytes = (folder / _HELD).read_bytes()
             except FileNotFoundError:
                 return set()
             n = len(log_bytes) // _INDEX.size
-            limit = t.num_chunks if t is not None else 1 << 32
+            limit = num_chunks if num_chunks is not None else 1 << 32
             return {i for (i,) in _INDEX.iter_unpack(log_bytes[:n * _INDEX.size]) if i < limit}
         try:
-            names = os.listdir(self.folder / transfer_id)
+            names = os.listdir(folder)
         except FileNotFoundError:
             return set()
-        return {int(n[:-5]) for n in names if n.endswith(".part") and n[:-5].isdigit()}
+        return {i for i in (int(n[:-5]) for n in names if n.endswith(".part") and n[:-5].isdigit())
+                if num_chunks is None or i < num_chunks}

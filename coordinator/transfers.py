@@ -491,11 +491,7 @@ class TransferReceiver:
         """Chunks held of a recorded transfer (its folder is listed if this process has not met it yet)."""
         if self.staging.tracks(transfer_id):
             return self.staging.count(transfer_id)
-        try:
-            names = os.listdir(self.staging_dir / transfer_id)
-        except FileNotFoundError:
-            return 0
-        return sum(1 for n in names if n.endswith(".part") and n[:-5].isdigit())
+        return len(self.staging.on_disk_chunks(transfer_id))
 
 
 def _epoch(naive_utc: _dt.datetime) -> float:

@@ -372,6 +372,7 @@ def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key)
+    assert [p[1:] for p in restarted.pending()] == [("s2", 2, n)]  # read from s2's log before it is met again
     restarted.handle(update_topic("testfed", "s2"), _resume(raws["s2"], keys["s2"]))
     assert _receipts(bus, "s2", key)[-1].missing == tuple(range(2, n))
     # Execute 2: s1 completes; then s3 announces: s1's room is free again
