@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -32,9 +33,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: The config file name ``init`` writes and every other command reads by default.
 DEFAULT_CONFIG = "coordinator.yaml"
 
+#: Columns of the consoles when their stream is not a terminal and ``$COLUMNS`` is not set (rich would assume 80
+#: and cut rules, titles and table cells in a log file or a pipe).
+PIPE_WIDTH = 160
+
+
+def _console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr): the terminal's width on a terminal, ``$COLUMNS`` where set, else
+    :data:`PIPE_WIDTH` columns."""
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        tty = False
+    width = None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+    return Console(stderr=stderr, width=width)
+
+
 #: Where the commands print (tests swap them for wide consoles).
-console = Console()
-err_console = Console(stderr=True)
+console = _console()
+err_console = _console(stderr=True)
 
 
 def config_option() -> Any:

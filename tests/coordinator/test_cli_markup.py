@@ -37,3 +37,21 @@ def test_cluster_labels_and_pins_with_brackets_are_shown(tmp_path) -> None:
 
     again = runner.invoke(app, ["clusters", "recluster", "--config", str(cfg)])
     assert again.exit_code == 0 and "c[north]: c" in " ".join(again.output.split())
+
+
+def test_output_to_a_pipe_is_not_cut_at_80_columns() -> None:
+    """Printed to a pipe (a log file, ``| tee``) the consoles are 160 columns wide unless ``$COLUMNS`` says
+    otherwise, so a 120-character line arrives whole; a fresh interpreter, as a user's shell would start it."""
+    import os
+    import subprocess
+    import sys
+
+    line = "x" * 119 + "|"
+    code = ("from coordinator.cli.common import console, err_console; "
+            f"console.print({line!r}); print(console.width, err_console.width)")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines() == [line, "160 160"]
+    narrow = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**env, "COLUMNS": "100"}, check=True).stdout
+    assert narrow.splitlines()[-1] == "100 100" and line not in narrow.splitlines()  # $COLUMNS is honoured
