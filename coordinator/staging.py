@@ -10,7 +10,7 @@
 * on disk ("spilled"): a transfer larger than ``spill_above_bytes``, or one announced while the memory is reserved
   by others. Its manifest is recorded in the database (``transfers`` table, by the receiver), so after a restart its
   receipt lists exactly the chunks still missing. Its folder ``<data_dir>/transfers/<transfer id>/`` holds two
-  files: ``chunks``, the inner envelope's bytes, each chunk written in place at ``index * chunk_size`` (one
+  files: ``chunks``, the inner envelope's payload, each chunk written in place at ``index * chunk_size`` (one
   ``pwrite``), and ``held``, an append-only log of the indices written (4 bytes each, big-endian, appended after
   the chunk's data). Nothing is fsync-ed, renamed or listed per chunk: the chunk digests of pieces staged by an
   earlier process are checked again at assembly (coordinator.transfers), so a chunk torn by a power cut, or an
@@ -54,7 +54,7 @@ __all__ = ["ChunkStaging", "StagingLimits"]
 log = logging.getLogger(__name__)
 
 _DATA = "chunks"
-"""A spilled transfer's data file (single process): the inner envelope's bytes, chunk ``i`` at ``i * chunk_size``."""
+"""A spilled transfer's data file (single process): the inner envelope's payload, chunk ``i`` at ``i * chunk_size``."""
 _HELD = "held"
 """A spilled transfer's log of the chunk indices written to :data:`_DATA` (4-byte big-endian unsigned each)."""
 _INDEX = struct.Struct(">I")
