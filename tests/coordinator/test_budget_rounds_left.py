@@ -68,6 +68,7 @@ def rounds_left_shown(cfg_path, site: str, category: str) -> str:
     return cells[6]
 
 
+@pytest.mark.slow  # about 14 s
 def test_rounds_left_counts_the_count_releases_exactly_as_the_halt_check(tmp_path):
     # Prepare: 'ridge' ran 3 rounds of NIRA with noisy counts (LC budget 5/3 with the default gamma = 1)
     cfg_path, cfg, store = _fed(tmp_path)

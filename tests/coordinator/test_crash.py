@@ -81,7 +81,7 @@ def run_coordinator(cfg_path: Path, crash_at: str | None) -> subprocess.Complete
                           env=subprocess_env(crash_at), capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("crash_at", ["after_ingest", "after_ledger"])
+@pytest.mark.parametrize("crash_at", ["after_ingest", pytest.param("after_ledger", marks=pytest.mark.slow)])
 def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, broker_url, crash_at):  # noqa: F811
     # Prepare: config, coordinator key, round-0 model and two enrolled fake sites listening on the broker
     fed = f"crash{uuid.uuid4().hex[:8]}"
@@ -139,6 +139,7 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
         store.dispose()
 
 
+@pytest.mark.slow  # about 21 s
 def test_sigkill_after_charging_a_global_dp_round_charges_it_once(tmp_path, broker_url):  # noqa: F811
     # Prepare: Global DP; three fake sites run the real secure-aggregation client over the broker
     from tests.coordinator.helpers import SecAggSite

@@ -612,6 +612,7 @@ def adversarial_envelopes(draw: st.DrawFn, h: Harness) -> Message:
 WHOLE_EXAMPLES, WHOLE_BATCH = 1750, 5
 
 
+@pytest.mark.slow  # about 40 s on 2 cores
 def test_adversarial_whole_envelopes_are_refused(harness: Harness) -> None:
     """8,750 whole envelopes (1,750 examples of 5), each with 1-4 defects: refused with a reason of a defect."""
     seen = Counter()
@@ -885,6 +886,7 @@ def chunk_streams(draw: st.DrawFn, h: Harness, model: StreamModel) -> Stream:
 STREAM_EXAMPLES = 1100
 
 
+@pytest.mark.slow  # about 14 s
 def test_adversarial_chunk_streams_never_complete_into_an_accepted_update(harness: Harness) -> None:
     """1,100 chunk streams: every manifest and chunk is refused or legitimately kept, receipts list exactly the
     missing chunks, and nothing is ever accepted."""
@@ -963,6 +965,7 @@ def _replay_reasons(raw: bytes, topic: str) -> frozenset:
     return frozenset({R.DUPLICATE} if topic == Harness.topic(site) else {R.TOPIC_MISMATCH})
 
 
+@pytest.mark.slow  # with the other generators: the totals below need all four
 def test_replays_are_never_accepted_twice(replay_harness: Harness) -> None:
     """300 replay scenarios (about 1,500 messages): captured accepted updates, whole and chunked, of the open and a
     past round, re-sent verbatim, on other topics, re-announced by their genuine sender, re-chunked by an attacker."""
@@ -1072,6 +1075,7 @@ def test_positive_control_resume_lists_exactly_the_missing_chunks(harness: Harne
 NOISY_EXAMPLES = 40
 
 
+@pytest.mark.slow  # with the other generators: the totals below need all four
 def test_genuine_chunk_streams_with_noise_are_accepted_exactly_once(harness: Harness) -> None:
     """40 genuine chunked updates (a new selected site each), chunks shuffled and duplicated, with adversarial chunks
     and manifests interleaved: each is accepted exactly once, when its last missing chunk arrives."""
@@ -1134,12 +1138,14 @@ def _expect(outcome: Outcome) -> dict:
 
 
 # ---- totals ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # runs with the four generators (-m slow)
 def test_zz_fuzz_totals() -> None:
-    """The sum over the fuzz tests above (when the whole module ran): at least 10,000 generated envelopes and
-    chunk streams."""
+    """The sum over the four fuzz generators above (all marked slow, like this test: ``pytest -m slow`` runs them
+    together): at least 10,000 generated envelopes and chunk streams."""
     generated = {k: v for k, v in STATS.items() if k.startswith("generated:")}
     if len(generated) < 4:
-        pytest.skip("run the whole module to check the totals")
+        pytest.skip("run the four generators with it to check the totals: pytest -m slow "
+                    "tests/coordinator/test_fuzz_transport.py")
     total = sum(generated.values())
     reasons = {k[len("reason:"):]: v for k, v in sorted(STATS.items()) if k.startswith("reason:")}
     print(f"\nfuzz totals: {generated}, total {total}; {STATS['messages']} messages, {STATS['kept']} kept, "

@@ -150,6 +150,7 @@ def test_too_few_survivors_abandon_the_round_without_charging(global_federation)
     assert "NotEnoughSharesError" in coord.store.rounds()[-1].detail
 
 
+@pytest.mark.slow  # about 25 s
 def test_the_coordinator_sees_only_uniform_masked_vectors(global_federation):
     # Prepare: site a sends the same constant clipped sum every round; 32 rounds of 8 coordinates
     coord, transport, sites = global_federation([("a", 0.5, 8, ["LC"], {}), ("b", 0.5, 8, ["LC"], {})], rounds=32)

@@ -105,6 +105,7 @@ def ledger_rounds(store, site: str, category: IUCNCategory) -> list[int]:
                                                                   LedgerRow.category == category.value))
 
 
+@pytest.mark.slow  # about 14 s
 def test_sigkill_with_tasks_out_then_late_updates_never_overrun_a_budget(tmp_path, broker_url):  # noqa: F811
     # Prepare: the budgets fit exactly 2 rounds of EVENT for VU and at least 3 for NT (dp-accounting directly)
     budget_vu, budget_nt = 1.0, 4.0 / 3.0
