@@ -249,7 +249,8 @@ class ChunkStaging:
             t.files.discard(index)
             if t.on_disk and not self.shared:  # the log is rewritten without it (rare: a torn chunk)
                 self._rewrite_held(transfer_id, t.files)
-        (self.folder / transfer_id / f"{index}.part").unlink(missing_ok=True)
+        if self.shared:
+            (self.folder / transfer_id / f"{index}.part").unlink(missing_ok=True)
 
     def drop(self, transfer_id: str) -> None:
         """Forget a transfer: its memory and reservation are freed and its folder removed (also for an untracked

@@ -488,7 +488,7 @@ class TransferReceiver:
         return [entry[1:] for entry in sorted(out, key=lambda e: e[0])]
 
     def _held_count(self, transfer_id: str) -> int:
-        """Chunks held of a recorded transfer (its folder is listed if this process has not met it yet)."""
+        """Chunks held of a recorded transfer (read from its folder if this process has not met it yet)."""
         if self.staging.tracks(transfer_id):
             return self.staging.count(transfer_id)
         return len(self.staging.on_disk_chunks(transfer_id))

@@ -307,7 +307,7 @@ class MqttTransport:
             try:
                 cb(topic, bytes(message.payload))
             except Exception:  # noqa: BLE001 - never let a handler bug kill paho's network thread
-                log.exception("mqtt: handler for %s raised", message.topic)
+                log.exception("mqtt: handler for %s raised", topic)
 
     # public API ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
