@@ -8,8 +8,32 @@ equal those of 1.0).
 
 from __future__ import annotations
 
-__all__ = ["CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url", "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS",
+import hashlib
+
+__all__ = ["media_id", "MEDIA_ID_HEX_DIGITS", "CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url", "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS",
            "OBSERVATIONS_COLUMNS", "MEDIA_TYPES"]
+
+#: Hex digits of a media id (128 bits of SHA-256: collisions need about 2**64 photos).
+MEDIA_ID_HEX_DIGITS = 32
+
+
+def media_id(data: bytes | memoryview) -> str:
+    """The one media id of a photo everywhere in WildFed: the first :data:`MEDIA_ID_HEX_DIGITS` hex digits of the
+    SHA-256 of the file's bytes.
+
+    It depends on the bytes only, not on the file's name or folder, so the same photo gets the same id on the
+    gateway (its site package, its detection records), in a package built by ``wildfed-edge package`` and in the
+    coordinator's ``import-detections``: a photo copied twice (an SD card read twice, a file renamed) is one media
+    row, stored once.
+
+    Args:
+        data: the file's bytes.
+
+    Returns:
+        32 lower-case hex characters.
+    """
+    return hashlib.sha256(data).hexdigest()[:MEDIA_ID_HEX_DIGITS]
+
 
 CAMTRAP_DP_VERSION = "1.0.2"
 CAMTRAP_DP_PROFILE = f"https://raw.githubusercontent.com/tdwg/camtrap-dp/{CAMTRAP_DP_VERSION}/camtrap-dp-profile.json"
