@@ -25,7 +25,7 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
 from shared.secagg import SecAggParams
 
-__all__ = ["CCDP_VARIANTS", "TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
+__all__ = ["CCDP_VARIANTS", "SPECIES_STATUSES", "TrainingTask", "UpdateReport", "Ack", "encode_task", "decode_task", "encode_update",
            "decode_update", "encode_ack", "decode_ack", "METADATA_KEY", "ARTIFACT_PREFIX",
            "decode_task_with_artifacts", "Detection", "DetectionRecord",
            "encode_detection", "decode_detection", "SecAggSettings", "SecAggMessage", "SITE_STAGES",
@@ -665,6 +665,8 @@ def decode_ack(payload: bytes) -> Ack:
 
 # ---- detection records (DETECTION envelopes, site -> coordinator) -------------------------------------------------
 
+#: ``Detection.species_status`` values (see :class:`Detection`).
+SPECIES_STATUSES = frozenset({"confident", "unexpected", "unknown"})
 _BBOX_SLACK = 1e-6  # rounding slack when checking that a normalised box lies inside the image
 
 
@@ -687,6 +689,12 @@ class Detection:
         species: scientific name (or class label) of the classifier's top class, or None when no classifier ran.
         species_index: the classifier's class index, or None.
         species_confidence: the classifier's softmax probability of that class in [0, 1], or None.
+        species_status: how the gateway reads its classifier's answer, or None when no classifier ran (and in
+            records from gateways that predate it): ``"confident"`` (the species is above the site's confidence
+            threshold and in the site's species table), ``"unexpected"`` (above the threshold but not in the
+            site's species table: shown as "unexpected at this site", never suppressed) or ``"unknown"`` (below the
+            threshold: ``species`` is None, and ``species_index`` / ``species_confidence`` keep the best guess for
+            reference).
     """
 
     category: str
@@ -695,6 +703,7 @@ class Detection:
     species: str | None = None
     species_index: int | None = None
     species_confidence: float | None = None
+    species_status: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.category, str) or not self.category:
@@ -712,12 +721,20 @@ class Detection:
             raise PayloadError(f"species_index must be a non-negative integer or null, got {self.species_index!r}")
         if self.species_confidence is not None:
             object.__setattr__(self, "species_confidence", _unit("species_confidence", self.species_confidence))
+        if self.species_status is not None and self.species_status not in SPECIES_STATUSES:
+            raise PayloadError(f"species_status must be one of {sorted(SPECIES_STATUSES)} or null, "
+                               f"got {self.species_status!r}")
+        if self.species_status == "unknown" and self.species is not None:
+            raise PayloadError("a detection whose species_status is 'unknown' names no species")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {"category": self.category, "confidence": self.confidence, "bbox": list(self.bbox),
+        body = {"category": self.category, "confidence": self.confidence, "bbox": list(self.bbox),
                 "species": self.species, "species_index": self.species_index,
                 "species_confidence": self.species_confidence}
+        if self.species_status is not None:  # written only when set: readers that predate it still parse
+            body["species_status"] = self.species_status
+        return body
 
 
 @dataclass(frozen=True)
@@ -737,6 +754,8 @@ class DetectionRecord:
         detector: detector id (model name and the first 12 hex digits of its checkpoint SHA-256).
         classifier_hash: ``shared.codec.model_hash`` of the species classifier weights, or ``""``.
         failure: why the image could not be processed, or None (then ``detections`` is empty).
+        event_id: the Camtrap DP ``eventID`` of the event (photos of one deployment close in time) the image
+            belongs to on its gateway, or None. Written to JSON only when set.
 
     Compatibility rules: those of the module (fields never removed, new fields optional).
     """
@@ -752,8 +771,11 @@ class DetectionRecord:
     detector: str = ""
     classifier_hash: str = ""
     failure: str | None = None
+    event_id: str | None = None
 
     def __post_init__(self) -> None:
+        if self.event_id is not None and (not isinstance(self.event_id, str) or not self.event_id):
+            raise PayloadError(f"event_id must be a non-empty string or null, got {self.event_id!r}")
         for name in ("media_id", "file", "deployment_id"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise PayloadError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -774,7 +796,8 @@ class DetectionRecord:
         return {"media_id": self.media_id, "file": self.file, "deployment_id": self.deployment_id,
                 "timestamp": self.timestamp, "timestamp_source": self.timestamp_source, "width": self.width,
                 "height": self.height, "detections": [d.to_json() for d in self.detections],
-                "detector": self.detector, "classifier_hash": self.classifier_hash, "failure": self.failure}
+                "detector": self.detector, "classifier_hash": self.classifier_hash, "failure": self.failure,
+                **({"event_id": self.event_id} if self.event_id is not None else {})}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "DetectionRecord":
