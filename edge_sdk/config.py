@@ -43,6 +43,8 @@ from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
 
+from edge_sdk.field.settings import FieldSettings
+
 __all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "global_model_path", "species_table_from_entries"]
 
 
@@ -142,6 +144,16 @@ class SiteConfig(BaseModel):
         allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
             cryptographically secure source).
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
+        incoming: the folder new photos arrive in (an SD-card drop, a cellular camera's upload folder); ``wildfed-edge
+            run`` watches it, detects and classifies each photo and appends it to the package (``dataset``); none:
+            no watching (:mod:`edge_sdk.field`).
+        field: how those photos are handled (:class:`edge_sdk.field.settings.FieldSettings`: settle time, event gap,
+            thresholds, deployments).
+        train_on: which records train: ``verified`` (default: photos whose last classification is a person's,
+            ``classificationMethod: human``, as a ranger's review writes them) or ``machine`` (also photos the
+            gateway's model classified with ``classificationProbability >= machine_threshold``, for operators who
+            accept training on the model's own confident guesses).
+        machine_threshold: the probability a machine observation needs with ``train_on: machine``.
         chunk_size_bytes: uploads larger than this go as a signed manifest and chunks of at most this many bytes
             (``shared.transfer``; default 256 KiB, at most 1 MiB: the coordinator's default chunk limit). Updates
             are sealed with the largest power of two not above it as their piece size
@@ -195,6 +207,10 @@ class SiteConfig(BaseModel):
     allow_global_dp: bool = False
     allow_seeded_noise: bool = False
     missing_media: str = "error"
+    incoming: Path | None = None
+    field: FieldSettings = Field(default_factory=FieldSettings)
+    train_on: Literal["verified", "machine"] = "verified"
+    machine_threshold: float = Field(default=0.95, gt=0, le=1)
     chunk_size_bytes: int = Field(default=256 * 1024, ge=1024, le=1 << 20)
     broker_max_packet_bytes: int = Field(default=DEFAULT_BROKER_MAX_PACKET_BYTES, ge=2048)
     max_chunk_requests: int = Field(default=5, ge=2)
@@ -286,7 +302,7 @@ class SiteConfig(BaseModel):
         return max(2, max((s.class_index for s in self.species), default=0) + 1)
 
 
-_PATH_FIELDS = ("dataset", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
+_PATH_FIELDS = ("dataset", "incoming", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
                 "calibration_cache", "feature_centre",
                 "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
 

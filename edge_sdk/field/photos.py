@@ -1,0 +1,149 @@
+"""One photo through the gateway's models: detector boxes, each box's crop embedded once, the species head, and the
+honest reading of its answer.
+
+:class:`PhotoClassifier` holds the detector (YOLOX-tiny), the backbone embedder and the newest global model the
+gateway keeps (``edge_sdk.config.global_model_path``, re-read when the file changes). For each box it takes the
+crop of :mod:`edge_sdk.data.crops` (the stored bbox, the square the backbone sees) and embeds it: the same decode,
+box and square that training uses once a ranger confirms the box, so training embeds exactly what was classified
+here. (Crops are not cached here: most photos are never verified, and a cache of every detection would grow by
+about 12 MB a day at 2,000 photos; a verified record is embedded once when it first trains, then cached.)
+Probabilities are read with the site prior and the confidence threshold (:mod:`edge_sdk.field.predictions`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.codec import decode_tensors
+from shared.models.backbone import EMBEDDING_DIM
+
+from edge_sdk.data.crops import Square, bbox_square, crop_square, stored_bbox
+from edge_sdk.field.predictions import Prediction, read_prediction
+from edge_sdk.inference.classifier import SpeciesClassifier, load_classifier_weights
+
+__all__ = ["ClassifiedBox", "KeptModel", "PhotoClassifier"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClassifiedBox:
+    """One detection.
+
+    Attributes:
+        bbox: normalised ``(x, y, w, h)`` as stored (:func:`~edge_sdk.data.crops.stored_bbox`).
+        confidence: the detector's score in [0, 1].
+        square: the pixel square the backbone saw.
+        probs: float64 (K,) softmax probabilities of the species head, or None without a model.
+        prediction: their reading, or None without a model.
+    """
+
+    bbox: tuple[float, float, float, float]
+    confidence: float
+    square: Square
+    probs: np.ndarray | None = None
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class KeptModel:
+    """The global model a gateway keeps: weights, the round and hash it came from, the file's mtime."""
+
+    weights: dict[str, np.ndarray]
+    round: int
+    model_hash: str
+    mtime_ns: int
+
+    @classmethod
+    def load(cls, path: Path) -> "KeptModel | None":
+        """The model at ``path``, or None when there is none yet.
+
+        Raises:
+            ConfigError: the file is not a head model.
+        """
+        try:
+            mtime = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        weights = load_classifier_weights(path)
+        _, metadata = decode_tensors(path.read_bytes())
+        return cls(weights, int(metadata.get("round", 0) or 0), str(metadata.get("model_hash", "")), mtime)
+
+
+class PhotoClassifier:
+    """Detector, embedder and species head for one site (module docstring).
+
+    Args:
+        detector: a ``YoloxDetector`` (anything with ``detect([image]) -> [[Box]]`` and ``detector_id``).
+        embedder: the backbone embedder (``edge_sdk.inference.embedder.Embedder``).
+        model_path: the kept global model's file.
+        class_names: class index -> scientific name.
+        site_classes: class indices of the site's species table.
+        threshold, outside_prior: see :func:`edge_sdk.field.predictions.read_prediction`.
+    """
+
+    def __init__(self, *, detector: object, embedder: object, model_path: Path,
+                 class_names: Mapping[int, str], site_classes: Collection[int], threshold: float,
+                 outside_prior: float) -> None:
+        self.detector = detector
+        self.embedder = embedder
+        self.model_path = Path(model_path)
+        self.class_names = dict(class_names)
+        self.site_classes = frozenset(int(c) for c in site_classes)
+        self.threshold = threshold
+        self.outside_prior = outside_prior
+        self.model: KeptModel | None = None
+        self._head: SpeciesClassifier | None = None
+
+    def refresh(self) -> KeptModel | None:
+        """Load the kept global model when it is new or changed; returns the model in use (None: none yet)."""
+        try:
+            mtime = self.model_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return self.model
+        if self.model is None or mtime != self.model.mtime_ns:
+            model = KeptModel.load(self.model_path)
+            if model is not None:
+                self.model = model
+                self._head = SpeciesClassifier(self.embedder, model.weights, class_names=self.class_names,
+                                               model_hash=model.model_hash or None)
+                log.info("field: classifying with the global model of round %d (%s)", model.round,
+                         model.model_hash[:12])
+        return self.model
+
+    @property
+    def classifier_hash(self) -> str:
+        """``shared.codec.model_hash`` of the head in use, or ``""``."""
+        return self._head.model_hash if self._head is not None else ""
+
+    def read(self, probs: np.ndarray) -> Prediction:
+        """:func:`~edge_sdk.field.predictions.read_prediction` with this site's settings."""
+        return read_prediction(probs, self.site_classes, threshold=self.threshold, outside_prior=self.outside_prior)
+
+    def embed(self, image: object, squares: list[Square]) -> np.ndarray:
+        """float32 (n, 1280) backbone embeddings of the crops ``squares`` of ``image``."""
+        if not squares:
+            return np.zeros((0, EMBEDDING_DIM), np.float32)
+        crops = [crop_square(image, s) for s in squares]  # type: ignore[arg-type]
+        return np.asarray(self.embedder.embed_images(crops), dtype=np.float32)  # type: ignore[attr-defined]
+
+    def classify(self, image: object) -> list[ClassifiedBox]:
+        """Detect and classify one decoded RGB photo (``edge_sdk.data.crops.decode_rgb``); boxes most confident
+        first."""
+        width, height = image.width, image.height  # type: ignore[attr-defined]
+        raw = sorted(self.detector.detect([image])[0], key=lambda b: -b.score)  # type: ignore[attr-defined]
+        boxes = []
+        for b in raw:
+            bbox = stored_bbox(b.normalised_xywh(width, height))
+            boxes.append(ClassifiedBox(bbox, float(b.score), bbox_square(bbox, width, height)))
+        if not boxes or self._head is None:
+            return boxes
+        emb = self.embed(image, [b.square for b in boxes])
+        probs = self._head.probabilities_from_embeddings(emb)
+        return [ClassifiedBox(b.bbox, b.confidence, b.square, probs[i], self.read(probs[i]))
+                for i, b in enumerate(boxes)]

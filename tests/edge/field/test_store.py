@@ -1,0 +1,78 @@
+"""The gateway's index: events by deployment and gap, the event's mean probabilities read with the site prior,
+least-certain-first ordering, and a ranger's verdict written to the package as human observations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_sdk.field.predictions import read_prediction
+from edge_sdk.field.site_package import SitePackage
+from edge_sdk.field.store import FieldStore, PhotoEntry
+from edge_sdk.field.verdicts import apply_verdict
+
+
+def _read(p: np.ndarray):
+    return read_prediction(p, {0, 1, 2}, threshold=0.5)
+
+
+def _photo(mid: str, dep: str, t: str, probs=None, boxes=({"bbox": [0.1, 0.1, 0.2, 0.2]},)) -> PhotoEntry:
+    return PhotoEntry(mid, dep, f"media/{mid}.jpg", f"{mid}.jpg", t, "exif", 100, 80, tuple(boxes),
+                      None if probs is None else np.asarray(probs, float))
+
+
+def test_events_group_by_deployment_and_gap_and_average_probabilities(tmp_path: Path) -> None:
+    store = FieldStore(tmp_path / "field.sqlite", gap_s=60)
+    e1 = store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00", [0.6, 0.3, 0.1]), _read)
+    e2 = store.add_photo(_photo("m2", "s/a", "2024-01-01T10:00:30+00:00", [0.2, 0.7, 0.1]), _read)
+    e3 = store.add_photo(_photo("m3", "s/b", "2024-01-01T10:00:10+00:00", [0.1, 0.1, 0.8]), _read)
+    e4 = store.add_photo(_photo("m4", "s/a", "2024-01-01T10:05:00+00:00", boxes=()), _read)
+    assert e1 == e2 and len({e1, e3, e4}) == 3
+    event = store.event(e1)
+    # mean of (0.6, 0.3, 0.1) and (0.2, 0.7, 0.1) = (0.4, 0.5, 0.1): class 1 at exactly 0.5 -> confident
+    assert (event.n_media, event.n_classified, event.species_index, event.status) == (2, 2, 1, "confident")
+    assert event.confidence == pytest.approx(0.5) and event.uncertainty == pytest.approx(0.5)
+    assert (event.start, event.end) == ("2024-01-01T10:00:00+00:00", "2024-01-01T10:00:30+00:00")
+    assert store.event(e4).status == "blank" and store.event(e3).species_index == 2
+    order = [e.event_id for e in store.events(order="uncertain")]
+    assert order[0] == e1  # 0.5 uncertain, then e3 (0.2), then the blank one (0)
+    assert order == [e1, e3, e4]
+    assert store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00"), _read) == e1  # stored once
+    assert store.counts() == {"media": 4, "events": 3, "reviewed": 0, "unreviewed": 3}
+
+
+def test_a_failed_package_write_stores_nothing(tmp_path: Path) -> None:
+    store = FieldStore(tmp_path / "field.sqlite")
+
+    def broken(event_id: str) -> str:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00", [1, 0, 0]), _read, write=broken)
+    assert not store.has_media("m1") and store.counts()["events"] == 0
+
+
+def test_a_verdict_appends_human_observations_and_marks_the_event(tmp_path: Path) -> None:
+    store = FieldStore(tmp_path / "field.sqlite")
+    pkg = SitePackage(tmp_path / "pkg", site_id="s")
+    pkg.ensure()
+    boxes = ({"bbox": [0.1, 0.2, 0.3, 0.4]}, {"bbox": [0.5, 0.5, 0.1, 0.1]})
+    e = store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00", [0.9, 0.1, 0.0], boxes), _read)
+    store.add_photo(_photo("m2", "s/a", "2024-01-01T10:00:05+00:00", [0.8, 0.2, 0.0], ()), _read)
+    n = apply_verdict(store, pkg, e, verdict="species", species="Lycaon pictus", reviewer="alice",
+                      species_table={"Lycaon pictus": None}, at="2024-01-02T08:00:00+00:00")
+    rows = pkg.rows("observations")
+    assert n == 3 and len(rows) == 3  # two boxes on m1, one whole-photo row on m2
+    assert {r["classificationMethod"] for r in rows} == {"human"} and {r["classifiedBy"] for r in rows} == {"alice"}
+    assert [(r["mediaID"], r["bboxX"]) for r in rows] == [("m1", "0.100000"), ("m1", "0.500000"), ("m2", "")]
+    assert store.event(e).verdict == "species" and store.events(reviewed=False) == []
+    apply_verdict(store, pkg, e, verdict="blank", reviewer="bob", at="2024-01-02T09:00:00+00:00")
+    assert [r["observationType"] for r in pkg.rows("observations")[3:]] == ["blank", "blank"]
+    with pytest.raises(ValueError, match="species table"):
+        apply_verdict(store, pkg, e, verdict="species", species="Panthera leo", reviewer="a", species_table={})
+    with pytest.raises(ValueError, match="verdict"):
+        apply_verdict(store, pkg, e, verdict="maybe", reviewer="a")
+    with pytest.raises(KeyError):
+        apply_verdict(store, pkg, "no-such-event", verdict="blank", reviewer="a")
