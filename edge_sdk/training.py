@@ -100,9 +100,17 @@ def noisy_class_counts(labels: np.ndarray, eligible: np.ndarray, *, num_classes:
 def model_inputs(dataset: LocalDataset) -> np.ndarray:
     """What the model trains on: ``dataset.features`` (float32 (N, 1280) backbone embeddings, filled by
     ``edge_sdk.data.embedding.embed_dataset``) when present, else ``dataset.images`` (anything with ``images``,
-    ``labels`` and ``categories`` works, e.g. a benchmark's namespace of embeddings in ``images``)."""
+    ``labels`` and ``categories`` works, e.g. a benchmark's namespace of embeddings in ``images``).
+
+    Raises:
+        ValueError: the dataset holds neither (embed it first).
+    """
     features = getattr(dataset, "features", None)
-    return features if features is not None else dataset.images
+    inputs = features if features is not None else getattr(dataset, "images", None)
+    if inputs is None:
+        raise ValueError("the dataset holds neither backbone embeddings nor images: embed it first "
+                         "(edge_sdk.data.embedding.embed_dataset)")
+    return inputs
 
 
 def local_step(

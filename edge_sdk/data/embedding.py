@@ -1,21 +1,19 @@
-"""The gateway's training inputs: each record embedded once by the frozen backbone, through the embedding cache
-(issue 18, item 2; DESIGN.md "The camera model").
+"""The gateway's training inputs: each record's crops embedded once by the frozen backbone, through the embedding
+cache (docs/backbone.md; :mod:`edge_sdk.data.crops` for what "the crop" is).
 
-A record of a Camtrap DP package is one image (already a crop, as in Animal-MNIST and most classifier training
-sets, so the whole image is embedded: box ``None``). Its embedding is computed once and stored in an
-:class:`~edge_sdk.data.embedding_cache.EmbeddingCache`, keyed by
+A record of a Camtrap DP package is one photo with the boxes of its current classification
+(:attr:`~edge_sdk.data.camtrap_dp.LocalDataset.boxes`). Each box is embedded as the square the backbone sees
+(:func:`edge_sdk.data.crops.bbox_square` of the stored bbox, pixels from :func:`edge_sdk.data.crops.decode_rgb`),
+exactly what ``wildfed-edge detect`` and the gateway service embed to classify a detection, so the head trains on the
+distribution it is used on. A record with several boxes (several animals of its one species) trains on the mean of
+its crops' embeddings: one record, one feature vector, one unit of privacy. A record without boxes (a dataset of
+crops already, as Animal-MNIST, or a label that applies to the whole photo) is embedded whole.
 
-- the record: :func:`record_key`, the ``mediaID`` **and** the first 16 hex digits of the SHA-256 of the file's
-  bytes (already computed by the loader, so it costs nothing): a file replaced under the same ``mediaID`` is
-  re-embedded, never served a stale embedding;
-- the crop box (``None``: the whole image), the input size S and the backbone id
-  (``shared.models.backbone.backbone_id()``: weights hash and preprocessing version), which select the cache's
-  folder and entry.
-
-Training then reads float32 (N, 1280) embeddings from memory (:attr:`LocalDataset.features`); a gateway with
-10,000 photos embeds them once (about a minute at 128 px on one core) and reads them back in well under a second
-on every later start (docs/backbone.md measurements). Preprocessing is ``shared.models.backbone.preprocess_image``
-(RGB, bicubic resize to S, ``(pixel - 127) / 128``): a grayscale image is replicated to RGB by Pillow.
+Each crop's embedding is computed once and stored in an :class:`~edge_sdk.data.embedding_cache.EmbeddingCache`
+under :func:`edge_sdk.data.crops.crop_record_id`: the ``mediaID``, the first 16 hex digits of the file's SHA-256
+(a file replaced under the same ``mediaID`` is re-embedded, never served a stale embedding) and the square, with the
+square as the cache's box; the input size S and the backbone id select the cache's folder. Training then reads
+float32 (N, 1280) embeddings from memory (:attr:`LocalDataset.features`).
 """
 
 from __future__ import annotations
@@ -38,20 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from edge_sdk.inference.embedder import Embedder
 
-__all__ = ["record_key", "open_embedder", "load_rgb", "embed_pil", "embed_dataset"]
+__all__ = ["open_embedder", "load_rgb", "embed_pil", "embed_dataset"]
 
 log = logging.getLogger(__name__)
-
-
-def record_key(media_id: str, sha256: str) -> str:
-    """The cache key of one record: ``"<mediaID>#<sha256[:16]>"`` (the record and its content).
-
-    Raises:
-        ValueError: an empty media id or a digest shorter than 16 hex digits.
-    """
-    if not media_id or len(sha256) < 16:
-        raise ValueError(f"record_key needs a mediaID and a SHA-256 hex digest, got {media_id!r}, {sha256!r}")
-    return f"{media_id}#{sha256[:16]}"
 
 
 def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, threads: int | None = None) -> "Embedder":
@@ -90,20 +77,58 @@ def embed_pil(embedder: "Embedder", images: list["Image.Image"]) -> np.ndarray:
     return np.asarray(embedder.embed_images(images), dtype=np.float32)
 
 
+def _crop_keys(dataset: LocalDataset, sizes: dict[int, tuple[int, int]]) -> tuple[list[str], list, list[int]]:
+    """Flat lists over every crop of every record: cache record ids, squares (None: whole image), record index."""
+    from edge_sdk.data.crops import bbox_square, crop_record_id
+
+    ids, squares, owner = [], [], []
+    for i, (mid, digest) in enumerate(zip(dataset.media_ids, dataset.sha256)):
+        boxes = dataset.boxes[i] if dataset.boxes else ()
+        if not boxes:
+            ids.append(crop_record_id(mid, digest, None))
+            squares.append(None)
+            owner.append(i)
+            continue
+        width, height = sizes[i]
+        for box in boxes:
+            square = bbox_square(box, width, height)
+            ids.append(crop_record_id(mid, digest, square))
+            squares.append(square)
+            owner.append(i)
+    return ids, squares, owner
+
+
+def _image_sizes(dataset: LocalDataset) -> dict[int, tuple[int, int]]:
+    """Width and height of every record with boxes (read from the file header only)."""
+    from PIL import Image, UnidentifiedImageError
+
+    sizes = {}
+    for i, boxes in enumerate(dataset.boxes):
+        if boxes:
+            try:
+                with Image.open(dataset.files[i]) as image:
+                    sizes[i] = image.size
+            except (UnidentifiedImageError, OSError) as exc:
+                raise DatasetError(f"image cannot be read: {exc}", source=dataset.files[i],
+                                   fix="replace the file with a readable image or remove its rows") from exc
+    return sizes
+
+
 def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: int = DEFAULT_INPUT_SIZE,
                   embedder: "Embedder | None" = None, threads: int | None = None,
-                  chunk: int = 256) -> LocalDataset:
-    """``dataset`` with :attr:`~LocalDataset.features` filled: the backbone embedding of every record, read from
-    the cache under ``cache_root`` where present and computed (then stored) where not.
+                  chunk: int = 256, cache: EmbeddingCache | None = None) -> LocalDataset:
+    """``dataset`` with :attr:`~LocalDataset.features` filled: every record's embedding (the mean over its crops),
+    each crop read from the cache under ``cache_root`` where present and computed (then stored) where not.
 
     Args:
-        dataset: loaded by :func:`~edge_sdk.data.camtrap_dp.load_camtrap_dp` (it records each image's file and
-            SHA-256).
+        dataset: loaded by :func:`~edge_sdk.data.camtrap_dp.load_camtrap_dp` (it records each image's file,
+            SHA-256 and boxes).
         cache_root: the cache's root folder (the site config's ``embedding_cache``).
         input_size: S in pixels (``shared.models.backbone.DEFAULT_INPUT_SIZE``, 128, chosen by measurement).
         embedder: what computes misses (default :func:`open_embedder`, opened only if something is missing).
         threads: threads of the default embedder.
-        chunk: records per embedder call (each chunk is stored before the next, so an interrupted run keeps it).
+        chunk: crops per embedder call (each chunk is stored before the next, so an interrupted run keeps it).
+        cache: an open cache to use instead of opening one under ``cache_root`` (one process, one cache object).
 
     Returns:
         A new :class:`LocalDataset` (same records, same order) with ``features`` float32 (N, 1280).
@@ -119,8 +144,11 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
                            field="dataset", fix="load it with edge_sdk.data.camtrap_dp.load_camtrap_dp")
     from shared.models.backbone import backbone_id
 
-    cache = EmbeddingCache(cache_root, backbone_id=backbone_id(), input_size=input_size, dim=EMBEDDING_DIM)
-    keys = [record_key(m, h) for m, h in zip(dataset.media_ids, dataset.sha256)]
+    from edge_sdk.data.crops import crop_square, decode_rgb
+
+    if cache is None:
+        cache = EmbeddingCache(cache_root, backbone_id=backbone_id(), input_size=input_size, dim=EMBEDDING_DIM)
+    ids, squares, owner = _crop_keys(dataset, _image_sizes(dataset))
     opened: list["Embedder"] = [embedder] if embedder is not None else []
     computed = [0]
 
@@ -131,14 +159,38 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
         if emb.input_size != input_size or emb.backbone_id != cache.backbone_id:
             raise ValueError(f"embedder {emb.backbone_id} at {emb.input_size} px does not match the cache "
                              f"({cache.backbone_id} at {input_size} px)")
-        values = embed_pil(emb, [load_rgb(dataset.files[int(i)]) for i in idx])
+        images: dict[int, "Image.Image"] = {}
+        crops = []
+        for k in idx:
+            record = owner[int(k)]
+            if record not in images:
+                images[record] = _decode(dataset.files[record], decode_rgb)
+            square = squares[int(k)]
+            crops.append(images[record] if square is None else crop_square(images[record], square))
+        values = embed_pil(emb, crops)
         computed[0] += len(idx)
         # progress in the log: a first run embeds for minutes, and whoever waits on the gateway sees it move
-        log.info("embeddings: %d computed so far (%d records in all)", computed[0], n)
+        log.info("embeddings: %d crops computed so far (%d crops of %d records in all)", computed[0], len(ids), n)
         return values
 
-    features = cache.get_or_compute(keys, None, compute, chunk=chunk) if n else np.zeros((0, EMBEDDING_DIM),
-                                                                                       np.float32)
-    log.info("embeddings: %d records, %d from the cache, %d computed (%d px, %s)", n, cache.stats.hits,
-             cache.stats.written, input_size, cache.backbone_id)
+    if not ids:
+        features = np.zeros((0, EMBEDDING_DIM), np.float32)
+    else:
+        crops = cache.get_or_compute(ids, squares, compute, chunk=chunk)
+        features = np.zeros((n, EMBEDDING_DIM), np.float64)
+        counts = np.zeros(n)
+        np.add.at(features, owner, crops)
+        np.add.at(counts, owner, 1.0)
+        features = (features / counts[:, None]).astype(np.float32)
+    log.info("embeddings: %d records (%d crops), %d from the cache, %d computed (%d px, %s)", n, len(ids),
+             cache.stats.hits, cache.stats.written, input_size, cache.backbone_id)
     return dataclasses.replace(dataset, features=np.ascontiguousarray(features, dtype=np.float32))
+
+
+def _decode(path: str, decode: object) -> "Image.Image":
+    try:
+        return decode(Path(path).read_bytes())  # type: ignore[operator]
+    except OSError as exc:
+        raise DatasetError(f"image cannot be read: {exc}", source=str(path),
+                           fix="replace the file with a readable image (JPEG/PNG) or remove its rows from media.csv"
+                           ) from exc

@@ -19,7 +19,7 @@ MegaDetector repository) and is used by the tests.
 
 Camtrap DP 1.0 (https://camtrap-dp.tdwg.org): :func:`observation_rows` gives ``observations.csv`` rows, one per
 detection (``observationLevel`` ``media``, ``observationType`` ``animal``, bounding box in the same normalised
-``bboxX/bboxY/bboxWidth/bboxHeight`` convention, ``classificationMethod`` ``machine``, ``classifiedBy`` naming the
+``bboxX/bboxY/bboxWidth/bboxHeight`` convention, six decimals as ``edge_sdk.data.crops.stored_bbox`` keeps them, ``classificationMethod`` ``machine``, ``classifiedBy`` naming the
 models, ``classificationProbability`` the classifier's, else the detector's confidence); an image without
 detections gets one ``blank`` row and a failed image one ``unclassified`` row, so every image is accounted for.
 :func:`media_rows` gives the matching ``media.csv`` rows. Deployments are the caller's (``deploymentID`` is the run's
@@ -196,7 +196,7 @@ def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
     """Camtrap DP ``observations.csv`` rows (see the module docstring)."""
     when = classification_timestamp or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     rows: list[dict[str, str]] = []
-    for rec in records:
+    for rec in _first_of_each_media(records):
         base = {"deploymentID": rec.deployment_id, "mediaID": rec.media_id, "eventStart": rec.timestamp,
                 "eventEnd": rec.timestamp, "observationLevel": "media", "classificationMethod": "machine",
                 "classifiedBy": classified_by, "classificationTimestamp": when}
@@ -211,8 +211,8 @@ def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
             x, y, w, h = d.bbox
             prob = d.species_confidence if d.species_confidence is not None else d.confidence
             rows.append({**base, "observationID": f"{rec.media_id}_{i}", "observationType": "animal",
-                         "scientificName": d.species or "", "count": "1", "bboxX": f"{x:.4f}",
-                         "bboxY": f"{y:.4f}", "bboxWidth": f"{w:.4f}", "bboxHeight": f"{h:.4f}",
+                         "scientificName": d.species or "", "count": "1", "bboxX": f"{x:.6f}",
+                         "bboxY": f"{y:.6f}", "bboxWidth": f"{w:.6f}", "bboxHeight": f"{h:.6f}",
                          "classificationProbability": f"{prob:.3f}",
                          "observationComments": f"detector confidence {d.confidence:.3f}"})
     return rows
@@ -225,15 +225,27 @@ TIMESTAMP_COMMENTS = {
 }
 
 
+def _first_of_each_media(records: Sequence[DetectionRecord]) -> list[DetectionRecord]:
+    """``records`` without repeats of a media id (the same photo at two paths is one media row: mediaID is the
+    SHA-256 of the bytes and unique within a package)."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        if r.media_id not in seen:
+            seen.add(r.media_id)
+            out.append(r)
+    return out
+
+
 def media_rows(records: Sequence[DetectionRecord]) -> list[dict[str, str]]:
-    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder). A timestamp that is
-    not the camera's (``timestamp_source`` ``mtime`` or ``run``) says so in ``mediaComments``
+    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder), one per media id. A
+    timestamp that is not the camera's (``timestamp_source`` ``mtime`` or ``run``) says so in ``mediaComments``
     (:data:`TIMESTAMP_COMMENTS`), since Camtrap DP requires a timestamp but a file time is only a guess."""
     return [{"mediaID": r.media_id, "deploymentID": r.deployment_id, "captureMethod": "activityDetection",
              "timestamp": r.timestamp, "filePath": r.file, "filePublic": "false", "fileName": Path(r.file).name,
              "fileMediatype": _MEDIATYPES.get(Path(r.file).suffix.lower(), "image/jpeg"),
              **({"mediaComments": TIMESTAMP_COMMENTS[r.timestamp_source]}
-                if r.timestamp_source in TIMESTAMP_COMMENTS else {})} for r in records]
+                if r.timestamp_source in TIMESTAMP_COMMENTS else {})} for r in _first_of_each_media(records)]
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -1,8 +1,9 @@
 """Camera-trap photos -> :class:`shared.protocol.DetectionRecord`, and signed publishing of the records.
 
 :class:`DetectionPipeline` reads each image, runs the detector on batches, classifies every detection's square crop
-(``shared.models.backbone.square_crop``) with the species classifier (backbone embedding + federated head, when one
-is given) and yields one record per image, in input order. An image that cannot be
+(:mod:`edge_sdk.data.crops`: the box as it is stored, then ``shared.models.backbone.square_crop``: the very crop
+training embeds) with the species classifier (backbone embedding + federated head, when one is given) and yields one
+record per image, in input order. An image that cannot be
 read still gets a record, with ``failure`` set (as the MegaDetector format asks), so "every image gets a record".
 
 Timestamps: EXIF ``DateTimeOriginal`` (else EXIF ``DateTime``), with the offset of EXIF ``OffsetTimeOriginal`` when
@@ -31,11 +32,13 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from PIL import Image, UnidentifiedImageError
 
+from shared.camtrap_dp import media_id
 from shared.envelope import MessageKind, seal
 from shared.protocol import Detection, DetectionRecord, encode_detection
 from shared.topics import detection_topic
 
-from edge_sdk.inference.classifier import SpeciesClassifier, crop
+from edge_sdk.data.crops import bbox_square, crop_square, stored_bbox
+from edge_sdk.inference.classifier import SpeciesClassifier
 from edge_sdk.inference.detector import CATEGORY, YoloxDetector
 from edge_sdk.uplink.transport import Transport, TransportError
 
@@ -72,16 +75,6 @@ def find_images(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
         else:
             found.add(p.resolve())
     return sorted(((f, f.relative_to(base).as_posix()) for f in found), key=lambda t: t[1])
-
-
-def media_id(data: bytes, name: str = "") -> str:
-    """Stable media id: the first 32 hex digits of SHA-256(name, NUL, file bytes).
-
-    ``name`` is the path relative to the folder given to ``detect``: a rerun over the same folder gives the same ids
-    (repeat deliveries are recognised), while two identical files at different paths (an SD card copied twice) get
-    different ids, as Camtrap DP requires mediaID to be unique within a package.
-    """
-    return hashlib.sha256(name.encode("utf-8") + b"\0" + data).hexdigest()[:32]
 
 
 def parse_utc_offset(text: str) -> _dt.timezone:
@@ -158,7 +151,7 @@ class DetectionPipeline:
             now = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
             return _Loaded(path, name, hashlib.sha256(name.encode()).hexdigest()[:32], None,
                            f"Failure image access: {exc}", (now, "run"))
-        mid = media_id(data, name)
+        mid = media_id(data)
         try:
             with Image.open(path) as im:
                 timestamp = read_timestamp(path, im, utc_offset=self.utc_offset)
@@ -191,8 +184,10 @@ class DetectionPipeline:
             return DetectionRecord(width=0, height=0, failure=item.failure, **common)
         image = item.image
         probs = None
+        bboxes = [stored_bbox(b.normalised_xywh(image.width, image.height)) for b in boxes]
         if self.classifier is not None and boxes:
-            probs = self.classifier.probabilities([crop(image, (b.x1, b.y1, b.x2, b.y2)) for b in boxes])
+            probs = self.classifier.probabilities([crop_square(image, bbox_square(bb, image.width, image.height))
+                                                   for bb in bboxes])
         detections, tops = [], []
         for i, b in enumerate(boxes):
             species = index = conf = None
@@ -202,7 +197,7 @@ class DetectionPipeline:
                 species = self.classifier.class_names[index]
                 tops.append([(int(k), float(probs[i, k])) for k in order[:TOP_CLASSES]])
             detections.append(Detection(category=CATEGORY, confidence=b.score,
-                                        bbox=b.normalised_xywh(image.width, image.height), species=species,
+                                        bbox=bboxes[i], species=species,
                                         species_index=index, species_confidence=conf))
         if tops:
             self.classifications[item.mid] = tops

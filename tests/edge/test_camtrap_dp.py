@@ -60,8 +60,10 @@ def test_accepts_species_entries(package: Path) -> None:
     assert load_camtrap_dp(package, table).labels.tolist() == [0, 1, 1]
 
 
-def test_default_image_size_is_28(package: Path) -> None:
-    assert load_camtrap_dp(package, SPECIES).images.shape == (3, 28, 28)
+def test_no_pixels_are_read_unless_asked(package: Path) -> None:
+    data = load_camtrap_dp(package, SPECIES)
+    assert data.images is None and len(data.sha256) == 3  # files are hashed (record identity), not decoded
+    assert load_camtrap_dp(package, SPECIES, image_size=28).images.shape == (3, 28, 28)
 
 
 @pytest.mark.parametrize("table", ["deployments", "media", "observations"])
@@ -102,7 +104,7 @@ def test_missing_media_file_errors_or_is_skipped(package: Path) -> None:
 def test_unreadable_image(package: Path) -> None:
     (package / "media" / "m2.png").write_bytes(b"this is not a PNG")
     with pytest.raises(DatasetError, match="image cannot be read") as info:
-        load_camtrap_dp(package, SPECIES)
+        load_camtrap_dp(package, SPECIES, image_size=8)
     assert info.value.source.endswith("m2.png")
 
 
@@ -140,11 +142,20 @@ def test_tdwg_example_package(caplog: pytest.LogCaptureFixture) -> None:
              "Mustela putorius", "Rattus norvegicus", "Vulpes vulpes"]
     table = {name: (i, "LC") for i, name in enumerate(names)}
     with caplog.at_level(logging.WARNING, logger="edge_sdk.data.camtrap_dp"):
-        data = load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip")
+        data = load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip", image_size=28)
     assert any("missing" in r.getMessage() for r in caplog.records)
-    # Only the 10 JPEGs in media/ are present; each shows a single species, observed as the genus "Ardea".
+    # Only the 10 JPEGs in media/ are present, and a machine model classified each as the genus "Ardea" (probability
+    # 0.89 once, 0.88 eight times, 0.85 once, each with one box): no person verified them, so by default none trains.
+    assert len(data) == 0
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.data.camtrap_dp"):
+        data = load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip", image_size=28, train_on="machine",
+                               machine_threshold=0.85)
     present = len(list((EXAMPLE_PACKAGE / "media").glob("*.JPG")))
     assert len(data) == present == 10
+    assert data.boxes[data.media_ids.index("7ab33b3a")] == ((0.35947, 0.61382, 0.32951, 0.31225),)
+    for threshold, kept in ((0.88, 9), (0.885, 1), (0.9, 0)):
+        assert len(load_camtrap_dp(EXAMPLE_PACKAGE, table, missing_media="skip", train_on="machine",
+                                   machine_threshold=threshold)) == kept
     assert set(data.labels.tolist()) == {names.index("Ardea")}
     assert data.images.shape == (10, 28, 28) and data.images.dtype == np.uint8
     assert np.all(data.categories == IUCNCategory.LC.rank)
@@ -211,7 +222,7 @@ def test_byte_identical_files_at_two_paths_are_one_image(package: Path) -> None:
                                "fileName": "m6.png"}], [_animal("o6", "m6", "Loxodonta cyclotis")])
 
     with _logged("multi-species"):
-        data = load_camtrap_dp(package, SPECIES)
+        data = load_camtrap_dp(package, SPECIES, image_size=28)
     assert data.media_ids == ("m1", "m4")
     # The pixels of m2 appear in no record at all (each record's image is distinct).
     assert not np.any(np.all(data.images == COLOURS["m2"][1], axis=(1, 2)))

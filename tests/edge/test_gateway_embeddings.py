@@ -107,9 +107,12 @@ def _onnx():
 
 
 def test_record_key_names_record_and_content() -> None:
-    assert embedding.record_key("m1", "ab" * 32) == "m1#" + "ab" * 8
+    from edge_sdk.data.crops import crop_record_id
+
+    assert crop_record_id("m1", "ab" * 32, None) == "m1#" + "ab" * 8
+    assert crop_record_id("m1", "ab" * 32, (1, 2, 30, 31)) == "m1#" + "ab" * 8 + "@1,2,30,31"
     with pytest.raises(ValueError, match="SHA-256"):
-        embedding.record_key("m1", "abc")
+        crop_record_id("m1", "abc", None)
 
 
 def test_training_reads_the_embeddings(tmp_path) -> None:

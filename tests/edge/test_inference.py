@@ -334,8 +334,9 @@ def test_pipeline_gives_every_image_a_record_even_unreadable_ones(tmp_path):
         assert d.species in {"A a", "B b", "C c", "D d"} and 0 < d.species_confidence <= 1
         assert decode_detection(encode_detection(rec)) == rec
     # 640x480 -> ratio 1: the box [128, 192] stays in pixels; 320x240 -> ratio 2: halved
-    assert a.detections[0].bbox == pytest.approx((128 / 640, 128 / 480, 64 / 640, 64 / 480))
-    assert b.detections[0].bbox == pytest.approx((64 / 320, 64 / 240, 32 / 320, 32 / 240))
+    # the box as stored: six decimals (edge_sdk.data.crops.stored_bbox)
+    assert a.detections[0].bbox == tuple(round(v, 6) for v in (128 / 640, 128 / 480, 64 / 640, 64 / 480))
+    assert b.detections[0].bbox == tuple(round(v, 6) for v in (64 / 320, 64 / 240, 32 / 320, 32 / 240))
     assert len(pipeline.classifications[a.media_id][0]) == 3
 
 
@@ -396,7 +397,7 @@ def test_camtrap_dp_observation_and_media_rows(tmp_path):
     animal = rows[0]
     assert animal["scientificName"] == "Vulpes vulpes" and animal["observationLevel"] == "media"
     assert (animal["bboxX"], animal["bboxY"], animal["bboxWidth"], animal["bboxHeight"]) == (
-        "0.1000", "0.2000", "0.3000", "0.4000")
+        "0.100000", "0.200000", "0.300000", "0.400000")  # six decimals: the stored box (edge_sdk.data.crops)
     assert animal["classificationMethod"] == "machine" and animal["classificationProbability"] == "0.800"
     assert animal["eventStart"] == animal["eventEnd"] == "2020-01-01T00:00:00+00:00"
     path = write_csv(tmp_path / "observations.csv", OBSERVATION_COLUMNS, rows)
@@ -500,10 +501,16 @@ def test_find_images_names_are_unique_across_several_folders(tmp_path):
         find_images([tmp_path / "nope"])
 
 
-def test_identical_files_at_two_paths_get_distinct_media_ids():
-    from edge_sdk.inference.records import media_id
+def test_a_photo_has_one_media_id_wherever_it_lies():
+    import hashlib
+
+    from edge_sdk.inference.formats import media_rows
+    from shared.camtrap_dp import media_id
+    from shared.protocol import DetectionRecord
 
     data = b"\xff\xd8same jpeg bytes"
-    assert media_id(data, "StationA/a.jpg") != media_id(data, "StationA/b.jpg")
-    assert media_id(data, "StationA/a.jpg") == media_id(data, "StationA/a.jpg")  # reruns are recognised
-    assert media_id(data, "a.jpg") != media_id(data + b"x", "a.jpg")
+    assert media_id(data) == hashlib.sha256(data).hexdigest()[:32]  # the bytes alone: name and folder do not count
+    assert media_id(data) != media_id(data + b"x")
+    records = [DetectionRecord(media_id=media_id(data), file=name, deployment_id="d", timestamp="2024-01-01T00:00:00Z",
+                               timestamp_source="exif", width=4, height=4) for name in ("A/a.jpg", "A/b.jpg")]
+    assert [r["filePath"] for r in media_rows(records)] == ["A/a.jpg"]  # one media row per photo

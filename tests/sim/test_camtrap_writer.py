@@ -180,7 +180,7 @@ def test_the_gateway_loader_reads_the_package_back(tmp_path: Path, site_data) ->
     out = _write(tmp_path, site_data)
     table = {e.scientific_name: (e.class_index, e.iucn) for e in SPECIES_TABLE}
 
-    local = loader.load_camtrap_dp(out, table)
+    local = loader.load_camtrap_dp(out, table, image_size=28)
 
     by_media = {f"{site.site_id}-{int(s):05d}": i for i, s in enumerate(source)}
     order = [by_media[m] for m in local.media_ids]
