@@ -145,7 +145,7 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
 def _backend_problems(cfg: object) -> list[tuple[str, str]]:
     """The site's training backend (its own ``backend``, else its profile's) must import here: ``[("backend",
     message naming the backend and the install command)]`` or ``[]``."""
-    from edge_sdk.agent import requested_backend
+    from edge_sdk.rounds.backends import requested_backend
     from edge_sdk.profiles import TrainingBackendName, backend_import_problem, load_profile
     from shared.errors import ConfigError
 

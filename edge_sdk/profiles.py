@@ -3,7 +3,7 @@
 The schema, the shipped profiles' folder and loading live in :mod:`shared.profiles` (the coordinator's provisioning
 reads the same files). This module adds the gateway's view, :class:`FirmwareProfile`: the flat attributes the agent
 reads (``backend``, ``device``, ``threads``, ``microbatch_size``; a site config's own settings override them, see
-:func:`edge_sdk.agent.build_backend`), and :func:`resolve_backend`, what ``backend: auto`` means on this machine:
+:func:`edge_sdk.rounds.backends.build_backend`), and :func:`resolve_backend`, what ``backend: auto`` means on this machine:
 ``ort`` where ``onnxruntime.training`` imports and an ``ort`` backend is registered, ``torch`` otherwise (Jetson:
 ORT training ships no aarch64 wheel). The agent refines ``auto`` per task (ORT only for a model that has ORT
 training artifacts).

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.codec import decode_tensors
 from shared.models.backbone import EMBEDDING_DIM
 
 from edge_sdk.data.crops import Square, bbox_square, crop_square, stored_bbox
 from edge_sdk.field.predictions import Prediction, read_prediction
-from edge_sdk.inference.classifier import SpeciesClassifier, load_classifier_weights
+from edge_sdk.global_model import KeptModel
+from edge_sdk.inference.classifier import SpeciesClassifier
 
-__all__ = ["ClassifiedBox", "KeptModel", "PhotoClassifier"]
+__all__ = ["ClassifiedBox", "PhotoClassifier"]
 
 log = logging.getLogger(__name__)
 
@@ -48,31 +48,6 @@ class ClassifiedBox:
     square: Square
     probs: np.ndarray | None = None
     prediction: Prediction | None = None
-
-
-@dataclass(frozen=True)
-class KeptModel:
-    """The global model a gateway keeps: weights, the round and hash it came from, the file's mtime."""
-
-    weights: dict[str, np.ndarray]
-    round: int
-    model_hash: str
-    mtime_ns: int
-
-    @classmethod
-    def load(cls, path: Path) -> "KeptModel | None":
-        """The model at ``path``, or None when there is none yet.
-
-        Raises:
-            ConfigError: the file is not a head model.
-        """
-        try:
-            mtime = path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-        weights = load_classifier_weights(path)
-        _, metadata = decode_tensors(path.read_bytes())
-        return cls(weights, int(metadata.get("round", 0) or 0), str(metadata.get("model_hash", "")), mtime)
 
 
 class PhotoClassifier:

@@ -101,7 +101,7 @@ class CalibrationCache:
 
     Args:
         root: the cache folder (created on the first write). A gateway's is ``<wildfed cache>/calibration``
-            (``edge_sdk.agent.calibration_cache_dir``).
+            (``edge_sdk.site_paths.calibration_cache_dir``).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:

@@ -237,7 +237,8 @@ def test_an_unwritable_cache_only_costs_time(tmp_path: Path, caplog: pytest.LogC
 
 def test_the_gateway_keeps_its_calibration_in_its_cache_folder(tmp_path: Path, monkeypatch) -> None:
     """A round on a real agent writes one entry in ``calibration_cache``; the default is under $WILDFED_CACHE."""
-    from edge_sdk.agent import EdgeAgent, calibration_cache_dir
+    from edge_sdk.agent import EdgeAgent
+    from edge_sdk.site_paths import calibration_cache_dir
     from edge_sdk.config import load_site_config
     from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 

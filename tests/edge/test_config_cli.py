@@ -13,7 +13,7 @@ from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import load_private_key, load_public_key
 
-from edge_sdk.agent import build_backend
+from edge_sdk.rounds.backends import build_backend
 from edge_sdk.cli import app
 from edge_sdk.config import load_site_config
 from edge_sdk.profiles import GatewayKind, available_profiles, load_profile

@@ -99,7 +99,7 @@ def test_detect_refuses_a_camera_cnn_model_file_naming_the_fix(tmp_path, detecto
 
 def test_detect_with_a_site_config_and_no_weights_uses_the_gateways_latest_global_model(tmp_path, detector_ready,
                                                                                        monkeypatch):
-    from edge_sdk.agent import save_global_model
+    from edge_sdk.global_model import save_global_model
     from edge_sdk.cli import app
     from edge_sdk.config import global_model_path, load_site_config
 

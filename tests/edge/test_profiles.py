@@ -46,7 +46,7 @@ def test_shipped_profiles_cover_every_gateway_kind_with_sensible_hardware() -> N
     for kind in (GatewayKind.X86_CPU, GatewayKind.RADIO_BASE_STATION):
         assert profiles[kind].device == "cpu" and profiles[kind].inference.engine.value == "ort-cpu"
     assert profiles[GatewayKind.X86_CPU].training.backend.value == "auto"
-    # the agent's flat view (edge_sdk.agent.build_backend reads these)
+    # the agent's flat view (edge_sdk.rounds.backends.build_backend reads these)
     rbs = profiles[GatewayKind.RADIO_BASE_STATION]
     assert (rbs.backend, rbs.device, rbs.threads, rbs.microbatch_size) == ("torch", "cpu", 2, 16)
 
@@ -270,7 +270,7 @@ def test_missing_and_non_mapping_fields_say_what_to_write() -> None:
 
 # -- site config errors: the one config formatter, named fields, the backend `run` refuses (issue 16 trial) ------
 def test_check_config_refuses_an_unknown_backend_like_run_does(tmp_path: Path) -> None:
-    from edge_sdk.agent import build_backend
+    from edge_sdk.rounds.backends import build_backend
     from edge_sdk.backends import available_backends
     from edge_sdk.config import load_site_config
 

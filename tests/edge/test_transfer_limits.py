@@ -36,7 +36,8 @@ from shared.transfer import Chunk, is_chunk
 from coordinator.config import load_config
 from coordinator.service import Coordinator
 from coordinator.transport import InMemoryTransport
-from edge_sdk.agent import EdgeAgent, update_message_id
+from edge_sdk.agent import EdgeAgent
+from edge_sdk.uplink.uploader import update_message_id
 from edge_sdk.config import load_site_config
 from tests.coordinator.helpers import make_config
 from tests.support import camera_site, poll_until
