@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shared.errors import WildFedError
+from shared.errors import ConfigError, WildFedError
 
 __all__ = ["package", "KINDS", "BOX_MODES"]
 
@@ -62,10 +62,11 @@ def _detector(mode: str, confidence: float | None):
     try:
         detector = YoloxDetector.open(download=mode == "detect", batch_size=1,
                                       confidence=CONFIDENCE_THRESHOLD if confidence is None else confidence)
-    except WildFedError as exc:
+    except (WildFedError, ImportError, OSError) as exc:
         if mode == "detect":
             raise
-        return "none", None, f"no boxes: the detector does not open here ({exc.message}); --boxes detect fetches it"
+        reason = exc.message if isinstance(exc, ConfigError) else str(exc)
+        return "none", None, f"no boxes: the detector does not open here ({reason}); --boxes detect fetches it"
     return "detect", detector, None
 
 
@@ -136,6 +137,7 @@ def package(
 
     from edge_sdk import packaging
     from edge_sdk.inference.records import parse_utc_offset
+    from shared.envelope import validate_identifier
 
     if kind not in KINDS:
         raise _fail(f"--from {kind!r} (fix: use one of {', '.join(KINDS)})")
@@ -156,6 +158,7 @@ def package(
             site_species, config_path = frozenset(config.species_table), site_config
         if not site:
             raise _fail("--site is required (or --site-config, whose site_id is used)")
+        validate_identifier(site, "--site")
         columns = dict(file_column=file_column, species_column=species_column, deployment_column=deployment_column,
                        time_column=time_column)
         read, threshold = _read(kind, source, labels=labels, images=images, columns=columns, deployment=deployment,

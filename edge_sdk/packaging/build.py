@@ -186,6 +186,9 @@ def build_content(read: ReadResult, options: PackageOptions, *,
         known = media.get(mid)
         if known is not None:
             summary.duplicates += 1
+            if photo.deployment != known.photo.deployment:
+                summary.warnings.append(f"{photo.path.name} ({photo.deployment}) repeats {known.photo.path.name} "
+                                        f"({known.photo.deployment}) byte for byte: kept in {known.photo.deployment}")
             if label not in known.labels:
                 known.labels.append(label)
             if detect and known.boxes is None:

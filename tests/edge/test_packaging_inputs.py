@@ -186,3 +186,40 @@ def test_unknown_species_stop_the_command_before_anything_is_written(tmp_path: P
     assert "7 species are not in the site's species table" in flat and "'Grey Fox' (3 photo(s))" in flat
     assert "--species-map" in flat
     assert not out.exists() and not (tmp_path / "out").exists()
+
+
+def _one_photo_folder(tmp_path: Path) -> Path:
+    jpeg(tmp_path / "photos" / "Sus scrofa" / "a.jpg", (90, 90, 90))
+    return tmp_path / "photos"
+
+
+def test_boxes_auto_writes_none_with_a_note_where_the_detector_does_not_open(tmp_path: Path, monkeypatch) -> None:
+    from edge_sdk.inference import detector
+    from edge_sdk.inference.weights import WeightsUnavailableError
+
+    def closed(**kwargs):
+        raise WeightsUnavailableError("no cached detector", fix="run with --boxes detect once online")
+
+    monkeypatch.setattr(detector.YoloxDetector, "open", staticmethod(closed))
+    out = tmp_path / "pkg"
+    output = " ".join(_package([str(out), str(_one_photo_folder(tmp_path)), "--from", "folder", "--site", "s1"])
+                      .split())
+    assert "no boxes: the detector does not open here (no cached detector)" in output
+    assert [r["bboxX"] for r in rows(out / "observations.csv")] == [""]
+
+    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg2"), str(tmp_path / "photos"), "--from",
+                                      "folder", "--site", "s1", "--boxes", "detect"])
+    assert result.exit_code == 2 and "no cached detector" in result.output
+    assert not (tmp_path / "pkg2").exists()
+
+
+def test_bad_site_ids_and_existing_outputs_are_refused(tmp_path: Path) -> None:
+    photos = _one_photo_folder(tmp_path)
+    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
+                                      "a/b", "--boxes", "none"])
+    assert result.exit_code == 2 and "--site 'a/b' is not an identifier" in " ".join(result.output.split())
+    (tmp_path / "pkg").mkdir()
+    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
+                                      "s1", "--boxes", "none"])
+    assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
+    assert list((tmp_path / "pkg").iterdir()) == []
