@@ -36,8 +36,13 @@ ENA24_MAP = {"Virginia Opossum": "Didelphis virginiana", "Eastern Fox Squirrel":
              "Striped Skunk": "Mephitis mephitis", "Chicken": "Gallus gallus", "Grey Fox": "Urocyon cinereoargenteus"}
 
 
+def _invoke(args: list[str]):
+    """``wildfed-edge package ARGS``, on a console wide enough that no table cell wraps, whatever the terminal."""
+    return CliRunner().invoke(app, ["package", *args], env={"COLUMNS": "240"})
+
+
 def _package(args: list[str]) -> str:
-    result = CliRunner().invoke(app, ["package", *args])
+    result = _invoke(args)
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -179,8 +184,8 @@ def test_megadetector_output_with_labels(tmp_path: Path) -> None:
 def test_unknown_species_stop_the_command_before_anything_is_written(tmp_path: Path) -> None:
     config = site_config(tmp_path, ["Didelphis virginiana"])
     out = tmp_path / "out" / "pkg"
-    result = CliRunner().invoke(app, ["package", str(out), str(ENA24 / "labels.csv"), "--from", "labels",
-                                      "--site-config", str(config), "--boxes", "none"])
+    result = _invoke([str(out), str(ENA24 / "labels.csv"), "--from", "labels",
+                      "--site-config", str(config), "--boxes", "none"])
     assert result.exit_code == 2
     flat = " ".join(result.output.split())
     assert "7 species are not in the site's species table" in flat and "'Grey Fox' (3 photo(s))" in flat
@@ -207,19 +212,40 @@ def test_boxes_auto_writes_none_with_a_note_where_the_detector_does_not_open(tmp
     assert "no boxes: the detector does not open here (no cached detector)" in output
     assert [r["bboxX"] for r in rows(out / "observations.csv")] == [""]
 
-    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg2"), str(tmp_path / "photos"), "--from",
-                                      "folder", "--site", "s1", "--boxes", "detect"])
+    result = _invoke([str(tmp_path / "pkg2"), str(tmp_path / "photos"), "--from",
+                      "folder", "--site", "s1", "--boxes", "detect"])
     assert result.exit_code == 2 and "no cached detector" in result.output
     assert not (tmp_path / "pkg2").exists()
 
 
 def test_bad_site_ids_and_existing_outputs_are_refused(tmp_path: Path) -> None:
     photos = _one_photo_folder(tmp_path)
-    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
-                                      "a/b", "--boxes", "none"])
+    result = _invoke([str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
+                      "a/b", "--boxes", "none"])
     assert result.exit_code == 2 and "--site 'a/b' is not an identifier" in " ".join(result.output.split())
     (tmp_path / "pkg").mkdir()
-    result = CliRunner().invoke(app, ["package", str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
-                                      "s1", "--boxes", "none"])
+    result = _invoke([str(tmp_path / "pkg"), str(photos), "--from", "folder", "--site",
+                      "s1", "--boxes", "none"])
     assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
     assert list((tmp_path / "pkg").iterdir()) == []
+
+
+def test_validation_errors_are_printed_as_a_table_and_nothing_is_written(tmp_path: Path, monkeypatch) -> None:
+    from edge_sdk import packaging
+
+    real = packaging.build_content
+
+    def corrupted(*args, **kwargs):
+        content = real(*args, **kwargs)
+        content.media[0]["timestamp"] = "yesterday"  # a row the builder never writes
+        return content
+
+    monkeypatch.setattr(packaging, "build_content", corrupted)
+    out = tmp_path / "out" / "pkg"
+    result = _invoke([str(out), str(_one_photo_folder(tmp_path)), "--from", "folder",
+                      "--site", "s1", "--boxes", "none"])
+    assert result.exit_code == 1
+    flat = " ".join(result.output.split())
+    assert "1 validation error(s); nothing was written" in flat
+    assert "│ media │ 2 │ timestamp │" in flat
+    assert not out.exists() and no_leftovers(tmp_path / "out", set())
