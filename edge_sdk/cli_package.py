@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import getpass
-import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -26,7 +25,6 @@ __all__ = ["package", "KINDS", "BOX_MODES"]
 KINDS = ("folder", "labels", "timelapse", "megadetector")
 BOX_MODES = ("auto", "detect", "none")
 console = Console(stderr=True)
-log = logging.getLogger(__name__)
 
 
 def _fail(message: object, code: int = 2) -> typer.Exit:
