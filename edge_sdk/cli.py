@@ -387,5 +387,7 @@ def detect(
             raise typer.Exit(code=1)
 
 
+app.command("package")(__import__("edge_sdk.cli_package", fromlist=["package"]).package)  # docs/packaging.md
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["media_id", "MEDIA_ID_HEX_DIGITS", "CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url", "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS",
-           "OBSERVATIONS_COLUMNS", "MEDIA_TYPES"]
+__all__ = ["media_id", "MEDIA_ID_HEX_DIGITS", "CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url",
+           "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS", "OBSERVATIONS_COLUMNS", "MEDIA_TYPES", "TIMESTAMP_SOURCES",
+           "TIMESTAMP_SOURCE_KEY", "mark_timestamp_source", "timestamp_source"]
 
 #: Hex digits of a media id (128 bits of SHA-256: collisions need about 2**64 photos).
 MEDIA_ID_HEX_DIGITS = 32
@@ -71,3 +72,43 @@ OBSERVATIONS_COLUMNS: tuple[str, ...] = (
 MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".tif": "image/tiff",
                ".tiff": "image/tiff", ".bmp": "image/bmp", ".webp": "image/webp", ".gif": "image/gif"}
 """``fileMediatype`` (IANA media type) by lower-case file suffix."""
+
+
+# ---- where a media timestamp came from ---------------------------------------------------------------------------
+# Camtrap DP 1.0 has no column for it, and its tables take no columns beyond the standard's (the FAQ's ways to add
+# information are the pipe-separated ``key:value`` tags and extra resources; ``media`` has no tags column). So the
+# mark is one ``key:value`` item of ``media.mediaComments``, written in the tags' form, and the deployment's
+# ``timestampIssues`` is true when any of its timestamps is only a file time.
+
+TIMESTAMP_SOURCES = ("exif", "table", "mtime")
+"""Where a media timestamp came from, best first: the photo's EXIF ``DateTimeOriginal`` (else ``DateTime``), the
+input table's time column (a labels CSV's ``timestamp``, Timelapse's ``DateTime``), the file's modification time
+(a guess: copying a card can change it)."""
+TIMESTAMP_SOURCE_KEY = "timestampSource"
+
+
+def mark_timestamp_source(source: str, comments: str = "") -> str:
+    """``media.mediaComments`` carrying the timestamp's source: ``timestampSource:<source>``, then `` | `` and the
+    other comments (if any, with any older mark removed).
+
+    Raises:
+        ValueError: ``source`` is not one of :data:`TIMESTAMP_SOURCES`.
+    """
+    if source not in TIMESTAMP_SOURCES:
+        raise ValueError(f"timestamp source {source!r} is not one of {TIMESTAMP_SOURCES}")
+    rest = [item for item in _comment_items(comments) if not item.startswith(f"{TIMESTAMP_SOURCE_KEY}:")]
+    return " | ".join([f"{TIMESTAMP_SOURCE_KEY}:{source}", *rest])
+
+
+def timestamp_source(media_comments: str | None) -> str | None:
+    """The source :func:`mark_timestamp_source` wrote into ``media_comments``, or None when there is no mark (or an
+    unknown one): a reader then knows nothing about the timestamp's origin."""
+    for item in _comment_items(media_comments or ""):
+        key, _, value = item.partition(":")
+        if key.strip() == TIMESTAMP_SOURCE_KEY and value.strip() in TIMESTAMP_SOURCES:
+            return value.strip()
+    return None
+
+
+def _comment_items(comments: str) -> list[str]:
+    return [item.strip() for item in comments.split("|") if item.strip()]

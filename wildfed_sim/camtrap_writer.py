@@ -1,12 +1,13 @@
 """Write one demo site's images as a Camera Trap Data Package (Camtrap DP 1.0).
 
-Standard: Camtrap DP 1.0 (TDWG), profile
-https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/camtrap-dp-profile.json.
-The column order of the three tables is the standard's (and that of the official example package,
-``../shared/data/camtrap-dp-example``). What is written:
+Standard: Camtrap DP 1.0 (TDWG), tables as in version 1.0.2. The column order of the three tables is the standard's
+(and that of the official example package, ``../shared/data/camtrap-dp-example``). What is written:
 
 - ``datapackage.json``: profile, name, id, created, contributors, project, spatial, temporal, taxonomic, licenses,
-  and the resources ``deployments`` / ``media`` / ``observations`` with their paths and table-schema URLs.
+  and the resources ``deployments`` / ``media`` / ``observations`` with their paths and their table schemas,
+  which are local files (``schemas/*.json``, ``shared.camtrap_dp_schema``) so that ``frictionless validate`` checks
+  the package offline, as on a gateway; ``profile`` is therefore the registered ``tabular-data-package``
+  (``shared.camtrap_dp_schema.LOCAL_PACKAGE_PROFILE`` says why).
 - ``deployments.csv``: one deployment per site (the site's fictional coordinates, its monitoring period, habitat).
 - ``media.csv``: one PNG per image under ``media/``; ``filePath`` is ``media/<fileName>``, ``fileMediatype``
   ``image/png``, ``captureMethod`` ``activityDetection``, ``filePublic`` ``false`` (the images never leave the site).
@@ -38,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS,
-                               MEDIA_COLUMNS, OBSERVATIONS_COLUMNS, schema_url)
+from shared.camtrap_dp import CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, OBSERVATIONS_COLUMNS
+from shared.camtrap_dp_schema import LOCAL_PACKAGE_PROFILE, local_resource, write_schema_files
 from shared.errors import WildFedError
 
 from .animal_mnist import PACKAGE_SPEC, SPECIES_TABLE, SpeciesTable
@@ -225,14 +226,8 @@ def write_camtrap_dp(
     ]
     present = sorted({int(c) for c in labels})
     descriptor = {
-        "resources": [
-            {
-                "name": name, "path": f"{name}.csv", "profile": "tabular-data-resource", "format": "csv",
-                "mediatype": "text/csv", "encoding": "utf-8", "schema": schema_url(name),
-            }
-            for name in ("deployments", "media", "observations")
-        ],
-        "profile": CAMTRAP_DP_PROFILE,
+        "resources": [local_resource(name) for name in ("deployments", "media", "observations")],
+        "profile": LOCAL_PACKAGE_PROFILE,
         "name": f"wildfed-demo-{site.site_id}",
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"wildfed-demo/{site.site_id}/{_iso(start)}/{seed}")),
         "created": _iso(datetime.now(timezone.utc)),
@@ -269,6 +264,7 @@ def write_camtrap_dp(
         _write_csv(tmp / "deployments.csv", DEPLOYMENTS_COLUMNS, [deployment])
         _write_csv(tmp / "media.csv", MEDIA_COLUMNS, media_rows)
         _write_csv(tmp / "observations.csv", OBSERVATIONS_COLUMNS, observation_rows)
+        write_schema_files(tmp)
         (tmp / "datapackage.json").write_text(json.dumps(descriptor, indent=2) + "\n", encoding="utf-8")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         if out.exists():  # overwrite: move the old package aside, put the new one in, then drop the old one

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from shared.camtrap_dp_schema import table_schema
 from wildfed_sim import camtrap_writer
 from wildfed_sim.animal_mnist import SPECIES_TABLE
 from wildfed_sim.camtrap_writer import CamtrapWriteError, write_camtrap_dp
@@ -61,23 +62,33 @@ def test_datapackage_descriptor_follows_the_example(tmp_path: Path, site_data) -
     out = _write(tmp_path, site_data)
     descriptor = json.loads((out / "datapackage.json").read_text())
 
-    assert descriptor["profile"] == "https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/camtrap-dp-profile.json"
+    assert descriptor["profile"] == "tabular-data-package"  # a remote profile would be fetched: not offline
     resources = {r["name"]: r for r in descriptor["resources"]}
     assert set(resources) == {"deployments", "media", "observations"}
     for name, res in resources.items():
         assert res["path"] == f"{name}.csv"
-        assert res["schema"] == f"https://raw.githubusercontent.com/tdwg/camtrap-dp/1.0.2/{name}-table-schema.json"
+        assert res["schema"] == f"schemas/{name}-table-schema.json"  # local, so that it validates offline
+        assert json.loads((out / res["schema"]).read_text()) == table_schema(name)
         assert res["profile"] == "tabular-data-resource"
     if (EXAMPLE / "datapackage.json").is_file():
         example = json.loads((EXAMPLE / "datapackage.json").read_text())
         for res in example["resources"][:3]:
             mine = resources[res["name"]]
-            assert {k: mine[k] for k in res} == res  # same keys and values as the official example
-        assert descriptor["profile"] == example["profile"]
+            # same keys and values as the official example, but the schema: a local file instead of its URL
+            assert {k: mine[k] for k in res if k != "schema"} == {k: v for k, v in res.items() if k != "schema"}
+            assert res["schema"].endswith(mine["schema"].removeprefix("schemas/"))
     for key in ("created", "contributors", "project", "spatial", "temporal", "taxonomic"):
         assert key in descriptor
     assert {t["scientificName"] for t in descriptor["taxonomic"]} == {
         "Ursus maritimus", "Passer domesticus", "Loxodonta cyclotis", "Equus quagga"}
+
+
+def test_the_package_validates_offline_with_frictionless(tmp_path: Path, site_data) -> None:
+    frictionless = pytest.importorskip("frictionless", reason="frictionless comes with the edge extra")
+    out = _write(tmp_path, site_data)
+    report = frictionless.validate(str(out / "datapackage.json"))  # offline: the schemas are local files
+    assert report.valid, report.flatten(["rowNumber", "fieldName", "type", "note"])
+    assert [task.name for task in report.tasks] == ["deployments", "media", "observations"]
 
 
 def test_round_trip_is_pixel_exact(tmp_path: Path, site_data) -> None:
