@@ -80,10 +80,10 @@ MEDIA_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png",
 # mark is one ``key:value`` item of ``media.mediaComments``, written in the tags' form, and the deployment's
 # ``timestampIssues`` is true when any of its timestamps is only a file time.
 
-TIMESTAMP_SOURCES = ("exif", "table", "mtime")
+TIMESTAMP_SOURCES = ("exif", "table", "mtime", "run")
 """Where a media timestamp came from, best first: the photo's EXIF ``DateTimeOriginal`` (else ``DateTime``), the
 input table's time column (a labels CSV's ``timestamp``, Timelapse's ``DateTime``), the file's modification time
-(a guess: copying a card can change it)."""
+(a guess: copying a card can change it), the time a detection run read it (the file could not be read at all)."""
 TIMESTAMP_SOURCE_KEY = "timestampSource"
 
 

@@ -62,8 +62,9 @@ class CategorySignal:
     def describe(self) -> str:
         """One line: the numbers and the verdict."""
         verdict = "can learn" if self.learns else "cannot learn: the noise outweighs every record even in the best case"
-        return (f"{self.category.value}: {self.records} record(s), q={self.sampling_rate:.3g}, C={self.clipping_norm:.3g}"
-                f", sigma={self.noise_std:.3g}, {self.steps} step(s), d={self.parameters}: best-case signal "
+        return (f"{self.category.value}: {self.records} record(s), q={self.sampling_rate:.3g}, "
+                f"C={self.clipping_norm:.3g}, sigma={self.noise_std:.3g}, {self.steps} step(s), d={self.parameters}: "
+                "best-case signal "
                 f"{self.signal:.3g} vs noise {self.noise:.3g} (ratio {self.ratio:.3g}): {verdict}")
 
 

@@ -7,8 +7,8 @@ For each complete file (:mod:`edge_sdk.field.incoming`), :meth:`FieldService.pro
    the index is a copy of a stored photo: the file is removed and nothing else happens (stored exactly once);
 2. decodes it (a file that does not decode yet is left for the next poll, :meth:`IncomingFolder.defer`); capture time
    from EXIF ``DateTimeOriginal`` (with ``OffsetTimeOriginal`` or ``field.utc_offset``), else the file's
-   modification time, and then the media row says so (``timestampSource:mtime`` in ``mediaComments``; the detection
-   record's ``timestamp_source``);
+   modification time, and then the media row says so (``timestampSource:mtime`` in ``mediaComments``,
+   ``shared.camtrap_dp.mark_timestamp_source``; the detection record's ``timestamp_source``);
 3. detects and classifies it (:class:`edge_sdk.field.photos.PhotoClassifier`, with the newest global model);
 4. in one step that a crash can repeat without doubling anything, inside the index's transaction that puts the
    photo in an event: seals its detection record (naming the event) into the durable queue
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.camtrap_dp import MEDIA_TYPES, media_id as media_id_of
+from shared.camtrap_dp import MEDIA_TYPES, mark_timestamp_source, media_id as media_id_of
 from shared.protocol import Detection, DetectionRecord
 
 from edge_sdk.config import SiteConfig, global_model_path
@@ -44,14 +44,9 @@ from edge_sdk.inference.detector import CATEGORY
 from edge_sdk.inference.records import parse_utc_offset, read_timestamp
 from edge_sdk.site_paths import detection_queue_path, field_index_path
 
-__all__ = ["FieldStats", "FieldService", "timestamp_comment"]
+__all__ = ["FieldStats", "FieldService"]
 
 log = logging.getLogger(__name__)
-
-
-def timestamp_comment(source: str) -> str:
-    """The ``mediaComments`` mark of a media row's timestamp source (``timestampSource:<source>``)."""
-    return f"timestampSource:{source}"
 
 
 @dataclass
@@ -114,8 +109,8 @@ class FieldService:
         from edge_sdk.inference.detector import YoloxDetector
 
         s = config.field
-        detector = detector or YoloxDetector.open(prefer=s.engine, batch_size=1, threads=config.threads,  # type: ignore[arg-type]
-                                                  confidence=s.detection_threshold)
+        detector = detector or YoloxDetector.open(prefer=s.engine, batch_size=1,  # type: ignore[arg-type]
+                                                  threads=config.threads, confidence=s.detection_threshold)
         embedder = embedder or open_embedder(config.embedding_input_size, threads=config.threads)
         classifier = PhotoClassifier(detector=detector, embedder=embedder, model_path=global_model_path(config),
                                      class_names=config.names_by_class,
@@ -234,12 +229,13 @@ class FieldService:
             self.package.upsert_deployment(photo.deployment_id, timestamp=photo.timestamp,
                                            latitude=location.latitude if location else None,
                                            longitude=location.longitude if location else None,
-                                           location_name=location.location_name if location else "")
+                                           location_name=location.location_name if location else "",
+                                           timestamp_issue=photo.timestamp_source != "exif")
             self.package.append("media", [{
                 "mediaID": photo.media_id, "deploymentID": photo.deployment_id, "captureMethod": "activityDetection",
                 "timestamp": photo.timestamp, "filePath": file_path, "filePublic": "false", "fileName": path.name,
                 "fileMediatype": MEDIA_TYPES.get(suffix, "image/jpeg"),
-                "mediaComments": timestamp_comment(photo.timestamp_source)}])
+                "mediaComments": mark_timestamp_source(photo.timestamp_source)}])
             self.package.append("observations", self._machine_rows(photo, boxes, event_id))
             self._in_package.add(photo.media_id)
         return file_path

@@ -30,8 +30,8 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, OBSERVATIONS_COLUMNS,
-                               schema_url)
+from shared.camtrap_dp import DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, OBSERVATIONS_COLUMNS
+from shared.camtrap_dp_schema import LOCAL_PACKAGE_PROFILE, local_resource, write_schema_files
 from shared.errors import DatasetError
 
 __all__ = ["TABLE_COLUMNS", "SitePackage"]
@@ -105,8 +105,13 @@ class SitePackage:
         return self.root / f"{table}.csv"
 
     def ensure(self) -> None:
-        """Create the package if it is absent: ``datapackage.json`` and the three tables with their headers. An
-        existing package is left as it is."""
+        """Create the package if it is absent: ``datapackage.json``, the local table schemas
+        (:mod:`shared.camtrap_dp_schema`, so the package validates offline with ``frictionless validate``) and the
+        three tables with their headers. An existing package is left as it is.
+
+        Deployments appear as photos arrive, before an operator may have given their coordinates, so this
+        package's deployments schema marks ``latitude``/``longitude`` optional and says so in its description
+        (fill them in, ``field.deployments`` in the site config, before publishing the package)."""
         with self.locked():
             for table, columns in TABLE_COLUMNS.items():
                 path = self.table_path(table)
@@ -114,15 +119,15 @@ class SitePackage:
                     _write_atomic(path, _csv_bytes(columns, [], header=True))
             descriptor = self.root / "datapackage.json"
             if not descriptor.exists():
+                write_schema_files(self.root, optional={"deployments": ("latitude", "longitude")})
                 _write_atomic(descriptor, json.dumps(self._descriptor(), indent=2).encode("utf-8"))
 
     def _descriptor(self) -> dict[str, object]:
         created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
-        return {"profile": CAMTRAP_DP_PROFILE, "name": self.site_id.lower(), "created": created,
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in self.site_id.lower())
+        return {"profile": LOCAL_PACKAGE_PROFILE, "name": name, "created": created,
                 "title": f"Camera-trap records of site {self.site_id} (kept on its gateway)",
-                "resources": [{"name": t, "path": f"{t}.csv", "profile": "tabular-data-resource",
-                               "format": "csv", "mediatype": "text/csv", "encoding": "utf-8",
-                               "schema": schema_url(t)} for t in TABLE_COLUMNS]}
+                "resources": [local_resource(t) for t in TABLE_COLUMNS]}
 
     # -- reading ----------------------------------------------------------------------------------------------
     def header(self, table: str) -> list[str]:
@@ -185,9 +190,11 @@ class SitePackage:
             os.fsync(handle.fileno())
 
     def upsert_deployment(self, deployment_id: str, *, timestamp: str, latitude: float | None = None,
-                          longitude: float | None = None, location_name: str = "") -> None:
+                          longitude: float | None = None, location_name: str = "",
+                          timestamp_issue: bool = False) -> None:
         """Add a deployment, or widen its ``deploymentStart``/``deploymentEnd`` to include ``timestamp`` (ISO 8601
-        with offset); coordinates are filled where given and the row has none."""
+        with offset); coordinates are filled where given and the row has none; ``timestamp_issue`` (the photo's
+        time is only a file time) sets the deployment's ``timestampIssues`` true."""
         from edge_sdk.field.events import epoch_seconds
 
         rows = self.rows("deployments")
@@ -195,15 +202,18 @@ class SitePackage:
         row = next((r for r in rows if r.get("deploymentID") == deployment_id), None)
         if row is None:
             row = {"deploymentID": deployment_id, "locationName": location_name, "deploymentStart": timestamp,
-                   "deploymentEnd": timestamp}
+                   "deploymentEnd": timestamp, "timestampIssues": "false"}
             rows.append(row)
         else:
             t = epoch_seconds(timestamp)
             start, end = row.get("deploymentStart") or timestamp, row.get("deploymentEnd") or timestamp
-            if t >= epoch_seconds(start) and t <= epoch_seconds(end) and (latitude is None or row.get("latitude")):
+            if epoch_seconds(start) <= t <= epoch_seconds(end) and (latitude is None or row.get("latitude")) \
+                    and (not timestamp_issue or row.get("timestampIssues") == "true"):
                 return
             row["deploymentStart"] = timestamp if t < epoch_seconds(start) else start
             row["deploymentEnd"] = timestamp if t > epoch_seconds(end) else end
+        if timestamp_issue:
+            row["timestampIssues"] = "true"
         if latitude is not None and not row.get("latitude"):
             row["latitude"], row["longitude"] = f"{latitude:.6f}", f"{longitude:.6f}"
         _write_atomic(self.table_path("deployments"), _csv_bytes(columns, rows, header=True))

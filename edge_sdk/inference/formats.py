@@ -37,14 +37,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.camtrap_dp import MEDIA_COLUMNS, MEDIA_TYPES, OBSERVATIONS_COLUMNS
+from shared.camtrap_dp import (MEDIA_COLUMNS, MEDIA_TYPES, OBSERVATIONS_COLUMNS, TIMESTAMP_SOURCES,
+                               mark_timestamp_source)
 from shared.protocol import DetectionRecord
 
 from edge_sdk.inference.detector import CATEGORY, CONFIDENCE_THRESHOLD
 
 __all__ = ["FORMAT_VERSION", "DETECTION_CATEGORIES", "megadetector_json", "validate_megadetector",
-           "OBSERVATION_COLUMNS", "MEDIA_COLUMNS", "observation_rows", "media_rows", "write_csv", "write_json",
-           "TIMESTAMP_COMMENTS"]
+           "OBSERVATION_COLUMNS", "MEDIA_COLUMNS", "observation_rows", "media_rows", "write_csv", "write_json"]
 
 FORMAT_VERSION = "1.4"
 DETECTION_CATEGORIES = {"1": CATEGORY}
@@ -218,13 +218,6 @@ def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
     return rows
 
 
-#: ``mediaComments`` of a media row whose timestamp is not the camera's (Camtrap DP 1.0 ``media.mediaComments``)
-TIMESTAMP_COMMENTS = {
-    "mtime": "timestamp is the file's modification time: the image has no EXIF DateTimeOriginal or DateTime",
-    "run": "timestamp is the time of the detection run: the file could not be read",
-}
-
-
 def _first_of_each_media(records: Sequence[DetectionRecord]) -> list[DetectionRecord]:
     """``records`` without repeats of a media id (the same photo at two paths is one media row: mediaID is the
     SHA-256 of the bytes and unique within a package)."""
@@ -238,14 +231,15 @@ def _first_of_each_media(records: Sequence[DetectionRecord]) -> list[DetectionRe
 
 
 def media_rows(records: Sequence[DetectionRecord]) -> list[dict[str, str]]:
-    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder), one per media id. A
-    timestamp that is not the camera's (``timestamp_source`` ``mtime`` or ``run``) says so in ``mediaComments``
-    (:data:`TIMESTAMP_COMMENTS`), since Camtrap DP requires a timestamp but a file time is only a guess."""
+    """Camtrap DP ``media.csv`` rows of ``records`` (file paths relative to the run's folder), one per media id. Each
+    row's ``mediaComments`` marks where its timestamp came from (``shared.camtrap_dp.mark_timestamp_source``:
+    ``exif``, or ``mtime``/``run`` when it is only the file's or the run's time), since Camtrap DP requires a
+    timestamp but a file time is only a guess."""
     return [{"mediaID": r.media_id, "deploymentID": r.deployment_id, "captureMethod": "activityDetection",
              "timestamp": r.timestamp, "filePath": r.file, "filePublic": "false", "fileName": Path(r.file).name,
              "fileMediatype": _MEDIATYPES.get(Path(r.file).suffix.lower(), "image/jpeg"),
-             **({"mediaComments": TIMESTAMP_COMMENTS[r.timestamp_source]}
-                if r.timestamp_source in TIMESTAMP_COMMENTS else {})} for r in _first_of_each_media(records)]
+             **({"mediaComments": mark_timestamp_source(r.timestamp_source)}
+                if r.timestamp_source in TIMESTAMP_SOURCES else {})} for r in _first_of_each_media(records)]
 
 
 def _atomic_write(path: Path, text: str) -> None:

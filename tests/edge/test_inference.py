@@ -410,11 +410,13 @@ def test_camtrap_dp_observation_and_media_rows(tmp_path):
     media = media_rows(records)
     assert media[0]["mediaID"] == "a" * 32 and media[0]["filePath"] == "A/x.jpg"
     assert media[0]["fileMediatype"] == "image/jpeg"
-    # a camera timestamp carries no comment; a file-time guess says what it is
-    assert "mediaComments" not in media[0] and "mediaComments" not in media[1]
-    assert "modification time" in media[2]["mediaComments"]
+    # every row marks where its timestamp came from; a file-time guess says what it is
+    from shared.camtrap_dp import timestamp_source
+
+    assert [timestamp_source(m["mediaComments"]) for m in media] == [r.timestamp_source for r in records]
+    assert media[2]["mediaComments"] == "timestampSource:mtime"
     read = list(csv.DictReader(write_csv(tmp_path / "media.csv", MEDIA_COLUMNS, media).open()))
-    assert [r["mediaComments"] for r in read] == ["", "", media[2]["mediaComments"]]
+    assert [r["mediaComments"] for r in read] == [m["mediaComments"] for m in media]
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------------

@@ -88,5 +88,6 @@ def test_timestamp_source_mark_round_trips_and_keeps_other_comments() -> None:
     assert timestamp_source("timestamp is the file time") is None
     assert timestamp_source("timestampSource:guess") is None
     assert timestamp_source(None) is None
+    assert timestamp_source(mark_timestamp_source("run")) == "run"  # an unreadable file: the time of the run
     with pytest.raises(ValueError, match="not one of"):
-        mark_timestamp_source("run")
+        mark_timestamp_source("guess")
