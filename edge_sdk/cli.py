@@ -135,8 +135,8 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
         from edge_sdk.data.camtrap_dp import load_camtrap_dp
 
         try:
-            load_camtrap_dp(cfg.dataset, cfg.species_table, image_size=cfg.image_size,
-                            missing_media=cfg.missing_media)
+            load_camtrap_dp(cfg.dataset, cfg.species_table, missing_media=cfg.missing_media, train_on=cfg.train_on,
+                            machine_threshold=cfg.machine_threshold)
         except ConfigError as exc:
             problems.append(("dataset", str(exc)))
     return problems
@@ -201,6 +201,10 @@ def check_config(
     if not problems:
         what = "gateway profile" if kind == "profile" else "site config"
         out.print(f"[green]OK[/] {escape(str(file))}: valid {what}")
+        if kind == "site" and not schema_only:
+            from edge_sdk.cli_report import print_training_report
+
+            print_training_report(out, file)
         return
     table = Table(title=escape(f"{file}: {len(problems)} problem(s) ({kind})"))
     table.add_column("field", style="bold")

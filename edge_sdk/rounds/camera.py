@@ -27,6 +27,7 @@ from edge_sdk.config import SiteConfig
 from edge_sdk.data.camtrap_dp import LocalDataset, load_camtrap_dp
 from edge_sdk.data.embedding import embed_dataset
 from edge_sdk.field.learnability import signal_to_noise
+from edge_sdk.field.training_report import save_last_plan
 from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.context import AgentContext
 from edge_sdk.site_paths import embedding_cache_dir
@@ -164,9 +165,13 @@ class CameraRound:
             return
         counts: dict[IUCNCategory, int] = self.records.dataset.category_counts()
         steps = task.local_steps * max(1, task.planned_rounds)
+        parameters = sum(int(np.asarray(w).size) for w in weights.values())
+        try:
+            save_last_plan(self.ctx.config, round_=task.round, plan=plan, steps=steps, parameters=parameters)
+        except OSError as exc:
+            log.warning("site %s: could not keep the round's plan for check-config: %s", self.ctx.site_id, exc)
         for row in signal_to_noise(counts, sampling_rates=plan.sampling_rates, clipping_norms=plan.clipping_norms,
-                                   noise_std=plan.noise_std, steps=steps,
-                                   parameters=sum(int(np.asarray(w).size) for w in weights.values())):
+                                   noise_std=plan.noise_std, steps=steps, parameters=parameters):
             (log.info if row.learns else log.warning)("site %s: round %d, over the %d planned round(s): %s",
                                                       self.ctx.site_id, task.round, task.planned_rounds,
                                                       row.describe())
