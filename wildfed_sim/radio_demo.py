@@ -101,7 +101,8 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
     from rich.table import Table
 
     from coordinator.config import config_from_dict, save_config
-    from wildfed_sim.demo import _gateways, new_run_dir
+    from wildfed_sim.demo import new_run_dir
+    from wildfed_sim.gateway_processes import running_gateways
     from wildfed_sim.embedded_broker import embedded_broker
     from wildfed_sim.radiomap import RadioMapSettings, prepare_data, pretrain, validation_mse_db
     from coordinator.radio import city_raster
@@ -182,7 +183,7 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
                               {"num_examples": len(site.maps), "categories": ["NE"]})
             site_configs.append(site_dir / "site.yaml")
         console.log(f"enrolled {len(site_configs)} base-station sites (their centres stay on the sites)")
-        stack.enter_context(_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
+        stack.enter_context(running_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
         columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:

@@ -336,7 +336,7 @@ def _labels(rows: list[dict[str, str]], media_rows: Mapping[str, dict[str, str]]
             raise DatasetError(
                 f"observation {row['observationID']!r} refers to unknown mediaID {row['mediaID'].strip()!r}",
                 source=str(path), field="mediaID",
-                fix=f"add the media row to media.csv or remove the observation")
+                fix="add the media row to media.csv or remove the observation")
         if row["observationType"].strip() == "animal" and not row["scientificName"].strip() \
                 and (row.get("classificationMethod") or "").strip().lower() != "machine":
             raise DatasetError(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.errors import WildFedError
-from wildfed_sim import demo
+from wildfed_sim.gateway_processes import GatewayProcesses
 
 
 class _Alive:
@@ -23,9 +23,9 @@ class _Console:
         pass
 
 
-def _gateways(tmp_path: Path) -> demo._Gateways:
+def _gateways(tmp_path: Path) -> GatewayProcesses:
     (tmp_path / "site-00").mkdir()
-    gw = demo._Gateways([tmp_path / "site-00" / "gateway.yaml"], tmp_path, tmp_path)
+    gw = GatewayProcesses([tmp_path / "site-00" / "gateway.yaml"], tmp_path, tmp_path)
     gw.procs.append(_Alive())
     (tmp_path / "site-00.log").write_text("")
     return gw
