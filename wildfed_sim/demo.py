@@ -26,7 +26,6 @@ import os
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -38,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 import yaml
 
-from shared.errors import ConfigError, WildFedError
+from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 

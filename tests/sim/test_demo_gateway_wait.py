@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.errors import WildFedError
+from wildfed_sim import gateway_processes
 from wildfed_sim.gateway_processes import GatewayProcesses
 
 
@@ -33,14 +34,14 @@ def _gateways(tmp_path: Path) -> GatewayProcesses:
 
 def _fake_time(monkeypatch, on_tick):
     clock = {"t": 0.0, "ticks": 0}
-    monkeypatch.setattr(demo.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(gateway_processes.time, "monotonic", lambda: clock["t"])
 
     def sleep(seconds):
         clock["t"] += seconds
         clock["ticks"] += 1
         on_tick(clock["ticks"])
 
-    monkeypatch.setattr(demo.time, "sleep", sleep)
+    monkeypatch.setattr(gateway_processes.time, "sleep", sleep)
     return clock
 
 
