@@ -51,7 +51,7 @@ from shared.codec import encode_tensors, model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.errors import EnvelopeError, MalformedEnvelopeError, PayloadError, PrivacyBudgetError
 from shared.keys import load_private_key, load_public_key
-from shared.models.backbone import EMBEDDING_DIM
+from shared.models.backbone import BACKBONE_METADATA_KEY, EMBEDDING_DIM
 from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.models.logit_adjustment import adjusted_for_prediction
 from shared.radio import RadioMapSet
@@ -140,10 +140,11 @@ def calibration_cache_dir(config: SiteConfig) -> Path:
 
 
 def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int, model_hash_hex: str,
-                      prediction_offsets: tuple[float, ...] | None = None) -> None:
+                      prediction_offsets: tuple[float, ...] | None = None, backbone_id: str | None = None) -> None:
     """Write ``weights`` (float32 arrays) to ``path`` atomically (a temporary file, then ``os.replace``), as
     safetensors (``shared.codec.encode_tensors``, the wire's encoding) with metadata ``round`` and ``model_hash``
-    (the global model version it comes from).
+    (the global model version it comes from), and ``backbone_id`` (``shared.models.backbone.BACKBONE_METADATA_KEY``:
+    the site's backbone, whose embeddings the head takes; ``detect`` refuses the model on another) when given.
 
     ``prediction_offsets`` (the task's, float (K,)): the model kept is the one ``detect`` should predict with, the
     global model with ``psi.bias - offsets`` (post-hoc logit adjustment, :mod:`shared.models.logit_adjustment`);
@@ -153,6 +154,8 @@ def save_global_model(path: Path, weights: dict[str, np.ndarray], *, round_: int
         ValueError: offsets that do not fit the model's ``psi.bias``. OSError: the file could not be written.
     """
     metadata = {"round": str(int(round_)), "model_hash": model_hash_hex}
+    if backbone_id is not None:
+        metadata[BACKBONE_METADATA_KEY] = backbone_id
     if prediction_offsets is not None:
         weights = adjusted_for_prediction(weights, prediction_offsets)
         metadata["prediction_offsets"] = json.dumps([float(v) for v in prediction_offsets])
@@ -296,7 +299,7 @@ class EdgeAgent:
                                       missing_media=config.missing_media)
             # the frozen backbone embeds each record once; later starts read the cache (edge_sdk.data.embedding)
             dataset = embed_dataset(dataset, embedding_cache_dir(config), input_size=config.embedding_input_size,
-                                    threads=config.threads)
+                                    backbone=config.backbone, threads=config.threads)
         log.info("site %s: %d %s loaded from %s", config.site_id, len(dataset),
                  "radio maps" if config.task == "radiomap" else "records", config.dataset)
         if transport is None:
@@ -664,7 +667,7 @@ class EdgeAgent:
             return False
         try:  # the newest accepted model, for detect (a failure here must not cost the round)
             save_global_model(global_model_path(self.config), weights, round_=task.round, model_hash_hex=actual_hash,
-                              prediction_offsets=task.prediction_offsets)
+                              prediction_offsets=task.prediction_offsets, backbone_id=self.config.backbone_id)
         except (OSError, ValueError) as exc:
             log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,
                         task.round, exc)

@@ -9,12 +9,12 @@ sets, so the whole image is embedded: box ``None``). Its embedding is computed o
   bytes (already computed by the loader, so it costs nothing): a file replaced under the same ``mediaID`` is
   re-embedded, never served a stale embedding;
 - the crop box (``None``: the whole image), the input size S and the backbone id
-  (``shared.models.backbone.backbone_id()``: weights hash and preprocessing version), which select the cache's
-  folder and entry.
+  (``shared.models.backbone.backbone_id(backbone, S)``: variant, weights hash, preprocessing version and input
+  size), which select the cache's folder and entry.
 
 Training then reads float32 (N, 1280) embeddings from memory (:attr:`LocalDataset.features`); a gateway with
 10,000 photos embeds them once (about a minute at 128 px on one core) and reads them back in well under a second
-on every later start (docs/backbone.md measurements). Preprocessing is ``shared.models.backbone.preprocess_image``
+on every later start (``benchmarks/embed.py``). Preprocessing is ``shared.models.backbone.preprocess_image``
 (RGB, bicubic resize to S, ``(pixel - 127) / 128``): a grayscale image is replicated to RGB by Pillow.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shared.errors import DatasetError
-from shared.models.backbone import DEFAULT_INPUT_SIZE, EMBEDDING_DIM
+from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, EMBEDDING_DIM
 
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.data.embedding_cache import EmbeddingCache
@@ -54,16 +54,25 @@ def record_key(media_id: str, sha256: str) -> str:
     return f"{media_id}#{sha256[:16]}"
 
 
-def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, threads: int | None = None) -> "Embedder":
-    """The backbone embedder a gateway uses: the exported ONNX graph on TensorRT FP16 or ONNX Runtime
-    (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens."""
+def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, backbone: str = DEFAULT_BACKBONE,
+                  threads: int | None = None) -> "Embedder":
+    """The backbone embedder a gateway uses for ``backbone`` (a variant name, e.g. ``efficientnet-lite0``) at
+    ``input_size``: the exported ONNX graph on TensorRT FP16 or ONNX Runtime
+    (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens.
+
+    Raises:
+        ConfigError: an unknown backbone (before anything is opened).
+    """
+    from shared.models.backbone import get_variant
+
     from edge_sdk.inference.embedder import OnnxEmbedder, TorchEmbedder
 
+    get_variant(backbone)
     try:
-        return OnnxEmbedder.open(input_size, threads=threads)
+        return OnnxEmbedder.open(input_size, backbone=backbone, threads=threads)
     except Exception as exc:  # noqa: BLE001 - no ONNX Runtime / exporter here: torch computes the same function
         log.warning("ONNX embedder unavailable (%s: %s); embedding with torch", type(exc).__name__, exc)
-        return TorchEmbedder(input_size, threads=threads)
+        return TorchEmbedder(input_size, backbone=backbone, threads=threads)
 
 
 def load_rgb(path: str | Path) -> "Image.Image":
@@ -91,7 +100,7 @@ def embed_pil(embedder: "Embedder", images: list["Image.Image"]) -> np.ndarray:
 
 
 def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: int = DEFAULT_INPUT_SIZE,
-                  embedder: "Embedder | None" = None, threads: int | None = None,
+                  backbone: str = DEFAULT_BACKBONE, embedder: "Embedder | None" = None, threads: int | None = None,
                   chunk: int = 256) -> LocalDataset:
     """``dataset`` with :attr:`~LocalDataset.features` filled: the backbone embedding of every record, read from
     the cache under ``cache_root`` where present and computed (then stored) where not.
@@ -101,6 +110,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
             SHA-256).
         cache_root: the cache's root folder (the site config's ``embedding_cache``).
         input_size: S in pixels (``shared.models.backbone.DEFAULT_INPUT_SIZE``, 128, chosen by measurement).
+        backbone: the backbone variant (the site config's ``backbone``; default ``efficientnet-lite0``).
         embedder: what computes misses (default :func:`open_embedder`, opened only if something is missing).
         threads: threads of the default embedder.
         chunk: records per embedder call (each chunk is stored before the next, so an interrupted run keeps it).
@@ -112,6 +122,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
         DatasetError: the dataset does not record its files (build it with ``load_camtrap_dp``), or an image is
             unreadable.
         ValueError: the embedder's input size or backbone differs from the cache's.
+        ConfigError: an unknown backbone.
     """
     n = len(dataset)
     if len(dataset.files) != n or len(dataset.sha256) != n:
@@ -119,14 +130,15 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
                            field="dataset", fix="load it with edge_sdk.data.camtrap_dp.load_camtrap_dp")
     from shared.models.backbone import backbone_id
 
-    cache = EmbeddingCache(cache_root, backbone_id=backbone_id(), input_size=input_size, dim=EMBEDDING_DIM)
+    cache = EmbeddingCache(cache_root, backbone_id=backbone_id(backbone, input_size), input_size=input_size,
+                           dim=EMBEDDING_DIM)
     keys = [record_key(m, h) for m, h in zip(dataset.media_ids, dataset.sha256)]
     opened: list["Embedder"] = [embedder] if embedder is not None else []
     computed = [0]
 
     def compute(idx: np.ndarray) -> np.ndarray:
         if not opened:
-            opened.append(open_embedder(input_size, threads=threads))
+            opened.append(open_embedder(input_size, backbone=backbone, threads=threads))
         emb = opened[0]
         if emb.input_size != input_size or emb.backbone_id != cache.backbone_id:
             raise ValueError(f"embedder {emb.backbone_id} at {emb.input_size} px does not match the cache "
