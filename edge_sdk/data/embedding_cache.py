@@ -108,7 +108,8 @@ class EmbeddingCache:
 
     def __init__(self, root: str | Path, *, backbone_id: str, input_size: int, dim: int = 1280) -> None:
         if not isinstance(backbone_id, str) or not backbone_id:
-            raise ValueError("backbone_id must be a non-empty string (shared.models.backbone.backbone_id())")
+            raise ValueError("backbone_id must be a non-empty string "
+                             "(shared.models.backbone.backbone_id(backbone, input_size))")
         if int(input_size) != input_size or input_size < 1 or int(dim) != dim or dim < 1:
             raise ValueError(f"input_size and dim must be positive integers, got {input_size!r} and {dim!r}")
         self.root = Path(root)

@@ -32,7 +32,7 @@ def _bear_crop():
 
 
 @pytest.mark.parametrize(("name", "size"), [("efficientnet-lite0", 224), ("efficientnet-lite1", 240),
-                                            ("efficientnet-lite2", 260), ("efficientnet-lite1", 128)])
+                                            ("efficientnet-lite2", 260)])
 def test_onnx_export_equals_the_torch_forward_on_a_real_photo(tmp_path, name, size):
     if not (PHOTOS / BEAR[0]).is_file():
         pytest.skip(f"{PHOTOS / BEAR[0]} not found")
