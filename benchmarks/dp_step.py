@@ -68,10 +68,11 @@ def load_records(model: str, n_records: int) -> tuple[np.ndarray, np.ndarray, st
     from edge_sdk.data.embedding_cache import EmbeddingCache
     from edge_sdk.inference.embedder import OnnxEmbedder
     from edge_sdk.inference.weights import cache_dir
-    from shared.models.backbone import DEFAULT_INPUT_SIZE, backbone_id, preprocess_grayscale
+    from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, backbone_id, preprocess_grayscale
 
     size = DEFAULT_INPUT_SIZE
-    cache = EmbeddingCache(cache_dir() / "benchmark-embeddings", backbone_id=backbone_id(), input_size=size)
+    cache = EmbeddingCache(cache_dir() / "benchmark-embeddings", backbone_id=backbone_id(DEFAULT_BACKBONE, size),
+                           input_size=size)
     embedder: list = []
 
     def compute(idx: np.ndarray) -> np.ndarray:

@@ -77,7 +77,7 @@ def main() -> int:
     from _timing import interleaved
     from edge_sdk.data.embedding_cache import EmbeddingCache
     from edge_sdk.inference.embedder import OnnxEmbedder, TorchEmbedder
-    from shared.models.backbone import DEFAULT_INPUT_SIZE, EMBEDDING_DIM, backbone_id
+    from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, EMBEDDING_DIM, backbone_id
 
     size = args.input_size or DEFAULT_INPUT_SIZE
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
@@ -99,7 +99,7 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        cache = EmbeddingCache(tmp, backbone_id=backbone_id(), input_size=size)
+        cache = EmbeddingCache(tmp, backbone_id=backbone_id(DEFAULT_BACKBONE, size), input_size=size)
         t0 = time.perf_counter()
         for start in range(0, args.records, 1000):
             n = min(1000, args.records - start)

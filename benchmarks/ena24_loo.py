@@ -47,11 +47,24 @@ def photos_folder(given: str | None) -> Path:
     return SHARED if (SHARED / "labels.csv").is_file() else COMMITTED
 
 
-def crops_and_labels(folder: Path, threads: int | None) -> tuple[list, list[str], int]:
-    """``(square crops, labels, photos without a detection)`` from the project's detector (top box per photo)."""
+def top_box_crop(detector, path: Path) -> tuple[object, bool]:
+    """``(the crop the gateway classifies, whether the detector found a box)`` for one photo: the square crop
+    (``edge_sdk.inference.classifier.crop``) of the detector's top-scoring box, or the whole photo without one."""
     from PIL import Image
 
     from edge_sdk.inference.classifier import crop
+
+    with Image.open(path) as im:
+        image = im.convert("RGB")
+    boxes = detector.detect([image])[0]
+    if not boxes:
+        return image, False
+    b = max(boxes, key=lambda b: b.score)
+    return crop(image, (b.x1, b.y1, b.x2, b.y2)), True
+
+
+def crops_and_labels(folder: Path, threads: int | None) -> tuple[list, list[str], int]:
+    """``(square crops, labels, photos without a detection)`` from the project's detector (top box per photo)."""
     from edge_sdk.inference.detector import YoloxDetector
 
     with (folder / "labels.csv").open(newline="") as fh:
@@ -59,22 +72,17 @@ def crops_and_labels(folder: Path, threads: int | None) -> tuple[list, list[str]
     detector = YoloxDetector.open(prefer="ort", threads=threads, batch_size=1)
     crops, labels, missed = [], [], 0
     for row in rows:
-        with Image.open(folder / row["filepath"]) as im:
-            image = im.convert("RGB")
-        boxes = detector.detect([image])[0]
-        if boxes:
-            b = max(boxes, key=lambda b: b.score)
-            crops.append(crop(image, (b.x1, b.y1, b.x2, b.y2)))
-        else:
-            missed += 1
-            crops.append(image)
+        image, found = top_box_crop(detector, folder / row["filepath"])
+        crops.append(image)
+        missed += not found
         labels.append(row["label"])
     return crops, labels, missed
 
 
 def train_head(x: np.ndarray, y: np.ndarray, num_classes: int, *, adapter_width: int, steps: int, lr: float,
-               seed: int) -> dict[str, np.ndarray]:
-    """The head model trained without privacy, full-batch SGD on the mean cross-entropy (module docstring)."""
+               seed: int, weight_decay: float = 0.0) -> dict[str, np.ndarray]:
+    """The head model trained without privacy, full-batch SGD on the mean cross-entropy (module docstring), with
+    ``torch.optim.SGD``'s ``weight_decay`` (L2 on every parameter; 0 by default)."""
     import torch
 
     from shared.models.head import HeadConfig, build_model, initial_weights
@@ -83,7 +91,7 @@ def train_head(x: np.ndarray, y: np.ndarray, num_classes: int, *, adapter_width:
     config = HeadConfig(num_classes, adapter_width=adapter_width)
     model = build_model(config)
     load_numpy_state(model, initial_weights(config, seed))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
     xt, yt = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y.astype(np.int64))
     for _ in range(steps):
         opt.zero_grad()

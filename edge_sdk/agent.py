@@ -324,7 +324,8 @@ class EdgeAgent:
         """Keep the task's model for detect and the field loop (a failure here must not cost the round)."""
         try:
             save_global_model(global_model_path(self.config), weights, round_=task.round,  # type: ignore[attr-defined]
-                              model_hash_hex=model_hash, prediction_offsets=task.prediction_offsets)  # type: ignore[attr-defined]
+                              model_hash_hex=model_hash, prediction_offsets=task.prediction_offsets,  # type: ignore[attr-defined]
+                              backbone_id=self.config.backbone_id)
         except (OSError, ValueError) as exc:
             log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,
                         task.round, exc)  # type: ignore[attr-defined]

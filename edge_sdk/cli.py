@@ -94,8 +94,9 @@ def keygen(
 
 
 # -- gateway profiles, doctor and bundle installation (docs/gateways.md) ------------------------------------------
-def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
-    """Every problem of a site config: all schema errors, then (unless ``schema_only``) keys, dataset, profile."""
+def _site_problems(path: Path, schema_only: bool, loaded: dict | None = None) -> list[tuple[str, str]]:
+    """Every problem of a site config: all schema errors, then (unless ``schema_only``) keys, dataset, profile.
+    ``loaded`` receives the site's training records under ``"dataset"`` when its package loads."""
     from pydantic import ValidationError
 
     from shared.errors import ConfigError
@@ -135,8 +136,10 @@ def _site_problems(path: Path, schema_only: bool) -> list[tuple[str, str]]:
         from edge_sdk.data.camtrap_dp import load_camtrap_dp
 
         try:
-            load_camtrap_dp(cfg.dataset, cfg.species_table, missing_media=cfg.missing_media, train_on=cfg.train_on,
-                            machine_threshold=cfg.machine_threshold)
+            data = load_camtrap_dp(cfg.dataset, cfg.species_table, missing_media=cfg.missing_media,
+                                   train_on=cfg.train_on, machine_threshold=cfg.machine_threshold)
+            if loaded is not None:
+                loaded["dataset"] = data
         except ConfigError as exc:
             problems.append(("dataset", str(exc)))
     return problems
@@ -196,15 +199,16 @@ def check_config(
     if kind not in ("profile", "site"):
         _error(f"--kind must be auto, profile or site, not {kind!r}")
         raise typer.Exit(code=2)
+    loaded: dict = {}
     problems = (profile_problems(data, FirmwareProfile, file_stem=file.stem) if kind == "profile"
-                else _site_problems(file, schema_only))
+                else _site_problems(file, schema_only, loaded))
     if not problems:
         what = "gateway profile" if kind == "profile" else "site config"
         out.print(f"[green]OK[/] {escape(str(file))}: valid {what}")
         if kind == "site" and not schema_only:
             from edge_sdk.cli_report import print_training_report
 
-            print_training_report(out, file)
+            print_training_report(out, file, loaded.get("dataset"))
         return
     table = Table(title=escape(f"{file}: {len(problems)} problem(s) ({kind})"))
     table.add_column("field", style="bold")
@@ -302,6 +306,22 @@ def install_bundle_command(
         out.print(f"[yellow]todo:[/] {escape(warning)}")
 
 
+def _detect_backbone(backbone: str | None, input_size: int | None, site: object | None) -> dict[str, object]:
+    """``{"backbone", "input_size"}`` of ``detect``: the options, else the site config's (its size only with its
+    backbone), else the backbone's default size.
+
+    Raises:
+        ConfigError: an unknown backbone.
+    """
+    from shared.models.backbone import DEFAULT_BACKBONE, get_variant
+
+    variant = get_variant(backbone or getattr(site, "backbone", None) or DEFAULT_BACKBONE)
+    if input_size is None:
+        same = site is not None and getattr(site, "backbone", None) == variant.name
+        input_size = site.embedding_input_size if same else variant.default_input_size  # type: ignore[union-attr]
+    return {"backbone": variant.name, "input_size": input_size}
+
+
 @app.command()
 def detect(
     paths: Annotated[list[Path], typer.Argument(help="image files or folders (searched recursively)")],
@@ -325,8 +345,13 @@ def detect(
     utc_offset: Annotated[str, typer.Option(help="camera clock zone for EXIF times without one, +HH:MM")]
     = "+00:00",
     threads: Annotated[Optional[int], typer.Option(min=1, help="ONNX Runtime CPU threads")] = None,
-    input_size: Annotated[int, typer.Option(min=32, help="backbone input size in px; the size the head was "
-                                                         "trained at")] = 128,
+    input_size: Annotated[Optional[int], typer.Option(min=32, help="backbone input size in px; the size the head "
+                                                                   "was trained at (default: --config's "
+                                                                   "embedding_input_size, else the backbone's "
+                                                                   "default size)")] = None,
+    backbone: Annotated[Optional[str], typer.Option(help="frozen backbone the head was trained on: "
+                                                         "efficientnet-lite0, -lite1 or -lite2 (default: --config's "
+                                                         "backbone, else efficientnet-lite0)")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "WARNING",
 ) -> None:
     """Detect animals (YOLOX-tiny) and classify species (the federated model) in camera-trap photos; write
@@ -369,7 +394,8 @@ def detect(
             summary = run_detection(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
-                confidence=confidence, utc_offset=utc_offset, publisher=publisher, input_size=input_size,
+                confidence=confidence, utc_offset=utc_offset, publisher=publisher,
+                **_detect_backbone(backbone, input_size, site),
                 on_start=lambda n: progress.update(task, total=n),
                 on_record=lambda r: progress.update(task, advance=1,
                                                     last=escape(f"{r.file}: {len(r.detections)}")))

@@ -12,23 +12,19 @@ from rich.table import Table
 __all__ = ["print_training_report"]
 
 
-def print_training_report(out: Console, site_yaml: Path) -> None:
-    """Print the report for the site config at ``site_yaml`` (a camera site whose package loads; radio sites and
-    packages that do not load print nothing: check-config lists those problems already)."""
+def print_training_report(out: Console, site_yaml: Path, dataset: object | None) -> None:
+    """Print the report for the site config at ``site_yaml`` and its training records ``dataset`` (a
+    ``LocalDataset``, as check-config loaded it; None: a radio site or a package that did not load, whose problems
+    check-config lists already: nothing is printed)."""
     from shared.errors import ConfigError
 
     from edge_sdk.config import load_site_config
-    from edge_sdk.data.camtrap_dp import load_camtrap_dp
     from edge_sdk.field.training_report import category_signals, species_counts
 
     cfg = load_site_config(site_yaml)
-    if cfg.task != "camera":
+    if cfg.task != "camera" or dataset is None:
         return
-    try:
-        data = load_camtrap_dp(cfg.dataset, cfg.species_table, missing_media=cfg.missing_media, train_on=cfg.train_on,
-                               machine_threshold=cfg.machine_threshold)
-    except ConfigError:
-        return
+    data = dataset
     table = Table(title=escape(f"training records (train_on: {cfg.train_on}; {len(data)} in all)"))
     for col in ("species", "IUCN", "records"):
         table.add_column(col, justify="right" if col == "records" else "left")

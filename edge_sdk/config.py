@@ -21,6 +21,8 @@ Example::
     outbox: state/outbox.sqlite
     profile: jetson-orin-nano        # optional: firmware_configs/jetson-orin-nano.yaml
     threads: 2                       # overrides the profile
+    backbone: efficientnet-lite0     # the frozen backbone; every site of a federation uses the same one
+    embedding_input_size: 128        # its input size in px (default: the backbone's default size)
 
 Privacy-relevant switches are off by default and can only be turned on by the site itself, never by a task:
 ``allow_non_private`` (accept tasks with ``privacy: none``), ``allow_global_dp`` (accept ``privacy: global``
@@ -42,6 +44,7 @@ from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, 
 from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
+from shared.models.backbone_variants import BACKBONE_NAMES, DEFAULT_BACKBONE, get_variant
 
 from edge_sdk.field.settings import FieldSettings
 
@@ -124,7 +127,13 @@ class SiteConfig(BaseModel):
             (:mod:`shared.privacy.calibration_cache`: public values, JSON, re-checked with the accountant when read);
             default ``<wildfed cache>/calibration`` (``$WILDFED_CACHE`` or ``~/.cache/wildfed``), shared by the
             sites of one machine.
-        embedding_input_size: the backbone's input size S in pixels (128: chosen by measurement, docs/backbone.md).
+        backbone: the frozen image backbone that embeds each record (``efficientnet-lite0``, ``efficientnet-lite1``
+            or ``efficientnet-lite2``; ``shared.models.backbone_variants``). Every site of a federation must use
+            the same backbone and input size: a head trained on one backbone's embeddings means nothing on
+            another's. Default ``efficientnet-lite0``.
+        embedding_input_size: the backbone's input size S in pixels; default the backbone's
+            ``default_input_size`` (Lite0: 128, chosen by measurement; Lite1: 240; Lite2: 260, their native
+            sizes). Comparison on real camera-trap photos: docs/results/real-photo-backbones.md.
         feature_centre: a public centre of the embeddings (safetensors, :mod:`shared.models.feature_centre`):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
             public images, never from this site's records. Global DP rounds ignore it. Default: none.
@@ -198,6 +207,7 @@ class SiteConfig(BaseModel):
     image_size: int = Field(default=28, ge=4)
     embedding_cache: Path | None = None
     calibration_cache: Path | None = None
+    backbone: Literal[BACKBONE_NAMES] = DEFAULT_BACKBONE  # type: ignore[valid-type]  # the names of VARIANTS
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
     feature_centre: Path | None = None
     logit_adjustment: bool = True
@@ -217,6 +227,18 @@ class SiteConfig(BaseModel):
     resend_interval_s: float = Field(default=60.0, gt=0)
     max_task_bytes: int = Field(default=512 << 20, ge=1024)
     download_ttl_s: float = Field(default=48 * 3600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backbone_default_size(cls, data: Any) -> Any:
+        """An ``embedding_input_size`` left out (or null) is the chosen backbone's default size."""
+        if isinstance(data, Mapping) and data.get("embedding_input_size") is None:
+            try:
+                size = get_variant(data.get("backbone", DEFAULT_BACKBONE)).default_input_size
+            except ConfigError:
+                return data  # an unknown backbone: the field's own check reports it
+            return {**data, "embedding_input_size": size}
+        return data
 
     @field_validator("federation_id", "site_id")
     @classmethod
@@ -278,6 +300,14 @@ class SiteConfig(BaseModel):
             raise ValueError(f"class_names keys must be class indices in [0, num_classes), got "
                              f"{sorted(self.class_names)}")
         return self
+
+    @property
+    def backbone_id(self) -> str:
+        """``shared.models.backbone.backbone_id(backbone, embedding_input_size)``: what this site's embeddings are,
+        recorded with the global model it keeps."""
+        from shared.models.backbone import backbone_id
+
+        return backbone_id(self.backbone, self.embedding_input_size)
 
     @property
     def names_by_class(self) -> dict[int, str]:

@@ -424,6 +424,10 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
         "broker_url": broker_url,
         "outbox": "state/outbox.sqlite",
         "backend": "torch",
+        # the 28x28 silhouettes are embedded by Lite0 at 128 px (measured on Animal-MNIST: shared.models.backbone);
+        # set here, not left to the site config's defaults, which are chosen for real camera-trap photos
+        "backbone": "efficientnet-lite0",
+        "embedding_input_size": 128,
         # backbone embeddings cached outside the run folder: a second demo of the same seed embeds nothing
         "embedding_cache": str(demo_embedding_cache(spec.site_id)),
         "threads": settings.threads_per_site,

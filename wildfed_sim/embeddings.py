@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.models.backbone import DEFAULT_INPUT_SIZE, EMBEDDING_DIM
+from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, EMBEDDING_DIM
 
 __all__ = ["default_cache_root", "image_keys", "embed_grayscale"]
 
@@ -62,8 +62,9 @@ def embed_grayscale(images: np.ndarray, source_indices: Sequence[int], *, cache_
     if arr.ndim != 3 or arr.dtype != np.uint8 or len(source_indices) != arr.shape[0]:
         raise ValueError(f"images must be uint8 (N, H, W) with N source indices, got {arr.dtype} {arr.shape} and "
                          f"{len(source_indices)} indices")
-    cache = EmbeddingCache(cache_root if cache_root is not None else default_cache_root(), backbone_id=backbone_id(),
-                           input_size=input_size, dim=EMBEDDING_DIM)
+    cache = EmbeddingCache(cache_root if cache_root is not None else default_cache_root(),
+                           backbone_id=backbone_id(DEFAULT_BACKBONE, input_size), input_size=input_size,
+                           dim=EMBEDDING_DIM)
     opened: list = []
 
     def compute(idx: np.ndarray) -> np.ndarray:

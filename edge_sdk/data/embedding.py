@@ -12,7 +12,8 @@ crops already, as Animal-MNIST, or a label that applies to the whole photo) is e
 Each crop's embedding is computed once and stored in an :class:`~edge_sdk.data.embedding_cache.EmbeddingCache`
 under :func:`edge_sdk.data.crops.crop_record_id`: the ``mediaID``, the first 16 hex digits of the file's SHA-256
 (a file replaced under the same ``mediaID`` is re-embedded, never served a stale embedding) and the square, with the
-square as the cache's box; the input size S and the backbone id select the cache's folder. Training then reads
+square as the cache's box; the backbone id (``shared.models.backbone.backbone_id(backbone, S)``: variant, weights hash, preprocessing
+version and input size S) selects the cache's folder. Training then reads
 float32 (N, 1280) embeddings from memory (:attr:`LocalDataset.features`).
 """
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shared.errors import DatasetError
-from shared.models.backbone import DEFAULT_INPUT_SIZE, EMBEDDING_DIM
+from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, EMBEDDING_DIM
 
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.data.embedding_cache import EmbeddingCache
@@ -41,16 +42,25 @@ __all__ = ["open_embedder", "load_rgb", "embed_pil", "embed_dataset"]
 log = logging.getLogger(__name__)
 
 
-def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, threads: int | None = None) -> "Embedder":
-    """The backbone embedder a gateway uses: the exported ONNX graph on TensorRT FP16 or ONNX Runtime
-    (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens."""
+def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, backbone: str = DEFAULT_BACKBONE,
+                  threads: int | None = None) -> "Embedder":
+    """The backbone embedder a gateway uses for ``backbone`` (a variant name, e.g. ``efficientnet-lite0``) at
+    ``input_size``: the exported ONNX graph on TensorRT FP16 or ONNX Runtime
+    (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens.
+
+    Raises:
+        ConfigError: an unknown backbone (before anything is opened).
+    """
+    from shared.models.backbone import get_variant
+
     from edge_sdk.inference.embedder import OnnxEmbedder, TorchEmbedder
 
+    get_variant(backbone)
     try:
-        return OnnxEmbedder.open(input_size, threads=threads)
+        return OnnxEmbedder.open(input_size, backbone=backbone, threads=threads)
     except Exception as exc:  # noqa: BLE001 - no ONNX Runtime / exporter here: torch computes the same function
         log.warning("ONNX embedder unavailable (%s: %s); embedding with torch", type(exc).__name__, exc)
-        return TorchEmbedder(input_size, threads=threads)
+        return TorchEmbedder(input_size, backbone=backbone, threads=threads)
 
 
 def load_rgb(path: str | Path) -> "Image.Image":
@@ -115,7 +125,7 @@ def _image_sizes(dataset: LocalDataset) -> dict[int, tuple[int, int]]:
 
 
 def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: int = DEFAULT_INPUT_SIZE,
-                  embedder: "Embedder | None" = None, threads: int | None = None,
+                  backbone: str = DEFAULT_BACKBONE, embedder: "Embedder | None" = None, threads: int | None = None,
                   chunk: int = 256, cache: EmbeddingCache | None = None) -> LocalDataset:
     """``dataset`` with :attr:`~LocalDataset.features` filled: every record's embedding (the mean over its crops),
     each crop read from the cache under ``cache_root`` where present and computed (then stored) where not.
@@ -125,6 +135,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
             SHA-256 and boxes).
         cache_root: the cache's root folder (the site config's ``embedding_cache``).
         input_size: S in pixels (``shared.models.backbone.DEFAULT_INPUT_SIZE``, 128, chosen by measurement).
+        backbone: the backbone variant (the site config's ``backbone``; default ``efficientnet-lite0``).
         embedder: what computes misses (default :func:`open_embedder`, opened only if something is missing).
         threads: threads of the default embedder.
         chunk: crops per embedder call (each chunk is stored before the next, so an interrupted run keeps it).
@@ -137,6 +148,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
         DatasetError: the dataset does not record its files (build it with ``load_camtrap_dp``), or an image is
             unreadable.
         ValueError: the embedder's input size or backbone differs from the cache's.
+        ConfigError: an unknown backbone.
     """
     n = len(dataset)
     if len(dataset.files) != n or len(dataset.sha256) != n:
@@ -147,14 +159,15 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
     from edge_sdk.data.crops import crop_square, decode_rgb
 
     if cache is None:
-        cache = EmbeddingCache(cache_root, backbone_id=backbone_id(), input_size=input_size, dim=EMBEDDING_DIM)
+        cache = EmbeddingCache(cache_root, backbone_id=backbone_id(backbone, input_size), input_size=input_size,
+                               dim=EMBEDDING_DIM)
     ids, squares, owner = _crop_keys(dataset, _image_sizes(dataset))
     opened: list["Embedder"] = [embedder] if embedder is not None else []
     computed = [0]
 
     def compute(idx: np.ndarray) -> np.ndarray:
         if not opened:
-            opened.append(open_embedder(input_size, threads=threads))
+            opened.append(open_embedder(input_size, backbone=backbone, threads=threads))
         emb = opened[0]
         if emb.input_size != input_size or emb.backbone_id != cache.backbone_id:
             raise ValueError(f"embedder {emb.backbone_id} at {emb.input_size} px does not match the cache "

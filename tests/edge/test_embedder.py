@@ -95,7 +95,8 @@ def test_embedder_onnx_exports_once_per_size_and_backbone(tmp_path, monkeypatch,
     second = emb.embedder_onnx(SIZE)
     assert first == second and calls == [SIZE]
     assert first.parent == tmp_path / "backbone"
-    assert bb.WEIGHTS_SHA256[:12] in first.name and f"{SIZE}px" in first.name
+    assert first.name == f"efficientnet-lite0-579344248a93-p1-{SIZE}px-opset17.onnx"
+    assert emb.onnx_backbone_id(first) == bb.backbone_id("efficientnet-lite0", SIZE)
 
 
 def test_override_file_must_match_the_size(tmp_path, monkeypatch, exported):
@@ -103,6 +104,9 @@ def test_override_file_must_match_the_size(tmp_path, monkeypatch, exported):
     assert emb.embedder_onnx(SIZE) == exported
     with pytest.raises(ConfigError, match="WILDFED_BACKBONE_ONNX.*96 px"):
         emb.embedder_onnx(112)
+    # the file records what it computes: asking for another backbone at the same size is refused
+    with pytest.raises(ConfigError, match="WILDFED_BACKBONE_ONNX.*efficientnet-lite0@.*efficientnet-lite1@"):
+        emb.embedder_onnx(SIZE, "efficientnet-lite1")
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"not an onnx file")
     monkeypatch.setenv("WILDFED_BACKBONE_ONNX", str(junk))
@@ -128,7 +132,7 @@ def test_open_uses_the_engine_selection_and_falls_back_to_ort(tmp_path, monkeypa
     assert embedder.name in ("ort-cpu", "ort-cuda")
     assert any("falling back to ONNX Runtime" in r.getMessage() and "efficientnet_lite0_96px" in r.getMessage()
                for r in caplog.records)
-    assert embedder.backbone_id == bb.backbone_id()
+    assert embedder.backbone_id == bb.backbone_id("efficientnet-lite0", SIZE)
     x = np.zeros((2, 3, SIZE, SIZE), np.float32)
     assert embedder.embed(x).shape == (2, 1280)
 
@@ -137,4 +141,5 @@ def test_torch_embedder_has_the_same_interface(torch_model):
     te = emb.TorchEmbedder(SIZE)
     x = np.random.default_rng(2).normal(size=(2, 3, SIZE, SIZE)).astype(np.float32)
     np.testing.assert_array_equal(te.embed(x), bb.embed(torch_model, x))
-    assert te.name == "torch" and te.input_size == SIZE and te.backbone_id == bb.backbone_id()
+    assert te.name == "torch" and te.input_size == SIZE
+    assert te.backbone == "efficientnet-lite0" and te.backbone_id == bb.backbone_id("efficientnet-lite0", SIZE)

