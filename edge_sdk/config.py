@@ -120,7 +120,6 @@ class SiteConfig(BaseModel):
         threads: CPU threads the backend may use, ``>= 1``; default 1.
         microbatch_size: per-example gradients are computed this many examples at a time (memory cap);
             default 64.
-        image_size: side of the square grayscale copy of each image the loader keeps in memory (not a model input).
         embedding_cache: folder of the backbone-embedding cache (``edge_sdk.data.embedding``); default
             ``<outbox folder>/embeddings``.
         calibration_cache: folder of the persistent cache of CCDP calibrations
@@ -204,7 +203,6 @@ class SiteConfig(BaseModel):
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?)$")
     threads: int | None = Field(default=None, ge=1)
     microbatch_size: int | None = Field(default=None, ge=1)
-    image_size: int = Field(default=28, ge=4)
     embedding_cache: Path | None = None
     calibration_cache: Path | None = None
     backbone: Literal[BACKBONE_NAMES] = DEFAULT_BACKBONE  # type: ignore[valid-type]  # the names of VARIANTS
