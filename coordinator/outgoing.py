@@ -40,7 +40,8 @@ def outgoing_task_path(config: CoordinatorConfig, r: int, site_id: str) -> Path:
 
 def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, env: Envelope) -> None:
     """Keep a sealed task for resends: its head per site, its payload once per content (no fsync: a lost file only
-    means the site waits for the next round).
+    means the site waits for the next round). Both are written to a temporary file and renamed, so a download
+    receipt answered while the round's tasks are still being stored never reads half a file.
 
     Raises:
         OSError: a file could not be written.
@@ -52,7 +53,9 @@ def store_outgoing_task(config: CoordinatorConfig, r: int, site_id: str, env: En
         tmp = payload_path.with_suffix(".tmp")
         tmp.write_bytes(env.payload)
         tmp.replace(payload_path)
-    head_path.write_bytes(env.head_bytes())
+    tmp = head_path.with_suffix(".head.tmp")
+    tmp.write_bytes(env.head_bytes())
+    tmp.replace(head_path)
 
 
 def load_outgoing_task(config: CoordinatorConfig, r: int, site_id: str) -> bytes:
