@@ -80,7 +80,7 @@ def check_username(username: object) -> str:
     Raises:
         AccountError: it does not (the message names the rule).
     """
-    if not isinstance(username, str) or not USERNAME_PATTERN.fullmatch(username):  # fullmatch: "$" admits a final newline
+    if not isinstance(username, str) or not USERNAME_PATTERN.fullmatch(username):  # "$" admits a final newline
         raise AccountError(f"username {username!r} is not 2-64 characters of a-z, 0-9, _.-", field="username",
                            fix="use lower-case letters, digits, '_', '.', '-'")
     return username
