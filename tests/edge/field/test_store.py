@@ -115,3 +115,18 @@ def test_review_order_filters_count_and_the_event_after(tmp_path: Path) -> None:
         store.events(status="maybe")
     with pytest.raises(KeyError):
         store.events(after="no-such-event")
+
+
+def test_two_verdicts_within_one_second_do_not_merge(tmp_path: Path) -> None:
+    from edge_sdk.data.observations import current_labels
+
+    store = FieldStore(tmp_path / "field.sqlite")
+    pkg = SitePackage(tmp_path / "pkg", site_id="s")
+    pkg.ensure()
+    e = store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00", [0.9, 0.1, 0.0]), _read)
+    table = {"Lycaon pictus": None, "Equus quagga": None}
+    apply_verdict(store, pkg, e, verdict="species", species="Lycaon pictus", reviewer="ana", species_table=table)
+    apply_verdict(store, pkg, e, verdict="species", species="Equus quagga", reviewer="ana", species_table=table)
+    first, second = (r["classificationTimestamp"] for r in pkg.rows("observations"))
+    assert second > first  # (same offset, whole seconds: the strings order as the times do)
+    assert current_labels(pkg.rows("observations"))["m1"].species == frozenset({"Equus quagga"})
