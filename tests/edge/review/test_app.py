@@ -25,7 +25,7 @@ from edge_sdk.review.accounts import ReviewAccounts
 from edge_sdk.review.app import create_app
 from edge_sdk.review.context import LOGIN_CSRF_COOKIE, SESSION_COOKIE
 from edge_sdk.site_paths import field_index_path, review_accounts_path
-from tests.edge.review.support import BOX, HASHER, PASSWORD, PLAN, Site, build_site
+from tests.edge.review.support import BOX, HASHER, PASSWORD, Site, build_site
 
 BASE = "http://gateway.local:8081"
 
