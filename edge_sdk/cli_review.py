@@ -16,11 +16,13 @@ set-password`` (its accounts); docs/review.md.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
@@ -91,6 +93,8 @@ def review(
     for option, path in (("--tls-cert", tls_cert), ("--tls-key", tls_key)):
         if path is not None and not path.is_file():
             raise _fail(ConfigError(f"{path} is not a file", field=option, fix="point it at a PEM file"))
+    logging.basicConfig(level=log_level.upper(), format="%(message)s", datefmt="[%X]", force=True,
+                        handlers=[RichHandler(console=console, rich_tracebacks=False, show_path=False)])
     cfg = _config(config)
     if cfg.incoming is None:
         console.print("[yellow]warning:[/] this site config sets no `incoming:` folder, so the field loop makes no "
