@@ -418,6 +418,7 @@ def detect(
 
 
 app.command("package")(__import__("edge_sdk.cli_package", fromlist=["package"]).package)  # docs/packaging.md
+__import__("edge_sdk.cli_review", fromlist=["register"]).register(app)  # review page: docs/review.md
 
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -7,7 +7,7 @@ The state folder is the folder of the site's outbox (``outbox:`` in ``site.yaml`
     state/embeddings/                backbone embeddings of every crop (edge_sdk.data.embedding_cache)
     state/field.sqlite               the index of photos, events and verdicts (edge_sdk.field.store)
     state/detections.sqlite          detection records waiting to be published (edge_sdk.field.detection_queue)
-    state/review-accounts.json       the review page's accounts (edge_sdk.review)
+    state/review.sqlite              the review page's accounts and sessions (edge_sdk.review), 0600
 """
 
 from __future__ import annotations
@@ -48,5 +48,5 @@ def detection_queue_path(config: SiteConfig) -> Path:
 
 
 def review_accounts_path(config: SiteConfig) -> Path:
-    """``<state>/review-accounts.json``."""
-    return state_dir(config) / "review-accounts.json"
+    """``<state>/review.sqlite``: the review page's accounts and sessions (:mod:`edge_sdk.review.accounts`)."""
+    return state_dir(config) / "review.sqlite"

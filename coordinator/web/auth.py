@@ -11,48 +11,26 @@ Roles (what each may see is decided here, once, and used by every page and API r
  ``public``   anyone given a read-only account        no (fuzzed)          no
 ============ ======================================= ==================== =====================
 
-Passwords are hashed with Argon2id through ``argon2-cffi`` (RFC 9106; its default parameters: 64 MiB, 3
-passes, 4 lanes), never stored or logged; a hash made with older parameters is upgraded at the next login
-(``check_needs_rehash``).
-
-Logins are throttled (OWASP Authentication Cheat Sheet, "Login Throttling"; :class:`LoginThrottle`), by two limits
-on failed attempts within ``window_s`` seconds (default 15 minutes), after which attempts are refused until the
-window has passed, whether or not the password is right:
-
-* per (account, client address): ``max_failures`` (default 5). This is the brute-force limit on one account. It is
-  *not* per address alone: a ranger station reaches the coordinator through one NAT address, and one person
-  mistyping five times must not lock every ranger of the station out (issue 16, item 9). Nor is it per account
-  alone, which would let anyone on the internet lock a known account out by failing five times.
-* per client address, over all accounts: ``max_failures_per_address`` (default 50), a looser ceiling against
-  password spraying (one address trying a few passwords on many accounts).
-
-Not limited: one account attacked from many addresses gets ``max_failures`` guesses per address per window; each
-guess costs the attacker a full Argon2id verification on the server, and a per-account limit over all addresses
-would hand the same attacker a remote lock-out of that account.
+Passwords, their Argon2id hashes and login throttling follow one policy with the gateway's review page
+(:mod:`shared.web_auth`: at least 12 characters, argon2-cffi's default parameters, an outdated hash upgraded at the
+next login; failures limited per (account, client address) and, more loosely, per address); this module keeps the
+accounts in the coordinator's database (``users`` table).
 """
 
 from __future__ import annotations
 
 import enum
-import re
-import threading
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from argon2 import PasswordHasher
-from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 from sqlalchemy import delete, select
 
-from shared.errors import ConfigError
+from shared.web_auth import (MIN_PASSWORD_LENGTH, AccountError, LoginThrottle, PasswordHashing, check_password,
+                             check_username)
 
 from coordinator.storage import Store, UserRow, WebSessionRow
 
 __all__ = ["Role", "Account", "AccountError", "AccountStore", "LoginThrottle", "MIN_PASSWORD_LENGTH"]
-
-MIN_PASSWORD_LENGTH = 12
-_USERNAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{1,63}$")
 
 
 class Role(str, enum.Enum):
@@ -72,10 +50,6 @@ class Role(str, enum.Enum):
     def sees_budgets(self) -> bool:
         """Whether this role sees privacy budgets, the ledger and the round history."""
         return self is Role.OPERATOR
-
-
-class AccountError(ConfigError):
-    """An account cannot be created or changed (bad name, weak password, unknown role, duplicate, unknown user)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +79,7 @@ class AccountStore:
 
     def __init__(self, store: Store, *, hasher: PasswordHasher | None = None) -> None:
         self._store = store
-        self._hasher = hasher or PasswordHasher()
+        self._passwords = PasswordHashing(hasher)
 
     def create(self, username: str, password: str, role: str | Role) -> Account:
         """Create an account.
@@ -114,18 +88,14 @@ class AccountStore:
             AccountError: the name is not 2-64 characters of ``a-z0-9_.-``, the password is shorter than
                 :data:`MIN_PASSWORD_LENGTH`, the role is unknown, or the name is taken.
         """
-        if not isinstance(username, str) or not _USERNAME.match(username):
-            raise AccountError(f"username {username!r} is not 2-64 characters of a-z, 0-9, _.-", field="username",
-                               fix="use lower-case letters, digits, '_', '.', '-'")
-        if not isinstance(password, str) or len(password) < MIN_PASSWORD_LENGTH:
-            raise AccountError(f"the password is shorter than {MIN_PASSWORD_LENGTH} characters", field="password",
-                               fix=f"choose a password of at least {MIN_PASSWORD_LENGTH} characters")
+        check_username(username)
+        check_password(password)
         parsed = _parse_role(role)
         with self._store.session() as s:
             if s.get(UserRow, username) is not None:
                 raise AccountError(f"user {username!r} exists", field="username",
                                    fix="choose another name, or change that account's role or password")
-            s.add(UserRow(username=username, password_hash=self._hasher.hash(password), role=parsed.value,
+            s.add(UserRow(username=username, password_hash=self._passwords.hash(password), role=parsed.value,
                           disabled=False))
         return Account(username, parsed, False)
 
@@ -134,17 +104,13 @@ class AccountStore:
         unknown user, a wrong password and a disabled account). Upgrades an outdated hash."""
         with self._store.session() as s:
             row = s.get(UserRow, username) if isinstance(username, str) else None
-            if row is None:
-                self._hasher.hash(password if isinstance(password, str) else "")  # same time as a real check
-                return None
-            try:
-                self._hasher.verify(row.password_hash, password)
-            except (VerifyMismatchError, VerificationError, InvalidHashError, TypeError):
+            # an unknown user costs one hash too: the same time as a real check
+            if not self._passwords.verify(None if row is None else row.password_hash, password):
                 return None
             if row.disabled:
                 return None
-            if self._hasher.check_needs_rehash(row.password_hash):
-                row.password_hash = self._hasher.hash(password)
+            if self._passwords.needs_rehash(row.password_hash):
+                row.password_hash = self._passwords.hash(password)
             return Account(row.username, Role(row.role), row.disabled)
 
     def get(self, username: str) -> Account | None:
@@ -168,9 +134,8 @@ class AccountStore:
             AccountError: unknown user, unknown role, or a password shorter than :data:`MIN_PASSWORD_LENGTH`.
         """
         parsed = None if role is None else _parse_role(role)
-        if password is not None and len(password) < MIN_PASSWORD_LENGTH:
-            raise AccountError(f"the password is shorter than {MIN_PASSWORD_LENGTH} characters", field="password",
-                               fix=f"choose a password of at least {MIN_PASSWORD_LENGTH} characters")
+        if password is not None:
+            check_password(password)
         with self._store.session() as s:
             row = s.get(UserRow, username)
             if row is None:
@@ -179,83 +144,10 @@ class AccountStore:
             if parsed is not None:
                 row.role = parsed.value
             if password is not None:
-                row.password_hash = self._hasher.hash(password)
+                row.password_hash = self._passwords.hash(password)
             if disabled is not None:
                 row.disabled = bool(disabled)
             if password is not None or row.disabled:
                 # a new password or a disabled account ends every web session of the account at once
                 s.execute(delete(WebSessionRow).where(WebSessionRow.username == username))
             return Account(row.username, Role(row.role), row.disabled)
-
-
-class LoginThrottle:
-    """Refuses login attempts after too many failures within ``window_s`` seconds: ``max_failures`` per (account,
-    client address) and ``max_failures_per_address`` per client address over all accounts (module docstring).
-    Thread-safe; state is in memory (a restart clears it) and bounded (keys with no failure left in the window are
-    dropped).
-
-    Args:
-        max_failures: failures allowed per (account, address) within the window (>= 1).
-        max_failures_per_address: failures allowed per address, all accounts together (>= 1).
-        window_s: seconds (> 0). clock: monotonic seconds (tests inject one).
-
-    Raises:
-        ConfigError: a limit below 1 or a window that is not positive.
-    """
-
-    def __init__(self, *, max_failures: int = 5, max_failures_per_address: int = 50, window_s: float = 900.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if max_failures < 1 or max_failures_per_address < 1 or not window_s > 0:
-            raise ConfigError("login throttle needs max_failures >= 1, max_failures_per_address >= 1 and "
-                              "window_s > 0", field="web.login_max_failures",
-                              fix="e.g. login_max_failures 5, login_max_failures_per_address 50, login_window_s 900")
-        self.max_failures = max_failures
-        self.max_failures_per_address = max_failures_per_address
-        self.window_s = window_s
-        self._clock = clock
-        self._failures: dict[tuple[str, ...], deque[float]] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _keys(username: str, address: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        name = (username or "").strip().lower()
-        return ("pair", name, address), ("address", address)
-
-    def _count(self, key: tuple[str, ...], now: float) -> int:
-        q = self._failures.get(key)
-        while q and now - q[0] >= self.window_s:
-            q.popleft()
-        if q is not None and not q:
-            del self._failures[key]
-            return 0
-        return len(q) if q else 0
-
-    def _sweep(self, now: float) -> None:
-        """Drop every key whose failures have all left the window (bounds memory under a flood of names)."""
-        for key in [k for k, q in self._failures.items() if not q or now - q[-1] >= self.window_s]:
-            del self._failures[key]
-
-    def allowed(self, username: str, address: str) -> bool:
-        """Whether a login attempt for ``username`` from client ``address`` may be checked now."""
-        pair, addr = self._keys(username, address)
-        now = self._clock()
-        with self._lock:
-            return (self._count(pair, now) < self.max_failures
-                    and self._count(addr, now) < self.max_failures_per_address)
-
-    def failed(self, username: str, address: str) -> None:
-        """Record a failed attempt for ``username`` from ``address``."""
-        now = self._clock()
-        with self._lock:
-            if len(self._failures) > 100_000:
-                self._sweep(now)
-            for key in self._keys(username, address):
-                self._count(key, now)
-                self._failures.setdefault(key, deque()).append(now)
-
-    def succeeded(self, username: str, address: str) -> None:
-        """Forget the failures of this (account, address) after a successful login. The address's count over all
-        accounts stays: one valid password must not reset the ceiling against spraying."""
-        pair, _ = self._keys(username, address)
-        with self._lock:
-            self._failures.pop(pair, None)

@@ -1,9 +1,11 @@
 """Logged-in sessions of the web view, kept in the coordinator's database (``web_sessions`` table; issue 9).
 
-A login creates a 256-bit random token (``secrets.token_urlsafe(32)``) that goes to the browser in a cookie marked
-``HttpOnly``, ``SameSite=Strict`` and (by default) ``Secure``; the table keeps only its SHA-256, so a copy of the
-database does not let anyone log in. Each session has its own CSRF token (the synchronizer-token pattern of the
-OWASP CSRF Prevention Cheat Sheet) that every form carries in a hidden field and every POST must echo.
+A login creates a 256-bit random token that goes to the browser in a cookie marked ``HttpOnly``,
+``SameSite=Strict`` and (by default) ``Secure``; the table keeps only its SHA-256, so a copy of the database does not
+let anyone log in. Each session has its own CSRF token (the synchronizer-token pattern of the OWASP CSRF Prevention
+Cheat Sheet) that every form carries in a hidden field and every POST must echo. Tokens, digests and lifetimes are
+:mod:`shared.web_auth`'s, which the gateway's review page uses too; this module keeps the sessions in the
+coordinator's database.
 
 A session ends at logout, ``ttl_s`` seconds after login (absolute), after ``idle_s`` seconds without a request,
 when its account is disabled or deleted, or when the account's password or role changes
@@ -14,23 +16,17 @@ applies at once.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import delete
 
-from shared.errors import ConfigError
+from shared.web_auth import SessionLifetime, new_token, token_digest
 
 from coordinator.storage import Store, UserRow, WebSessionRow, utcnow
 from coordinator.web.auth import Account, Role
 
 __all__ = ["WebSession", "SessionManager"]
-
-
-def _digest(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -54,22 +50,18 @@ class SessionManager:
 
     def __init__(self, store: Store, *, ttl_s: float = 8 * 3600.0, idle_s: float = 3600.0,
                  clock: Callable[[], _dt.datetime] = utcnow) -> None:
-        if not (ttl_s > 0 and idle_s > 0):
-            raise ConfigError("session lifetimes must be positive", field="web.session_ttl_s/session_idle_s",
-                              fix="e.g. 28800 and 3600 seconds")
+        self.lifetime = SessionLifetime(ttl_s=ttl_s, idle_s=idle_s)
         self._store = store
-        self.ttl = _dt.timedelta(seconds=ttl_s)
-        self.idle = _dt.timedelta(seconds=idle_s)
         self._clock = clock
 
     def create(self, account: Account) -> tuple[str, str]:
         """Start a session for ``account``; returns ``(cookie token, CSRF token)``. Also drops expired rows."""
-        token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        token, csrf = new_token(), new_token()
         now = self._clock()
         with self._store.session() as s:
             s.execute(delete(WebSessionRow).where(WebSessionRow.expires_at <= now))
-            s.add(WebSessionRow(token_sha256=_digest(token), username=account.username, csrf_token=csrf,
-                                created_at=now, last_seen_at=now, expires_at=now + self.ttl))
+            s.add(WebSessionRow(token_sha256=token_digest(token), username=account.username, csrf_token=csrf,
+                                created_at=now, last_seen_at=now, expires_at=self.lifetime.expires_at(now)))
         return token, csrf
 
     def get(self, token: str | None) -> WebSession | None:
@@ -79,11 +71,12 @@ class SessionManager:
             return None
         now = self._clock()
         with self._store.session() as s:
-            row = s.get(WebSessionRow, _digest(token))
+            row = s.get(WebSessionRow, token_digest(token))
             if row is None:
                 return None
             user = s.get(UserRow, row.username)
-            if row.expires_at <= now or now - row.last_seen_at > self.idle or user is None or user.disabled:
+            alive = self.lifetime.alive(expires_at=row.expires_at, last_seen_at=row.last_seen_at, now=now)
+            if not alive or user is None or user.disabled:
                 s.delete(row)
                 return None
             row.last_seen_at = now
@@ -93,7 +86,7 @@ class SessionManager:
         """End one session (logout); unknown tokens are ignored."""
         if token:
             with self._store.session() as s:
-                s.execute(delete(WebSessionRow).where(WebSessionRow.token_sha256 == _digest(token)))
+                s.execute(delete(WebSessionRow).where(WebSessionRow.token_sha256 == token_digest(token)))
 
     def revoke_user(self, username: str) -> int:
         """End every session of an account (after a password change or when it is disabled); returns how many."""

@@ -218,34 +218,88 @@ class FieldStore:
         return event_id
 
     # -- reading for the review page --------------------------------------------------------------------------
-    def events(self, *, order: str = "uncertain", reviewed: bool | None = False, deployment_id: str | None = None,
-               limit: int = 50, offset: int = 0) -> list[EventEntry]:
-        """Events for review.
+    #: Sort keys of :meth:`events`: (column, descending) pairs; ``event_id`` breaks ties, so paging is stable.
+    ORDERS = {"uncertain": (("uncertainty", True), ("end_epoch", True), ("event_id", False)),
+              "newest": (("end_epoch", True), ("event_id", False))}
+    #: Event statuses (:class:`EventEntry`).
+    STATUSES = ("confident", "unexpected", "unknown", "blank", "unclassified")
 
-        Args:
-            order: ``uncertain`` (least certain first, then newest) or ``newest`` (latest end first).
-            reviewed: False: only events without a verdict; True: only reviewed ones; None: all.
-            deployment_id: only this deployment's events.
-            limit, offset: paging.
-
-        Raises:
-            ValueError: an unknown order.
-        """
-        orders = {"uncertain": "uncertainty DESC, end_epoch DESC", "newest": "end_epoch DESC"}
-        if order not in orders:
-            raise ValueError(f"order must be one of {sorted(orders)}, got {order!r}")
-        where, args = [], []
+    def _filters(self, reviewed: bool | None, deployment_id: str | None,
+                 status: str | None) -> tuple[list[str], list[object]]:
+        if status is not None and status not in self.STATUSES:
+            raise ValueError(f"status must be one of {', '.join(self.STATUSES)}, got {status!r}")
+        where: list[str] = []
+        args: list[object] = []
         if reviewed is not None:
             where.append("verdict IS NOT NULL" if reviewed else "verdict IS NULL")
         if deployment_id is not None:
             where.append("deployment_id = ?")
             args.append(deployment_id)
-        sql = ('SELECT event_id, deployment_id, start, "end", n_media, n_classified, species_index, confidence, '
-               'status, uncertainty, verdict, verdict_species, verdict_by, verdict_at FROM events'
-               + (f" WHERE {' AND '.join(where)}" if where else "") + f" ORDER BY {orders[order]} LIMIT ? OFFSET ?")
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        return where, args
+
+    def _after(self, order: str, event_id: str) -> tuple[str, list[object]]:
+        """A WHERE clause selecting the events after ``event_id`` in ``order`` (a keyset; lexicographic on the
+        order's key)."""
+        keys = self.ORDERS[order]
+        row = self._db.execute(f"SELECT {', '.join(c for c, _ in keys)} FROM events WHERE event_id = ?",
+                               (event_id,)).fetchone()
+        if row is None:
+            raise KeyError(event_id)
+        terms, args = [], []
+        for i, (column, descending) in enumerate(keys):
+            equal = [f"{c} = ?" for c, _ in keys[:i]]
+            terms.append("(" + " AND ".join([*equal, f"{column} {'<' if descending else '>'} ?"]) + ")")
+            args.extend([*row[:i], row[i]])
+        return "(" + " OR ".join(terms) + ")", args
+
+    def events(self, *, order: str = "uncertain", reviewed: bool | None = False, deployment_id: str | None = None,
+               status: str | None = None, after: str | None = None, limit: int = 50,
+               offset: int = 0) -> list[EventEntry]:
+        """Events for review.
+
+        Args:
+            order: ``uncertain`` (least certain first, then newest) or ``newest`` (latest end first); ties in event
+                id order.
+            reviewed: False: only events without a verdict; True: only reviewed ones; None: all.
+            deployment_id: only this deployment's events.
+            status: only events with this reading (one of :data:`STATUSES`).
+            after: only events that come after this event in ``order`` (the event itself may match the filters or
+                not).
+            limit, offset: paging.
+
+        Raises:
+            ValueError: an unknown order or status.
+            KeyError: ``after`` names no event.
+        """
+        if order not in self.ORDERS:
+            raise ValueError(f"order must be one of {sorted(self.ORDERS)}, got {order!r}")
+        where, args = self._filters(reviewed, deployment_id, status)
+        order_by = ", ".join(f"{c} {'DESC' if d else 'ASC'}" for c, d in self.ORDERS[order])
         with self._lock:
+            if after is not None:
+                clause, more = self._after(order, after)
+                where.append(clause)
+                args.extend(more)
+            sql = ('SELECT event_id, deployment_id, start, "end", n_media, n_classified, species_index, confidence, '
+                   'status, uncertainty, verdict, verdict_species, verdict_by, verdict_at FROM events'
+                   + (f" WHERE {' AND '.join(where)}" if where else "") + f" ORDER BY {order_by} LIMIT ? OFFSET ?")
             rows = self._db.execute(sql, (*args, int(limit), int(offset))).fetchall()
         return [EventEntry(*r) for r in rows]
+
+    def count_events(self, *, reviewed: bool | None = False, deployment_id: str | None = None,
+                     status: str | None = None) -> int:
+        """How many events :meth:`events` lists with these filters (for paging).
+
+        Raises:
+            ValueError: an unknown status.
+        """
+        where, args = self._filters(reviewed, deployment_id, status)
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM events"
+                                        + (f" WHERE {' AND '.join(where)}" if where else ""), args).fetchone()[0])
 
     def event(self, event_id: str) -> EventEntry | None:
         """One event, or None."""

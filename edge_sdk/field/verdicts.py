@@ -16,7 +16,9 @@ verdict        rows per photo
 =============  =====================================================================================
 
 The rows of one verdict share its ``classificationTimestamp`` and ``classifiedBy``; a later verdict on the same
-photo supersedes an earlier one (the loader reads each photo's last human rows: :mod:`edge_sdk.data.camtrap_dp`).
+photo supersedes an earlier one (the loader reads each photo's last human rows, those sharing the last row's
+timestamp and reviewer: :mod:`edge_sdk.data.camtrap_dp`). Camtrap DP times have whole seconds, so a verdict given
+within the second of the event's previous one is stamped one second after it: two verdicts never share a stamp.
 Photos and verdicts stay in the package on the gateway; nothing here is published.
 """
 
@@ -40,6 +42,14 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
+def _after(when: str, previous: str | None) -> str:
+    """``when``, or one second after ``previous`` when ``when`` is not later than it (ISO 8601 with offset)."""
+    if previous is None:
+        return when
+    moment, before = _dt.datetime.fromisoformat(when), _dt.datetime.fromisoformat(previous)
+    return when if moment > before else (before + _dt.timedelta(seconds=1)).isoformat()
+
+
 def _bbox_columns(bbox: object) -> dict[str, str]:
     x, y, w, h = (float(v) for v in bbox)  # type: ignore[union-attr]
     return {"bboxX": f"{x:.6f}", "bboxY": f"{y:.6f}", "bboxWidth": f"{w:.6f}", "bboxHeight": f"{h:.6f}"}
@@ -59,7 +69,8 @@ def apply_verdict(store: FieldStore, package: SitePackage, event_id: str, *, ver
         species: the scientific name, for ``species`` verdicts.
         species_table: the site's species table (scientific name -> entry); a ``species`` verdict must name one
             of its species.
-        at: the verdict's time (ISO 8601 with offset; default now, UTC).
+        at: the verdict's time (ISO 8601 with offset; default now, UTC, and at least one second after the
+            event's previous verdict).
 
     Raises:
         KeyError: no such event.
@@ -80,7 +91,7 @@ def apply_verdict(store: FieldStore, package: SitePackage, event_id: str, *, ver
     event = store.event(event_id)
     if event is None:
         raise KeyError(event_id)
-    when = at or _now()
+    when = at or _after(_now(), event.verdict_at)
     rows = []
     for photo in store.event_photos(event_id):
         common = {"deploymentID": photo.deployment_id, "mediaID": photo.media_id, "eventID": event_id,

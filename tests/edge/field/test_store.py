@@ -76,3 +76,57 @@ def test_a_verdict_appends_human_observations_and_marks_the_event(tmp_path: Path
         apply_verdict(store, pkg, e, verdict="maybe", reviewer="a")
     with pytest.raises(KeyError):
         apply_verdict(store, pkg, "no-such-event", verdict="blank", reviewer="a")
+
+
+def test_review_order_filters_count_and_the_event_after(tmp_path: Path) -> None:
+    store = FieldStore(tmp_path / "field.sqlite", gap_s=60)
+    # one photo per event, an hour apart; readings (with the site prior over {0, 1, 2}: none unexpected)
+    plan = [("a", "s/a", [0.9, 0.05, 0.05]),  # confident 0.9 -> uncertainty 0.1
+            ("b", "s/a", [0.4, 0.35, 0.25]),  # unknown 0.4 -> 0.6
+            ("c", "s/b", [0.2, 0.6, 0.2]),  # confident 0.6 -> 0.4
+            ("d", "s/b", [0.25, 0.15, 0.6]),  # confident 0.6 -> 0.4 (ties with c; d is later)
+            ("e", "s/a", None)]  # blank (no box) -> 0
+    ids = {}
+    for i, (name, dep, probs) in enumerate(plan):
+        ids[name] = store.add_photo(_photo(name, dep, f"2024-01-01T{10 + i:02d}:00:00+00:00", probs,
+                                           boxes=() if probs is None else ({"bbox": [0.1, 0.1, 0.2, 0.2]},)), _read)
+    by = {v: k for k, v in ids.items()}
+
+    def names(events):
+        return [by[e.event_id] for e in events]
+
+    # least certain first: b (0.6), then d and c (0.4 each: the later end first), a (0.1), e (0)
+    assert names(store.events(order="uncertain")) == ["b", "d", "c", "a", "e"]
+    assert names(store.events(order="newest")) == ["e", "d", "c", "b", "a"]
+    assert names(store.events(status="confident")) == ["d", "c", "a"]
+    assert names(store.events(deployment_id="s/a", order="newest")) == ["e", "b", "a"]
+    assert names(store.events(limit=2, offset=2)) == ["c", "a"]
+    assert store.count_events() == 5 and store.count_events(status="unknown") == 1
+    assert store.count_events(deployment_id="s/b", status="blank") == 0
+    # the events after one, in each order
+    assert names(store.events(after=ids["d"])) == ["c", "a", "e"]
+    assert names(store.events(after=ids["c"], order="newest")) == ["b", "a"]
+    assert names(store.events(after=ids["b"], deployment_id="s/a")) == ["a", "e"]
+    store.set_verdict(ids["c"], verdict="blank", species=None, by="ana", at="2024-01-02T00:00:00+00:00")
+    assert names(store.events(after=ids["c"], limit=1)) == ["a"]  # a reviewed event still has its place
+    assert store.count_events() == 4 and store.count_events(reviewed=True) == 1
+    assert store.count_events(reviewed=None) == 5
+    with pytest.raises(ValueError, match="status"):
+        store.events(status="maybe")
+    with pytest.raises(KeyError):
+        store.events(after="no-such-event")
+
+
+def test_two_verdicts_within_one_second_do_not_merge(tmp_path: Path) -> None:
+    from edge_sdk.data.observations import current_labels
+
+    store = FieldStore(tmp_path / "field.sqlite")
+    pkg = SitePackage(tmp_path / "pkg", site_id="s")
+    pkg.ensure()
+    e = store.add_photo(_photo("m1", "s/a", "2024-01-01T10:00:00+00:00", [0.9, 0.1, 0.0]), _read)
+    table = {"Lycaon pictus": None, "Equus quagga": None}
+    apply_verdict(store, pkg, e, verdict="species", species="Lycaon pictus", reviewer="ana", species_table=table)
+    apply_verdict(store, pkg, e, verdict="species", species="Equus quagga", reviewer="ana", species_table=table)
+    first, second = (r["classificationTimestamp"] for r in pkg.rows("observations"))
+    assert second > first  # (same offset, whole seconds: the strings order as the times do)
+    assert current_labels(pkg.rows("observations"))["m1"].species == frozenset({"Equus quagga"})
