@@ -86,8 +86,8 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
     """An SVG map of deployments, drawn without tiles: an equirectangular projection scaled by the cosine of the
     mean latitude (so distances are right to within a few percent over a reserve), a 1-2-5 scale bar in metres,
     a graticule, and one marker per deployment. Fuzzed markers are hollow with a dashed circle of the displacement
-    radius around them (the true point lies inside it). Every marker carries ``data-deployment``, ``data-lat``,
-    ``data-lon`` and ``data-fuzzed`` attributes and a ``<title>``.
+    radius around them (the true point lies inside it). Every marker carries ``data-site``, ``data-deployment``,
+    ``data-lat``, ``data-lon`` and ``data-fuzzed`` attributes and a ``<title>``.
 
     Args:
         deployments: items of :meth:`coordinator.web.views.Viewer.deployments` (coordinates in decimal degrees).
@@ -145,7 +145,8 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
         fuzzed = bool(d.get("fuzzed"))
         title = escape(f'{d.get("name")} ({float(d["latitude"]):.5f}, {float(d["longitude"]):.5f})'
                        + (" fuzzed" if fuzzed else ""))
-        attrs = (f'data-deployment="{escape(d["deployment_id"])}" data-lat="{float(d["latitude"]):.6f}" '
+        attrs = (f'data-site="{escape(d.get("site_id") or "")}" data-deployment="{escape(d["deployment_id"])}" '
+                 f'data-lat="{float(d["latitude"]):.6f}" '
                  f'data-lon="{float(d["longitude"]):.6f}" data-fuzzed="{str(fuzzed).lower()}"')
         if fuzzed and d.get("radius_m") and float(d["radius_m"]) * scale > 8:  # drawn when it shows beyond the marker
             parts.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="{float(d["radius_m"]) * scale:.1f}" '

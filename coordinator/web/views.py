@@ -48,7 +48,7 @@ from sqlalchemy.exc import IntegrityError
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
+from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store, deployment_key
 from coordinator.web.auth import Role
 from coordinator.config import CoordinatorConfig
 from coordinator.web.deployments import CategoryOf, species_table_categories
@@ -196,7 +196,8 @@ class Viewer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def deployments(self) -> list[dict[str, Any]]:
-        """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
+        """Every deployment as this role may see it, by site and id: ``site_id`` (the site whose package it is
+        from; ``""`` when unassigned, coordinator.schema_upgrade), ``deployment_id``, ``name``, ``latitude``,
         ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (for
         a displaced point the most it can be from the truth, :attr:`LocationPolicy.shown_within_m`, else 0),
         ``detections`` (records stored), and for rangers and operators ``categories`` (IUCN codes recorded),
@@ -212,21 +213,24 @@ class Viewer:
         """
         protection = self._protection()
         with self.store.session() as s:
-            rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
-            counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
-                DetectionRow.deployment_id)).all())
+            rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.site_id, DeploymentRow.deployment_id)))
+            counts = {(site, dep): n for site, dep, n in s.execute(
+                select(DetectionRow.site_id, DetectionRow.deployment_id, func.count()).group_by(
+                    DetectionRow.site_id, DetectionRow.deployment_id)).all()}
         known = getattr(self._category_of, "known", None)
         out = []
         for r in rows:
-            place = protection.place_of.get(r.deployment_id)
+            key = deployment_key(r.site_id, r.deployment_id)
+            place = protection.place_of.get(key)
             if place is None or self.role.sees_exact_locations:
-                shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=set(),
+                shown = protect(r.latitude, r.longitude, deployment_id=key, recorded=set(),
                                 exact_allowed=True, policy=self.policy, secret=self._secret)
             else:  # the place's one point, drawn around its fixed anchor
                 shown = protect(place.latitude, place.longitude, deployment_id=place.key,
                                 recorded=set(self.policy.categories), exact_allowed=False, policy=self.policy,
                                 secret=self._secret)
             item: dict[str, Any] = {
+                "site_id": r.site_id,
                 "deployment_id": r.deployment_id,
                 "name": r.deployment_id if shown.fuzzed else (r.location_name or r.deployment_id),
                 # a fuzzed point to 1e-5 degrees (about a metre): more digits would only look like precision
@@ -235,27 +239,28 @@ class Viewer:
                 "fuzzed": shown.fuzzed,
                 "method": shown.method,
                 "radius_m": self.policy.shown_within_m if shown.method == "displace" else 0.0,
-                "detections": int(counts.get(r.deployment_id, 0)),
+                "detections": int(counts.get((r.site_id, r.deployment_id), 0)),
                 # the period of a protected place is given by its dates only, like its records' times
                 "start": (r.start or "")[:10] if shown.fuzzed else r.start,
                 "end": (r.end or "")[:10] if shown.fuzzed else r.end}
             if self.role.sees_exact_locations:
-                item["categories"] = sorted(c.value for c in protection.categories.get(r.deployment_id, set()))
-                item["unlisted_species"] = sorted(n for n in protection.species.get(r.deployment_id, set())
+                item["categories"] = sorted(c.value for c in protection.categories.get(key, set()))
+                item["unlisted_species"] = sorted(n for n in protection.species.get(key, set())
                                                   if known and not known(n))
                 item["place"] = place.place_id if place is not None else None
                 item["source"] = r.source
             out.append(item)
         return out
 
-    def _deployment_index(self) -> dict[str, dict[str, Any]]:
-        return {d["deployment_id"]: d for d in self.deployments()}
+    def _deployment_index(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """:meth:`deployments` by ``(site_id, deployment_id)``: a record joins its own site's deployment."""
+        return {(d["site_id"], d["deployment_id"]): d for d in self.deployments()}
 
     # ---- detections ----------------------------------------------------------------------------------------
-    def _time_withheld(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> bool:
+    def _time_withheld(self, row: DetectionRow, deployments: Mapping[tuple[str, str], dict[str, Any]]) -> bool:
         """Whether this role is shown only the date of ``row``'s capture: a record of a fuzzed place, or (an
         unplaced deployment has no coordinates to fuzz) a record of a sensitive species."""
-        dep = deployments.get(row.deployment_id)
+        dep = deployments.get((row.site_id, row.deployment_id))
         return bool(dep and dep["fuzzed"]) or (not self.role.sees_exact_locations and any(
             self.sensitive_species(n) for n in json.loads(row.species_json or "[]")))
 
@@ -266,9 +271,9 @@ class Viewer:
         exact ones. The media id is a hash of the image (or of its path), so it says nothing of time."""
         return row.id if self.role.sees_exact_locations else f"{row.site_id}{REF_SEPARATOR}{row.media_id}"
 
-    def _row_view(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    def _row_view(self, row: DetectionRow, deployments: Mapping[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
         record = json.loads(row.record_json)
-        dep = deployments.get(row.deployment_id)
+        dep = deployments.get((row.site_id, row.deployment_id))
         fuzzed = bool(dep and dep["fuzzed"])
         top = row.top_species
         sensitive = self._time_withheld(row, deployments)
@@ -318,7 +323,8 @@ class Viewer:
             rows = [r for r in rows if r.top_species and self._category_of(r.top_species) is f.category]
         return rows
 
-    def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[str, dict[str, Any]]) -> None:
+    def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[tuple[str, str], dict[str, Any]]
+                       ) -> None:
         """Sort ``rows`` in place by what this role may see (issue 16, item 6): newest date first; within a date,
         the records shown with their time newest first, then the records shown by date only in the order of
         (site id, media id), a key that says nothing of the withheld time. Sorting those by their full timestamp
