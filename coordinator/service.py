@@ -36,7 +36,7 @@ from shared.keys import load_private_key
 from shared.topics import detections_filter, secagg_filter, updates_filter
 
 from coordinator.config import CoordinatorConfig
-from coordinator.detections import DetectionIngestor
+from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
 from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor, ReplayWindow
 from coordinator.ledger import PrivacyLedger
@@ -66,6 +66,8 @@ class StatusReport:
         sites: number of enrolled sites. model_hash: newest global model.
         details: ``{round: (privacy mode or None, detail or None)}``; e.g. how a Global DP round's secure
             aggregation went, or why it failed.
+        detections: detection records stored, by outcome, and refused by reason
+            (:func:`coordinator.detections.detection_counts`, read from the database).
     """
 
     rounds: list[tuple[int, str, int, str | None]]
@@ -74,6 +76,7 @@ class StatusReport:
     sites: int
     model_hash: str | None
     details: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    detections: DetectionCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,7 @@ def status_report(store: Store, registry: SiteRegistry) -> StatusReport:
     return StatusReport(rounds=[(r.round, r.status, r.num_accepted, r.new_model_hash) for r in rows],
                         accepted=store.count_updates(), rejections=store.rejection_counts(),
                         sites=len(registry.list()), model_hash=store.latest_model_hash(),
-                        details={r.round: (r.privacy, r.detail) for r in rows})
+                        details={r.round: (r.privacy, r.detail) for r in rows}, detections=detection_counts(store))
 
 
 def budget_rows(config: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger) -> list[BudgetRow]:

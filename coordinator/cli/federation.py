@@ -27,6 +27,7 @@ from shared.keys import generate_signing_key, save_private_key, save_public_key
 
 from coordinator.cli.common import DEFAULT_CONFIG, config_option, console, friendly, open_state
 from coordinator.config import config_from_dict, load_config, save_config
+from coordinator.detections import DetectionCounts
 from coordinator.reports import ROUNDS_LEFT_CAP, budget_report, plot_burn_down
 from coordinator.rounds import known_categories
 from coordinator.service import Coordinator, status_report
@@ -104,6 +105,8 @@ def status(config: Path = config_option()) -> None:
     if not rep.rejections:
         rej.add_row("(none)", "0")
     console.print(rej)
+    if rep.detections is not None:
+        _print_detections(rep.detections)
     hal = Table(title="halted categories (records no longer sampled)")
     for col in ("site", "category", "from round", "why"):
         hal.add_column(col, overflow="fold")
@@ -114,6 +117,21 @@ def status(config: Path = config_option()) -> None:
     console.print(hal)
     for site_id in left:
         console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
+
+
+def _print_detections(counts: DetectionCounts) -> None:
+    """The detection records table of ``status``: rows held, what each gateway delivery did, refusals by reason."""
+    table = Table(title=f"detection records: {counts.rows} stored ({counts.from_gateways} from gateways, "
+                        f"{counts.rows - counts.from_gateways} imported)")
+    table.add_column("gateway deliveries")
+    table.add_column("count", justify="right")
+    meaning = {"stored": "stored (a new record)", "duplicate": "duplicate (delivered again: nothing written)",
+               "replaced": "replaced (a newer record of the same photo)", "stale": "stale (older: ignored)"}
+    for outcome, n in counts.outcomes.items():
+        table.add_row(meaning.get(outcome, outcome), str(n))
+    for reason, n in sorted(counts.refused.items()):
+        table.add_row(f"refused: {escape(reason)}", f"[red]{n}[/]")
+    console.print(table)
 
 
 #: ``budget --help``: one line per paragraph (typer keeps a docstring's line breaks after its first paragraph).
