@@ -230,6 +230,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     secret = load_or_create_secret(secret_path)
     policy = policy_from_config(config)
     category_of = species_table_categories(config.species)
+    class_names = {e.class_index: e.scientific_name for e in config.species or []}
     accounts = AccountStore(store, hasher=hasher)
     sessions = SessionManager(store, ttl_s=config.web.session_ttl_s, idle_s=config.web.session_idle_s,
                               **({"clock": clock} if clock else {}))
@@ -278,7 +279,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         return ws
 
     def viewer(ws: WebSession) -> Viewer:
-        return Viewer(store, ws.account.role, policy=policy, secret=secret, category_of=category_of)
+        return Viewer(store, ws.account.role, policy=policy, secret=secret, category_of=category_of,
+                      class_names=class_names)
 
     def page(request: Request, name: str, ws: WebSession | None, status_code: int = 200, **ctx: Any) -> HTMLResponse:
         return templates.TemplateResponse(request, name, {"ws": ws, "role": ws.account.role.value if ws else None,

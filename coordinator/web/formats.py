@@ -60,7 +60,8 @@ role's protections apply by construction:
 * ``observations.csv``: one row per box (``observationType`` animal / human / vehicle, ``unknown`` for another
   detector category), one ``blank`` row for an image without boxes and one ``unclassified`` row for a failed one;
   ``observationLevel`` media, ``classificationMethod`` machine, ``classificationProbability`` the classifier's,
-  else the detector's confidence.
+  else the detector's confidence; ``eventID`` the gateway's event when the record names one and the viewer sees its
+  time. A box whose species the gateway read as ``unknown`` (below its threshold) has no ``scientificName``.
 
 Times: Camtrap DP needs a time with an offset. A record whose time the viewer withholds (partner/public, sensitive
 deployment) is written as its date at ``T00:00:00Z`` and says so in ``mediaComments``; a record with no known
@@ -567,7 +568,8 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
             "filePublic": "false", "fileName": Path(file).name if file else "",
             "fileMediatype": _MEDIATYPES.get(Path(file).suffix.lower(), "image/jpeg") if file else "image/jpeg",
             "mediaComments": "capture time withheld (sensitive species): date only" if withheld else ""})
-        base = {"deploymentID": dep_id, "mediaID": r["media_id"], "eventStart": ts, "eventEnd": ts,
+        base = {"deploymentID": dep_id, "mediaID": r["media_id"], "eventID": r.get("event_id") or "",
+                "eventStart": ts, "eventEnd": ts,
                 "observationLevel": "media", "classificationMethod": "machine",
                 "classifiedBy": r.get("detector") or ""}
         if r.get("failure") is not None:
