@@ -39,6 +39,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
 from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor, ReplayWindow
+from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
@@ -148,6 +149,7 @@ class Coordinator:
             on_download_receipt=self.rounds.resend_task)
         self._started = False
         self._update_queue: QueuedCallback | None = None
+        self._instance_lock = InstanceLock(config.data_dir)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def ensure_initial_model(self) -> str:
@@ -173,12 +175,29 @@ class Coordinator:
         return h
 
     def start(self) -> list[RoundResult]:
-        """Connect (MQTT), subscribe ingest to every site's update topic, store the round-0 model, and close any
-        round a previous run left open. Returns the recovered rounds. Idempotent."""
+        """Subscribe ingest to every site's update topic and detections and secure aggregation to theirs, connect
+        (MQTT: after the handlers are in place, since a resumed persistent session delivers what the broker kept
+        right after it connects), store the round-0 model, and close any round a previous run left open. Returns
+        the recovered rounds. Idempotent.
+
+        With an MQTT transport on a persistent session this process first takes the federation's lock
+        (coordinator.instance_lock): one coordinator process per session at a time.
+
+        Raises:
+            CoordinatorRunning: another coordinator process holds the lock (nothing is started).
+            TransportError: the broker cannot be reached (the lock is released again).
+        """
         if self._started:
             return []
-        if isinstance(self.transport, MqttTransport):
-            self.transport.connect()
+        if getattr(self.transport, "persistent_session", False):
+            self._instance_lock.acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self._instance_lock.release()
+            raise
+
+    def _start(self) -> list[RoundResult]:
         if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
             self.ingestor.sole_ingest = True  # the open round's updates are all stored by this process
             handler: Any = self.transfers
@@ -194,6 +213,8 @@ class Coordinator:
             self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
+        if isinstance(self.transport, MqttTransport):
+            self.transport.connect()
         self.ensure_initial_model()
         self.rounds.restore_optimizer_state()
         self.transfers.sweep()  # expired uploads, and staging a killed process left for a stored update
@@ -210,6 +231,7 @@ class Coordinator:
         if self._owns_transport and isinstance(self.transport, MqttTransport):
             self.transport.close()
         self.store.dispose()
+        self._instance_lock.release()
 
     def __enter__(self) -> "Coordinator":
         self.start()
