@@ -117,9 +117,15 @@ __all__ = [
     "RegistryVersionRow",
     "Store",
     "UpdateOutcome",
+    "DatabaseUnavailable",
     "deployment_key",
     "utcnow",
 ]
+
+
+class DatabaseUnavailable(ConfigError):
+    """The database did not answer when the store opened it: a wrong URL, or a server that is not (yet) running.
+    A long-lived process may try again later (``wildfed-coordinator service`` exits so that systemd restarts it)."""
 
 
 def utcnow() -> _dt.datetime:
@@ -537,8 +543,8 @@ class Store:
                 upgrade_schema(self.engine, schema=schema)  # reshape existing tables first (no row is lost)
                 Base.metadata.create_all(self.engine)
             except OperationalError as exc:
-                raise ConfigError(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
-                                  fix="start the database server or correct the URL") from exc
+                raise DatabaseUnavailable(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
+                                          fix="start the database server or correct the URL") from exc
             try:  # the registry's change counter exists from the start, so key changes only ever update it
                 with self.session() as s:
                     if s.get(RegistryVersionRow, 1) is None:

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from shared.errors import ConfigError
 
-from coordinator.cli.common import config_option, console, err_console, friendly, parse_utc_offset
+from coordinator.cli.common import config_option, console, err_console, friendly, parse_utc_offset, warn_plain_http
 from coordinator.config import load_config
 from coordinator.storage import Store
 
@@ -59,11 +59,7 @@ def serve(config: Path = config_option(),
     cfg = load_config(config)
     where = host or cfg.web.host
     scheme = "https" if cfg.web.tls_cert_file else "http"
-    if scheme == "http" and where not in ("127.0.0.1", "localhost", "::1"):
-        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {escape(where)}: passwords and session cookies "
-                          "cross "
-                          "the network in the clear, and browsers drop Secure cookies over HTTP. Put a TLS proxy "
-                          "in front or set web.tls_cert_file and web.tls_key_file.")
+    warn_plain_http(where, scheme == "https")
     console.print(escape(f"web view on {scheme}://{where}:{port or cfg.web.port}/ (Ctrl-C stops it)"))
     serve_web(cfg, host=host, port=port)
 
