@@ -215,6 +215,10 @@ class Coordinator:
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
+            if self.config.ingest_workers > 0 and self.transport.persistent_session:
+                # the workers take the updates: a subscription an earlier config left in the session would make
+                # the broker send (and, while this process is down, queue) every update here too
+                self.transport.unsubscribe([updates_filter(self.config.federation_id)])
         self.ensure_initial_model()
         self.rounds.restore_optimizer_state()
         self.transfers.sweep()  # expired uploads, and staging a killed process left for a stored update
@@ -224,7 +228,17 @@ class Coordinator:
     def close(self) -> None:
         """Stop ingesting (what was checked before the stop is made durable and ACKed), then disconnect the
         transport (if the coordinator built it; it lets its last ACKs go out first) and release database
-        connections. The ACKs need the transport: it is closed last."""
+        connections. The ACKs need the transport: it is closed last.
+
+        A persistent session is first unsubscribed from the update and secure-aggregation topics, so that while
+        this process is stopped the broker queues detection records only: a gateway re-sends an update until it is
+        ACKed (every ``resend_interval_s``: queued, the copies would fill the broker's queue for this client and
+        push detection records out of it), and a secure-aggregation message is of no use once its round has
+        ended. The next start subscribes to them again. After a crash the subscriptions stay, and the broker queues
+        those messages too until the coordinator is back (docs/service.md)."""
+        if getattr(self.transport, "persistent_session", False) and self._started:
+            fed = self.config.federation_id
+            self.transport.unsubscribe([updates_filter(fed), secagg_filter(fed)])  # type: ignore[attr-defined]
         if self._update_queue is not None:
             self._update_queue.close()
             self.ingestor.flush()

@@ -178,7 +178,8 @@ class MqttTransport:
     its stable client id, so the broker keeps its QoS 1 subscriptions while it is away and queues every message
     published to them meanwhile (up to the broker's ``max_queued_messages``/``max_queued_bytes``), and delivers them
     when it connects again; the coordinator's own client is persistent (:func:`transport_from_config`), so detection
-    records and secure-aggregation messages published while no coordinator runs are not lost. Without it (a second
+    records published while no coordinator runs are not lost (what it unsubscribes from before a clean stop,
+    :meth:`unsubscribe`, is not queued: coordinator.service.Coordinator.close). Without it (a second
     client such as an ingest worker, tests) the broker keeps nothing. Either way updates are also guaranteed end to
     end: a gateway keeps each one in its outbox and re-sends it until a signed ACK arrives.
 
@@ -254,6 +255,9 @@ class MqttTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_unsubscribe = self._on_unsubscribe
+        self._unsubacks: dict[int, threading.Event] = {}
+        self._early_unsubacks: set[int] = set()
 
     # paho callbacks (network thread) ---------------------------------------------------------------------------
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
@@ -479,6 +483,41 @@ class MqttTransport:
             self._targets.clear()
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
+
+    def _on_unsubscribe(self, client, userdata, mid, reason_codes, properties) -> None:  # noqa: ANN001
+        with self._lock:
+            done = self._unsubacks.pop(mid, None)
+            if done is None:  # acknowledged before unsubscribe() registered its wait
+                self._early_unsubacks.add(mid)
+        if done is not None:
+            done.set()
+
+    def unsubscribe(self, topic_filters: list[str]) -> bool:
+        """Drop the handlers of ``topic_filters`` and, when connected, unsubscribe the session from them, waiting
+        (``connect_timeout_s`` at most) for the broker's UNSUBACK. A persistent session's broker then keeps nothing
+        more for them while the client is away.
+
+        Returns:
+            True when the broker confirmed (or there was nothing to send), False when not connected or no UNSUBACK
+            came in time (the session then keeps the subscriptions; the next connect subscribes again anyway).
+        """
+        with self._lock:
+            self._subs = [(f, cb) for f, cb in self._subs if f not in topic_filters]
+            self._targets.clear()
+        if not topic_filters:
+            return True
+        if not self._connected.is_set():
+            return False
+        done = threading.Event()
+        rc, mid = self._client.unsubscribe(list(topic_filters))
+        if rc != self._mqtt.MQTT_ERR_SUCCESS or mid is None:
+            return False
+        with self._lock:
+            if mid in self._early_unsubacks:
+                self._early_unsubacks.discard(mid)
+                return True
+            self._unsubacks[mid] = done
+        return done.wait(self.connect_timeout_s)
 
     def close(self) -> None:
         """Disconnect and stop the network thread, after waiting (``connect_timeout_s`` without progress at most)

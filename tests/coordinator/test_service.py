@@ -1,7 +1,7 @@
 """``wildfed-coordinator service`` against a REAL Mosquitto started here on a free port (skipped without the
 mosquitto binary): detection records a gateway publishes while no coordinator runs are kept by the broker for the
-coordinator's persistent session and stored exactly once when the service starts; a second start stores nothing
-new; a record with a bad signature is a rejection that ``status`` shows; a round in progress at SIGTERM is left
+coordinator's persistent session and stored exactly once when the service starts (an update sent meanwhile is
+not: a clean stop unsubscribes from updates); a second start stores nothing new; a record with a bad signature is a rejection that ``status`` shows; a round in progress at SIGTERM is left
 open and closed at the next start; ``run`` is refused while the service runs.
 
 The service runs as a real process (``python -m coordinator.cli service``); the test waits on the lines it logs,
@@ -28,7 +28,7 @@ from shared.codec import encode_tensors, model_hash
 from shared.envelope import MessageKind, seal
 from shared.keys import generate_signing_key, save_public_key
 from shared.protocol import Detection, DetectionRecord, encode_detection
-from shared.topics import detection_topic
+from shared.topics import detection_topic, update_topic
 
 from coordinator.cli import app
 from coordinator.config import load_config
@@ -142,12 +142,12 @@ def _record(n: int, key, *, sequence: int) -> bytes:  # noqa: ANN001
                 kind=MessageKind.DETECTION, sequence=sequence, payload=encode_detection(rec)).to_bytes()
 
 
-def _publish(broker_url: str, payloads: list[bytes]) -> None:
+def _publish(broker_url: str, payloads: list[bytes], *, topic: str = detection_topic(FED, SITE)) -> None:
     """Publish at QoS 1 as the gateway would; each publish returns once the broker has it (PUBACK)."""
     gateway = MqttTransport(broker_url, client_id="gateway-site-a")
     gateway.connect()
     for raw in payloads:
-        gateway.publish(detection_topic(FED, SITE), raw, qos=1)
+        gateway.publish(topic, raw, qos=1)
     gateway.close()
 
 
@@ -165,10 +165,13 @@ def test_records_published_while_the_service_is_down_are_stored_once(tmp_path: P
     store = Store(cfg.database_url or "", cfg.data_dir)
     assert [(r.round, r.status) for r in store.rounds()] == [(1, "open")]  # left for the next start to close
 
-    # 2. while no coordinator runs: three photos, the first one delivered twice, and one forged record
+    # 2. while no coordinator runs: three photos, the first one delivered twice, and one forged record; and a
+    #    message on the update topic, which a cleanly stopped coordinator has unsubscribed from (gateways re-send
+    #    updates until ACKed: queued, the copies would crowd detection records out of the broker's queue)
     forged = _record(4, generate_signing_key(), sequence=4)
     _publish(broker, [_record(1, key, sequence=1), _record(2, key, sequence=2), _record(1, key, sequence=1),
                       _record(3, key, sequence=3), forged])
+    _publish(broker, [b"not an envelope"], topic=update_topic(FED, SITE))
     assert detection_counts(store).rows == 0
 
     # 3. the service starts: the broker delivers what it kept; each photo is stored once, the forgery refused
@@ -184,6 +187,7 @@ def test_records_published_while_the_service_is_down_are_stored_once(tmp_path: P
     assert (counts.rows, counts.from_gateways) == (3, 3)
     assert counts.outcomes == {"stored": 3, "duplicate": 1, "replaced": 0, "stale": 0}
     assert counts.refused == {"bad_signature": 1}
+    assert store.rejection_counts() == {"bad_signature": 1}  # the update sent while it was stopped never came
     assert [(r.round, r.status) for r in store.rounds()] == [(1, "failed")]  # next slot: a day after round 1
 
     # 5. a second start stores nothing new: a record published after it starts arrives after anything the broker
