@@ -73,7 +73,10 @@ def broker(tmp_path: Path):
 
 
 class Service:
-    """``python -m coordinator.cli service`` as a process, its log lines readable as they come."""
+    """``python -m coordinator.cli service`` as a process, its log lines readable as they come. Every one started
+    is in :attr:`started`, so that the test's fixture kills one a failed assertion left running."""
+
+    started: list["Service"] = []
 
     def __init__(self, config: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -81,6 +84,7 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "service", "--config", str(config),
                                       "--no-web"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
+        Service.started.append(self)
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -112,6 +116,16 @@ class Service:
         while (line := self._queue.get(timeout=10)) is not None:
             self.lines.append(line)
         return code
+
+
+@pytest.fixture(autouse=True)
+def _no_service_left_running():
+    yield
+    while Service.started:
+        proc = Service.started.pop().proc
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def _federation(tmp_path: Path, broker_url: str):  # noqa: ANN202 - (config path, site key)
