@@ -635,7 +635,9 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
         client_certs: require client certificates on the TLS listener (CN = username) and issue one per account.
         ca_cert, ca_key: an existing CA (PEM certificate and unencrypted key) instead of a generated one.
         rotate_passwords: draw new passwords for every account (default: keep existing ones).
-        persistence: keep retained messages (site status) across broker restarts in ``out/persistence/``.
+        persistence: keep retained messages (site status) and persistent sessions with their queued messages (the
+            coordinator's: what gateways publish while it is stopped, docs/service.md) across broker restarts in
+            ``out/persistence/``.
         broker_user: ``user`` line of the config (the account mosquitto drops root privileges to; it must be able
             to read the key and password files); None leaves Mosquitto's default (``mosquitto``).
         use_mosquitto_passwd: hash with ``mosquitto_passwd -U`` when it is on PATH (else in Python).

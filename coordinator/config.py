@@ -14,7 +14,7 @@ Example (``wildfed-coordinator init`` writes this)::
     broker_username: null                 # default: the one in broker_password_file
     broker_password_file: null            # broker-config: coordinator/broker-credentials.yaml (0600)
     broker_max_packet_bytes: 1115136      # the broker's message limit (broker-config's max_packet_size)
-    rounds: 10
+    rounds: 10                            # `run` runs until this many rounds exist (`service`: schedule below)
     quorum_fraction: 1.0                  # fraction of selected sites whose updates close a round early
     round_deadline_s: 600
     local_steps: 20
@@ -51,6 +51,7 @@ Example (``wildfed-coordinator init`` writes this)::
                memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (coordinator.staging)
     group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.group_commit
     ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
+    schedule: {round_interval_s: 86400, max_rounds: null}   # `service`: a round a day, no limit (run: `rounds`)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
     from coordinator.group_commit import GroupCommitPolicy
 
 __all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
-           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "GroupCommitConfig",
+           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "GroupCommitConfig", "ScheduleConfig",
            "CoordinatorConfig", "load_config", "save_config"]
 
 
@@ -316,6 +317,22 @@ class GroupCommitConfig(StrictModel):
                                  max_bytes=self.max_bytes)
 
 
+class ScheduleConfig(StrictModel):
+    """When ``wildfed-coordinator service`` runs rounds (coordinator.daemon; ``run`` ignores it)."""
+
+    round_interval_s: float = Field(86_400.0, gt=0, description="seconds from the start of one round (or of a slot "
+                                    "in which no round could run) to the next slot; default one round a day")
+    max_rounds: int | None = Field(None, ge=1, description="open no round once this many rounds exist (null: no "
+                                   "limit; the privacy budgets still halt each site); the service keeps ingesting")
+
+    @field_validator("round_interval_s")
+    @classmethod
+    def _finite_interval(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
 class WebConfig(StrictModel):
     """The rangers' web view (``wildfed-coordinator serve``, coordinator.web; docs/web.md)."""
 
@@ -447,6 +464,8 @@ class CoordinatorConfig(StrictModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="chunked transfers, size limits, "
                                      "replay window")
     web: WebConfig = Field(default_factory=WebConfig, description="the rangers' web view (serve)")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="when `service` runs rounds "
+                                     "(round_interval_s, max_rounds)")
     group_commit: GroupCommitConfig = Field(default_factory=GroupCommitConfig, description="group commit of "
                                             "accepted updates (max_updates, max_delay_s, max_bytes)")
     ingest_workers: int = Field(0, ge=0, description="0: this process ingests updates; N >= 1: N processes run "

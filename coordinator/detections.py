@@ -18,11 +18,16 @@
 ==== ================================================================ =======================
 
 Rejections are logged, stored in the ``rejections`` table and counted (``wildfed-coordinator status`` shows them).
-An accepted record is committed to the ``detections`` table (one row per site and media id). MQTT QoS 1 delivers at
-least once: a re-delivery with the same payload hash is a no-op; a record for a media id already stored with a
-different payload (the gateway re-ran the image, e.g. with a newer classifier) replaces the row when its envelope
-is newer and is ignored when older. No ACK is sent (records are not charged to any privacy budget: they are
-outputs of the site's own model on its own images, shown to its rangers; see docs/inference.md).
+An accepted record is committed to the ``detections`` table (one row per site and media id, the media id the
+photo's own, ``shared.camtrap_dp.media_id``), and its outcome is counted in ``detection_tallies`` in the same
+transaction, so ``status`` reads the counts from the database. Each record is therefore stored exactly once, or
+refused visibly: MQTT QoS 1 delivers at least once (and the coordinator's persistent session re-delivers what it
+did not acknowledge before a stop, coordinator.transport), so a re-delivery with the same payload digest is a no-op
+counted as ``duplicate``; a record for a media id already stored with a different payload (the gateway re-ran the
+image, e.g. with a newer classifier) replaces the row when its envelope is newer (``replaced``) and is ignored when
+older (``stale``). The transport acknowledges a message only after this handler returned, i.e. after the commit.
+No ACK is sent to the gateway (records are not charged to any privacy budget: they are outputs of the site's own
+model on its own images, shown to its rangers; see docs/inference.md).
 """
 
 from __future__ import annotations
@@ -33,24 +38,30 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from shared.envelope import Envelope, MessageKind
 from shared.errors import PayloadError
 from shared.protocol import DetectionRecord, decode_detection
 
 from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope, verify_site_envelope
+from coordinator.registry import SiteRegistry
+from coordinator.storage import DetectionRow, DetectionTallyRow, RejectionRow, Store
+
+__all__ = ["MAX_DETECTION_BYTES", "OUTCOMES", "StoredDetection", "DetectionIngestor", "DetectionCounts",
+           "detection_counts"]
+
+log = logging.getLogger(__name__)
 
 #: A detection record carries boxes and species scores, never the image: anything over 1 MiB is refused unparsed.
 MAX_DETECTION_BYTES = 1 << 20
-from coordinator.registry import SiteRegistry
-from coordinator.storage import DetectionRow, Store
-
-__all__ = ["StoredDetection", "DetectionIngestor"]
-
-log = logging.getLogger(__name__)
+#: What a verified record can lead to (:class:`StoredDetection` ``status``), as ``status`` lists them.
+OUTCOMES = ("stored", "duplicate", "replaced", "stale")
+_CHANNEL = MessageKind.DETECTION.value  # the last level of a detection topic (shared.topics)
 
 
 @dataclass(frozen=True)
@@ -129,23 +140,15 @@ class DetectionIngestor:
                       species_json=json.dumps(sorted({d.species for d in record.detections if d.species})),
                       source="gateway",
                       sequence=h.sequence, payload_sha256=h.payload_digest, sent_at=sent_at)
-        status = "stored"
-        try:
-            with self._store.session() as s:
-                row = s.scalars(select(DetectionRow).where(DetectionRow.site_id == h.site_id,
-                                                           DetectionRow.media_id == record.media_id)).first()
-                if row is None:
-                    s.add(DetectionRow(site_id=h.site_id, media_id=record.media_id, **values))
-                elif row.payload_sha256 == h.payload_digest:
-                    status = "duplicate"
-                elif sent_at >= row.sent_at:
-                    for k, v in values.items():
-                        setattr(row, k, v)
-                    status = "replaced"
-                else:
-                    status = "stale"
-        except IntegrityError:  # another worker stored the same media first
-            status = "duplicate"
+        for attempt in range(3):
+            try:
+                with self._store.session() as s:
+                    status = _write_record(s, h.site_id, record.media_id, h.payload_digest, sent_at, values)
+                    _tally(s, h.site_id, status)
+                break
+            except IntegrityError:  # another process stored this media (or this site's first such outcome) first
+                if attempt == 2:
+                    raise
         log.info("detections: %s record %s from %s (%d detections)", status, record.media_id, h.site_id,
                  len(record.detections))
         return StoredDetection(site_id=h.site_id, media_id=record.media_id, status=status, record=record)
@@ -158,3 +161,65 @@ class DetectionIngestor:
             if site_id is not None:
                 q = q.where(DetectionRow.site_id == site_id)
             return [DetectionRecord.from_json(json.loads(r.record_json)) for r in s.scalars(q)]
+
+
+def _write_record(s: Session, site_id: str, media_id: str, digest: str, sent_at: _dt.datetime,
+                  values: dict[str, Any]) -> str:
+    """Store one verified record in session ``s``; returns the outcome (:class:`StoredDetection` ``status``)."""
+    row = s.scalars(select(DetectionRow).where(DetectionRow.site_id == site_id,
+                                               DetectionRow.media_id == media_id)).first()
+    if row is None:
+        s.add(DetectionRow(site_id=site_id, media_id=media_id, **values))
+        s.flush()  # a concurrent insert of the same (site, media) fails here, inside the retry
+        return "stored"
+    if row.payload_sha256 == digest:
+        return "duplicate"
+    if sent_at >= row.sent_at:
+        for k, v in values.items():
+            setattr(row, k, v)
+        return "replaced"
+    return "stale"
+
+
+def _tally(s: Session, site_id: str, outcome: str) -> None:
+    """Count ``outcome`` for ``site_id`` in the transaction that wrote the record (``detection_tallies``)."""
+    row = s.get(DetectionTallyRow, (site_id, outcome), with_for_update=True)
+    if row is None:
+        s.add(DetectionTallyRow(site_id=site_id, outcome=outcome, count=1))
+        s.flush()
+    else:
+        row.count += 1
+
+
+@dataclass(frozen=True)
+class DetectionCounts:
+    """Detection records as the database holds them (``wildfed-coordinator status``).
+
+    Attributes:
+        rows: stored records (one per site and media id). from_gateways: of those, from verified gateway records
+            (the rest were imported by an operator).
+        outcomes: how often a gateway's verified record was ``stored``, a ``duplicate`` (e.g. a broker's
+            re-delivery: nothing written), ``replaced`` (a newer record of the same media) or ``stale`` (older,
+            ignored), summed over sites (``detection_tallies``).
+        refused: records refused, counted per reason code (``rejections`` of the detection topics).
+    """
+
+    rows: int
+    from_gateways: int
+    outcomes: dict[str, int]
+    refused: dict[str, int]
+
+
+def detection_counts(store: Store) -> DetectionCounts:
+    """Read :class:`DetectionCounts` from ``store`` (no in-memory state: a fresh process sees the same)."""
+    with store.session() as s:
+        by_source = dict(s.execute(select(DetectionRow.source == "gateway", func.count())
+                                   .group_by(DetectionRow.source == "gateway")).all())
+        outcomes = {o: int(n) for o, n in s.execute(select(DetectionTallyRow.outcome, func.sum(DetectionTallyRow.count))
+                                                    .group_by(DetectionTallyRow.outcome)).all()}
+        refused = {r: int(n) for r, n in s.execute(select(RejectionRow.reason, func.count())
+                                                   .where(RejectionRow.topic.like(f"%/{_CHANNEL}"))
+                                                   .group_by(RejectionRow.reason)).all()}
+    gateway = int(by_source.get(True, 0))
+    return DetectionCounts(rows=gateway + int(by_source.get(False, 0)), from_gateways=gateway,
+                           outcomes={o: outcomes.get(o, 0) for o in OUTCOMES}, refused=refused)

@@ -36,9 +36,10 @@ from shared.keys import load_private_key
 from shared.topics import detections_filter, secagg_filter, updates_filter
 
 from coordinator.config import CoordinatorConfig
-from coordinator.detections import DetectionIngestor
+from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
 from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor, ReplayWindow
+from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
@@ -66,6 +67,8 @@ class StatusReport:
         sites: number of enrolled sites. model_hash: newest global model.
         details: ``{round: (privacy mode or None, detail or None)}``; e.g. how a Global DP round's secure
             aggregation went, or why it failed.
+        detections: detection records stored, by outcome, and refused by reason
+            (:func:`coordinator.detections.detection_counts`, read from the database).
     """
 
     rounds: list[tuple[int, str, int, str | None]]
@@ -74,6 +77,7 @@ class StatusReport:
     sites: int
     model_hash: str | None
     details: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    detections: DetectionCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class Coordinator:
             on_download_receipt=self.rounds.resend_task)
         self._started = False
         self._update_queue: QueuedCallback | None = None
+        self._instance_lock = InstanceLock(config.data_dir)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def ensure_initial_model(self) -> str:
@@ -170,12 +175,29 @@ class Coordinator:
         return h
 
     def start(self) -> list[RoundResult]:
-        """Connect (MQTT), subscribe ingest to every site's update topic, store the round-0 model, and close any
-        round a previous run left open. Returns the recovered rounds. Idempotent."""
+        """Subscribe ingest to every site's update topic and detections and secure aggregation to theirs, connect
+        (MQTT: after the handlers are in place, since a resumed persistent session delivers what the broker kept
+        right after it connects), store the round-0 model, and close any round a previous run left open. Returns
+        the recovered rounds. Idempotent.
+
+        With an MQTT transport on a persistent session this process first takes the federation's lock
+        (coordinator.instance_lock): one coordinator process per session at a time.
+
+        Raises:
+            CoordinatorRunning: another coordinator process holds the lock (nothing is started).
+            TransportError: the broker cannot be reached (the lock is released again).
+        """
         if self._started:
             return []
-        if isinstance(self.transport, MqttTransport):
-            self.transport.connect()
+        if getattr(self.transport, "persistent_session", False):
+            self._instance_lock.acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self._instance_lock.release()
+            raise
+
+    def _start(self) -> list[RoundResult]:
         if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
             self.ingestor.sole_ingest = True  # the open round's updates are all stored by this process
             handler: Any = self.transfers
@@ -191,6 +213,12 @@ class Coordinator:
             self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
+        if isinstance(self.transport, MqttTransport):
+            self.transport.connect()
+            if self.config.ingest_workers > 0 and self.transport.persistent_session:
+                # the workers take the updates: a subscription an earlier config left in the session would make
+                # the broker send (and, while this process is down, queue) every update here too
+                self.transport.unsubscribe([updates_filter(self.config.federation_id)])
         self.ensure_initial_model()
         self.rounds.restore_optimizer_state()
         self.transfers.sweep()  # expired uploads, and staging a killed process left for a stored update
@@ -200,13 +228,24 @@ class Coordinator:
     def close(self) -> None:
         """Stop ingesting (what was checked before the stop is made durable and ACKed), then disconnect the
         transport (if the coordinator built it; it lets its last ACKs go out first) and release database
-        connections. The ACKs need the transport: it is closed last."""
+        connections. The ACKs need the transport: it is closed last.
+
+        A persistent session is first unsubscribed from the update and secure-aggregation topics, so that while
+        this process is stopped the broker queues detection records only: a gateway re-sends an update until it is
+        ACKed (every ``resend_interval_s``: queued, the copies would fill the broker's queue for this client and
+        push detection records out of it), and a secure-aggregation message is of no use once its round has
+        ended. The next start subscribes to them again. After a crash the subscriptions stay, and the broker queues
+        those messages too until the coordinator is back (docs/service.md)."""
+        if getattr(self.transport, "persistent_session", False) and self._started:
+            fed = self.config.federation_id
+            self.transport.unsubscribe([updates_filter(fed), secagg_filter(fed)])  # type: ignore[attr-defined]
         if self._update_queue is not None:
             self._update_queue.close()
             self.ingestor.flush()
         if self._owns_transport and isinstance(self.transport, MqttTransport):
             self.transport.close()
         self.store.dispose()
+        self._instance_lock.release()
 
     def __enter__(self) -> "Coordinator":
         self.start()
@@ -303,7 +342,7 @@ def status_report(store: Store, registry: SiteRegistry) -> StatusReport:
     return StatusReport(rounds=[(r.round, r.status, r.num_accepted, r.new_model_hash) for r in rows],
                         accepted=store.count_updates(), rejections=store.rejection_counts(),
                         sites=len(registry.list()), model_hash=store.latest_model_hash(),
-                        details={r.round: (r.privacy, r.detail) for r in rows})
+                        details={r.round: (r.privacy, r.detail) for r in rows}, detections=detection_counts(store))
 
 
 def budget_rows(config: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger) -> list[BudgetRow]:

@@ -21,8 +21,10 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``halts``       (site, IUCN category) pairs whose budget is exhausted, with the round that halted them
 ``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
                 the record as JSON plus indexed columns for the ranger view
+``detection_tallies`` per site, how often a gateway's record was stored, a duplicate, replaced, or stale
 ``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
-``deployments`` camera deployments for the web view's map: coordinates, name, IUCN categories recorded
+``deployments`` camera deployments for the web view's map, one per (site, deployment id): coordinates, name, IUCN
+                categories recorded
 ``protected_places`` places the web view protects (coordinator.web.places): the fixed anchor of each one's
                 displaced point, its deployments, and when its protection was earned and (by an operator) lifted
 ``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
@@ -91,6 +93,8 @@ from sqlalchemy.pool import StaticPool
 
 from shared.errors import ConfigError
 
+from coordinator.schema_upgrade import upgrade_schema
+
 __all__ = [
     "Base",
     "SiteRow",
@@ -103,6 +107,7 @@ __all__ = [
     "ModelVersionRow",
     "HaltRow",
     "DetectionRow",
+    "DetectionTallyRow",
     "TransferRow",
     "PartialSumRow",
     "UserRow",
@@ -112,8 +117,15 @@ __all__ = [
     "RegistryVersionRow",
     "Store",
     "UpdateOutcome",
+    "DatabaseUnavailable",
+    "deployment_key",
     "utcnow",
 ]
+
+
+class DatabaseUnavailable(ConfigError):
+    """The database did not answer when the store opened it: a wrong URL, or a server that is not (yet) running.
+    A long-lived process may try again later (``wildfed-coordinator service`` exits so that systemd restarts it)."""
 
 
 def utcnow() -> _dt.datetime:
@@ -285,6 +297,19 @@ class DetectionRow(Base):
     image_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
+class DetectionTallyRow(Base):
+    """How often each outcome of the verified detection ingest (coordinator.detections) happened, per site:
+    ``stored`` (a new row), ``duplicate`` (the same payload again, e.g. a broker's re-delivery), ``replaced`` (a
+    newer record for the same media) or ``stale`` (an older one, ignored). Incremented in the transaction that
+    writes the record, so the counts are those of the database (``wildfed-coordinator status``); refused records
+    are in ``rejections``."""
+
+    __tablename__ = "detection_tallies"
+    site_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    outcome: Mapped[str] = mapped_column(String(16), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class TransferRow(Base):
     """An incomplete chunked upload (coordinator.transfers): the verified manifest payload and its expiry. The
     chunk data lives in ``<data_dir>/transfers/<transfer_id>/``; the row is deleted once the update is reassembled
@@ -357,9 +382,15 @@ class DeploymentRow(Base):
     """A camera deployment for the web view's map (coordinator.web.deployments): true WGS 84 coordinates (shown
     exactly only to rangers and operators), a name, where it was imported from, and the species it recorded with
     their IUCN categories at import (JSON lists); the view re-reads the species against the current species table,
-    which decides whether its location is protected."""
+    which decides whether its location is protected.
+
+    Keyed by (site, deployment): deployment ids are unique within one site's package only (two reserves both have
+    a ``StationA``), and a detection record joins the deployment of its own site. ``site_id`` is ``""`` only for a
+    row the schema upgrade could not give a site (coordinator.schema_upgrade): it joins no records until an
+    ``import-deployments --site`` of the same deployment id takes it over."""
 
     __tablename__ = "deployments"
+    site_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     deployment_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     latitude: Mapped[float] = mapped_column(Float)
     longitude: Mapped[float] = mapped_column(Float)
@@ -371,12 +402,19 @@ class DeploymentRow(Base):
     end: Mapped[str | None] = mapped_column(String(40), nullable=True)
 
 
+def deployment_key(site_id: str, deployment_id: str) -> str:
+    """The one string that names a deployment across sites, ``"<site>/<deployment>"`` (a :class:`DeploymentRow`'s
+    key): site ids never contain ``/`` (``coordinator.registry.SITE_ID_PATTERN``), so the first ``/`` splits it.
+    Protected places list their members by it (``protected_places.members_json``)."""
+    return f"{site_id}/{deployment_id}"
+
+
 class PlaceRow(Base):
     """A place the web view protects (coordinator.web.places): the true WGS 84 position of the deployment that
-    first made it protected (the fixed anchor of its one displaced point), its deployments (JSON list of ids), why
-    and when its protection was earned (``earned_at`` None: protected only as a neighbour) and the operator's last
-    lift of it (``lifted_at``, ``lifted_by``, ``lift_reason``; protection earned again later has a later
-    ``earned_at``). Rows are never deleted."""
+    first made it protected (the fixed anchor of its one displaced point), its deployments (JSON list of
+    :func:`deployment_key` strings), why and when its protection was earned (``earned_at`` None: protected only as
+    a neighbour) and the operator's last lift of it (``lifted_at``, ``lifted_by``, ``lift_reason``; protection
+    earned again later has a later ``earned_at``). Rows are never deleted."""
 
     __tablename__ = "protected_places"
     __table_args__ = (UniqueConstraint("latitude", "longitude", name="uq_protected_places_anchor"),)
@@ -468,7 +506,8 @@ class Store:
             ``postgresql+psycopg2://user@host:5432/db``).
         data_dir: folder for blobs (``blobs/``) and model files (``models/``); created if absent.
         schema: optional PostgreSQL schema that every table is mapped into (must already exist).
-        create: create missing tables (``create_all``) on construction.
+        create: upgrade existing tables whose shape changed (coordinator.schema_upgrade), then create missing
+            tables (``create_all``), on construction.
 
     Raises:
         ConfigError: the URL does not parse or the database cannot be reached (names ``database_url``).
@@ -501,10 +540,11 @@ class Store:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if create:
             try:
+                upgrade_schema(self.engine, schema=schema)  # reshape existing tables first (no row is lost)
                 Base.metadata.create_all(self.engine)
             except OperationalError as exc:
-                raise ConfigError(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
-                                  fix="start the database server or correct the URL") from exc
+                raise DatabaseUnavailable(f"cannot reach the database at {url!r}: {exc.orig}", field="database_url",
+                                          fix="start the database server or correct the URL") from exc
             try:  # the registry's change counter exists from the start, so key changes only ever update it
                 with self.session() as s:
                     if s.get(RegistryVersionRow, 1) is None:

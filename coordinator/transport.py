@@ -3,7 +3,9 @@
 Everything above this module (ingest, rounds, service) depends only on :class:`Transport`:
 ``publish(topic, payload, qos=1)`` and ``subscribe(topic_filter, callback)``, where ``callback(topic, payload)``
 receives raw bytes. :class:`MqttTransport` wraps paho-mqtt 2.x (``CallbackAPIVersion.VERSION2``, QoS 1,
-re-subscribing after every reconnect). :class:`InMemoryTransport` delivers in-process for tests, with MQTT topic
+re-subscribing after every reconnect, a message acknowledged only once its handlers returned; the coordinator's own
+client keeps a persistent session, so what is published while it is stopped waits at the broker: "Sessions" in its
+docstring). :class:`InMemoryTransport` delivers in-process for tests, with MQTT topic
 filter semantics (``+`` one level, ``#`` the rest).
 
 The gateway has its own transport (edge_sdk/uplink); the two sides share nothing but the wire.
@@ -172,9 +174,20 @@ match any site id a broker lets through."""
 class MqttTransport:
     """paho-mqtt 2.x client (``CallbackAPIVersion.VERSION2``), QoS 1, auto re-subscribe after reconnects.
 
-    Clean session: the broker keeps nothing for the coordinator while it is away (no stale updates of an earlier
-    run are replayed into a new one); delivery is guaranteed end to end instead, because a gateway keeps each
-    update in its outbox and re-sends it until a signed ACK arrives.
+    Sessions (MQTT 3.1.1 sec. 3.1.2.4): with ``persistent_session`` the client connects with clean session 0 under
+    its stable client id, so the broker keeps its QoS 1 subscriptions while it is away and queues every message
+    published to them meanwhile (up to the broker's ``max_queued_messages``/``max_queued_bytes``), and delivers them
+    when it connects again; the coordinator's own client is persistent (:func:`transport_from_config`), so detection
+    records published while no coordinator runs are not lost (what it unsubscribes from before a clean stop,
+    :meth:`unsubscribe`, is not queued: coordinator.service.Coordinator.close). Without it (a second
+    client such as an ingest worker, tests) the broker keeps nothing. Either way updates are also guaranteed end to
+    end: a gateway keeps each one in its outbox and re-sends it until a signed ACK arrives.
+
+    Acknowledgement: a message is PUBACKed only after every handler it was given returned (paho ``manual_ack``);
+    one whose handler raised is not, so the broker delivers it again after the next reconnect of a persistent
+    session (a handler that stores a record commits before it returns: it is stored once, and the re-delivery is a
+    duplicate). Handlers must be registered (:meth:`subscribe`) before :meth:`connect`: a resumed session delivers
+    its queued messages right after the CONNACK.
 
     Args:
         broker_url: ``mqtt://host:port`` or ``mqtts://host:port`` (TLS).
@@ -187,6 +200,8 @@ class MqttTransport:
         max_drops: link drops in a row with one message awaiting its PUBACK that make it refused (module
             docstring, "Refused messages").
         broker_max_packet_bytes: the configured broker limit, bytes, named in the refused-message error.
+        persistent_session: connect with clean session 0 (class docstring, "Sessions"); the client id must then be
+            stable and used by one connected client at a time.
 
     Raises:
         ConfigError: bad URL, TLS files with a plain URL, unreadable TLS files, a password without a username.
@@ -197,7 +212,7 @@ class MqttTransport:
                  connect_timeout_s: float = 10.0, ca_file: str | os.PathLike[str] | None = None,
                  cert_file: str | os.PathLike[str] | None = None, key_file: str | os.PathLike[str] | None = None,
                  username: str | None = None, password: str | None = None, max_drops: int = DEFAULT_MAX_DROPS,
-                 broker_max_packet_bytes: int | None = None) -> None:
+                 broker_max_packet_bytes: int | None = None, persistent_session: bool = False) -> None:
         import paho.mqtt.client as mqtt  # paho only here: nothing else in the coordinator sees it
 
         self._mqtt = mqtt
@@ -206,8 +221,10 @@ class MqttTransport:
                              username=username, password=password)
         self.connect_timeout_s = connect_timeout_s
         self.client_id = client_id or username or "wildfed-coordinator"
+        self.persistent_session = bool(persistent_session)
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                                   protocol=mqtt.MQTTv311, clean_session=True)
+                                   protocol=mqtt.MQTTv311, clean_session=not self.persistent_session,
+                                   manual_ack=True)
         if tls:
             self._client.tls_set_context(tls_context(ca_file=ca_file, cert_file=cert_file, key_file=key_file))
         if username:
@@ -222,6 +239,10 @@ class MqttTransport:
         self._closing = False
         self.disconnects = 0
         """Times the link dropped or was closed (observability: e.g. a session taken over by another client)."""
+        self.session_present: bool | None = None
+        """Whether the broker resumed a stored session at the last CONNACK (None before the first)."""
+        self.unacknowledged = 0
+        """Messages left unacknowledged because a handler raised (the broker re-delivers them after a reconnect)."""
         self.refusals = RefusedMessages(max_drops, chunk_field="transfer.chunk_size_bytes",
                                         configured_limit=broker_max_packet_bytes)
         self.refused = 0
@@ -234,6 +255,9 @@ class MqttTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_unsubscribe = self._on_unsubscribe
+        self._unsubacks: dict[int, threading.Event] = {}
+        self._early_unsubacks: set[int] = set()
 
     # paho callbacks (network thread) ---------------------------------------------------------------------------
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:  # noqa: ANN001
@@ -243,6 +267,11 @@ class MqttTransport:
             log.error("mqtt: connection refused: %s", reason_code)
             return
         self._refused = None
+        self.session_present = bool(getattr(flags, "session_present", False))
+        if self.persistent_session:
+            log.info("mqtt: connected as %s, %s", self.client_id,
+                     "session resumed: what was published while away is delivered now" if self.session_present
+                     else "new session")
         with self._lock:
             filters = sorted({f for f, _ in self._subs})
         for f in filters:
@@ -303,11 +332,20 @@ class MqttTransport:
                 if len(self._targets) >= _MAX_TOPICS_CACHED:
                     self._targets.clear()
                 targets = self._targets[topic] = [cb for f, cb in self._subs if topic_matches(_unshared(f), topic)]
+        failed = False
         for cb in targets:
             try:
                 cb(topic, bytes(message.payload))
             except Exception:  # noqa: BLE001 - never let a handler bug kill paho's network thread
+                failed = True
                 log.exception("mqtt: handler for %s raised", topic)
+        if failed and message.qos > 0:  # not acknowledged: the broker delivers it again after a reconnect
+            self.unacknowledged += 1
+            log.error("mqtt: message on %s not acknowledged (its handler failed); the broker delivers it again "
+                      "after the next reconnect%s", topic,
+                      "" if self.persistent_session else " only if the session is persistent")
+            return
+        self._client.ack(message.mid, message.qos)
 
     # public API ------------------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -446,6 +484,41 @@ class MqttTransport:
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
 
+    def _on_unsubscribe(self, client, userdata, mid, reason_codes, properties) -> None:  # noqa: ANN001
+        with self._lock:
+            done = self._unsubacks.pop(mid, None)
+            if done is None:  # acknowledged before unsubscribe() registered its wait
+                self._early_unsubacks.add(mid)
+        if done is not None:
+            done.set()
+
+    def unsubscribe(self, topic_filters: list[str]) -> bool:
+        """Drop the handlers of ``topic_filters`` and, when connected, unsubscribe the session from them, waiting
+        (``connect_timeout_s`` at most) for the broker's UNSUBACK. A persistent session's broker then keeps nothing
+        more for them while the client is away.
+
+        Returns:
+            True when the broker confirmed (or there was nothing to send), False when not connected or no UNSUBACK
+            came in time (the session then keeps the subscriptions; the next connect subscribes again anyway).
+        """
+        with self._lock:
+            self._subs = [(f, cb) for f, cb in self._subs if f not in topic_filters]
+            self._targets.clear()
+        if not topic_filters:
+            return True
+        if not self._connected.is_set():
+            return False
+        done = threading.Event()
+        rc, mid = self._client.unsubscribe(list(topic_filters))
+        if rc != self._mqtt.MQTT_ERR_SUCCESS or mid is None:
+            return False
+        with self._lock:
+            if mid in self._early_unsubacks:
+                self._early_unsubacks.discard(mid)
+                return True
+            self._unsubacks[mid] = done
+        return done.wait(self.connect_timeout_s)
+
     def close(self) -> None:
         """Disconnect and stop the network thread, after waiting (``connect_timeout_s`` without progress at most)
         for the QoS 1 messages that were handed to paho without a wait (the ACKs and receipts of
@@ -462,7 +535,7 @@ class MqttTransport:
 
 
 def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = None,
-                          role: str | None = None) -> MqttTransport:
+                          role: str | None = None, persistent: bool | None = None) -> MqttTransport:
     """The coordinator's :class:`MqttTransport` from its config: ``broker_url``, ``broker_ca_file``,
     ``broker_cert_file``/``broker_key_file`` and credentials (``broker_username``, else the username in
     ``broker_password_file``; the password from that file).
@@ -475,6 +548,9 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
         role: a second client of the coordinator (an ingest worker: its ``--worker-id``, e.g. ``ingest-1``):
             its role account from ``broker_password_file`` (shared.broker.load_broker_credentials), and with
             client certificates ``roles/<role>/client.crt`` beside ``broker_cert_file``.
+        persistent: a persistent session (:class:`MqttTransport`, "Sessions"); default: yes for the coordinator's
+            own client (``wildfed-coordinator run`` and ``service`` resume the same session: its identity is the
+            client id, so they must not run at once, coordinator.instance_lock), no for a role's.
 
     Raises:
         ConfigError: bad URL, TLS files or credentials file, or no account (or certificate) for ``role``.
@@ -502,7 +578,8 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
     return MqttTransport(config.broker_url, client_id=username or client_id or default_id,
                          ca_file=config.broker_ca_file, cert_file=cert_file, key_file=key_file, username=username,
                          password=password, max_drops=config.transfer.max_dropped_sends,
-                         broker_max_packet_bytes=config.broker_max_packet_bytes)
+                         broker_max_packet_bytes=config.broker_max_packet_bytes,
+                         persistent_session=role is None if persistent is None else persistent)
 
 
 _HANDLER_THREAD = threading.local()

@@ -1010,6 +1010,6 @@ def _import_demo_deployments(store: Any, run_dir: Path, specs: Any, config: Any,
     from coordinator.web.deployments import import_camtrap_dp, species_table_categories
 
     category_of = species_table_categories(config.species)
-    n = sum(import_camtrap_dp(store, run_dir / "sites" / spec.site_id / "camtrap-dp", category_of)
-            for spec in specs)
+    n = sum(import_camtrap_dp(store, run_dir / "sites" / spec.site_id / "camtrap-dp", category_of,
+                              site_id=spec.site_id) for spec in specs)
     console.log(f"{n} deployments on the web view's map (wildfed-coordinator serve)")

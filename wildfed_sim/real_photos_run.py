@@ -108,18 +108,25 @@ def _mean_ci(values: list[float]) -> str:
 def run_experiment(reserves: list[str], *, dp_seeds: int, broker: str | None, out: Path, console: Any
                    ) -> dict[str, Any]:
     """Every fold of every reserve (module docstring of :mod:`wildfed_sim.real_photos`); writes ``out/results.json``
-    and prints a table per reserve. Returns the results."""
+    after every fold (a rerun with the same ``out`` resumes: folds already there are not run again) and prints a
+    table per reserve. Returns the results."""
     from rich.table import Table
 
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "embeddings"
-    results: dict[str, Any] = {}
+    path = out / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}  # resume a stopped run
     for name in reserves:
         res = build_reserve(name, out / "sites")
         crops = [site_crops(s, res, cache) for s in res.sites]
-        folds = [_fold(res, h, crops, dp_seeds=dp_seeds, broker=broker, out=out, cache=cache, console=console)
-                 for h in range(len(res.sites))]
-        results[name] = {"classes": list(res.classes), "folds": folds}
+        done = {f["held_out"]: f for f in results.get(name, {}).get("folds", []) if len(f["dp"]["runs"]) == dp_seeds}
+        folds = []
+        for h in range(len(res.sites)):
+            fold = done.get(res.sites[h].site_id) or _fold(res, h, crops, dp_seeds=dp_seeds, broker=broker, out=out,
+                                                           cache=cache, console=console)
+            folds.append(fold)
+            results[name] = {"classes": list(res.classes), "folds": folds}
+            path.write_text(json.dumps(results, indent=2))  # after every fold: a stopped run resumes
         table = Table(title=f"{name}: leave-one-site-out, correct / scored crops")
         for col in ("held-out site", "scored", "central head", "federated, no privacy",
                     "federated, CCDP (mean [95% CI])"):
@@ -129,5 +136,4 @@ def run_experiment(reserves: list[str], *, dp_seeds: int, broker: str | None, ou
             table.add_row(f["held_out"], str(f["scored"]), str(_total(f["central"])[0]), str(_total(f["federated"])[0]),
                           _mean_ci([float(v) for v in dp]))
         console.print(table)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
     return results

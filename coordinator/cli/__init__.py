@@ -4,6 +4,8 @@ Commands, one module per group of operator tasks::
 
     federation.py  init DIR --federation-id ID        config + coordinator key pair (0600) + database
                    run                                run the configured rounds with a progress bar
+                   service [--no-web] [--print-unit]  the long-lived coordinator: ingest at all times, rounds on
+                                                      the schedule, the web view (one systemd unit)
                    status                             rounds, accepted updates, rejections by reason, halts + why
                    budget [--accountant rdp|pld] [--plot FILE]
                                                       site x IUCN category: budget, spent, remaining, rounds left;

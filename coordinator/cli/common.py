@@ -26,7 +26,7 @@ from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 
 __all__ = ["DEFAULT_CONFIG", "console", "err_console", "config_option", "friendly", "open_state", "parse_metadata",
-           "parse_utc_offset"]
+           "parse_utc_offset", "warn_plain_http"]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,6 +74,14 @@ def friendly(fn: F) -> F:
             raise typer.Exit(code=2) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+def warn_plain_http(host: str, tls: bool) -> None:
+    """Warn (stderr) when the web view would serve plain HTTP on an address other than loopback."""
+    if not tls and host not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {escape(host)}: passwords and session cookies "
+                          "cross the network in the clear, and browsers drop Secure cookies over HTTP. Put a TLS "
+                          "proxy in front or set web.tls_cert_file and web.tls_key_file.")
 
 
 def parse_utc_offset(text: str) -> Any:

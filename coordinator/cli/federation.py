@@ -1,10 +1,13 @@
-"""``wildfed-coordinator`` commands that run the federation: ``init``, ``run``, ``status``, ``budget``,
+"""``wildfed-coordinator`` commands that run the federation: ``init``, ``run``, ``service``, ``status``, ``budget``,
 ``ingest-worker``.
 
 ::
 
     wildfed-coordinator init DIR --federation-id ID     config + coordinator key pair (0600) + database
     wildfed-coordinator run                             run the configured rounds with a progress bar
+    wildfed-coordinator service [--no-web] [--print-unit]
+                                                        the long-lived coordinator: ingest at all times, rounds on
+                                                        the schedule, the web view (coordinator/daemon.py)
     wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
     wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
                                                         site x IUCN category: budget, spent, remaining, rounds left
@@ -25,8 +28,10 @@ from rich.table import Table
 from shared.errors import ConfigError
 from shared.keys import generate_signing_key, save_private_key, save_public_key
 
-from coordinator.cli.common import DEFAULT_CONFIG, config_option, console, friendly, open_state
+from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_console, friendly, open_state,
+                                    warn_plain_http)
 from coordinator.config import config_from_dict, load_config, save_config
+from coordinator.detections import DetectionCounts
 from coordinator.reports import ROUNDS_LEFT_CAP, budget_report, plot_burn_down
 from coordinator.rounds import known_categories
 from coordinator.service import Coordinator, status_report
@@ -104,6 +109,8 @@ def status(config: Path = config_option()) -> None:
     if not rep.rejections:
         rej.add_row("(none)", "0")
     console.print(rej)
+    if rep.detections is not None:
+        _print_detections(rep.detections)
     hal = Table(title="halted categories (records no longer sampled)")
     for col in ("site", "category", "from round", "why"):
         hal.add_column(col, overflow="fold")
@@ -114,6 +121,21 @@ def status(config: Path = config_option()) -> None:
     console.print(hal)
     for site_id in left:
         console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
+
+
+def _print_detections(counts: DetectionCounts) -> None:
+    """The detection records table of ``status``: rows held, what each gateway delivery did, refusals by reason."""
+    table = Table(title=f"detection records: {counts.rows} stored ({counts.from_gateways} from gateways, "
+                        f"{counts.rows - counts.from_gateways} imported)")
+    table.add_column("gateway deliveries")
+    table.add_column("count", justify="right")
+    meaning = {"stored": "stored (a new record)", "duplicate": "duplicate (delivered again: nothing written)",
+               "replaced": "replaced (a newer record of the same photo)", "stale": "stale (older: ignored)"}
+    for outcome, n in counts.outcomes.items():
+        table.add_row(meaning.get(outcome, outcome), str(n))
+    for reason, n in sorted(counts.refused.items()):
+        table.add_row(f"refused: {escape(reason)}", f"[red]{n}[/]")
+    console.print(table)
 
 
 #: ``budget --help``: one line per paragraph (typer keeps a docstring's line breaks after its first paragraph).
@@ -206,6 +228,62 @@ def run(config: Path = config_option(),
     """Run the configured rounds against the broker, with a progress bar."""
     logging.basicConfig(level=logging.WARNING)
     _run(config, rounds)
+
+
+#: Exit status of ``service`` when the broker or the database cannot be reached at start (sysexits.h EX_TEMPFAIL):
+#: not 2, so that systemd's ``Restart=on-failure`` tries again (``RestartPreventExitStatus=2`` is for config errors).
+EXIT_TEMPORARY = 75
+
+SERVICE_HELP = (
+    "Run the coordinator as one long-lived process: ingest updates, secure aggregation and detection records at all "
+    "times, run rounds on the config's schedule, and serve the web view, until SIGTERM or Ctrl-C.\n\n"
+    "Rounds: one every schedule.round_interval_s seconds (default a day) after the last one, none once "
+    "schedule.max_rounds exist; a round that cannot run is logged with the reason and tried at the next slot. The "
+    "MQTT session is persistent: what gateways published while the service was stopped is delivered when it starts. "
+    "`run` and `service` share that session and refuse to run beside each other.\n\n"
+    "Exit status: 0 stopped, 2 configuration error (not restarted by the unit), 75 broker or database not reachable "
+    "at start (restarted). --print-unit prints the systemd unit for this config (docs/service.md).")
+
+
+@app.command(help=SERVICE_HELP)
+@friendly
+def service(config: Path = config_option(),
+            no_web: bool = typer.Option(False, "--no-web", help="do not serve the web view in this process"),
+            host: str | None = typer.Option(None, help="web view address (default: web.host)"),
+            port: int | None = typer.Option(None, help="web view TCP port (default: web.port)"),
+            print_unit: bool = typer.Option(False, "--print-unit", help="print the systemd unit for this config "
+                                            "and exit"),
+            user: str | None = typer.Option(None, "--user", help="the account in the printed unit (default: "
+                                            "the one running this command)"),
+            log_level: str = typer.Option("INFO", help="DEBUG, INFO, WARNING or ERROR")) -> None:
+    """The long-lived coordinator (the help text is :data:`SERVICE_HELP`; coordinator/daemon.py)."""
+    import getpass
+    import shutil
+    import sys
+
+    from coordinator.daemon import CoordinatorService, install_stop_signals, render_service_unit
+    from coordinator.storage import DatabaseUnavailable
+    from coordinator.transport import TransportError
+
+    cfg = load_config(config)
+    if print_unit:
+        beside = Path(sys.executable).parent / "wildfed-coordinator"  # the virtual environment's own command
+        exe = (str(beside) if beside.is_file() else shutil.which("wildfed-coordinator")
+               or f"{sys.executable} -m coordinator.cli")
+        console.print(render_service_unit(cfg, str(config), executable=exe, user=user or getpass.getuser()),
+                      markup=False, highlight=False, end="", soft_wrap=True)
+        return
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not no_web:
+        warn_plain_http(host or cfg.web.host, cfg.web.tls_cert_file is not None)
+    try:
+        svc = CoordinatorService(cfg, web=not no_web, host=host, port=port)
+        install_stop_signals(svc)
+        svc.run()
+    except (TransportError, DatabaseUnavailable) as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))} (exit {EXIT_TEMPORARY}: the unit tries again)")
+        raise typer.Exit(code=EXIT_TEMPORARY) from exc
 
 
 @app.command("ingest-worker")

@@ -6,7 +6,8 @@
     wildfed-coordinator serve [--host H] [--port P]    the rangers' web view (FastAPI; docs/web.md)
     wildfed-coordinator user add|list|set-role|set-password|disable|enable
                                                         web-view accounts (Argon2id; coordinator/web/auth.py)
-    wildfed-coordinator import-deployments PATH [--format camtrap-dp|wildlife-insights]   deployments for the map
+    wildfed-coordinator import-deployments PATH [--site S] [--format camtrap-dp|wildlife-insights]
+                                                        one site's deployments for the map
     wildfed-coordinator import-detections FILE --site S --deployment D [--images DIR] [--utc-offset +HH:MM]
                                                         MegaDetector batch output for the web view
     wildfed-coordinator export-camtrap-dp OUT --role R  the detections as a Camtrap DP 1.0 package, as role R sees
@@ -34,7 +35,7 @@ from rich.table import Table
 
 from shared.errors import ConfigError
 
-from coordinator.cli.common import config_option, console, err_console, friendly, parse_utc_offset
+from coordinator.cli.common import config_option, console, err_console, friendly, parse_utc_offset, warn_plain_http
 from coordinator.config import load_config
 from coordinator.storage import Store
 
@@ -58,11 +59,7 @@ def serve(config: Path = config_option(),
     cfg = load_config(config)
     where = host or cfg.web.host
     scheme = "https" if cfg.web.tls_cert_file else "http"
-    if scheme == "http" and where not in ("127.0.0.1", "localhost", "::1"):
-        err_console.print(f"[yellow]warning:[/] serving plain HTTP on {escape(where)}: passwords and session cookies "
-                          "cross "
-                          "the network in the clear, and browsers drop Secure cookies over HTTP. Put a TLS proxy "
-                          "in front or set web.tls_cert_file and web.tls_key_file.")
+    warn_plain_http(where, scheme == "https")
     console.print(escape(f"web view on {scheme}://{where}:{port or cfg.web.port}/ (Ctrl-C stops it)"))
     serve_web(cfg, host=host, port=port)
 
@@ -72,11 +69,14 @@ def serve(config: Path = config_option(),
 def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP package folder or a Wildlife Insights "
                                                    "project export folder"),
                        source: str = typer.Option("camtrap-dp", "--format", help="camtrap-dp or wildlife-insights"),
+                       site: str | None = typer.Option(None, "--site", help="the enrolled site the package belongs "
+                                                       "to (may be left out while exactly one site is enrolled)"),
                        config: Path = config_option()) -> None:
-    """Import deployments (coordinates and the IUCN categories of what they recorded, from the config's species
-    table) for the web view's map; sensitive ones are shown fuzzed to partners (docs/location-privacy.md)."""
-    from coordinator.web.deployments import (import_camtrap_dp, import_wildlife_insights, species_table_categories,
-                                             unknown_species)
+    """Import one site's deployments (coordinates and the IUCN categories of what they recorded, from the config's
+    species table) for the web view's map; sensitive ones are shown fuzzed to partners (docs/location-privacy.md).
+    Deployments are keyed by site: another site's deployment of the same id keeps its own coordinates."""
+    from coordinator.web.deployments import (import_camtrap_dp, import_wildlife_insights, resolve_site,
+                                             species_table_categories, unknown_species)
 
     cfg = load_config(config)
     importer = {"camtrap-dp": import_camtrap_dp, "wildlife-insights": import_wildlife_insights}.get(source)
@@ -87,12 +87,13 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
     category_of = species_table_categories(cfg.species)
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:  # with the policy: protection the stored data earned is kept (docs/location-privacy.md)
-        n = importer(store, path, category_of, policy=policy_from_config(cfg))
+        site_id = resolve_site(store, site)
+        n = importer(store, path, category_of, site_id=site_id, policy=policy_from_config(cfg))
         # the importer's source string (coordinator.web.deployments): "<format>:<folder name>"
-        unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}")
+        unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}", site_id=site_id)
     finally:
         store.dispose()
-    console.print(f"[green]imported[/] {n} deployment(s) from {escape(str(path))}")
+    console.print(f"[green]imported[/] {n} deployment(s) of site {escape(site_id)} from {escape(str(path))}")
     if unknown:
         names = ", ".join(f"{escape(name)} ({k} deployment{'s' * (k != 1)})" for name, k in unknown.items())
         if getattr(cfg.web, "unknown_species", "protect") == "ne":
@@ -140,7 +141,7 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
                                           progress=lambda done, total: bar.update(task, completed=done,
                                                                                   total=total))
         with store.session() as s:
-            placed = s.get(DeploymentRow, deployment) is not None
+            placed = s.get(DeploymentRow, (site, deployment)) is not None
     finally:
         store.dispose()
     console.print(f"[green]imported[/] {summary.images} image(s) from {escape(str(path))}: {summary.stored} new, "
@@ -154,11 +155,12 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
     if summary.categories:
         console.print("boxes per IUCN category: " + ", ".join(f"{k} {v}" for k, v in summary.categories.items()))
     if not placed:
-        err_console.print(f"[yellow]warning:[/] deployment {escape(repr(deployment))} is not in the deployments "
-                          "table: its records have no coordinates, so the map cannot place them and "
-                          "export-camtrap-dp leaves them out (fix: import the deployments first: "
-                          "`wildfed-coordinator import-deployments PATH`, from the Camtrap DP package or Wildlife "
-                          "Insights export that lists it; the records are placed as soon as it is there)")
+        err_console.print(f"[yellow]warning:[/] deployment {escape(repr(deployment))} of site {escape(site)} is not "
+                          "in the deployments table: its records have no coordinates, so the map cannot place them "
+                          "and export-camtrap-dp leaves them out (fix: import the site's deployments: "
+                          f"`wildfed-coordinator import-deployments PATH --site {escape(site)}`, from the Camtrap DP "
+                          "package or Wildlife Insights export that lists it; the records are placed as soon as it "
+                          "is there)")
 
 
 @app.command("export-camtrap-dp")

@@ -86,8 +86,8 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
     """An SVG map of deployments, drawn without tiles: an equirectangular projection scaled by the cosine of the
     mean latitude (so distances are right to within a few percent over a reserve), a 1-2-5 scale bar in metres,
     a graticule, and one marker per deployment. Fuzzed markers are hollow with a dashed circle of the displacement
-    radius around them (the true point lies inside it). Every marker carries ``data-deployment``, ``data-lat``,
-    ``data-lon`` and ``data-fuzzed`` attributes and a ``<title>``.
+    radius around them (the true point lies inside it). Every marker carries ``data-site``, ``data-deployment``,
+    ``data-lat``, ``data-lon`` and ``data-fuzzed`` attributes and a ``<title>``.
 
     Args:
         deployments: items of :meth:`coordinator.web.views.Viewer.deployments` (coordinates in decimal degrees).
@@ -145,7 +145,8 @@ def map_svg(deployments: list[dict[str, Any]], *, width: int = 760, height: int 
         fuzzed = bool(d.get("fuzzed"))
         title = escape(f'{d.get("name")} ({float(d["latitude"]):.5f}, {float(d["longitude"]):.5f})'
                        + (" fuzzed" if fuzzed else ""))
-        attrs = (f'data-deployment="{escape(d["deployment_id"])}" data-lat="{float(d["latitude"]):.6f}" '
+        attrs = (f'data-site="{escape(d.get("site_id") or "")}" data-deployment="{escape(d["deployment_id"])}" '
+                 f'data-lat="{float(d["latitude"]):.6f}" '
                  f'data-lon="{float(d["longitude"]):.6f}" data-fuzzed="{str(fuzzed).lower()}"')
         if fuzzed and d.get("radius_m") and float(d["radius_m"]) * scale > 8:  # drawn when it shows beyond the marker
             parts.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="{float(d["radius_m"]) * scale:.1f}" '
@@ -229,6 +230,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     secret = load_or_create_secret(secret_path)
     policy = policy_from_config(config)
     category_of = species_table_categories(config.species)
+    class_names = {e.class_index: e.scientific_name for e in config.species or []}
     accounts = AccountStore(store, hasher=hasher)
     sessions = SessionManager(store, ttl_s=config.web.session_ttl_s, idle_s=config.web.session_idle_s,
                               **({"clock": clock} if clock else {}))
@@ -277,7 +279,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         return ws
 
     def viewer(ws: WebSession) -> Viewer:
-        return Viewer(store, ws.account.role, policy=policy, secret=secret, category_of=category_of)
+        return Viewer(store, ws.account.role, policy=policy, secret=secret, category_of=category_of,
+                      class_names=class_names)
 
     def page(request: Request, name: str, ws: WebSession | None, status_code: int = 200, **ctx: Any) -> HTMLResponse:
         return templates.TemplateResponse(request, name, {"ws": ws, "role": ws.account.role.value if ws else None,

@@ -9,6 +9,11 @@ Import sources (read with the csv module; only the columns named here are used):
 * a Wildlife Insights project export (``deployments.csv``: ``deployment_id``, ``latitude``, ``longitude``,
   ``placename``; ``images.csv``: ``deployment_id``, ``genus``, ``species``).
 
+A package is one site's: its deployments are stored under that site, keyed by (site, deployment id), since
+deployment ids are unique within one package only (two reserves both have a ``StationA``, each keeps its own
+coordinates), and each site's detection records join its own deployments. ``import-deployments --site S`` names
+the site; it may be left out while exactly one site is enrolled (:func:`resolve_site`).
+
 A species' category comes from ``category_of`` (the federation's species table, the same one that sets privacy
 budgets); a species it does not know counts as NE (IUCN "Not Evaluated"). Re-importing a deployment replaces its
 row (idempotent), but never the protection its place has earned: with a ``policy``, the import first records the
@@ -38,16 +43,17 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from shared.errors import DatasetError
+from shared.errors import ConfigError, DatasetError
 from shared.iucn import IUCNCategory
 
-from coordinator.storage import DeploymentRow, Store
+from coordinator.storage import DeploymentRow, PlaceRow, SiteRow, Store, deployment_key
 from coordinator.web.location_privacy import LocationPolicy
 from coordinator.web.places import evaluate
 
 __all__ = ["CategoryOf", "SpeciesCategories", "species_table_categories", "import_camtrap_dp",
-           "import_wildlife_insights", "unknown_species"]
+           "import_wildlife_insights", "unknown_species", "resolve_site"]
 
 CategoryOf = Callable[[str], IUCNCategory]
 """``category_of(scientific name) -> IUCN category`` (NE when unknown)."""
@@ -79,9 +85,10 @@ def species_table_categories(species: Iterable[object] | None) -> SpeciesCategor
     return SpeciesCategories(species)
 
 
-def unknown_species(store: Store, category_of: CategoryOf, *, source: str | None = None) -> dict[str, int]:
-    """Species recorded by the stored deployments (of one import ``source``, or all) that the species table does
-    not list, with how many deployments recorded each. The web view protects their places by default
+def unknown_species(store: Store, category_of: CategoryOf, *, source: str | None = None,
+                    site_id: str | None = None) -> dict[str, int]:
+    """Species recorded by the stored deployments (of one import ``source`` and one site, or all) that the species
+    table does not list, with how many deployments recorded each. The web view protects their places by default
     (``web.unknown_species: protect``); the import command lists them so the operator can add them to the table."""
     known = getattr(category_of, "known", None)
     if known is None:
@@ -91,6 +98,8 @@ def unknown_species(store: Store, category_of: CategoryOf, *, source: str | None
         q = select(DeploymentRow.species_json)
         if source is not None:
             q = q.where(DeploymentRow.source == source)
+        if site_id is not None:
+            q = q.where(DeploymentRow.site_id == site_id)
         for species_json in s.scalars(q):
             for name in json.loads(species_json or "[]"):
                 if not known(name):
@@ -229,16 +238,33 @@ def _iso(value: str | None) -> str | None:
     return text
 
 
+def _take_over(s: Session, site_id: str, dep_id: str) -> None:
+    """An unassigned row of ``dep_id`` (site ``""``, left by the schema upgrade: coordinator.schema_upgrade) is
+    replaced by the one being imported for ``site_id``: the row is deleted and the places that list it list the
+    new key instead."""
+    orphan = s.get(DeploymentRow, ("", dep_id))
+    if orphan is None or not site_id:
+        return
+    s.delete(orphan)
+    old, new = deployment_key("", dep_id), deployment_key(site_id, dep_id)
+    for place in s.scalars(select(PlaceRow)):
+        members = json.loads(place.members_json or "[]")
+        if old in members:
+            place.members_json = json.dumps(sorted({new if m == old else m for m in members}))
+
+
 def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str | None, str | None]],
            categories: Mapping[str, set[IUCNCategory]], species: Mapping[str, set[str]], source: str, *,
-           policy: LocationPolicy | None, category_of: CategoryOf) -> int:
-    """Write the deployments in one transaction; with a ``policy``, record the protection the stored data earned
-    before anything is replaced, and the protection the new data earns after (coordinator.web.places)."""
+           site_id: str, policy: LocationPolicy | None, category_of: CategoryOf) -> int:
+    """Write the deployments of ``site_id`` in one transaction; with a ``policy``, record the protection the stored
+    data earned before anything is replaced, and the protection the new data earns after (coordinator.web.places)."""
     with store.session() as s:
         if policy is not None:
             evaluate(s, policy, category_of)
         for dep_id, (lat, lon, name, start, end) in deployments.items():
-            row = s.get(DeploymentRow, dep_id) or DeploymentRow(deployment_id=dep_id)
+            _take_over(s, site_id, dep_id)
+            row = (s.get(DeploymentRow, (site_id, dep_id))
+                   or DeploymentRow(site_id=site_id, deployment_id=dep_id))
             row.latitude, row.longitude, row.location_name, row.source = lat, lon, name, source
             row.start, row.end = _iso(start), _iso(end)
             row.categories_json = json.dumps(sorted(c.value for c in categories.get(dep_id, set())))
@@ -250,7 +276,8 @@ def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str 
     return len(deployments)
 
 
-def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str, str, str], records: str, record_id: str,
+def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, str, str, str, str], records: str,
+            record_id: str,
             species_of: Callable[[Mapping[str, str]], str], species_columns: tuple[str, ...],
             category_of: CategoryOf, source: str, fmt: str, policy: LocationPolicy | None) -> int:
     """Read ``deployments.csv`` (columns: id, latitude, longitude, name, start, end) and the ``records`` file (its
@@ -284,24 +311,29 @@ def _import(store: Store, root: Path, *, columns: tuple[str, str, str, str, str,
         if species:
             categories.setdefault(key, set()).add(category_of(species))
             recorded.setdefault(key, set()).add(species)
-    return _store(store, deployments, categories, recorded, source, policy=policy, category_of=category_of)
+    return _store(store, deployments, categories, recorded, source, site_id=site_id, policy=policy,
+                  category_of=category_of)
 
 
-def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf, *,
+def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf, *, site_id: str,
                       policy: LocationPolicy | None = None) -> int:
-    """Import a Camtrap DP package's deployments; returns how many.
+    """Import a Camtrap DP package's deployments as deployments of one site; returns how many.
 
     Args:
         store: the coordinator's store. package: the package folder. category_of: the species table.
+        site_id: the site the package belongs to (deployments are keyed by (site, deployment id); the CLI resolves
+            it with :func:`resolve_site`).
         policy: the web view's location policy: given (as the CLI does), protection earned by the stored data is
             recorded before it is replaced (module docstring).
 
     Raises:
+        ConfigError: an empty ``site_id``.
         DatasetError: a missing, non-UTF-8 or damaged file, a duplicate or unknown deployment id, or a deployment
             without valid coordinates (nothing is written then).
     """
     root = Path(package)
-    return _import(store, root, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
+    _need_site(site_id)
+    return _import(store, root, site_id=site_id, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
                             "deploymentEnd"),
                    records="observations.csv", record_id="deploymentID",
                    species_of=lambda r: (r.get("scientificName") or "").strip(), species_columns=("scientificName",),
@@ -313,17 +345,53 @@ def _wi_species(row: Mapping[str, str]) -> str:
     return f"{genus} {species}" if genus and species and genus.lower() not in ("no cv result", "nan") else ""
 
 
-def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf, *,
+def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf, *, site_id: str,
                              policy: LocationPolicy | None = None) -> int:
-    """Import a Wildlife Insights project export's deployments; returns how many. Arguments as
-    :func:`import_camtrap_dp`.
+    """Import a Wildlife Insights project export's deployments as deployments of one site; returns how many.
+    Arguments as :func:`import_camtrap_dp`.
 
     Raises:
+        ConfigError: an empty ``site_id``.
         DatasetError: a missing, non-UTF-8 or damaged file, a duplicate or unknown deployment id, or a deployment
             without valid coordinates (nothing is written then).
     """
     root = Path(project)
-    return _import(store, root, columns=("deployment_id", "latitude", "longitude", "placename", "start_date", "end_date"),
+    _need_site(site_id)
+    return _import(store, root, site_id=site_id, columns=("deployment_id", "latitude", "longitude", "placename", "start_date", "end_date"),
                    records="images.csv", record_id="deployment_id", species_of=_wi_species,
                    species_columns=("genus", "species"), category_of=category_of,
                    source=f"wildlife-insights:{root.name}", fmt="wildlife-insights", policy=policy)
+
+
+def _need_site(site_id: str) -> None:
+    if not isinstance(site_id, str) or not site_id:
+        raise ConfigError("no site given for the deployments", field="site",
+                          fix="pass the site the package belongs to: --site SITE")
+
+
+def resolve_site(store: Store, site: str | None) -> str:
+    """The site an ``import-deployments`` writes to: ``site`` when given (it must be enrolled), else the only
+    enrolled site.
+
+    Raises:
+        ConfigError: ``site`` is not enrolled, or it is not given and no site, or more than one, is enrolled (the
+            message lists them and names ``--site``).
+    """
+    with store.session() as s:
+        enrolled = sorted(s.scalars(select(SiteRow.site_id)))
+    if site is not None:
+        if site not in enrolled:
+            raise ConfigError(f"site {site!r} is not enrolled", field="--site",
+                              fix=f"enrol it first (`wildfed-coordinator enrol {site} --public-key FILE`), or give "
+                                  f"one of: {', '.join(enrolled) or '(none enrolled)'}")
+        return site
+    if len(enrolled) == 1:
+        return enrolled[0]
+    if not enrolled:
+        raise ConfigError("no site is enrolled, so the deployments belong to none", field="--site",
+                          fix="enrol the site the package belongs to first (`wildfed-coordinator enrol SITE "
+                              "--public-key FILE`), then import with --site SITE")
+    shown = ", ".join(enrolled[:10]) + (f", ... ({len(enrolled)} in all)" if len(enrolled) > 10 else "")
+    raise ConfigError(f"{len(enrolled)} sites are enrolled and deployment ids are unique only within one site "
+                      "(two sites may both have a StationA)", field="--site",
+                      fix=f"say which site the package belongs to: --site SITE (one of {shown})")

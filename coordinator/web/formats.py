@@ -12,11 +12,14 @@ field and builds every record *before* it writes anything; one bad field rejects
  deployment                       ``--deployment``, required, the same for every image of the file (one MegaDetector run
                                   is one folder of one camera placement, as on the gateways; guessing it from the first
                                   path component would silently split or merge deployments)
- media id                         first 32 hex of the SHA-256 of the image bytes when ``images_dir`` has the file (the
-                                  gateway's rule, so a photo a gateway also sent gets the same id); otherwise of the
-                                  string ``"<deployment>/<file>"`` (the deployment is included so that two cameras'
-                                  ``IMG_0001.JPG`` do not collide). Importing again *with* the images therefore gives
-                                  the rows new ids (the old path-keyed rows stay; delete them by hand if unwanted)
+ media id                         ``shared.camtrap_dp.media_id`` of the image bytes when ``images_dir`` has the file
+                                  (the first 32 hex of their SHA-256: the id the gateways give the photo, so a photo a
+                                  gateway also sent is the same row, stored once); otherwise the first 32 hex of the
+                                  SHA-256 of the string ``"<deployment>/<file>"`` (the deployment is included so that
+                                  two cameras' ``IMG_0001.JPG`` do not collide), which no gateway record shares: import
+                                  with ``--images`` to merge with the gateways' records. Importing again *with* the
+                                  images therefore gives the rows new ids (the old path-keyed rows stay; delete them
+                                  by hand if unwanted)
  image size                       from the image when present, else the optional per-image ``width``/``height`` that
                                   ``run_detector_batch --include_image_size`` writes, else 1 x 1 (unknown: the record
                                   format needs a positive size; boxes are normalised, so nothing depends on it)
@@ -44,7 +47,9 @@ Export: :func:`export_camtrap_dp` writes a Camtrap DP 1.0 package (TDWG 2023, ht
 :data:`CAMTRAP_DP_PROFILE`) from what one :class:`~coordinator.web.views.Viewer` sees, and from nothing else, so each
 role's protections apply by construction:
 
-* ``deployments.csv``: coordinates as the viewer sees them; for a protected deployment ``coordinateUncertainty`` is
+* ``deployments.csv``: one row per deployment of each site, ``deploymentID`` the key ``"<site>/<deployment>"``
+  (:func:`coordinator.storage.deployment_key`: deployment ids are unique within one site's package only, and the
+  package holds every site's), coordinates as the viewer sees them; for a protected deployment ``coordinateUncertainty`` is
   the most the shown point can be from the truth, rounded up to whole metres (the displacement radius, or half the
   cell diagonal, plus the join distance of a place, plus the radius for a neighbour:
   ``LocationPolicy.shown_within_m``), the
@@ -55,7 +60,8 @@ role's protections apply by construction:
 * ``observations.csv``: one row per box (``observationType`` animal / human / vehicle, ``unknown`` for another
   detector category), one ``blank`` row for an image without boxes and one ``unclassified`` row for a failed one;
   ``observationLevel`` media, ``classificationMethod`` machine, ``classificationProbability`` the classifier's,
-  else the detector's confidence.
+  else the detector's confidence; ``eventID`` the gateway's event when the record names one and the viewer sees its
+  time. A box whose species the gateway read as ``unknown`` (below its threshold) has no ``scientificName``.
 
 Times: Camtrap DP needs a time with an offset. A record whose time the viewer withholds (partner/public, sensitive
 deployment) is written as its date at ``T00:00:00Z`` and says so in ``mediaComments``; a record with no known
@@ -82,13 +88,14 @@ from typing import Any
 
 from sqlalchemy import select
 
-from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, MEDIA_TYPES,
-                               OBSERVATIONS_COLUMNS, schema_url)
+from shared.camtrap_dp import (CAMTRAP_DP_PROFILE, DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, MEDIA_ID_HEX_DIGITS,
+                               MEDIA_TYPES, OBSERVATIONS_COLUMNS, schema_url)
+from shared.camtrap_dp import media_id as camtrap_media_id
 from shared.errors import ConfigError, DatasetError, PayloadError
 from shared.iucn import IUCNCategory
 from shared.protocol import Detection, DetectionRecord
 
-from coordinator.storage import DetectionRow, SiteRow, Store, utcnow
+from coordinator.storage import DetectionRow, SiteRow, Store, deployment_key, utcnow
 from coordinator.web.deployments import CategoryOf
 from coordinator.web.location_privacy import LocationPolicy
 from coordinator.web.media import exif_capture_time, image_info
@@ -384,8 +391,9 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
                 summary.images_missing += 1
             else:
                 data = file.read_bytes()
-        media_key = data if data is not None else f"{deployment_id}/{p.file}".encode()
-        media_id = hashlib.sha256(media_key).hexdigest()[:32]
+        # the photo's one media id (shared.camtrap_dp.media_id); without the image, a stand-in of the path
+        media_id = (camtrap_media_id(data) if data is not None
+                    else hashlib.sha256(f"{deployment_id}/{p.file}".encode()).hexdigest()[:MEDIA_ID_HEX_DIGITS])
         if media_id in rows:
             summary.duplicates += 1
             if progress is not None:
@@ -531,11 +539,13 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
         viewer: a :class:`coordinator.web.views.Viewer`; only its ``deployments()``, ``detections(...)`` and
             ``policy`` are read. created: the package's ``created`` time (default: now, UTC).
     """
-    deployments = {d["deployment_id"]: d for d in viewer.deployments()}
+    deployments = {deployment_key(d["site_id"], d["deployment_id"]): d for d in viewer.deployments()}
     records = _all_records(viewer)
-    placed = [r for r in records if r["deployment_id"] in deployments]
-    unplaced = sorted({r["deployment_id"] for r in records if r["deployment_id"] not in deployments})
-    placed.sort(key=lambda r: (r["deployment_id"], r["captured_at"] or "", r["media_id"]))
+    for r in records:
+        r["key"] = deployment_key(r["site_id"], r["deployment_id"])
+    placed = [r for r in records if r["key"] in deployments]
+    unplaced = sorted({r["key"] for r in records if r["key"] not in deployments})
+    placed.sort(key=lambda r: (r["key"], r["captured_at"] or "", r["media_id"]))
 
     media_rows: list[dict[str, str]] = []
     obs_rows: list[dict[str, str]] = []
@@ -545,7 +555,7 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
     days: list[str] = []
     for r in placed:
         ts, withheld = _timestamp(r.get("captured_at"))
-        dep_id = r["deployment_id"]
+        dep_id = r["key"]
         if ts:
             times.setdefault(dep_id, []).append(ts)
             days.append(ts[:10])
@@ -558,7 +568,8 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
             "filePublic": "false", "fileName": Path(file).name if file else "",
             "fileMediatype": _MEDIATYPES.get(Path(file).suffix.lower(), "image/jpeg") if file else "image/jpeg",
             "mediaComments": "capture time withheld (sensitive species): date only" if withheld else ""})
-        base = {"deploymentID": dep_id, "mediaID": r["media_id"], "eventStart": ts, "eventEnd": ts,
+        base = {"deploymentID": dep_id, "mediaID": r["media_id"], "eventID": r.get("event_id") or "",
+                "eventStart": ts, "eventEnd": ts,
                 "observationLevel": "media", "classificationMethod": "machine",
                 "classifiedBy": r.get("detector") or ""}
         if r.get("failure") is not None:
@@ -590,7 +601,7 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
         start = _timestamp(d["start"])[0] if d.get("start") else (ts[0] if ts else "")
         end = _timestamp(d["end"])[0] if d.get("end") else (ts[-1] if ts else "")
         days += [x[:10] for x in (start, end) if x]
-        dep_rows.append({"deploymentID": dep_id, "locationName": d.get("name") or dep_id,
+        dep_rows.append({"deploymentID": dep_id, "locationName": d.get("name") or d["deployment_id"],
                          "latitude": repr(float(d["latitude"])), "longitude": repr(float(d["longitude"])),
                          "coordinateUncertainty": _uncertainty(d, viewer.policy),
                          "deploymentStart": start, "deploymentEnd": end,

@@ -70,7 +70,7 @@ from sqlalchemy.orm import Session
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from coordinator.storage import DeploymentRow, DetectionRow, PlaceRow, Store, utcnow
+from coordinator.storage import DeploymentRow, DetectionRow, PlaceRow, Store, deployment_key, utcnow
 from coordinator.web.location_privacy import EARTH_RADIUS_M, PLACE_JOIN_FRACTION, LocationPolicy, haversine_m
 
 __all__ = ["PLACE_JOIN_FRACTION", "Place", "Protection", "PlaceError", "is_sensitive_species", "evaluate",
@@ -90,7 +90,9 @@ class Place:
 
     Attributes:
         place_id: row id. latitude, longitude: the anchor, true WGS 84 decimal degrees (never shown to partners).
-        location_name: the anchor deployment's location name. members: deployment ids that belong to it.
+        location_name: the anchor deployment's location name. members: the keys
+            (:func:`coordinator.storage.deployment_key`, ``"<site>/<deployment>"``) of the deployments that belong to
+            it.
         earned: whether its protection is earned now (earned after its last lift, if any).
         earned_at, lifted_at: naive UTC or None. earned_reason, lifted_by, lift_reason: text ("" when none).
     """
@@ -126,9 +128,10 @@ class Protection:
     """What :func:`evaluate` decided for every deployment with coordinates.
 
     Attributes:
-        place_of: protected deployment id -> its :class:`Place`.
-        sensitive: deployment ids that recorded a sensitive species (from the data as it is now).
-        species, categories: deployment id -> species recorded / IUCN categories recorded (imports and records).
+        place_of: protected deployment's key (:func:`coordinator.storage.deployment_key`) -> its :class:`Place`.
+        sensitive: keys of the deployments that recorded a sensitive species (from the data as it is now).
+        species, categories: deployment key -> species recorded / IUCN categories recorded (its imports and its
+            own site's records).
     """
 
     place_of: dict[str, Place]
@@ -172,15 +175,20 @@ class _Near:
         return sorted(((d, p) for d, p in found if d <= distance_m), key=lambda x: x[0])
 
 
+def _key(r: DeploymentRow) -> str:
+    return deployment_key(r.site_id, r.deployment_id)
+
+
 def _evidence(s: Session, rows: list[DeploymentRow], category_of: Callable[[str], IUCNCategory]
               ) -> tuple[dict[str, set[str]], dict[str, set[IUCNCategory]]]:
+    """Per deployment key: the species its import and its own site's records recorded, and their categories."""
     detected: dict[str, set[str]] = defaultdict(set)
-    for dep, species_json in s.execute(select(DetectionRow.deployment_id, DetectionRow.species_json).distinct()):
-        detected[dep].update(json.loads(species_json or "[]"))
-    species = {r.deployment_id: set(json.loads(r.species_json or "[]")) | detected.get(r.deployment_id, set())
-               for r in rows}
-    categories = {r.deployment_id: {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")}
-                  | {category_of(n) for n in species[r.deployment_id]} for r in rows}
+    for site, dep, species_json in s.execute(select(DetectionRow.site_id, DetectionRow.deployment_id,
+                                                    DetectionRow.species_json).distinct()):
+        detected[deployment_key(site, dep)].update(json.loads(species_json or "[]"))
+    species = {_key(r): set(json.loads(r.species_json or "[]")) | detected.get(_key(r), set()) for r in rows}
+    categories = {_key(r): {IUCNCategory(c) for c in json.loads(r.categories_json or "[]")}
+                  | {category_of(n) for n in species[_key(r)]} for r in rows}
     return species, categories
 
 
@@ -199,10 +207,10 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
         The :class:`Protection` of every deployment with coordinates.
     """
     moment = now or utcnow()
-    rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
+    rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.site_id, DeploymentRow.deployment_id)))
     species, categories = _evidence(s, rows, category_of)
-    sensitive = frozenset(r.deployment_id for r in rows if categories[r.deployment_id] & policy.categories
-                          or any(is_sensitive_species(n, policy, category_of) for n in species[r.deployment_id]))
+    sensitive = frozenset(_key(r) for r in rows if categories[_key(r)] & policy.categories
+                          or any(is_sensitive_species(n, policy, category_of) for n in species[_key(r)]))
     places = list(s.scalars(select(PlaceRow).order_by(PlaceRow.id)))
     members: dict[int, list[str]] = {p.id: list(json.loads(p.members_json or "[]")) for p in places}
     by_id = {p.id: p for p in places}
@@ -211,7 +219,7 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
         for dep in members[p.id]:
             place_of.setdefault(dep, p)
     join_m, radius_m = policy.join_m, policy.radius_m
-    by_dep = {r.deployment_id: r for r in rows}
+    by_dep = {_key(r): r for r in rows}
 
     def dist(r: DeploymentRow, p: PlaceRow) -> float:
         return haversine_m(r.latitude, r.longitude, p.latitude, p.longitude)
@@ -240,10 +248,9 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
             parked.add(dep)
     near_core = _Near([(by_dep[d].latitude, by_dep[d].longitude, d) for d in core]
                       + [(p.latitude, p.longitude, p.id) for p in places if _earned(p)])
-    protected = [r for r in rows if r.deployment_id in core
-                 or near_core.within(r.latitude, r.longitude, radius_m)]
-    # anchors are chosen in a fixed order: sensitive deployments first, then by start and id
-    protected.sort(key=lambda r: (r.deployment_id not in sensitive, r.start or "~", r.deployment_id))
+    protected = [r for r in rows if _key(r) in core or near_core.within(r.latitude, r.longitude, radius_m)]
+    # anchors are chosen in a fixed order: sensitive deployments first, then by start and key
+    protected.sort(key=lambda r: (_key(r) not in sensitive, r.start or "~", _key(r)))
     anchors = _Near([(p.latitude, p.longitude, p.id) for p in places])
 
     def place_at(r: DeploymentRow) -> PlaceRow:
@@ -259,20 +266,20 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
         return row
 
     def join(r: DeploymentRow, p: PlaceRow) -> None:
-        if r.deployment_id not in parked:
-            members[p.id].append(r.deployment_id)
-        place_of[r.deployment_id] = p
+        if _key(r) not in parked:
+            members[p.id].append(_key(r))
+        place_of[_key(r)] = p
 
     # 1. core deployments: the nearest anchor within J, else a new place anchored at the deployment
     for r in protected:
-        if r.deployment_id in core and r.deployment_id not in place_of:
+        if _key(r) in core and _key(r) not in place_of:
             join(r, place_at(r))
     # 2. neighbours join the place of the nearest core deployment (or earned anchor) within R that made them
     #    protected, so one protected area shows one point
     core_places = _Near([(by_dep[d].latitude, by_dep[d].longitude, place_of[d].id) for d in core if d in place_of]
                         + [(p.latitude, p.longitude, p.id) for p in places if _earned(p)])
     for r in protected:
-        if r.deployment_id in place_of:
+        if _key(r) in place_of:
             continue
         nearest = core_places.within(r.latitude, r.longitude, radius_m)
         join(r, by_id[nearest[0][1]] if nearest else place_at(r))
@@ -289,7 +296,7 @@ def evaluate(s: Session, policy: LocationPolicy, category_of: Callable[[str], IU
         if by_id[pid].members_json != text:
             by_id[pid].members_json = text
     s.flush()
-    shown = {r.deployment_id for r in protected}
+    shown = {_key(r) for r in protected}
     return Protection(place_of={dep: Place.of(p) for dep, p in place_of.items() if dep in shown},
                       sensitive=sensitive, species=species, categories=categories)
 
@@ -310,7 +317,7 @@ def list_places(store: Store) -> list[Place]:
 
 
 def shown_by(protection: Protection, place: Place) -> dict[str, int]:
-    """``{deployment id: id of the place it is shown at}`` for the members of ``place`` that are protected now
+    """``{deployment key: id of the place it is shown at}`` for the members of ``place`` that are protected now
     (``protection`` from :func:`evaluate`); a member shown at another place's point is protected as that place's
     neighbour."""
     return {d: protection.place_of[d].place_id for d in place.members if d in protection.place_of}

@@ -24,6 +24,9 @@ Then, for those roles, everything that could place a sensitive deployment is wit
  IUCN categories recorded     withheld (they would say which markers hide a sensitive species)
  image file path at the site  withheld (folder names often name places)
  capture time of a record     the date only, for records of a sensitive deployment
+ event id of a record         withheld with the capture time (a gateway's event id may spell a time or place)
+ best guess of an ``unknown``  withheld (it is no species of the record, so it protects no place; shown with
+ species                      it, a guess of a CR species would name it at an exact location)
  image metadata               none: re-encoded from the pixels (:func:`coordinator.web.media.strip_metadata`)
 ============================ ========================================================================
 
@@ -48,19 +51,37 @@ from sqlalchemy.exc import IntegrityError
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store
+from coordinator.storage import DeploymentRow, DetectionRow, SiteRow, Store, deployment_key
 from coordinator.web.auth import Role
 from coordinator.config import CoordinatorConfig
 from coordinator.web.deployments import CategoryOf, species_table_categories
 from coordinator.web.location_privacy import LocationPolicy, load_or_create_secret, protect
 from coordinator.web.places import Protection, evaluate, is_sensitive_species
 
-__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "REF_SEPARATOR", "policy_from_config"]
+__all__ = ["DetectionFilter", "Viewer", "MAX_PAGE_SIZE", "REF_SEPARATOR", "TIME_NOTES", "policy_from_config",
+           "time_note"]
 
 MAX_PAGE_SIZE = 500
 REF_SEPARATOR = "~"
 """Between the site id and the media id of a record reference (:meth:`Viewer.record_ref`): an unreserved URL
 character (RFC 3986) that site ids (``coordinator.registry.SITE_ID_PATTERN``) never contain."""
+
+
+#: What a record's ``timestamp_source`` (shared.protocol.DetectionRecord) says of its time, when it is not the
+#: camera's own EXIF capture time.
+TIME_NOTES = {"mtime": "time from the file, not the camera",
+              "run": "time of the detection run, not of the capture",
+              "json": "time from the detector's output file, not read from the camera here",
+              "unknown": "capture time unknown", "": "capture time unknown"}
+
+
+def time_note(timestamp_source: str | None) -> str | None:
+    """The flag shown beside a record's time: None when it is the camera's (``exif``), else what it is
+    (:data:`TIME_NOTES`; another source is named as it is)."""
+    source = (timestamp_source or "").strip()
+    if source == "exif":
+        return None
+    return TIME_NOTES.get(source, f"time from {source}, not the camera")
 
 
 def policy_from_config(cfg: CoordinatorConfig) -> LocationPolicy:
@@ -153,15 +174,18 @@ class Viewer:
         store: coordinator state. role: the viewer's :class:`~coordinator.web.auth.Role`.
         policy: :class:`~coordinator.web.location_privacy.LocationPolicy`. secret: the location secret (32 bytes).
         category_of: species name -> IUCN category (the federation's species table).
+        class_names: the model's class index -> species name (the species table), to name the best guess of a
+            box whose species is ``unknown``; a missing index is shown as ``class N``.
     """
 
     def __init__(self, store: Store, role: Role, *, policy: LocationPolicy, secret: bytes,
-                 category_of: CategoryOf) -> None:
+                 category_of: CategoryOf, class_names: Mapping[int, str] | None = None) -> None:
         self.store = store
         self.role = role
         self.policy = policy
         self._secret = secret
         self._category_of = category_of
+        self._class_names = dict(class_names or {})
 
     @classmethod
     def for_config(cls, store: Store, role: Role, config: CoordinatorConfig) -> "Viewer":
@@ -173,7 +197,8 @@ class Viewer:
         """
         secret_path = config.web.location_secret_path or (Path(config.data_dir) / "location-secret")
         return cls(store, role, policy=policy_from_config(config), secret=load_or_create_secret(secret_path),
-                   category_of=species_table_categories(config.species))
+                   category_of=species_table_categories(config.species),
+                   class_names={e.class_index: e.scientific_name for e in config.species or []})
 
     # ---- deployments ---------------------------------------------------------------------------------------
     def sensitive_species(self, name: str | None) -> bool:
@@ -196,7 +221,8 @@ class Viewer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def deployments(self) -> list[dict[str, Any]]:
-        """Every deployment as this role may see it, by id: ``deployment_id``, ``name``, ``latitude``,
+        """Every deployment as this role may see it, by site and id: ``site_id`` (the site whose package it is
+        from; ``""`` when unassigned, coordinator.schema_upgrade), ``deployment_id``, ``name``, ``latitude``,
         ``longitude`` (decimal degrees, WGS 84), ``fuzzed``, ``method`` (exact/displace/grid), ``radius_m`` (for
         a displaced point the most it can be from the truth, :attr:`LocationPolicy.shown_within_m`, else 0),
         ``detections`` (records stored), and for rangers and operators ``categories`` (IUCN codes recorded),
@@ -212,21 +238,24 @@ class Viewer:
         """
         protection = self._protection()
         with self.store.session() as s:
-            rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.deployment_id)))
-            counts = dict(s.execute(select(DetectionRow.deployment_id, func.count()).group_by(
-                DetectionRow.deployment_id)).all())
+            rows = list(s.scalars(select(DeploymentRow).order_by(DeploymentRow.site_id, DeploymentRow.deployment_id)))
+            counts = {(site, dep): n for site, dep, n in s.execute(
+                select(DetectionRow.site_id, DetectionRow.deployment_id, func.count()).group_by(
+                    DetectionRow.site_id, DetectionRow.deployment_id)).all()}
         known = getattr(self._category_of, "known", None)
         out = []
         for r in rows:
-            place = protection.place_of.get(r.deployment_id)
+            key = deployment_key(r.site_id, r.deployment_id)
+            place = protection.place_of.get(key)
             if place is None or self.role.sees_exact_locations:
-                shown = protect(r.latitude, r.longitude, deployment_id=r.deployment_id, recorded=set(),
+                shown = protect(r.latitude, r.longitude, deployment_id=key, recorded=set(),
                                 exact_allowed=True, policy=self.policy, secret=self._secret)
             else:  # the place's one point, drawn around its fixed anchor
                 shown = protect(place.latitude, place.longitude, deployment_id=place.key,
                                 recorded=set(self.policy.categories), exact_allowed=False, policy=self.policy,
                                 secret=self._secret)
             item: dict[str, Any] = {
+                "site_id": r.site_id,
                 "deployment_id": r.deployment_id,
                 "name": r.deployment_id if shown.fuzzed else (r.location_name or r.deployment_id),
                 # a fuzzed point to 1e-5 degrees (about a metre): more digits would only look like precision
@@ -235,27 +264,28 @@ class Viewer:
                 "fuzzed": shown.fuzzed,
                 "method": shown.method,
                 "radius_m": self.policy.shown_within_m if shown.method == "displace" else 0.0,
-                "detections": int(counts.get(r.deployment_id, 0)),
+                "detections": int(counts.get((r.site_id, r.deployment_id), 0)),
                 # the period of a protected place is given by its dates only, like its records' times
                 "start": (r.start or "")[:10] if shown.fuzzed else r.start,
                 "end": (r.end or "")[:10] if shown.fuzzed else r.end}
             if self.role.sees_exact_locations:
-                item["categories"] = sorted(c.value for c in protection.categories.get(r.deployment_id, set()))
-                item["unlisted_species"] = sorted(n for n in protection.species.get(r.deployment_id, set())
+                item["categories"] = sorted(c.value for c in protection.categories.get(key, set()))
+                item["unlisted_species"] = sorted(n for n in protection.species.get(key, set())
                                                   if known and not known(n))
                 item["place"] = place.place_id if place is not None else None
                 item["source"] = r.source
             out.append(item)
         return out
 
-    def _deployment_index(self) -> dict[str, dict[str, Any]]:
-        return {d["deployment_id"]: d for d in self.deployments()}
+    def _deployment_index(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """:meth:`deployments` by ``(site_id, deployment_id)``: a record joins its own site's deployment."""
+        return {(d["site_id"], d["deployment_id"]): d for d in self.deployments()}
 
     # ---- detections ----------------------------------------------------------------------------------------
-    def _time_withheld(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> bool:
+    def _time_withheld(self, row: DetectionRow, deployments: Mapping[tuple[str, str], dict[str, Any]]) -> bool:
         """Whether this role is shown only the date of ``row``'s capture: a record of a fuzzed place, or (an
         unplaced deployment has no coordinates to fuzz) a record of a sensitive species."""
-        dep = deployments.get(row.deployment_id)
+        dep = deployments.get((row.site_id, row.deployment_id))
         return bool(dep and dep["fuzzed"]) or (not self.role.sees_exact_locations and any(
             self.sensitive_species(n) for n in json.loads(row.species_json or "[]")))
 
@@ -266,12 +296,33 @@ class Viewer:
         exact ones. The media id is a hash of the image (or of its path), so it says nothing of time."""
         return row.id if self.role.sees_exact_locations else f"{row.site_id}{REF_SEPARATOR}{row.media_id}"
 
-    def _row_view(self, row: DetectionRow, deployments: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    def _box_view(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        """One box of a record as this role may see it: its species as the gateway read it (``species_status``),
+        and for an ``unknown`` one the classifier's best guess, to roles that see exact locations only (the
+        guess is no species of the record, so it does not make its place protected)."""
+        status = d.get("species_status")
+        box: dict[str, Any] = {"category": d.get("category"), "confidence": d.get("confidence"), "bbox": d.get("bbox"),
+                               "species": d.get("species"), "species_confidence": d.get("species_confidence"),
+                               "species_status": status, "best_guess": None, "best_guess_confidence": None}
+        if status == "unknown":
+            box["species_confidence"] = None  # the probability is the guess's, shown with it or not at all
+            if self.role.sees_exact_locations:
+                index = d.get("species_index")
+                box["best_guess"] = (self._class_names.get(index, f"class {index}") if index is not None
+                                     else None)
+                box["best_guess_confidence"] = d.get("species_confidence")
+        if self.role.sees_exact_locations:
+            box["iucn_category"] = self._category_of(d["species"]).value if d.get("species") else None
+        return box
+
+    def _row_view(self, row: DetectionRow, deployments: Mapping[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
         record = json.loads(row.record_json)
-        dep = deployments.get(row.deployment_id)
+        dep = deployments.get((row.site_id, row.deployment_id))
         fuzzed = bool(dep and dep["fuzzed"])
         top = row.top_species
         sensitive = self._time_withheld(row, deployments)
+        boxes = [self._box_view(d) for d in record.get("detections", [])]
+        source = record.get("timestamp_source") or ""
         item: dict[str, Any] = {
             "id": self.record_ref(row), "site_id": row.site_id, "media_id": row.media_id, "deployment_id": row.deployment_id,
             "deployment_name": dep["name"] if dep else row.deployment_id,
@@ -283,12 +334,14 @@ class Viewer:
             "failure": row.failure, "has_image": row.image_sha256 is not None,
             "source": "gateway" if row.source == "gateway" else "import",
             "width": record.get("width"), "height": record.get("height"),
-            "detections": [{"category": d.get("category"), "confidence": d.get("confidence"),
-                            "bbox": d.get("bbox"), "species": d.get("species"),
-                            "species_confidence": d.get("species_confidence"),
-                            **({"iucn_category": self._category_of(d["species"]).value if d.get("species") else None}
-                               if self.role.sees_exact_locations else {})}
-                           for d in record.get("detections", [])],
+            "detections": boxes,
+            # the most confident box's reading: "unknown" (below the site's threshold) or "unexpected" (not in the
+            # site's species table) or "confident"; None for records that do not say
+            "top_species_status": boxes[0]["species_status"] if boxes else None,
+            "top_best_guess": boxes[0]["best_guess"] if boxes else None,
+            "time_note": time_note(source),
+            # an event id may spell a time or a place: withheld with the time
+            "event_id": None if sensitive else record.get("event_id"),
             "detector": record.get("detector", ""),
         }
         if self.role.sees_exact_locations:  # the IUCN category would say which records hide a threatened species
@@ -318,7 +371,8 @@ class Viewer:
             rows = [r for r in rows if r.top_species and self._category_of(r.top_species) is f.category]
         return rows
 
-    def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[str, dict[str, Any]]) -> None:
+    def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[tuple[str, str], dict[str, Any]]
+                       ) -> None:
         """Sort ``rows`` in place by what this role may see (issue 16, item 6): newest date first; within a date,
         the records shown with their time newest first, then the records shown by date only in the order of
         (site id, media id), a key that says nothing of the withheld time. Sorting those by their full timestamp
@@ -339,8 +393,11 @@ class Viewer:
         ``latitude``/``longitude`` (the deployment's, as shown to this role; None when unknown), ``fuzzed``,
         ``captured_at``, ``num_detections``, ``max_confidence``, ``top_species``, ``top_species_confidence``,
         ``category``, ``failure``, ``has_image``, ``source``, ``width``/``height`` (pixels), ``detections`` (boxes:
-        ``bbox`` normalised ``[x_min, y_min, width, height]``, ``confidence``, ``species``, ...), ``detector``;
-        rangers and operators also get ``file`` and ``timestamp_source``."""
+        ``bbox`` normalised ``[x_min, y_min, width, height]``, ``confidence``, ``species``, ``species_status``,
+        ``best_guess``, ...: :meth:`_box_view`), ``top_species_status`` and ``top_best_guess`` (the most confident
+        box's), ``time_note`` (:func:`time_note`: None when the time is the camera's), ``event_id`` (the gateway's
+        event, None when absent or when the time is withheld), ``detector``; rangers and operators also get
+        ``file`` and ``timestamp_source``."""
         rows = self._matching_rows(f)
         deployments = self._deployment_index()
         if not self.role.sees_exact_locations:

@@ -110,3 +110,29 @@ def test_redelivery_is_a_no_op_and_a_newer_record_replaces_the_old(setup):
     assert coord.detections.handle(topic, envelope(key, record("b" * 32))).status == "stored"
     assert len(rows(coord)) == 2
     assert coord.status().rejections == {}
+
+
+def test_every_outcome_is_counted_in_the_database(setup):
+    """stored, duplicate (re-delivery), replaced (newer), stale (older) and refused are read back by a fresh store:
+    the counts are the database's, not the ingestor's memory."""
+    from coordinator.detections import detection_counts
+    from coordinator.storage import Store
+
+    coord, _, key = setup
+    topic = detection_topic(FED, "site-1")
+    first = envelope(key, record(), timestamp=2_000)
+    statuses = [coord.detections.handle(topic, raw).status for raw in (
+        first, first,  # the same message delivered twice
+        envelope(key, record(conf=0.6), sequence=2, timestamp=3_000),  # the gateway re-ran the photo
+        envelope(key, record(conf=0.4), sequence=3, timestamp=1_000),  # an older run, arriving late
+        envelope(key, record(media="b" * 32), sequence=4, timestamp=1_000))]
+    assert statuses == ["stored", "duplicate", "replaced", "stale", "stored"]
+    forged = envelope(generate_signing_key(), record(media="c" * 32), sequence=5)
+    assert coord.detections.handle(topic, forged).reason is RejectReason.BAD_SIGNATURE
+    fresh = Store(coord.store.url, coord.store.data_dir)
+    counts = detection_counts(fresh)
+    assert (counts.rows, counts.from_gateways) == (2, 2)
+    assert counts.outcomes == {"stored": 2, "duplicate": 1, "replaced": 1, "stale": 1}
+    assert counts.refused == {"bad_signature": 1}
+    assert coord.status().detections == counts
+    fresh.dispose()

@@ -210,7 +210,7 @@ def test_each_topic_reaches_the_handlers_of_every_filter_it_matches_also_after_a
     transport.subscribe("$share/g/wildfed/f/s1/#", lambda t, p: got.append(("s1", t, p)))
 
     def deliver(topic: str, payload: bytes) -> None:
-        transport._on_message(None, None, SimpleNamespace(topic=topic, payload=payload))
+        transport._on_message(None, None, SimpleNamespace(topic=topic, payload=payload, mid=1, qos=0))
 
     deliver("wildfed/f/s1/update", b"a")
     deliver("wildfed/f/s2/update", b"b")
@@ -225,3 +225,26 @@ def test_each_topic_reaches_the_handlers_of_every_filter_it_matches_also_after_a
     deliver("wildfed/g/s1/update", b"y")
     assert got == [("update", "wildfed/f/s2/update", b"d"), ("any", "wildfed/f/s2/update", b"d"),
                    ("any", "wildfed/g/s1/update", b"y")]
+
+
+def test_a_message_is_acknowledged_only_when_every_handler_returned() -> None:
+    """paho's manual acknowledgement: PUBACK after the handlers; a handler that raised leaves the message
+    unacknowledged, so a persistent session's broker delivers it again (no broker needed: paho's callbacks are
+    called directly)."""
+    from types import SimpleNamespace
+
+    transport = MqttTransport("mqtt://127.0.0.1:1", client_id=f"t-{uuid.uuid4().hex[:6]}", persistent_session=True)
+    acked: list[tuple[int, int]] = []
+    transport._client.ack = lambda mid, qos: acked.append((mid, qos))  # what would send the PUBACK
+
+    def store(topic: str, payload: bytes) -> None:
+        if payload == b"bad":
+            raise OSError("database gone")
+
+    transport.subscribe("wildfed/f/+/detection", store)
+    for mid, payload in ((1, b"good"), (2, b"bad"), (3, b"good")):
+        transport._on_message(None, None, SimpleNamespace(topic="wildfed/f/s1/detection", payload=payload, mid=mid,
+                                                          qos=1))
+    transport._on_message(None, None, SimpleNamespace(topic="wildfed/f/s1/other", payload=b"x", mid=4, qos=1))
+    assert acked == [(1, 1), (3, 1), (4, 1)]  # a message no handler wants is acknowledged (dropped)
+    assert transport.unacknowledged == 1

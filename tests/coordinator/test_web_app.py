@@ -488,7 +488,7 @@ def test_places_of_species_the_table_does_not_list_are_protected_by_default(tmp_
     (pkg / "deployments.csv").write_text("deploymentID,locationName,latitude,longitude\n"
                                          "dep-far,far pan,-2.5000,35.1000\n")
     (pkg / "observations.csv").write_text("observationID,deploymentID,scientificName\no1,dep-far,Mystery beast\n")
-    import_camtrap_dp(st.store, pkg, st_category_of(st))
+    import_camtrap_dp(st.store, pkg, st_category_of(st), site_id="site-a")
     assert unknown_species(st.store, st_category_of(st)) == {"Mystery beast": 1}
     shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
     assert shown["dep-far"]["fuzzed"] and 0 < haversine_m(-2.5, 35.1, shown["dep-far"]["latitude"],
@@ -502,7 +502,7 @@ def test_places_of_species_the_table_does_not_list_are_protected_by_default(tmp_
     # ... an operator's explicit, recorded lift does (coordinator.web.places; tests/coordinator/test_web_places.py)
     from coordinator.web.places import lift, list_places
 
-    place = next(p for p in list_places(st.store) if p.members == ("dep-far",))
+    place = next(p for p in list_places(st.store) if p.members == ("site-a/dep-far",))
     lift(st.store, [place.place_id], by="olga", reason="Mystery beast is a domestic goat")
     shown = {d["deployment_id"]: d for d in create_app_client(st, "paul").get("/api/deployments").json()}
     assert not shown["dep-far"]["fuzzed"] and (shown["dep-far"]["latitude"], shown["dep-far"]["longitude"]) == (
@@ -587,16 +587,17 @@ def test_deployment_periods_come_from_the_import_and_are_dates_only_at_protected
         "deploymentID,locationName,latitude,longitude,deploymentStart,deploymentEnd\n"
         "dep-river,river crossing,-2.3301,34.8302,2024-03-01T08:00:00-05:00,2024-05-31T17:30:00-05:00\n")
     (pkg / "observations.csv").write_text("observationID,deploymentID,scientificName\no1,dep-river,Tayassu pecari\n")
-    import_camtrap_dp(st.store, pkg, st_category_of(st))
+    import_camtrap_dp(st.store, pkg, st_category_of(st), site_id="site-a")
     rows = {}
     for role in (Role.RANGER, Role.PARTNER):
         files = camtrap_dp_files(Viewer.for_config(st.store, role, st.config))
         table = list(_csv.DictReader(io.StringIO(files["deployments.csv"].decode())))
-        rows[role] = {r["deploymentID"]: r for r in table}
+        rows[role] = {r["deploymentID"].removeprefix("site-a/"): r for r in table}  # the package is site-a's
     assert (rows[Role.RANGER]["dep-river"]["deploymentStart"], rows[Role.RANGER]["dep-river"]["deploymentEnd"]) == (
         "2024-03-01T08:00:00-05:00", "2024-05-31T17:30:00-05:00")
     assert (rows[Role.PARTNER]["dep-river"]["deploymentStart"], rows[Role.PARTNER]["dep-river"]["deploymentEnd"]) == (
         "2024-03-01T00:00:00Z", "2024-05-31T00:00:00Z")
-    # dep-ridge was imported without a period: its first and last record times (a3, b1, b2 of the seed plan)
+    # dep-ridge was imported without a period: its first and last record times, of site-a's one record there (a3
+    # of the seed plan; b1 and b2 are site-b's, whose deployments were not imported)
     assert (rows[Role.RANGER]["dep-ridge"]["deploymentStart"], rows[Role.RANGER]["dep-ridge"]["deploymentEnd"]) == (
-        "2024-04-02T03:05:00-05:00", "2024-05-01T12:00:00-05:00")
+        "2024-04-02T03:05:00-05:00", "2024-04-02T03:05:00-05:00")

@@ -48,13 +48,15 @@ def _federation(tmp_path: Path, species: list[dict] | None = None) -> tuple[CliR
     return runner, str(config)
 
 
-def _enrolled(tmp_path: Path) -> tuple[CliRunner, str]:
+def _enrolled(tmp_path: Path, species: list[dict] | None = None,
+              sites: tuple[str, ...] = ("site-a",)) -> tuple[CliRunner, str]:
     from shared.keys import generate_signing_key, save_public_key
 
-    runner, config = _federation(tmp_path)
-    pub = save_public_key(generate_signing_key().public_key(), tmp_path / "site.pub")
-    res = runner.invoke(app, ["enrol", "site-a", "--public-key", str(pub), "--config", config])
-    assert res.exit_code == 0, res.output
+    runner, config = _federation(tmp_path, species)
+    for site in sites:
+        pub = save_public_key(generate_signing_key().public_key(), tmp_path / f"{site}.pub")
+        res = runner.invoke(app, ["enrol", site, "--public-key", str(pub), "--config", config])
+        assert res.exit_code == 0, res.output
     return runner, config
 
 
@@ -134,14 +136,14 @@ def test_unknown_deployment_warns_and_export_counts_what_it_left_out(tmp_path: P
     out = _flat(res.output)
     assert res.exit_code == 0, res.output
     assert "2 new" in out  # imported all the same
-    assert "warning: deployment 'no-such-dep' is not in the deployments table" in out
-    assert "wildfed-coordinator import-deployments PATH" in out
+    assert "warning: deployment 'no-such-dep' of site site-a is not in the deployments table" in out
+    assert "wildfed-coordinator import-deployments PATH --site site-a" in out
     res = runner.invoke(app, ["export-camtrap-dp", str(tmp_path / "out"), "--role", "ranger", "--config", config])
     out = _flat(res.output)
     assert res.exit_code == 0, res.output
     meta = json.loads((tmp_path / "out" / "datapackage.json").read_text())
     assert meta["wildfed"]["recordsLeftOut"] == 2
-    assert "warning: 2 record(s) left out: their deployment(s) no-such-dep have no coordinates" in out
+    assert "warning: 2 record(s) left out: their deployment(s) site-a/no-such-dep have no coordinates" in out
 
     # once the deployment is known: no warning, nothing left out
     pkg = tmp_path / "pkg"
@@ -223,7 +225,7 @@ def test_reimport_summary_says_images_are_held_not_new(tmp_path: Path) -> None:
 # ---- 6. import-deployments: unknown species, a wrong --format --------------------------------------------------
 
 def test_import_deployments_lists_species_the_table_does_not_know(tmp_path: Path) -> None:
-    runner, config = _federation(tmp_path, species=[
+    runner, config = _enrolled(tmp_path, species=[
         {"scientific_name": "Panthera onca", "class_index": 0, "iucn_category": "NT"}])
     res = runner.invoke(app, ["import-deployments", str(_package(tmp_path / "pkg")), "-c", config])
     out = _flat(res.output)
@@ -235,7 +237,7 @@ def test_import_deployments_lists_species_the_table_does_not_know(tmp_path: Path
 
 
 def test_import_deployments_counts_deployments_per_unknown_species_of_this_import_only(tmp_path: Path) -> None:
-    runner, config = _federation(tmp_path)  # no species table: every species is unknown
+    runner, config = _enrolled(tmp_path)  # no species table: every species is unknown
     other = tmp_path / "other"
     other.mkdir()
     (other / "deployments.csv").write_text("deploymentID,locationName,latitude,longitude\nz9,far,1.0,1.0\n")
@@ -251,7 +253,7 @@ def test_import_deployments_counts_deployments_per_unknown_species_of_this_impor
 
 
 def test_import_deployments_known_species_give_no_warning(tmp_path: Path) -> None:
-    runner, config = _federation(tmp_path, species=[
+    runner, config = _enrolled(tmp_path, species=[
         {"scientific_name": "Panthera onca", "class_index": 0, "iucn_category": "NT"},
         {"scientific_name": "Tapirus bairdii", "class_index": 1, "iucn_category": "EN"},
         {"scientific_name": "Leopardus pardalis", "class_index": 2, "iucn_category": "LC"}])
@@ -260,13 +262,31 @@ def test_import_deployments_known_species_give_no_warning(tmp_path: Path) -> Non
 
 
 def test_import_deployments_wrong_format_is_a_clear_error(tmp_path: Path) -> None:
-    runner, config = _federation(tmp_path)
+    runner, config = _enrolled(tmp_path)
     pkg = _package(tmp_path / "pkg")
     res = runner.invoke(app, ["import-deployments", str(pkg), "--format", "wildlife-insights", "-c", config])
     out = _flat(res.output)
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "error:" in out
     assert "not a wildlife-insights table" in out and "--format camtrap-dp" in out
+
+
+def test_import_deployments_names_the_site_when_it_is_not_clear(tmp_path: Path) -> None:
+    pkg = str(_package(tmp_path / "pkg"))
+    runner, config = _federation(tmp_path)
+    res = runner.invoke(app, ["import-deployments", pkg, "-c", config])
+    out = _flat(res.output)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "error: --site: no site is enrolled" in out and "then import with --site SITE" in out
+    runner, config = _enrolled(tmp_path / "two", sites=("site-a", "site-b"))
+    res = runner.invoke(app, ["import-deployments", pkg, "-c", config])
+    out = _flat(res.output)
+    assert res.exit_code == 2, res.output
+    assert "2 sites are enrolled" in out and "--site SITE (one of site-a, site-b)" in out
+    res = runner.invoke(app, ["import-deployments", pkg, "--site", "site-c", "-c", config])
+    assert res.exit_code == 2 and "site 'site-c' is not enrolled" in _flat(res.output), res.output
+    res = runner.invoke(app, ["import-deployments", pkg, "--site", "site-b", "-c", config])
+    assert res.exit_code == 0 and "imported 2 deployment(s) of site site-b" in _flat(res.output), res.output
 
 
 # ---- 7. user set-password; user add reads the config first -----------------------------------------------------

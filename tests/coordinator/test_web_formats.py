@@ -321,7 +321,7 @@ def _federation(tmp_path: Path, extra_blank: int = 0) -> Store:
     store = _store(tmp_path, "site-a")
     with store.session() as s:
         for dep, (lat, lon, name) in TRUE.items():
-            s.add(DeploymentRow(deployment_id=dep, latitude=lat, longitude=lon, location_name=name,
+            s.add(DeploymentRow(site_id="site-a", deployment_id=dep, latitude=lat, longitude=lon, location_name=name,
                                 source="test", categories_json="[]"))
     d1 = {"info": {"format_version": "1.4", "detector": "md"},
           "detection_categories": {"1": "animal", "2": "person"},
@@ -374,8 +374,11 @@ def test_export_follows_the_role_and_the_standard(tmp_path: Path) -> None:
         for row in out[role]["observations.csv"][1]:
             assert row["observationType"] in OBSERVATION_TYPES and row["observationLevel"] == "media"
 
-    ranger = {r["deploymentID"]: r for r in out[Role.RANGER]["deployments.csv"][1]}
-    partner = {r["deploymentID"]: r for r in out[Role.PARTNER]["deployments.csv"][1]}
+    for role in (Role.RANGER, Role.PARTNER):  # deploymentID: "<site>/<deployment>", unique across sites
+        assert sorted(r["deploymentID"] for r in out[role]["deployments.csv"][1]) == ["site-a/d1", "site-a/d2"]
+        assert {r["deploymentID"] for r in out[role]["media.csv"][1]} == {"site-a/d1", "site-a/d2"}
+    ranger = {r["deploymentID"].removeprefix("site-a/"): r for r in out[Role.RANGER]["deployments.csv"][1]}
+    partner = {r["deploymentID"].removeprefix("site-a/"): r for r in out[Role.PARTNER]["deployments.csv"][1]}
     for dep, (lat, lon, name) in TRUE.items():
         assert (float(ranger[dep]["latitude"]), float(ranger[dep]["longitude"])) == (lat, lon)
         assert (ranger[dep]["locationName"], ranger[dep]["coordinateUncertainty"]) == (name, "")
@@ -466,7 +469,7 @@ def test_cli_import_then_export_as_partner(tmp_path: Path) -> None:
     r = runner.invoke(app, ["export-camtrap-dp", str(tmp_path / "out"), "--role", "partner", "--config", config])
     assert r.exit_code == 0, r.output
     meta = json.loads((tmp_path / "out" / "datapackage.json").read_text())
-    assert meta["wildfed"] == {"role": "partner", "unplacedDeployments": ["dep1"], "recordsLeftOut": 4}
+    assert meta["wildfed"] == {"role": "partner", "unplacedDeployments": ["site-a/dep1"], "recordsLeftOut": 4}
     assert runner.invoke(app, ["export-camtrap-dp", str(tmp_path / "x"), "--role", "admin",
                                "--config", config]).exit_code == 2
 

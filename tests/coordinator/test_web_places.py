@@ -28,8 +28,11 @@ import yaml
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from shared.keys import generate_signing_key, public_key_to_pem
+
 from coordinator.cli import app as cli_app
 from coordinator.config import load_config
+from coordinator.registry import SiteRegistry
 from coordinator.storage import DeploymentRow, PlaceRow, Store
 from coordinator.web.app import create_app
 from coordinator.web.auth import AccountStore
@@ -38,6 +41,7 @@ from tests.coordinator.test_web_app import login
 from tests.coordinator.helpers import wide_cli_consoles
 from tests.coordinator.web_fixtures import HASHER
 
+SITE = "site-1"  # the one enrolled site every package belongs to
 TRUTH = (-2.4017, 34.9123)  # the station
 SPECIES = [{"scientific_name": "Diceros bicornis", "class_index": 0, "iucn_category": "CR"},
            {"scientific_name": "Phacochoerus africanus", "class_index": 1, "iucn_category": "LC"}]
@@ -80,6 +84,8 @@ def federation(tmp_path: Path) -> tuple[CliRunner, str]:
     accounts = AccountStore(store, hasher=HASHER)
     for user, (role, password) in USERS.items():
         accounts.create(user, password, role)
+    # one enrolled site: import-deployments then needs no --site
+    SiteRegistry(store).enrol(SITE, public_key_to_pem(generate_signing_key().public_key()))
     store.dispose()
     return runner, str(config)
 
@@ -245,7 +251,7 @@ def test_reimport_without_the_cr_observation_keeps_every_place_protected(tmp_pat
         assert not any(name in text for _, name, *_ in deps), user
     with store.session() as s:
         assert {r.deployment_id: r.species_json for r in s.query(DeploymentRow)}["dep00"] == '["Phacochoerus africanus"]'
-        place = next(p for p in s.query(PlaceRow) if p.members_json == '["dep00"]')
+        place = next(p for p in s.query(PlaceRow) if p.members_json == f'["{SITE}/dep00"]')
         assert place.earned_at is not None and "Diceros bicornis" in place.earned_reason
 
     # an operator lifts one place, on the record; the other 29 stay protected
@@ -253,7 +259,7 @@ def test_reimport_without_the_cr_observation_keeps_every_place_protected(tmp_pat
     res = runner.invoke(cli_app, ["places", "lift", str(place.id), "--reason", "the rhino record was a mislabelled "
                                   "warthog", "--by", "olga", "-c", config])
     assert res.exit_code == 0, res.output
-    assert f"lifted place {place.id} (dep00) by olga" in _flat(res.output)
+    assert f"lifted place {place.id} ({SITE}/dep00) by olga" in _flat(res.output)
     assert any("lifted by olga" in r.getMessage() and "mislabelled warthog" in r.getMessage() for r in caplog.records)
     seen = shown(app, "paul")
     assert not seen["dep00"]["fuzzed"] and seen["dep00"]["name"] == "pan 0 by the fig tree"
@@ -390,8 +396,10 @@ def test_a_megadetector_reimport_that_drops_the_cr_species_keeps_the_place_prote
     runner, config = federation(tmp_path)
     pub = save_public_key(generate_signing_key().public_key(), tmp_path / "site.pub")
     assert runner.invoke(cli_app, ["enrol", "site-a", "--public-key", str(pub), "-c", config]).exit_code == 0
-    import_deployments(runner, config, package(tmp_path / "pkg", [("d1", "pan", *TRUTH)],
-                                               [("d1", "Phacochoerus africanus")]))
+    res = runner.invoke(cli_app, ["import-deployments", str(package(tmp_path / "pkg", [("d1", "pan", *TRUTH)],
+                                                                    [("d1", "Phacochoerus africanus")])),
+                                  "--site", "site-a", "-c", config])
+    assert res.exit_code == 0, res.output
 
     def results(species: str) -> Path:
         path = tmp_path / f"md-{species.split()[0]}.json"
@@ -426,12 +434,12 @@ def test_lifting_a_place_whose_deployments_are_someone_elses_neighbours_says_so(
     store, app = web(config)
     with store.session() as s:
         ids = {json.loads(p.members_json)[0]: p.id for p in s.query(PlaceRow) if p.members_json != "[]"}
-    pa, pb = ids["st-a"], ids["st-b"]
+    pa, pb = ids[f"{SITE}/st-a"], ids[f"{SITE}/st-b"]
     res = runner.invoke(cli_app, ["places", "lift", str(pb), "--reason", "warthog", "--by", "olga", "-c", config])
     assert res.exit_code == 0, res.output
     out = _flat(res.output)
     assert f"lifted place {pb}" in out
-    assert f"st-b of place {pb} are still shown fuzzed, as neighbours of place {pa} (fix: lift that place too)" in out
+    assert f"{SITE}/st-b of place {pb} are still shown fuzzed, as neighbours of place {pa} (fix: lift that place too)" in out
     seen = shown(app, "paul")
     assert seen["st-b"]["fuzzed"] and (seen["st-b"]["latitude"], seen["st-b"]["longitude"]) == (
         seen["st-a"]["latitude"], seen["st-a"]["longitude"])
@@ -441,7 +449,7 @@ def test_lifting_a_place_whose_deployments_are_someone_elses_neighbours_says_so(
     assert res.exit_code == 2, res.output
     assert "lifted place" not in out
     assert f"place {pb} has nothing to lift: its protection is already lifted" in out
-    assert f"(st-b) are protected as neighbours of place {pa}" in out
+    assert f"({SITE}/st-b) are protected as neighbours of place {pa}" in out
     with store.session() as s:
         assert s.get(PlaceRow, pb).lift_reason == "warthog"  # the refused lift changed nothing
     store.dispose()

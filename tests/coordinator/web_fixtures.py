@@ -1,6 +1,7 @@
 """A coordinator state for the web-view tests: accounts of every role, deployments (the real Wildlife Insights
-"cristales" project when ../shared/data is present, else two synthetic ones), and detection records that came in
-through the verified ingest path (signed by enrolled sites), plus one forged record that ingest rejected.
+"cristales" project when ../shared/data is present, else two synthetic ones, imported as site-a's), and detection
+records that came in through the verified ingest path (signed by enrolled sites), plus one forged record that ingest
+rejected.
 
 Species categories are the IUCN Red List statuses of these species (Tayassu pecari VU, Tapirus terrestris VU,
 Cuniculus paca LC, Dasypus novemcinctus LC, Pecari tajacu LC; Panthera onca NT).
@@ -43,7 +44,8 @@ FORGED_SPECIES = "Forged forgery"
 
 @dataclass
 class WebState:
-    """What :func:`seed` built: the config, store, deployments (id -> (lat, lon, sensitive?)), and the ids of the
+    """What :func:`seed` built: the config, store, deployments (id -> (lat, lon, sensitive?), all of them site
+    ``deployments_site``'s: deployments are keyed by site, so site-b's records are unplaced), and the ids of the
     stored detection rows by media id (``detections``: row ids, as rangers name them; ``refs``: as partners and the
     public name them, coordinator.web.views.Viewer.record_ref)."""
 
@@ -53,6 +55,7 @@ class WebState:
     detections: dict[str, int] = field(default_factory=dict)
     real_data: bool = False
     refs: dict[str, str] = field(default_factory=dict)  # media id -> "site~media", how partners name a record
+    deployments_site: str = "site-a"
 
 
 def _synthetic_package(root: Path) -> Path:
@@ -106,20 +109,20 @@ def seed(tmp_path: Path, *, real_data: bool = True, unknown_species: str = "ne")
         accounts.create(user, PASSWORDS[user], role)
     category_of = species_table_categories(cfg.species)
     use_real = real_data and WI_CRISTALES.is_dir()
-    if use_real:
-        import_wildlife_insights(store, WI_CRISTALES, category_of)
-        deployments = _real_deployments()
-    else:
-        import_camtrap_dp(store, _synthetic_package(tmp_path / "pkg"), category_of)
-        deployments = {"dep-river": (-2.3301, 34.8302, True), "dep-ridge": (-2.3555, 34.8801, False)}
-    sensitive = sorted(d for d, (_, _, s) in deployments.items() if s)
-    plain = sorted(d for d, (_, _, s) in deployments.items() if not s)
-    state = WebState(cfg, store, deployments, real_data=use_real)
-
+    state_site = WebState.deployments_site
     registry = SiteRegistry(store)
     keys = {site: generate_signing_key() for site in ("site-a", "site-b")}
     for site, key in keys.items():
         registry.enrol(site, public_key_to_pem(key.public_key()))
+    if use_real:
+        import_wildlife_insights(store, WI_CRISTALES, category_of, site_id=state_site)
+        deployments = _real_deployments()
+    else:
+        import_camtrap_dp(store, _synthetic_package(tmp_path / "pkg"), category_of, site_id=state_site)
+        deployments = {"dep-river": (-2.3301, 34.8302, True), "dep-ridge": (-2.3555, 34.8801, False)}
+    sensitive = sorted(d for d, (_, _, s) in deployments.items() if s)
+    plain = sorted(d for d, (_, _, s) in deployments.items() if not s)
+    state = WebState(cfg, store, deployments, real_data=use_real)
     ingest = DetectionIngestor(federation_id=FED, store=store, registry=registry)
     plan = [  # (media, site, deployment, species, capture time)
         ("a1" * 16, "site-a", sensitive[0], "Tayassu pecari", "2024-03-05T06:12:00-05:00"),
