@@ -168,6 +168,7 @@ class FieldService:
                 image = im.convert("RGB")
         except OSError as exc:  # truncated (still arriving) or not an image
             self.stats.deferred += 1
+            log.info("field: %s does not decode yet (%s); read again once it is whole", path, exc)
             if self.incoming.defer(path, str(exc)):
                 self.stats.failed += 1
                 self.stats.last_error = f"{path.name}: does not decode ({exc})"
