@@ -140,7 +140,7 @@ class Bench:
         self.sites = [f"site{i:03d}" for i in range(k)]
         self.keys = {s: generate_signing_key() for s in self.sites}
         for s in self.sites:
-            self.registry.enrol(s, public_key_to_pem(self.keys[s].public_key()), {"num_examples": 100})
+            self.registry.enrol(s, public_key_to_pem(self.keys[s].public_key()), {"capacity": 100})
         self.deltas = [update_delta(self.template, i) for i in range(min(k, 4))]  # 4 distinct deltas, reused
         self.strategy = None
 

@@ -136,7 +136,7 @@ def main() -> None:
     registry = SiteRegistry(store)
     sites = [(f"gw{i:03d}", generate_signing_key()) for i in range(args.gateways)]
     for site_id, k in sites:
-        registry.enrol(site_id, public_key_to_pem(k.public_key()), {"num_examples": 100})
+        registry.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100})
 
     # Gateway workers: connect, then make their signed updates for round 1.
     pipes, procs = spawn_workers(sites, workers=args.workers, broker_url=args.broker, federation_id=fed,

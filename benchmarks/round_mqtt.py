@@ -82,7 +82,7 @@ def main() -> None:
     coord = Coordinator(cfg, signing_key=key, initial_weights=template)
     sites = [(f"gw{i:03d}", generate_signing_key()) for i in range(args.gateways)]
     for site_id, k in sites:
-        coord.enrol(site_id, public_key_to_pem(k.public_key()), {"num_examples": 100})
+        coord.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100})
     coord.start()
     print(f"round_mqtt: {args.gateways} gateways in {args.workers} worker process(es), model {args.params:,} float32 "
           f"parameters, broker {args.broker}, chunks of {args.chunk_size} bytes, federation {fed}; {load_average()}",

@@ -474,6 +474,9 @@ class SecureAggregationRound:
             Skellam event of its categories' clipping norms (:func:`distributed_events`).
             key_timeout_s / shares_timeout_s / stage_timeout_s: waits. noise: secure source.
         after_charge: called after charging, before unmasking (the crash-test hook).
+        capacities: per site, its declared capacity N_k (registry metadata; the tasks carried it): the sampling
+            rate's denominator and the normaliser's weight. A masked sum reporting another N_k is refused (treated
+            as dropped). A site missing here is taken at the N_k it reports.
     """
 
     def __init__(self, *, federation_id: str, round: int, model_hash: str, template: Mapping[str, np.ndarray],
@@ -487,7 +490,7 @@ class SecureAggregationRound:
                  expected_batch_size: int, noise_multiplier: float, shares_timeout_s: float, stage_timeout_s: float,
                  distributed: bool = False,
                  noise: RandomSource | None = None, after_charge: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, capacities: Mapping[str, int] | None = None) -> None:
         self.federation_id, self.round, self.model_hash = federation_id, round, model_hash
         self.template = template
         self.settings = settings
@@ -508,6 +511,7 @@ class SecureAggregationRound:
         self._after_charge = after_charge
         self._clock = clock
         self._n: dict[str, int] = {}
+        self._capacities = dict(capacities or {})
         self._charged: dict[str, Mapping[IUCNCategory, DPSGDEvent]] = {}
 
     def _send(self, site: str, stage: str, body: Mapping[str, object]) -> None:
@@ -589,6 +593,10 @@ class SecureAggregationRound:
         sites: dict[str, tuple[float, tuple[IUCNCategory, ...]]] = {}
         for site, (vector, n, categories) in list(self._inbox().masked.items()):
             if site not in participants:
+                continue
+            declared = self._capacities.get(site)
+            if declared is not None and n != declared:
+                self._reject(site, f"reports N_k={n}, its declared capacity is {declared}; treated as dropped")
                 continue
             halted = sorted(c.value for c in categories if c in self._halted.get(site, frozenset()))
             if halted:

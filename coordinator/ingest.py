@@ -26,8 +26,9 @@ whole envelopes here. :meth:`Ingestor.handle` then checks, in this order (the fi
  12   payload decodes (shared.protocol.decode_update)                           ``malformed_payload``
  13   tensors have the model's names, shapes and dtypes                         ``wrong_tensors``
  14   every value is finite                                                     ``non_finite``
- 15   report is sane: num_examples >= 1, 1 <= local_steps <= task's, each       ``bad_report``
-      event's steps <= local_steps, events present when privacy is on
+ 15   report is sane: num_examples >= 1 and (camera) the site's declared         ``bad_report``
+      capacity, 1 <= local_steps <= task's, each event's steps <= local_steps,
+      events present when privacy is on
  16   no halted category was trained                                            ``halted_category``
  17   no event takes its (site, category) spend past the budget                 ``over_budget``
 ==== ======================================================================== =====================
@@ -821,11 +822,21 @@ class Ingestor:
             if not np.all(np.isfinite(d)):
                 raise _Reject(RejectReason.NON_FINITE, f"tensor {name!r} has NaN or infinite values")
 
+    def _declared_capacity(self, site_id: str) -> int | None:
+        try:
+            return self._registry.get(site_id).capacity
+        except UnknownSiteError:
+            return None
+
     def _check_report(self, ctx: RoundContext, site_id: str, report: UpdateReport
                       ) -> dict[IUCNCategory, DPSGDEvent]:
         n, steps = report.num_examples, report.local_steps
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HEADER_ROUND:
             raise _Reject(RejectReason.BAD_REPORT, f"num_examples is {n!r}, must be a positive integer")
+        declared = self._declared_capacity(site_id) if ctx.expected_events is None else None
+        if declared is not None and n != declared:  # camera rounds: N_k is the public capacity, never a count
+            raise _Reject(RejectReason.BAD_REPORT, f"num_examples is {n}, the site's declared capacity is {declared} "
+                          "(a gateway reports its capacity, never its record count: upgrade it)")
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= ctx.local_steps:
             raise _Reject(RejectReason.BAD_REPORT, f"local_steps is {steps!r}, task asked for {ctx.local_steps}")
         events = {IUCNCategory(c): e for c, e in report.events.items()}

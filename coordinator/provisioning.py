@@ -230,7 +230,7 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         broker_url: what the gateway connects to; default the profile's ``broker.url``, else ``config.broker_url``.
         species: the site's species table rows (``scientific_name``, ``class_index``, ``iucn_category``).
         dataset: the Camtrap DP folder on the gateway (default ``<profile data>/camtrap``).
-        metadata: public enrolment metadata (``num_examples``, ``species``, ...; see coordinator.registry).
+        metadata: public enrolment metadata (``capacity``, ``species``, ...; see coordinator.registry).
         wheel: a prebuilt ``wildfed-*.whl`` (default: build from the source, cached in ``wheel_cache``).
         wheel_cache: default ``<data_dir>/wheels``.
         force: replace an existing file at ``out``.

@@ -2,7 +2,8 @@
 
 Enrolment binds a ``site_id`` to a public key (PEM, shared.keys) and to metadata that the federation declares
 *public*: the site's species list (used later by NIRA clustering; CR/EN species are left out by default, see
-DESIGN.md "Privacy semantics"), ``num_examples`` (the FedAvg weight N_k), biome, monitoring period. Nothing else
+the privacy semantics of docs/privacy.md), ``capacity`` (the declared capacity N_k: the FedAvg weight and the sampling
+rate's denominator, a public constant, never the record count), biome, monitoring period. Nothing else
 about a site's data is stored here.
 
 Key rotation and revocation (docs/security.md): a site's *current* key is the one in ``sites`` (what
@@ -186,8 +187,9 @@ class Site:
     Attributes:
         site_id: topic-safe identifier (``SITE_ID_PATTERN``).
         public_key: the site's Ed25519 verification key.
-        metadata: public metadata (JSON object): ``species`` (list of str), ``num_examples`` (int >= 1),
-            ``biome`` (str), ... .
+        metadata: public metadata (JSON object): ``capacity`` (int >= 1: the site's declared capacity, a public
+            constant the operator chooses without looking at the exact record count, docs/privacy.md "No uncharged
+            counts"), ``species`` (list of str), ``biome`` (str), ... .
     """
 
     site_id: str
@@ -195,9 +197,11 @@ class Site:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def num_examples(self) -> int | None:
-        """Declared (public) number of local records, or None if not declared."""
-        n = self.metadata.get("num_examples")
+    def capacity(self) -> int | None:
+        """The site's declared capacity N_k (public: its sampling rate's denominator and FedAvg weight), or None if
+        not declared. A site enrolled with the older ``num_examples`` key has that value as its capacity (it was
+        released at enrolment already)."""
+        n = self.metadata.get("capacity", self.metadata.get("num_examples"))
         return int(n) if n is not None else None
 
     @property
@@ -214,10 +218,15 @@ def _validate_metadata(site_id: str, metadata: Mapping[str, Any]) -> dict[str, A
         raise EnrolmentError(f"metadata of site {site_id!r} is not JSON-serialisable: {exc}", field="metadata",
                              fix="pass a JSON object of strings, numbers and lists") from exc
     if "num_examples" in meta:
-        n = meta["num_examples"]
+        raise EnrolmentError(f"metadata.num_examples of site {site_id!r}: a site's exact record count would leave it "
+                             "uncharged (it tells neighbouring datasets apart)", field="metadata.num_examples",
+                             fix="declare the site's capacity instead, a round number chosen without counting the "
+                                 'records (e.g. its expected photos a year): --metadata \'{"capacity": 1000}\'')
+    if "capacity" in meta:
+        n = meta["capacity"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise EnrolmentError(f"metadata.num_examples of site {site_id!r} is {n!r}", field="metadata.num_examples",
-                                 fix="give a positive integer count of local records")
+            raise EnrolmentError(f"metadata.capacity of site {site_id!r} is {n!r}", field="metadata.capacity",
+                                 fix="give a positive integer: the site's declared capacity (docs/privacy.md)")
     if "species" in meta:
         sp = meta["species"]
         if not isinstance(sp, list) or not all(isinstance(x, str) for x in sp):

@@ -76,7 +76,7 @@ from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.outgoing import answer_download_receipt, outgoing_task_path, send_task_bytes, store_outgoing_task
 from coordinator.partial_sums import collect_round
-from coordinator.registry import Site, SiteRegistry
+from coordinator.registry import UnknownSiteError, Site, SiteRegistry
 from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport, pipelined_publish
@@ -473,10 +473,10 @@ class RoundManager:
         distributed = cfg.global_noise == "distributed"
         budgets = cfg.budgets()
         enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
-        # each site's q_k from its enrolled (public) record count; 1.0 where unknown, which only raises z, and
+        # each site's q_k from its declared capacity (public); 1.0 where unknown, which only raises z, and
         # 1.0 under distributed noise (no subsampling credited: shared.privacy.distributed.site_sampling_rate)
         rates = {s: site_sampling_rate(cfg.expected_batch_size,
-                                       enrolled[s].num_examples if s in enrolled else None, distributed=distributed)
+                                       enrolled[s].capacity if s in enrolled else None, distributed=distributed)
                  for s in selected}
         settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
                                         clipping_norm=float(cfg.clipping_norm),
@@ -517,7 +517,9 @@ class RoundManager:
                 expected_batch_size=cfg.expected_batch_size, noise_multiplier=z, distributed=distributed,
                 shares_timeout_s=cfg.round_deadline_s,
                 stage_timeout_s=cfg.secagg.stage_timeout_s, after_charge=lambda: _test_crash_point("after_ledger"),
-                clock=self._clock).run()
+                clock=self._clock,
+                capacities={s: enrolled[s].capacity for s in selected if s in enrolled and enrolled[s].capacity}
+                ).run()
         finally:
             self._secagg.close_round()
         new_hash = base_hash
@@ -595,8 +597,16 @@ class RoundManager:
                             ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
                             distributed_noise=distributed_noise, feature_centre=feature_centre,
                             class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
-                            prediction_offsets=self.prediction_offsets(r))
+                            prediction_offsets=self.prediction_offsets(r), capacity=self._capacity(site_id))
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
+
+    def _capacity(self, site_id: str) -> int | None:
+        """The site's declared capacity (enrolment metadata), sent in its camera tasks; None when it declared none
+        (its gateway then refuses the task, naming the fix)."""
+        try:
+            return self._registry.get(site_id).capacity
+        except UnknownSiteError:
+            return None
 
     def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,
                    weights: Mapping[str, np.ndarray], artifacts: Mapping[str, bytes] | None) -> None:

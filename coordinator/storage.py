@@ -138,7 +138,7 @@ class Base(DeclarativeBase):
 
 
 class SiteRow(Base):
-    """An enrolled gateway. ``metadata_json`` holds only public metadata (species list, biome, num_examples)."""
+    """An enrolled gateway. ``metadata_json`` holds only public metadata (species list, biome, declared capacity)."""
 
     __tablename__ = "sites"
     site_id: Mapped[str] = mapped_column(String(128), primary_key=True)

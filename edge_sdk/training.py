@@ -7,13 +7,16 @@ mechanism and its calibration (``edge_sdk.privacy.ccdp``: individualized DP-SGD)
 its category's rate q_c, take per-example gradients, privatise them (clip at the category's C_c, one Gaussian draw,
 normalise by q * N_site), take one SGD step.
 
-Sampling rate and normaliser (docs/privacy.md "What halting reveals"): q = min(1, B / N_site) with B the task's
-``expected_batch_size`` and N_site the number of the site's records, all categories together (the site's declared
-public count, the FedAvg weight reported as ``UpdateReport.num_examples``). q is the anchor category's rate (the
-"Sample" variant samples the other categories at calibrated q_c <= q). Records of a halted category are simply
-not sampled, and each step is normalised by q * N_site, so neither q, nor the normaliser, nor ``num_examples``
-changes when a category halts: nothing that leaves the gateway is a function of a per-category count (only the noisy
-class counts NIRA may ask for, which are noised and charged). The plan is calibrated for
+Sampling rate and normaliser (docs/privacy.md "No uncharged counts"): q = min(1, B / N_k) with B the task's
+``expected_batch_size`` and N_k the site's declared capacity (``TrainingTask.capacity``: a public constant the
+operator declared at enrolment, never the number of records; the FedAvg weight reported as
+``UpdateReport.num_examples``). q is the anchor category's rate (the "Sample" variant samples the other categories at
+calibrated q_c <= q). Records of a halted category are simply not sampled, every record present is sampled at its
+category's rate whatever the number of records, and each step is normalised by the constant q * N_k: so neither q,
+nor the normaliser, nor ``num_examples`` depends on the site's data, and adding or removing one record changes the
+released sum by that record's clipped gradient alone (add/remove-one neighbours). Nothing that leaves the gateway is
+a function of a count (only the noisy class counts NIRA may ask for, which are noised and charged). A task without a
+capacity (in-process simulations) uses the dataset's size in its place. The plan is calibrated for
 ``planned_rounds * local_steps`` steps; the events reported are those of the steps actually run.
 """
 
@@ -238,17 +241,18 @@ class TrainingInputs:
 
 def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
                  ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
-    """``(active categories, eligible mask bool (N,), N_site, q)`` with q = min(1, B / N_site), or 1 for a
+    """``(active categories, eligible mask bool (N,), N_k, q)`` with q = min(1, B / N_k), or 1 for a
     distributed-noise Global DP task (:func:`shared.privacy.distributed.site_sampling_rate`).
 
-    ``N_site = len(dataset)`` is the site's public record count (every category, halted or not); the mask marks the
-    records of active categories, the only ones ever sampled. q and N_site depend only on public values (B, the
-    site's public count), never on how many records a category holds: a halt changes neither (docs/privacy.md).
-    An active category with no records still trains (noise only), so whether the site trains is decided by public
-    facts alone (its species table and the halted list).
+    ``N_k`` is the site's declared capacity (``task.capacity``; the dataset's size for a task without one, in
+    in-process simulations); the mask marks the records of active categories, the only ones ever sampled. q and N_k
+    depend only on public values, never on how many records the site or a category holds (docs/privacy.md). A site
+    or an active category with no records still trains (noise only), so whether the site trains is decided by
+    public facts alone (its species table and the halted list).
 
     Raises:
-        PrivacyBudgetError: every category of the site's species table is halted, or the site has no records.
+        PrivacyBudgetError: every category of the site's species table is halted, or a task without a capacity
+            meets an empty dataset.
     """
     active = active_categories(site_categories, task.halted)
     if not active:
@@ -256,7 +260,7 @@ def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Ite
             f"round {task.round}: every category is halted (halted {[c.value for c in task.halted]}): "
             "the site does not train"
         )
-    n_site = len(dataset)
+    n_site = len(dataset) if task.capacity is None else int(task.capacity)
     if n_site == 0:
         raise PrivacyBudgetError(f"round {task.round}: the site has no records: the site does not train")
     eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
@@ -396,9 +400,9 @@ class ClippedSum:
     Attributes:
         gradient_sum: ``{name: float32 array}``, sum over one Poisson-sampled batch of the per-example gradients,
             each clipped to L2 norm C (same names and shapes as the global model).
-        num_examples: N_site, the site's public record count (every category; unchanged by a halt).
+        num_examples: N_k, the site's declared capacity (``TrainingTask.capacity``; public, unchanged by the data).
         categories: the active categories (public: species table minus halted ones), IUCN rank order.
-        sampling_rate: q = min(1, B / N_site).
+        sampling_rate: q = min(1, B / N_k).
         batch_size: the realised batch size (stays on the gateway: it is data-dependent).
         sampling_rates: ``{category: q_c}``, each active category's rate (individualized DP-SGD "Sample" at the
             task's noise multiplier; the coordinator computes the same values to charge the ledger).

@@ -257,9 +257,9 @@ class TrainingTask:
     Attributes:
         federation_id, round, model_hash: identify the round and the global model version (hex SHA-256).
         local_steps: DP-SGD steps to run this round.
-        expected_batch_size: B; the site samples at rate q = min(1, B / N_site), N_site its public record count
-            (every category: a halted category's records are not sampled, but they stay in N_site); q = 1 for a
-            distributed-noise task (``shared.privacy.distributed.site_sampling_rate``).
+        expected_batch_size: B; the site samples at rate q = min(1, B / N_k), N_k its declared ``capacity``
+            (below; a public constant, never its record count); q = 1 for a distributed-noise task
+            (``shared.privacy.distributed.site_sampling_rate``).
         learning_rate: local SGD step size.
         clipping_norm: C, L2 bound of each per-example gradient.
         target_delta: delta of every category's (eps, delta) guarantee.
@@ -313,6 +313,11 @@ class TrainingTask:
             adjustment (Menon et al. 2021, sec. 4) the coordinator computed from public registry metadata
             (:mod:`shared.models.logit_adjustment`). The site trains on the global model as sent and keeps for
             ``detect`` the model with ``psi.bias - offsets``. None (default, left out of the JSON) = no adjustment.
+        capacity: camera tasks: N_k, the site's declared capacity (an integer >= 1 the operator declared at
+            enrolment, public and independent of the site's data, docs/privacy.md "No uncharged counts"): the base
+            sampling rate is min(1, B / N_k), a step is normalised by its expected batch q N_k, and the site reports
+            N_k as its ``UpdateReport.num_examples``. A gateway refuses a camera task without it. None (left out
+            of the JSON): radio tasks, and in-process simulations where the dataset's own size stands in.
     """
 
     federation_id: str
@@ -338,9 +343,12 @@ class TrainingTask:
     feature_centre: str | None = None
     class_reweighting: float = 0.0
     prediction_offsets: tuple[float, ...] | None = None
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        if self.capacity is not None:
+            _positive("capacity", self.capacity, integer=True)
         offsets = self.prediction_offsets
         if offsets is not None:
             if (isinstance(offsets, (str, bytes, Mapping)) or not isinstance(offsets, Sequence) or len(offsets) < 2
@@ -449,7 +457,8 @@ class TrainingTask:
                 **({"feature_centre": self.feature_centre} if self.feature_centre is not None else {}),
                 **({"class_reweighting": float(self.class_reweighting)} if self.class_reweighting else {}),
                 **({"prediction_offsets": list(self.prediction_offsets)}
-                   if self.prediction_offsets is not None else {})}
+                   if self.prediction_offsets is not None else {}),
+                **({"capacity": self.capacity} if self.capacity is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -457,9 +466,10 @@ class UpdateReport:
     """What a site reports with its model delta (the payload tensors).
 
     Attributes:
-        num_examples: N_k, the site's record count over every category of its species table, halted or not:
-            declared public metadata (it is the FedAvg weight; docs/privacy.md). It never depends on which
-            categories are halted, so it reveals no per-category count.
+        num_examples: N_k, the weight the site is counted with in FedAvg: its declared capacity (the task's
+            ``capacity``), a public constant that does not depend on the site's data (docs/privacy.md, "No uncharged
+            counts"); the coordinator refuses a report whose N_k is not the site's enrolled capacity. (In-process
+            simulations without a capacity report the dataset's size.)
         local_steps: steps actually run.
         events: per IUCN category, the DP-SGD event that was run (empty for privacy "none").
         species_counts: ``{class index: noisy record count}`` for every class of the model when the task asked

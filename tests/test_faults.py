@@ -210,7 +210,7 @@ def test_gateway_killed_mid_upload_resumes_and_the_update_arrives_once(tmp_path:
     coord = Coordinator(gateway_config(tmp_path / "coord", mqtt_url, federation_id=fed), signing_key=key)
     site_yaml, site_key = write_site(tmp_path / "g1", fed=fed, site_id="g1", coordinator_key=key,
                                      broker_url=mqtt_url, chunk_size_bytes=CHUNK, resend_interval_s=600.0)
-    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"num_examples": 3, "categories": ["VU", "NT"]})
+    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"capacity": 3, "categories": ["VU", "NT"]})
     sniffer = Sniffer(mqtt_url, fed, "g1")
     try:
         coord.start()
@@ -307,7 +307,7 @@ def test_broker_restart_mid_round_every_site_once(tmp_path: Path, private_broker
         for sid in ("s1", "s2"):
             site_yaml, site_key = write_site(tmp_path / sid, fed=fed, site_id=sid, coordinator_key=key,
                                              broker_url=url, chunk_size_bytes=CHUNK, resend_interval_s=3.0)
-            coord.enrol(sid, public_key_to_pem(site_key.public_key()), {"num_examples": 3, "categories": ["VU", "NT"]})
+            coord.enrol(sid, public_key_to_pem(site_key.public_key()), {"capacity": 3, "categories": ["VU", "NT"]})
             config = load_site_config(site_yaml)
             agent = EdgeAgent.from_config(config, transport=LinkWithOutage(url, client_id=f"wildfed-{fed}-{sid}"))
             agent.start()  # connected and subscribed before the round opens
@@ -394,7 +394,7 @@ def test_coordinator_killed_after_ingest_of_chunked_updates_counts_each_once(tmp
             t.site_key = site.key
             site.attach()
             t.connect()
-            SiteRegistry(store).enrol(sid, site.public_pem, {"num_examples": n})
+            SiteRegistry(store).enrol(sid, site.public_pem, {"capacity": n})
             sites.append(site)
 
         # Execute 1: the coordinator stores both reassembled updates, then dies before the ledger
@@ -455,7 +455,7 @@ def test_site_publishing_for_another_site_is_refused(tmp_path: Path, mqtt_url: s
         for sid, site in sites.items():
             transports[sid].subscribe(ack_topic(fed, sid), site._on_ack)  # acks only: updates are sent by hand
             transports[sid].connect()
-            coord.enrol(sid, site.public_pem, {"num_examples": 20})
+            coord.enrol(sid, site.public_pem, {"capacity": 20})
         coord.start()
         ctx = coord.rounds.open_round()
         assert ctx is not None and ctx.selected == {"A", "B"}

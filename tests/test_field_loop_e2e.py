@@ -132,7 +132,7 @@ def federation(tmp_path: Path, detector_weights: None) -> Iterator[dict[str, Any
                                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
         try:
             with Coordinator(coordinator_cfg, initial_weights=weights) as coordinator:
-                coordinator.enrol("site-1", public_key_to_pem(site_key.public_key()), {"num_examples": 2})
+                coordinator.enrol("site-1", public_key_to_pem(site_key.public_key()), {"capacity": 2})
                 _wait(lambda: (tmp_path / "ready").exists(), 180, "the gateway to connect", gateway, log)
                 yield {"config": config, "coordinator": coordinator, "sniffer": sniffer, "gateway": gateway,
                        "log": log, "incoming": Path(config.incoming)}

@@ -62,7 +62,7 @@ def _coordinator(tmp_path: Path, broker_url: str, site_pub: Path) -> Path:
     data.update(round_deadline_s=600.0, ship_ort_artifacts=False)
     config.write_text(yaml.safe_dump(data))
     res = runner.invoke(coordinator_cli, ["enrol", SITE, "--public-key", str(site_pub), "-c", str(config),
-                                          "--metadata", '{"num_examples": 10}'])
+                                          "--metadata", '{"capacity": 10}'])
     assert res.exit_code == 0, res.output
     res = runner.invoke(coordinator_cli, ["user", "add", "rita", "--role", "ranger", "-c", str(config)],
                         input=f"{PASSWORD}\n{PASSWORD}\n")

@@ -844,7 +844,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         for spec, pem in zip(specs, site_pems):
             public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
                               if not SPECIES_TABLE[c].iucn.is_sensitive]
-            coordinator.enrol(spec.site_id, pem, {"num_examples": spec.num_images, "biome": spec.biome,
+            coordinator.enrol(spec.site_id, pem, {"capacity": spec.num_images, "biome": spec.biome,
                                                   "species": public_species,
                                                   "monitoring_months": spec.monitoring_months})
         console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")

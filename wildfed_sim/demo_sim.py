@@ -56,9 +56,9 @@ class SimSite:
 
     def public_metadata(self, class_names: Sequence[str], class_categories: Sequence[IUCNCategory]
                         ) -> dict[str, Any]:
-        """The registry metadata the demo enrols this site with: ``{"num_examples": N_k, "species": [scientific
+        """The registry metadata the demo enrols this site with: ``{"capacity": N_k, "species": [scientific
         names]}``, sensitive (CR/EN) species left out (DESIGN.md "Privacy semantics")."""
-        return {"num_examples": len(self),
+        return {"capacity": len(self),
                 "species": [class_names[c] for c in self.species if not class_categories[c].is_sensitive]}
 
 

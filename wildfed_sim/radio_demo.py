@@ -180,7 +180,7 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
                            "allow_non_private": settings.privacy == "none"}
             (site_dir / "site.yaml").write_text(yaml.safe_dump(site_config, sort_keys=False))
             coordinator.enrol(site_id, public_key_to_pem(key.public_key()),
-                              {"num_examples": len(site.maps), "categories": ["NE"]})
+                              {"capacity": len(site.maps), "categories": ["NE"]})
             site_configs.append(site_dir / "site.yaml")
         console.log(f"enrolled {len(site_configs)} base-station sites (their centres stay on the sites)")
         stack.enter_context(running_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))

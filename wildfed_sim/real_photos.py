@@ -169,7 +169,7 @@ def run_federation(train: Sequence[SiteSource], crops: Sequence[SiteCrops], rese
                 "psi.bias": np.zeros(len(reserve.classes), np.float32)}  # the central head's start
         coordinator = stack.enter_context(Coordinator(config, initial_weights=zero))
         for (path, pem), c in zip(configs, crops):
-            coordinator.enrol(path.parent.name, pem, {"num_examples": int(len(c.labels))})
+            coordinator.enrol(path.parent.name, pem, {"capacity": int(len(c.labels))})
         stack.enter_context(running_gateways([p for p, _ in configs], work / "logs", work / "ready", console))
         started = time.monotonic()
         for result in coordinator.iter_rounds():

@@ -133,7 +133,7 @@ def parse_metadata(text: str) -> dict[str, Any]:
         meta = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--metadata is not JSON: {exc}", field="metadata",
-                          fix='quote it for the shell: --metadata \'{"num_examples": 500}\'') from exc
+                          fix='quote it for the shell: --metadata \'{"capacity": 500}\'') from exc
     if not isinstance(meta, dict):
         raise ConfigError("--metadata must be a JSON object", field="metadata", fix='use {"key": value, ...}')
     return meta

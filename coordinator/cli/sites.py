@@ -34,7 +34,9 @@ app = typer.Typer()
 @friendly
 def enrol(site_id: str = typer.Argument(..., help="site id (letters, digits, _.-)"),
           public_key: Path = typer.Option(..., "--public-key", help="the site's Ed25519 public key file (PEM; DER and OpenSSH are converted)"),
-          metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"num_examples": 500}'),
+          metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"capacity": 500, '
+                                       '"species": [...]}: capacity is a round number you declare, never the exact '
+                                       'record count (docs/privacy.md)'),
           config: Path = config_option()) -> None:
     """Enrol a site with its public key and public metadata."""
     cfg = load_config(config)
@@ -135,7 +137,9 @@ def provision(
                                         "(scientific_name, class_index, iucn_category)"),
     dataset: str | None = typer.Option(None, "--dataset", help="Camtrap DP folder on the gateway (default "
                                        "<profile data>/camtrap)"),
-    metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"num_examples": 500}'),
+    metadata: str = typer.Option("{}", "--metadata", help='public metadata JSON, e.g. {"capacity": 500, '
+                                       '"species": [...]}: capacity is a round number you declare, never the exact '
+                                       'record count (docs/privacy.md)'),
     wheel: Path | None = typer.Option(None, "--wheel", help="a prebuilt wildfed-*.whl (default: build it)"),
     force: bool = typer.Option(False, help="overwrite an existing bundle file"),
 ) -> None:

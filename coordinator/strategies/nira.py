@@ -188,7 +188,7 @@ class NIRA(Strategy):
     Args:
         store: anything with ``get_state(key, default)`` / ``set_state(key, value)`` (``coordinator.storage.Store``).
         site_metadata: returns ``{site_id: public metadata}`` of the enrolled sites (``"species"``: scientific names,
-            ``"num_examples"``: N_k).
+            ``"capacity"``: N_k, the declared capacity).
         cut: ``{"distance_threshold": float | None, "num_clusters": int | None}`` of the dendrogram.
         exclude_categories: IUCN categories left out of the species lists (codes, e.g. ``["CR", "EN"]``).
         species_classes: ``{scientific name: class index}`` of the model's head rows (merging needs it; None turns
@@ -286,7 +286,8 @@ class NIRA(Strategy):
         site_ids, similarity = jaccard_matrix(self.species_lists())
         assignment = cluster_sites(similarity, site_ids, pinned=dict(pins or {}), **self._cut)
         if self.min_cluster_records > 0:
-            records = {s: float(m.get("num_examples") or 0) for s, m in self._site_metadata().items()}
+            records = {s: float(m.get("capacity", m.get("num_examples")) or 0)
+                       for s, m in self._site_metadata().items()}
             assignment = merge_small_clusters(assignment, records, self.min_cluster_records)
         return assignment
 

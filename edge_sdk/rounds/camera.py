@@ -131,11 +131,15 @@ class CameraRound:
         """Train one round and send the update; False (counted, logged) when the round is refused."""
         ctx, config = self.ctx, self.ctx.config
         self.records.refresh()
-        if not len(self.records.dataset):
-            ctx.reject("task", "no_records", f"round {task.round}: the site has no training records yet ("
-                       f"train_on: {config.train_on}); verify photos on the review page (wildfed-edge review) or "
-                       "label them in the package")
+        if task.capacity is None and task.privacy != "none":
+            ctx.reject("task", "no_capacity", f"round {task.round}: the task names no declared capacity for this "
+                       "site, so its sampling rate would have to come from its record count, which must not leave "
+                       "the site (fix, at the coordinator: enrol the site with --metadata '{\"capacity\": N}')")
             return False
+        if not len(self.records.dataset):  # trains anyway: whether a site trains must not tell its record count
+            log.warning("site %s: round %d: no training records yet (train_on: %s); the update is noise only. "
+                        "Verify photos on the review page (wildfed-edge review) or label them in the package",
+                        ctx.site_id, task.round, config.train_on)
         # Record the round durably before training: after a crash the round is skipped, never trained twice.
         ctx.set_last_round(task.round)
         log.info("site %s: round %d: training %d %s step(s)", ctx.site_id, task.round, task.local_steps, task.privacy)

@@ -84,6 +84,11 @@ class SecAggSiteClient:
     def start(self, task: TrainingTask, weights: dict[str, np.ndarray], dataset: object) -> bool:
         """Global DP: advertise fresh keys, then compute the clipped gradient sum (kept in memory until masked)."""
         assert task.secagg is not None  # decode_task checked it
+        if task.capacity is None:
+            self.ctx.reject("task", "no_capacity", f"round {task.round}: the task names no declared capacity for "
+                            "this site (fix, at the coordinator: enrol the site with --metadata "
+                            "'{\"capacity\": N}')")
+            return False
         params = task.secagg.params(task.federation_id, task.round)
         if self.ctx.config.site_id not in params.site_ids:
             self.ctx.reject("task", "wrong_site", f"site not among the round's secagg sites {list(params.site_ids)}")

@@ -43,14 +43,14 @@ def registry_log_prior(site_metadata: Mapping[str, Mapping[str, Any]], class_ind
                        num_classes: int) -> np.ndarray:
     """Estimated log class prior ``log pi_k`` of the federation's records from public registry metadata.
 
-    ``n_k = sum over sites s listing k of N_s / |L_s|`` (N_s = ``num_examples``, L_s = the site's listed species
+    ``n_k = sum over sites s listing k of N_s / |L_s|`` (N_s = the site's declared ``capacity``, L_s = its listed species
     that are in ``class_index``); ``pi = n / sum(n)``. A class no site lists (a sensitive species) gets the smallest
     ``n_k`` of the listed classes.
 
     Args:
-        site_metadata: ``{site_id: metadata}`` as enrolled (:class:`coordinator.registry.Site`): ``num_examples``
-            (int >= 1) and ``species`` (list of scientific names). A site missing either, or listing no species of
-            the table, is skipped.
+        site_metadata: ``{site_id: metadata}`` as enrolled (:class:`coordinator.registry.Site`): ``capacity`` (int
+            >= 1; the key ``num_examples`` of sites enrolled before capacities is read the same way) and ``species``
+            (list of scientific names). A site missing either, or listing no species of the table, is skipped.
         class_index: ``{scientific name: class index}`` of the federation's species table.
         num_classes: K >= 2.
 
@@ -68,14 +68,14 @@ def registry_log_prior(site_metadata: Mapping[str, Mapping[str, Any]], class_ind
             raise ValueError(f"class index of {name!r} is {k!r}, not in [0, {num_classes})")
     n = np.zeros(num_classes, dtype=np.float64)
     for meta in site_metadata.values():
-        size = meta.get("num_examples")
+        size = meta.get("capacity", meta.get("num_examples"))
         listed = sorted({class_index[s] for s in meta.get("species") or () if s in class_index})
         if not listed or isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
             continue
         n[listed] += float(size) / len(listed)
     seen = n > 0
     if not seen.any():
-        raise ValueError("no enrolled site lists a species of the table (metadata 'species' and 'num_examples'): "
+        raise ValueError("no enrolled site lists a species of the table (metadata 'species' and 'capacity'): "
                          "there is no public prior to adjust the logits with")
     n[~seen] = float(n[seen].min())
     return np.log(n / n.sum())

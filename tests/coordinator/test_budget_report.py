@@ -119,7 +119,7 @@ def _fed(tmp_path, **cfg_extra):
     store = Store(cfg.database_url, cfg.data_dir)
     reg = SiteRegistry(store)
     for sid in ("ridge", "river"):
-        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {"num_examples": 400})
+        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {"capacity": 400})
     return cfg_path, cfg, store
 
 

@@ -25,7 +25,7 @@ def nira_federation(tmp_path, sites):
     for sid, species in sites.items():
         save_public_key(generate_signing_key().public_key(), tmp_path / f"{sid}.pub")
         result = runner.invoke(app, ["enrol", sid, "--public-key", str(tmp_path / f"{sid}.pub"), "--config",
-                                     str(cfg_path), "--metadata", f'{{"num_examples": 10, "species": {species}}}'
+                                     str(cfg_path), "--metadata", f'{{"capacity": 10, "species": {species}}}'
                                      .replace("'", '"')])
         assert result.exit_code == 0, result.output
     return cfg_path

@@ -80,7 +80,7 @@ def test_cli_init_enrol_status_budget(tmp_path):
     pub = tmp_path / "site.pub"
     save_public_key(generate_signing_key().public_key(), pub)
     ok = runner.invoke(app, ["enrol", "siteA", "--public-key", str(pub), "--metadata",
-                             json.dumps({"num_examples": 120, "species": ["Giraffa camelopardalis"]}),
+                             json.dumps({"capacity": 120, "species": ["Giraffa camelopardalis"]}),
                              "--config", str(cfg_path)])
     assert ok.exit_code == 0, ok.output
     dup = runner.invoke(app, ["enrol", "siteA", "--public-key", str(pub), "--config", str(cfg_path)])

@@ -95,7 +95,7 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
             site = FakeSite(sid, t, key.public_key(), value=value, num_examples=n, events={LC: EVENT}, fed=fed)
             site.attach()
             t.connect()
-            SiteRegistry(store).enrol(sid, site.public_pem, {"num_examples": n})
+            SiteRegistry(store).enrol(sid, site.public_pem, {"capacity": n})
             sites.append(site)
 
         # Execute 1: the coordinator dies at the hook in round 1
@@ -162,7 +162,7 @@ def test_sigkill_after_charging_a_global_dp_round_charges_it_once(tmp_path, brok
             transports.append(t)
             site = SecAggSite(sid, t, key.public_key(), value=0.5, num_examples=8, categories=["LC"], fed=fed)
             t.connect()
-            SiteRegistry(store).enrol(sid, site.public_pem, {"num_examples": 8, "categories": ["LC"]})
+            SiteRegistry(store).enrol(sid, site.public_pem, {"capacity": 8, "categories": ["LC"]})
 
         # Execute 1: killed after the survivors were charged, before the sum was unmasked
         first = run_coordinator(cfg_path, "after_ledger")

@@ -72,7 +72,7 @@ def test_species_lists_leave_out_cr_en_by_default_and_on_request_keep_them() -> 
 
 def test_species_lists_reject_missing_list() -> None:
     with pytest.raises(ClusteringError, match="no species list"):
-        site_species_lists({"s1": {"num_examples": 3}})
+        site_species_lists({"s1": {"capacity": 3}})
     with pytest.raises(ClusteringError, match="neither a name"):
         site_species_lists({"s1": {"species": [3]}})
 

@@ -30,7 +30,7 @@ def add_sites(coord, transport, key, specs):
     sites = []
     for sid, value, n, events, meta in specs:
         site = FakeSite(sid, transport, key.public_key(), value=value, num_examples=n, events=events).attach()
-        coord.enrol(sid, site.public_pem, {"num_examples": n, **meta})
+        coord.enrol(sid, site.public_pem, {"capacity": n, **meta})
         sites.append(site)
     return sites
 
@@ -95,8 +95,8 @@ def test_restart_recovers_an_open_round_and_reloads_spend(tmp_path):
     cfg = make_config(tmp_path, quorum_fraction=0.5)
     coord = Coordinator(cfg, transport=transport, signing_key=key, initial_weights=tiny_weights())
     s1 = FakeSite("s1", transport, key.public_key(), value=2.0, num_examples=10, events={LC: EVENT})
-    coord.enrol("s1", s1.public_pem, {"num_examples": 10})
-    coord.enrol("s2", FakeSite("s2", transport, None, 1.0, 1, {}).public_pem, {"num_examples": 10})
+    coord.enrol("s1", s1.public_pem, {"capacity": 10})
+    coord.enrol("s2", FakeSite("s2", transport, None, 1.0, 1, {}).public_pem, {"capacity": 10})
     coord.start()
     ctx = coord.rounds.open_round()
     s1.send(ctx.round, ctx.model_hash, {k: np.full_like(v, 2.0) for k, v in tiny_weights().items()})

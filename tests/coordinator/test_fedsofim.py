@@ -125,7 +125,7 @@ def test_a_restarted_coordinator_resumes_the_optimizer_exactly(tmp_path):
     transport, sites = federation(tmp_path / "a", key)
     straight = run_coordinator(tmp_path / "a", transport, key, 3)
     for s in sites:
-        straight.enrol(s.site_id, s.public_pem, {"num_examples": s.num_examples})
+        straight.enrol(s.site_id, s.public_pem, {"capacity": s.num_examples})
     straight.run()
     expected = straight.rounds.current_model()[1]
     straight.close()
@@ -133,7 +133,7 @@ def test_a_restarted_coordinator_resumes_the_optimizer_exactly(tmp_path):
     transport, sites = federation(tmp_path / "b", key)
     first = run_coordinator(tmp_path / "b", transport, key, 3)
     for s in sites:
-        first.enrol(s.site_id, s.public_pem, {"num_examples": s.num_examples})
+        first.enrol(s.site_id, s.public_pem, {"capacity": s.num_examples})
     first.run(rounds=2)
     first.close()
     # Execute: a new coordinator on the same database and data folder runs round 3

@@ -192,7 +192,7 @@ class Harness:
                                          signing_key=self.coord_key, limits=LIMITS)
         self.keys = {sid: generate_signing_key() for sid in ("s1", "s2", "s3", "ghost", "attacker")}
         for sid in ("s1", "s2", "s3"):
-            self.registry.enrol(sid, public_key_to_pem(self.keys[sid].public_key()), {"num_examples": 10})
+            self.registry.enrol(sid, public_key_to_pem(self.keys[sid].public_key()), {})  # no declared capacity: the generated reports vary N_k freely
         # round 1: closed, selected s1 only; s1's update stored (the past round a replay can target)
         self.w1 = template_weights(0.1)
         self.hash1 = model_hash(self.w1)

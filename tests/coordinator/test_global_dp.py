@@ -58,7 +58,7 @@ def global_federation(federation, monkeypatch):
         sites = []
         for sid, value, n, cats, extra in specs:
             site = SecAggSite(sid, transport, key.public_key(), value=value, num_examples=n, categories=cats, **extra)
-            coord.enrol(sid, site.public_pem, {"num_examples": n, "categories": cats})
+            coord.enrol(sid, site.public_pem, {"capacity": n, "categories": cats})
             sites.append(site)
         return coord, transport, sites
 

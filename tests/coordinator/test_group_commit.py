@@ -59,7 +59,7 @@ def open_round(federation):
         for sid, n in (("s1", 10), ("s2", 20), ("s3", 30)):
             site = FakeSite(sid, bus, key.public_key(), value=float(n), num_examples=n, events={})
             bus.subscribe(ack_topic(FED, sid), site._on_ack)
-            coord.enrol(sid, site.public_pem, {"num_examples": n})
+            coord.enrol(sid, site.public_pem, {"capacity": n})
             sites[sid] = site
         coord.start()
         ctx = coord.rounds.open_round()
@@ -124,7 +124,7 @@ def test_a_chunked_update_costs_one_transaction_and_one_read_of_the_updates_tabl
     site = FakeSite("s1", bus, key.public_key(), value=1.0, num_examples=10, events={},
                     piece_size=1024)  # its update travels in 1 KiB chunks (envelope format 2: pieces = chunks)
     bus.subscribe(ack_topic(FED, "s1"), site._on_ack)
-    coord.enrol("s1", site.public_pem, {"num_examples": 10})
+    coord.enrol("s1", site.public_pem, {"capacity": 10})
     coord.start()
     ctx = coord.rounds.open_round()
     sites = {"s1": site}
@@ -327,7 +327,7 @@ def test_killed_between_group_commit_and_ack_the_updates_survive_and_count_once(
                               barrier=barrier)
             site.attach()
             t.connect()
-            SiteRegistry(store).enrol(sid, site.public_pem, {"num_examples": n})
+            SiteRegistry(store).enrol(sid, site.public_pem, {"capacity": n})
             sites.append(site)
 
         # Execute 1: the coordinator commits the group of both updates, then loses power before any ACK

@@ -28,7 +28,7 @@ def open_round(federation):
         site = FakeSite(sid, transport, key.public_key(), value=1.0, num_examples=n,
                         events={IUCNCategory.LC: EVENT})
         site.transport.subscribe(ack_topic(FED, sid), site._on_ack)  # listen to ACKs, do not answer tasks
-        coord.enrol(sid, site.public_pem, {"num_examples": n})
+        coord.enrol(sid, site.public_pem, {"capacity": n})
         sites[sid] = site
     coord.start()
     ctx = coord.rounds.open_round()
@@ -181,6 +181,10 @@ def test_report_sanity_halted_categories_and_budget(open_round):
     too_many_steps = s1.envelope(ctx.round, ctx.model_hash, s1.payload(good_delta(), local_steps=99))
     assert submit(coord, s1, no_events).reason is RejectReason.BAD_REPORT
     assert submit(coord, s1, too_many_steps).reason is RejectReason.BAD_REPORT
+    # a record count in place of the declared capacity (10): refused, naming the capacity
+    a_count = s1.envelope(ctx.round, ctx.model_hash, s1.payload(good_delta(), num_examples=7))
+    refused = submit(coord, s1, a_count)
+    assert refused.reason is RejectReason.BAD_REPORT and "declared capacity is 10" in refused.detail
     assert coord.ledger.spent("s1", IUCNCategory.LC) == 0.0  # insane reports are not charged
     # an event so weak it passes the LC budget (5/3) in one round: refused, but charged (the site ran it)
     greedy_event = DPSGDEvent(0.3, 1.0, 5)
@@ -194,7 +198,7 @@ def test_report_sanity_halted_categories_and_budget(open_round):
     assert submit(coord, s2, halted).reason is RejectReason.HALTED_CATEGORY
     assert coord.ledger.events("s2", IUCNCategory.LC) == [EVENT]
     counts = coord.store.rejection_counts()
-    assert counts == {"bad_report": 2, "over_budget": 1, "halted_category": 1}
+    assert counts == {"bad_report": 3, "over_budget": 1, "halted_category": 1}
     assert ctx.strategy.count == 0 and coord.store.count_updates() == 0
 
 

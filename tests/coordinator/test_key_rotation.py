@@ -205,7 +205,7 @@ def test_a_site_with_every_key_revoked_is_not_selected(tmp_path: Path) -> None:
                         transport=bus, signing_key=key, initial_weights=tiny_weights())
     for sid in ("kept", "revoked"):
         s = FakeSite(sid, bus, key.public_key(), value=1.0, num_examples=10, events={IUCNCategory.VU: EVENT}).attach()
-        coord.enrol(sid, s.public_pem, {"num_examples": 10, "categories": ["VU"]})
+        coord.enrol(sid, s.public_pem, {"capacity": 10, "categories": ["VU"]})
     coord.registry.revoke_key("revoked")
     result = coord.run_round()
     assert result.selected == ("kept",) and result.status == "closed" and result.accepted == ("kept",)
@@ -280,7 +280,7 @@ def test_a_revoked_key_stops_verifying_updates_at_once(tmp_path: Path) -> None:
     sites = {sid: FakeSite(sid, bus, key.public_key(), value=1.0, num_examples=10, events={IUCNCategory.LC: EVENT})
              for sid in ("s1", "s2")}
     for sid, site in sites.items():
-        coord.enrol(sid, site.public_pem, {"num_examples": 10})
+        coord.enrol(sid, site.public_pem, {"capacity": 10})
     coord.start()
     ctx = coord.rounds.open_round()
     delta = {k: v * 0 + 1 for k, v in tiny_weights().items()}

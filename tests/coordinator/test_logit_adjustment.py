@@ -39,7 +39,7 @@ def test_tasks_carry_offsets_from_public_metadata_and_the_inference_model_subtra
         for sid, n, species in (("s1", 90, ["Panthera leo", "Bos taurus"]), ("s2", 30, ["Bos taurus"])):
             site = FakeSite(sid, transport, key.public_key(), value=0.0, num_examples=n,
                             events={IUCNCategory.VU: EVENT}).attach()
-            coord.enrol(sid, site.public_pem, {"num_examples": n, "species": species})
+            coord.enrol(sid, site.public_pem, {"capacity": n, "species": species})
             sites.append(site)
         results = coord.run()
         assert [r.status for r in results] == ["closed"]
@@ -61,7 +61,7 @@ def test_off_by_default_tasks_carry_no_offsets_and_the_inference_model_is_the_st
     with Coordinator(config, transport=transport, signing_key=key, initial_weights=head()) as coord:
         site = FakeSite("s1", transport, key.public_key(), value=0.0, num_examples=10,
                         events={IUCNCategory.VU: EVENT}).attach()
-        coord.enrol("s1", site.public_pem, {"num_examples": 10, "species": ["Panthera leo"]})
+        coord.enrol("s1", site.public_pem, {"capacity": 10, "species": ["Panthera leo"]})
         coord.run()
         assert site.tasks[0].prediction_offsets is None
         np.testing.assert_array_equal(coord.rounds.inference_model()[1]["psi.bias"],

@@ -73,7 +73,7 @@ def test_two_site_two_round_federation_over_mosquitto(tmp_path, broker_url):
                             fed=fed)
             site.attach()
             t.connect()
-            coord.enrol(sid, site.public_pem, {"num_examples": n})
+            coord.enrol(sid, site.public_pem, {"capacity": n})
             sites.append(site)
         sites[2].tamper = True
         coord.start()

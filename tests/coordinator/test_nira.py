@@ -38,7 +38,7 @@ def nira_federation(tmp_path):
         sites = {}
         for sid, value, n, species in specs:
             site = FakeSite(sid, transport, key.public_key(), value=value, num_examples=n, events={LC: EVENT}).attach()
-            coord.enrol(sid, site.public_pem, {"num_examples": n, "species": species})
+            coord.enrol(sid, site.public_pem, {"capacity": n, "species": species})
             sites[sid] = site
         return coord, sites
 

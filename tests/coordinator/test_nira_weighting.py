@@ -32,8 +32,8 @@ def _round(nira, updates):
 
 
 # a and b share species A (one cluster), c holds B alone (its own cluster)
-META = {"a": {"species": ["A"], "num_examples": 100}, "b": {"species": ["A"], "num_examples": 300},
-        "c": {"species": ["B"], "num_examples": 50}}
+META = {"a": {"species": ["A"], "capacity": 100}, "b": {"species": ["A"], "capacity": 300},
+        "c": {"species": ["B"], "capacity": 50}}
 UPDATES = {"a": (1.0, 100, 4.0), "b": (2.0, 300, 1.0), "c": (10.0, 50, 9.0)}
 # cluster {a, b}: mean (100 * 1 + 300 * 2) / 400 = 1.75, V = (100^2 4 + 300^2 1) / 400^2 = 130000 / 160000
 # cluster {c}: mean 10, V = 9
@@ -145,7 +145,7 @@ def test_similarity_snr_matches_a_monte_carlo_estimate_of_the_inner_products_noi
 
 
 def test_re_clustering_waits_for_a_similarity_snr_above_the_minimum():
-    meta = {s: {"species": ["A"] if s < "c" else ["B"], "num_examples": 100} for s in "abcd"}
+    meta = {s: {"species": ["A"] if s < "c" else ["B"], "capacity": 100} for s in "abcd"}
     nira = NIRA(store=DictStore(), site_metadata=lambda: meta, cut=CUT, embedding_merging=False,
                 recluster_every=1, min_rounds_between_moves=1, recluster_min_snr=5.0)
     bundle = nira.prepare({"phi.w": np.zeros(8, np.float32), "psi.weight": np.zeros((2, 1), np.float32),

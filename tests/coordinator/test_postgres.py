@@ -70,7 +70,7 @@ def test_registry_and_rejections_on_postgres(pg_schema, tmp_path):
     store = Store(PG_URL, tmp_path / "d", schema=pg_schema)
     reg = SiteRegistry(store)
     pem = public_key_to_pem(generate_signing_key().public_key())
-    reg.enrol("pg1", pem, {"num_examples": 5})
+    reg.enrol("pg1", pem, {"capacity": 5})
     with pytest.raises(EnrolmentError, match="already enrolled"):
         SiteRegistry(store).enrol("pg1", pem)
     store.add_rejection(round=1, site_id="pg1", topic="t", reason="duplicate", error_kind="check", detail="")
@@ -91,7 +91,7 @@ def test_federation_rounds_on_postgres(pg_schema, tmp_path):
     coord = Coordinator(cfg, transport=transport, signing_key=key, initial_weights=tiny_weights(), schema=pg_schema)
     for sid, value, n in (("a", 1.0, 10), ("b", 4.0, 30)):
         site = FakeSite(sid, transport, key.public_key(), value=value, num_examples=n, events={LC: EVENT}).attach()
-        coord.enrol(sid, site.public_pem, {"num_examples": n})
+        coord.enrol(sid, site.public_pem, {"capacity": n})
     results = coord.run()
     assert [r.status for r in results] == ["closed", "closed"]
     _, weights = coord.rounds.current_model()

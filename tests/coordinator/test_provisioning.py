@@ -59,7 +59,7 @@ def provision(fed, sdk_wheel: Path, tmp_path: Path, site_id: str = "site-1", **k
     kw.setdefault("profile", "x86-cpu-gateway")
     kw.setdefault("out", tmp_path / "out" / f"{site_id}.tar")
     return provision_site(config=cfg, store=store, site_id=site_id, species=SPECIES, wheel=sdk_wheel,
-                          metadata={"num_examples": 3}, **kw)
+                          metadata={"capacity": 3}, **kw)
 
 
 def test_provisioning_imports_no_edge_sdk_and_no_torch() -> None:
@@ -92,7 +92,7 @@ def test_bundle_holds_everything_and_enrols_the_site(fed, sdk_wheel, tmp_path) -
     # enrolled with the public half of the bundled private key
     site_key = load_private_key_from_bytes(bundle.members[fmt.SITE_KEY])
     assert SiteRegistry(store).get_public_key("site-1") == site_key.public_key()
-    assert SiteRegistry(store).get("site-1").num_examples == 3
+    assert SiteRegistry(store).get("site-1").capacity == 3
 
 
 def load_private_key_from_bytes(pem: bytes):
@@ -117,7 +117,7 @@ def test_enrolment_failure_leaves_no_bundle(fed, sdk_wheel, tmp_path) -> None:
     out = tmp_path / "out"
     with pytest.raises(EnrolmentError):
         provision_site(config=fed[0], store=fed[1], site_id="site-1", profile="x86-cpu-gateway",
-                       out=out / "b.tar", wheel=sdk_wheel, metadata={"num_examples": -1})
+                       out=out / "b.tar", wheel=sdk_wheel, metadata={"capacity": -1})
     assert not out.exists() or list(out.iterdir()) == []
     assert not SiteRegistry(fed[1]).is_enrolled("site-1")
     provision(fed, sdk_wheel, tmp_path)

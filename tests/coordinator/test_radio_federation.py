@@ -84,7 +84,7 @@ def test_radio_rounds_end_to_end(tmp_path):
     for i in range(3):
         sid = f"bs-{i}"
         site_key = radio_site(tmp_path / sid, sid, key, seed=i)
-        coord.enrol(sid, public_key_to_pem(site_key.public_key()), {"num_examples": 4, "categories": ["NE"]})
+        coord.enrol(sid, public_key_to_pem(site_key.public_key()), {"capacity": 4, "categories": ["NE"]})
         agent = EdgeAgent.from_config(tmp_path / sid / "site.yaml", transport=Bridge(bus))
         agent.start()
         agents.append(agent)

@@ -120,7 +120,7 @@ def test_sigkill_with_tasks_out_then_late_updates_never_overrun_a_budget(tmp_pat
     try:
         site.attach()
         transport.connect()
-        SiteRegistry(store).enrol("s1", site.public_pem, {"num_examples": 10, "categories": ["VU", "NT"]})
+        SiteRegistry(store).enrol("s1", site.public_pem, {"capacity": 10, "categories": ["VU", "NT"]})
 
         # Execute 1: round 1 runs normally
         first = run_coordinator(cfg_path, "--rounds", "1")
@@ -165,7 +165,7 @@ def test_close_refuses_an_update_that_a_late_charge_pushed_past_its_budget(feder
                   hold={2}).attach()
     s2 = FakeSite("s2", transport, key.public_key(), value=4.0, num_examples=30, events={LC: event1}).attach()
     for s in (s1, s2):
-        coord.enrol(s.site_id, s.public_pem, {"num_examples": s.num_examples})
+        coord.enrol(s.site_id, s.public_pem, {"capacity": s.num_examples})
     coord.start()
     w0 = tiny_weights()
 

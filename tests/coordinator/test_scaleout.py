@@ -88,7 +88,7 @@ def test_three_workers_on_a_shared_subscription_aggregate_each_update_once(tmp_p
         t.connect()
         s = TwiceSite(sid, t, key.public_key(), value=value, num_examples=n, events={IUCNCategory.VU: EVENT},
                       fed=fed).attach()
-        coord.enrol(sid, s.public_pem, {"num_examples": n, "categories": ["VU"]})
+        coord.enrol(sid, s.public_pem, {"capacity": n, "categories": ["VU"]})
         sites.append(s)
     time.sleep(0.3)  # SUBACKs
     try:
@@ -175,7 +175,7 @@ def test_an_update_stored_by_another_process_is_aggregated_and_charged_once(tmp_
     other = Ingestor(federation_id="testfed", store=coord.store, registry=coord.registry, ledger=coord.ledger,
                      transport=InMemoryTransport(), signing_key=key)
     s = FakeSite("x1", bus, key.public_key(), value=2.0, num_examples=10, events={IUCNCategory.VU: EVENT})
-    coord.enrol("x1", s.public_pem, {"num_examples": 10, "categories": ["VU"]})
+    coord.enrol("x1", s.public_pem, {"capacity": 10, "categories": ["VU"]})
     coord.start()
     ctx = coord.rounds.open_round()
     assert ctx is not None

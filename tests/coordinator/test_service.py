@@ -139,7 +139,7 @@ def _federation(tmp_path: Path, broker_url: str):  # noqa: ANN202 - (config path
     site_key = generate_signing_key()
     pub = save_public_key(site_key.public_key(), tmp_path / "site.pub")
     res = runner.invoke(app, ["enrol", SITE, "--public-key", str(pub), "-c", str(config),
-                              "--metadata", '{"num_examples": 10}'])
+                              "--metadata", '{"capacity": 10}'])
     assert res.exit_code == 0, res.output
     cfg = load_config(config)
     store = Store(cfg.database_url or "", cfg.data_dir)

@@ -207,7 +207,7 @@ def test_a_round_of_chunked_updates_closes_with_their_fedavg(tmp_path: Path) -> 
     coord = coordinator(tmp_path, bus, key)
     for name, value, n in (("s1", 1.0, 30), ("s2", -2.0, 10)):
         s = site(bus, key, name, value, n).attach()
-        coord.enrol(name, s.public_pem, {"num_examples": n, "categories": ["VU"]})
+        coord.enrol(name, s.public_pem, {"capacity": n, "categories": ["VU"]})
         bus.keys[name] = s.key
         sites[name] = s
     result = coord.run_round()
@@ -227,7 +227,7 @@ def test_a_round_of_chunked_updates_closes_with_their_fedavg(tmp_path: Path) -> 
 def _open_round(tmp_path: Path, key, bus, **overrides):
     coord = coordinator(tmp_path, bus, key, **overrides)
     s = site(bus, key, "s1", 1.0, 20)  # not attached: the test sends its update by hand
-    coord.enrol("s1", s.public_pem, {"num_examples": 20, "categories": ["VU"]})
+    coord.enrol("s1", s.public_pem, {"capacity": 20, "categories": ["VU"]})
     ctx = coord.rounds.open_round()
     assert ctx is not None
     raw = s.envelope(ctx.round, ctx.model_hash, s.payload({k: np.full_like(v, 1.0) for k, v in model().items()}))
@@ -330,7 +330,7 @@ def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None
     others = {}
     for name in ("s2", "s3"):
         others[name] = site(bus, key, name, 1.0, 20)
-        coord.enrol(name, others[name].public_pem, {"num_examples": 20, "categories": ["VU"]})
+        coord.enrol(name, others[name].public_pem, {"capacity": 20, "categories": ["VU"]})
     ctx.selected = frozenset({"s1", "s2", "s3"})
     raws = {"s1": raw1, **{name: _update_of(s, ctx) for name, s in others.items()}}
     keys = {"s1": s1.key, **{name: s.key for name, s in others.items()}}
@@ -497,7 +497,7 @@ def test_a_rounds_task_payload_is_hashed_once_for_all_its_sites(tmp_path: Path, 
     bus = InMemoryTransport()
     coord = coordinator(tmp_path, bus, key, transfer={"chunk_size_bytes": CHUNK, "max_chunk_bytes": CHUNK})
     for name in ("s1", "s2", "s3"):
-        coord.enrol(name, site(bus, key, name, 1.0, 20).public_pem, {"num_examples": 20, "categories": ["VU"]})
+        coord.enrol(name, site(bus, key, name, 1.0, 20).public_pem, {"capacity": 20, "categories": ["VU"]})
     hashed: list[int] = []
     real = shared.envelope.hash_piece
     monkeypatch.setattr(shared.envelope, "hash_piece", lambda piece: (hashed.append(len(piece)), real(piece))[1])
@@ -745,7 +745,7 @@ def test_gateway_and_coordinator_fill_chunk_gaps_in_both_directions(tmp_path: Pa
     coord = Coordinator(config, transport=bus, signing_key=key)
     root = tmp_path / "site"
     site_key = camera_site(root, "g1", key, chunk_size_bytes=CHUNK, resend_interval_s=0.5)
-    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
+    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"capacity": 8, "categories": ["VU", "NT"]})
     bridge = LossyBridge(bus)
     agent = EdgeAgent.from_config(root / "site.yaml", transport=bridge)
     agent.start()
@@ -791,7 +791,7 @@ def test_a_gateway_offline_when_the_round_opened_gets_its_task_after_connecting(
     coord = Coordinator(config, transport=bus, signing_key=key)
     root = tmp_path / "site"
     site_key = camera_site(root, "late", key)
-    coord.enrol("late", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
+    coord.enrol("late", public_key_to_pem(site_key.public_key()), {"capacity": 8, "categories": ["VU", "NT"]})
     coord.start()
     ctx = coord.rounds.open_round()  # the task is published now, to nobody
     assert ctx is not None

@@ -67,7 +67,7 @@ class FakeCoordinator:
         h = model_hash(self.weights)
         fields = dict(federation_id=FED, round=round_, model_hash=h, local_steps=2, expected_batch_size=2,
                       learning_rate=0.1, clipping_norm=1.0, target_delta=1e-5, planned_rounds=5, privacy="ccdp",
-                      budgets={Cat.CR: 0.5, Cat.NT: 1.5})
+                      budgets={Cat.CR: 0.5, Cat.NT: 1.5}, capacity=3)  # the site's declared capacity
         fields.update(overrides)
         return seal(private_key=key or self.key, federation_id=FED, site_id=site, round=round_, base_model_hash=h,
                     kind=MessageKind.TASK, sequence=round_,

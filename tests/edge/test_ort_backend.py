@@ -269,7 +269,7 @@ def test_agent_backend_auto_picks_ort_only_with_artifacts(tmp_path) -> None:
     files = build_artifacts(weights, 2, model_hash=h)
     t = TrainingTask(federation_id=FED, round=1, model_hash=h, local_steps=2, expected_batch_size=2,
                      learning_rate=0.1, clipping_norm=1.0, target_delta=1e-5, planned_rounds=5,
-                     budgets={Cat.CR: 0.5, Cat.NT: 1.5}, artifacts=artifact_digests(files))
+                     budgets={Cat.CR: 0.5, Cat.NT: 1.5}, artifacts=artifact_digests(files), capacity=3)
     coordinator.send(seal(private_key=coordinator.key, federation_id=FED, site_id=SITE, round=1, base_model_hash=h,
                           kind=MessageKind.TASK, sequence=1, payload=encode_task(t, weights, files)).to_bytes())
     assert agent.run(max_rounds=1, idle_timeout_s=20) == 1

@@ -96,7 +96,7 @@ def _world(tmp_path: Path, *, site_settings: dict, transfer: dict | None = None,
     coord = Coordinator(config, transport=bus, signing_key=key)
     root = tmp_path / "site"
     site_key = camera_site(root, "g1", key, **site_settings)
-    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"num_examples": 8, "categories": ["VU", "NT"]})
+    coord.enrol("g1", public_key_to_pem(site_key.public_key()), {"capacity": 8, "categories": ["VU", "NT"]})
     coord.start()
     link = Link(bus, max_bytes=max_bytes)
     return coord, bus, link, root

@@ -16,10 +16,10 @@ TABLE = {"Panthera leo": 0, "Loxodonta africana": 1, "Giraffa camelopardalis": 2
 
 def test_prior_spreads_each_sites_records_over_its_listed_species_and_gives_the_unlisted_the_rarest_estimate():
     metadata = {
-        "a": {"num_examples": 100, "species": ["Panthera leo", "Loxodonta africana"]},
+        "a": {"capacity": 100, "species": ["Panthera leo", "Loxodonta africana"]},
         # a name outside the table does not count in the site's list: 60 records over 2 species
-        "b": {"num_examples": 60, "species": ["Loxodonta africana", "Giraffa camelopardalis", "Homo sapiens"]},
-        "c": {"num_examples": 10, "species": []},  # lists nothing: skipped
+        "b": {"capacity": 60, "species": ["Loxodonta africana", "Giraffa camelopardalis", "Homo sapiens"]},
+        "c": {"capacity": 10, "species": []},  # lists nothing: skipped
         "d": {"species": ["Panthera leo"]},  # no record count: skipped
     }
     n = [50.0, 50.0 + 30.0, 30.0]
@@ -30,7 +30,7 @@ def test_prior_spreads_each_sites_records_over_its_listed_species_and_gives_the_
 
 def test_no_listed_species_and_bad_tables_are_refused():
     with pytest.raises(ValueError, match="no enrolled site lists a species"):
-        registry_log_prior({"a": {"num_examples": 5, "species": ["Homo sapiens"]}}, TABLE, 4)
+        registry_log_prior({"a": {"capacity": 5, "species": ["Homo sapiens"]}}, TABLE, 4)
     with pytest.raises(ValueError, match="num_classes"):
         registry_log_prior({}, TABLE, 1)
     with pytest.raises(ValueError, match="not in \\[0, 3\\)"):
