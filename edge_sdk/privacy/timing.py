@@ -46,7 +46,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["RELEASE_TOLERANCE_S", "release_time", "RoundPacer"]
+__all__ = ["RELEASE_TOLERANCE_S", "RoundPacer", "release_time"]
 
 log = logging.getLogger(__name__)
 

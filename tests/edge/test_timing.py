@@ -14,13 +14,18 @@ import numpy as np
 import pytest
 import yaml
 
-from shared.envelope import Envelope, MessageKind, seal
-from shared.errors import PayloadError
-from shared.iucn import IUCNCategory as Cat
-from shared.models.kinds import model_spec
-from shared.protocol import SITE_STAGES, SecAggMessage, TrainingTask, decode_secagg, decode_task, encode_secagg
 from shared.codec import model_hash
+from shared.envelope import Envelope, MessageKind, seal
+from shared.errors import ConfigError, PayloadError
+from shared.iucn import IUCNCategory as Cat
+from shared.keys import load_private_key, load_public_key
+from shared.models.kinds import model_spec
+from shared.protocol import (SITE_STAGES, SecAggMessage, SecAggSettings, TrainingTask, decode_secagg, decode_task,
+                             encode_secagg, encode_task)
+from shared.secagg import AdvertisedKeys, SecAggClient, SecAggServer
 from shared.topics import ack_topic, secagg_filter, updates_filter
+
+from coordinator.config import config_from_dict
 
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.backends.torch_backend import TorchBackend
@@ -126,8 +131,6 @@ def _agent(tmp_path: Path, broker: InMemoryBroker, clock: FakeClock, dataset: Lo
         cfg = yaml.safe_load((tmp_path / "site.yaml").read_text())
         (tmp_path / "site.yaml").write_text(yaml.safe_dump({**cfg, **site_yaml}))
     config = load_site_config(tmp_path / "site.yaml")
-    from shared.keys import load_private_key, load_public_key
-
     backend = ClockedBackend(clock, cost_s)
     agent = EdgeAgent(config=config, transport=InMemoryTransport(broker),
                       signing_key=load_private_key(config.private_key),
@@ -187,9 +190,6 @@ def test_work_longer_than_the_duration_is_released_at_a_later_boundary(tmp_path:
 
 
 def test_global_dp_shares_wait_for_the_slot_while_the_keys_leave_at_once(tmp_path: Path) -> None:
-    from shared.protocol import SecAggSettings
-    from shared.secagg import SecAggClient, SecAggServer, AdvertisedKeys
-
     broker, clock = InMemoryBroker(), FakeClock()
     coordinator = make_site(tmp_path, InMemoryTransport(broker))
     coordinator.weights = SPEC.initial_weights(0)
@@ -242,11 +242,9 @@ def test_a_task_padding_less_than_the_sites_floor_is_refused(tmp_path: Path) -> 
 
 
 def test_round_duration_travels_in_the_task_and_is_checked() -> None:
-    fields = dict(federation_id="f", round=1, model_hash="0" * 64, local_steps=1, expected_batch_size=2,
-                  learning_rate=0.1, clipping_norm=1.0, target_delta=1e-5, planned_rounds=2, privacy="ccdp",
-                  budgets={Cat.NT: 1.0})
-    from shared.protocol import encode_task
-
+    fields = {"federation_id": "f", "round": 1, "model_hash": "0" * 64, "local_steps": 1, "expected_batch_size": 2,
+              "learning_rate": 0.1, "clipping_norm": 1.0, "target_delta": 1e-5, "planned_rounds": 2,
+              "privacy": "ccdp", "budgets": {Cat.NT: 1.0}}
     weights = SPEC.initial_weights(0)
     task = TrainingTask(**fields, round_duration_s=300)
     assert decode_task(encode_task(task, weights))[0].round_duration_s == 300.0
@@ -257,10 +255,6 @@ def test_round_duration_travels_in_the_task_and_is_checked() -> None:
 
 
 def test_coordinator_refuses_a_duration_that_outlasts_the_round() -> None:
-    from shared.errors import ConfigError
-
-    from coordinator.config import config_from_dict
-
     base = {"federation_id": "f", "round_deadline_s": 600}
     assert config_from_dict({**base, "round_duration_s": 300}).round_duration_s == 300.0
     with pytest.raises(ConfigError, match="round_duration_s"):
@@ -285,8 +279,6 @@ def test_the_loop_reads_an_ack_while_the_update_waits_for_its_slot(tmp_path: Pat
 
     coordinator.transport.subscribe(updates_filter(FED), on_message)
     config = load_site_config(tmp_path / "site.yaml")
-    from shared.keys import load_private_key, load_public_key
-
     agent = EdgeAgent(config=config, transport=InMemoryTransport(broker),
                       signing_key=load_private_key(config.private_key),
                       coordinator_key=load_public_key(config.coordinator_public_key), dataset=records(1, 2),

@@ -21,7 +21,6 @@ from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.privacy.ccdp import clip_factors_from_norms
 from edge_sdk.privacy.per_example import MaterialisedGradients
 from edge_sdk.training import clipped_sum_locally
-
 from tests.edge.test_training import FakeBackend
 
 D = 4  # vector length; sqrt(d) = 2 exactly

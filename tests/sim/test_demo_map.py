@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from shared.envelope import seal
-from shared.envelope import MessageKind
+from shared.envelope import MessageKind, seal
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.protocol import Detection, DetectionRecord, encode_detection
 from shared.topics import detection_topic
