@@ -230,7 +230,8 @@ class EdgeAgent:
         last_activity = time.monotonic()
         pacer = self.ctx.pacer
         while not self._stop.is_set():
-            pacer.run_due()  # what waited for its time slot leaves now (edge_sdk.privacy.timing)
+            if pacer.run_due():  # what waited for its time slot leaves now (edge_sdk.privacy.timing)
+                last_activity = time.monotonic()
             if max_rounds is not None and trained >= max_rounds and not pacer.pending() \
                     and not self.outbox.count() and self.secagg.state is None:
                 break
