@@ -17,6 +17,8 @@ Example (``wildfed-coordinator init`` writes this)::
     rounds: 10                            # `run` runs until this many rounds exist (`service`: schedule below)
     quorum_fraction: 1.0                  # fraction of selected sites whose updates close a round early
     round_deadline_s: 600
+    round_duration_s: 300                 # the sites' replies leave this long after each task (timing padding;
+                                          # 0 = none; below round_deadline_s; docs/privacy.md "Timing")
     local_steps: 20
     expected_batch_size: 32               # records per step in expectation (q = B / N_k at each site)
     learning_rate: 0.1                    # local SGD step size
@@ -405,6 +407,12 @@ class CoordinatorConfig(StrictModel):
     sites_per_round: int | None = Field(None, ge=1, description="None -> every non-halted site")
     quorum_fraction: float = Field(1.0, gt=0, le=1)
     round_deadline_s: float = Field(600.0, gt=0, description="seconds a round waits for its quorum")
+    round_duration_s: float = Field(0.0, ge=0, description="seconds from a task's acceptance to the public time "
+                                    "slot at which every site releases its update (and a Global DP round's "
+                                    "replies after the keys), so that arrival times do not reveal record counts "
+                                    "(TrainingTask.round_duration_s, edge_sdk.privacy.timing); the same for every "
+                                    "site; above the slowest site's local work, below round_deadline_s. 0 = no "
+                                    "padding (tests, demos); `init` writes 300")
     local_steps: int = Field(20, ge=1)
     expected_batch_size: int = Field(32, ge=1, description="expected records per local step")
     learning_rate: float = Field(0.1, gt=0, description="local SGD step size")
@@ -472,7 +480,7 @@ class CoordinatorConfig(StrictModel):
                                 "`wildfed-coordinator ingest-worker` on an MQTT shared subscription and this one "
                                 "only opens, finalises (merges their partial sums) and closes rounds")
 
-    @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s")
+    @field_validator("learning_rate", "server_learning_rate", "clipping_norm", "round_deadline_s", "round_duration_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -497,6 +505,15 @@ class CoordinatorConfig(StrictModel):
                              "secure aggregation hides: use privacy ccdp (or none) with strategy nira, or strategy "
                              "fedavg with privacy global")
         return v
+
+    @model_validator(mode="after")
+    def _padding_fits_the_deadline(self) -> "CoordinatorConfig":
+        if self.round_duration_s and self.round_duration_s >= self.round_deadline_s:
+            raise ValueError(f"round_duration_s {self.round_duration_s:g} must be below round_deadline_s "
+                             f"{self.round_deadline_s:g}: the sites' updates leave round_duration_s after the task, "
+                             "so the round would close before any arrived; lower round_duration_s or raise "
+                             "round_deadline_s")
+        return self
 
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> "CoordinatorConfig":

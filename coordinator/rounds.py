@@ -584,7 +584,7 @@ class RoundManager:
                                 target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
                                 privacy=cfg.privacy, budgets=cfg.budgets() if cfg.privacy != "none" else {},
                                 halted=tuple(halted), seed=cfg.task_seed, artifacts=artifact_digests(artifacts or {}),
-                                radio=radio_task(radio))
+                                radio=radio_task(radio), round_duration_s=float(cfg.round_duration_s))
             self._send_task(r, site_id, model_hash_, task, weights, artifacts)
             return
         task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
@@ -597,7 +597,8 @@ class RoundManager:
                             ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
                             distributed_noise=distributed_noise, feature_centre=feature_centre,
                             class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
-                            prediction_offsets=self.prediction_offsets(r), capacity=self._capacity(site_id))
+                            prediction_offsets=self.prediction_offsets(r), capacity=self._capacity(site_id),
+                            round_duration_s=float(cfg.round_duration_s))
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
 
     def _capacity(self, site_id: str) -> int | None:

@@ -8,6 +8,11 @@ enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so not
 When idle, unacknowledged updates are resent every ``resend_interval_s`` and stalled downloads are asked for again;
 after every (re)connect the outbox is resent and the open round's task is asked for.
 
+A round's update (and a Global DP round's secure-aggregation replies) leave at the round's public time slot
+(:mod:`edge_sdk.privacy.timing`, the task's ``round_duration_s`` counted from the task's acceptance). The loop does
+not sleep until then: it blocks on its inbox for at most the time left to the next slot and releases what is due
+every turn, so ACKs, receipts and tasks are handled while a release waits.
+
 A camera site whose config names an ``incoming`` folder also runs its field loop (:mod:`edge_sdk.field.service`)
 on a second thread while :meth:`EdgeAgent.run` runs: new photos are detected, classified, stored in the site's
 package and their detection records published.
@@ -19,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +44,7 @@ from edge_sdk.backends.ort_backend import ArtifactCache
 from edge_sdk.config import SiteConfig, global_model_path, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.global_model import save_global_model
+from edge_sdk.privacy.timing import RoundPacer
 from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.camera import CameraRound, SiteRecords
 from edge_sdk.rounds.context import AgentContext, kind_of
@@ -68,6 +75,7 @@ class EdgeAgent:
         backend: the training backend, used for every task (an ``ort`` one gets each task's artifacts); default:
             chosen per task from the site config / profile (:class:`~edge_sdk.rounds.backends.BackendChooser`).
         outbox: the persistent outbox; default ``Outbox(config.outbox)``.
+        clock: monotonic seconds of the rounds' time slots (default ``time.monotonic``; tests inject one).
 
     Attributes:
         stats: ``Counter`` of what happened (``tasks_trained``, ``updates_published``, ``acks_accepted``,
@@ -77,12 +85,14 @@ class EdgeAgent:
 
     def __init__(self, *, config: SiteConfig, transport: Transport, signing_key: Ed25519PrivateKey,
                  coordinator_key: Ed25519PublicKey, dataset: LocalDataset | RadioMapSet | None = None,
-                 backend: TrainingBackend | None = None, outbox: Outbox | None = None) -> None:
+                 backend: TrainingBackend | None = None, outbox: Outbox | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.transport = transport
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
         self.ctx = AgentContext(config, transport, signing_key, coordinator_key, self.outbox)
         self.stats = self.ctx.stats
+        self.ctx.pacer = RoundPacer(clock=clock, stats=self.stats)
         self.artifact_cache = ArtifactCache(config.artifact_cache if config.artifact_cache is not None
                                             else Path(config.outbox).parent / "ort-artifacts")
         self.calibration_cache = CalibrationCache(calibration_cache_dir(config))
@@ -197,8 +207,8 @@ class EdgeAgent:
     def run(self, *, max_rounds: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Process messages until stopped (and run the field loop meanwhile, when the site has an incoming folder).
 
-        Returns after :meth:`stop`, or once ``max_rounds`` rounds were trained and the outbox is empty (every
-        update acknowledged), or after ``idle_timeout_s`` seconds without any message.
+        Returns after :meth:`stop`, or once ``max_rounds`` rounds were trained, nothing waits for its time slot and
+        the outbox is empty (every update acknowledged), or after ``idle_timeout_s`` seconds without any message.
 
         Returns:
             number of rounds trained by this call.
@@ -218,12 +228,15 @@ class EdgeAgent:
     def _loop(self, max_rounds: int | None, idle_timeout_s: float | None) -> int:
         trained = 0
         last_activity = time.monotonic()
+        pacer = self.ctx.pacer
         while not self._stop.is_set():
-            if max_rounds is not None and trained >= max_rounds and not self.outbox.count() \
-                    and self.secagg.state is None:
+            if pacer.run_due():  # what waited for its time slot leaves now (edge_sdk.privacy.timing)
+                last_activity = time.monotonic()
+            if max_rounds is not None and trained >= max_rounds and not pacer.pending() \
+                    and not self.outbox.count() and self.secagg.state is None:
                 break
             try:
-                kind, payload = self._inbox.get(timeout=0.1)
+                kind, payload = self._inbox.get(timeout=pacer.wait_s(0.1))
             except queue.Empty:
                 # Resend only when idle (an ACK waiting in the inbox is read first), and only an update that has
                 # waited a whole interval since it was last sent (the uploader restarts the interval).
@@ -232,7 +245,8 @@ class EdgeAgent:
                         self.uploader.resend_pending()
                     if self.downloads.stalled():
                         self.downloads.request(open_round=False, only_stalled=True)
-                if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s:
+                if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s \
+                        and not pacer.pending():
                     log.info("site %s: idle for %.1f s, stopping", self.config.site_id, idle_timeout_s)
                     break
                 continue
@@ -308,6 +322,7 @@ class EdgeAgent:
         if accepted is None:
             return False
         task, weights = accepted.task, accepted.weights
+        self.ctx.pacer.begin(task.round, task.round_duration_s)  # its replies leave at a public time slot
         if self.radio is not None:
             return self.radio.train(task, weights, accepted.artifacts)
         if self.backends.select(task, accepted.artifacts, weights) is None:
@@ -315,8 +330,7 @@ class EdgeAgent:
         self._keep_model(task, weights, accepted.model_hash)
         if task.privacy == "global":
             assert self.records is not None
-            self.records.refresh()
-            return self.secagg.start(task, weights, self.records.dataset)
+            return self.secagg.start(task, weights, self.records)
         assert self.camera is not None
         return self.camera.train(task, weights)
 

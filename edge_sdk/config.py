@@ -28,7 +28,8 @@ Privacy-relevant switches are off by default and can only be turned on by the si
 ``allow_non_private`` (accept tasks with ``privacy: none``), ``allow_global_dp`` (accept ``privacy: global``
 tasks: the site sends its clipped but unnoised gradient sum, hidden only by secure aggregation, and trusts the
 coordinator to add the noise) and ``allow_seeded_noise`` (honour a task's ``seed``, which lets whoever chose the
-seed reproduce, and subtract, the privacy noise).
+seed reproduce, and subtract, the privacy noise). ``min_round_duration_s`` is the site's own floor on the
+time padding of its replies: a task that pads less is refused, so that a coordinator cannot turn the padding off.
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ class SiteConfig(BaseModel):
             the noise; default: refuse them, the site adds its own noise in ``"ccdp"`` mode only).
         allow_seeded_noise: honour a task's ``seed`` for sampling and noise (default: ignore it and use a
             cryptographically secure source).
+        min_round_duration_s: seconds; refuse a task whose ``round_duration_s`` (the public time slot the site's
+            replies wait for, :mod:`edge_sdk.privacy.timing`) is shorter. 0 (default): take the coordinator's
+            value, none included. Set it where the timing of the site's replies should not depend on trusting the
+            coordinator to pad them.
         missing_media: ``"error"`` or ``"skip"``: what the loader does with a media file that is absent.
         incoming: the folder new photos arrive in (an SD-card drop, a cellular camera's upload folder); ``wildfed-edge
             run`` watches it, detects and classifies each photo and appends it to the package (``dataset``); none:
@@ -214,6 +219,7 @@ class SiteConfig(BaseModel):
     allow_non_private: bool = False
     allow_global_dp: bool = False
     allow_seeded_noise: bool = False
+    min_round_duration_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     missing_media: str = "error"
     incoming: Path | None = None
     field: FieldSettings = Field(default_factory=FieldSettings)

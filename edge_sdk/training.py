@@ -34,6 +34,7 @@ from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.events import DPSGDEvent
 from shared.privacy.distributed import distributed_plan, site_sampling_rate
 from shared.privacy.individualized import individual_sampling_rates
+from shared.privacy.sum_rounding import secagg_clipping_norms
 from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend, unflatten
@@ -49,6 +50,10 @@ __all__ = ["LocalTrainingResult", "model_inputs", "TrainingInputs", "local_step"
            "clipped_sum_locally", "noisy_class_counts", "reweight_class_rows"]
 
 log = logging.getLogger(__name__)
+
+#: The most records a Global DP site sums in one round; the float64 rounding margin of its clipping norms is proven
+#: for this public bound (about 2.2e-4 C at the demo's settings), so the norms never depend on the site's count.
+MAX_SUMMED_RECORDS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -398,8 +403,9 @@ class ClippedSum:
     """A site's contribution to a Global DP round (unnoised: it travels only under secure aggregation).
 
     Attributes:
-        gradient_sum: ``{name: float32 array}``, sum over one Poisson-sampled batch of the per-example gradients,
-            each clipped to L2 norm C (same names and shapes as the global model).
+        gradient_sum: ``{name: float64 array}``, sum over one Poisson-sampled batch of the per-example gradients,
+            each clipped to L2 norm C less the float64 rounding margin (same names and shapes as the global model;
+            accumulated and kept in float64 until it is quantised: ``shared.privacy.sum_rounding``).
         num_examples: N_k, the site's declared capacity (``TrainingTask.capacity``; public, unchanged by the data).
         categories: the active categories (public: species table minus halted ones), IUCN rank order.
         sampling_rate: q = min(1, B / N_k).
@@ -471,6 +477,16 @@ def clipped_sum_locally(
         rates = individual_sampling_rates(noise_multiplier=float(task.noise_multiplier), budgets=task.budgets,
                                           categories=active, target_delta=task.target_delta, max_rate=q,
                                           steps=task.planned_rounds)
+    assert task.secagg is not None  # a global task carries it (TrainingTask checks)
+    if len(dataset) > MAX_SUMMED_RECORDS:
+        raise ConfigError(f"a Global DP site sums at most {MAX_SUMMED_RECORDS} records (the float64 rounding margin "
+                          f"is proven for that many), this site holds {len(dataset)}", field="dataset",
+                          fix="split the site's records over several sites, or use local CCDP")
+    # the float64 rounding margin for a public bound on the terms summed, never the site's own count: the clipping
+    # norm stays a public constant (shared.privacy.sum_rounding)
+    norms = secagg_clipping_norms(norms, num_records=MAX_SUMMED_RECORDS, clipping_norm=task.clipping_norm,
+                                  vector_length=task.secagg.vector_length, scale=task.secagg.scale,
+                                  max_abs_value=task.secagg.max_abs_value)
     ranks = dataset.categories.astype(np.int64)
     rate_table, norm_table = rank_table(rates), rank_table(norms, default=1.0)  # inactive: rate 0, never clipped
     idx = sample_at_rates(rate_table[ranks], randomness)
@@ -478,11 +494,11 @@ def clipped_sum_locally(
     if idx.size:
         grads = backend.per_example(inputs.features[idx], dataset.labels[idx])
         factors = clip_factors_from_norms(grads.norms, norm_table[ranks[idx]])
-        flat = np.asarray(grads.weighted_sum(factors[None, :]), dtype=np.float64).reshape(-1)
+        flat = grads.weighted_sum(factors[None, :], dtype=np.float64).reshape(-1)
     log.info("round %d: global DP: clipped sum of %s at q=%s (C=%s), %s", task.round,
              "every record (distributed noise credits no subsampling)" if task.distributed_noise else "a Poisson batch",
              {c.value: round(v, 4) for c, v in rates.items()}, {c.value: round(v, 4) for c, v in norms.items()},
              "its share of the noise added before masking" if task.distributed_noise else "no local noise")
-    return ClippedSum(gradient_sum=unflatten(flat.astype(np.float32), backend.parameter_layout),
+    return ClippedSum(gradient_sum=unflatten(flat, backend.parameter_layout, dtype=np.float64),
                       num_examples=n_site, categories=active, sampling_rate=q, batch_size=int(idx.size),
                       sampling_rates=rates)

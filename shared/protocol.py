@@ -65,12 +65,14 @@ def _positive(name: str, value: Any, *, integer: bool = False, allow_zero: bool 
                            f"{'integer' if integer else 'number'}, got {value!r}")
 
 
-def canonical_flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Concatenate float tensors in sorted-name order into one float32 vector (d,): the coordinate order of a
-    secure-aggregation vector, fixed so that every site and the coordinator agree without exchanging layouts."""
+def canonical_flatten(tensors: Mapping[str, np.ndarray], *, dtype: type = np.float32) -> np.ndarray:
+    """Concatenate float tensors in sorted-name order into one vector (d,) of ``dtype``: the coordinate order of a
+    secure-aggregation vector, fixed so that every site and the coordinator agree without exchanging layouts. A site
+    flattens its clipped sum with ``dtype=np.float64``, so that nothing rounds it before it is quantised
+    (``shared.privacy.sum_rounding``)."""
     if not tensors:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate([np.asarray(tensors[name], dtype=np.float32).reshape(-1) for name in sorted(tensors)])
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate([np.asarray(tensors[name], dtype=dtype).reshape(-1) for name in sorted(tensors)])
 
 
 def canonical_unflatten(flat: np.ndarray, template: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -318,6 +320,10 @@ class TrainingTask:
             sampling rate is min(1, B / N_k), a step is normalised by its expected batch q N_k, and the site reports
             N_k as its ``UpdateReport.num_examples``. A gateway refuses a camera task without it. None (left out
             of the JSON): radio tasks, and in-process simulations where the dataset's own size stands in.
+        round_duration_s: D, seconds >= 0: the site releases what it sends for this round (the update; a Global DP
+            round's replies after its keys) at ``accepted + k D``, the first such slot (k >= 1) after its local
+            work, so that the release time tells nothing of its records (:mod:`edge_sdk.privacy.timing`). Public
+            and the same for every site of the round. 0 (default, left out of the JSON) = no padding.
     """
 
     federation_id: str
@@ -344,11 +350,16 @@ class TrainingTask:
     class_reweighting: float = 0.0
     prediction_offsets: tuple[float, ...] | None = None
     capacity: int | None = None
+    round_duration_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
         if self.capacity is not None:
             _positive("capacity", self.capacity, integer=True)
+        d = self.round_duration_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            raise PayloadError(f"round_duration_s must be a finite number of seconds >= 0, got {d!r}")
+        object.__setattr__(self, "round_duration_s", float(d))
         offsets = self.prediction_offsets
         if offsets is not None:
             if (isinstance(offsets, (str, bytes, Mapping)) or not isinstance(offsets, Sequence) or len(offsets) < 2
@@ -458,7 +469,8 @@ class TrainingTask:
                 **({"class_reweighting": float(self.class_reweighting)} if self.class_reweighting else {}),
                 **({"prediction_offsets": list(self.prediction_offsets)}
                    if self.prediction_offsets is not None else {}),
-                **({"capacity": self.capacity} if self.capacity is not None else {})}
+                **({"capacity": self.capacity} if self.capacity is not None else {}),
+                **({"round_duration_s": self.round_duration_s} if self.round_duration_s else {})}
 
 
 @dataclass(frozen=True)

@@ -1006,10 +1006,13 @@ def end_of_demo_detections(*, run_dir: Path, specs: Any, site_configs: list[Path
 
 def _import_demo_deployments(store: Any, run_dir: Path, specs: Any, config: Any, console: Any) -> None:
     """Put every demo site's deployments (the fictional but plausible coordinates of its Camtrap DP package,
-    wildfed_sim.ecology) into the web view's map, with the IUCN categories they recorded."""
+    wildfed_sim.ecology) on the web view's map: coordinates only. The package's observations are the site's
+    training records, whose species and IUCN categories per deployment (and the fuzzing a CR/EN/VU record earns its
+    place) no DP noise covers; the map takes species only from the detection records the sites publish."""
     from coordinator.web.deployments import import_camtrap_dp, species_table_categories
 
     category_of = species_table_categories(config.species)
     n = sum(import_camtrap_dp(store, run_dir / "sites" / spec.site_id / "camtrap-dp", category_of,
-                              site_id=spec.site_id) for spec in specs)
-    console.log(f"{n} deployments on the web view's map (wildfed-coordinator serve)")
+                              site_id=spec.site_id, species=False) for spec in specs)
+    console.log(f"{n} deployments on the web view's map (wildfed-coordinator serve): coordinates only; species "
+                "come from the sites' detection records")

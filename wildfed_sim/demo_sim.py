@@ -328,7 +328,7 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
             part = clipped_sum_locally(backend=backend, dataset=inputs[site.site_id],
                                        task=task, global_weights=weights, site_categories=site.species_categories,
                                        randomness=rngs[site.site_id], feature_centre=centre)
-            y = quantise(canonical_flatten(part.gradient_sum), params).astype(np.uint64)
+            y = quantise(canonical_flatten(part.gradient_sum, dtype=np.float64), params).astype(np.uint64)
             if distributed:
                 share_rng = np.random.default_rng(int(rngs[site.site_id].random(1)[0] * 2**53))
                 share = skellam_noise(share_variance, d, share_rng)

@@ -55,6 +55,7 @@ def init(directory: Path = typer.Argument(Path("."), help="folder for the config
     if cfg_path.exists() and not force:
         raise ConfigError("a config already exists", source=cfg_path, fix="pass --force to overwrite it")
     config = config_from_dict({"federation_id": federation_id, "broker_url": broker_url, "rounds": rounds,
+                               "round_duration_s": 300.0,  # timing padding (docs/privacy.md, "Timing")
                                "data_dir": "data", "database_url": database_url,
                                "signing_key_path": "keys/coordinator.key",
                                "public_key_path": "keys/coordinator.pub"}, source="init options")

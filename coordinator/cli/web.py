@@ -71,10 +71,15 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
                        source: str = typer.Option("camtrap-dp", "--format", help="camtrap-dp or wildlife-insights"),
                        site: str | None = typer.Option(None, "--site", help="the enrolled site the package belongs "
                                                        "to (may be left out while exactly one site is enrolled)"),
+                       coordinates_only: bool = typer.Option(False, "--coordinates-only", help="read only the "
+                                                             "deployments table: no species or categories (for a "
+                                                             "package of a site's training records)"),
                        config: Path = config_option()) -> None:
     """Import one site's deployments (coordinates and the IUCN categories of what they recorded, from the config's
     species table) for the web view's map; sensitive ones are shown fuzzed to partners (docs/location-privacy.md).
-    Deployments are keyed by site: another site's deployment of the same id keeps its own coordinates."""
+    Deployments are keyed by site: another site's deployment of the same id keeps its own coordinates. With
+    --coordinates-only the species come from detection records alone (a gateway's own package holds its training
+    records, which the map must not publish)."""
     from coordinator.web.deployments import (import_camtrap_dp, import_wildlife_insights, resolve_site,
                                              species_table_categories, unknown_species)
 
@@ -88,7 +93,8 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:  # with the policy: protection the stored data earned is kept (docs/location-privacy.md)
         site_id = resolve_site(store, site)
-        n = importer(store, path, category_of, site_id=site_id, policy=policy_from_config(cfg))
+        n = importer(store, path, category_of, site_id=site_id, policy=policy_from_config(cfg),
+                     species=not coordinates_only)
         # the importer's source string (coordinator.web.deployments): "<format>:<folder name>"
         unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}", site_id=site_id)
     finally:

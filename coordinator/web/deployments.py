@@ -9,6 +9,10 @@ Import sources (read with the csv module; only the columns named here are used):
 * a Wildlife Insights project export (``deployments.csv``: ``deployment_id``, ``latitude``, ``longitude``,
   ``placename``; ``images.csv``: ``deployment_id``, ``genus``, ``species``).
 
+Coordinates only (``species=False``, ``import-deployments --coordinates-only``): only ``deployments.csv`` is read,
+no species or categories are stored. For a package of a site's training records (a gateway's own package), whose
+species per deployment no DP noise covers: the map then takes species from published detection records alone.
+
 A package is one site's: its deployments are stored under that site, keyed by (site, deployment id), since
 deployment ids are unique within one package only (two reserves both have a ``StationA``, each keeps its own
 coordinates), and each site's detection records join its own deployments. ``import-deployments --site S`` names
@@ -276,15 +280,15 @@ def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str 
     return len(deployments)
 
 
-def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, str, str, str, str], records: str,
-            record_id: str,
+def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, str, str, str, str],
+            records: str | None, record_id: str,
             species_of: Callable[[Mapping[str, str]], str], species_columns: tuple[str, ...],
             category_of: CategoryOf, source: str, fmt: str, policy: LocationPolicy | None) -> int:
     """Read ``deployments.csv`` (columns: id, latitude, longitude, name, start, end) and the ``records`` file (its
-    ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none), check them, then
-    store."""
+    ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none; None: no records file
+    is read and no species stored), check them, then store."""
     dep_id, lat, lon, name, start, end = columns
-    dep_file, rec_file = root / "deployments.csv", root / records
+    dep_file = root / "deployments.csv"
     table = _rows(dep_file, (dep_id, lat, lon), fmt, used=(name, start, end))
     deployments: dict[str, tuple[float, float, str, str | None, str | None]] = {}
     first: dict[str, int] = {}
@@ -301,7 +305,9 @@ def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, 
                             r.get(name) or key, r.get(start), r.get(end))
     categories: dict[str, set[IUCNCategory]] = {}
     recorded: dict[str, set[str]] = {}
-    for n, r in _rows(rec_file, (record_id,), fmt, used=species_columns):
+    rec_file = root / (records or "")
+    rows = _rows(rec_file, (record_id,), fmt, used=species_columns) if records is not None else []
+    for n, r in rows:
         key = r[record_id].strip()
         if key not in deployments:
             raise DatasetError(f"names deployment {key!r}, which {dep_file.name} does not list", source=rec_file,
@@ -316,7 +322,7 @@ def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, 
 
 
 def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf, *, site_id: str,
-                      policy: LocationPolicy | None = None) -> int:
+                      policy: LocationPolicy | None = None, species: bool = True) -> int:
     """Import a Camtrap DP package's deployments as deployments of one site; returns how many.
 
     Args:
@@ -325,6 +331,8 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
             it with :func:`resolve_site`).
         policy: the web view's location policy: given (as the CLI does), protection earned by the stored data is
             recorded before it is replaced (module docstring).
+        species: False: coordinates only, ``observations.csv`` is not read (module docstring: for a package of
+            training records).
 
     Raises:
         ConfigError: an empty ``site_id``.
@@ -335,7 +343,7 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
     _need_site(site_id)
     return _import(store, root, site_id=site_id, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
                             "deploymentEnd"),
-                   records="observations.csv", record_id="deploymentID",
+                   records="observations.csv" if species else None, record_id="deploymentID",
                    species_of=lambda r: (r.get("scientificName") or "").strip(), species_columns=("scientificName",),
                    category_of=category_of, source=f"camtrap-dp:{root.name}", fmt="camtrap-dp", policy=policy)
 
@@ -346,7 +354,7 @@ def _wi_species(row: Mapping[str, str]) -> str:
 
 
 def import_wildlife_insights(store: Store, project: str | Path, category_of: CategoryOf, *, site_id: str,
-                             policy: LocationPolicy | None = None) -> int:
+                             policy: LocationPolicy | None = None, species: bool = True) -> int:
     """Import a Wildlife Insights project export's deployments as deployments of one site; returns how many.
     Arguments as :func:`import_camtrap_dp`.
 
@@ -358,7 +366,7 @@ def import_wildlife_insights(store: Store, project: str | Path, category_of: Cat
     root = Path(project)
     _need_site(site_id)
     return _import(store, root, site_id=site_id, columns=("deployment_id", "latitude", "longitude", "placename", "start_date", "end_date"),
-                   records="images.csv", record_id="deployment_id", species_of=_wi_species,
+                   records="images.csv" if species else None, record_id="deployment_id", species_of=_wi_species,
                    species_columns=("genus", "species"), category_of=category_of,
                    source=f"wildlife-insights:{root.name}", fmt="wildlife-insights", policy=policy)
 

@@ -87,9 +87,10 @@ def flatten(weights: dict[str, np.ndarray], layout: tuple[ParameterSpec, ...]) -
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def unflatten(flat: np.ndarray, layout: tuple[ParameterSpec, ...]) -> dict[str, np.ndarray]:
-    """Inverse of :func:`flatten`: float32 (d,) -> ``{name: float32 array of its shape}`` (copies)."""
-    return {s.name: np.array(flat[s.offset:s.offset + s.size], dtype=np.float32).reshape(s.shape) for s in layout}
+def unflatten(flat: np.ndarray, layout: tuple[ParameterSpec, ...], *,
+              dtype: type = np.float32) -> dict[str, np.ndarray]:
+    """Inverse of :func:`flatten`: (d,) -> ``{name: array of its shape}`` of ``dtype`` (copies)."""
+    return {s.name: np.array(flat[s.offset:s.offset + s.size], dtype=dtype).reshape(s.shape) for s in layout}
 
 
 class TrainingBackend(ABC):

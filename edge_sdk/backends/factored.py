@@ -81,13 +81,15 @@ class LinearFactors(PerExampleGradients):
             self._pieces.append((kind, a, delta))
         self.norms = np.sqrt(sq) if sq is not None else np.zeros(0)
 
-    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
-        """float32 (K, d) = weights (K, B) @ G, assembled per parameter in layout order."""
-        w = np.asarray(weights, dtype=np.float32)
+    def weighted_sum(self, weights: np.ndarray, *, dtype: type = np.float32) -> np.ndarray:
+        """(K, d) of ``dtype`` = weights (K, B) @ G, assembled per parameter in layout order, accumulated in
+        ``dtype`` (:meth:`PerExampleGradients.weighted_sum`)."""
+        w = np.asarray(weights, dtype=np.float32).astype(dtype)
         if w.ndim != 2 or w.shape[1] != self.batch_size:
             raise ValueError(f"weights must be (K, {self.batch_size}), got {w.shape}")
-        out = np.empty((w.shape[0], sum(s.size for s in self._layout)), dtype=np.float32)
+        out = np.empty((w.shape[0], sum(s.size for s in self._layout)), dtype=dtype)
         for spec, (kind, a, delta) in zip(self._layout, self._pieces):
+            a, delta = a.astype(dtype, copy=False), delta.astype(dtype, copy=False)
             block = out[:, spec.offset:spec.offset + spec.size]
             if kind == "bias":
                 block[...] = w @ delta

@@ -302,13 +302,16 @@ class _GhostGradients(PerExampleGradients):
             sq = term if sq is None else sq + term
         self.norms = sq.sqrt().cpu().numpy()
 
-    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
-        """float32 (K, d) = weights (K, B) @ G, assembled per parameter in layout order."""
+    def weighted_sum(self, weights: np.ndarray, *, dtype: type = np.float32) -> np.ndarray:
+        """(K, d) of ``dtype`` = weights (K, B) @ G, assembled per parameter in layout order, accumulated in
+        ``dtype`` (:meth:`PerExampleGradients.weighted_sum`)."""
         first = next(iter(self._pieces.values()))[1]
-        w = torch.as_tensor(np.asarray(weights, dtype=np.float32), device=first.device)
+        wide = torch.float64 if dtype == np.float64 else torch.float32
+        w = torch.as_tensor(np.asarray(weights, dtype=np.float32), device=first.device).to(wide)
         parts = []
         for spec in self._layout:
             piece = self._pieces[spec.name]
+            piece = (piece[0], *(t.to(wide) for t in piece[1:]))
             if piece[0] == "outer" and w.shape[0] == 1:  # the production case (privatize): one 2-D GEMM
                 parts.append((piece[1] * w[0][:, None]).T.matmul(piece[2]).reshape(1, -1))
             elif piece[0] == "outer":

@@ -54,8 +54,13 @@ class PerExampleGradients(ABC):
         return int(self.norms.shape[0])
 
     @abstractmethod
-    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
-        """``weights @ G``: float32 (K, B) weights -> float32 (K, d) sums, in the backend's parameter order."""
+    def weighted_sum(self, weights: np.ndarray, *, dtype: type = np.float32) -> np.ndarray:
+        """``weights @ G``: (K, B) weights -> (K, d) sums of ``dtype``, in the backend's parameter order.
+
+        float32 (the default: the local DP-SGD step, whose noise is added in float64 afterwards) rounds the weights
+        to float32 and accumulates in float32. float64 (a Global DP site's clipped sum, quantised for secure
+        aggregation: ``shared.privacy.sum_rounding``) takes float32 weights exactly, forms each product of a weight
+        and a float32 factor exactly, and accumulates in float64."""
 
 
 class MaterialisedGradients(PerExampleGradients):
@@ -66,8 +71,11 @@ class MaterialisedGradients(PerExampleGradients):
         if grads.ndim != 2:
             raise ValueError(f"per-example gradients must be (B, d), got shape {grads.shape}")
         self.grads = grads
-        self.norms = np.sqrt(np.einsum("ij,ij->i", grads, grads, dtype=np.float64))
+        # float64 sums of squares raised by the float64 summation bound: upper bounds, as the ghost paths' are
+        bound = 1.0 + summation_error_bound(int(grads.shape[1]), 2.0 ** -53)
+        self.norms = np.sqrt(np.einsum("ij,ij->i", grads, grads, dtype=np.float64) * bound)
 
-    def weighted_sum(self, weights: np.ndarray) -> np.ndarray:
-        """float32 (K, d) = weights (K, B) @ grads (B, d)."""
-        return np.asarray(weights, dtype=np.float32) @ self.grads
+    def weighted_sum(self, weights: np.ndarray, *, dtype: type = np.float32) -> np.ndarray:
+        """(K, d) of ``dtype`` = weights (K, B) @ grads (B, d), accumulated in ``dtype``."""
+        w = np.asarray(weights, dtype=np.float32).astype(dtype)
+        return w @ (self.grads if dtype == np.float32 else self.grads.astype(dtype))

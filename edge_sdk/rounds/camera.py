@@ -158,11 +158,12 @@ class CameraRound:
             ctx.reject("task", "model_mismatch", str(exc))
             return False
         self._log_signal(task, weights, result)
-        return self.uploader.send_update(
+        # sealed, stored and published at the round's public time slot, not when training ended (privacy.timing)
+        return ctx.pacer.release(task.round, lambda: self.uploader.send_update(
             task, result.report, result.delta, started=started,
             detail=f"N={result.report.num_examples}, base rate q={result.sampling_rate:.4g}"
             + (f", class re-weighting {task.class_reweighting:g}"
-               if task.class_reweighting and result.plan is not None and config.logit_adjustment else ""))
+               if task.class_reweighting and result.plan is not None and config.logit_adjustment else "")))
 
     def _log_signal(self, task: TrainingTask, weights: dict[str, np.ndarray], result: LocalTrainingResult) -> None:
         plan = result.plan

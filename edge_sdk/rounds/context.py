@@ -20,6 +20,7 @@ from shared.protocol import TrainingTask
 
 from edge_sdk.config import SiteConfig
 from edge_sdk.privacy.randomness import RandomSource, SecureRandom, SeededRandom
+from edge_sdk.privacy.timing import RoundPacer
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport
 
@@ -50,6 +51,7 @@ class AgentContext:
         coordinator_key: the coordinator's Ed25519 public key (what it receives must verify with it).
         outbox: the persistent outbox (updates, and the agent's durable counters).
         stats: ``Counter`` of what happened (``tasks_trained``, ``rejected:<reason>``, ...).
+        pacer: holds each round's outgoing messages until its public time slot (:mod:`edge_sdk.privacy.timing`).
     """
 
     config: SiteConfig
@@ -58,6 +60,7 @@ class AgentContext:
     coordinator_key: Ed25519PublicKey
     outbox: Outbox
     stats: Counter = field(default_factory=Counter)
+    pacer: RoundPacer = field(default_factory=RoundPacer)
 
     @property
     def site_id(self) -> str:

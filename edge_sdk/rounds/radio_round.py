@@ -55,5 +55,5 @@ class RadioRound:
             ctx.reject("task", "model_mismatch", str(exc))
             return False
         assert task.radio is not None
-        return self.uploader.send_update(task, report, delta, started=started,
-                                         detail=f"N={report.num_examples} maps, {task.radio.defence}")
+        return ctx.pacer.release(task.round, lambda: self.uploader.send_update(  # at the public time slot
+            task, report, delta, started=started, detail=f"N={report.num_examples} maps, {task.radio.defence}"))

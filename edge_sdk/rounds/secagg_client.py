@@ -5,6 +5,11 @@ advertise fresh keys, compute its clipped gradient sum (kept in memory only unti
 the Skellam noise when the noise is distributed, then follow the coordinator's stages: key list -> encrypted shares,
 share inbox -> masked sum, recovery request -> the shares that unmask a dropped site's pairwise masks, round end.
 A protocol error drops the site out of the round (the others recover its masks); nothing is retried.
+
+Timing: the keys leave right after the task is accepted, before any record is read; every reply after them (the
+shares, the masked sum, the recovery shares) waits for the round's public time slot
+(:mod:`edge_sdk.privacy.timing`): the loop is busy while the sum is computed, so a key list that arrives meanwhile
+would otherwise be answered at a time that tells how long the work took.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class SecAggRoundState:
     round: int
     model_hash: str
     client: SecAggClient
-    gradient: np.ndarray | None  # float32 (d,), canonical order; dropped once masked
+    gradient: np.ndarray | None  # float64 (d,), canonical order, quantised from float64; dropped once masked
     num_examples: int
     categories: tuple[str, ...]
     noise: np.ndarray | None = None  # int64 (d,): this site's Skellam share (distributed DP); dropped once masked
@@ -81,8 +86,11 @@ class SecAggSiteClient:
         self.ctx.stats[f"secagg_sent:{message.stage}"] += 1
         return True
 
-    def start(self, task: TrainingTask, weights: dict[str, np.ndarray], dataset: object) -> bool:
-        """Global DP: advertise fresh keys, then compute the clipped gradient sum (kept in memory until masked)."""
+    def start(self, task: TrainingTask, weights: dict[str, np.ndarray], records: object) -> bool:
+        """Global DP: advertise fresh keys, then read the site's records again if they changed
+        (``records.refresh()``, :class:`edge_sdk.rounds.camera.SiteRecords`: after the keys, so that when the keys
+        leave does not depend on the records) and compute the clipped gradient sum of ``records.dataset`` (kept in
+        memory until masked)."""
         assert task.secagg is not None  # decode_task checked it
         if task.capacity is None:
             self.ctx.reject("task", "no_capacity", f"round {task.round}: the task names no declared capacity for "
@@ -113,6 +121,8 @@ class SecAggSiteClient:
         if not self._send(state, SecAggMessage("keys", client.public_keys().to_json())):
             return False
         started = time.monotonic()
+        records.refresh()  # type: ignore[attr-defined]
+        dataset = records.dataset  # type: ignore[attr-defined]
         if self.feature_centre is not None and centre is None:
             log.info("site %s: round %d: the global task names no feature centre: plain (uncentred) gradients",
                      self.ctx.config.site_id, task.round)
@@ -128,7 +138,7 @@ class SecAggSiteClient:
             self.state = None
             self.ctx.reject("task", "model_mismatch", str(exc))
             return False
-        state.gradient = canonical_flatten(result.gradient_sum)
+        state.gradient = canonical_flatten(result.gradient_sum, dtype=np.float64)  # quantised from float64
         if task.distributed_noise:  # distributed DP: this site's share of the noise, added before masking
             assert task.noise_multiplier is not None  # a global task carries it (TrainingTask checks)
             state.noise = skellam_noise(skellam_share_variance(
@@ -138,9 +148,11 @@ class SecAggSiteClient:
         state.num_examples = result.num_examples
         state.categories = tuple(c.value for c in result.categories)
         self.ctx.stats["tasks_trained"] += 1
-        log.info("site %s: round %d (global DP) clipped sum ready in %.1f s (N=%d, q=%.4g); waiting for the key "
-                 "list", self.ctx.config.site_id, task.round, time.monotonic() - started, result.num_examples,
-                 result.sampling_rate)
+        slot = self.ctx.pacer.ready(task.round)  # the replies from here on wait for this public time slot
+        log.info("site %s: round %d (global DP) clipped sum ready in %.1f s (N=%d, q=%.4g); %s",
+                 self.ctx.config.site_id, task.round, time.monotonic() - started, result.num_examples,
+                 result.sampling_rate, "waiting for the key list" if slot is None else
+                 f"replies wait for the round's time slot ({self.ctx.pacer.wait_s(float('inf')):.1f} s)")
         return True
 
     def handle(self, data: bytes) -> bool:
@@ -155,8 +167,16 @@ class SecAggSiteClient:
             self.ctx.reject("secagg", "stale_round", f"round {envelope.header.round} is not a secure-aggregation round "
                          "in progress here")
             return False
+        return self.ctx.pacer.release(state.round, lambda: self._answer(envelope.payload, state))
+
+    def _answer(self, payload: bytes, state: SecAggRoundState) -> bool:
+        """The reply to one verified stage message of ``state``'s round (at the round's time slot)."""
+        if self.state is not state:  # the site left the round while the message waited
+            log.info("site %s: round %d: a secure-aggregation message waited for the time slot of a round the site "
+                     "has left; dropped", self.ctx.config.site_id, state.round)
+            return False
         try:
-            message = decode_secagg(envelope.payload, stages=COORDINATOR_STAGES)
+            message = decode_secagg(payload, stages=COORDINATOR_STAGES)
             body = message.body
             if message.stage == "key_list":
                 keys = [AdvertisedKeys.from_json(k) for k in body.get("keys", [])]

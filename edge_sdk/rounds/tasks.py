@@ -3,7 +3,8 @@ trained (durably: a restarted gateway never trains a round twice, which would re
 data), whose payload decodes, whose round and federation match the signed header, whose weights hash to the model
 hash the coordinator signed, whose privacy mode the site allows (``privacy: none`` only with
 ``allow_non_private``; ``privacy: global`` only with ``allow_global_dp``: defaults the coordinator cannot override),
-and whose kind (camera or radio) is the site's.
+whose time padding (``round_duration_s``) is at least the site's ``min_round_duration_s``, and whose kind (camera
+or radio) is the site's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def accept_task(ctx: AgentContext, envelope: Envelope) -> AcceptedTask | None:
     if task.privacy == "global" and not config.allow_global_dp:
         ctx.reject("task", "global_dp_refused", "privacy 'global' requested (the coordinator would add the noise) "
                    "but the site config does not set allow_global_dp")
+        return None
+    if task.round_duration_s < config.min_round_duration_s:
+        ctx.reject("task", "round_duration_too_short", f"the task pads the site's replies to round_duration_s "
+                   f"{task.round_duration_s:g} s, less than this site's min_round_duration_s "
+                   f"{config.min_round_duration_s:g} s (fix: raise round_duration_s in the coordinator config)")
         return None
     if (task.radio is not None) != (config.task == "radiomap"):
         ctx.reject("task", "task_kind", f"a {'radio' if task.radio is not None else 'camera'} task for a "

@@ -14,7 +14,8 @@ that the accountant does not credit would only discard signal at the same noise.
 
 Integer units: with the secure-aggregation ``scale``, a record clipped at ``C_c`` moves its site's quantised sum by
 at most ``D2 = C_c scale + sqrt(d)`` in L2 (deterministic rounding moves each of d coordinates by at most 1/2 per
-input) and ``D1 = sqrt(d) D2`` in L1. ``z`` is the noise multiplier against the anchor's ``C_eff = C +
+input) and ``D1 = sqrt(d) D2`` in L1. The sites sum in float64 and clip at ``C_c`` less a float64 rounding margin, so
+that this holds for the sum as computed, not only for the exact one (the proof: :mod:`shared.privacy.sum_rounding`). ``z`` is the noise multiplier against the anchor's ``C_eff = C +
 sqrt(d)/scale``: ``mu = (z C_eff scale)^2``.
 
 The noise is sampled with numpy's Poisson sampler on a PCG64 generator seeded with 128 bits of OS entropy each

@@ -136,6 +136,35 @@ def test_import_deployments_cli(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "--format" in res.output
 
 
+def test_coordinates_only_reads_no_species_and_replaces_what_a_full_import_stored(tmp_path: Path) -> None:
+    # A package whose observations are a site's training records: only its deployments table is read
+    store = Store("sqlite://", tmp_path / "data")
+    pkg = _package(tmp_path / "pkg")
+    assert import_camtrap_dp(store, pkg, TABLE, site_id=SITE) == 2
+    assert {d["deployment_id"]: d["categories"] for d in deployments_for(
+        store, Role.RANGER, policy=LocationPolicy(), secret=SECRET)} == {"d1": ["EN", "NT"], "d2": ["NT"]}
+    (pkg / "observations.csv").write_text("not,a,camtrap\ntable\n")  # never read
+    assert import_camtrap_dp(store, pkg, TABLE, site_id=SITE, species=False) == 2
+    shown = {d["deployment_id"]: d for d in deployments_for(store, Role.RANGER, policy=LocationPolicy(),
+                                                               secret=SECRET)}
+    assert {k: (d["latitude"], d["longitude"], d["categories"]) for k, d in shown.items()} == {
+        "d1": (3.5, -77.2, []), "d2": (3.6, -77.3, [])}
+    with store.session() as s:
+        assert {(r.species_json, r.categories_json) for r in s.query(DeploymentRow)} == {("[]", "[]")}
+    # the command line's --coordinates-only
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(tmp_path / "c"), "--federation-id", "f"]).exit_code == 0
+    cfg = str(tmp_path / "c" / "coordinator.yaml")
+    pub = save_public_key(generate_signing_key().public_key(), tmp_path / "s.pub")
+    assert runner.invoke(app, ["enrol", SITE, "--public-key", str(pub), "-c", cfg]).exit_code == 0
+    res = runner.invoke(app, ["import-deployments", str(pkg), "--coordinates-only", "-c", cfg])
+    assert res.exit_code == 0 and "imported 2 deployment(s)" in res.output, res.output
+
+
 def _station(root: Path, lat: float, lon: float, species: str) -> Path:
     root.mkdir(parents=True)
     (root / "deployments.csv").write_text(f"deploymentID,locationName,latitude,longitude\nStationA,pan,{lat},{lon}\n")
