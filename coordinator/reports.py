@@ -138,15 +138,15 @@ def observer_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Priv
     mode = observer_mode(cfg)
     if mode is None:
         return None
-    f = cfg.secagg.colluding_sites if mode == "distributed" else 0
-    statement = observer_statement(mode, f)
     if mode != "distributed":
-        return ObserverReport(statement=statement, threshold=None, rows=())
+        return ObserverReport(statement=observer_statement(mode), threshold=None, rows=())
+    f = cfg.secagg.colluding_sites
     n = len(registry.list())
     if cfg.sites_per_round is not None:
         n = min(n, cfg.sites_per_round)
     t = cfg.secagg.threshold if cfg.secagg.threshold is not None else n // 2 + 1
     t = max(min(t, max(n, 2)), f + 1)
+    statement = observer_statement(mode, f, t)
     charged = {}
     for cat in IUCNCategory:
         spends = {site: ledger.spent(site, cat, accountant) for site in ledger.sites()}

@@ -148,8 +148,9 @@ def observer_table(*, mode: Mode, charged: Mapping[IUCNCategory, Sequence[Privac
     return rows
 
 
-def observer_statement(mode: Mode, colluding_sites: int = 0) -> str:
-    """One sentence naming the observers the charged (printed) epsilon holds against, for the CLI and reports.
+def observer_statement(mode: Mode, colluding_sites: int = 0, threshold: int | None = None) -> str:
+    """One sentence naming the observers the charged (printed) epsilon holds against, for the CLI and reports
+    (``colluding_sites`` f and, when known, ``threshold`` t: distributed noise only).
 
     Raises:
         ConfigError: unknown mode.
@@ -164,6 +165,10 @@ def observer_statement(mode: Mode, colluding_sites: int = 0) -> str:
         return ("Global DP, trusted server: these figures hold against anyone who sees only the released models, "
                 "participants and their coalitions included; the coordinator sees the unnoised sum, so NO DP "
                 "guarantee holds against it")
+    if threshold is not None and threshold - colluding_sites == 1:
+        return (f"Global DP, distributed noise (colluding_sites f = {colluding_sites}, threshold t = {threshold}): "
+                "every site's share carries the whole noise, so these figures hold against the coordinator, anyone "
+                "who sees only the released models, and any coalition of participants")
     who = ("one participant (its own share is covered)" if colluding_sites == 1 else
            f"up to {colluding_sites} colluding participants" if colluding_sites else
            "no participant: a participant knows its own share and faces more")
