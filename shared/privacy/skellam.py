@@ -23,8 +23,8 @@ conversion to (eps, delta) is dp-accounting's ``compute_epsilon``.
 Orders: dp-accounting's defaults jump from 63 to 128, 256, 512 and 1024, and a Skellam composition's best order
 falls in those gaps for epsilon below about 0.2 at delta = 1e-5, where the default orders overstate the bound by up
 to 6 % (at the product's sensitivities). A Skellam release is therefore also evaluated at every integer order to 300 and every 4th to 1024
-(:data:`SKELLAM_ORDERS`); those orders count for a composition of Skellam releases only (any other event composed
-leaves them at infinity). The printed epsilon of Skellam releases is then the minimum of the bound over every integer
+(:data:`SKELLAM_ORDERS`); those orders count for a composition of Skellam releases only (once any other event is
+composed, the minimum is over the accountant's own orders). The printed epsilon of Skellam releases is then the minimum of the bound over every integer
 order to within 0.01 % (``tests/shared/test_skellam_rdp.py`` checks 1 %).
 """
 
@@ -94,8 +94,8 @@ class SkellamRdpAccountant(rdp.RdpAccountant):
     orders when ``orders`` is None), so a composition without Skellam events gives exactly ``RdpAccountant``'s
     numbers. Skellam releases are evaluated at those orders and, with the default orders, also at
     :data:`SKELLAM_ORDERS`, where the composition's RDP is known only while every event composed is a Skellam
-    release: once any other event is composed, those orders hold infinity (a valid, never chosen bound), and the
-    minimum is over the accountant's own orders.
+    release: once any other event is composed they are dropped (the other event's RDP is not computed there), and
+    the minimum is over the accountant's own orders.
     """
 
     def __init__(self, orders: Optional[Sequence[float]] = None,
@@ -126,11 +126,12 @@ class SkellamRdpAccountant(rdp.RdpAccountant):
         return result
 
     def _curve(self) -> tuple[np.ndarray, np.ndarray]:
-        """(orders, RDP) of the whole composition: the accountant's orders, then the extra Skellam orders."""
+        """(orders, RDP) of the whole composition: the accountant's orders, then the extra Skellam orders while only
+        Skellam releases were composed (after any other event they would hold infinity, so they are left out)."""
         n = len(self._orders)
-        other = np.concatenate([self._rdp, np.full(len(self._all_orders) - n,
-                                                   np.inf if self._other_events else 0.0)])
-        return self._all_orders, other + self._skellam_rdp
+        if self._other_events:
+            return self._all_orders[:n], self._rdp + self._skellam_rdp[:n]
+        return self._all_orders, np.concatenate([self._rdp, np.zeros(len(self._all_orders) - n)]) + self._skellam_rdp
 
     def get_epsilon_and_optimal_order(self, target_delta: float) -> tuple[float, float]:
         """dp-accounting's ``compute_epsilon`` of :meth:`_curve`."""
@@ -155,5 +156,6 @@ class SkellamRdpAccountant(rdp.RdpAccountant):
 
     @property
     def orders(self) -> np.ndarray:
-        """The orders the composition is evaluated at: the accountant's, then the extra Skellam orders."""
-        return self._all_orders.copy()
+        """The orders the composition is evaluated at: the accountant's, then (Skellam releases only) the extra
+        Skellam orders."""
+        return self._curve()[0].copy()
