@@ -15,7 +15,8 @@ What each faces, by mode (``mode``):
 - ``"ccdp"`` (local DP): every site adds its own noise to its own update, and no one else knows it, so the charged
   epsilon holds against every observer: the coordinator and any coalition of participants included.
 - ``"trusted-server"`` (Global DP, the coordinator adds one Gaussian draw to the opened sum): the charged epsilon
-  holds against non-participants and any coalition of participants (the draw is the coordinator's); the
+  holds against non-participants and any coalition of participants without the coordinator (the draw is the
+  coordinator's); the
   coordinator sees the unnoised sum, so against it there is no DP guarantee at all (infinite epsilon; it is kept
   from single sites' sums by secure aggregation only).
 - ``"distributed"`` (Global DP, each site adds a Skellam share of variance ``mu / (t - f)``;
@@ -24,8 +25,8 @@ What each faces, by mode (``mode``):
   case) ``max(t - k, 1) mu / (t - f)``; at least one share (the record's own site's) is always unknown to them.
   The coordinator and non-participants know none (``t mu / (t - f)``); a participant knows its own (k = 1); f
   colluding participants leave exactly ``mu``, the charged figure; f + 1 or more leave less, down to one site's
-  share ``mu / (t - f)`` once t - 1 or more collude (secure aggregation then no longer hides single sites from a
-  coordinator among them). Only the Skellam releases of the history are rescaled (a DP-SGD release of a local
+  share ``mu / (t - f)`` once t - 1 or more collude (with or without the coordinator: secure aggregation shows a
+  coordinator with fewer than t sites only the sum of the others). Only the Skellam releases of the history are rescaled (a DP-SGD release of a local
   round is already the charge against everyone).
 
 Every epsilon is composed by :func:`shared.privacy.accounting.epsilon_spent` (dp-accounting; the Skellam bound of
@@ -100,7 +101,7 @@ def _observers(mode: Mode, t: int, f: int) -> list[tuple[str, int | None, str]]:
         rows.append((f"{f + 1} colluding participants (f + 1)", f + 1, "the released models and their shares"))
     if t - 1 > max(f + 1, 1):
         rows.append((f"{t - 1} or more colluding participants (t - 1), with or without the coordinator", t - 1,
-                     "all but one survivor's shares (with the coordinator: one site's own masked sum)"))
+                     "all shares but one: the last honest site's sum carries its own share only"))
     return rows
 
 
@@ -164,7 +165,7 @@ def observer_statement(mode: Mode, colluding_sites: int = 0, threshold: int | No
     if mode == "trusted-server":
         return ("Global DP, trusted server: these figures hold against anyone who sees only the released models, "
                 "participants and their coalitions included; the coordinator sees the unnoised sum, so NO DP "
-                "guarantee holds against it")
+                "guarantee holds against it (nor against participants colluding with it)")
     if threshold is not None and threshold - colluding_sites == 1:
         return (f"Global DP, distributed noise (colluding_sites f = {colluding_sites}, threshold t = {threshold}): "
                 "every site's share carries the whole noise, so these figures hold against the coordinator, anyone "
