@@ -584,14 +584,15 @@ class SecureAggregationRound:
             return self._fail(f"{type(exc).__name__}: {exc}")
         sensitivity = effective_sensitivity(self._c, self.params.vector_length, self.params.scale)
         sigma = self._z * sensitivity
-        # distributed: the noise is already in the opened sum (>= t Skellam shares, variance >= (z C_eff)^2)
+        # distributed: the noise is already in the opened sum (>= t Skellam shares of mu / (t - f) each, so at least
+        # mu = (z C_eff scale)^2 in grid units even without the f shares colluders know)
         noisy = total if self._distributed else total + sigma * self._noise.standard_normal(total.shape[0])
         expected_batch = sum(site_sampling_rate(self._b, self._n[s], distributed=self._distributed) * self._n[s]
                              for s in request.survivors)
         gradient = canonical_unflatten((noisy / expected_batch).astype(np.float32), self.template)
         summary = (f"{len(request.survivors)} of {self.params.num_sites} sites unmasked "
                    f"({len(request.dropped)} dropped after sharing); "
-                   f"{'distributed Skellam noise from the sites, ' if self._distributed else ''}sigma={sigma:.4g} "
+                   f"{self._noise_source()}sigma={sigma:.4g} "
                    f"(C_eff={sensitivity:.6g}, z={self._z:.4g}); "
                    f"normaliser sum q_k N_k={expected_batch:.1f}")
         log.info("secagg: round %d: %s", self.round, summary)
@@ -632,6 +633,14 @@ class SecureAggregationRound:
         """Tell every selected site the round is over (it forgets its secagg state)."""
         for site in self.params.site_ids:
             self._send(site, "round_end", {"status": status, "reason": reason[:500]})
+
+    def _noise_source(self) -> str:
+        """The round summary's words for who added the noise (the coordinator's draw says nothing)."""
+        if not self._distributed:
+            return ""
+        f = self.settings.colluding_sites
+        return (f"distributed Skellam noise from the sites, shares of mu/(t - f) with t={self.params.threshold}, "
+                f"f={f} colluding sites covered; ")
 
     def _fail(self, reason: str) -> GlobalRoundOutcome:
         if self._charged:
