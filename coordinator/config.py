@@ -35,7 +35,8 @@ Example (``wildfed-coordinator init`` writes this)::
     seed: 0                               # model init and site sampling only
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
-    secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60}   # privacy: global only
+    secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60, colluding_sites: 1}
+                                          # privacy: global only; colluding_sites: distributed noise only
     global_noise: trusted-server          # privacy: global: trusted-server (the coordinator adds the noise) or
                                           # distributed (each site adds a Skellam share under the masks)
     feature_centre: null                  # privacy: global: the gateways' public feature centre file (centred
@@ -231,6 +232,20 @@ class SecAggConfig(StrictModel):
     stage_timeout_s: float = Field(60.0, gt=0, description="seconds each secure-aggregation stage waits for the "
                                    "sites (keys, masked updates, recovery shares); the shares stage, which waits "
                                    "for local training, uses round_deadline_s")
+    colluding_sites: int = Field(1, ge=0, description="f, global_noise: distributed only: how many colluding "
+                                 "participants the sites' noise must survive. Each site adds variance mu / (t - f), "
+                                 "so the shares of t - f survivors carry the whole noise, and the epsilon charged "
+                                 "holds against the coordinator, anyone who sees only the released models, and up "
+                                 "to f colluding participants (docs/privacy.md, 'Who the guarantee holds against'). "
+                                 "1 (the default): every participant knows its own share, so with f = 0 each site "
+                                 "would face less noise than charged; must be below the round's threshold t")
+
+    @model_validator(mode="after")
+    def _colluders_below_threshold(self) -> "SecAggConfig":
+        if self.threshold is not None and self.colluding_sites >= self.threshold:
+            raise ValueError(f"colluding_sites ({self.colluding_sites}) must be below threshold ({self.threshold}): "
+                             "the noise of threshold - colluding_sites survivors is what carries the guarantee")
+        return self
 
 
 class RadioConfig(StrictModel):
@@ -440,7 +455,8 @@ class CoordinatorConfig(StrictModel):
     global_noise: Literal["trusted-server", "distributed"] = Field(
         "trusted-server", description="privacy: global only. trusted-server: the coordinator adds one Gaussian "
         "draw to the unmasked sum (it sees the unnoised sum); distributed: each site adds its share of Skellam "
-        "noise to its quantised sum before masking, calibrated for secagg.threshold survivors (Agarwal et al. "
+        "noise to its quantised sum before masking, calibrated so that secagg.threshold - secagg.colluding_sites "
+        "survivors carry it (Agarwal et al. "
         "2021), so the coordinator only ever opens a noised sum")
     budget: Budget = Field(default_factory=lambda: BudgetFromAnchor(category=IUCNCategory.VU, epsilon=1.0,
                                                                       gamma=1.0))

@@ -53,8 +53,11 @@ so the round cannot be finished and is re-run under the next round number.
 
 Threat model: honest-but-curious coordinator. It learns the sum over at least t sites, never a single site's
 update (tests/coordinator/test_global_dp.py and tests/shared/test_secagg.py). The released model is
-(eps_c, delta)-DP per record. The coordinator itself sees the unnoised sum (docs/secagg.md, "Interplay with the
-DP guarantee").
+(eps_c, delta)-DP per record against anyone who sees only the released models, participants and their coalitions
+included (none of them knows the coordinator's draw). The coordinator itself sees the unnoised sum (docs/secagg.md,
+"Interplay with the DP guarantee"). Under distributed noise (``global_noise: distributed``) the charged epsilon holds
+against the coordinator, non-participants and up to ``secagg.colluding_sites`` colluding participants
+(:mod:`shared.privacy.observers`; docs/privacy.md "Who the guarantee holds against").
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.envelope import Envelope, MessageKind, seal
-from shared.errors import PayloadError
+from shared.errors import ConfigError, PayloadError
 from shared.iucn import IUCNCategory, parse_category
 from shared.privacy.accounting import AccountantName
 from shared.privacy.distributed import distributed_plan, site_sampling_rate, skellam_event
@@ -99,7 +102,7 @@ log = logging.getLogger(__name__)
 
 def secagg_settings(*, site_ids: Iterable[str], vector_length: int, clipping_norm: float, expected_batch_size: int,
                     threshold: int | None = None, modulus_bits: int = 32,
-                    max_abs_value: float | None = None) -> SecAggSettings:
+                    max_abs_value: float | None = None, colluding_sites: int = 0) -> SecAggSettings:
     """Secure-aggregation parameters for one Global DP round.
 
     Args:
@@ -110,19 +113,28 @@ def secagg_settings(*, site_ids: Iterable[str], vector_length: int, clipping_nor
         modulus_bits: k. max_abs_value: per-coordinate box B_box of a site's clipped sum; None -> C * B.
             A site's sum has per-coordinate magnitude at most C * (its realised batch size). Box clipping is a
             projection, so it never raises the sensitivity; it only loses accuracy where it binds.
+        colluding_sites: f (distributed noise only): the shares are calibrated so that t - f of them carry the
+            whole noise (:class:`shared.protocol.SecAggSettings`); 0 <= f < t.
 
     Returns:
         Settings with ``scale`` = the largest power of two that cannot wrap (shared.secagg.max_power_of_two_scale).
 
     Raises:
-        ConfigError: fewer than 2 sites, or a threshold out of range (from ``shared.secagg.SecAggParams``).
+        ConfigError: fewer than 2 sites, or a threshold out of range (from ``shared.secagg.SecAggParams``), or
+            f >= t (field ``secagg.colluding_sites``).
     """
     sites = tuple(sorted(site_ids))
     box = float(max_abs_value) if max_abs_value is not None else float(clipping_norm) * float(expected_batch_size)
     t = threshold if threshold is not None else len(sites) // 2 + 1
     scale = max_power_of_two_scale(num_sites=max(len(sites), 1), max_abs_value=box, modulus_bits=modulus_bits)
-    settings = SecAggSettings(site_ids=sites, threshold=min(t, max(len(sites), 2)), vector_length=int(vector_length),
-                              max_abs_value=box, scale=scale, modulus_bits=modulus_bits)
+    t = min(t, max(len(sites), 2))
+    if not 0 <= int(colluding_sites) < t:
+        raise ConfigError(f"secagg.colluding_sites = {colluding_sites} needs a threshold above it; this round's is "
+                          f"t = {t} ({len(sites)} sites)", field="secagg.colluding_sites",
+                          fix=f"use colluding_sites <= {t - 1}, or select more sites / raise secagg.threshold")
+    settings = SecAggSettings(site_ids=sites, threshold=t, vector_length=int(vector_length),
+                              max_abs_value=box, scale=scale, modulus_bits=modulus_bits,
+                              colluding_sites=int(colluding_sites))
     SecAggParams(federation_id="check", round=0, site_ids=sites, threshold=settings.threshold,
                  vector_length=settings.vector_length, max_abs_value=box, scale=scale, modulus_bits=modulus_bits)
     return settings
@@ -131,39 +143,46 @@ def secagg_settings(*, site_ids: Iterable[str], vector_length: int, clipping_nor
 def plan_global_round(*, budgets: Mapping[IUCNCategory, float], sampling_rates: Mapping[str, float],
                       vector_length: int, clipping_norm: float, expected_batch_size: int, target_delta: float,
                       planned_rounds: int, distributed: bool, threshold: int | None = None, modulus_bits: int = 32,
-                      max_abs_value: float | None = None, accountant: AccountantName = "rdp"
-                      ) -> tuple[SecAggSettings, float]:
+                      max_abs_value: float | None = None, accountant: AccountantName = "rdp",
+                      colluding_sites: int = 0) -> tuple[SecAggSettings, float]:
     """The secure-aggregation settings and the one noise multiplier z of a Global DP round, from public values only
     (the same every round, so every round runs at one z and each category's rate stays what its budget was planned
     for).
 
     Trusted-server: z from :func:`global_noise_multiplier` with the federation's largest budget as every site's
     anchor at its ``q_k``. Distributed: z (and the per-category clipping norms the sites use) from
-    :func:`shared.privacy.distributed.distributed_plan`; the box is widened by 12 standard deviations of a site's
-    Skellam share so that the sites' noise stays on the grid.
+    :func:`shared.privacy.distributed.distributed_plan`; each site's Skellam share has variance ``mu / (t - f)``
+    (:func:`shared.privacy.distributed.skellam_share_variance`, which the gateway computes from the settings, where
+    ``colluding_sites`` = f rides), and the box is widened by 12 of its standard deviations so that the noise stays
+    on the grid.
 
     Args:
         budgets: epsilon per category. sampling_rates: ``{site: q_k}`` for the selected sites (q_k from
             :func:`shared.privacy.distributed.site_sampling_rate`: ``min(1, B/N_k)`` from the enrolled record count,
             1.0 where unknown or under distributed noise). vector_length: d. clipping_norm: C.
         expected_batch_size: B. target_delta, planned_rounds: as the federation's. distributed: the sites add the
-            noise. threshold, modulus_bits, max_abs_value: as :func:`secagg_settings`.
+            noise. threshold, modulus_bits, max_abs_value: as :func:`secagg_settings`. colluding_sites: f, distributed
+            noise only (ignored, 0 in the settings, for the trusted server, whose noise no participant knows).
 
     Raises:
         ConfigError / PayloadError: as :func:`secagg_settings` and :func:`global_noise_multiplier`.
     """
     sites = tuple(sampling_rates)
+    f = int(colluding_sites) if distributed else 0
     settings = secagg_settings(site_ids=sites, vector_length=vector_length, clipping_norm=clipping_norm,
                                expected_batch_size=expected_batch_size, threshold=threshold,
-                               modulus_bits=modulus_bits, max_abs_value=max_abs_value)
+                               modulus_bits=modulus_bits, max_abs_value=max_abs_value, colluding_sites=f)
     if distributed:
         z0, _ = distributed_plan(budgets=budgets, target_delta=float(target_delta), planned_rounds=planned_rounds,
                                  clipping_norm=float(clipping_norm), vector_length=vector_length,
                                  scale=settings.scale)
-        headroom = 12.0 * 1.1 * z0 * (float(clipping_norm) + 1.0) / math.sqrt(settings.threshold)
+        # a share's standard deviation in gradient units, sqrt(mu / (t - f)) / scale = z C_eff / sqrt(t - f), with
+        # 10 % on z (the second plan's grid is finer) and C_eff = C + sqrt(d)/scale taken as at most C + 1
+        share_sd = 1.1 * z0 * (float(clipping_norm) + 1.0) / math.sqrt(settings.threshold - f)
         settings = secagg_settings(site_ids=sites, vector_length=vector_length, clipping_norm=clipping_norm,
                                    expected_batch_size=expected_batch_size, threshold=threshold,
-                                   modulus_bits=modulus_bits, max_abs_value=settings.max_abs_value + headroom)
+                                   modulus_bits=modulus_bits, max_abs_value=settings.max_abs_value + 12.0 * share_sd,
+                                   colluding_sites=f)
         z, _ = distributed_plan(budgets=budgets, target_delta=float(target_delta), planned_rounds=planned_rounds,
                                 clipping_norm=float(clipping_norm), vector_length=vector_length,
                                 scale=settings.scale)
@@ -569,14 +588,15 @@ class SecureAggregationRound:
             return self._fail(f"{type(exc).__name__}: {exc}")
         sensitivity = effective_sensitivity(self._c, self.params.vector_length, self.params.scale)
         sigma = self._z * sensitivity
-        # distributed: the noise is already in the opened sum (>= t Skellam shares, variance >= (z C_eff)^2)
+        # distributed: the noise is already in the opened sum (>= t Skellam shares of mu / (t - f) each, so at least
+        # mu = (z C_eff scale)^2 in grid units even without the f shares colluders know)
         noisy = total if self._distributed else total + sigma * self._noise.standard_normal(total.shape[0])
         expected_batch = sum(site_sampling_rate(self._b, self._n[s], distributed=self._distributed) * self._n[s]
                              for s in request.survivors)
         gradient = canonical_unflatten((noisy / expected_batch).astype(np.float32), self.template)
         summary = (f"{len(request.survivors)} of {self.params.num_sites} sites unmasked "
                    f"({len(request.dropped)} dropped after sharing); "
-                   f"{'distributed Skellam noise from the sites, ' if self._distributed else ''}sigma={sigma:.4g} "
+                   f"{self._noise_source()}sigma={sigma:.4g} "
                    f"(C_eff={sensitivity:.6g}, z={self._z:.4g}); "
                    f"normaliser sum q_k N_k={expected_batch:.1f}")
         log.info("secagg: round %d: %s", self.round, summary)
@@ -621,6 +641,14 @@ class SecureAggregationRound:
         """Tell every selected site the round is over (it forgets its secagg state)."""
         for site in self.params.site_ids:
             self._send(site, "round_end", {"status": status, "reason": reason[:500]})
+
+    def _noise_source(self) -> str:
+        """The round summary's words for who added the noise (the coordinator's draw says nothing)."""
+        if not self._distributed:
+            return ""
+        f = self.settings.colluding_sites
+        return (f"distributed Skellam noise from the sites, shares of mu/(t - f) with t={self.params.threshold}, "
+                f"f={f} colluding sites covered; ")
 
     def _fail(self, reason: str) -> GlobalRoundOutcome:
         if self._charged:

@@ -13,6 +13,7 @@ from typing import Any
 
 from shared.iucn import IUCNCategory
 from shared.privacy.accounting import AccountantName
+from shared.privacy.observers import Mode, ObserverRow, observer_statement, observer_table
 from shared.privacy.running import RunningComposition
 from shared.privacy.comparison import (
     seed_advanced_composition_epsilon,
@@ -24,7 +25,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 
-__all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "plot_burn_down"]
+__all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "plot_burn_down",
+           "ObserverReport", "observer_mode", "observer_report"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,67 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
                 textbook_valid=textbook_formula_valid(budgets[cat])))
     return out
+
+
+def observer_mode(cfg: CoordinatorConfig) -> Mode | None:
+    """The observer semantics of the config's privacy mode (:mod:`shared.privacy.observers`): ``"ccdp"`` for noise
+    the gateways add to their own uploads (``ccdp``, and ``grouped`` radio uploads), ``global_noise`` for
+    ``global``, None without privacy."""
+    if cfg.privacy in ("ccdp", "grouped"):
+        return "ccdp"
+    if cfg.privacy == "global":
+        return cfg.global_noise  # type: ignore[return-value]
+    return None
+
+
+@dataclass(frozen=True)
+class ObserverReport:
+    """Who the budget table's figures hold against (``wildfed-coordinator budget``).
+
+    Attributes:
+        statement: one sentence (:func:`shared.privacy.observers.observer_statement`).
+        threshold: t assumed for the rows (distributed noise; None otherwise). rows: per observer the epsilon it
+            faces for the spend so far, per category, of the site that spent the most in that category (empty
+            without distributed noise, where every observer faces the printed figure or, for the trusted server's
+            coordinator, no guarantee: the statement says which).
+    """
+
+    statement: str
+    threshold: int | None
+    rows: tuple[ObserverRow, ...]
+
+
+def observer_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: PrivacyLedger,
+                    accountant: AccountantName) -> ObserverReport | None:
+    """The observers of the config's privacy mode and, under distributed noise, the epsilon each faces for the
+    ledger's spend (:func:`shared.privacy.observers.observer_table` on the recorded events; the config's
+    ``secagg.colluding_sites``, and its threshold or else the smallest majority of the sites a round selects, as
+    :func:`coordinator.global_dp.secagg_settings` picks it). None without privacy.
+
+    Raises:
+        dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
+    """
+    mode = observer_mode(cfg)
+    if mode is None:
+        return None
+    if mode != "distributed":
+        return ObserverReport(statement=observer_statement(mode), threshold=None, rows=())
+    f = cfg.secagg.colluding_sites
+    n = len(registry.list())
+    if cfg.sites_per_round is not None:
+        n = min(n, cfg.sites_per_round)
+    t = cfg.secagg.threshold if cfg.secagg.threshold is not None else n // 2 + 1
+    t = max(min(t, max(n, 2)), f + 1)
+    statement = observer_statement(mode, f, t)
+    charged = {}
+    for cat in IUCNCategory:
+        spends = {site: ledger.spent(site, cat, accountant) for site in ledger.sites()}
+        worst = max(spends, key=lambda site: spends[site], default=None)
+        if worst is not None and spends[worst] > 0:
+            charged[cat] = ledger.events(worst, cat)
+    rows = observer_table(mode=mode, charged=charged, target_delta=cfg.target_delta, threshold=t,
+                          colluding_sites=f, accountant=accountant)
+    return ObserverReport(statement=statement, threshold=t, rows=tuple(rows))
 
 
 def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: AccountantName) -> Any:

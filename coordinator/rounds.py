@@ -484,7 +484,8 @@ class RoundManager:
                                         target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
                                         distributed=distributed, threshold=cfg.secagg.threshold,
                                         modulus_bits=cfg.secagg.modulus_bits,
-                                        max_abs_value=cfg.secagg.max_abs_value, accountant=cfg.accountant)
+                                        max_abs_value=cfg.secagg.max_abs_value, accountant=cfg.accountant,
+                                        colluding_sites=cfg.secagg.colluding_sites)
         with self._store.session() as s:
             s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
                            privacy="global"))

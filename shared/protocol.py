@@ -103,6 +103,12 @@ class SecAggSettings:
         threshold: t (2 <= t <= n, 2t > n). vector_length: d (model parameters, :func:`canonical_flatten` order).
         max_abs_value: B, per-coordinate box of a site's clipped gradient sum (same unit as the gradient).
         scale: quantisation steps per unit. modulus_bits: k (masks and sums in Z_{2^k}).
+        colluding_sites: f, distributed-noise tasks only: how many colluding participants the noise must survive.
+            Each site adds Skellam variance ``mu / (t - f)`` (``shared.privacy.distributed.skellam_share_variance``),
+            so the shares of any t - f survivors carry the whole planned noise mu: t survivors less the f shares
+            that colluders know of still do. 0 <= f < t. 0 (the default, left out of the JSON, so a task without
+            the field reads as it was written) = shares of ``mu / t``, whose guarantee holds against the
+            coordinator and non-participants but not against a participant, which knows its own share.
     """
 
     site_ids: tuple[str, ...]
@@ -111,11 +117,18 @@ class SecAggSettings:
     max_abs_value: float
     scale: float
     modulus_bits: int = 32
+    colluding_sites: int = 0
+
+    _OPTIONAL = frozenset({"colluding_sites"})  # fields a sender may leave out (their default keeps the old meaning)
 
     def __post_init__(self) -> None:
         if not isinstance(self.site_ids, (tuple, list)) or not all(isinstance(x, str) for x in self.site_ids):
             raise PayloadError(f"secagg.site_ids must be a list of site ids, got {self.site_ids!r}")
         object.__setattr__(self, "site_ids", tuple(sorted(self.site_ids)))
+        f = self.colluding_sites
+        if type(f) is not int or f < 0 or (type(self.threshold) is int and f >= self.threshold):
+            raise PayloadError(f"secagg.colluding_sites must be an integer from 0 to threshold - 1 "
+                               f"({self.threshold!r} - 1), got {f!r}")
 
     def params(self, federation_id: str, round: int) -> SecAggParams:
         """The full parameters of round ``round``.
@@ -131,9 +144,10 @@ class SecAggSettings:
             raise PayloadError(f"secagg parameters invalid: {exc}") from None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict."""
+        """JSON-ready dict (``colluding_sites`` left out when 0)."""
         return {"site_ids": sorted(self.site_ids), "threshold": self.threshold, "vector_length": self.vector_length,
-                "max_abs_value": self.max_abs_value, "scale": self.scale, "modulus_bits": self.modulus_bits}
+                "max_abs_value": self.max_abs_value, "scale": self.scale, "modulus_bits": self.modulus_bits,
+                **({"colluding_sites": self.colluding_sites} if self.colluding_sites else {})}
 
     @classmethod
     def from_json(cls, body: Any) -> "SecAggSettings":
@@ -143,8 +157,10 @@ class SecAggSettings:
             PayloadError: not an object, unknown or missing fields, wrong types.
         """
         fields_ = set(cls.__dataclass_fields__)
-        if not isinstance(body, Mapping) or set(body) != fields_:
-            raise PayloadError(f"secagg must be an object with fields {sorted(fields_)}")
+        required = fields_ - cls._OPTIONAL
+        if not isinstance(body, Mapping) or not required <= set(body) <= fields_:
+            raise PayloadError(f"secagg must be an object with fields {sorted(required)} "
+                               f"(optional: {sorted(cls._OPTIONAL)})")
         if not isinstance(body["site_ids"], list) or not all(isinstance(x, str) for x in body["site_ids"]):
             raise PayloadError("secagg.site_ids must be a list of site ids")
         return cls(**{**body, "site_ids": tuple(body["site_ids"])})
@@ -407,6 +423,9 @@ class TrainingTask:
             raise PayloadError(f"distributed_noise must be true or false, got {self.distributed_noise!r}")
         if self.distributed_noise and self.privacy != "global":
             raise PayloadError(f"distributed_noise is only for global tasks, not {self.privacy!r}")
+        if isinstance(self.secagg, SecAggSettings) and self.secagg.colluding_sites and not self.distributed_noise:
+            raise PayloadError("secagg.colluding_sites is only for distributed-noise tasks (the sites' shares are "
+                               "what it calibrates)")
         if self.feature_centre is not None:
             if self.privacy != "global":
                 raise PayloadError(f"feature_centre is only for global tasks, not {self.privacy!r}")

@@ -12,6 +12,7 @@ Commands::
     wildfed experiment real-photos ...      leave-one-site-out on the real camera-trap photos, over MQTT
     wildfed audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                             Steinke et al. 2023) beside the claimed epsilon per category
+    wildfed observers [--markdown]          the epsilon each observer of the demo faces, per privacy mode
     wildfed clusters check-metadata         cluster the real Wildlife Insights / Snapshot Serengeti deployments
                                             (../shared/data) and compare with their projects
     wildfed radio-data tiles                the radio-map experiment's disjoint 256 m tiles of each city
@@ -441,6 +442,36 @@ def audit(
                           "investigate the mechanism (or rerun: this happens by chance with probability <= "
                           f"{1 - confidence:.2g} per category)[/]")
         raise typer.Exit(code=1)
+
+
+@app.command()
+@friendly
+def observers(
+    sites: int = typer.Option(8, help="gateway sites of the demo"),
+    rounds: int = typer.Option(10, help="federated rounds"),
+    tolerated_dropouts: int | None = typer.Option(None, help="distributed noise: the threshold is sites minus this "
+                                                  "(default: the demo's, 1)"),
+    markdown: bool = typer.Option(False, "--markdown", help="print the Markdown that docs/privacy.md quotes"),
+) -> None:
+    """The epsilon each observer faces in the demo (coordinator, non-participant, participants, colluders), per
+    privacy mode and IUCN category, from the charges the product plans (wildfed_sim.demo_observers)."""
+    from wildfed_sim.demo import DemoSettings
+    from wildfed_sim.demo_observers import demo_observer_markdown, demo_observer_tables
+
+    settings = DemoSettings(privacy="global", sites=sites, rounds=rounds, tolerated_dropouts=tolerated_dropouts)
+    with console.status("planning each mode's charges and composing them per observer"):
+        if markdown:
+            console.print(demo_observer_markdown(settings), markup=False, highlight=False, soft_wrap=True)
+            return
+        tables = demo_observer_tables(settings)
+    for mode, rows in tables.items():
+        table = Table(title=f"{mode}: epsilon each observer faces (delta={settings.target_delta:g})")
+        for col in ("observer", "noise left", "within the charge", *(c.value for c in IUCNCategory)):
+            table.add_column(col, justify="left" if col == "observer" else "right", overflow="fold")
+        for r in rows:
+            table.add_row(escape(r.observer), f"{r.noise_fraction:.3g}x", "yes" if r.charged else "[red]NO[/]",
+                          *("none" if r.epsilon[c] == float("inf") else f"{r.epsilon[c]:.3f}" for c in IUCNCategory))
+        console.print(table)
 
 
 clusters_app = typer.Typer(name="clusters", help="NIRA's clustering on real public metadata (../shared/data).",

@@ -113,7 +113,9 @@ class SimConfig:
     ``centre``: the gateways train on embeddings centred by the public split's mean (site config
     ``feature_centre``, :mod:`shared.models.feature_centre`); ``secagg_threshold``: Global DP's secure-aggregation
     threshold t, which the distributed noise is calibrated for (None: the coordinator's default, coordinator config
-    ``secagg.threshold``); ``class_reweighting``: local CCDP's class-row re-weighting exponent
+    ``secagg.threshold``); ``colluding_sites``: how many colluding participants the distributed noise survives (each
+    site adds mu / (t - f); coordinator config ``secagg.colluding_sites``, whose default it shares);
+    ``class_reweighting``: local CCDP's class-row re-weighting exponent
     (``TrainingTask.class_reweighting``; needs ``logit_adjustment``, which hands the gateway the species table);
     ``prediction_tau``: the coordinator's post-hoc logit adjustment (coordinator config
     ``posthoc_logit_adjustment``, the demo's ``--posthoc-logit-adjustment``): the model is evaluated with
@@ -138,6 +140,7 @@ class SimConfig:
     logit_adjustment: bool = True
     global_noise: str = "trusted-server"
     secagg_threshold: int | None = None
+    colluding_sites: int = 1
     class_reweighting: float = 0.0
     prediction_tau: float = 0.0
 
@@ -290,7 +293,8 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
     (:func:`shared.secagg.quantise`; the masks cancel in the sum, so they are left out) with its Skellam share
     when the noise is distributed, the sum dequantised, the trusted server's Gaussian draw of std z C_eff
     otherwise, the normaliser sum_k q_k N_k, the fold with the public centre and the server step. Every site
-    survives (the distributed noise is calibrated for the threshold t, so n > t survivors carry more).
+    survives (the distributed noise is calibrated so that t - f shares carry it, so n > t - f survivors carry
+    more).
 
     Returns ``(weights, {site: {category: event over all rounds}})`` (the coordinator's charges,
     :func:`coordinator.global_dp.global_events` / ``distributed_events``, composed over the rounds)."""
@@ -309,11 +313,13 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
     settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
                                     clipping_norm=config.clipping_norm, expected_batch_size=config.expected_batch_size,
                                     target_delta=config.target_delta, planned_rounds=config.rounds,
-                                    distributed=distributed, threshold=config.secagg_threshold)
+                                    distributed=distributed, threshold=config.secagg_threshold,
+                                    colluding_sites=config.colluding_sites)
     params = settings.params("sim", 0)
     sigma = z * effective_sensitivity(config.clipping_norm, d, settings.scale)
     share_variance = skellam_share_variance(noise_multiplier=z, clipping_norm=config.clipping_norm, vector_length=d,
-                                            scale=settings.scale, threshold=settings.threshold)
+                                            scale=settings.scale, threshold=settings.threshold,
+                                            colluding_sites=settings.colluding_sites)
     normaliser = sum(rates[s.site_id] * len(s) for s in fed.sites)
     first = fed.sites[0].site_id
     for r in range(config.rounds):

@@ -11,7 +11,9 @@
     wildfed-coordinator status                          rounds, accepted updates, rejections by reason, halts + why
     wildfed-coordinator budget [--accountant rdp|pld] [--plot FILE]
                                                         site x IUCN category: budget, spent, remaining, rounds left
-                                                        (the halt check's dry run); textbook / seed formulas beside
+                                                        (the halt check's dry run), the observers the figures hold
+                                                        against (and, under distributed noise, what each faces);
+                                                        textbook / seed formulas beside
     wildfed-coordinator ingest-worker --worker-id W     one of N ingest workers (ingest_workers: N; docs/transport.md)
 """
 
@@ -26,13 +28,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shared.errors import ConfigError
+from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, save_private_key, save_public_key
 
 from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_console, friendly, open_state,
                                     warn_plain_http)
 from coordinator.config import config_from_dict, load_config, save_config
 from coordinator.detections import DetectionCounts
-from coordinator.reports import ROUNDS_LEFT_CAP, budget_report, plot_burn_down
+from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
+                                 plot_burn_down)
 from coordinator.rounds import known_categories
 from coordinator.service import Coordinator, status_report
 
@@ -146,6 +150,8 @@ BUDGET_HELP = (
     "many more rounds of the predicted events (every release, NIRA's noisy counts included, after the rounds whose "
     "charges can still arrive) the accountant composes within the budget; not a linear extrapolation of epsilon, "
     "and 0 exactly when the next round would halt the category.\n\n"
+    "Below it, the observers the figures hold against (docs/privacy.md, 'Who the guarantee holds against'); under "
+    "distributed noise, the epsilon each observer faces, from one participant to colluding ones.\n\n"
     "Beside it, for comparison only: the textbook Gaussian noise and the seed's bound (docs/privacy.md).")
 
 
@@ -164,6 +170,7 @@ def budget(config: Path = config_option(),
     try:
         with console.status(f"composing the ledger with the {acc} accountant"):
             rows = budget_report(cfg, registry, ledger, acc)  # type: ignore[arg-type]
+            observers = observer_report(cfg, registry, ledger, acc)  # type: ignore[arg-type]
             if plot is not None:
                 plot_burn_down(cfg, ledger, acc, plot)  # type: ignore[arg-type]
     finally:
@@ -182,6 +189,8 @@ def budget(config: Path = config_option(),
         table.add_row(r.site_id, r.category.value, f"{r.budget:.4f}", f"{r.spent:.4f}", f"{r.remaining:.4f}",
                       f"[{colour}]{used:.0%}[/]", left, "[red]yes[/]" if r.halted else "no")
     console.print(table)
+    if observers is not None:
+        _print_observers(observers, cfg.target_delta)
     if acc != cfg.accountant:
         console.print(f"[yellow]note: halting uses the config's accountant ({cfg.accountant}); spent and rounds left "
                       f"above are what {acc} gives[/]")
@@ -200,6 +209,22 @@ def budget(config: Path = config_option(),
     console.print(cmp_)
     if plot is not None:
         console.print(escape(f"burn-down plot written to {plot}"))
+
+
+def _print_observers(report: ObserverReport, delta: float) -> None:
+    """Who the budget table's figures hold against and, under distributed noise, what every observer faces."""
+    console.print(escape(f"observer: {report.statement}"))
+    if not report.rows:
+        return
+    cats = [c for c in IUCNCategory if c in report.rows[0].epsilon]
+    table = Table(title=f"epsilon each observer faces (spend so far, the site that spent most per category; "
+                        f"t = {report.threshold} survivors, delta={delta:g})")
+    for col in ("observer", "noise left", "within the charge", *(c.value for c in cats)):
+        table.add_column(col, justify="left" if col == "observer" else "right", overflow="fold")
+    for r in report.rows:
+        table.add_row(escape(r.observer), f"{r.noise_fraction:.3g}x", "yes" if r.charged else "[red]NO[/]",
+                      *("none" if r.epsilon[c] == float("inf") else f"{r.epsilon[c]:.4f}" for c in cats))
+    console.print(table)
 
 
 def _run(config: Path, rounds: int | None) -> None:

@@ -143,7 +143,8 @@ class SecAggSiteClient:
             assert task.noise_multiplier is not None  # a global task carries it (TrainingTask checks)
             state.noise = skellam_noise(skellam_share_variance(
                 noise_multiplier=task.noise_multiplier, clipping_norm=task.clipping_norm,
-                vector_length=params.vector_length, scale=params.scale, threshold=params.threshold),
+                vector_length=params.vector_length, scale=params.scale, threshold=params.threshold,
+                colluding_sites=task.secagg.colluding_sites),
                 params.vector_length)
         state.num_examples = result.num_examples
         state.categories = tuple(c.value for c in result.categories)

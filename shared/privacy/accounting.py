@@ -29,6 +29,7 @@ from dp_accounting import pld, rdp
 
 from shared.errors import ConfigError
 from shared.privacy.events import DPSGDEvent
+from shared.privacy.skellam import SkellamRdpAccountant
 
 __all__ = ["AccountantName", "make_accountant", "epsilon_spent", "calibrate_noise_multiplier",
            "calibrated_noise_multiplier", "calibrate_sampling_rate", "calibrated_sampling_rate"]
@@ -61,13 +62,16 @@ def _quiet_non_convergence() -> Iterator[None]:
 
 
 def make_accountant(accountant: AccountantName = "rdp") -> dp_accounting.PrivacyAccountant:
-    """A fresh dp-accounting accountant for the add-or-remove-one relation.
+    """A fresh dp-accounting accountant for the add-or-remove-one relation: ``"rdp"`` is dp-accounting's
+    ``RdpAccountant`` at its default orders, extended to the Skellam mechanism's events
+    (:class:`shared.privacy.skellam.SkellamRdpAccountant`: every other event is composed by dp-accounting's own code);
+    ``"pld"`` is ``PLDAccountant`` (which does not take Skellam events).
 
     Raises:
         ConfigError: unknown accountant name.
     """
     if accountant == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=_NEIGHBOURS)
+        return SkellamRdpAccountant(neighboring_relation=_NEIGHBOURS)
     if accountant == "pld":
         return pld.PLDAccountant(neighboring_relation=_NEIGHBOURS)
     raise ConfigError(f"unknown accountant {accountant!r}", field="accountant", fix="use 'rdp' or 'pld'")
@@ -80,7 +84,7 @@ def _search_accountant(accountant: AccountantName) -> dp_accounting.PrivacyAccou
     within budget with it is within budget for the full accountant too (every result is then checked with
     :func:`make_accountant`'s full one); the two differed by about 0.02 % of epsilon in the settings tried."""
     if accountant == "rdp":
-        return rdp.RdpAccountant(orders=_INTEGER_ORDERS, neighboring_relation=_NEIGHBOURS)
+        return SkellamRdpAccountant(orders=_INTEGER_ORDERS, neighboring_relation=_NEIGHBOURS)
     return make_accountant(accountant)
 
 

@@ -4,9 +4,12 @@ trusted to add it (Agarwal, Kairouz and Liu, "The Skellam Mechanism for Differen
 Learning", NeurIPS 2021; the accounting of :class:`shared.privacy.events.SkellamEvent`).
 
 The sum of independent symmetric Skellam variables is Skellam with the summed variance, exactly. A round is
-calibrated for the minimum number of survivors t (the secure-aggregation threshold): each site adds variance
-``mu / t`` per coordinate, so any t or more survivors give at least ``mu`` (dropouts mean less noise, never less
-than planned). Per-category budgets are met as in individualized DP-SGD's "Scale" variant (Boenisch et al.,
+calibrated for the minimum number of survivors t (the secure-aggregation threshold) less the f participants that
+may collude (``colluding_sites``, f < t): each site adds variance ``mu / (t - f)`` per coordinate
+(:func:`skellam_share_variance`), so the shares of any t - f sites carry at least ``mu``. A participant knows its
+own share and f colluding participants know the sum of theirs; what the noise of the other survivors (at least
+t - f of them) leaves is still ``mu``, which is what the ledger charges (``shared.privacy.observers`` gives the
+epsilon every observer faces). Dropouts mean less noise, never less than planned. Per-category budgets are met as in individualized DP-SGD's "Scale" variant (Boenisch et al.,
 NeurIPS 2023, Sec. 4.2): one noise level, category c's records clipped at ``C_c <= C``. Subsampling is not
 credited (dp-accounting has no subsampled-Skellam accounting), so every round is charged as a full release, and
 so every site takes every record of an active category each round (:func:`site_sampling_rate` is 1): sampling
@@ -82,10 +85,24 @@ def skellam_event(*, noise_multiplier: float, anchor_clipping_norm: float, clipp
 
 
 def skellam_share_variance(*, noise_multiplier: float, clipping_norm: float, vector_length: int, scale: float,
-                           threshold: int) -> float:
-    """``mu / t``: the per-coordinate variance each site adds (integer units), so that any t survivors give mu."""
+                           threshold: int, colluding_sites: int = 0) -> float:
+    """``mu / (t - f)``: the per-coordinate variance each site adds (integer units), so that the shares of any
+    t - f sites carry ``mu = (z C_eff scale)^2`` (module docstring). The gateway (its share) and the coordinator
+    (the grid's headroom) both call this.
+
+    Args:
+        noise_multiplier: z. clipping_norm: the anchor's C. vector_length: d. scale: the secure-aggregation grid's
+            steps per unit. threshold: t >= 1. colluding_sites: f, 0 <= f < t (``SecAggSettings.colluding_sites``).
+
+    Raises:
+        ConfigError (field ``secagg.colluding_sites``): f out of range.
+    """
+    t, f = int(threshold), int(colluding_sites)
+    if not 0 <= f < t:
+        raise ConfigError(f"colluding_sites must be from 0 to threshold - 1 = {t - 1}, got {f}",
+                          field="secagg.colluding_sites", fix=f"use at most {max(t - 1, 0)}, or raise the threshold")
     mu = (float(noise_multiplier) * _sensitivities(clipping_norm, vector_length, scale)[0]) ** 2
-    return mu / int(threshold)
+    return mu / (t - f)
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,6 +15,7 @@ from typing import Any
 import dp_accounting
 
 from shared.errors import PayloadError, tagged_fields
+from shared.privacy.skellam import SkellamDpEvent, skellam_rdp
 
 __all__ = ["DPSGDEvent", "SkellamEvent", "PrivacyEvent", "parse_event"]
 
@@ -86,13 +87,13 @@ class SkellamEvent:
     add/remove-one sensitivity is at most ``l2_sensitivity`` in L2 and ``l1_sensitivity`` in L1 (all in the
     integer units of the secure-aggregation grid). No subsampling is credited.
 
-    Privacy (their Thm 3.5, Cor 3.6): for every integer order alpha > 1 the mechanism is (alpha, eps(alpha))-RDP
-    with ``eps(alpha) <= alpha D2^2/(2 mu) + min(((2 alpha - 1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))``. The first
-    branch of the min is linear in alpha: ``eps(alpha) <= rho alpha + xi0`` with ``rho = D2^2/(2 mu) (1 + 1/mu)``
-    and ``xi0 = max(0, (6 D1 - D2^2)/(4 mu^2))``. RDP is non-decreasing in the order, so for real alpha > 1,
-    ``eps(alpha) <= eps(ceil(alpha)) <= rho alpha + rho + xi0``. :meth:`to_dp_event` is therefore dp-accounting's
-    ``ZCDpEvent(rho, xi = rho + xi0)`` ((alpha, xi + rho alpha)-RDP), composed and converted by dp-accounting's RDP
-    accountant (the PLD accountant does not take zCDP events and raises, never skips).
+    Privacy (their Thm 3.5): for every integer order alpha > 1 the mechanism is (alpha, eps(alpha))-RDP with
+    ``eps(alpha) = alpha D2^2/(2 mu) + min(((2 alpha - 1) D2^2 + 6 D1)/(4 mu^2), 3 D1/(2 mu))``
+    (:func:`shared.privacy.skellam.skellam_rdp`). :meth:`to_dp_event` is that bound as a dp-accounting event
+    (:class:`shared.privacy.skellam.SkellamDpEvent`), composed and converted by the RDP accountant of
+    :func:`shared.privacy.accounting.make_accountant` (dp-accounting's, extended to this event; the PLD accountant
+    does not take it and raises, never skips). The fields say what was released, not how it is accounted, so a
+    stored event is charged by the bound the accountant implements.
 
     Attributes:
         variance: mu > 0, per-coordinate variance of the released noise (integer units).
@@ -129,12 +130,10 @@ class SkellamEvent:
         """1.0: no amplification by subsampling is credited."""
         return 1.0
 
-    def zcdp(self) -> tuple[float, float]:
-        """``(rho, xi)`` of the per-release (xi, rho)-zCDP bound described in the class docstring."""
-        mu, d2, d1 = float(self.variance), float(self.l2_sensitivity), float(self.l1_sensitivity)
-        rho = d2 * d2 / (2.0 * mu) * (1.0 + 1.0 / mu)
-        xi0 = max(0.0, (6.0 * d1 - d2 * d2) / (4.0 * mu * mu))
-        return rho, rho + xi0
+    def rdp(self, orders: Any) -> Any:
+        """float64 array: the RDP of one release at each of ``orders`` (each > 1; Thm 3.5, a fractional order
+        bounded by the next integer one: :func:`shared.privacy.skellam.skellam_rdp`)."""
+        return skellam_rdp(orders, self.variance, self.l2_sensitivity, self.l1_sensitivity)
 
     def mechanism_key(self) -> tuple[Any, ...]:
         """What identifies the per-release mechanism (events with equal keys compose by adding their steps)."""
@@ -145,9 +144,9 @@ class SkellamEvent:
         return SkellamEvent(self.variance, self.l2_sensitivity, self.l1_sensitivity, int(steps))
 
     def to_dp_event(self) -> dp_accounting.DpEvent:
-        """``SelfComposed(ZCDp(rho, xi), steps)`` (class docstring)."""
-        rho, xi = self.zcdp()
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(rho, xi), self.steps)
+        """``SelfComposed(SkellamDpEvent(mu, D2, D1), steps)`` (class docstring)."""
+        return dp_accounting.SelfComposedDpEvent(
+            SkellamDpEvent(float(self.variance), float(self.l2_sensitivity), float(self.l1_sensitivity)), self.steps)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``type`` tag."""

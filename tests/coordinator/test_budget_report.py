@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import dp_accounting
+import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 from typer.testing import CliRunner
@@ -222,3 +223,42 @@ def test_status_without_halts(tmp_path):
     store.dispose()
     out = runner.invoke(app, ["status", "--config", str(cfg_path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0 and "halted categories" in out.output and "(none)" in out.output
+
+
+def test_budget_names_the_observers_and_what_each_faces_under_distributed_noise(tmp_path):
+    from shared.privacy.events import SkellamEvent
+    from shared.privacy.observers import observer_statement
+
+    # Prepare: distributed noise, 4 enrolled sites (t = 3, the majority), f = 1; ridge spent 3 releases on CR
+    cfg_path, cfg, store = _fed(tmp_path, privacy="global", local_steps=1, global_noise="distributed")
+    reg = SiteRegistry(store)
+    for sid in ("lake", "hill"):
+        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {"num_examples": 400})
+    ev = SkellamEvent(variance=4.0e6, l2_sensitivity=900.0, l1_sensitivity=1e5, steps=1)
+    ledger = PrivacyLedger(store, target_delta=DELTA)
+    for r in (1, 2, 3):
+        ledger.record_round("ridge", r, {CR: ev})
+    ledger.record_round("river", 1, {CR: ev})
+    store.dispose()
+    # Execute
+    out = runner.invoke(app, ["budget", "--config", str(cfg_path)], env={"COLUMNS": "220"})
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())  # rich wraps the statement at the terminal width
+    # Assert: the statement, and per observer ridge's CR spend (the most) at the variance it does not know:
+    # max(t - k, 1) / (t - f) of mu, Thm 3.5 by hand at every integer order, converted by dp-accounting
+    assert " ".join(f"observer: {observer_statement('distributed', 1, 3)}".split()) in text
+
+    def eps(variance: float) -> float:
+        a = np.arange(2, 2001, dtype=np.float64)
+        r = 3 * (a * 900.0 ** 2 / (2 * variance)
+                 + np.minimum(((2 * a - 1) * 900.0 ** 2 + 6e5) / (4 * variance ** 2), 3e5 / (2 * variance)))
+        return float(rdp.rdp_privacy_accountant.compute_epsilon(a, r, DELTA)[0])
+
+    lines = out.output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "epsilon each observer faces" in ln)
+    for name, fraction, within in (("coordinator", 1.5, "yes"), ("one participant", 1.0, "yes"),
+                                   ("2 colluding participants", 0.5, "NO")):
+        row = next(ln for ln in lines[start:] if name in ln)
+        assert f"{fraction:.3g}x" in row and within in row, row
+        printed = float(row.split("│")[-2])  # the CR column (the only category spent)
+        assert printed == pytest.approx(eps(4.0e6 * fraction), abs=6e-5), row

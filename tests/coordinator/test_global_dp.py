@@ -73,6 +73,40 @@ def test_settings_sensitivity_and_noise_are_the_documented_formulas():
     assert effective_sensitivity(1.0, 8, 2.0 ** 27) == pytest.approx(1.0 + math.sqrt(8) / 2 ** 27)
 
 
+def test_distributed_shares_survive_f_colluders_in_the_plan_and_the_config(tmp_path):
+    from shared.errors import ConfigError
+    from shared.privacy.distributed import distributed_plan, skellam_share_variance
+    from tests.coordinator.helpers import make_config
+
+    # Prepare: 5 sites (majority t = 3), f = 1 colluder to survive
+    budgets = {LC: 5 / 3, CR: 1 / 3}
+    kw = dict(budgets=budgets, sampling_rates={s: 1.0 for s in "abcde"}, vector_length=8, clipping_norm=1.0,
+              expected_batch_size=4, target_delta=1e-5, planned_rounds=3)
+    # Execute
+    settings, z = global_dp.plan_global_round(**kw, distributed=True, colluding_sites=1)
+    trusted, _ = global_dp.plan_global_round(**kw, distributed=False, colluding_sites=1)
+    # Assert: f rides in the distributed settings only (the trusted server's noise is no participant's)
+    assert settings.threshold == 3 and settings.colluding_sites == 1 and trusted.colluding_sites == 0
+    # each site's share is mu / (t - f): the t - f = 2 shares the colluder does not know carry mu, by hand
+    mu = (z * (settings.scale + math.sqrt(8))) ** 2
+    share = skellam_share_variance(noise_multiplier=z, clipping_norm=1.0, vector_length=8, scale=settings.scale,
+                                   threshold=settings.threshold, colluding_sites=settings.colluding_sites)
+    assert share == pytest.approx(mu / 2, rel=1e-12)
+    # the box is the clipped sum's C B = 4 widened by 12 sd of a share: 1.1 z0 (C + 1) / sqrt(t - f), where z0
+    # is the plan at the narrower grid of the box 4 alone
+    z0, _ = distributed_plan(budgets=budgets, target_delta=1e-5, planned_rounds=3, clipping_norm=1.0,
+                             vector_length=8, scale=secagg_settings(site_ids="abcde", vector_length=8,
+                                                                    clipping_norm=1.0, expected_batch_size=4).scale)
+    assert settings.max_abs_value == pytest.approx(4.0 + 12 * 1.1 * z0 * 2.0 / math.sqrt(2), rel=1e-12)
+    # f must stay below t: refused with the field named, in the plan and in the config
+    with pytest.raises(ConfigError, match="colluding_sites"):
+        global_dp.plan_global_round(**kw, distributed=True, colluding_sites=3)
+    with pytest.raises(ConfigError, match="colluding_sites"):
+        make_config(tmp_path, privacy="global", local_steps=1, global_noise="distributed",
+                    secagg={"threshold": 2, "colluding_sites": 2})
+    assert make_config(tmp_path).secagg.colluding_sites == 1  # the default: a participant's own share is covered
+
+
 def test_one_noise_multiplier_the_largest_any_site_needs_and_individual_rates():
     budgets = {LC: 5 / 3, CR: 1 / 3}
     sites = {"small": (0.5, (LC, CR)), "large": (0.05, (LC,))}
@@ -193,6 +227,7 @@ def test_distributed_round_adds_no_noise_at_the_coordinator_and_charges_skellam_
     task = sites[0].task
     assert task.distributed_noise and task.noise_multiplier > 0
     params = task.secagg
+    assert params.threshold == 2 and params.colluding_sites == 1  # the config's default f rides in the task
     budgets = coord.config.budgets()
     z, norms = distributed_plan(budgets=budgets, target_delta=1e-5, planned_rounds=3, clipping_norm=1.0,
                                 vector_length=params.vector_length, scale=params.scale)

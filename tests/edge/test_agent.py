@@ -282,8 +282,9 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
     received: list = []
     coordinator.transport.subscribe(secagg_filter(FED), lambda t, raw: received.append(Envelope.from_bytes(raw)))
     d = sum(w.size for w in coordinator.weights.values())
+    # distributed: the shares survive one colluder (f = 1 of t = 2), so this site's share alone carries mu
     settings = SecAggSettings(site_ids=("site-0", SITE), threshold=2, vector_length=d, max_abs_value=4.0,
-                              scale=2.0 ** 24)
+                              scale=2.0 ** 24, colluding_sites=1 if distributed else 0)
     task = coordinator.task(1, privacy="global", local_steps=1, expected_batch_size=3, clipping_norm=0.01,
                             secagg=settings, distributed_noise=distributed,
                             # trusted: z so large that every category samples at q = 1; distributed: every category
@@ -353,7 +354,9 @@ def test_global_dp_task_runs_the_secure_aggregation_stages(world, tmp_path: Path
         np.testing.assert_allclose(total, expected, atol=2 / 2 ** 24 + 1e-6)
     else:  # the opened sum carries the agent's integer share: variance share / scale^2 per coordinate
         share = skellam_share_variance(noise_multiplier=2.0, clipping_norm=0.01, vector_length=d, scale=2.0 ** 24,
-                                       threshold=2)
+                                       threshold=2, colluding_sites=1)
+        # mu / (t - f) with mu = (z (C scale + sqrt d))^2, t - f = 1: by hand
+        assert share == pytest.approx((2.0 * (0.01 * 2 ** 24 + np.sqrt(d))) ** 2, rel=1e-12)
         noise = (total - expected) * 2.0 ** 24
         assert abs(noise.var() / share - 1) < 0.05  # d = 20,530 coordinates: relative sd of the estimate ~1 %
         assert abs(noise.mean()) < 5 * np.sqrt(share / d)

@@ -89,6 +89,28 @@ def test_global_task_round_trip_and_rules():
         task(privacy="global", local_steps=1, secagg=secagg(scale=2.0 ** 29), noise_multiplier=1.5)
 
 
+def test_colluding_sites_rides_in_the_secagg_settings_and_is_optional():
+    from shared.protocol import SecAggSettings
+
+    # Prepare: a distributed task whose shares survive one colluder (f = 1 < t = 2)
+    t = task(privacy="global", local_steps=1, secagg=secagg(colluding_sites=1), noise_multiplier=1.5,
+             distributed_noise=True)
+    # Execute
+    back, _ = decode_task(encode_task(t, W))
+    # Assert: carried; a task written without the field (f = 0) reads as f = 0 and leaves it out of its JSON
+    assert back.secagg.colluding_sites == 1 and t.to_json()["secagg"]["colluding_sites"] == 1
+    plain = task(privacy="global", local_steps=1, secagg=secagg(), noise_multiplier=1.5, distributed_noise=True)
+    body = plain.to_json()["secagg"]
+    assert "colluding_sites" not in body and SecAggSettings.from_json(body).colluding_sites == 0
+    with pytest.raises(PayloadError, match="fields"):
+        SecAggSettings.from_json({**body, "colluders": 1})  # an unknown field is refused, as ever
+    for bad in (2, -1, True, 1.0):  # f < t = 2, a non-negative integer
+        with pytest.raises(PayloadError, match="colluding_sites"):
+            secagg(colluding_sites=bad)
+    with pytest.raises(PayloadError, match="only for distributed"):
+        task(privacy="global", local_steps=1, secagg=secagg(colluding_sites=1), noise_multiplier=1.5)
+
+
 def test_global_task_carries_the_feature_centre_digest_and_checks_it():
     digest = "ab" * 32
     t = task(privacy="global", local_steps=1, secagg=secagg(), noise_multiplier=1.5, feature_centre=digest)
