@@ -233,7 +233,7 @@ def test_budget_names_the_observers_and_what_each_faces_under_distributed_noise(
     cfg_path, cfg, store = _fed(tmp_path, privacy="global", local_steps=1, global_noise="distributed")
     reg = SiteRegistry(store)
     for sid in ("lake", "hill"):
-        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {"num_examples": 400})
+        reg.enrol(sid, public_key_to_pem(generate_signing_key().public_key()), {"capacity": 400})
     ev = SkellamEvent(variance=4.0e6, l2_sensitivity=900.0, l1_sensitivity=1e5, steps=1)
     ledger = PrivacyLedger(store, target_delta=DELTA)
     for r in (1, 2, 3):

@@ -117,7 +117,13 @@ def test_global_dp_centred_clipped_sum_folded_by_the_coordinator_matches_the_han
     p = _softmax(x.astype(np.float64) @ w.T + b_plain)  # (n, k): the same function in either form
     err = p - np.eye(k)[y]
     norms = np.linalg.norm(err, axis=1) * np.sqrt((xc ** 2).sum(axis=1) + 1.0)
-    f = np.minimum(1.0, clip / norms)
+    # the site clips at C less the float64 rounding margin of a sum of MAX_SUMMED_RECORDS terms (sum_rounding)
+    from edge_sdk.training import MAX_SUMMED_RECORDS
+    from shared.privacy.sum_rounding import margin
+
+    clip_at = clip - margin(num_records=MAX_SUMMED_RECORDS, clipping_norm=clip, vector_length=d, scale=2.0 ** 20,
+                            max_abs_value=10.0)
+    f = np.minimum(1.0, clip_at / norms)
     s_w, s_b = (f[:, None] * err).T @ xc, (f[:, None] * err).sum(axis=0)
     np.testing.assert_allclose(part.gradient_sum["psi.weight"], s_w, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(part.gradient_sum["psi.bias"], s_b, rtol=1e-4, atol=1e-6)
