@@ -87,7 +87,7 @@ def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key
     update is already in, are ignored (logged). Ingest workers answer them too: the task files are in the shared
     ``data_dir``."""
     if ctx is None or site_id not in ctx.selected or site_id in ctx.accepted:
-        log.info("outgoing: receipt from %s for round %d ignored (no open round for it)", site_id, round)
+        log.debug("outgoing: receipt from %s for round %d ignored (no open round for it)", site_id, round)
         return
     try:
         data = load_outgoing_task(config, ctx.round, site_id)

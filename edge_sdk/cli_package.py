@@ -51,6 +51,10 @@ def _read(kind: str, source: Path, *, labels: Path | None, images: Path | None, 
                                        **columns)
 
 
+def _warn(message: str) -> None:
+    Console(stderr=True).print(f"[bold yellow]warning:[/] {escape(message)}")
+
+
 def _detector(mode: str, confidence: float | None):
     """``(boxes mode, detector or None, note)`` for ``--boxes`` on an input without boxes of its own."""
     if mode == "none":
@@ -58,13 +62,17 @@ def _detector(mode: str, confidence: float | None):
     from edge_sdk.inference.detector import CONFIDENCE_THRESHOLD, YoloxDetector
 
     try:
-        detector = YoloxDetector.open(download=mode == "detect", batch_size=1,
+        detector = YoloxDetector.open(download=True, batch_size=1,  # the first use fetches its weights (~41 MB)
                                       confidence=CONFIDENCE_THRESHOLD if confidence is None else confidence)
     except (WildFedError, ImportError, OSError) as exc:
         if mode == "detect":
             raise
         reason = exc.message if isinstance(exc, ConfigError) else str(exc)
-        return "none", None, f"no boxes: the detector does not open here ({reason}); --boxes detect fetches it"
+        _warn(f"no boxes: the detector cannot be fetched or opened here ({reason}). The package's labels then "
+              "stand for whole photos, while detect classifies the detector's crops: train on crops by running "
+              "again with --boxes detect where the detector can be fetched (or $WILDFED_YOLOX_WEIGHTS points at "
+              "its weights)")
+        return "none", None, "no boxes: the detector did not open (see the warning above)"
     return "detect", detector, None
 
 
@@ -118,7 +126,8 @@ def package(
                                                              "species table")] = None,
     classified_by: Annotated[Optional[str], typer.Option(help="who labelled the photos (default: your user "
                                                               "name)")] = None,
-    boxes: Annotated[str, typer.Option(help="auto (detect where the detector opens, else none), detect or none; "
+    boxes: Annotated[str, typer.Option(help="auto (detect; no boxes, with a warning, where the detector cannot be "
+                                            "fetched), detect (fail instead) or none; "
                                             "--from megadetector uses the file's boxes")] = "auto",
     confidence: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="box threshold (default: 0.25 for "
                                                         "detect; the file's typical threshold, else 0.25, for "

@@ -93,13 +93,19 @@ def import_deployments(path: Path = typer.Argument(..., help="a Camtrap DP packa
     store = Store(cfg.database_url or "", cfg.data_dir)
     try:  # with the policy: protection the stored data earned is kept (docs/location-privacy.md)
         site_id = resolve_site(store, site)
+        skipped: list[str] = []
+        extra = {"skipped": skipped} if source == "camtrap-dp" else {}
         n = importer(store, path, category_of, site_id=site_id, policy=policy_from_config(cfg),
-                     species=not coordinates_only)
+                     species=not coordinates_only, **extra)
         # the importer's source string (coordinator.web.deployments): "<format>:<folder name>"
         unknown = unknown_species(store, category_of, source=f"{source}:{Path(path).name}", site_id=site_id)
     finally:
         store.dispose()
     console.print(f"[green]imported[/] {n} deployment(s) of site {escape(site_id)} from {escape(str(path))}")
+    if skipped:
+        err_console.print(f"[yellow]not on the map yet:[/] {len(skipped)} deployment(s) have no coordinates: "
+                          f"{escape(', '.join(skipped))} (fix: give them in the gateway's site.yaml, field.deployments,"
+                          " or in deployments.csv, and import again)")
     if unknown:
         names = ", ".join(f"{escape(name)} ({k} deployment{'s' * (k != 1)})" for name, k in unknown.items())
         if getattr(cfg.web, "unknown_species", "protect") == "ne":

@@ -283,10 +283,13 @@ def _store(store: Store, deployments: Mapping[str, tuple[float, float, str, str 
 def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, str, str, str, str],
             records: str | None, record_id: str,
             species_of: Callable[[Mapping[str, str]], str], species_columns: tuple[str, ...],
-            category_of: CategoryOf, source: str, fmt: str, policy: LocationPolicy | None) -> int:
+            category_of: CategoryOf, source: str, fmt: str, policy: LocationPolicy | None,
+            skipped: list[str] | None = None) -> int:
     """Read ``deployments.csv`` (columns: id, latitude, longitude, name, start, end) and the ``records`` file (its
     ``record_id`` column names the deployment; ``species_of(row)`` its species, "" for none; None: no records file
-    is read and no species stored), check them, then store."""
+    is read and no species stored), check them, then store. With ``skipped`` given, a deployment whose latitude and
+    longitude are both empty is left out and its id appended there (its records are ignored), instead of an
+    error."""
     dep_id, lat, lon, name, start, end = columns
     dep_file = root / "deployments.csv"
     table = _rows(dep_file, (dep_id, lat, lon), fmt, used=(name, start, end))
@@ -301,6 +304,10 @@ def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, 
             raise DatasetError(f"deployment {key!r} is listed twice (first on line {first[key]})", source=dep_file,
                                field=f"line {n}, column {dep_id}", fix="keep one row per deployment")
         first[key] = n
+        if not (r.get(lat) or "").strip() and not (r.get(lon) or "").strip():
+            if skipped is not None:  # a camera a gateway added before the operator gave its coordinates
+                skipped.append(key)
+                continue
         deployments[key] = (_coordinate(r, lat, 90, dep_file, n), _coordinate(r, lon, 180, dep_file, n),
                             r.get(name) or key, r.get(start), r.get(end))
     categories: dict[str, set[IUCNCategory]] = {}
@@ -309,6 +316,8 @@ def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, 
     rows = _rows(rec_file, (record_id,), fmt, used=species_columns) if records is not None else []
     for n, r in rows:
         key = r[record_id].strip()
+        if skipped is not None and key in skipped:
+            continue
         if key not in deployments:
             raise DatasetError(f"names deployment {key!r}, which {dep_file.name} does not list", source=rec_file,
                                field=f"line {n}, column {record_id}",
@@ -322,7 +331,8 @@ def _import(store: Store, root: Path, *, site_id: str, columns: tuple[str, str, 
 
 
 def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf, *, site_id: str,
-                      policy: LocationPolicy | None = None, species: bool = True) -> int:
+                      policy: LocationPolicy | None = None, species: bool = True,
+                      skipped: list[str] | None = None) -> int:
     """Import a Camtrap DP package's deployments as deployments of one site; returns how many.
 
     Args:
@@ -333,6 +343,8 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
             recorded before it is replaced (module docstring).
         species: False: coordinates only, ``observations.csv`` is not read (module docstring: for a package of
             training records).
+        skipped: when given, deployments without coordinates (a gateway's cameras before the operator gave them)
+            are left out and their ids appended to it, instead of failing the import.
 
     Raises:
         ConfigError: an empty ``site_id``.
@@ -345,7 +357,8 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
                             "deploymentEnd"),
                    records="observations.csv" if species else None, record_id="deploymentID",
                    species_of=lambda r: (r.get("scientificName") or "").strip(), species_columns=("scientificName",),
-                   category_of=category_of, source=f"camtrap-dp:{root.name}", fmt="camtrap-dp", policy=policy)
+                   category_of=category_of, source=f"camtrap-dp:{root.name}", fmt="camtrap-dp", policy=policy,
+                   skipped=skipped)
 
 
 def _wi_species(row: Mapping[str, str]) -> str:

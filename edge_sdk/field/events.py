@@ -9,7 +9,10 @@ MegaDetector's and Zamba's sequence aggregation; Norouzzadeh et al. 2021 average
 Assignment is online (photos arrive one by one, not always in capture order): a photo joins the event of its
 deployment whose span ``[start - gap, end + gap]`` contains its time, the nearest one when two do, and otherwise
 opens a new event; events never merge afterwards, so an event id, once shown to a ranger, keeps its photos. The id is
-a hash of the deployment and the first photo's media id: stable across restarts and re-processing.
+a hash of the deployment and the first photo's media id: stable across restarts and re-processing. Only the camera's
+own clock (EXIF) groups photos: a photo whose time is the file's (a card copied, an upload) is an event of its own,
+since files copied together share a time that says nothing of when the animals passed (the gateway's index,
+:mod:`edge_sdk.field.store`, applies this).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ class IncomingFolder:
         self.give_up_s = float(give_up_s)
         self._clock = clock
         self._seen: dict[Path, _Seen] = {}
+        self._ignored: set[Path] = set()  # files that are not photos, reported once each
 
     @staticmethod
     def candidate(path: Path, root: Path) -> bool:
@@ -85,6 +86,11 @@ class IncomingFolder:
                 path = Path(folder) / name
                 if self.candidate(path, self.root):
                     found.append(path)
+                elif (not name.startswith((".", "~")) and not name.lower().endswith(TEMPORARY_SUFFIXES)
+                      and path not in self._ignored):
+                    self._ignored.add(path)  # a video, a text file: said once, left where it is
+                    log.warning("incoming: %s is not a photo the gateway reads (%s); it stays where it is", path,
+                                ", ".join(sorted(IMAGE_SUFFIXES)))
         return found
 
     def pending(self) -> int:

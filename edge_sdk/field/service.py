@@ -93,6 +93,12 @@ class FieldService:
         self.store = FieldStore(field_index_path(config), gap_s=self.settings.event_gap_s)
         self.package = SitePackage(config.dataset, site_id=config.site_id)
         self.package.ensure()
+        with self.package.locked():  # coordinates given in site.yaml after the cameras' first photos
+            filled = self.package.fill_coordinates({
+                self.settings.deployment_id(config.site_id, name): (loc.latitude, loc.longitude, loc.location_name)
+                for name, loc in self.settings.deployments.items()})
+        if filled:
+            log.info("field: coordinates from site.yaml given to %s", ", ".join(filled))
         self._in_package = self.package.media_ids()
         self._zone = parse_utc_offset(self.settings.utc_offset)
         self.stats = FieldStats()
@@ -225,9 +231,9 @@ class FieldService:
         """Copy the photo and append its rows (inside the index's transaction); returns its ``filePath``."""
         suffix = path.suffix.lower()
         with self.package.locked():
+            if photo.media_id in self._in_package:  # already in the package (e.g. built by wildfed-edge package)
+                return next(r["filePath"] for r in self.package.rows("media") if r.get("mediaID") == photo.media_id)
             file_path = self.package.store_photo(data, photo.media_id, suffix)
-            if photo.media_id in self._in_package:
-                return file_path
             location = self.settings.deployments.get(photo.deployment_id.split("/", 1)[-1])
             self.package.upsert_deployment(photo.deployment_id, timestamp=photo.timestamp,
                                            latitude=location.latitude if location else None,

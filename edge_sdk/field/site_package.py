@@ -217,3 +217,19 @@ class SitePackage:
         if latitude is not None and not row.get("latitude"):
             row["latitude"], row["longitude"] = f"{latitude:.6f}", f"{longitude:.6f}"
         _write_atomic(self.table_path("deployments"), _csv_bytes(columns, rows, header=True))
+
+    def fill_coordinates(self, locations: Mapping[str, tuple[float, float, str]]) -> list[str]:
+        """Give coordinates (``{deploymentID: (latitude, longitude, location name)}``) to the deployments that have
+        none yet (callers hold :meth:`locked`); returns the ids changed. A deployment with coordinates keeps them."""
+        rows = self.rows("deployments")
+        changed = []
+        for row in rows:
+            loc = locations.get(row.get("deploymentID", ""))
+            if loc is not None and not (row.get("latitude") or "").strip():
+                row["latitude"], row["longitude"] = f"{loc[0]:.6f}", f"{loc[1]:.6f}"
+                if loc[2] and not row.get("locationName"):
+                    row["locationName"] = loc[2]
+                changed.append(row["deploymentID"])
+        if changed:
+            _write_atomic(self.table_path("deployments"), _csv_bytes(self.header("deployments"), rows, header=True))
+        return changed

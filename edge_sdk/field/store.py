@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS events (
     event_id TEXT PRIMARY KEY, deployment_id TEXT NOT NULL, start TEXT NOT NULL, "end" TEXT NOT NULL,
     start_epoch REAL NOT NULL, end_epoch REAL NOT NULL, n_media INTEGER NOT NULL, n_classified INTEGER NOT NULL,
     prob_sum BLOB, species_index INTEGER, confidence REAL, status TEXT NOT NULL, uncertainty REAL NOT NULL,
-    verdict TEXT, verdict_species TEXT, verdict_by TEXT, verdict_at TEXT);
+    verdict TEXT, verdict_species TEXT, verdict_by TEXT, verdict_at TEXT, camera_time INTEGER NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS events_span ON events(deployment_id, start_epoch, end_epoch);
 CREATE INDEX IF NOT EXISTS events_review ON events(verdict, uncertainty);
 """
@@ -176,16 +176,20 @@ class FieldStore:
         return event_id
 
     def _join_event(self, photo: PhotoEntry, when: float, read: Callable[[np.ndarray], Prediction]) -> str:
+        # only a camera's own clock groups photos: a file time (a card copied, an upload) says when the file came,
+        # not when the animal was there, so such a photo is an event of its own and nothing joins it
+        camera_time = photo.timestamp_source == "exif"
         near = self._db.execute(
             'SELECT event_id, start_epoch, end_epoch FROM events WHERE deployment_id = ? AND start_epoch <= ? '
-            'AND end_epoch >= ?', (photo.deployment_id, when + self.gap_s, when - self.gap_s)).fetchall()
+            'AND end_epoch >= ? AND camera_time = 1',
+            (photo.deployment_id, when + self.gap_s, when - self.gap_s)).fetchall() if camera_time else []
         joined = assign_event([EventSpan(e, s, t) for e, s, t in near], when, gap_s=self.gap_s)
         if joined is None:
             event_id = event_id_for(photo.deployment_id, photo.media_id)
             self._db.execute('INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, 0, 0, NULL, NULL, NULL, ?, 0, '
-                             'NULL, NULL, NULL, NULL)',
+                             'NULL, NULL, NULL, NULL, ?)',
                              (event_id, photo.deployment_id, photo.timestamp, photo.timestamp, when, when,
-                              "blank"))
+                              "blank", int(camera_time)))
         else:
             event_id = joined.event_id
         start, end, s_epoch, e_epoch, n, k, prob_sum = self._db.execute(

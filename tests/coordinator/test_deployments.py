@@ -74,6 +74,20 @@ def test_bad_coordinates_write_nothing(tmp_path: Path) -> None:
         import_camtrap_dp(store, tmp_path / "missing", TABLE, site_id=SITE)
 
 
+def test_a_camera_without_coordinates_waits_off_the_map(tmp_path: Path) -> None:
+    store = Store("sqlite://", tmp_path / "data")
+    pkg = _package(tmp_path / "pkg", latitude="")
+    text = (pkg / "deployments.csv").read_text().replace("d1,river,,-77.2", "d1,river,,")
+    (pkg / "deployments.csv").write_text(text)
+    with pytest.raises(DatasetError, match="latitude"):  # strict unless the caller takes the skipped ones
+        import_camtrap_dp(store, pkg, TABLE, site_id=SITE)
+    skipped: list[str] = []
+    assert import_camtrap_dp(store, pkg, TABLE, site_id=SITE, skipped=skipped) == 1
+    assert skipped == ["d1"]
+    with store.session() as s:
+        assert [r.deployment_id for r in s.query(DeploymentRow)] == ["d2"]
+
+
 def _need(path: Path) -> None:
     if not path.exists():
         pytest.skip(f"real data not present at {path} (a fresh clone has no ../shared/data)")

@@ -198,19 +198,23 @@ def _one_photo_folder(tmp_path: Path) -> Path:
     return tmp_path / "photos"
 
 
-def test_boxes_auto_writes_none_with_a_note_where_the_detector_does_not_open(tmp_path: Path, monkeypatch) -> None:
+def test_boxes_auto_fetches_the_detector_and_warns_loudly_where_it_cannot(tmp_path: Path, monkeypatch) -> None:
     from edge_sdk.inference import detector
     from edge_sdk.inference.weights import WeightsUnavailableError
 
+    asked = []
+
     def closed(**kwargs):
+        asked.append(kwargs.get("download"))
         raise WeightsUnavailableError("no cached detector", fix="run with --boxes detect once online")
 
     monkeypatch.setattr(detector.YoloxDetector, "open", staticmethod(closed))
     out = tmp_path / "pkg"
     output = " ".join(_package([str(out), str(_one_photo_folder(tmp_path)), "--from", "folder", "--site", "s1"])
                       .split())
-    assert "no boxes: the detector does not open here (no cached detector)" in output
-    assert [r["bboxX"] for r in rows(out / "observations.csv")] == [""]
+    assert asked == [True]  # auto fetches the weights on first use, as detect does
+    assert "warning: no boxes: the detector cannot be fetched or opened here (no cached detector)" in output
+    assert "--boxes detect" in output and [r["bboxX"] for r in rows(out / "observations.csv")] == [""]
 
     result = _invoke([str(tmp_path / "pkg2"), str(tmp_path / "photos"), "--from",
                       "folder", "--site", "s1", "--boxes", "detect"])

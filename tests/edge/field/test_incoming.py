@@ -66,3 +66,15 @@ def test_a_file_that_never_decodes_is_moved_aside(tmp_path: Path) -> None:
     assert folder.defer(bad, "cannot identify image") is True
     assert not bad.exists() and (folder.root / ".failed" / "bad.jpg").read_bytes() == b"not a jpeg"
     assert folder.scan() == []
+
+
+def test_a_file_that_is_not_a_photo_is_reported_once_and_left_alone(tmp_path: Path, caplog) -> None:
+    import logging
+
+    folder = IncomingFolder(tmp_path / "in", settle_s=0, clock=Clock())
+    (folder.root / "clip.mp4").write_bytes(b"video")
+    with caplog.at_level(logging.WARNING, logger="edge_sdk.field.incoming"):
+        folder.scan()
+        folder.scan()
+    lines = [r.getMessage() for r in caplog.records if "clip.mp4" in r.getMessage()]
+    assert len(lines) == 1 and "not a photo" in lines[0] and (folder.root / "clip.mp4").exists()

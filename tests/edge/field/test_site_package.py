@@ -52,3 +52,17 @@ def test_a_photo_is_stored_once_under_its_media_id(tmp_path: Path) -> None:
         rel = pkg.store_photo(b"jpeg bytes", "ab" * 16, ".JPG")
         assert pkg.store_photo(b"jpeg bytes", "ab" * 16, ".JPG") == rel
     assert rel == f"media/ab/{'ab' * 16}.jpg" and (pkg.root / rel).read_bytes() == b"jpeg bytes"
+
+
+def test_coordinates_given_later_fill_only_the_deployments_without_them(tmp_path: Path) -> None:
+    pkg = SitePackage(tmp_path / "pkg", site_id="s")
+    pkg.ensure()
+    with pkg.locked():
+        pkg.upsert_deployment("s/a", timestamp="2024-01-01T00:00:00+00:00")
+        pkg.upsert_deployment("s/b", timestamp="2024-01-01T00:00:00+00:00", latitude=1.0, longitude=2.0)
+        changed = pkg.fill_coordinates({"s/a": (-1.25, 36.5, "Waterhole"), "s/b": (9.0, 9.0, "")})
+    rows = {r["deploymentID"]: r for r in pkg.rows("deployments")}
+    assert changed == ["s/a"]
+    assert (rows["s/a"]["latitude"], rows["s/a"]["longitude"], rows["s/a"]["locationName"]) == \
+        ("-1.250000", "36.500000", "Waterhole")
+    assert (rows["s/b"]["latitude"], rows["s/b"]["longitude"]) == ("1.000000", "2.000000")  # kept

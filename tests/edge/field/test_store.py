@@ -130,3 +130,16 @@ def test_two_verdicts_within_one_second_do_not_merge(tmp_path: Path) -> None:
     first, second = (r["classificationTimestamp"] for r in pkg.rows("observations"))
     assert second > first  # (same offset, whole seconds: the strings order as the times do)
     assert current_labels(pkg.rows("observations"))["m1"].species == frozenset({"Equus quagga"})
+
+
+def test_photos_with_file_times_are_events_of_their_own(tmp_path: Path) -> None:
+    # three photos copied in together: the same file time, different animals; the camera's clock was not read
+    store = FieldStore(tmp_path / "field.sqlite", gap_s=60)
+    filed = [PhotoEntry(m, "s/a", f"media/{m}.jpg", f"{m}.jpg", "2024-01-01T10:00:00+00:00", "mtime", 100, 80,
+                        ({"bbox": [0.1, 0.1, 0.2, 0.2]},), np.asarray(p, float))
+             for m, p in (("m1", [1, 0, 0]), ("m2", [0, 1, 0]), ("m3", [0, 0, 1]))]
+    events = {store.add_photo(p, _read) for p in filed}
+    assert len(events) == 3
+    # and a camera-timed photo at the same time does not join them either
+    e = store.add_photo(_photo("m4", "s/a", "2024-01-01T10:00:00+00:00", [1, 0, 0]), _read)
+    assert e not in events and store.event(e).n_media == 1
