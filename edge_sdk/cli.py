@@ -128,7 +128,9 @@ def _site_problems(path: Path, schema_only: bool, loaded: dict | None = None) ->
             loader(getattr(cfg, field))
         except ConfigError as exc:
             problems.append((field, f"{exc.message} ({getattr(cfg, field)})"))
-    if not cfg.dataset.is_dir():
+    if not cfg.dataset.is_dir() and cfg.incoming is not None and cfg.task == "camera":
+        pass  # `run` creates the site's package on its first start (docs/field-loop.md)
+    elif not cfg.dataset.is_dir():
         problems.append(("dataset", f"Camtrap DP folder {cfg.dataset} does not exist"))
     else:
         # Load the package the way `run` will, so a species missing from the table or a broken media file is
@@ -419,6 +421,7 @@ def detect(
 
 app.command("package")(__import__("edge_sdk.cli_package", fromlist=["package"]).package)  # docs/packaging.md
 __import__("edge_sdk.cli_review", fromlist=["register"]).register(app)  # review page: docs/review.md
+app.command("evaluate")(__import__("edge_sdk.cli_evaluate", fromlist=["evaluate"]).evaluate)  # docs/field-loop.md
 
 if __name__ == "__main__":  # pragma: no cover
     app()

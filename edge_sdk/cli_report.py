@@ -40,6 +40,9 @@ def print_training_report(out: Console, site_yaml: Path, dataset: object | None)
     except ConfigError as exc:
         out.print(f"[yellow]signal-to-noise not computed:[/] {escape(str(exc))}")
         return
+    if not rows:
+        out.print(escape(f"signal against noise: {source}"))
+        return
     out.print(escape(f"best-case signal against noise per IUCN category, for {source}:"))
     for row in rows:
         style = "green" if row.learns else "yellow"

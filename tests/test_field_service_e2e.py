@@ -64,8 +64,8 @@ def _coordinator(tmp_path: Path, broker_url: str, site_pub: Path) -> Path:
     res = runner.invoke(coordinator_cli, ["enrol", SITE, "--public-key", str(site_pub), "-c", str(config),
                                           "--metadata", '{"capacity": 10}'])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(coordinator_cli, ["user", "add", "rita", "--role", "ranger", "-c", str(config)],
-                        input=f"{PASSWORD}\n{PASSWORD}\n")
+    res = runner.invoke(coordinator_cli, ["user", "add", "rita", "--role", "ranger", "-c", str(config),
+                                          "--password-stdin"], input=f"{PASSWORD}\n")
     assert res.exit_code == 0, res.output
     cfg = load_config(config)
     store = Store(cfg.database_url or "", cfg.data_dir)

@@ -228,6 +228,8 @@ def _accounts(config: Path):  # noqa: ANN202 - (Store, AccountStore)
 def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0-9, _.-"),
              role: str = typer.Option(..., "--role", help="operator, ranger (exact locations), partner or public "
                                       "(sensitive locations fuzzed)"),
+             password_stdin: bool = typer.Option(False, "--password-stdin", help="read the password from the first "
+                                                 "line of standard input (scripts, provisioning), not a prompt"),
              config: Path = config_option()) -> None:
     """Create a web-view account; the password is asked twice and never echoed (Argon2id hash stored)."""
     from coordinator.web.auth import AccountError
@@ -237,7 +239,12 @@ def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0
         if accounts.get(username) is not None:  # and so does a taken name
             raise AccountError(f"user {username!r} exists", field="username",
                                fix="choose another name, or use `user set-role` / `user set-password`")
-        password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
+        if password_stdin:
+            import sys
+
+            password = sys.stdin.readline().rstrip("\r\n")
+        else:
+            password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
         account = accounts.create(username, password, role)
     finally:
         store.dispose()

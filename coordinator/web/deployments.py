@@ -356,7 +356,9 @@ def import_camtrap_dp(store: Store, package: str | Path, category_of: CategoryOf
     return _import(store, root, site_id=site_id, columns=("deploymentID", "latitude", "longitude", "locationName", "deploymentStart",
                             "deploymentEnd"),
                    records="observations.csv" if species else None, record_id="deploymentID",
-                   species_of=lambda r: (r.get("scientificName") or "").strip(), species_columns=("scientificName",),
+                   species_of=lambda r: ((r.get("scientificName") or "").strip()
+                                         if (r.get("observationType") or "animal").strip() == "animal" else ""),
+                   species_columns=("scientificName", "observationType"),
                    category_of=category_of, source=f"camtrap-dp:{root.name}", fmt="camtrap-dp", policy=policy,
                    skipped=skipped)
 

@@ -531,6 +531,12 @@ def _csv(columns: Sequence[str], rows: Sequence[Mapping[str, str]]) -> bytes:
     return buf.getvalue().encode("utf-8")
 
 
+def _export_id(key: str) -> str:
+    """The exported ``deploymentID`` of a ``"<site>/<deployment>"`` key: the deployment's own id when it already
+    names its site (a gateway's ``SITE/DEPLOYMENT``), the key otherwise (ids unique across the sites exported)."""
+    site, _, dep = key.partition("/")
+    return dep if dep.startswith(f"{site}/") else key
+
 def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> dict[str, bytes]:
     """The files of a Camtrap DP 1.0 package of what ``viewer`` sees: ``{"datapackage.json": ..., "deployments.csv":
     ..., "media.csv": ..., "observations.csv": ...}`` (UTF-8). Rules in the module docstring.
@@ -559,16 +565,16 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
         if ts:
             times.setdefault(dep_id, []).append(ts)
             days.append(ts[:10])
-        if withheld:
+        if withheld or (r.get("timestamp_source") or "exif") != "exif":  # withheld, or only a file's time
             withheld_deps.add(dep_id)
         file = r.get("file")
         file_path = file if file else f"media/{r['media_id']}"
         media_rows.append({
-            "mediaID": r["media_id"], "deploymentID": dep_id, "timestamp": ts, "filePath": file_path,
+            "mediaID": r["media_id"], "deploymentID": _export_id(dep_id), "timestamp": ts, "filePath": file_path,
             "filePublic": "false", "fileName": Path(file).name if file else "",
             "fileMediatype": _MEDIATYPES.get(Path(file).suffix.lower(), "image/jpeg") if file else "image/jpeg",
             "mediaComments": "capture time withheld (sensitive species): date only" if withheld else ""})
-        base = {"deploymentID": dep_id, "mediaID": r["media_id"], "eventID": r.get("event_id") or "",
+        base = {"deploymentID": _export_id(dep_id), "mediaID": r["media_id"], "eventID": r.get("event_id") or "",
                 "eventStart": ts, "eventEnd": ts,
                 "observationLevel": "media", "classificationMethod": "machine",
                 "classifiedBy": r.get("detector") or ""}
@@ -601,7 +607,7 @@ def camtrap_dp_files(viewer: Viewer, *, created: _dt.datetime | None = None) -> 
         start = _timestamp(d["start"])[0] if d.get("start") else (ts[0] if ts else "")
         end = _timestamp(d["end"])[0] if d.get("end") else (ts[-1] if ts else "")
         days += [x[:10] for x in (start, end) if x]
-        dep_rows.append({"deploymentID": dep_id, "locationName": d.get("name") or d["deployment_id"],
+        dep_rows.append({"deploymentID": _export_id(dep_id), "locationName": d.get("name") or d["deployment_id"],
                          "latitude": repr(float(d["latitude"])), "longitude": repr(float(d["longitude"])),
                          "coordinateUncertainty": _uncertainty(d, viewer.policy),
                          "deploymentStart": start, "deploymentEnd": end,

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.iucn import CCDPBudget, IUCNCategory
 
@@ -43,13 +44,16 @@ def last_plan_path(config: SiteConfig) -> Path:
     return state_dir(config) / "last-plan.json"
 
 
-def save_last_plan(config: SiteConfig, *, round_: int, plan: object, steps: int, parameters: int) -> None:
+def save_last_plan(config: SiteConfig, *, round_: int, plan: object | None, steps: int, parameters: int) -> None:
     """Keep the public values of the plan a round ran (noise, rates, norms, the federation's planned steps, the
-    model size), for ``check-config``."""
-    body = {"round": int(round_), "noise_std": float(plan.noise_std), "steps": int(steps),  # type: ignore[attr-defined]
-            "parameters": int(parameters),
-            "sampling_rates": {c.value: float(v) for c, v in plan.sampling_rates.items()},  # type: ignore[attr-defined]
-            "clipping_norms": {c.value: float(v) for c, v in plan.clipping_norms.items()}}  # type: ignore[attr-defined]
+    model size), for ``check-config``; ``plan`` None: the round was not private (no noise)."""
+    body: dict[str, object] = {"round": int(round_), "privacy": "none"}
+    if plan is not None:
+        p: Any = plan
+        body = {"round": int(round_), "noise_std": float(p.noise_std), "steps": int(steps),
+                "parameters": int(parameters),
+                "sampling_rates": {c.value: float(v) for c, v in p.sampling_rates.items()},
+                "clipping_norms": {c.value: float(v) for c, v in p.clipping_norms.items()}}
     path = last_plan_path(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -92,4 +96,5 @@ def category_signals(config: SiteConfig, dataset: LocalDataset) -> tuple[list[Ca
                            noise_std=plan.noise_std, steps=steps, parameters=parameters)
     return rows, ("no round trained yet: an assumed plan of {rounds} rounds x {local_steps} step, expected batch "
                   "{expected_batch}, CCDP gamma {gamma:g} with VU at epsilon {anchor_epsilon:g}, delta "
-                  "{target_delta:g}, the head only ({p} parameters)").format(**a, p=parameters)
+                  "{target_delta:g}, the head only ({p} parameters); your coordinator's plan may differ, and the "
+                  "report after the first round uses the plan that ran").format(**a, p=parameters)

@@ -167,7 +167,11 @@ class CameraRound:
 
     def _log_signal(self, task: TrainingTask, weights: dict[str, np.ndarray], result: LocalTrainingResult) -> None:
         plan = result.plan
-        if plan is None:
+        if plan is None:  # not private: check-config says so instead of reporting an older round's noise
+            try:
+                save_last_plan(self.ctx.config, round_=task.round, plan=None, steps=0, parameters=0)
+            except OSError as exc:
+                log.warning("site %s: could not keep the round's plan for check-config: %s", self.ctx.site_id, exc)
             return
         counts: dict[IUCNCategory, int] = self.records.dataset.category_counts()
         steps = task.local_steps * max(1, task.planned_rounds)
