@@ -863,7 +863,8 @@ class Ingestor:
             for cat in {*events, *counts}:
                 budget = ctx.budgets.get(cat)
                 round_events = tuple(e for e in (events.get(cat), counts.get(cat)) if e is not None)
-                if budget is not None and self._ledger.would_exceed(site_id, cat, round_events, budget):
+                if budget is not None and self._ledger.would_exceed(site_id, cat, round_events, budget,
+                                                                    round=ctx.round):
                     self._charge(site_id, ctx.round, events, counts)
                     raise _Reject(RejectReason.OVER_BUDGET, f"events for {cat.value} take site {site_id!r} past its "
                                   f"budget eps={budget:.4f}; charged to the ledger, not aggregated")

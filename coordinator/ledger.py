@@ -69,10 +69,29 @@ from shared.privacy.accounting import AccountantName, epsilon_spent
 from shared.privacy.events import DPSGDEvent, PrivacyEvent, SkellamEvent, parse_event
 from shared.privacy.running import RunningComposition, coalesce
 
-from coordinator.storage import HaltRow, LedgerRow, RoundRow, Store, dumps
+from coordinator.storage import CohortRoundRow, CohortRow, HaltRow, LedgerRow, RoundRow, Store, dumps
 
 __all__ = ["PrivacyLedger", "LedgerError", "HaltInfo", "coalesce", "composed_epsilon", "repeat_rounds",
-           "UNCHARGEABLE_PRIVACY"]
+           "UNCHARGEABLE_PRIVACY", "COHORT_MARK", "stream_id", "base_site", "cohort_of"]
+
+#: What separates a site id from its cohort in a ledger stream id (site ids never hold ``@``).
+COHORT_MARK = "@c"
+
+
+def stream_id(site_id: str, cohort: int | None) -> str:
+    """The ledger stream of a site's cohort: ``"<site>@c<cohort>"`` (``site_id`` itself for ``None``: the site's
+    own stream, for sites and rounds without cohorts: radio uploads, and rows from before cohorts)."""
+    return site_id if cohort is None else f"{site_id}{COHORT_MARK}{int(cohort)}"
+
+
+def base_site(stream: str) -> str:
+    """The site a ledger stream belongs to."""
+    return stream.split(COHORT_MARK, 1)[0]
+
+
+def cohort_of(stream: str) -> int | None:
+    """The cohort (its first round) of a ledger stream; None for a site's own stream."""
+    return int(stream.rsplit(COHORT_MARK, 1)[1]) if COHORT_MARK in stream else None
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +177,11 @@ class PrivacyLedger:
         self.accountant: AccountantName = accountant
         self._streams: dict[tuple[str, str, str], _Stream] = {}
         self._lock = threading.RLock()
+
+    @property
+    def store(self) -> Store:
+        """The store the ledger reads and writes."""
+        return self._store
 
     # ---- running compositions ------------------------------------------------------------------------------
     def _running(self, site_id: str, cat: IUCNCategory, accountant: AccountantName) -> _Stream:
@@ -264,6 +288,10 @@ class PrivacyLedger:
                      mechanism: str = "dpsgd") -> None:
         """Append the events a site ran in ``round`` (one per category it trained), durably (committed).
 
+        A site whose round has cohorts (:meth:`cohort_targets`) is charged once per cohort that took part, under the
+        cohort's stream (:func:`stream_id`), for the categories not halted in that cohort: each record's history is
+        its cohort's (coordinator/cohorts.py). Otherwise the events go to the site's own stream.
+
         Args:
             site_id: the site charged.
             round: the federated round the events belong to.
@@ -277,6 +305,11 @@ class PrivacyLedger:
             ConfigError: a key is not an IUCN category.
         """
         parsed = {parse_category(c, field="events"): e for c, e in events.items()}
+        for stream, halted in self.cohort_targets(site_id, round):
+            self._record(stream, round, {c: e for c, e in parsed.items() if c not in halted}, mechanism)
+
+    def _record(self, site_id: str, round: int, parsed: Mapping[IUCNCategory, DPSGDEvent], mechanism: str) -> None:
+        """Write ``parsed`` under the stream ``site_id`` (immutable rows; a replay of the same event is a no-op)."""
         with self._store.session() as s:
             for cat, ev in parsed.items():
                 existing = s.scalars(select(LedgerRow).where(
@@ -292,6 +325,61 @@ class PrivacyLedger:
                                 noise_multiplier=float(ev.noise_multiplier), sampling_rate=float(ev.sampling_rate),
                                 steps=int(ev.steps), event_json=dumps(ev.to_json()), mechanism=mechanism))
         log.info("ledger: recorded %d %s event(s) for site %s round %d", len(parsed), mechanism, site_id, round)
+
+    def cohort_targets(self, site_id: str, round: int) -> list[tuple[str, frozenset[IUCNCategory]]]:
+        """``[(stream, categories halted in it)]`` that a site's charge for ``round`` goes to: one per cohort the
+        round's tasks named (``coordinator.cohorts``), else ``[(site_id, {})]``."""
+        with self._store.session() as s:
+            row = s.scalars(select(CohortRoundRow).where(CohortRoundRow.site_id == site_id,
+                                                         CohortRoundRow.round == int(round))).first()
+            active = json.loads(row.active_json) if row is not None else None
+        if active is None:
+            return [(site_id, frozenset())]
+        return [(stream_id(site_id, int(c)), frozenset(IUCNCategory(x) for x in cats))
+                for c, cats in sorted(active.items(), key=lambda kv: int(kv[0]))]
+
+    def halted_in_round(self, site_id: str, round: int) -> frozenset[IUCNCategory]:
+        """Categories no record of the site may train in ``round``: halted in every cohort the round's tasks named
+        (a category still active in one cohort trains there), else the site's own halts."""
+        targets = self.cohort_targets(site_id, round)
+        if targets == [(site_id, frozenset())]:
+            return self.halted(site_id)
+        return frozenset.intersection(*(h for _, h in targets)) if targets else frozenset(IUCNCategory)
+
+    def cohort_round_would_exceed(self, site_id: str, category: IUCNCategory | str, round: int,
+                                  events: Sequence[DPSGDEvent], budget: float, *, pending_rounds: Sequence[int] = (),
+                                  accountant: AccountantName | None = None) -> bool:
+        """:meth:`round_would_exceed` for each stream the site's charge for ``round`` goes to (:meth:`cohort_targets`,
+        those where ``category`` is not halted): each cohort counts as pending only the site's ``pending_rounds``
+        from its own first round on (it took part in no earlier round)."""
+        cat = parse_category(category)
+        for stream, halted in self.cohort_targets(site_id, round):
+            if cat in halted:
+                continue
+            first = cohort_of(stream)
+            pending = sum(1 for p in pending_rounds if first is None or p >= first)
+            if self.round_would_exceed(stream, cat, round, events, budget, pending=pending, accountant=accountant):
+                return True
+        return False
+
+    def _resolve(self, site_id: str, category: IUCNCategory) -> str:
+        """The stream a site-level read of ``category`` means: the stream itself for a stream id or a site without
+        cohorts, else the site's stream that spent the most in it (its worst-off records')."""
+        if COHORT_MARK in site_id:
+            return site_id
+        streams = self.site_streams(site_id)
+        if len(streams) <= 1:
+            return streams[0] if streams else site_id
+        return max(streams, key=lambda x: self._epsilon_with(x, category, (), None))
+
+    def site_streams(self, site_id: str) -> list[str]:
+        """The ledger streams of a site that hold rows: its own and its cohorts', sorted (cohorts by round)."""
+        with self._store.session() as s:
+            found = s.scalars(select(LedgerRow.site_id).where(LedgerRow.site_id.startswith(site_id,
+                                                                                         autoescape=True))
+                              .distinct()).all()
+        mine = [x for x in found if x == site_id or x.startswith(site_id + COHORT_MARK)]
+        return sorted(mine, key=lambda x: (x != site_id, int(x.rsplit(COHORT_MARK, 1)[1]) if x != site_id else 0))
 
     def halt(self, site_id: str, category: IUCNCategory | str, *, round: int, reason: str = "") -> None:
         """Halt ``category`` at ``site_id`` from ``round`` on (durable, idempotent, permanent)."""
@@ -313,6 +401,7 @@ class PrivacyLedger:
             PayloadError: a stored row does not parse as a known event type (never skipped).
         """
         cat = parse_category(category)
+        site_id = self._resolve(site_id, cat)
         with self._store.session() as s:
             q = select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
             if mechanism is not None:
@@ -321,18 +410,20 @@ class PrivacyLedger:
             return [parse_event(json.loads(r.event_json)) for r in rows]
 
     def categories(self, site_id: str) -> set[IUCNCategory]:
-        """Categories for which the site has at least one recorded event."""
+        """Categories for which the site (any of its cohorts, for a site id) has at least one recorded event."""
+        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
         with self._store.session() as s:
-            cats = s.scalars(select(LedgerRow.category).where(LedgerRow.site_id == site_id).distinct()).all()
+            cats = s.scalars(select(LedgerRow.category).where(LedgerRow.site_id.in_(streams)).distinct()).all()
         return {IUCNCategory(c) for c in cats}
 
     def sites(self) -> list[str]:
-        """Sites with at least one ledger row, sorted."""
+        """Sites with at least one ledger row (their own or a cohort's), sorted."""
         with self._store.session() as s:
-            return sorted(s.scalars(select(LedgerRow.site_id).distinct()).all())
+            return sorted({base_site(x) for x in s.scalars(select(LedgerRow.site_id).distinct()).all()})
 
     def spent(self, site_id: str, category: IUCNCategory | str, accountant: AccountantName | None = None) -> float:
-        """Epsilon spent so far by (site, category) at ``target_delta``: the composition of ALL its events.
+        """Epsilon spent so far by (site, category) at ``target_delta``: the composition of ALL its events; for a
+        site with cohorts, the largest over its streams (its worst-off record's); a stream id gives that stream's.
 
         Returns:
             epsilon (float, >= 0; 0.0 when nothing is recorded).
@@ -344,16 +435,18 @@ class PrivacyLedger:
             dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
             PayloadError: a stored row does not parse as a known event type.
         """
-        return self._epsilon_with(site_id, category, (), accountant)
+        cat = parse_category(category)
+        return self._epsilon_with(self._resolve(site_id, cat), cat, (), accountant)
 
     def would_exceed(self, site_id: str, category: IUCNCategory | str,
                      next_event: DPSGDEvent | Sequence[DPSGDEvent], budget: float,
-                     accountant: AccountantName | None = None) -> bool:
+                     accountant: AccountantName | None = None, *, round: int | None = None) -> bool:
         """Dry run: would recording ``next_event`` (one event, or a round's events of every mechanism) make the
         (site, category) spend pass ``budget`` (epsilon)?
 
         Nothing is written. ``next_event`` is composed into a copy of the running composition (constant in the
-        number of recorded rounds).
+        number of recorded rounds). With ``round``, every stream the site's charge for that round would go to is
+        checked (:meth:`cohort_targets`): True when any would pass.
 
         Raises:
             PrivacyBudgetError: ``budget`` not a positive finite epsilon.
@@ -361,28 +454,42 @@ class PrivacyLedger:
         """
         _check_budget(budget)
         nxt = (next_event,) if isinstance(next_event, (DPSGDEvent, SkellamEvent)) else tuple(next_event)
-        return self._epsilon_with(site_id, category, nxt, accountant) > budget
+        cat = parse_category(category)
+        streams = [x for x, halted in (self.cohort_targets(site_id, round) if round is not None else [(site_id, ())])
+                   if cat not in halted]
+        return any(self._epsilon_with(x, cat, nxt, accountant) > budget for x in streams)
 
     def halted(self, site_id: str) -> frozenset[IUCNCategory]:
-        """Categories halted at ``site_id`` (empty set when none)."""
+        """Categories halted at ``site_id`` (empty set when none); for a site with cohorts, those halted in every
+        cohort of its latest planned round (:meth:`halted_in_round`)."""
+        if COHORT_MARK not in site_id:
+            with self._store.session() as s:
+                latest = s.scalars(select(CohortRoundRow.round).where(CohortRoundRow.site_id == site_id)
+                                   .order_by(CohortRoundRow.round.desc())).first()
+            if latest is not None:
+                return self.halted_in_round(site_id, int(latest))
         with self._store.session() as s:
             cats = s.scalars(select(HaltRow.category).where(HaltRow.site_id == site_id)).all()
         return frozenset(IUCNCategory(c) for c in cats)
 
     def halts(self, site_id: str | None = None) -> list[HaltInfo]:
-        """Every halt (of ``site_id``, or of all sites), ordered by site then IUCN rank, with its reason."""
+        """Every halt (of ``site_id`` and its cohorts, or of all sites), ordered by stream then IUCN rank, with its
+        reason (a cohort's halt names its stream, :func:`stream_id`)."""
         with self._store.session() as s:
             q = select(HaltRow)
-            if site_id is not None:
-                q = q.where(HaltRow.site_id == site_id)
             rows = s.scalars(q).all()
+            if site_id is not None:  # the site's own halts and its cohorts'
+                rows = [r for r in rows if r.site_id == site_id or (COHORT_MARK not in site_id
+                                                                    and base_site(r.site_id) == site_id)]
             out = [HaltInfo(site_id=r.site_id, category=IUCNCategory(r.category), round=int(r.round),
                             reason=r.reason or "", halted_at=r.halted_at) for r in rows]
         return sorted(out, key=lambda h: (h.site_id, h.category.rank))
 
     def round_events(self, site_id: str, category: IUCNCategory | str) -> list[tuple[int, DPSGDEvent]]:
-        """``[(round, event)]`` of (site, category), in round order (for burn-down plots)."""
+        """``[(round, event)]`` of (site, category), in round order (for burn-down plots; a site with cohorts: its
+        worst-off cohort's)."""
         cat = parse_category(category)
+        site_id = self._resolve(site_id, cat)
         with self._store.session() as s:
             rows = s.scalars(select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.category == cat.value)
                              .order_by(LedgerRow.round, LedgerRow.id)).all()
@@ -396,22 +503,26 @@ class PrivacyLedger:
 
     def last_round_event_sets(self, site_id: str, mechanisms: tuple[str, ...] | None = None
                               ) -> tuple[int | None, dict[IUCNCategory, tuple[DPSGDEvent, ...]]]:
-        """``(round, {category: (events of every mechanism, DP-SGD first)})`` of the site's most recent round."""
+        """``(round, {category: (events of every mechanism, DP-SGD first)})`` of the site's most recent round (for
+        a site with cohorts: the round's events as any one cohort that trained the category was charged them)."""
+        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
         with self._store.session() as s:
-            q = select(LedgerRow.round).where(LedgerRow.site_id == site_id)
+            q = select(LedgerRow.round).where(LedgerRow.site_id.in_(streams))
             if mechanisms is not None:
                 q = q.where(LedgerRow.mechanism.in_(mechanisms))
             last = s.scalars(q.order_by(LedgerRow.round.desc())).first()
             if last is None:
                 return None, {}
-            q = select(LedgerRow).where(LedgerRow.site_id == site_id, LedgerRow.round == last)
+            q = select(LedgerRow).where(LedgerRow.site_id.in_(streams), LedgerRow.round == last)
             if mechanisms is not None:
                 q = q.where(LedgerRow.mechanism.in_(mechanisms))
             rows = s.scalars(q.order_by(LedgerRow.mechanism.desc(), LedgerRow.id)).all()  # "dpsgd" before "counts"
             out: dict[IUCNCategory, tuple[DPSGDEvent, ...]] = {}
+            source: dict[IUCNCategory, str] = {}
             for r in rows:
                 cat = IUCNCategory(r.category)
-                out[cat] = (*out.get(cat, ()), parse_event(json.loads(r.event_json)))
+                if source.setdefault(cat, r.site_id) == r.site_id:  # one cohort's copy of the round's events
+                    out[cat] = (*out.get(cat, ()), parse_event(json.loads(r.event_json)))
             return int(last), out
 
     def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None
@@ -435,8 +546,8 @@ class PrivacyLedger:
             rounds = s.execute(q.order_by(RoundRow.round)).all()
             q2 = select(LedgerRow.site_id, LedgerRow.round).distinct()
             if site_id is not None:
-                q2 = q2.where(LedgerRow.site_id == site_id)
-            charged = {(str(a), int(b)) for a, b in s.execute(q2).all()}
+                q2 = q2.where(LedgerRow.site_id.startswith(site_id, autoescape=True))
+            charged = {(base_site(str(a)), int(b)) for a, b in s.execute(q2).all()}  # a cohort's row: its site's
         out: dict[str, list[int]] = {}
         for r, selected_json, privacy in rounds:
             if (privacy or "ccdp") in UNCHARGEABLE_PRIVACY:

@@ -22,7 +22,8 @@ from shared.privacy.comparison import (
 )
 
 from coordinator.config import CoordinatorConfig
-from coordinator.ledger import PrivacyLedger
+from coordinator.cohorts import CohortState, cohort_states
+from coordinator.ledger import PrivacyLedger, cohort_of
 from coordinator.registry import SiteRegistry
 
 __all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "plot_burn_down",
@@ -42,6 +43,11 @@ class BudgetReportRow:
         z_calibrated: noise multiplier of the site's last DP-SGD event of the category (calibrated with
             dp-accounting). q_recorded: that event's sampling rate (CCDP "sample" gives each category its own).
         eps_rdp: RDP epsilon of the same events (beside the seed's bound).
+        cohorts_active, cohorts_retired: under record-level budgets (:mod:`coordinator.cohorts`), the site's cohorts
+            whose records still train the category and those whose records have spent it; spent, remaining, rounds
+            left and the noise are then those of the oldest cohort still training it (its records are the next to
+            retire), or of the cohort that spent the most when none trains it; halted means no cohort trains it.
+            None for a site without cohorts.
         COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
         (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
     """
@@ -59,6 +65,8 @@ class BudgetReportRow:
     z_textbook: float
     textbook_valid: bool
     q_recorded: float | None = None
+    cohorts_active: int | None = None
+    cohorts_retired: int | None = None
 
 
 ROUNDS_LEFT_CAP = 10_000
@@ -73,28 +81,48 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
     sites = sorted({s.site_id for s in registry.list()} | set(ledger.sites()))
     out = []
     for site_id in sites:
+        states = cohort_states(ledger, site_id)
         halted = ledger.halted(site_id)
         _, last_sets = ledger.last_round_event_sets(site_id)
-        pending = len(ledger.pending_rounds(site_id).get(site_id, ()))
+        pending_rounds = ledger.pending_rounds(site_id).get(site_id, ())
         for cat in IUCNCategory:
-            events = ledger.events(site_id, cat)
+            stream, pending, counts = site_id, len(pending_rounds), (None, None)
+            if states:
+                stream, active = _reported_stream(ledger, states, cat, accountant)
+                first = cohort_of(stream)
+                pending = sum(1 for p in pending_rounds if first is None or p >= first)
+                counts = (active, len(states) - active)
+            events = ledger.events(stream, cat)
             # the halt check's own prediction: every release of one more round (DP-SGD steps, NIRA's noisy counts)
-            nxt = ledger.next_round_events(site_id, cat, last_sets)
-            dpsgd = ledger.events(site_id, cat, mechanism="dpsgd")
-            spent = ledger.spent(site_id, cat, accountant)
+            nxt = ledger.next_round_events(stream, cat, last_sets)
+            dpsgd = ledger.events(stream, cat, mechanism="dpsgd")
+            spent = ledger.spent(stream, cat, accountant)
+            stopped = cat in halted if not states else counts[0] == 0
             out.append(BudgetReportRow(
                 site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
                 remaining=max(0.0, budgets[cat] - spent),
-                rounds_left=ledger.rounds_left(site_id, cat, budgets[cat], next_event=nxt, pending=pending,
-                                               accountant=accountant, cap=ROUNDS_LEFT_CAP)
+                rounds_left=(0 if stopped else ledger.rounds_left(stream, cat, budgets[cat], next_event=nxt,
+                                                                  pending=pending, accountant=accountant,
+                                                                  cap=ROUNDS_LEFT_CAP))
                 if nxt is not None else None,
-                halted=cat in halted, z_calibrated=float(dpsgd[-1].noise_multiplier) if dpsgd else None,
+                halted=stopped, z_calibrated=float(dpsgd[-1].noise_multiplier) if dpsgd else None,
                 q_recorded=float(dpsgd[-1].sampling_rate) if dpsgd else None,
-                eps_rdp=spent if accountant == "rdp" else ledger.spent(site_id, cat, "rdp"),
+                eps_rdp=spent if accountant == "rdp" else ledger.spent(stream, cat, "rdp"),
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
-                textbook_valid=textbook_formula_valid(budgets[cat])))
+                textbook_valid=textbook_formula_valid(budgets[cat]),
+                cohorts_active=counts[0], cohorts_retired=counts[1]))
     return out
+
+
+def _reported_stream(ledger: PrivacyLedger, states: list[CohortState], cat: IUCNCategory,
+                     accountant: AccountantName) -> tuple[str, int]:
+    """``(stream, active cohorts)`` for a site's row of ``cat``: the oldest cohort still training ``cat``, else the
+    cohort that spent the most on it (BudgetReportRow)."""
+    active = [c for c in states if c.retired_round is None and cat not in c.halted]
+    if active:
+        return active[0].stream, len(active)
+    return max((c.stream for c in states), key=lambda x: ledger.spent(x, cat, accountant)), 0
 
 
 def observer_mode(cfg: CoordinatorConfig) -> Mode | None:

@@ -72,6 +72,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.global_dp import SecAggCollector, SecureAggregationRound, plan_global_round
 from coordinator.ingest import Accepted, Ingestor, RoundContext
 from coordinator.radio import city_artifact, expected_events, radio_task
+from coordinator.cohorts import plan_round
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.outgoing import answer_download_receipt, outgoing_task_path, send_task_bytes, store_outgoing_task
@@ -286,7 +287,9 @@ class RoundManager:
     # ---- selection ---------------------------------------------------------------------------------------------
     def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]:
         """Halt what must be halted, then choose this round's sites: those with a valid key (not revoked) and a
-        category that is not halted.
+        category that is not halted. Under record-level budgets (:meth:`uses_cohorts`) the seeded subset is drawn
+        first and each chosen site's cohorts are then planned (:func:`coordinator.cohorts.plan_round`, kept in
+        ``self.round_cohorts`` for its task); a category is halted at a site when it is halted in every cohort.
 
         Returns:
             ``(selected site ids, {site: halted categories})`` for every enrolled site.
@@ -297,11 +300,13 @@ class RoundManager:
         # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run. Read
         # BEFORE the ledger's history: a late charge landing in between is then counted twice (safe), never missed.
         pending = self._ledger.pending_rounds(before_round=round) if self.config.privacy != "none" else {}
-        for site in self._registry.list():
+        cohorts = self.uses_cohorts()
+        sites = {site.site_id: site for site in self._registry.list()}
+        for site in sites.values():
             if not self._registry.verification_keys(site.site_id):
                 log.warning("rounds: site %s has no valid key (revoked); it is not selected", site.site_id)
                 continue
-            if self.config.privacy != "none":
+            if self.config.privacy != "none" and not cohorts:
                 halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round,
                                                                    pending=len(pending.get(site.site_id, ())))
             else:
@@ -315,7 +320,23 @@ class RoundManager:
         if k is not None and k < len(eligible):
             rng = random.Random(derive_seed(self.config.seed, round, "selection"))
             eligible = sorted(rng.sample(eligible, k))
+        self.round_cohorts = {}
+        if cohorts:
+            for site_id in list(eligible):
+                plan = plan_round(self._store, self._ledger, site_id, round, budgets,
+                                  categories=known_categories(sites[site_id], self._ledger),
+                                  pending_rounds=pending.get(site_id, ()))
+                if not plan:
+                    eligible.remove(site_id)
+                    continue
+                self.round_cohorts[site_id] = plan
+                halted[site_id] = frozenset.intersection(*plan.values())
         return eligible, halted
+
+    def uses_cohorts(self) -> bool:
+        """Whether rounds train records in cohorts with record-level budgets (:mod:`coordinator.cohorts`): every
+        private camera federation; radio maps (a site's survey is one record) and ``privacy: none`` do not."""
+        return self.config.privacy != "none" and self.config.model != "radio_unet"
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def quorum(self, num_selected: int) -> int:
@@ -504,7 +525,8 @@ class RoundManager:
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():
-                if cat in budgets and self._ledger.would_exceed(site, cat, ev, budgets[cat]):  # type: ignore[arg-type]
+                if cat in budgets and self._ledger.would_exceed(site, cat, ev, budgets[cat],  # type: ignore[arg-type]
+                                                                round=r):
                     return f"site {site} category {cat.value} would pass its budget eps={budgets[cat]:.4f}"
             return None
 
@@ -599,8 +621,13 @@ class RoundManager:
                             distributed_noise=distributed_noise, feature_centre=feature_centre,
                             class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
                             prediction_offsets=self.prediction_offsets(r), capacity=self._capacity(site_id),
-                            round_duration_s=float(cfg.round_duration_s))
+                            round_duration_s=float(cfg.round_duration_s), cohorts=self._task_cohorts(site_id))
         self._send_task(r, site_id, model_hash_, task, weights, artifacts)
+
+    def _task_cohorts(self, site_id: str) -> dict[int, tuple[IUCNCategory, ...]] | None:
+        """The site's cohorts for its task (planned in :meth:`select`), None outside record-level budgets."""
+        plan = getattr(self, "round_cohorts", {}).get(site_id)
+        return None if plan is None else {c: tuple(h) for c, h in plan.items()}
 
     def _capacity(self, site_id: str) -> int | None:
         """The site's declared capacity (enrolment metadata), sent in its camera tasks; None when it declared none
@@ -653,13 +680,14 @@ class RoundManager:
         pending = self._ledger.pending_rounds(before_round=ctx.round)
         refused: dict[str, str] = {}
         for site_id, acc in sorted(ctx.accepted.items()):
-            others = len(pending.get(site_id, ()))
+            others = len(pending.get(site_id, ()))  # per cohort: those from its first round on (the ledger counts)
             for cat in sorted({*acc.events, *acc.count_events}, key=lambda c: c.rank):
                 budget = budgets.get(cat)
                 events = tuple(e for e in (acc.events.get(cat), acc.count_events.get(cat)) if e is not None)
                 if budget is None or not events:
                     continue
-                if self._ledger.round_would_exceed(site_id, cat, ctx.round, events, budget, pending=others):
+                if self._ledger.cohort_round_would_exceed(site_id, cat, ctx.round, events, budget,
+                                                          pending_rounds=pending.get(site_id, ())):
                     refused[site_id] = (f"at close, round {ctx.round}'s events for {cat.value} would take site "
                                         f"{site_id!r} past its budget eps={budget:.4f} (after {others} other "
                                         "round(s) whose charges can still arrive); charged, not aggregated")

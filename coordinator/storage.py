@@ -261,6 +261,32 @@ class HaltRow(Base):
     halted_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
 
 
+class CohortRow(Base):
+    """A cohort of a site: the records that joined its training in round ``cohort`` (one per round a camera site was
+    sent a task; its size is never known here). ``retired_round``: the round from which its records train no
+    more (every category's budget spent), or None while it is active (coordinator.cohorts)."""
+
+    __tablename__ = "cohorts"
+    __table_args__ = (UniqueConstraint("site_id", "cohort", name="uq_cohorts_site_cohort"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    cohort: Mapped[int] = mapped_column(Integer)
+    retired_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class CohortRoundRow(Base):
+    """Which cohorts of a site took part in a round, and the categories halted in each (JSON ``{cohort: [IUCN
+    codes]}``): written before the round's tasks, it is what the site's charges for that round are fanned out to
+    (one ledger stream per cohort)."""
+
+    __tablename__ = "cohort_rounds"
+    __table_args__ = (UniqueConstraint("site_id", "round", name="uq_cohort_rounds_site_round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    active_json: Mapped[str] = mapped_column(Text)
+
+
 class DetectionRow(Base):
     """A verified detection record (shared.protocol.DetectionRecord) from a site; one per (site, media id).
 

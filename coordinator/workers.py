@@ -184,6 +184,9 @@ class IngestWorker:
         halted: dict[str, set[IUCNCategory]] = {}
         for h in halts:
             halted.setdefault(h.site_id, set()).add(IUCNCategory(h.category))
+        for site_id in json.loads(row.selected_json):  # record-level budgets: halted in every cohort of the round
+            if self.ledger.cohort_targets(site_id, row.round) != [(site_id, frozenset())]:
+                halted[site_id] = set(self.ledger.halted_in_round(site_id, row.round))
         strategy = FedAvg()
         strategy.begin_round(weights)
         cfg = self.config

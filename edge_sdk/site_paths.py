@@ -8,6 +8,7 @@ The state folder is the folder of the site's outbox (``outbox:`` in ``site.yaml`
     state/field.sqlite               the index of photos, events and verdicts (edge_sdk.field.store)
     state/detections.sqlite          detection records waiting to be published (edge_sdk.field.detection_queue)
     state/review.sqlite              the review page's accounts and sessions (edge_sdk.review), 0600
+    state/cohorts.sqlite             the cohort each training record joined (edge_sdk.rounds.cohorts)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from edge_sdk.config import SiteConfig
 from edge_sdk.inference.weights import cache_dir
 
 __all__ = ["state_dir", "embedding_cache_dir", "calibration_cache_dir", "field_index_path", "detection_queue_path",
-           "review_accounts_path"]
+           "review_accounts_path", "cohort_registry_path"]
 
 
 def state_dir(config: SiteConfig) -> Path:
@@ -50,3 +51,8 @@ def detection_queue_path(config: SiteConfig) -> Path:
 def review_accounts_path(config: SiteConfig) -> Path:
     """``<state>/review.sqlite``: the review page's accounts and sessions (:mod:`edge_sdk.review.accounts`)."""
     return state_dir(config) / "review.sqlite"
+
+
+def cohort_registry_path(config: SiteConfig) -> Path:
+    """``<state>/cohorts.sqlite``: the cohort each training record joined (:mod:`edge_sdk.rounds.cohorts`)."""
+    return state_dir(config) / "cohorts.sqlite"

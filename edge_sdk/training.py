@@ -244,10 +244,13 @@ class TrainingInputs:
         return self._n
 
 
-def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory]
-                 ) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
+def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory],
+                 record_mask: np.ndarray | None = None) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
     """``(active categories, eligible mask bool (N,), N_k, q)`` with q = min(1, B / N_k), or 1 for a
     distributed-noise Global DP task (:func:`shared.privacy.distributed.site_sampling_rate`).
+
+    ``record_mask`` (bool (N,), or None for all): the records the task's cohorts let train
+    (:mod:`edge_sdk.rounds.cohorts`); the mask is its AND with the active categories'.
 
     ``N_k`` is the site's declared capacity (``task.capacity``; the dataset's size for a task without one, in
     in-process simulations); the mask marks the records of active categories, the only ones ever sampled. q and N_k
@@ -269,6 +272,11 @@ def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Ite
     if n_site == 0:
         raise PrivacyBudgetError(f"round {task.round}: the site has no records: the site does not train")
     eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
+    if record_mask is not None:
+        record_mask = np.asarray(record_mask)
+        if record_mask.dtype != np.bool_ or record_mask.shape != eligible.shape:
+            raise ValueError(f"record_mask must be bool {eligible.shape}, got {record_mask.dtype} {record_mask.shape}")
+        eligible &= record_mask
     return active, eligible, n_site, site_sampling_rate(task.expected_batch_size, n_site,
                                                         distributed=bool(task.distributed_noise))
 
@@ -285,6 +293,7 @@ def train_locally(
     feature_centre: np.ndarray | None = None,
     class_categories: Mapping[int, IUCNCategory] | None = None,
     calibration_cache: CalibrationCache | None = None,
+    record_mask: np.ndarray | None = None,
 ) -> LocalTrainingResult:
     """Run ``task.local_steps`` steps from ``global_weights`` and return the delta and the report.
 
@@ -315,6 +324,8 @@ def train_locally(
         calibration_cache: where the CCDP plan's calibration is kept across processes (the agent's
             ``<wildfed cache>/calibration``; :func:`~edge_sdk.privacy.ccdp.plan_ccdp`), or None: memoised in this
             process only. The plan is bit-identical either way.
+        record_mask: bool (N,): the records the task's cohorts let train (record-level budgets,
+            :meth:`edge_sdk.rounds.cohorts.CohortRegistry.mask`), or None: every record of an active category.
 
     Raises:
         PrivacyBudgetError: every category is halted or the site has no records, an active category has no
@@ -323,7 +334,7 @@ def train_locally(
         PayloadError: counts asked for and the number of classes unknown.
     """
     site_categories = tuple(site_categories)
-    active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
+    active, eligible, n_site, q = _eligibility(dataset, task, site_categories, record_mask)
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
     if isinstance(dataset, TrainingInputs):
         if feature_centre is not None and (dataset.centre is None
@@ -431,6 +442,7 @@ def clipped_sum_locally(
     site_categories: Iterable[IUCNCategory],
     randomness: RandomSource,
     feature_centre: np.ndarray | None = None,
+    record_mask: np.ndarray | None = None,
 ) -> ClippedSum:
     """Global DP mode, the site's part of one DP-SGD step (Abadi et al. 2016, Alg. 1, lines "sample", "compute
     gradient", "clip gradient"; the "add noise" line runs at the coordinator, once, on the sum over sites, in the
@@ -451,7 +463,7 @@ def clipped_sum_locally(
         ConfigError: the weights do not fit the backend's model, or the prepared inputs were centred by another
             centre than ``feature_centre``.
     """
-    active, eligible, n_site, q = _eligibility(dataset, task, site_categories)
+    active, eligible, n_site, q = _eligibility(dataset, task, site_categories, record_mask)
     if task.noise_multiplier is None:
         raise PayloadError("a global task must carry the coordinator's noise_multiplier")
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}

@@ -268,6 +268,25 @@ class RadioTask:
             raise PayloadError(f"radio task fields wrong: {exc}") from exc
 
 
+def _cohorts(value: Any, round_: int) -> dict[int, tuple[IUCNCategory, ...]]:
+    """``TrainingTask.cohorts`` checked: keys are rounds <= the task's (JSON gives them as strings), values lists of
+    IUCN codes; sorted by cohort, each list by rank."""
+    if not isinstance(value, Mapping):
+        raise PayloadError(f"cohorts must map cohort rounds to halted IUCN categories, got {value!r}")
+    out: dict[int, tuple[IUCNCategory, ...]] = {}
+    for key, halted in value.items():
+        try:
+            cohort = int(key)
+        except (TypeError, ValueError):
+            raise PayloadError(f"cohorts: {key!r} is not a round number") from None
+        if isinstance(key, bool) or not 0 <= cohort <= round_:
+            raise PayloadError(f"cohorts: cohort {key!r} is not a round in 0..{round_}")
+        if isinstance(halted, (str, bytes)) or not isinstance(halted, Sequence):
+            raise PayloadError(f"cohorts[{key}] must list IUCN categories, got {halted!r}")
+        out[cohort] = tuple(sorted({_category(c) for c in halted}, key=lambda c: c.rank))
+    return dict(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class TrainingTask:
     """One site's instructions for one round (the payload tensors are the global weights).
@@ -288,7 +307,13 @@ class TrainingTask:
             secure aggregation and the coordinator adds the noise once to the aggregate; ``local_steps`` must be 1
             and ``secagg`` given; docs/privacy.md) or ``"none"`` (non-private reference runs only).
         budgets: total epsilon budget per IUCN category (whole federation, per record).
-        halted: categories whose records this site must not sample any more (the ledger halted them).
+        halted: categories whose records this site must not sample any more (the ledger halted them; under
+            ``cohorts``, those halted in every cohort).
+        cohorts: record-level budgets (coordinator.cohorts): ``{cohort: categories halted in it}`` for every cohort
+            of the site that trains this round, a cohort named by the round its records joined training; the
+            site's records that have not joined yet join cohort ``round`` (always listed unless even one round
+            would pass a budget). A record trains only if its cohort is listed and its category is not halted
+            there. None (left out of the JSON): every record of a non-halted category trains.
         seed: a seed for reproducible runs, or None. A gateway honours it only when its own site config sets
             ``allow_seeded_noise`` (whoever knows the seed can subtract the noise); it then warns loudly.
         artifacts: ``{file name: hex SHA-256}`` of the opaque files that ride in the payload as uint8 tensors
@@ -367,9 +392,12 @@ class TrainingTask:
     prediction_offsets: tuple[float, ...] | None = None
     capacity: int | None = None
     round_duration_s: float = 0.0
+    cohorts: Mapping[int, tuple[IUCNCategory, ...]] | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        if self.cohorts is not None:
+            object.__setattr__(self, "cohorts", _cohorts(self.cohorts, self.round))
         if self.capacity is not None:
             _positive("capacity", self.capacity, integer=True)
         d = self.round_duration_s
@@ -489,7 +517,9 @@ class TrainingTask:
                 **({"prediction_offsets": list(self.prediction_offsets)}
                    if self.prediction_offsets is not None else {}),
                 **({"capacity": self.capacity} if self.capacity is not None else {}),
-                **({"round_duration_s": self.round_duration_s} if self.round_duration_s else {})}
+                **({"round_duration_s": self.round_duration_s} if self.round_duration_s else {}),
+                **({"cohorts": {str(c): [x.value for x in h] for c, h in self.cohorts.items()}}
+                   if self.cohorts is not None else {})}
 
 
 @dataclass(frozen=True)

@@ -474,7 +474,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
         rows = budget_report(config, SiteRegistry(store), ledger, config.accountant)
         return [{"site_id": r.site_id, "category": r.category.value, "budget": r.budget, "spent": r.spent,
                  "remaining": r.remaining, "rounds_left": r.rounds_left, "halted": r.halted,
-                 "noise_multiplier": r.z_calibrated, "sampling_rate": r.q_recorded} for r in rows]
+                 "noise_multiplier": r.z_calibrated, "sampling_rate": r.q_recorded,
+                 "cohorts_active": r.cohorts_active, "cohorts_retired": r.cohorts_retired} for r in rows]
 
     def round_rows() -> list[dict[str, Any]]:
         with store.session() as s:

@@ -30,7 +30,8 @@ from edge_sdk.field.learnability import signal_to_noise
 from edge_sdk.field.training_report import save_last_plan
 from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.context import AgentContext
-from edge_sdk.site_paths import embedding_cache_dir
+from edge_sdk.rounds.cohorts import CohortRegistry
+from edge_sdk.site_paths import cohort_registry_path, embedding_cache_dir
 from edge_sdk.training import LocalTrainingResult, TrainingInputs, train_locally
 from edge_sdk.uplink.uploader import Uploader
 
@@ -60,6 +61,11 @@ class SiteRecords:
         self._dataset = dataset if dataset is not None else self._load()
         self._inputs: TrainingInputs | None = None
         self._centre_id: int | None = None
+        self.cohorts = CohortRegistry(cohort_registry_path(config))
+
+    def record_mask(self, task: TrainingTask) -> np.ndarray | None:
+        """The records ``task``'s cohorts let train (:meth:`edge_sdk.rounds.cohorts.CohortRegistry.mask`)."""
+        return self.cohorts.mask(self._dataset.media_ids, self._dataset.categories, task)
 
     def _package_signature(self) -> tuple:
         root = Path(self.config.dataset)
@@ -150,7 +156,8 @@ class CameraRound:
                                    randomness=ctx.randomness(task), num_classes=config.model_classes,
                                    class_categories=({s.class_index: s.iucn_category for s in config.species}
                                                      if config.logit_adjustment else None),
-                                   calibration_cache=self.calibration_cache)
+                                   calibration_cache=self.calibration_cache,
+                                   record_mask=self.records.record_mask(task))
         except PrivacyBudgetError as exc:
             ctx.reject("task", "privacy_budget", str(exc))
             return False

@@ -129,7 +129,8 @@ class SecAggSiteClient:
         try:
             result = clipped_sum_locally(backend=self.backends.current, dataset=dataset, task=task,
                                          global_weights=weights, site_categories=self.ctx.config.categories,
-                                         randomness=self.ctx.randomness(task), feature_centre=centre)
+                                         randomness=self.ctx.randomness(task), feature_centre=centre,
+                                         record_mask=records.record_mask(task))  # type: ignore[attr-defined]
         except PrivacyBudgetError as exc:
             self.state = None
             self.ctx.reject("task", "privacy_budget", str(exc))

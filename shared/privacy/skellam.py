@@ -30,6 +30,8 @@ order to within 0.01 % (``tests/shared/test_skellam_rdp.py`` checks 1 %).
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -86,6 +88,15 @@ class SkellamDpEvent(dp_accounting.DpEvent):
 SKELLAM_ORDERS = tuple(float(a) for a in (*range(2, 301), *range(304, 1025, 4)))
 
 
+@functools.lru_cache(maxsize=1024)
+def _subsampled_gaussian_rdp(q: float, noise_multiplier: float, orders: tuple[float, ...]) -> np.ndarray:
+    """dp-accounting's RDP of the Poisson-subsampled Gaussian at ``orders`` (read-only array; cached)."""
+    curve = np.asarray(rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
+        q=q, noise_multiplier=noise_multiplier, orders=np.array(orders)), dtype=np.float64)
+    curve.setflags(write=False)
+    return curve
+
+
 class SkellamRdpAccountant(rdp.RdpAccountant):
     """dp-accounting's ``RdpAccountant`` that also composes :class:`SkellamDpEvent` by Theorem 3.5 (module
     docstring). Same constructor and methods.
@@ -110,6 +121,17 @@ class SkellamRdpAccountant(rdp.RdpAccountant):
 
     def _maybe_compose(self, event: dp_accounting.DpEvent, count: int,
                        do_compose: bool) -> Optional[_ErrorDetails]:
+        if (do_compose and isinstance(event, dp_accounting.PoissonSampledDpEvent)
+                and type(event.event) is dp_accounting.GaussianDpEvent
+                and self._neighboring_relation is dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+                and 0 <= event.sampling_probability <= 1 and event.event.noise_multiplier >= 0):
+            # the library's own RDP curve of the subsampled Gaussian, memoised: a ledger composes the same (q, z)
+            # round after round, and each curve costs ~0.1 s at the fractional orders
+            self._rdp += count * _subsampled_gaussian_rdp(float(event.sampling_probability),
+                                                          float(event.event.noise_multiplier),
+                                                          tuple(float(a) for a in self._orders))
+            self._other_events = self._other_events or count > 0
+            return None
         if isinstance(event, SkellamDpEvent):
             try:
                 curve = skellam_rdp(self._all_orders, event.variance, event.l2_sensitivity, event.l1_sensitivity)

@@ -120,7 +120,9 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
         assert [(r.round, r.status) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
         with store.session() as db:
             rows = sorted((r.site_id, r.round, r.category) for r in db.query(LedgerRow).all())
-        assert rows == [(sid, r, "LC") for sid, _, _ in SITES for r in (1, 2)]
+        # each round's charge once per cohort of records that trained in it: round 1's cohort in rounds 1 and 2,
+        # round 2's in round 2
+        assert rows == sorted((f"{sid}@c{c}", r, "LC") for sid, _, _ in SITES for c, r in ((1, 1), (1, 2), (2, 2)))
         ledger = PrivacyLedger(store, target_delta=1e-5)
         for sid, _, _ in SITES:
             assert ledger.events(sid, LC) == [EVENT, EVENT]
@@ -169,7 +171,7 @@ def test_sigkill_after_charging_a_global_dp_round_charges_it_once(tmp_path, brok
         assert first.returncode == -signal.SIGKILL, (first.returncode, first.stdout, first.stderr)
         assert [(r.round, r.status) for r in store.rounds()] == [(1, "open")]
         with store.session() as db:
-            assert sorted((r.site_id, r.round) for r in db.query(LedgerRow).all()) == [("a", 1), ("b", 1), ("c", 1)]
+            assert sorted((r.site_id, r.round) for r in db.query(LedgerRow).all()) == [("a@c1", 1), ("b@c1", 1), ("c@c1", 1)]
             assert db.query(ModelVersionRow).filter(ModelVersionRow.round >= 1).count() == 0
 
         # Execute 2: restart; round 1 cannot be finished (secagg state was in memory) and is marked failed
@@ -181,7 +183,7 @@ def test_sigkill_after_charging_a_global_dp_round_charges_it_once(tmp_path, brok
         assert "stopped during secure aggregation" in store.rounds()[0].detail
         with store.session() as db:
             rows = sorted((r.site_id, r.round, r.category, r.steps) for r in db.query(LedgerRow).all())
-        assert rows == [(sid, r, "LC", 1) for sid in ("a", "b", "c") for r in (1, 2)]
+        assert rows == sorted((f"{sid}@c{c}", r, "LC", 1) for sid in ("a", "b", "c") for c, r in ((1, 1), (1, 2), (2, 2)))
         ledger = PrivacyLedger(store, target_delta=1e-5)
         budget = cfg.budgets()[LC]
         for sid in ("a", "b", "c"):

@@ -63,7 +63,7 @@ def test_two_sites_two_rounds(federation):
     assert all(a.accepted for a in s1.acks) and len(s1.acks) == 2
 
 
-def test_categories_halt_before_budget_and_fully_halted_sites_stop(federation):
+def test_categories_retire_per_cohort_and_the_federation_never_halts(federation):
     # Prepare: a uniform budget B that fits one round of EVENT (LC) but not two, and three rounds of the
     # stronger-noise CR event (z=1.3) but not four (all computed directly with dp-accounting)
     one, two = rdp_eps([(1.2, 0.05, 5)]), rdp_eps([(1.2, 0.05, 5)] * 2)
@@ -77,16 +77,22 @@ def test_categories_halt_before_budget_and_fully_halted_sites_stop(federation):
                                                  {"categories": ["LC", "CR"]})])
     # Execute
     results = coord.run()
-    # Assert: LC halts after round 1 at both sites, s1 (LC only) is no longer selected, s2 trains CR until
-    # its next round would pass B; then no site can train and the run stops
-    assert [r.status for r in results] == ["closed", "closed", "closed", "skipped"]
-    assert [r.selected for r in results[:3]] == [("s1", "s2"), ("s2",), ("s2",)]
-    assert [t.halted for t in s2.tasks] == [(), (LC,), (LC,)]
-    assert coord.ledger.halted("s1") == {LC} and coord.ledger.halted("s2") == {LC, CR}
+    # Assert: every round trains both sites: a cohort's LC halts after its first round and its CR after its
+    # third, and the cohort then retires, while each round opens a new cohort that has spent nothing
+    assert [r.status for r in results] == ["closed"] * 6
+    assert all(r.selected == ("s1", "s2") for r in results)
+    for r, task in enumerate(s2.tasks, start=1):
+        expected = {c: (() if c == r else (LC,) if r - c < 3 else None) for c in range(max(1, r - 2), r + 1)}
+        assert task.cohorts == expected and task.halted == ()
+    assert [t.cohorts for t in s1.tasks] == [{r: ()} for r in range(1, 7)]  # LC only: a cohort trains one round
+    for c in range(1, 7):
+        assert [r for r, _ in coord.ledger.round_events(f"s2@c{c}", LC)] == [c]
+        assert [r for r, _ in coord.ledger.round_events(f"s2@c{c}", CR)] == list(range(c, min(c + 3, 7)))
     for sid, cat in (("s1", LC), ("s2", LC), ("s2", CR)):
         assert coord.ledger.spent(sid, cat) <= budget
     assert coord.ledger.spent("s2", CR) == pytest.approx(rdp_eps([(1.3, 0.05, 5)] * 3), rel=1e-9)
-    assert coord.ledger.site_halted("s1") and coord.ledger.site_halted("s2", ["LC", "CR"])
+    assert coord.ledger.spent("s2", LC) == pytest.approx(one, rel=1e-9)
+    assert coord.ledger.halted("s2") == frozenset() and not coord.ledger.site_halted("s1")
 
 
 def test_restart_recovers_an_open_round_and_reloads_spend(tmp_path):

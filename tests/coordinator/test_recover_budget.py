@@ -136,15 +136,17 @@ def test_sigkill_with_tasks_out_then_late_updates_never_overrun_a_budget(tmp_pat
         assert third.returncode == 0, (third.stdout, third.stderr)
         assert "recovered round 2: failed" in third.stdout
 
-        # Assert: round 3's task halted VU (and only VU) for s1, and said why
+        # Assert: round 3's task halted VU (and only VU) in the records of round 1's cohort, and said why; the
+        # cohorts of rounds 2 and 3 train VU on
         assert [t.round for t in site.tasks] == [1, 2, 3]
-        assert site.tasks[2].halted == (VU,)
+        assert site.tasks[2].cohorts == {1: (VU,), 2: (), 3: ()} and site.tasks[2].halted == ()
         ledger = PrivacyLedger(store, target_delta=DELTA)
         (halt,) = ledger.halts("s1")
-        assert (halt.category, halt.round) == (VU, 3) and "not yet charged" in halt.reason
-        # the late round-2 update was charged; VU stops at 2 rounds, NT ran 3
-        assert ledger_rounds(store, "s1", VU) == [1, 2]
-        assert ledger_rounds(store, "s1", NT) == [1, 2, 3]
+        assert (halt.site_id, halt.category, halt.round) == ("s1@c1", VU, 3) and "not yet charged" in halt.reason
+        # the late round-2 update was charged; cohort 1's VU stops at 2 rounds, its NT ran 3
+        assert ledger_rounds(store, "s1@c1", VU) == [1, 2]
+        assert ledger_rounds(store, "s1@c1", NT) == [1, 2, 3]
+        assert ledger_rounds(store, "s1@c2", VU) == [2, 3] and ledger_rounds(store, "s1@c3", VU) == [3]
         assert ledger.spent("s1", VU) == pytest.approx(direct_epsilon([EVENT] * 2), rel=1e-9)
         assert ledger.spent("s1", NT) == pytest.approx(direct_epsilon([EVENT] * 3), rel=1e-9)
         # spend never passes a budget
@@ -185,7 +187,7 @@ def test_close_refuses_an_update_that_a_late_charge_pushed_past_its_budget(feder
     final, _ = decode_tensors(coord.store.get_model(r3.model_hash))
     for name, w in w0.items():  # FedAvg: round 1 (10*1 + 30*4)/40 = 3.25, rounds 2 and 3 s2's +4 alone
         np.testing.assert_allclose(final[name], w + 3.25 + 4.0 + 4.0, rtol=1e-6)
-    assert ledger_rounds(coord.store, "s1", VU) == [1, 2, 3]
+    assert ledger_rounds(coord.store, "s1@c1", VU) == [1, 2, 3]  # the records that joined in round 1
     with coord.store.session() as db:
         rows = db.query(RejectionRow).filter(RejectionRow.round == 3, RejectionRow.site_id == "s1").all()
         assert [r.reason for r in rows] == ["over_budget"] and "at close" in rows[0].detail
