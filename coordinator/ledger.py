@@ -35,6 +35,10 @@ Semantics (DESIGN.md "Privacy semantics"):
   durable and permanent, and each carries its reason (spend, budget, the dry-run's result), which
   :meth:`PrivacyLedger.halts` returns for ``wildfed-coordinator status``. A site whose every known category is
   halted is no longer selected.
+- Cohorts (record-level budgets, :mod:`coordinator.cohorts`): a stream id is a site id or ``"<site>@c<round>"``, one
+  cohort of the site's records; :meth:`PrivacyLedger.record_round` writes a site's round to each cohort the round
+  named, and every per-stream method (spend, halts, dry runs) works on a cohort's stream as on a site's. Read with a
+  site id, spend and events are those of the site's stream that spent the most in the category.
 - Charges that can still arrive (:meth:`PrivacyLedger.pending_rounds`): a round whose task was sent to a site but
   whose update has not been charged yet (the round closed at its deadline, or a coordinator crashed and
   ``RoundManager.recover`` closed it) may still be charged when the site's update comes in late. The halt check

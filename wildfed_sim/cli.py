@@ -13,6 +13,7 @@ Commands::
     wildfed audit [--break-noise] ...       empirical epsilon lower bound from canaries (one-run audit,
                                             Steinke et al. 2023) beside the claimed epsilon per category
     wildfed observers [--markdown]          the epsilon each observer of the demo faces, per privacy mode
+    wildfed plan-budgets [--config ...]     what each category's records go through under a coordinator config
     wildfed clusters check-metadata         cluster the real Wildlife Insights / Snapshot Serengeti deployments
                                             (../shared/data) and compare with their projects
     wildfed radio-data tiles                the radio-map experiment's disjoint 256 m tiles of each city
@@ -472,6 +473,38 @@ def observers(
             table.add_row(escape(r.observer), f"{r.noise_fraction:.3g}x", "yes" if r.charged else "[red]NO[/]",
                           *("none" if r.epsilon[c] == float("inf") else f"{r.epsilon[c]:.3f}" for c in IUCNCategory))
         console.print(table)
+
+
+@app.command("plan-budgets")
+@friendly
+def plan_budgets(
+    config: Path | None = typer.Option(None, "--config", help="a coordinator config (default: the defaults of "
+                                       "`wildfed-coordinator init`, one round a day)"),
+    capacity: int = typer.Option(200, help="the site's declared capacity (enrolment metadata)"),
+    records: int = typer.Option(20, help="records of each category at the site, for the signal column"),
+    sites: int = typer.Option(10, help="sites holding as many, for the federation's signal column"),
+) -> None:
+    """What each IUCN category's records go through under a coordinator config: their sampling rate and noise, how
+    many rounds (and days) each record trains before it retires, and whether that many records can teach the
+    model (wildfed_sim.budget_plan; docs/privacy.md "Planning budgets for a multi-year network")."""
+    from coordinator.config import CoordinatorConfig, load_config
+    from wildfed_sim.budget_plan import budget_plan
+
+    cfg = load_config(config) if config is not None else CoordinatorConfig(federation_id="plan")
+    with console.status("calibrating each category's noise and sampling rate (dp-accounting)"):
+        rows = budget_plan(cfg, capacity=capacity, records=records, sites=sites)
+    table = Table(title=f"per record, capacity {capacity}, {cfg.rounds} rounds of {cfg.local_steps} steps, "
+                        f"B={cfg.expected_batch_size}, delta={cfg.target_delta:g}")
+    for col in ("category", "budget", "q", "noise multiplier", "rounds trained", "days trained",
+                f"signal/noise, {records} records", f"same, {sites} such sites"):
+        table.add_column(col, justify="left" if col == "category" else "right")
+    for r in rows:
+        table.add_row(r.category.value, f"{r.budget:.3f}", f"{r.sampling_rate:.4g}", f"{r.noise_multiplier:.3f}",
+                      str(r.rounds), f"{r.days:g}",
+                      f"{r.signal.ratio:.3g}", f"{r.federation_ratio:.3g}")
+    console.print(table)
+    console.print("signal/noise: the best case (every clipped gradient of full norm, all aligned) over a record's "
+                  "training life; below 1 even that is lost in the noise (edge_sdk/field/learnability.py)")
 
 
 clusters_app = typer.Typer(name="clusters", help="NIRA's clustering on real public metadata (../shared/data).",

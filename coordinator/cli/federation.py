@@ -35,6 +35,7 @@ from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_
                                     warn_plain_http)
 from coordinator.config import config_from_dict, load_config, save_config
 from coordinator.detections import DetectionCounts
+from coordinator.ledger import base_site
 from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
                                  plot_burn_down)
 from coordinator.rounds import known_categories
@@ -116,11 +117,18 @@ def status(config: Path = config_option()) -> None:
     console.print(rej)
     if rep.detections is not None:
         _print_detections(rep.detections)
-    hal = Table(title="halted categories (records no longer sampled)")
+    hal = Table(title="halted categories (records no longer sampled; under record-level budgets, per cohort: "
+                      "the latest halt of each site and category, with how many cohorts have spent it)")
     for col in ("site", "category", "from round", "why"):
         hal.add_column(col, overflow="fold")
-    for h in halts:
-        hal.add_row(h.site_id, h.category.value, str(h.round), escape(h.reason or "(no reason recorded)"))
+    latest: dict[tuple[str, str], tuple[object, int]] = {}
+    for h in halts:  # a cohort's halt names its stream (site@c<round>): one row per site and category
+        key = (base_site(h.site_id), h.category.value)
+        prev = latest.get(key)
+        latest[key] = (h if prev is None or h.round >= prev[0].round else prev[0], (prev[1] if prev else 0) + 1)
+    for (site_id, cat), (h, n) in sorted(latest.items()):
+        where = "" if h.site_id == site_id else f"{n} cohort(s); latest cohort {h.site_id.rsplit('@c', 1)[1]}: "
+        hal.add_row(site_id, cat, str(h.round), escape(where + (h.reason or "(no reason recorded)")))
     if not halts:
         hal.add_row("(none)", "-", "-", "-")
     console.print(hal)
