@@ -123,7 +123,8 @@ def assert_one_update_each(coord: Coordinator, round_: int, sites: tuple[str, ..
     """The round closed with every site once: one stored row, one ledger row per category, model = FedAvg once."""
     assert result.status == "closed" and result.accepted == sites
     assert sorted(u.site_id for u in coord.store.updates_for_round(round_)) == list(sites)
-    assert ledger_rows(coord.store) == [(s, round_, c, "dpsgd") for s in sites for c in ("NT", "VU")]
+    # the round's charge to each site's cohort of round 1 (the only round these tests run)
+    assert ledger_rows(coord.store) == [(f"{s}@c1", round_, c, "dpsgd") for s in sites for c in ("NT", "VU")]
     before, _ = decode_tensors(coord.store.get_model(coord.store.rounds()[-1].base_model_hash))
     after, _ = decode_tensors(coord.store.get_model(result.model_hash))
     for name, avg in fedavg_of_stored(coord.store, round_).items():
@@ -421,8 +422,9 @@ def test_coordinator_killed_after_ingest_of_chunked_updates_counts_each_once(tmp
         # Assert 2: each spend once, equal to dp-accounting composed directly; the model is two FedAvg steps
         assert all(t.sent == Counter({"manifest": 2, "chunk": 34}) for t in transports), [t.sent for t in transports]
         assert [(r.round, r.status) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
-        assert [(s, r, c) for s, r, c, _ in ledger_rows(store)] == [(sid, r, "LC") for sid, _, _ in sites_spec
-                                                                  for r in (1, 2)]
+        # each round's charge once per cohort that trained in it: round 1's in rounds 1 and 2, round 2's in 2
+        assert [(s, r, c) for s, r, c, _ in ledger_rows(store)] == sorted(
+            (f"{sid}@c{c}", r, "LC") for sid, _, _ in sites_spec for c, r in ((1, 1), (1, 2), (2, 2)))
         ledger = PrivacyLedger(store, target_delta=1e-5)
         for sid, _, _ in sites_spec:
             assert ledger.events(sid, LC) == [EVENT, EVENT]

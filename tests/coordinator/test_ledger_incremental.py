@@ -19,6 +19,7 @@ from dp_accounting import pld, rdp
 
 from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent, SkellamEvent
+from shared.privacy.skellam import _subsampled_gaussian_rdp
 
 from coordinator.ledger import PrivacyLedger, composed_epsilon
 from coordinator.reports import burn_down_figure
@@ -369,6 +370,7 @@ class _Counting:
 def test_accountant_work_per_charge_does_not_grow_with_the_history(store, monkeypatch):
     # Prepare: a site whose sampling rate changes every round (its data grows), so no two rounds coalesce
     counter = _Counting(monkeypatch)
+    _subsampled_gaussian_rdp.cache_clear()
     ledger = PrivacyLedger(store, target_delta=DELTA)
     budgets = {LC: 1e6}
     per_round: list[tuple[int, int]] = []
@@ -382,19 +384,23 @@ def test_accountant_work_per_charge_does_not_grow_with_the_history(store, monkey
         after = counter.snapshot()
         per_round.append((after[0] - before[0], after[1] - before[1]))
         history.append(ev)
-    # Assert: the same accountant work at round 5 as at round 25 (the new row, then the dry run)
-    assert per_round[4] == per_round[-1] == (2, 2)
+    # Assert: the same accountant work at round 5 as at round 25 (the new row, then the dry run; the new event's RDP
+    # curve is evaluated once and the dry run's composition reuses it)
+    assert per_round[4] == per_round[-1] == (2, 1)
     assert len(set(per_round[1:])) == 1
     assert ledger.spent("s1", LC) == pytest.approx(direct_epsilon(history), rel=REL, abs=0)
     # Control: the counter does see the growth of composing the history afresh (one evaluation per distinct event)
+    _subsampled_gaussian_rdp.cache_clear()
     before = counter.snapshot()
     composed_epsilon((*history, DPSGDEvent(1.1, 0.5, 1)), DELTA, "rdp")
     assert counter.snapshot()[1] - before[1] == len(history) + 1
 
 
-def test_a_repeated_schedule_costs_one_evaluation_per_round(store, monkeypatch):
-    # The dry run of the halt check is the next charge: its composition is adopted, not computed again
+def test_a_repeated_schedule_costs_no_new_evaluation_per_round(store, monkeypatch):
+    # The dry run of the halt check is the next charge: its composition is adopted, not computed again, and the
+    # event's RDP curve, evaluated once, is reused every round
     counter = _Counting(monkeypatch)
+    _subsampled_gaussian_rdp.cache_clear()
     ledger = PrivacyLedger(store, target_delta=DELTA)
     ev = DPSGDEvent(1.1, 0.02, 10)
     per_round = []
@@ -403,7 +409,7 @@ def test_a_repeated_schedule_costs_one_evaluation_per_round(store, monkeypatch):
         ledger.record_round("s1", r, {LC: ev})
         ledger.halt_if_needed("s1", {LC: 1e6}, round=r + 1, pending=0)
         per_round.append(counter.snapshot()[1] - before[1])
-    assert per_round[2:] == [1] * 18
+    assert per_round[0] == 1 and per_round[2:] == [0] * 18
     assert ledger.spent("s1", LC) == pytest.approx(direct_epsilon([ev] * 20), rel=REL, abs=0)
 
 

@@ -22,7 +22,7 @@ from wildfed_sim.cli import app as wildfed_app
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
-LAB = {"demo", "experiment", "audit", "observers", "clusters", "radio-data"}
+LAB = {"demo", "experiment", "audit", "observers", "plan-budgets", "clusters", "radio-data"}
 EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap", "real-photos"}
 OPERATOR = {"init", "enrol", "rotate-key", "revoke-key", "keys", "broker-config", "status", "budget", "run", "service",
             "ingest-worker", "provision", "serve", "import-deployments", "import-detections", "export-camtrap-dp",
