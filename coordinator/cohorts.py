@@ -73,6 +73,12 @@ def plan_round(store: Store, ledger: PrivacyLedger, site_id: str, round: int,
         if done is not None:
             return {int(c): frozenset(IUCNCategory(x) for x in cats)
                     for c, cats in json.loads(done.active_json).items()}
+        first = s.scalars(select(CohortRow).where(CohortRow.site_id == site_id)).first() is None
+        if first and ledger.events_recorded(site_id):
+            # charged before it had cohorts: every record it holds may have trained then, so they form cohort 0,
+            # whose stream is the site's own (its spend and halts carry on); the gateway puts the records it holds
+            # at its first task with cohorts there (edge_sdk.rounds.cohorts)
+            s.add(CohortRow(site_id=site_id, cohort=0))
         if s.scalars(select(CohortRow).where(CohortRow.site_id == site_id, CohortRow.cohort == int(round))
                      ).first() is None:
             s.add(CohortRow(site_id=site_id, cohort=int(round)))
@@ -124,7 +130,7 @@ def cohort_states(ledger: PrivacyLedger, site_id: str) -> list[CohortState]:
     out = []
     for cohort, retired in rows:
         stream = stream_id(site_id, cohort)
-        halted = frozenset(IUCNCategory) if retired is not None else ledger.halted(stream)
+        halted = frozenset(IUCNCategory) if retired is not None else ledger.stream_halted(stream)
         out.append(CohortState(cohort=cohort, retired_round=None if retired is None else int(retired),
                                halted=halted, stream=stream))
     return out

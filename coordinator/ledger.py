@@ -83,9 +83,10 @@ COHORT_MARK = "@c"
 
 
 def stream_id(site_id: str, cohort: int | None) -> str:
-    """The ledger stream of a site's cohort: ``"<site>@c<cohort>"`` (``site_id`` itself for ``None``: the site's
-    own stream, for sites and rounds without cohorts: radio uploads, and rows from before cohorts)."""
-    return site_id if cohort is None else f"{site_id}{COHORT_MARK}{int(cohort)}"
+    """The ledger stream of a site's cohort: ``"<site>@c<cohort>"``; ``site_id`` itself for ``None`` (sites and
+    rounds without cohorts: radio uploads) and for cohort 0, the records a site trained before it had cohorts (their
+    spend is on the site's own stream)."""
+    return site_id if not cohort else f"{site_id}{COHORT_MARK}{int(cohort)}"
 
 
 def base_site(stream: str) -> str:
@@ -347,7 +348,7 @@ class PrivacyLedger:
         (a category still active in one cohort trains there), else the site's own halts."""
         targets = self.cohort_targets(site_id, round)
         if targets == [(site_id, frozenset())]:
-            return self.halted(site_id)
+            return self.stream_halted(site_id)
         return frozenset.intersection(*(h for _, h in targets)) if targets else frozenset(IUCNCategory)
 
     def cohort_round_would_exceed(self, site_id: str, category: IUCNCategory | str, round: int,
@@ -375,6 +376,11 @@ class PrivacyLedger:
         if len(streams) <= 1:
             return streams[0] if streams else site_id
         return max(streams, key=lambda x: self._epsilon_with(x, category, (), None))
+
+    def events_recorded(self, stream: str) -> bool:
+        """Whether the stream (a site's own, or a cohort's) holds any ledger row."""
+        with self._store.session() as s:
+            return s.scalars(select(LedgerRow.id).where(LedgerRow.site_id == stream).limit(1)).first() is not None
 
     def site_streams(self, site_id: str) -> list[str]:
         """The ledger streams of a site that hold rows: its own and its cohorts', sorted (cohorts by round)."""
@@ -472,8 +478,12 @@ class PrivacyLedger:
                                    .order_by(CohortRoundRow.round.desc())).first()
             if latest is not None:
                 return self.halted_in_round(site_id, int(latest))
+        return self.stream_halted(site_id)
+
+    def stream_halted(self, stream: str) -> frozenset[IUCNCategory]:
+        """Categories halted in one ledger stream (a site's own, or a cohort's)."""
         with self._store.session() as s:
-            cats = s.scalars(select(HaltRow.category).where(HaltRow.site_id == site_id)).all()
+            cats = s.scalars(select(HaltRow.category).where(HaltRow.site_id == stream)).all()
         return frozenset(IUCNCategory(c) for c in cats)
 
     def halts(self, site_id: str | None = None) -> list[HaltInfo]:
@@ -651,7 +661,7 @@ class PrivacyLedger:
             per_round = self.next_round_events(site_id, cat)
         if per_round is None:
             return None
-        if cat in self.halted(site_id):
+        if cat in self.stream_halted(site_id):
             return 0
         acc = accountant or self.accountant
         if pending is None:
@@ -731,7 +741,7 @@ class PrivacyLedger:
         Returns:
             The site's halted categories after this check.
         """
-        already = self.halted(site_id)
+        already = self.stream_halted(site_id)
         last_sets = self.last_round_event_sets(site_id)[1]
         if pending is None:
             pending = len(self.pending_rounds(site_id, before_round=round).get(site_id, ()))
@@ -765,4 +775,4 @@ class PrivacyLedger:
                                  f"next round (z={first.noise_multiplier:.4g}, q={first.sampling_rate:.4g}, "
                                  f"{first.steps} steps{extra}) would make it {after:.4f} ({self.accountant}, "
                                  f"delta={self.target_delta:g})")
-        return self.halted(site_id)
+        return self.stream_halted(site_id)

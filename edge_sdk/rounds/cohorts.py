@@ -8,6 +8,11 @@ lists the cohorts that train and what is halted in each, and :meth:`CohortRegist
 records that may be sampled. The coordinator never learns which records joined when: it opens a cohort every
 round it sends a task.
 
+A gateway that trained before its coordinator had cohorts gets, in its first task with cohorts, cohort 0: the
+records that may have trained then, whose spend is on the site's own ledger stream; every record it holds at that
+task joins cohort 0. The registry is part of the gateway's state, like its outbox: a gateway that lost it would let
+its records join again with a fresh budget, so back it up and restore it with the rest of ``<state>/``.
+
 A record is trained under the IUCN category it had when it joined. If a person later changes its species to one
 of another category, the record stops training (its loss so far was charged under the old category's stream, and
 mixing two categories' histories in one record is not what the ledger accounts); it stays for inference and the
@@ -81,8 +86,11 @@ class CohortRegistry:
             return None
         ranks = np.asarray(categories, dtype=np.int64)
         known = self.assignments()
-        if task.round in task.cohorts:
-            new = [(m, task.round, int(k)) for m, k in zip(media_ids, ranks) if m not in known]
+        # the first task with cohorts after the site trained without them lists cohort 0: every record held now
+        # may have trained then, so they join it (its spend goes on); later records join their own round's cohort
+        joins = 0 if not known and 0 in task.cohorts else task.round
+        if joins in task.cohorts:
+            new = [(m, joins, int(k)) for m, k in zip(media_ids, ranks) if m not in known]
             if new:
                 with self._lock:
                     self._db.execute("BEGIN IMMEDIATE")
@@ -90,7 +98,7 @@ class CohortRegistry:
                                          "VALUES (?, ?, ?)", new)
                     self._db.execute("COMMIT")
                 known.update({m: (c, k) for m, c, k in new})
-                log.info("cohorts: %d record(s) join training in cohort %d", len(new), task.round)
+                log.info("cohorts: %d record(s) join training in cohort %d", len(new), joins)
         halted = {c: {x.rank for x in h} for c, h in task.cohorts.items()}
         out = np.zeros(len(media_ids), dtype=bool)
         relabelled = 0

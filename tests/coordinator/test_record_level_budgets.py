@@ -18,6 +18,7 @@ from shared.privacy.events import DPSGDEvent
 from shared.protocol import decode_task
 
 from coordinator.cohorts import cohort_states
+from coordinator.storage import RoundRow
 from edge_sdk.rounds.cohorts import CohortRegistry
 from tests.coordinator.helpers import FakeSite
 
@@ -99,3 +100,33 @@ def test_thirty_rounds_with_arriving_records_keep_every_record_within_its_budget
     assert site.tasks[-1].cohorts is not None and 30 in site.tasks[-1].cohorts
     assert all(states[c].retired_round == c + k[CR] for c in range(1, 31 - k[CR]))
     assert all(states[c].retired_round is None for c in range(31 - k[CR], 31))
+
+
+def test_a_site_charged_before_cohorts_keeps_its_spend_in_cohort_zero(federation, tmp_path):
+    # Prepare: two rounds charged to the site's own stream, as a coordinator without cohorts did, with LC halted
+    budget = (direct_epsilon([LC_EVENT] * 3) + direct_epsilon([LC_EVENT] * 4)) / 2
+    coord, transport, key = federation(rounds=4, budget={"kind": "from_max", "eps_max": budget, "gamma": 0.0})
+    site = StreamingSite("s1", transport, key.public_key(), value=1.0, num_examples=20,
+                         events={LC: LC_EVENT, CR: CR_EVENT}, registry=CohortRegistry(tmp_path / "cohorts.sqlite"))
+    site.attach()
+    coord.enrol("s1", site.public_pem, {"capacity": 20, "categories": ["LC", "CR"]})
+    for r in (1, 2):
+        coord.ledger.record_round("s1", r, {LC: LC_EVENT, CR: CR_EVENT})
+    coord.start()
+    h = coord.rounds.current_model()[0]
+    with coord.store.session() as s:  # the two rounds exist, as they would after an upgrade
+        for r in (1, 2):
+            s.add(RoundRow(round=r, status="closed", base_model_hash=h, new_model_hash=h, selected_json='["s1"]',
+                           privacy="ccdp"))
+    # Execute: rounds 3 and 4 with cohorts; the records held at round 3 (ARRIVALS has none for it: add them)
+    site.records = [("old-lc", LC), ("old-cr", CR)]
+    results = coord.run()
+    # Assert: the old records trained in cohort 0, whose stream is the site's own: LC stops after its third round,
+    # and their whole history, before cohorts and after, is within the budget
+    assert [r.status for r in results] == ["closed", "closed"]
+    assert site.tasks[0].cohorts == {0: (), 3: ()} and site.tasks[1].cohorts == {0: (LC,), 3: (), 4: ()}
+    assert site.registry.assignments() == {"old-lc": (0, LC.rank), "old-cr": (0, CR.rank)}
+    assert [r for r, _ in coord.ledger.round_events("s1", LC)] == [1, 2, 3]
+    assert [r for r, _ in coord.ledger.round_events("s1", CR)] == [1, 2, 3, 4]
+    assert len(site.history["old-lc"]) == 1 and len(site.history["old-cr"]) == 2  # rounds 3 (and 4) here
+    assert direct_epsilon([LC_EVENT] * 2 + site.history["old-lc"]) <= budget
