@@ -340,7 +340,8 @@ class ScheduleConfig(StrictModel):
     round_interval_s: float = Field(86_400.0, gt=0, description="seconds from the start of one round (or of a slot "
                                     "in which no round could run) to the next slot; default one round a day")
     max_rounds: int | None = Field(None, ge=1, description="open no round once this many rounds exist (null: no "
-                                   "limit; each record retires from training once its budget is spent); the service keeps ingesting")
+                                   "limit; each record retires from training once its budget is spent); the "
+                                   "service keeps ingesting")
 
     @field_validator("round_interval_s")
     @classmethod
