@@ -272,8 +272,8 @@ class PrivacyLedger:
 
     def spent_by_category(self, site_id: str, categories: Iterable[IUCNCategory | str],
                           accountant: AccountantName | None = None) -> dict[IUCNCategory, float]:
-        """:meth:`spent` of several categories of one site, read from the store once (two queries in all, where
-        :meth:`spent` makes two per category): what a budget table of many sites needs.
+        """:meth:`spent` of several categories of one site, read from the store once per stream (two queries per
+        stream, where :meth:`spent` makes two per category): what a budget table of many sites needs.
 
         Returns:
             ``{category: epsilon}`` (0.0 where nothing is recorded).
@@ -284,9 +284,14 @@ class PrivacyLedger:
         """
         cats = [parse_category(c) for c in categories]
         acc = accountant or self.accountant
-        with self._lock:
-            self._refresh(site_id, cats, acc)
-            return {c: self._streams[(site_id, c.value, acc)].running.epsilon() for c in cats}
+        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
+        out = dict.fromkeys(cats, 0.0)
+        with self._lock:  # a site with cohorts: the largest over its streams, as spent()
+            for stream in streams:
+                self._refresh(stream, cats, acc)
+                for c in cats:
+                    out[c] = max(out[c], self._streams[(stream, c.value, acc)].running.epsilon())
+        return out
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def record_round(self, site_id: str, round: int, events: Mapping[IUCNCategory | str, DPSGDEvent], *,
