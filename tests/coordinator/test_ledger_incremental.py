@@ -331,11 +331,12 @@ def test_one_read_of_a_sites_rows_serves_every_category_and_misses_no_late_row(s
         after = reader.halt_if_needed("three", budgets, round=3, pending=1)  # one round in flight: 4 rounds, halt
     finally:
         event.remove(store.engine, "before_cursor_execute", listener)
-    # Assert: every category equals its direct composition, in four reads (new rows, counts, then the ids of the
-    # category whose count shows a late row below every id read, and that row); EN (no rows) 0; the halt checks decide as dp-accounting does, reading the store as
-    # often for a site of three categories as for a site of one
+    # Assert: every category equals its direct composition, in five reads (the site's ledger streams, then new rows,
+    # counts, the ids of the category whose count shows a late row below every id read, and that row); EN (no rows)
+    # 0; the halt checks decide as dp-accounting does, reading the store as often for a site of three categories as
+    # for a site of one
     assert spent == pytest.approx({c: direct_epsilon(e) for c, e in hist.items()}, rel=REL, abs=0)
-    assert spent_reads == 4
+    assert spent_reads == 5
     assert reader.spent_by_category("s1", [IUCNCategory.EN, LC])[IUCNCategory.EN] == 0.0
     assert halted == {"three": frozenset(), "one": frozenset()} and halted_reads > 0
     assert three_reads == one_reads
