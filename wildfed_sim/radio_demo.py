@@ -1,4 +1,4 @@
-"""A whole radio-map federation on one machine: ``wildfed demo --task radiomap`` (issue 7).
+"""A whole radio-map federation on one machine: ``wildfed demo --task radiomap`` (docs/radiomap.md).
 
 An MQTT broker (embedded ``amqtt`` unless ``--broker``), the coordinator with ``model: radio_unet``, and one
 ``wildfed-edge run`` process per base-station site, each with the ``radio-base-station`` profile and
