@@ -10,7 +10,7 @@ gateways retrain their allocators on public proxy sites drawn on it when due, tr
 with the chosen defence and report its DP event, which the ledger records under NE.
 
 Output (run folder): ``report.json`` (per round: validation MSE in dB, accepted sites, epsilon per site) and
-``coordinator/coordinator.yaml`` (the operator commands work on the finished run with ``--config``).
+``<run folder>/coordinator/coordinator.yaml`` (the operator commands work on the finished run with ``--config``).
 """
 
 from __future__ import annotations
