@@ -35,7 +35,7 @@ count in every row. Timed steps:
 
 Steps are interleaved (each repeat runs every variant once, in rotating order) so that load from other processes
 falls on all of them alike; the median, the 25-75% range and the minimum of ``--repeats`` repeats are printed
-after warm-up, with the ratios CCDP / non-private (target <= 1.1 for the head model, issue 18 item 6), the same
+after warm-up, with the ratios CCDP / non-private (target <= 1.1 for the head model), the same
 without the noise draw, and CCDP / Opacus, of the medians and of the minima (on a shared machine the minimum is the
 estimate least disturbed by other processes; the CCDP training step's minimum also reflects its smallest Poisson
 batch, so compare its medians). On a machine with other load, ``--threads 1`` gives far steadier numbers than more

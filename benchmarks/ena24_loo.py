@@ -1,4 +1,4 @@
-"""ENA24 acceptance measurement (issue 18): leave-one-out species naming on real camera-trap photos.
+"""ENA24 acceptance measurement: leave-one-out species naming on real camera-trap photos.
 
 Run by hand (not part of the tests)::
 

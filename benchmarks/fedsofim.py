@@ -10,7 +10,7 @@ interleaved in rotating order (benchmarks/_timing.py): ``ServerSGD.step`` (the D
 memory is the largest numpy allocation during one step, measured by ``tracemalloc`` (numpy reports its buffers
 to it), excluding the inputs and the optimizer state held between steps.
 
-Printed: median and minimum seconds per step, the ratio DP-FedSOFIM / SGD (issue 6 target: <= 2 at d = 1e7), the
+Printed: median and minimum seconds per step, the ratio DP-FedSOFIM / SGD (target: <= 2 at d = 1e7), the
 peak extra memory of each in bytes and per parameter, and the growth of time and memory from one d to the next
 (linear growth: a 10x larger d costs about 10x).
 """

@@ -18,7 +18,7 @@ per K, over all K updates of one round:
 - ``(b) verify + decode + accumulate``: the same work without storage, checks or ACK: ``Envelope.from_bytes``,
   ``shared.envelope.verify`` (signature + payload digest, BLAKE3), ``shared.protocol.decode_update``,
   ``coordinator.strategies.fedavg.add_weighted``; each piece is also timed on its own;
-- ``(b0) the same before issue 22 items 1 and 3``: (b) with the code as it was (kept verbatim below as
+- ``(b0) the same, unoptimised``: (b) with an unoptimised implementation (kept below as
   ``_old_from_bytes``, a payload copy, and ``_old_add_weighted``, two full-size float64 temporaries per tensor) and
   envelope format 1's verification (``_old_verify``: Ed25519 over the header, then one SHA-256 over the payload
   against the digest a format-1 header names, computed untimed), so that one run prints the ratio before and after;
@@ -26,7 +26,7 @@ per K, over all K updates of one round:
 
 Throughput is (K x payload bytes) / time. Variants run in rotating, interleaved order (``_timing`` style) so that
 load from other processes falls on all of them alike; medians and minima of ``--repeats`` repeats are printed with
-the ratios (a)/(c), (b0)/(c) and (b)/(c) (issue 22 target: (b) >= 25 % of (c)), and checks that (b) and (b0) end
+the ratios (a)/(c), (b0)/(c) and (b)/(c) (target: (b) >= 25 % of (c)), and checks that (b) and (b0) end
 with the same running sum, bit for bit.
 
 Peak memory vs K: each K runs again in a fresh subprocess (``--child-memory K``), which feeds K updates through
@@ -60,7 +60,7 @@ from _federation import MiB, load_average, model_template, num_bytes, peak_rss_m
 FED = "benchfed"
 
 
-def _old_from_bytes(data: bytes):  # noqa: ANN202 - shared.envelope.Envelope.from_bytes before issue 22 item 3
+def _old_from_bytes(data: bytes):  # noqa: ANN202 - Envelope.from_bytes with a payload copy (unoptimised)
     from shared.envelope import MAGIC, MAX_HEADER_LENGTH, SIGNATURE_LENGTH, Envelope, EnvelopeHeader
     from shared.errors import MalformedEnvelopeError
 
@@ -93,7 +93,7 @@ def _old_verify(env, public_key, payload_sha256: str) -> None:  # noqa: ANN001 -
         raise ValueError("payload differs from its format-1 digest")
 
 
-def _old_add_weighted(acc, delta, weight: float) -> None:  # noqa: ANN001 - fedavg.add_weighted before item 3
+def _old_add_weighted(acc, delta, weight: float) -> None:  # noqa: ANN001 - unoptimised add_weighted
     if not (weight > 0 and np.isfinite(weight)):
         raise ValueError(f"FedAvg weight must be positive and finite, got {weight!r}")
     if set(delta) != set(acc.sums):
@@ -245,7 +245,7 @@ def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
             for x in xs:
                 np.add(acc32, x, out=acc32)
 
-        # (b) verify + decode + accumulate, pieces timed too; (b0) the same with the code before issue 22 items 1, 3.
+        # (b) verify + decode + accumulate, pieces timed too; (b0) the same, unoptimised (format 1, copies).
         raws_b = [bench.envelope(i, 0) for i in range(k)]
         format1_digests = [hashlib.sha256(Envelope.from_bytes(r).payload).hexdigest() for r in raws_b]  # untimed
         piece_names = ("Envelope.from_bytes", "verify (Ed25519 + payload hash)", "decode_update",
@@ -316,7 +316,7 @@ def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
             pass
 
         names = {"a": "(a) Ingestor.handle (full path)", "b": "(b) verify + decode + accumulate",
-                 "b0": "(b0) the same, before items 1, 3", "c": "(c) numpy add (baseline)",
+                 "b0": "(b0) the same, unoptimised", "c": "(c) numpy add (baseline)",
                  "h": "(h) BLAKE3 of each payload alone", "w": "(w) widen-scale-add alone"}
         times = interleaved_prepared({names["a"]: (prepare_full, full),
                                       names["b"]: (nothing, make_vda("(b)", Envelope.from_bytes, new_verify,
@@ -381,7 +381,7 @@ def main() -> None:
     print_table(["variant", "median ms", "min ms", "ms/update", "MiB/s (median)", "MiB/s (min)"], rows)
     print("\npieces of (b), per update (medians):")
     print_table(["piece", "ms/update", "MiB/s"], piece_rows)
-    print("\nthroughput ratios vs numpy add, medians (minima in brackets); issue 22 target: (b)/(c) >= 0.25")
+    print("\nthroughput ratios vs numpy add, medians (minima in brackets); target: (b)/(c) >= 0.25")
     print_table(["K", "(a)/(c)", "(b0)/(c) before", "(b)/(c) after", "(b) speed-up", "(b) target met"],
                 ratio_rows)
 

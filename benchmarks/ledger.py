@@ -1,5 +1,5 @@
 """The privacy ledger's charge + halt check per round: the full recomposition against the incremental ledger, at 10,
-100 and 1000 rounds of history, from one run (issue 22, item 4).
+100 and 1000 rounds of history, from one run.
 
 Run by hand (not part of the tests)::
 
@@ -11,7 +11,7 @@ the DP-SGD steps and NIRA's noisy count release) and run the next round's halt c
 (``PrivacyLedger.halt_if_needed``, RDP, delta 1e-5, a budget it does not reach). Two ledgers, each on its own copy
 of the same history, timed interleaved in rotating order (``_timing.interleaved``):
 
-- ``full``: today's recomposition before issue 22: every spend and dry run reads every stored event of the (site,
+- ``full``: the full recomposition, the baseline: every spend and dry run reads every stored event of the (site,
   category) and composes it afresh with :func:`coordinator.ledger.composed_epsilon` (a ``PrivacyLedger`` whose
   composition step is replaced by that, the rest of the code shared);
 - ``incremental``: ``PrivacyLedger`` as it is: the new rows composed into its running composition, the dry run on
@@ -52,7 +52,7 @@ COUNTS = DPSGDEvent(8.0, 1.0, 1)
 
 
 class FullRecomposition(PrivacyLedger):
-    """The ledger before issue 22, item 4: every question composes the whole stored history afresh."""
+    """The baseline ledger without a running composition: every question composes the whole stored history afresh."""
 
     def _epsilon_with(self, site_id, category, extra, accountant):  # type: ignore[override]
         return composed_epsilon((*self.events(site_id, category), *extra), self.target_delta,

@@ -268,7 +268,7 @@ def main() -> None:
         print(f"ratio round closed / raw transfer: {(t_close - first) / raw_time:.2f}x")
     print(f"coordinator time per update (first update published -> round closed, / {args.gateways}): "
           f"{(t_close - first) / args.gateways * 1000:.1f} ms wall; its CPU (user + system, all threads) over the "
-          f"same span: {cpu_round:.1f} s = {cpu_round / args.gateways * 1000:.1f} ms per update (issue 22 target: "
+          f"same span: {cpu_round:.1f} s = {cpu_round / args.gateways * 1000:.1f} ms per update (target: "
           "<= 15 ms)")
     print()
     print_table(["coordinator memory", "MiB"], [

@@ -1,4 +1,4 @@
-"""ONNX Runtime training artifacts for each global model version (DESIGN.md "Data flow" step 2; issue 3).
+"""ONNX Runtime training artifacts for each global model version (docs/ort.md; docs/architecture.md, "A round", step 2).
 
 For a model version (weights of a :class:`shared.models.kinds.ModelSpec`: the head model on backbone embeddings,
 ``shared.models.head``, or the legacy camera CNN; told apart by the weights' names and shapes unless given) the

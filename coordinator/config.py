@@ -249,7 +249,7 @@ class SecAggConfig(StrictModel):
 
 
 class RadioConfig(StrictModel):
-    """A radio-map federation (``model: radio_unet``; issue 7, docs/radiomap.md): RadioUNet on base-station
+    """A radio-map federation (``model: radio_unet``; docs/radiomap.md): RadioUNet on base-station
     gateways, uploads through the grouped-noise defence. Each selected site trains ``local_epochs`` of Adam over
     its maps and uploads its whole delta clipped to ``clipping_norm``."""
 

@@ -1,6 +1,6 @@
 """The privacy ledger: an append-only record of every DP-SGD event charged to each (site, IUCN category).
 
-Semantics (DESIGN.md "Privacy semantics"):
+Semantics (docs/privacy.md):
 
 - Unit of privacy: one record at a site, add-or-remove-one neighbours. CCDP noises each category's clipped
   gradient sum separately, so a record's guarantee is that of its category's mechanism (parallel composition):
@@ -12,7 +12,7 @@ Semantics (DESIGN.md "Privacy semantics"):
 - Spend is the composition of *all* recorded events of the (site, category) by a dp-accounting accountant (RDP by
   default, Mironov 2017; or PLD). An event the accountant does not support raises
   ``dp_accounting.UnsupportedEventError``; it is never skipped.
-- Incremental (issue 22, item 4): per (site, category, accountant) the ledger keeps a running composition
+- Incremental: per (site, category, accountant) the ledger keeps a running composition
   (:class:`shared.privacy.running.RunningComposition`) in memory, and each question (spend, dry run, rounds left)
   first composes into it only the rows it has not seen: a charge costs the same whatever the length of the history.
   Dry runs compose the candidate events into a copy of it. The results equal those of composing the whole history

@@ -1,4 +1,4 @@
-"""The coordinator's side of a radio-map federation (``model: radio_unet``; issue 7, docs/radiomap.md).
+"""The coordinator's side of a radio-map federation (``model: radio_unet``; docs/radiomap.md).
 
 What a radio round adds to a camera round: the task carries a :class:`shared.protocol.RadioTask` (the defence and
 its parameters) and the public city raster as an artifact (``radio-city.safetensors``: ``buildings`` uint8 (H, W),

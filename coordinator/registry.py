@@ -13,7 +13,7 @@ verify; :meth:`SiteRegistry.revoke_key` ends one key, or all of a site's keys, a
 messages is :meth:`SiteRegistry.verification_keys`. Times are naive UTC (coordinator.storage.utcnow); tests inject
 a clock.
 
-Key cache and its invalidation (issue 22, item 2). Verification keys are cached per site, with their validity
+Key cache and its invalidation. Verification keys are cached per site, with their validity
 (``valid_until``, ``revoked_at``), which is judged against the clock at every call, so a grace period ends on time
 without any invalidation. What changes a site's keys (:meth:`SiteRegistry.enrol`, :meth:`~SiteRegistry.rotate_key`,
 :meth:`~SiteRegistry.revoke_key`, provisioning's roll-back of an enrolment) increments the ``registry_version`` row
@@ -251,7 +251,7 @@ class SiteRegistry:
     (:meth:`verification_keys`) are cached with their validity and dropped whenever the registry's change counter
     moves (module docstring): a revocation committed by this or any other process counts at the next verification.
 
-    A site's key is its own (issue 16, item 8): enrolment and rotation refuse a key that another site has, or had
+    A site's key is its own: enrolment and rotation refuse a key that another site has, or had
     (a signature must name one site), and the coordinator's own key (:meth:`reserve`; the CLI and
     :class:`coordinator.service.Coordinator` reserve it), which would let the coordinator's messages pass as the
     site's and the site's as the coordinator's.

@@ -1,6 +1,6 @@
 """The round manager: open a round, publish signed tasks, wait for a quorum or the deadline, close it.
 
-One round ``r`` (DESIGN.md "Data flow"):
+One round ``r`` (docs/architecture.md, "A round"):
 
 1. **Halt check.** For every enrolled site the ledger dry-runs the next round's events of each category
    (:meth:`coordinator.ledger.PrivacyLedger.halt_if_needed`) and halts categories that would pass their budget.

@@ -477,7 +477,8 @@ class MqttTransport:
         """Register ``callback`` for ``topic_filter`` and subscribe at QoS 1 (again after each reconnect).
 
         ``topic_filter`` may be a shared subscription, ``$share/<group>/<filter>`` (several coordinator workers
-        splitting the messages; DESIGN.md "Scale"): ``callback`` then gets the messages matching ``<filter>``."""
+        splitting the messages; docs/transport.md, "Scale-out"): ``callback`` then gets the messages matching
+        ``<filter>``."""
         with self._lock:
             self._subs.append((topic_filter, callback))
             self._targets.clear()

@@ -1,6 +1,6 @@
 """Scale-out ingest: several worker processes on one MQTT shared subscription, partial sums merged at close.
 
-DESIGN.md "Scale": past a few hundred gateways, updates are ingested by N workers. Each worker
+docs/transport.md, "Scale-out": past a few hundred gateways, updates are ingested by N workers. Each worker
 
 * subscribes to ``$share/<group>/wildfed/v1/<federation>/site/+/update`` (MQTT 5.0, sec. 4.8.2; Mosquitto >= 1.6
   and EMQX also serve shared subscriptions to MQTT 3.1.1 clients), so the broker hands each message to one worker;

@@ -1,6 +1,6 @@
 """Site configuration of a gateway: who it is, where its data and keys are, how it reaches the coordinator.
 
-A site config is a YAML file validated by pydantic (DESIGN.md, "Chosen parts": configs are pydantic models
+A site config is a YAML file validated by pydantic (docs/configuration.md: configs are pydantic models
 loaded from YAML). Relative paths in the file are resolved against the directory of the file, so a site folder
 can be moved as a whole.
 
@@ -55,8 +55,8 @@ __all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "global_model_path"
 class SpeciesEntry(BaseModel):
     """One row of a site's species table: a scientific name, its model class and its IUCN Red List category.
 
-    The IUCN category is public metadata that decides the record's CCDP budget (DESIGN.md, "Privacy
-    semantics"; categories per the IUCN Red List Categories and Criteria v3.1).
+    The IUCN category is public metadata that decides the record's CCDP budget (docs/privacy.md, "Unit and
+    neighbouring relation"; categories per the IUCN Red List Categories and Criteria v3.1).
 
     Attributes:
         scientific_name: exactly as written in the Camtrap DP ``observations.csv`` ``scientificName`` column.

@@ -1,7 +1,7 @@
 """A radio base-station gateway's round: RadioUNet local training, then the adaptive grouped-noise upload.
 
 The gateway kind ``radio_base_station`` (``firmware_configs/radio-base-station.yaml``: torch on CPU, 2 threads,
-micro-batch 16) learns a radio map with its neighbours without revealing where its transmitters are (issue 7).
+micro-batch 16) learns a radio map with its neighbours without revealing where its transmitters are (docs/radiomap.md).
 :class:`RadioSiteTrainer` is its front door, built from that profile with keyword-only privacy settings:
 
 1. :func:`train_radio_maps`: ``local_epochs`` of Adam on mse(stage 1) + mse(stage 2) of

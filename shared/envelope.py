@@ -6,7 +6,7 @@ An envelope carries one message between the coordinator and a site. On the wire 
 
 The header is canonical JSON (UTF-8, keys sorted, no white space, integers only) of the fields of
 :class:`EnvelopeHeader`. The Ed25519 signature (RFC 8032) covers ``DOMAIN + header bytes``; the header holds the
-payload's digest and length, so the signature binds the payload too (sign-the-digest, as DESIGN.md asks), and the
+payload's digest and length, so the signature binds the payload too (sign-the-digest), and the
 domain string keeps a WildFed signature from being valid for any other protocol (or for format 1, whose domain
 string differed). The magic ``WFE1`` names the framing above, which format 2 did not change; the format version is
 the header's ``format_version``.
@@ -38,7 +38,7 @@ Compatibility rules of the format (as in dp-accounting's event module):
 
 Format 1 (header field ``payload_sha256``: one SHA-256 over the whole payload) is retired: a chunked update was
 hashed three times on its way in (each chunk, the reassembled bytes, then the payload again), and SHA-256 alone
-capped verification at about a sixth of the speed of a numpy add over the same bytes (issue 22). Format 2 replaces
+capped verification at about a sixth of the speed of a numpy add over the same bytes. Format 2 replaces
 ``payload_sha256`` by ``payload_digest`` and ``piece_size``, so that each payload byte is hashed once. Gateways and
 the coordinator must run the same release; a format-1 envelope is refused with that fix.
 

@@ -1,6 +1,7 @@
 """IUCN Red List categories and the CCDP per-category privacy budgets.
 
-CCDP (conservation-calibrated DP-SGD, DESIGN.md "Seeds") gives each IUCN category ``c`` its own epsilon:
+CCDP (conservation-calibrated DP-SGD, docs/privacy.md "CCDP" and "Budgets") gives each IUCN category ``c`` its own
+epsilon:
 
     eps_c = eps_max * (rank(c) / MAX_RANK) ** gamma                    (the seed's formula, "max" form)
 
@@ -50,7 +51,7 @@ class IUCNCategory(str, Enum):
 
     @property
     def is_sensitive(self) -> bool:
-        """True for CR and EN: left out of public species lists by default (DESIGN.md privacy semantics)."""
+        """True for CR and EN: left out of public species lists by default (docs/privacy.md, "Public metadata")."""
         return self in (IUCNCategory.CR, IUCNCategory.EN)
 
 

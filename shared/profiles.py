@@ -3,7 +3,7 @@
 A profile says what kind of gateway a site runs on and how hard the agent may push it: training backend and
 device, inference engine and precision, batch sizes, memory cap, threads, where state lives, how to reach the
 broker, where the site's identity files are, and the privacy defaults a freshly provisioned site starts with.
-One YAML file per gateway kind lives in ``firmware_configs/`` at the repository root (DESIGN.md "Top level").
+One YAML file per gateway kind lives in ``firmware_configs/`` at the repository root (docs/architecture.md, "Layout").
 
 The schema lives in ``shared`` because two sides read it and they never import each other: the coordinator
 validates a profile and copies it into a provisioning bundle (``coordinator.provisioning``); the gateway

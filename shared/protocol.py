@@ -168,7 +168,7 @@ class SecAggSettings:
 
 @dataclass(frozen=True)
 class RadioTask:
-    """The radio-map part of a task for base-station gateways (issue 7; docs/radiomap.md).
+    """The radio-map part of a task for base-station gateways (docs/radiomap.md).
 
     A radio task trains the two-stage RadioUNet (``shared.models.radio_unet``) on the site's radio maps and uploads
     the whole clipped delta through the grouped-noise defence. It reuses the task's generic fields with these

@@ -2,7 +2,7 @@
 
 Rich reads ``COLUMNS`` when a ``Console`` is made (the CLIs make theirs at import) and otherwise falls back to 80
 columns when the output is not a terminal, so CLI output wrapped differently under CI, under a narrow terminal and
-with long temporary paths (issue 16, item 16). Pinning a wide, fixed width here, before any project module is
+with long temporary paths. Pinning a wide, fixed width here, before any project module is
 imported, gives every test the same, unwrapped text whatever the terminal is; ``LINES`` likewise.
 """
 

@@ -1,4 +1,4 @@
-"""Fault tests of the transport (issue 8, docs/transport.md): real Mosquitto, real processes, each bounded in time.
+"""Fault tests of the transport (docs/transport.md): real Mosquitto, real processes, each bounded in time.
 
 1. A gateway process SIGKILLed in the middle of a chunked upload (``WILDFED_TEST_CRASH_AT=mid_upload``: after the
    manifest and two chunks) and restarted: it sends a ``resume`` manifest from its outbox, the coordinator answers

@@ -1,4 +1,5 @@
-"""The layering is checked, not hoped for (issue 17, item 4): the import-linter contracts of pyproject.toml.
+"""The layering is checked, not hoped for (docs/architecture.md, "Layout"): the import-linter contracts of
+pyproject.toml.
 
 ``shared`` at the bottom; ``edge_sdk`` and ``coordinator`` on it and apart; ``wildfed_sim`` (the laboratory) above
 both. The first test runs ``lint-imports`` on this checkout, as a developer or CI would. The others prove that the

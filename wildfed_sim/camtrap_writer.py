@@ -18,10 +18,10 @@ Standard: Camtrap DP 1.0 (TDWG), tables as in version 1.0.2. The column order of
 The package is built in a temporary folder beside ``out_dir`` and renamed into place, so a reader sees either no
 package or a complete one.
 
-One record is one image (DESIGN.md): the writer refuses byte-identical images (Animal-MNIST holds 284 such pairs),
-which the gateway's loader would merge into one record (``edge_sdk.data.camtrap_dp``), so that a site's image
-count (what the demo enrols as ``num_examples``) is exactly what its gateway loads. :func:`distinct_images` picks
-the images to keep.
+One record is one image (docs/privacy.md, "Unit and neighbouring relation"): the writer refuses byte-identical images
+(Animal-MNIST holds 284 such pairs), which the gateway's loader would merge into one record
+(``edge_sdk.data.camtrap_dp``), so that a site's image count (what the demo enrols as ``num_examples``) is exactly what
+its gateway loads. :func:`distinct_images` picks the images to keep.
 """
 
 from __future__ import annotations

@@ -189,11 +189,11 @@ def privacy_utility(
         "the prior from the sites' public metadata, as the demo's coordinator serves it; 0 = the model as trained "
         "(each run records both)"),
 ) -> None:
-    """The privacy-utility table (issue 19): no privacy, uniform DP at each of CCDP gamma 1's budgets (0.33 to 2),
-    CCDP gamma 1 and 2 in both individualized DP-SGD variants, Global DP with trusted-server and distributed noise
-    (the latter also calibrated for one dropout); every configuration tuned on the tuning seeds, then run on the
-    reported seeds; paired differences with 95 % intervals; CCDP against the per-category mixture of uniform runs;
-    accuracy per IUCN category against its epsilon. Writes privacy_utility.md, .json, .png and runs.jsonl."""
+    """The privacy-utility table (docs/results/privacy-utility.md): no privacy, uniform DP at each of CCDP gamma 1's
+    budgets (0.33 to 2), CCDP gamma 1 and 2 in both individualized DP-SGD variants, Global DP with trusted-server and
+    distributed noise (the latter also calibrated for one dropout); every configuration tuned on the tuning seeds, then
+    run on the reported seeds; paired differences with 95 % intervals; CCDP against the per-category mixture of uniform
+    runs; accuracy per IUCN category against its epsilon. Writes privacy_utility.md, .json, .png and runs.jsonl."""
     from wildfed_sim.privacy_utility import CONFIGURATIONS, PrivacyUtilitySettings, run_privacy_utility
 
     names = (tuple(c.strip() for c in configurations.split(",") if c.strip()) if configurations
@@ -293,7 +293,7 @@ def nira_head_experiment(
                                     "one resumes from its runs.jsonl"),
 ) -> None:
     """NIRA against FedAvg, FedAvg + species mask and FedAvg + local fine-tuning under CCDP gamma 1, on the demo's
-    federation replayed in one process (issue 20): every method tuned on the tuning seeds, paired 95 % intervals
+    federation replayed in one process (docs/nira.md): every method tuned on the tuning seeds, paired 95 % intervals
     on the reported ones, round 0 and the non-private ceiling. Writes nira-head.json, .md, .png and runs.jsonl."""
     from wildfed_sim.nira_sim import METHODS, NiraHeadSettings, run_nira_head_experiment
 
@@ -309,7 +309,7 @@ def nira_head_experiment(
                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def fedsofim(ctx: typer.Context) -> None:
     """DP-FedSOFIM (on G and on M) vs DP-FedGD, DP-FedAvgM and DP-FedAdam on a frozen, publicly pretrained feature
-    extractor (issues 6, 20): 20 and 100 clients, eps 0.5-10, each optimizer tuned per cell on tuning seeds, 5
+    extractor (docs/fedsofim.md): 20 and 100 clients, eps 0.5-10, each optimizer tuned per cell on tuning seeds, 5
     reported seeds; writes fedsofim.json, .md and .png (options: --help)."""
     # The experiment runs gateway-side DP code in-process (edge_sdk, torch); it is imported only when this command
     # runs, so that `wildfed --help` and the other commands start without loading it.
@@ -331,8 +331,8 @@ def _run_inner_command(ctx: typer.Context, command: Any, prog_name: str) -> None
 @experiment_app.command("radiomap", add_help_option=False,
                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def radiomap(ctx: typer.Context) -> None:
-    """Federated RadioUNet radio maps with adaptive grouped noise (issue 7): 14 base-station sites, 6 per round,
-    50 rounds, 6 defences (grouped-clipping included), 3 seeds; attacker localisation RMSE (m) and validation MSE
+    """Federated RadioUNet radio maps with adaptive grouped noise (docs/radiomap.md): 14 base-station sites, 6 per
+    round, 50 rounds, 6 defences (grouped-clipping included), 3 seeds; attacker localisation RMSE (m) and validation MSE
     (dB); writes radiomap.json, .md and .png (options: --help)."""
     # Runs gateway-side code (edge_sdk: the mechanism and allocator) in-process; imported only when it runs.
     from wildfed_sim.radiomap import radiomap_command

@@ -986,7 +986,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
 def end_of_demo_detections(*, run_dir: Path, specs: Any, site_configs: list[Path], coordinator: Any,
                            weights: dict[str, np.ndarray], model_round: int, console: Any) -> None:
-    """The demo's call point for the end-of-demo detections on real camera-trap photos (issue 18, item 5), run
+    """The demo's call point for the end-of-demo detections on real camera-trap photos (docs/inference.md), run
     while broker, coordinator and gateways are still up: ``wildfed_sim.detections.run_demo_detections`` (another
     change's module) with each site's model (``strategy.site_weights``), output under ``<run_dir>/detections``.
     Where that module or function is not present, the demo logs that no detections ran."""

@@ -1,4 +1,4 @@
-"""The demo's federation in one process, for tuning its hyper-parameters (issue 18, "Acceptance": every mode tuned
+"""The demo's federation in one process, for tuning its hyper-parameters (every mode tuned
 with the same effort, on tuning seeds that are not the reported one).
 
 ``wildfed demo`` runs a real coordinator, real gateways and a broker; a tuning sweep needs hundreds of runs, so this
@@ -57,7 +57,7 @@ class SimSite:
     def public_metadata(self, class_names: Sequence[str], class_categories: Sequence[IUCNCategory]
                         ) -> dict[str, Any]:
         """The registry metadata the demo enrols this site with: ``{"capacity": N_k, "species": [scientific
-        names]}``, sensitive (CR/EN) species left out (DESIGN.md "Privacy semantics")."""
+        names]}``, sensitive (CR/EN) species left out (docs/privacy.md, "Public metadata")."""
         return {"capacity": len(self),
                 "species": [class_names[c] for c in self.species if not class_categories[c].is_sensitive]}
 

@@ -1,6 +1,6 @@
 """The demo's closing detection run: every gateway detects and classifies real camera-trap photos and publishes
 signed detection records, so that ``wildfed-coordinator serve`` shows real boxes and species right after the demo
-(issue 18, item 5).
+(docs/inference.md, "Demo: real detections at the end").
 
 :func:`run_demo_detections` does, for each site config of the run:
 

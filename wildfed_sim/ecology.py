@@ -11,7 +11,7 @@ with the same kind of skew from the 10 Animal-MNIST classes:
 2. **Species lists.** A site keeps its biome's core species and each other pool species with probability 1/2.
    ``num_candidates`` such draws of all K lists are made from ``numpy.random.default_rng(seed)``; the one whose
    (min, max) pairwise Jaccard is closest (L1) to ``target_jaccard`` = (0.02, 0.78) is kept, preferring designs whose public lists (CR/EN classes removed, as
-   DESIGN.md requires of clustering metadata) are non-empty and distinct, and that no two sites share a list
+   docs/privacy.md requires of clustering metadata) are non-empty and distinct, and that no two sites share a list
    (possible up to K = 18 with the default biome cycle; beyond that the Arctic, whose pool has two species, has
    more sites than distinct lists).
 3. **Sizes.** Site sizes are lognormal quantiles ``min_site_size * size_spread ** ((z_k - z_1) / (z_K - z_1))``
@@ -120,7 +120,7 @@ MIN_MONTHS, MAX_MONTHS = 2, 96
 SENSITIVE_CLASSES: tuple[int, ...] = tuple(
     e.class_index for e in SPECIES_TABLE if e.iucn in (IUCNCategory.CR, IUCNCategory.EN)
 )
-"""Classes whose species are CR or EN (elephant, dog): DESIGN.md keeps them out of public species lists."""
+"""Classes whose species are CR or EN (elephant, dog): kept out of public species lists (docs/privacy.md)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -166,7 +166,7 @@ class DesignSummary:
         jaccard_min, jaccard_max: extreme pairwise Jaccard similarity of the full species lists.
         jaccard_min_nonzero: smallest Jaccard above 0 (``nan`` if none).
         public_jaccard_min, public_jaccard_max: the same over the *public* lists (``sensitive`` classes removed,
-            as DESIGN.md requires for clustering metadata); ``nan`` when not computed or a public list is empty.
+            as docs/privacy.md requires for clustering metadata); ``nan`` when not computed or a public list is empty.
         size_min, size_max: smallest and largest N_k (images).
         size_spread: ``size_max / size_min``.
         images_used, images_available: images assigned to sites, and the training set size.

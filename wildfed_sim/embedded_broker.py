@@ -1,7 +1,7 @@
 """A zero-setup MQTT broker for the demo: amqtt (pure Python) on a free loopback port, in its own process.
 
-Production and the integration tests use Mosquitto; amqtt is 3-5x slower per large message (DESIGN.md "Facts
-checked") but needs nothing installed beyond the ``demo`` extra. It listens on 127.0.0.1 only, allows anonymous
+Production and the integration tests use Mosquitto; amqtt is 3-5x slower per large message
+but needs nothing installed beyond the ``demo`` extra. It listens on 127.0.0.1 only, allows anonymous
 clients (nothing but this machine can reach it) and has the ``$SYS`` plugin off.
 
 Run standalone: ``python -m wildfed_sim.embedded_broker --port 18830``.

@@ -1,5 +1,5 @@
 """Backbone embeddings of Animal-MNIST images for the laboratory (demo evaluation, experiments), computed once and
-cached (issue 18, item 4).
+cached (docs/demo-data.md).
 
 The coordinator-side evaluation and every experiment see exactly what a gateway sees: each 28x28 grayscale image
 as the Pillow image a gateway reads back from its lossless PNG (mode ``L``, replicated to RGB), embedded whole by

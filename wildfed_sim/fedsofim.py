@@ -1,5 +1,4 @@
-"""DP-FedSOFIM against DP-FedGD, DP-FedAvgM and DP-FedAdam on real images (issue 6; issue 20, items 3-4;
-DESIGN.md Seeds "DP-FedSOFIM"; docs/fedsofim.md).
+"""DP-FedSOFIM against DP-FedGD, DP-FedAvgM and DP-FedAdam on real images (docs/fedsofim.md).
 
 The seed's setting: a frozen feature extractor, only the last linear layer federated, full-batch DP gradient descent
 on every client in every round.
@@ -10,8 +9,8 @@ Protocol (per seed; the seed fixes the data splits only, privacy noise is never 
    (:func:`wildfed_sim.animal_mnist.split_holdout`).
 2. Public split: :func:`wildfed_sim.demo.balanced_public_split` takes ``public_per_class`` training images of every
    class (default 100). No client holds them. The frozen backbone is the public ImageNet EfficientNet-Lite0
-   (issue 18); a linear head trained on the public split's embeddings, non-privately, is reported as the
-   public-data reference (``public_model_test_accuracy``); the federation does not start from it.
+   (:mod:`shared.models.backbone`); a linear head trained on the public split's embeddings, non-privately, is reported
+   as the public-data reference (``public_model_test_accuracy``); the federation does not start from it.
 3. Validation split: ``val_per_class`` further training images per class (default 70), for tuning only; no client
    holds them, and the test split is never used for tuning.
 4. Clients: the remaining training images (the pool), cut into K near-equal IID shards.
@@ -88,7 +87,7 @@ OPTIMIZERS = ("dp-fedgd", "dp-fedavgm", "dp-fedadam", "dp-fedsofim", "dp-fedsofi
 """The compared server optimizers: server SGD, server momentum (FedAvgM), FedAdam, DP-FedSOFIM preconditioning G
 (the seed's step) and DP-FedSOFIM preconditioning M."""
 BASELINE = "dp-fedavgm"
-"""The baseline every paired difference is taken against (the strongest fair baseline, issue 20)."""
+"""The baseline every paired difference is taken against (the strongest fair baseline, docs/fedsofim.md)."""
 CEILING = "fedgd-nonprivate"
 """FedGD without noise (the clipping stays): the non-private ceiling of this head."""
 LABELS = {"dp-fedgd": "DP-FedGD", "dp-fedavgm": "DP-FedAvgM", "dp-fedadam": "DP-FedAdam",

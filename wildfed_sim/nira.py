@@ -1,4 +1,4 @@
-"""NIRA vs FedAvg on real images (issue 5, "Experiment (real images)").
+"""NIRA vs FedAvg on real images (docs/nira.md, "Experiment: FedAvg vs NIRA on Animal-MNIST").
 
 ``wildfed experiment nira`` runs the demo federation (:func:`wildfed_sim.demo.run_demo`:
 one gateway process per site, Camtrap DP packages, MQTT, the ledger) once per configuration, privacy setting and
@@ -77,7 +77,7 @@ CONFIGURATIONS: tuple[NiraConfiguration, ...] = (
                       embedding_merging=False),
 )
 DEFAULT_CONFIGURATIONS: tuple[str, ...] = ("fedavg", "nira", "nira-no-recluster", "nira-no-merging")
-"""The issue's grid; ``nira-plain`` (per-cluster heads alone) is an extra ablation, run on request."""
+"""The experiment's grid; ``nira-plain`` (per-cluster heads alone) is an extra ablation, run on request."""
 
 PRIVACY: dict[str, dict[str, Any]] = {
     "none": {"label": "no privacy", "privacy": "none", "gamma": 1.0, "anchor_epsilon": 1.0},

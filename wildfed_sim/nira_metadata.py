@@ -1,4 +1,4 @@
-"""NIRA ecological clustering on real camera-trap metadata (issue 5, "Real metadata checks").
+"""NIRA ecological clustering on real camera-trap metadata (docs/nira.md, "Real metadata checks").
 
 Two public datasets from ``../shared/data`` (relative to the repository root; never copied into the repository):
 
@@ -67,7 +67,7 @@ __all__ = [
 #: ``<repository root>/../shared/data``.
 DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WILDLIFE_INSIGHTS_PROJECTS = ("cajambre", "cristales")
-#: The NIRA seed's range of pairwise Jaccard similarity between sites (DESIGN.md "Seeds").
+#: The NIRA seed's range of pairwise Jaccard similarity between sites (docs/nira.md, "Real metadata checks").
 SEED_JACCARD_RANGE = (0.02, 0.78)
 MDD_RELATIVE_PATH = Path("iucn") / "mdd_2020-09.csv"
 SERENGETI_RELATIVE_PATH = Path("snapshot-serengeti") / "annotations.csv.gz"

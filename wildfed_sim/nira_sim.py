@@ -1,4 +1,4 @@
-"""NIRA against the baselines a reviewer would demand, on the frozen backbone's head (issue 20, items 1, 2 and 4).
+"""NIRA against the baselines a reviewer would demand, on the frozen backbone's head (docs/nira.md).
 
 ``wildfed experiment nira-head`` replays the demo's federation in one process (:mod:`wildfed_sim.demo_sim`: the
 demo's data, site design, gateways' training with CCDP and the coordinator's own strategy objects) and compares:
@@ -90,7 +90,7 @@ TRAININGS: dict[str, dict[str, Any] | None] = {
 LEARNING_RATES = (1.0, 2.0, 4.0, 8.0, 16.0)
 #: (learning rate, adapter width) tried for FedAvg: the head alone or with a 64-wide adapter
 GRID: tuple[tuple[float, int], ...] = tuple((lr, h) for h in (0, 64) for lr in LEARNING_RATES)
-#: NIRA's phi is the adapter (issue 20, item 1): the same number of points, two adapter widths
+#: NIRA's phi is the adapter: the same number of points, two adapter widths
 NIRA_GRID: tuple[tuple[float, int], ...] = tuple((lr, h) for h in (16, 64) for lr in LEARNING_RATES)
 #: the ablation without phi (per-cluster heads on the frozen embeddings): FedAvg's head-only points
 HEAD_ONLY_GRID: tuple[tuple[float, int], ...] = tuple((lr, 0) for lr in LEARNING_RATES)

@@ -1,4 +1,4 @@
-"""The privacy-utility table (issue 19, item 4): per-category budgets against uniform DP, local against
+"""The privacy-utility table (docs/results/privacy-utility.md): per-category budgets against uniform DP, local against
 distributed noise, each configuration tuned on its own on seeds that are never reported.
 
 ``wildfed experiment privacy-utility`` runs the demo's learning problem (8 non-IID sites on Animal-MNIST, the
@@ -136,7 +136,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
 MIXTURE_REFERENCE: dict[str, str] = {"CR": "uniform-eps0.33", "EN": "uniform-eps0.67", "VU": "uniform-eps1",
                                      "NT": "uniform-eps1.33", "LC": "uniform-eps1.67", "NE": "uniform-eps2"}
 
-#: (a, b, what it tests): paired differences a - b reported with 95 % intervals (the issue's acceptance)
+#: (a, b, what it tests): paired differences a - b reported with 95 % intervals (the experiment's acceptance)
 COMPARISONS: tuple[tuple[str, str, str], ...] = (
     ("ccdp-g1-sample", "uniform-eps0.33", "CCDP g1 vs CR's protection for all (>= +15 points)"),
     ("ccdp-g1-sample", "uniform-eps2", "CCDP g1 vs its upper end (within 3 points)"),
@@ -654,7 +654,7 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
          "comparisons": result.comparisons, "mixture": result.mixture,
          "runs": result.runs, "tuning": result.tuning, "elapsed_s": result.elapsed_s}, indent=1))
     md = markdown_tables(result, settings)
-    (out_dir / "privacy_utility.md").write_text("# Privacy-utility (issue 19, item 4)\n\n" + md)
+    (out_dir / "privacy_utility.md").write_text("# Privacy-utility\n\n" + md)
     _plot(result, out_dir / "privacy_utility.png")
     console.print(md, soft_wrap=True, markup=False, highlight=False)
     console.log(f"written {out_dir / 'privacy_utility.md'}, .json, .png ({result.elapsed_s:.0f} s)")

@@ -1,4 +1,4 @@
-"""A template-likelihood attacker on radio-map uploads (issue 21, item 1): strong enough to measure a defence.
+"""A template-likelihood attacker on radio-map uploads (docs/radiomap.md): strong enough to measure a defence.
 
 The ridge attacker of :func:`wildfed_sim.radiomap.fit_attacker` regresses the site centre on one released update
 from 24 shadows in 53k dimensions, so it could not even locate clip-only uploads (35.7 m RMSE at a 20 m site

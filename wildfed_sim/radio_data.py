@@ -1,4 +1,4 @@
-"""``wildfed radio-data``: the radio-map experiment's tiles, and the Sionna RT data set (issue 21, item 4).
+"""``wildfed radio-data``: the radio-map experiment's tiles, and the Sionna RT data set (docs/radiomap-data.md).
 
 - ``wildfed radio-data tiles``: each sionna-rt scene's disjoint 256 m tiles (:func:`shared.radio.scenes.scene_grid`)
   with their building coverage and how many transmitter positions a Sionna set traces on each.

@@ -1,4 +1,4 @@
-"""A whole radio-map federation on one machine: ``wildfed demo --task radiomap`` (issue 7).
+"""A whole radio-map federation on one machine: ``wildfed demo --task radiomap`` (docs/radiomap.md).
 
 An MQTT broker (embedded ``amqtt`` unless ``--broker``), the coordinator with ``model: radio_unet``, and one
 ``wildfed-edge run`` process per base-station site, each with the ``radio-base-station`` profile and
@@ -10,7 +10,7 @@ gateways retrain their allocators on public proxy sites drawn on it when due, tr
 with the chosen defence and report its DP event, which the ledger records under NE.
 
 Output (run folder): ``report.json`` (per round: validation MSE in dB, accepted sites, epsilon per site) and
-``coordinator/coordinator.yaml`` (the operator commands work on the finished run with ``--config``).
+``<run folder>/coordinator/coordinator.yaml`` (the operator commands work on the finished run with ``--config``).
 """
 
 from __future__ import annotations

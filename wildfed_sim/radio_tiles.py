@@ -1,4 +1,4 @@
-"""The radio-map experiment's tiles and map sources (issue 21, item 4): who sits on which 256 m tile, and where the
+"""The radio-map experiment's tiles and map sources (docs/radiomap-data.md): who sits on which 256 m tile, and where the
 maps come from (COST 231 multi-wall or Sionna RT).
 
 **Tiles per seed** (:func:`plan_tiles`). Every tile is a 64 x 64 px, 4 m/px crop of a city's building raster, and the

@@ -1,5 +1,5 @@
-"""Federated RadioUNet radio maps with adaptive grouped noise: the seed's evaluation (issue 7; DESIGN.md Seeds,
-"Adaptive noise allocation"), on per-client tiles with two validation sets (issue 21, item 4).
+"""Federated RadioUNet radio maps with adaptive grouped noise: the seed's evaluation (docs/radiomap.md),
+on per-client tiles with two validation sets.
 
 Protocol (per seed; the seed fixes the tiles' roles, the transmitter positions, the initial model and the client
 schedule; privacy noise is never seeded: it comes from :class:`shared.privacy.randomness.SecureRandom`):

@@ -36,7 +36,7 @@ DP_GRID_4 = [(1, 1024, 1.0, 0.8), (1, 1024, 1.0, 0.5), (2, 1024, 1.0, 0.5), (1, 
              (3, 1024, 0.5, 0.5)]
 #: grid 5: grid 4's best (1 step, lr 2) sat at its edge again: larger steps, less momentum, a larger batch
 DP_GRID_5 = [(1, 1024, 2.0, 0.5), (1, 1024, 3.0, 0.5), (1, 1024, 4.0, 0.5), (1, 1024, 3.0, 0.3), (1, 2048, 3.0, 0.5)]
-#: grid 6 (issue 19: CCDP as individualized DP-SGD, whose one noise draw is that of the largest budget, not the sum
+#: grid 6 (CCDP as individualized DP-SGD, whose one noise draw is that of the largest budget, not the sum
 #: over categories): grid 5's best and larger steps, for uniform eps 2 and both CCDP variants, 4 noise draws each
 DP_GRID_6 = [(1, 1024, 2.0, 0.5), (1, 1024, 4.0, 0.5), (1, 1024, 8.0, 0.5), (2, 1024, 4.0, 0.5), (1, 2048, 4.0, 0.5)]
 #: the same axes without privacy (no clipping: the mean gradient's norm is ~20, hence larger steps)

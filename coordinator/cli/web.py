@@ -16,7 +16,7 @@
     wildfed-coordinator places lift ID [ID ...] --reason TEXT     lift earned protection (recorded: who, when, why)
                                              [--by NAME]
 
-Protection a place earned is never lifted by an import (issue 16, item 8); ``places lift`` is the one way, and it is
+Protection a place earned is never lifted by an import; ``places lift`` is the one way, and it is
 kept on the place's row (``lifted_by``, ``lifted_at``, ``lift_reason``, shown by ``places list``) and logged. A place
 whose data still records a sensitive species earns protection again at once: ``lift`` says so. ``user`` and
 ``places`` work on the database alone, so they can run while ``serve`` runs.

@@ -1,4 +1,4 @@
-"""DP-FedSOFIM: server-side Fisher preconditioning in O(d) (DESIGN.md, Seeds "DP-FedSOFIM"; docs/fedsofim.md).
+"""DP-FedSOFIM: server-side Fisher preconditioning in O(d) (docs/fedsofim.md).
 
 The server treats the negated aggregate delta as the round's pseudo-gradient ``G_t = -avg_delta_t`` (Reddi et al.
 2021, Alg. 1) and keeps, per parameter group, a momentum that doubles as a rank-one Fisher proxy::
@@ -6,7 +6,7 @@ The server treats the negated aggregate delta as the round's pseudo-gradient ``G
     M_t = beta M_{t-1} + (1 - beta) G_t
     F_t = M_t M_t^T + rho I                                   (never formed: d x d)
     theta_{t+1} = theta_t - eta F_t^{-1} G_t               (precondition = "gradient", the seed's step)
-    theta_{t+1} = theta_t - eta F_t^{-1} M_t               (precondition = "momentum", issue 20)
+    theta_{t+1} = theta_t - eta F_t^{-1} M_t               (precondition = "momentum")
 
 The second variant preconditions the momentum instead of the fresh aggregate. By Sherman-Morrison
 ``F_t^{-1} M_t = M_t / (rho + |M_t|^2)``: server momentum SGD whose step shrinks as the momentum grows (step
@@ -23,7 +23,7 @@ plain SGD with step eta / rho.
 
 Groups. The preconditioner couples the coordinates of one group only. By default the whole model is one group.
 Under NIRA (``coordinator/strategies/nira.py``) each cluster head ``nira/<cluster>/...`` is its own group with its
-own M and step count, as issue 6 asks. The shared tensors form group ``shared``. A head whose cluster did not
+own M and step count. The shared tensors form group ``shared``. A head whose cluster did not
 train this round has ``G = 0`` there; its M still decays by beta (it is a momentum of what the head received).
 
 Warm-up. For the first ``warmup_rounds`` steps of a group, M is updated but the step uses ``F = rho I``

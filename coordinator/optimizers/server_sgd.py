@@ -8,8 +8,8 @@ Non-Identical Data Distribution for Federated Visual Classification", §3):
 
     v_t = mu v_{t-1} + avg_delta_t,    theta_{t+1} = theta_t + server_lr * v_t
 
-This is the DP-FedGD baseline of issue 6 (with or without momentum). It is post-processing of the released
-aggregate: no privacy cost.
+This is the DP-FedGD baseline (with or without momentum; DP-FedAvgM with it), docs/fedsofim.md. It is post-processing of
+the released aggregate: no privacy cost.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A strategy sees updates one at a time (``accumulate``) and produces one aggregate at the end of a round
 (``aggregate``). It never sees the transport, the ledger or the database, and it must not keep a list of the K
-full updates: aggregation is a running sum (DESIGN.md "Scale"), so partial sums from several ingest workers can
-be merged (associativity; see :func:`coordinator.strategies.fedavg.merge`).
+full updates: aggregation is a running sum (docs/transport.md, "Scale-out"), so partial sums from several ingest workers
+can be merged (associativity; see :func:`coordinator.strategies.fedavg.merge`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ecological clustering of sites for NIRA (DESIGN.md "Seeds: NIRA"; issue 5).
+"""Ecological clustering of sites for NIRA (docs/nira.md, "Ecological clustering").
 
 NIRA groups sites whose species lists overlap, keeps one classification head per group and shares the feature
 extractor across groups. This module is the pure clustering part; the strategy (heads, rounds, CLI) calls it.
@@ -6,7 +6,7 @@ extractor across groups. This module is the pure clustering part; the strategy (
 Pipeline (every function is pure; nothing here touches the database or the network):
 
 1. :func:`site_species_lists`: each enrolled site's *public* species list from its registry metadata
-   (``metadata["species"]``). CR/EN species are left out by default (DESIGN.md "Privacy semantics": species lists
+   (``metadata["species"]``). CR/EN species are left out by default (docs/privacy.md, "Public metadata": species lists
    are declared public metadata, sensitive species are not part of them).
 2. :func:`jaccard_matrix`: pairwise Jaccard similarity ``J(A, B) = |A n B| / |A u B|`` (Jaccard 1901, "Etude
    comparative de la distribution florale dans une portion des Alpes et du Jura").
@@ -57,7 +57,7 @@ __all__ = [
     "adjusted_rand_index",
 ]
 
-#: Categories left out of public species lists unless the operator says otherwise (DESIGN.md privacy semantics).
+#: Categories left out of public species lists unless the operator says otherwise (docs/privacy.md, "Public metadata").
 DEFAULT_EXCLUDED_CATEGORIES: tuple[IUCNCategory, ...] = (IUCNCategory.CR, IUCNCategory.EN)
 
 #: Version of the JSON form of :class:`ClusterAssignment`. Compatibility rules: fields are never removed and never
@@ -426,8 +426,8 @@ def cluster_sites(similarity: np.ndarray, site_ids: Sequence[str], *, distance_t
 
 def merge_small_clusters(assignment: ClusterAssignment, records: Mapping[str, float], min_records: float
                          ) -> ClusterAssignment:
-    """Merge every cluster holding fewer than ``min_records`` records into its most similar cluster (issue 20,
-    item 1: a per-cluster head trained on a few dozen records is mostly DP noise).
+    """Merge every cluster holding fewer than ``min_records`` records into its most similar cluster (a
+    per-cluster head trained on a few dozen records is mostly DP noise).
 
     Repeatedly, the cluster with the fewest records (ties: smallest label) that is below ``min_records`` and has no
     pinned member joins the other cluster with the highest average-linkage similarity to it (the mean Jaccard over

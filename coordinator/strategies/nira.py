@@ -1,4 +1,4 @@
-"""NIRA: non-IID robust aggregation with ecological clusters (DESIGN.md, Seeds "NIRA"; docs/nira.md).
+"""NIRA: non-IID robust aggregation with ecological clusters (docs/nira.md).
 
 The stored global model (the *bundle*, see :class:`coordinator.strategies.base.Strategy`) holds the shared feature
 extractor phi under its own names (``phi.*``) and one classification head per cluster under
@@ -9,7 +9,7 @@ Aggregation of one round (streaming: one running weighted sum per cluster, never
 
 - intra-cluster FedAvg weighted by N_k: ``delta_m = sum_{k in m} N_k delta_k / sum_{k in m} N_k`` (phi and psi);
 - phi: an inter-cluster average ``delta_phi = sum_m w_m delta_m,phi`` with weights summing to 1 over the clusters
-  that sent updates this round (``phi_weighting``, issue 20):
+  that sent updates this round (``phi_weighting``):
 
   - ``records`` (default): ``w_m = N_m / N``, the clusters' declared record counts, so phi moves exactly as FedAvg
     over all sites would move it;
@@ -19,7 +19,7 @@ Aggregation of one round (streaming: one running weighted sum per cluster, never
     cluster means (Cochran 1954, "The combination of estimates from different experiments"). Without noise
     information it falls back to records;
   - ``clusters``: ``w_m = |C_m| / K`` (the seed's rule): a singleton cluster of a 55-record site weighs as much as a
-    cluster of thousands, which multiplied the noise on phi by 1.2-2.9x FedAvg's under CCDP (issue 20);
+    cluster of thousands, which multiplied the noise on phi by 1.2-2.9x FedAvg's under CCDP (docs/nira.md);
 - psi_m: ``delta_m,psi`` for each cluster with an update this round; other clusters' heads are unchanged.
 
 Clusters come from the sites' public species lists (Jaccard similarity, average-linkage hierarchical clustering:
@@ -42,7 +42,7 @@ sees whether the similarities carry signal above the DP noise.
 
 Species-embedding merging (rare-species transfer): the embedding of species s at site k is row s of its trained
 head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged embedding is
-``e_s = sum_k w_ks e_s^(k) / sum_k w_ks`` over the sites that saw s. Two choices of weights (issue 5):
+``e_s = sum_k w_ks e_s^(k) / sum_k w_ks`` over the sites that saw s. Two choices of weights:
 
 - ``public`` (default): a site saw s if s is on its public species list, and ``w_ks = N_k``, its declared public
   record count. No per-species count leaves a site, so nothing is charged. A cluster lacks s when no member lists
@@ -66,7 +66,7 @@ species), and then left to training. Three adjustments make a row trained elsewh
   it. Pasting the bias made clusters predict species their sites do not hold.
 Earlier forms were measured as harmful (docs/nira.md): overwriting after every step, and once but without norm
 matching or with the bias. The current form, over 3 seeds without privacy, lifted NIRA from +6.6 ± 32.9 to
-+22.2 ± 11.1 points of macro accuracy over FedAvg; under CCDP it changed nothing (issue 20, 10 seeds: 66.5 against
++22.2 ± 11.1 points of macro accuracy over FedAvg; under CCDP it changed nothing (10 seeds: 66.5 against
 66.4 % macro, docs/nira.md, where most of that old gain turns out to be label masking). It is on by default.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a

@@ -1,1 +1,1 @@
-"""The rangers' web view (issue 9): location protection first; the FastAPI app, accounts and pages follow."""
+"""The rangers' web view (docs/web.md): location protection first; the FastAPI app, accounts and pages follow."""

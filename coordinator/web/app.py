@@ -1,4 +1,4 @@
-"""``wildfed-coordinator serve``: the rangers' web view, a FastAPI app with server-rendered pages (issue 9).
+"""``wildfed-coordinator serve``: the rangers' web view, a FastAPI app with server-rendered pages (docs/web.md).
 
 Nothing is fetched from the internet at run time: pages are Jinja2 templates, the map is an SVG drawn here from the
 deployments' coordinates (:func:`map_svg`), plots are SVGs drawn by matplotlib, and the one stylesheet is served
@@ -436,7 +436,7 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
 
         data = store.get_blob(digest)
         if not ws.account.role.sees_exact_locations:
-            # an allow-list: the pixels (upright, sRGB) and nothing else of the file (issue 16, item 5)
+            # an allow-list: the pixels (upright, sRGB) and nothing else of the file (coordinator.web.media)
             try:
                 data = strip_metadata(data)
             except DatasetError as exc:  # pixels that cannot be re-encoded: a clean refusal, never a 500

@@ -1,4 +1,4 @@
-"""Accounts of the rangers' web view: roles, Argon2id password hashes, and login throttling (issue 9).
+"""Accounts of the rangers' web view: roles, Argon2id password hashes, and login throttling (docs/web.md).
 
 Roles (what each may see is decided here, once, and used by every page and API route):
 

@@ -1,6 +1,6 @@
 """Deployments for the rangers' web view: imported with their coordinates and the IUCN categories they recorded,
 shown to each role by :class:`coordinator.web.views.Viewer` with sensitive locations protected
-(:mod:`coordinator.web.location_privacy`; issue 9).
+(:mod:`coordinator.web.location_privacy`; docs/location-privacy.md).
 
 Import sources (read with the csv module; only the columns named here are used):
 
@@ -22,11 +22,11 @@ A species' category comes from ``category_of`` (the federation's species table, 
 budgets); a species it does not know counts as NE (IUCN "Not Evaluated"). Re-importing a deployment replaces its
 row (idempotent), but never the protection its place has earned: with a ``policy``, the import first records the
 protection the stored data earned (:func:`coordinator.web.places.evaluate`), in the same transaction as its writes,
-so a package re-imported without its CR observation cannot make a protected place exact (issue 16, item 8; only
+so a package re-imported without its CR observation cannot make a protected place exact (only
 ``wildfed-coordinator places lift`` can).
 
 Both files are checked whole before anything is written, and a bad one is refused with an error naming the file,
-the line and the fix, leaving what is stored as it was (issue 16, item 8):
+the line and the fix, leaving what is stored as it was:
 
 * not UTF-8 (both formats are UTF-8; a byte-order mark is accepted, as spreadsheet programs write one);
 * a row with fewer or more fields than the header, or an unterminated quoted field (a file cut short mid-row);

@@ -1,4 +1,4 @@
-"""Sensitive-species location protection for viewers without the ranger role (issue 9; DESIGN.md module map).
+"""Sensitive-species location protection for viewers without the ranger role (docs/location-privacy.md).
 
 A deployment that recorded a species of a sensitive IUCN category (CR, EN, VU by default: the same table that sets
 privacy budgets, :mod:`shared.iucn`) is shown to partners and the public either
@@ -41,8 +41,8 @@ DEFAULT_SENSITIVE = frozenset({IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU
 """IUCN categories whose deployments are protected by default."""
 PLACE_JOIN_FRACTION = 0.5
 """A protected deployment within this fraction of the radius of a protected place's anchor joins that place and
-shares its one shown point (coordinator.web.places): 500 m for the default 1 km. Why so large (issue 16, item 7
-follow-up): a shown point is the anchor plus one fixed offset, so every member of a place gets the *same* point
+shares its one shown point (coordinator.web.places): 500 m for the default 1 km. Why so large? A shown
+point is the anchor plus one fixed offset, so every member of a place gets the *same* point
 and averaging members gains nothing; only deployments that fall outside the join distance get a second,
 independent point. At 100 m, a station re-deployed with 60 m of GPS jitter got 4 points whose mean was 75 m
 from the truth. At R/2, jitter would have to reach 500 m (eight standard deviations of that trial), and two

@@ -8,7 +8,7 @@ error here, not only the error it raises at twice the limit).
 
 EXIF is the Exif 2.32 / TIFF 6.0 layout that Pillow reads (``Image.getexif()``).
 
-Why an allow-list (issue 16, item 5): a camera, a cataloguing tool or a person can write a position or a place name
+Why an allow-list: a camera, a cataloguing tool or a person can write a position or a place name
 into almost any field: the GPS IFD, ImageDescription, Artist, XPComment, UserComment, the maker note, the JPEG
 comment (COM), XMP, IPTC, PNG ``tEXt``/``iTXt``/``zTXt`` chunks, even an ICC profile's description. Removing known
 fields one by one left "51.18400N 5.65900E" readable in every example image. So :func:`strip_metadata` keeps only

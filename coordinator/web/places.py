@@ -1,5 +1,5 @@
-"""Protected places: one displaced point per camera station, and protection that no later import lifts (issue 16,
-items 7 and 8).
+"""Protected places: one displaced point per camera station, and protection that no later import lifts
+(docs/location-privacy.md).
 
 A *place* is what partners and the public see of one camera station. It has a fixed **anchor**: the true position
 of the deployment that first made it protected, stored in the ``protected_places`` table (coordinator.storage) and
@@ -22,7 +22,7 @@ joins the place of the nearest such core deployment or anchor, and keeps it whil
 the place is still protected. So one protected area shows one point: the trial's 5 x 5 grid of cameras 200 m
 apart around one CR camera used to give 25 places, 25 displaced points whose mean was 60 m from the CR camera.
 
-Why J = R/2 (issue 16, item 7 follow-up): the shown point of a place is its anchor plus one fixed offset, so every
+Why J = R/2: the shown point of a place is its anchor plus one fixed offset, so every
 member shows the same point and averaging members gains nothing; only a deployment beyond J starts a second,
 independent point. At J = R/10 (100 m) a station re-deployed 30 times with 60 m of GPS jitter got 4 points whose
 mean was 75 m from the truth; at R/2 the jitter would have to be 500 m. The bound that J costs: a core member is

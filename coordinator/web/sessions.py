@@ -1,4 +1,4 @@
-"""Logged-in sessions of the web view, kept in the coordinator's database (``web_sessions`` table; issue 9).
+"""Logged-in sessions of the web view, kept in the coordinator's database (``web_sessions`` table; docs/web.md).
 
 A login creates a 256-bit random token that goes to the browser in a cookie marked ``HttpOnly``,
 ``SameSite=Strict`` and (by default) ``Secure``; the table keeps only its SHA-256, so a copy of the database does not

@@ -1,5 +1,5 @@
 """What one viewer may see: every page, API route and export of the web view reads through :class:`Viewer`, so the
-rules of each role are written once (issue 9; the roles are in :mod:`coordinator.web.auth`).
+rules of each role are written once (docs/web.md; the roles are in :mod:`coordinator.web.auth`).
 
 For a role that does not see exact locations (partner, public), a deployment is *sensitive* when it recorded a
 species of a sensitive IUCN category, from either source:
@@ -373,7 +373,7 @@ class Viewer:
 
     def _visible_order(self, rows: list[DetectionRow], deployments: Mapping[tuple[str, str], dict[str, Any]]
                        ) -> None:
-        """Sort ``rows`` in place by what this role may see (issue 16, item 6): newest date first; within a date,
+        """Sort ``rows`` in place by what this role may see: newest date first; within a date,
         the records shown with their time newest first, then the records shown by date only in the order of
         (site id, media id), a key that says nothing of the withheld time. Sorting those by their full timestamp
         among the others placed each between two exact times, about 30 minutes apart in a busy reserve."""

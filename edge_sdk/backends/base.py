@@ -3,7 +3,7 @@
 A backend owns a model and its parameters; the privacy mechanism (``edge_sdk.privacy.ccdp``) never sees the
 framework. Every backend exposes the parameters as one flat float32 vector in a fixed order
 (:attr:`TrainingBackend.parameter_layout`), so the mechanism is written once in numpy and fed by any backend
-(STYLE.md item 6; the layering of Opacus's ``grad_sample`` behind its optimizer).
+(the layering of Opacus's ``grad_sample`` behind its optimizer).
 
 Backends register themselves by name with :func:`register_backend`; :func:`create_backend` builds one by name
 and imports its module lazily, so a gateway never imports a framework it does not use.

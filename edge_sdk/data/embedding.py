@@ -1,5 +1,5 @@
 """The gateway's training inputs: each record's crops embedded once by the frozen backbone, through the embedding
-cache (docs/backbone.md; :mod:`edge_sdk.data.crops` for what "the crop" is).
+cache (docs/demo-data.md, section 4; :mod:`edge_sdk.data.crops` for what "the crop" is).
 
 A record of a Camtrap DP package is one photo with the boxes of its current classification
 (:attr:`~edge_sdk.data.camtrap_dp.LocalDataset.boxes`). Each box is embedded as the square the backbone sees

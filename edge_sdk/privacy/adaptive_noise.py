@@ -1,6 +1,6 @@
 """Adaptive grouped noise: one upload's clipped model delta, Gaussian noise per parameter group from a fixed budget.
 
-DESIGN.md Seeds, "Adaptive noise allocation (radio maps, base-station gateways)", and issue 7. The upload is the
+docs/radiomap.md, "The mechanism" (radio maps, base-station gateways). The upload is the
 flat model delta u (d,) of a site's local training round (:func:`shared.protocol.canonical_flatten` order), split
 into the groups of a :class:`shared.models.radio_unet.GroupLayout` (transmitter-sensitive weights of each stage and
 each stage's residual). With clipping norm C, noise multiplier z and group sizes d_g (sum d):
@@ -24,7 +24,7 @@ adaptive           phi d_g / d + (1 - phi) softmax(f_eta(s))_g                  
 grouped-clipping   per-group clipping norms and noise (below)                   Gaussian, z_eff = z / 2
 =================  ===========================================================  ==================================
 
-Grouped clipping (issue 21, item 2) allocates clipping as well as noise, from public data only. A public *clipping
+Grouped clipping allocates clipping as well as noise, from public data only. A public *clipping
 profile* m_g > 0 (the typical norm of group g's update: :func:`clipping_profile`, the median over public proxy sites
 at the global model) gives per-group norms ``C_g = C m_g / ||m||`` (so sum_g C_g^2 = C^2), each group is clipped to
 its own C_g, and group g gets Gaussian noise of per-coordinate std sigma_g with::

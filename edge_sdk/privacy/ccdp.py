@@ -2,7 +2,7 @@
 
 Each IUCN category c has its own budget eps_c (``shared.iucn``). CCDP meets every budget exactly with ONE Gaussian
 draw per step, as individualized DP-SGD does (Boenisch, Mühl, Dziedzic, Rinberg and Papernot, "Have it your way:
-individualized privacy assignment for DP-SGD", NeurIPS 2023, Sec. 4; DESIGN.md "Privacy semantics"). Two
+individualized privacy assignment for DP-SGD", NeurIPS 2023, Sec. 4; docs/privacy.md). Two
 variants, both behind :class:`CCDPMechanism`:
 
 - **Sample** (the paper's Sec. 4.1): one noise multiplier z and one clipping norm C for every record; the records

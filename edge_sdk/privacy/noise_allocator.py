@@ -1,6 +1,6 @@
 """The allocator network f_eta of the adaptive grouped-noise defence, and its training against a proxy attacker.
 
-DESIGN.md Seeds, "Adaptive noise allocation": a small network maps the upload statistics s_{k,r}
+docs/radiomap.md, "The allocator and its training": a small network maps the upload statistics s_{k,r}
 (:func:`edge_sdk.privacy.adaptive_noise.upload_statistics`) to softmax shares of the upload's noise budget, and is
 trained against a proxy attacker (which regresses the transmitter coordinate from the update) with a task loss, the
 attacker's loss (maximised) and an entropy term.

@@ -5,7 +5,7 @@ DP-SGD's privacy amplification by subsampling (Abadi et al. 2016, Sec. 3.1; Miro
 independently with probability q. The realised batch size is therefore random; the mechanism normalises by the
 expected batch size (``edge_sdk.privacy.ccdp``), never by the realised one.
 
-A record whose category the ledger has halted (DESIGN.md, "Privacy semantics") is never eligible: its
+A record whose category the ledger has halted (docs/privacy.md, "What halting reveals") is never eligible: its
 inclusion probability is exactly 0, so it takes no further part in training.
 
 Individualized DP-SGD's "Sample" variant (Boenisch et al., NeurIPS 2023, Sec. 4.1) gives each record its own rate

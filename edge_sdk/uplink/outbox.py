@@ -1,8 +1,8 @@
 """Persistent outbox: an update is written durably before it is published, and dropped only after the ack.
 
-DESIGN.md data flow, step 2-3 (the transactional-outbox pattern): ``put`` commits the message to SQLite before
-the first publish; ``remove`` runs only when the coordinator's signed ACK has been verified; ``pending`` lists what
-must be (re)sent after a crash, a restart or a reconnect. SQLite runs in WAL mode with ``synchronous=FULL``, so a
+docs/transport.md, "Exactly-once effect" (the transactional-outbox pattern): ``put`` commits the message to SQLite
+before the first publish; ``remove`` runs only when the coordinator's signed ACK has been verified; ``pending`` lists
+what must be (re)sent after a crash, a restart or a reconnect. SQLite runs in WAL mode with ``synchronous=FULL``, so a
 committed ``put`` survives power loss (https://sqlite.org/wal.html, "Durability").
 
 The same file holds a small key/value table for the agent's durable state (last round trained, envelope

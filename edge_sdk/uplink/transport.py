@@ -1,6 +1,6 @@
 """The uplink transport interface, and an in-memory broker for tests.
 
-Trainers and the agent talk to a :class:`Transport`, never to paho (STYLE.md item 5, Flower's ``ClientProxy``).
+Trainers and the agent talk to a :class:`Transport`, never to paho (as Flower's ``ClientProxy`` hides its transport).
 Semantics follow MQTT 3.1.1 QoS 1 (OASIS 2014, sec. 4.3.2): :meth:`Transport.publish` returns only after the
 broker's PUBACK, else raises :class:`TransportError`; delivery is at least once, so receivers deduplicate.
 Callbacks run on the transport's own thread and must not block (the agent only enqueues).

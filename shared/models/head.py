@@ -1,5 +1,5 @@
 """The camera model the federation trains under DP: an adapter ``phi`` and a classification head ``psi`` on the
-frozen backbone's embeddings (DESIGN.md, "The camera model"; issue 18, item 3).
+frozen backbone's embeddings (docs/ort.md, "The head model on backbone embeddings").
 
 A public, frozen EfficientNet-Lite0 (:mod:`shared.models.backbone`) embeds each crop once on the gateway; this
 module is everything that is trained on site data::

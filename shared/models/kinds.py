@@ -13,8 +13,8 @@ kind            module                             input, one example           
                 (phi adapter + psi head)                                                     ``embedding_dim``
 ==============  =================================  ========================================  ===================
 
-The 28x28 grayscale camera CNN (``camera_cnn``) was removed when the demo, the audit and the experiments moved to
-the head model on frozen backbone embeddings (issue 18, item 4). :func:`spec_from_weights` tells kinds apart by
+There is one camera model kind, the head model on frozen backbone embeddings, used by the gateways, the demo, the
+audit and the experiments. :func:`spec_from_weights` tells kinds apart by
 their tensors, so code that holds only a model version (the coordinator's artifact store) needs no extra setting.
 
 Compatibility of the JSON form (:meth:`ModelSpec.to_json`): a kind's options are only ever added with a default,

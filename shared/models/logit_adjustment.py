@@ -9,7 +9,7 @@ and the training prior ``pi`` this is the Bayes rule for the balanced error. For
 ``psi.bias`` (:func:`adjusted_for_prediction`); training is unchanged.
 
 The prior. The exact class counts of the sites are private (a count per species is a statistic of the records).
-What the registry holds is public by declaration (DESIGN.md "Privacy semantics": the sites' species lists, without
+What the registry holds is public by declaration (docs/privacy.md, "Public metadata": the sites' species lists, without
 CR/EN species, and their record counts N_k, which are the FedAvg weights). :func:`registry_log_prior` spreads each
 site's N_k evenly over the species it lists and sums over sites. A species no site lists is a sensitive one
 (CR/EN: the public lists leave them out), and threatened species are rare by the IUCN criteria themselves (small

@@ -1,4 +1,4 @@
-"""Two-stage RadioUNet for path-loss (radio) maps, and the transmitter-sensitive parameter groups of issue 7.
+"""Two-stage RadioUNet for path-loss (radio) maps, and its transmitter-sensitive parameter groups.
 
 Levie, Yapar, Kutyniok and Caire 2021, "RadioUNet: Fast Radio Map Estimation with Convolutional Neural Networks",
 IEEE Trans. Wireless Communications 20(6), Sec. III: stage 1 maps the input (building raster and transmitter
@@ -21,7 +21,7 @@ The forward pass returns both stages' maps; stage 2's input takes stage 1's outp
 done in one pass (the paper trains stage 2 with stage 1 frozen). H and W must be multiples of 4. No batch
 normalisation (DP and federated averaging need each example's output to depend on that example only).
 
-Parameter groups (DESIGN.md Seeds, "Adaptive noise allocation"): the transmitter-sensitive entries are the weights
+Parameter groups (docs/radiomap.md, "The mechanism"): the transmitter-sensitive entries are the weights
 that multiply the transmitter channel, i.e. ``weight[:, TRANSMITTER_CHANNEL]`` of each stage's input convolution,
 found from the model's structure (:meth:`RadioUNet.input_convolutions`), never from hard-coded indices. Every other
 parameter entry is in its stage's residual group. :func:`parameter_groups` returns the layout over the flat update

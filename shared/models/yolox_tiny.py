@@ -2,7 +2,7 @@
 
 The modules below reproduce the ``yolox`` package's (Megvii, 0.3.0) ``YOLOX(YOLOPAFPN, YOLOXHead)`` with the same
 parameter names, so that the checkpoint ``zamba/object_detection/yolox/assets/yolox_tiny_640_20220528.pth`` (its
-``"model"`` state dict) loads with no missing and no unexpected keys (DESIGN.md, "Facts checked about the parts").
+``"model"`` state dict) loads with no missing and no unexpected keys.
 Defining them here avoids the ``yolox`` package, whose import pulls cv2, torchvision, thop and loguru and pins
 onnx 1.8.1.
 

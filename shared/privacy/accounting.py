@@ -1,7 +1,7 @@
 """Privacy accounting and noise calibration, delegated to Google's dp-accounting library.
 
 Neighbouring relation: add or remove one record (``NeighboringRelation.ADD_OR_REMOVE_ONE``), the unit of privacy
-of DESIGN.md. Two accountants are offered: ``"rdp"`` (Rényi DP, Mironov 2017; the moments accountant of Abadi et
+of docs/privacy.md. Two accountants are offered: ``"rdp"`` (Rényi DP, Mironov 2017; the moments accountant of Abadi et
 al. 2016 generalised) and ``"pld"`` (privacy loss distributions, Koskela et al. 2020 / Doroshenko et al. 2022),
 which is tighter. The ledger and calibration use ``"rdp"`` by default so that calibrated noise and recorded spend
 come from the same accountant.

@@ -1,6 +1,6 @@
-"""Issue 16, item 10, against a REAL Mosquitto started here on free ports with the configuration that
-`wildfed-coordinator broker-config` generates: client ids are bound to credentials, and oversized messages are
-refused by the broker.
+"""Client-id takeover and message size (docs/security.md), against a REAL Mosquitto started here on free ports with the
+configuration that `wildfed-coordinator broker-config` generates: client ids are bound to credentials, and oversized
+messages are refused by the broker.
 
 * Client-id takeover: with site A's credentials, connecting ten times under the coordinator's client id (its
   username, and the ``wildfed-coordinator-<fed>`` id older versions used) must not disconnect the coordinator once,

@@ -1,4 +1,4 @@
-"""Issue 16, privacy item 4: ``wildfed-coordinator budget`` agrees with the halt check, and the budget defaults agree
+"""``wildfed-coordinator budget`` agrees with the halt check, and the budget defaults agree
 with the docs.
 
 1. "rounds left" ignored NIRA's noisy-count charges (the field trial saw 100 where the halt check allowed 18). It
@@ -156,7 +156,7 @@ def test_budget_command_shows_the_gamma_1_table_for_a_bare_from_anchor(tmp_path)
 
 
 def test_budget_help_says_what_rounds_left_computes_without_stray_line_breaks() -> None:
-    """Issue 16 trial: ``budget --help`` said "rounds left at the current rate" (a linear extrapolation, which it
+    """``budget --help`` once said "rounds left at the current rate" (a linear extrapolation, which it
     is not) and broke a line mid-sentence. At 80 columns every wrapped line of a paragraph must be full: the next
     word would not have fitted on it."""
     from typer.testing import CliRunner

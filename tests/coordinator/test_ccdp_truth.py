@@ -1,4 +1,4 @@
-"""A test of truth for CCDP (issue 19, item 5): what a gateway's training actually does matches what the ledger
+"""A test of truth for CCDP: what a gateway's training actually does matches what the ledger
 records, and the ledger's epsilon is dp-accounting's for those values.
 
 One site with five IUCN categories runs 10,000 DP-SGD steps through the production path

@@ -1,4 +1,4 @@
-"""Issue 16, item 14: text with square brackets (paths, cluster labels, pins) survives the coordinator's rich
+"""Text with square brackets (paths, cluster labels, pins) survives the coordinator's rich
 output; rich would take ``[north]`` for markup and drop it. Through the real CLI (typer's runner)."""
 
 from __future__ import annotations

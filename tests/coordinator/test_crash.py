@@ -1,6 +1,6 @@
-"""Crash safety of the ledger (issue 4, "Order of writes"): a coordinator process is SIGKILLed between receiving a
-round's updates and publishing the model derived from them, then restarted. The ledger holds every spend exactly
-once, the round completes from the durably stored updates (no update lost, none aggregated twice), and the spend
+"""Crash safety of the ledger (docs/transport.md, "Exactly-once effect"): a coordinator process is SIGKILLed between
+receiving a round's updates and publishing the model derived from them, then restarted. The ledger holds every spend
+exactly once, the round completes from the durably stored updates (no update lost, none aggregated twice), and the spend
 equals dp-accounting composed directly.
 
 The coordinator runs as a real subprocess (``python -m coordinator.cli run``) over the real Mosquitto on

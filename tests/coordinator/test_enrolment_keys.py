@@ -1,5 +1,5 @@
-"""A site's key is its own (issue 16, item 8): one public key could be enrolled for two sites, and the coordinator's
-own key was accepted as a site key. Both are now refused with an error naming the field and the fix, through the
+"""A site's key is its own: one public key enrolled for two sites, and the coordinator's own key offered as a
+site key, are both refused with an error naming the field and the fix, through the
 real CLI (``enrol``, ``rotate-key``) and the registry, and nothing already stored changes."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_the_coordinator_service_reserves_its_own_key(tmp_path: Path) -> None:
 
 
 def test_enrol_and_rotate_accept_der_and_openssh_and_explain_anything_else(tmp_path: Path) -> None:
-    """Issue 16 trial: a binary DER key printed a raw UnicodeDecodeError. DER (and OpenSSH) keys are converted; any
+    """A binary DER key must not print a raw UnicodeDecodeError. DER (and OpenSSH) keys are converted; any
     other binary file is refused naming the file, saying PEM is expected and how to convert, storing nothing."""
     from cryptography.hazmat.primitives import serialization
 

@@ -145,7 +145,7 @@ def test_a_restarted_coordinator_resumes_the_optimizer_exactly(tmp_path):
     again.close()
 
 
-# ---- issue 20: the momentum-preconditioned variant, FedAdam, and both selectable in the config ---------------
+# ---- the momentum-preconditioned variant, FedAdam, and both selectable in the config -------------------------
 def test_momentum_preconditioned_step_equals_a_dense_solve():
     # Prepare: two steps on d = 40 with rho below |M|^2, so the preconditioner acts
     rng = np.random.default_rng(11)

@@ -1,6 +1,6 @@
-"""Fuzzing the coordinator's upload path (issue 8): every message a site, an attacker or a broken link could put on
-a site's update topic goes through the real :class:`coordinator.transfers.TransferReceiver` (whole envelopes to the
-real :class:`coordinator.ingest.Ingestor`, manifests and chunks staged and reassembled), over a real
+"""Fuzzing the coordinator's upload path (docs/transport.md): every message a site, an attacker or a broken link could
+put on a site's update topic goes through the real :class:`coordinator.transfers.TransferReceiver` (whole envelopes to
+the real :class:`coordinator.ingest.Ingestor`, manifests and chunks staged and reassembled), over a real
 :class:`coordinator.storage.Store` on SQLite in ``tmp_path``, a real :class:`coordinator.registry.SiteRegistry` and
 :class:`coordinator.ledger.PrivacyLedger`, a :class:`coordinator.strategies.fedavg.FedAvg` running sum and an
 :class:`coordinator.transport.InMemoryTransport` that collects the ACKs, NACKs and RECEIPTs.
@@ -50,7 +50,7 @@ MQTT messages; :func:`test_zz_fuzz_totals` asserts the sum (>= 10,000) and the r
 module ran (48-68 s measured with ``time`` on the shared 2-core machine). SQLite runs with ``synchronous=OFF`` here: power loss is not
 what is fuzzed, and an fsync per rejection would triple the time.
 
-Found by this fuzzer and fixed (issue 8): header integers beyond the SQL column ranges (a round of 2**63, even
+Found by this fuzzer and fixed: header integers beyond the SQL column ranges (a round of 2**63, even
 unsigned, crashed the rejection's own INSERT), report numbers no float holds (num_examples, a noise multiplier or
 a species count of 10**400), num_examples beyond an SQL INTEGER, JSON integers of more than 4,300 digits (Python's
 ``int()`` limit) in a payload or manifest, and a manifest total length whose float quotient overflowed (the last two

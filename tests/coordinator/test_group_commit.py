@@ -1,4 +1,4 @@
-"""Group commit of accepted updates (coordinator/group_commit.py, issue 22 item 2).
+"""Group commit of accepted updates (coordinator/group_commit.py).
 
 What is checked:
 * a group of updates is durable (every row committed, in ONE transaction, every blob on disk) before the first of

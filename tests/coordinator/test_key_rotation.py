@@ -223,7 +223,7 @@ def test_ingest_worker_refuses_to_start_beside_a_coordinator_that_ingests(tmp_pa
     assert res.exit_code == 2 and "ingest_workers" in res.output, res.output
 
 
-# ---- the verification-key cache (issue 22, item 2) ----------------------------------------------------------------
+# ---- the verification-key cache -------------------------------------------------------------------------------------
 def _count_key_reads(store: Store) -> list[str]:
     """Every SQL statement that reads the ``site_keys`` or ``sites`` table (the key cache's misses)."""
     from sqlalchemy import event

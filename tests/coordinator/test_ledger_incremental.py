@@ -1,4 +1,4 @@
-"""The incremental ledger (issue 22, item 4): its running compositions give what composing the whole history afresh
+"""The incremental ledger: its running compositions give what composing the whole history afresh
 gives (to 1e-9 relative), rebuild from the store, never miss rows another writer appended, and charge each round with
 a number of accountant calls that does not grow with the history.
 
@@ -276,8 +276,8 @@ def test_rows_from_another_writer_are_never_missed(store):
 
 
 def test_one_read_of_a_sites_rows_serves_every_category_and_misses_no_late_row(store):
-    """``spent_by_category`` and ``halt_if_needed`` read a site's rows once for all its categories (issue 22: the
-    demo's halt checks and budget table made two queries per category): the values equal dp-accounting composing
+    """``spent_by_category`` and ``halt_if_needed`` read a site's rows once for all its categories (not two queries
+    per category for the demo's halt checks and budget table): the values equal dp-accounting composing
     each category's history directly, including rows another writer committed late with a smaller id, and the
     number of SQL reads does not grow with the number of categories."""
     from sqlalchemy import event

@@ -1,4 +1,4 @@
-"""NIRA's phi weighting, minimum cluster size and similarity SNR (issue 20, item 1), against hand-worked values
+"""NIRA's phi weighting, minimum cluster size and similarity SNR, against hand-worked values
 and a Monte Carlo estimate."""
 
 import math

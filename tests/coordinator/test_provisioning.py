@@ -401,7 +401,7 @@ def test_install_into_a_real_venv_without_downloads(fed, sdk_wheel, tmp_path) ->
 
 @pytest.mark.slow
 def test_install_with_the_backend_offline_from_a_wheel_folder(fed, sdk_wheel, tmp_path) -> None:
-    """The real pip commands (issue 16, item 13): the SDK wheel, then `wildfed[edge-ort]` for the x86 CPU profile
+    """The real pip commands: the SDK wheel, then `wildfed[edge-ort]` for the x86 CPU profile
     (backend auto) with --no-index --find-links: every dependency is found without an index (here they are the
     parent environment's, seen through --system-site-packages), and the installed gateway's backend imports."""
     from edge_sdk.bundle import install_bundle

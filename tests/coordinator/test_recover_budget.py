@@ -1,4 +1,4 @@
-"""Issue 16, privacy item 2: no budget overrun after a coordinator crash (or any round that closed without some of
+"""No budget overrun after a coordinator crash (or any round that closed without some of
 its updates).
 
 The failure: ``RoundManager.recover`` closed a round left open by a crash at once; the gateways' updates for it came

@@ -1,4 +1,4 @@
-"""The store's durability settings and batched writes (coordinator/storage.py, issue 22 item 2).
+"""The store's durability settings and batched writes (coordinator/storage.py).
 
 * every SQLite connection runs in WAL mode with ``synchronous=FULL`` (checked on each new connection); a reader is
   not blocked by an open write transaction (what WAL buys); a connection left in a weaker mode is refused clearly;

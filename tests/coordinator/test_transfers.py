@@ -113,7 +113,7 @@ def test_an_empty_payload_is_not_chunked_it_travels_whole() -> None:
 
 
 def test_chunks_are_views_of_their_message_and_of_the_payload_never_copies_of_a_writable_buffer() -> None:
-    """Issue 22: a parsed chunk's data is a read-only view into the MQTT message (no 256 KiB copy per chunk) and
+    """A parsed chunk's data is a read-only view into the MQTT message (no 256 KiB copy per chunk) and
     ``split``'s chunks view the payload; a chunk parsed from a bytearray is a copy, unchanged when it changes."""
     payload = bytes(range(256)) * 10
     manifest, chunks = split(inner(payload))
@@ -439,7 +439,7 @@ def _messages(raw: bytes, key) -> list[bytes]:
 
 
 def test_each_payload_byte_is_hashed_once_on_the_chunked_path(tmp_path: Path, monkeypatch) -> None:
-    """The acceptance of issue 22 item 1: an update of 17 chunks through TransferReceiver, every byte given to BLAKE3
+    """Each payload byte is hashed once: an update of 17 chunks through TransferReceiver, every byte given to BLAKE3
     on the receiver counted (``shared.envelope.hash_piece``, the one function that hashes payload bytes): the update's
     payload goes through it exactly once, piece by piece; the only other bytes hashed are the manifest's and the ACK's
     own payloads (small envelopes verified and sealed as usual); and no SHA-256 runs over payload-sized data."""
@@ -487,7 +487,7 @@ def test_each_payload_byte_is_hashed_once_on_the_chunked_path(tmp_path: Path, mo
 
 
 def test_a_rounds_task_payload_is_hashed_once_for_all_its_sites(tmp_path: Path, monkeypatch) -> None:
-    """Issue 22: the coordinator seals one task payload for three sites (FedAvg gives each the same model) and sends
+    """The coordinator seals one task payload for three sites (FedAvg gives each the same model) and sends
     each in 1 KiB chunks. BLAKE3 sees the payload's bytes once in all (``seal``; besides, each site's small manifest
     envelope), not once per site nor again when chunking (``readdress`` re-signs a header; ``split`` reuses the
     leaves); and each site's chunks reassemble into an envelope addressed to it that verifies, payload digest

@@ -103,7 +103,7 @@ def test_every_get_route_is_in_the_access_matrix(app, state):
 
 def ref_of(state, role: str, media: str) -> int | str:
     """How ``role`` names the record of ``media``: the row id for rangers and operators, "site~media" for others
-    (row ids follow arrival order, which brackets capture times: issue 16, item 6)."""
+    (row ids follow arrival order, which brackets capture times: docs/web.md)."""
     return state.detections[media] if role in ("operator", "ranger") else state.refs[media]
 
 
@@ -327,7 +327,7 @@ def station(app, address: str) -> TestClient:
 
 
 def test_one_person_failing_cannot_lock_out_a_whole_station_behind_one_address(state):
-    """Issue 16, item 9: five failures for one account from the station's address locked every account there."""
+    """Five failures for one account from the station's address must not lock every account there."""
     app = create_app(state.config, store=state.store, hasher=HASHER)  # the config's limits: 5, and 50 per address
     assert (state.config.web.login_max_failures, state.config.web.login_max_failures_per_address) == (5, 50)
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""The rangers' web view driven by a real headless Chromium (issue 9): form login for every role, the fuzzed map,
+"""The rangers' web view driven by a real headless Chromium (docs/web.md): form login for every role, the fuzzed map,
 detection filters, the login throttle, and screenshots for a person to look at.
 
 Runs Debian's chromium through Playwright's ``executable_path`` (Playwright's own browser download is never used);

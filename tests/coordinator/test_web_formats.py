@@ -104,7 +104,7 @@ def test_strip_metadata_of_a_real_photo_keeps_only_its_pixels() -> None:
     tagged = _with_gps(original)
     assert GPS in Image.open(io.BytesIO(tagged)).getexif()  # the fixture really carries a position
     assert Image.open(io.BytesIO(original)).getexif()[271] == "RECONYX"  # and the camera its own tags
-    for source in (tagged, original):  # with or without a GPS block: the same treatment (issue 16, item 5)
+    for source in (tagged, original):  # with or without a GPS block: the same treatment
         stripped = strip_metadata(source)
         out = Image.open(io.BytesIO(stripped))
         assert out.format == "JPEG" and not dict(out.getexif())

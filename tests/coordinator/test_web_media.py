@@ -1,4 +1,4 @@
-"""Images served to roles without exact locations carry no metadata (issue 16, item 5), through the real HTTP app.
+"""Images served to roles without exact locations carry no metadata, through the real HTTP app.
 
 Each test image carries the position "51.18400N 5.65900E" in every place a camera or a cataloguing tool writes
 text: the EXIF GPS IFD, ImageDescription, Artist, XPComment (UTF-16LE), UserComment, the maker note, a JPEG COM
@@ -237,7 +237,7 @@ def test_partners_and_public_are_served_images_with_no_metadata(tmp_path) -> Non
             assert r.headers["content-type"] == Image.MIME[img.format]
 
 
-# ---- pixels only, not the encoder's tables; every pixel mode (trial of issue 16, item 5) ---------------------------
+# ---- pixels only, not the encoder's tables; every pixel mode ------------------------------------------------------
 # ITU-T T.81 Annex K, tables K.1 (luminance) and K.2 (chrominance), row-major
 K1 = [16, 11, 10, 16, 24, 40, 51, 61, 12, 12, 14, 19, 26, 58, 60, 55, 14, 13, 16, 24, 40, 57, 69, 56,
       14, 17, 22, 29, 51, 87, 80, 62, 18, 22, 37, 56, 68, 109, 103, 77, 24, 35, 55, 64, 81, 104, 113, 92,

@@ -1,4 +1,4 @@
-"""The order and the names of records tell partners nothing of a withheld capture time (issue 16, item 6).
+"""The order and the names of records tell partners nothing of a withheld capture time (docs/web.md).
 
 A record at a protected place is shown to partners and the public by its date only. Before the fix the detection
 list still sorted it by its full timestamp among the records shown with their time (bracketing it to about 30

@@ -1,13 +1,13 @@
-"""Protected places (coordinator.web.places), through the real CLI and the real HTTP app (issue 16, items 7, 8).
+"""Protected places (coordinator.web.places), through the real CLI and the real HTTP app.
 
-Item 7: a camera station re-deployed 30 times with about 15 m of GPS jitter gave partners 30 independent displaced
-points (each 635 m off, their average 85 m off). Now it must give exactly one point, whether the 30 deployments come
-in one package or in 30 imports with views in between; two stations farther apart than the join distance keep
-their own points.
+One station, one point: a camera station re-deployed 30 times with about 15 m of GPS jitter gave partners 30 independent
+displaced points (each 635 m off, their average 85 m off). Now it must give exactly one point, whether the 30
+deployments come in one package or in 30 imports with views in between; two stations farther apart than the join
+distance keep their own points.
 
-Item 8: re-importing a package without its CR observation made every place exact for partners, name included.
-Protection once earned is kept through any import; only ``places lift`` (recorded: who, when, why; logged) lifts
-it. A non-UTF-8 ``deployments.csv`` gave a raw traceback and a file cut mid-row imported silently: now each is a
+Protection is kept: re-importing a package without its CR observation made every place exact for partners, name
+included. Protection once earned is kept through any import; only ``places lift`` (recorded: who, when, why; logged)
+lifts it. A non-UTF-8 ``deployments.csv`` gave a raw traceback and a file cut mid-row imported silently: now each is a
 clear error naming the file, the line and the fix, and nothing stored changes.
 
 Positions are computed here on the sphere by hand (metres to degrees: 1 degree of latitude = pi R / 180 m), GPS
@@ -116,7 +116,7 @@ def import_deployments(runner: CliRunner, config: str, pkg: Path) -> None:
     assert res.exit_code == 0, res.output
 
 
-# ---- item 7: one station, one point ---------------------------------------------------------------------------------
+# ---- one station, one point ---------------------------------------------------------------------------------------
 def test_thirty_jittered_redeployments_in_one_package_show_one_point(tmp_path: Path) -> None:
     runner, config = federation(tmp_path)
     points = jittered(30)
@@ -180,7 +180,7 @@ def test_stations_farther_apart_than_the_join_distance_keep_their_own_points(tmp
     store.dispose()
 
 
-# ---- the trial's two averaging cases (issue 16, item 7 follow-up): one protected area, one shown point -------------
+# ---- the two averaging cases: one protected area, one shown point ---------------------------------------------------
 def _one_point(app, deps: list[tuple[str, str, float, float]], truth: tuple[float, float]) -> None:
     for user in ("paul", "pia"):
         seen = shown(app, user)
@@ -227,7 +227,7 @@ def test_a_grid_of_neighbours_around_one_cr_camera_shows_one_point(tmp_path: Pat
     store.dispose()
 
 
-# ---- item 8: protection earned is kept; only an operator lifts it ---------------------------------------------------
+# ---- protection earned is kept; only an operator lifts it ---------------------------------------------------------
 def _thirty_places() -> list[tuple[str, str, float, float]]:
     """30 stations 5 km apart on a grid (no two are neighbours), with names that would place them."""
     return [(f"dep{n:02d}", f"pan {n} by the fig tree", *offset(*TRUTH, 5000.0 * (n // 6), 5000.0 * (n % 6)))
@@ -288,7 +288,7 @@ def test_lifting_a_place_whose_data_still_records_the_species_protects_it_again(
     store.dispose()
 
 
-# ---- item 8: bad files are clear errors and change nothing ------------------------------------------------------------
+# ---- bad files are clear errors and change nothing ------------------------------------------------------------------
 def _stored(config: str) -> list[tuple]:
     cfg = load_config(Path(config))
     store = Store(cfg.database_url or "", cfg.data_dir)
@@ -334,7 +334,7 @@ UTF16_TEXT = "deploymentID,locationName,latitude,longitude\nd1,pan,3.5,-77.2\n"
      ["deployments.csv: line 3, column deploymentID: deployment 'd1' is listed twice (first on line 2)"]),
     ("latin-1 observations", GOOD_HEADER + b"d1,pan,3.5,-77.2\n",
      b"observationID,deploymentID,scientificName\no1,d1,Ph\xe9nix\n", ["observations.csv: line 2: not UTF-8"]),
-    # the trial's files (issue 16, item 8 follow-up): file, line, column and value, and the right fix
+    # files seen in the field: file, line, column and value, and the right fix
     ("decimal comma", GOOD_HEADER + b'd1,pan,3.5,-77.2\n\nd2,"B_HS_val 2",\"51,496\",4.774\n', None,
      ["deployments.csv: line 4, column latitude: '51,496' is not a number of degrees",
       "write decimal degrees with a point, 51.496"]),
@@ -422,7 +422,7 @@ def test_a_megadetector_reimport_that_drops_the_cr_species_keeps_the_place_prote
     store.dispose()
 
 
-# ---- places lift / list (trial of issue 16, item 8 follow-up) -------------------------------------------------------
+# ---- places lift / list ---------------------------------------------------------------------------------------------
 def test_lifting_a_place_whose_deployments_are_someone_elses_neighbours_says_so(tmp_path: Path) -> None:
     runner, config = federation(tmp_path)
     b = offset(*TRUTH, 0.0, 700.0)  # beyond the 500 m join distance (its own place), within 1 km (a neighbour)

@@ -1,4 +1,4 @@
-"""Adaptive grouped noise (issue 7, "Tests: mechanism"): shares sum to 1, per-group noise std matches its share,
+"""Adaptive grouped noise (docs/radiomap.md, "The mechanism"): shares sum to 1, per-group noise std matches its share,
 the floor holds whatever the allocator outputs, the clipping bound holds, and the stated (eps, delta) agrees with the
 Gaussian mechanism's exact privacy profile (Balle and Wang 2018, Thm. 8) computed here by hand."""
 

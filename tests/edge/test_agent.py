@@ -400,7 +400,7 @@ def test_global_task_naming_a_feature_centre_needs_the_same_centre(world, tmp_pa
 
 
 def test_waiting_for_an_ack_with_max_rounds_reads_no_payload_per_message(world) -> None:
-    """Issue 16, item 12: with ``max_rounds`` set, the run loop asks after every message whether the outbox is
+    """With ``max_rounds`` set, the run loop asks after every message whether the outbox is
     empty; that must not read the stored updates (a 40 MB update took 0.25 s per message). Counted two ways: the
     SQL statements that select the payload column (SQLite's trace hook) and the outbox's own counter."""
     import time

@@ -1,4 +1,4 @@
-"""The persistent calibration cache (shared/privacy/calibration_cache.py) behind ``plan_ccdp`` (issue 22, item 5).
+"""The persistent calibration cache (shared/privacy/calibration_cache.py) behind ``plan_ccdp``.
 
 A hit gives the plan a fresh calibration gives, bit for bit; a corrupt, mismatching or overspending entry is never
 used; the key changes with every public input of the calibration (and only with those).

@@ -23,8 +23,8 @@ from .conftest import COLOURS, EXAMPLE_PACKAGE, SPECIES
 
 @contextlib.contextmanager
 def _logged(match: str) -> Iterator[None]:
-    """Expect one log record of the loader matching ``match``, as one line, and no Python warning (issue 16
-    trial: a UserWarning printed its source file and line on every check-config and run)."""
+    """Expect one log record of the loader matching ``match``, as one line, and no Python warning (a
+    UserWarning would print its source file and line on every check-config and run)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -162,7 +162,7 @@ def test_tdwg_example_package(caplog: pytest.LogCaptureFixture) -> None:
     assert data.images.std() > 0  # real photographs, not blank frames
 
 
-# -- one image = one record (issue 16, item 3) -------------------------------------------------------------------
+# -- one image = one record ------------------------------------------------------------------------------------
 def _add_media_rows(pkg: Path, rows: list[dict[str, str]], observations: list[dict[str, str]]) -> None:
     """Append media and observation rows to a package written by ``write_package`` (same columns)."""
     import csv

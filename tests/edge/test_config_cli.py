@@ -126,7 +126,7 @@ def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypat
 
 
 def test_cli_errors_keep_square_brackets(tmp_path: Path) -> None:
-    """Issue 16, item 14: rich took `[north]` in an error for markup and dropped it."""
+    """Rich must not take `[north]` in an error for markup and drop it."""
     absent = tmp_path / "site[north]" / "absent.yaml"
     result = CliRunner().invoke(app, ["run", "--config", str(absent)])
     assert result.exit_code == 2

@@ -1,4 +1,4 @@
-"""The gateway pipeline (issue 18, item 2): each record embedded once by the frozen backbone through the cache,
+"""The gateway pipeline: each record embedded once by the frozen backbone through the cache,
 keyed by record and content; training reads the embeddings; a restarted gateway re-embeds nothing."""
 
 from __future__ import annotations

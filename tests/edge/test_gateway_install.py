@@ -1,4 +1,4 @@
-"""A provisioned gateway can train (issue 16, item 13): ``install-bundle`` installs the profile's training backend
+"""A provisioned gateway can train: ``install-bundle`` installs the profile's training backend
 (torch, or onnxruntime-training through the ``edge-ort`` extra), offline from wheels when it has them, and
 ``check-config`` fails, naming the backend and the install command, when that backend does not import.
 
@@ -225,7 +225,7 @@ def test_check_config_fails_when_the_torch_backend_is_missing(tmp_path) -> None:
     assert result.returncode == 2, out
     assert "backend" in out and "training backend torch cannot run here" in out
     assert "No module named 'torch'" in out
-    assert "pip install 'wildfed[edge,torch]'" in out  # brackets survive rich (item 14)
+    assert "pip install 'wildfed[edge,torch]'" in out  # brackets survive rich
     # with torch importable the same config is OK (the check is the import, nothing else)
     ok = _check_config("nothing-blocked", str(site))
     assert ok.returncode == 0, ok.stdout + ok.stderr

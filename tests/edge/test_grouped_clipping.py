@@ -1,4 +1,4 @@
-"""The grouped-clipping defence (issue 21, item 2): per-group norms from a public profile, the noise that gives
+"""The grouped-clipping defence: per-group norms from a public profile, the noise that gives
 uniform's privacy profile exactly, checked against the whitened-sensitivity formula by hand, against a numerical
 optimiser for the least total variance, and against the released noise reproduced draw by draw."""
 

@@ -1,4 +1,4 @@
-"""Issue 16, privacy item 1: a category's halt must not reveal its exact record count.
+"""A category's halt must not reveal its exact record count.
 
 Before the fix, a gateway reported ``num_examples = N_active`` (records of the non-halted categories) and sampled at
 ``q = B / N_active``: once EN halted, both changed, and their difference was the exact, un-noised EN count. Now

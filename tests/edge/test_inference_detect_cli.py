@@ -1,4 +1,4 @@
-"""`wildfed-edge detect` end to end with the species classifier (issue 18, item 5): the real detector and the frozen
+"""`wildfed-edge detect` end to end with the species classifier (docs/inference.md): the real detector and the frozen
 backbone on real ENA24 photos (the subset committed in wildfed_sim/assets/ena24), a head-model global model file,
 species names from the site config's species table, in MegaDetector JSON and Camtrap DP observations.
 

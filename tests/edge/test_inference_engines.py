@@ -158,7 +158,7 @@ def test_prefer_tensorrt_logs_the_fallback_as_an_error(tmp_path, model, caplog):
 
 def test_an_x86_gateway_without_a_gpu_driver_probes_without_importing_torch(tmp_path) -> None:
     """No ``nvidia-smi``, no NVIDIA driver, not a Jetson: the probe answers None without ``import torch`` (seconds at
-    every start of an ORT gateway whose embeddings are not cached yet, issue 22 item 5)."""
+    every start of an ORT gateway whose embeddings are not cached yet)."""
     import subprocess
     import sys
     import textwrap

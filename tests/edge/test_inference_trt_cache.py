@@ -1,5 +1,5 @@
 """The TensorRT engine cache through the real TensorRTBuilder / TensorRTEngine code, with a fake ``tensorrt``
-module in ``sys.modules`` (TensorRT cannot be installed on this CPU machine). Issue 16, item 15:
+module in ``sys.modules`` (TensorRT cannot be installed on this CPU machine):
 
 - a corrupt engine whose key is intact is deleted and rebuilt once (it used to fall back to ONNX Runtime on every
   run); if the rebuild fails too, the slot is emptied and ONNX Runtime runs, with a WARNING;

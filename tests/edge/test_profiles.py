@@ -209,7 +209,7 @@ def test_check_config_reports_a_species_the_table_lacks(tmp_path: Path) -> None:
     assert "dataset" in result.output and "Loxodonta cyclotis" in result.output
 
 
-# -- error messages that name the allowed fields and values, and the fix (issue 16, item 14) ---------------------
+# -- error messages that name the allowed fields and values, and the fix ---------------------------------------
 WIDE = {"COLUMNS": "1000"}  # rich reads it: no wrapping inside table cells
 
 
@@ -268,7 +268,7 @@ def test_missing_and_non_mapping_fields_say_what_to_write() -> None:
         "x86_gpu, x86_cpu, radio_base_station)")
 
 
-# -- site config errors: the one config formatter, named fields, the backend `run` refuses (issue 16 trial) ------
+# -- site config errors: the one config formatter, named fields, the backend `run` refuses ---------------------
 def test_check_config_refuses_an_unknown_backend_like_run_does(tmp_path: Path) -> None:
     from edge_sdk.rounds.backends import build_backend
     from edge_sdk.backends import available_backends
@@ -314,7 +314,7 @@ def test_site_config_errors_name_the_field_and_the_allowed_fields(tmp_path: Path
 
 
 def test_check_config_reports_merged_media_rows_as_one_log_line_not_a_python_warning(tmp_path: Path) -> None:
-    """Issue 16 trial: every check-config and run on the demo sites printed a UserWarning with its source line.
+    """No check-config or run on the demo sites prints a UserWarning with its source line.
     Through the installed CLI in a subprocess (where Python prints warnings): one log line, no source line."""
     import csv
     import os

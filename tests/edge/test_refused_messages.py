@@ -1,4 +1,4 @@
-"""Issue 16 trial, item 11 continued, against a REAL Mosquitto started here on a free port with
+"""A broker whose packet limit is below the configured one, against a REAL Mosquitto started here on a free port with
 ``max_packet_size 100000`` while both configs keep ``broker_max_packet_bytes`` at its default (1,115,136): the
 start-up check passes, and the broker closes the connection on every message over 100,000 bytes.
 

@@ -67,7 +67,7 @@ def task(**kw) -> TrainingTask:
 
 def test_ccdp_step_hand_worked() -> None:
     # EN is halted (its 2 records are not sampled, but stay in the public count): N_site = 6, q = B / N_site = 2/6,
-    # normaliser q * N_site = 2 (issue 16: nothing that leaves the gateway depends on the halted category's count).
+    # normaliser q * N_site = 2 (nothing that leaves the gateway depends on the halted category's count).
     # Clipped (C = 1): (3,4) -> (0.6,0.8); (0,1); (6,8) -> (0.6,0.8); (0,0). Sum (1.2, 2.6); / 2 = (0.6, 1.3).
     # One step at lr 0.5 from w = (1, -1): delta = -0.5 * (0.6, 1.3) = (-0.3, -0.65).
     result = train_locally(backend=FakeBackend(), dataset=dataset(), task=task(),

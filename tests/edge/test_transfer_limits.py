@@ -1,7 +1,7 @@
-"""Issue 16, items 11 and 12, through the real agent (edge_sdk.agent.EdgeAgent) and the real coordinator
-(coordinator.service.Coordinator) on the in-process bus.
+"""Chunk sizes the broker refuses, and a gateway that missed the open round, through the real agent
+(edge_sdk.agent.EdgeAgent) and the real coordinator (coordinator.service.Coordinator) on the in-process bus.
 
-Item 11, chunks the broker drops:
+Chunks the broker drops:
 * start-up: a chunk size that does not fit the broker's limit is refused when the site config and the coordinator
   config are loaded (and by the CLIs), naming ``chunk_size_bytes`` and the limit; the largest size that fits is
   worked out by hand (limit - 40 bytes of chunk header - 256 bytes of MQTT header);
@@ -11,7 +11,7 @@ Item 11, chunks the broker drops:
   chunk was sent exactly 3 times: first, then on 2 receipts), and its task download of 16 KiB chunks is given up
   the same way (the coordinator sent each chunk 3 times: on the connect's request, then on 2 stalled requests).
 
-Item 12, a gateway that missed the open round:
+A gateway that missed the open round:
 * its outbox drains (the update of a round that closed meanwhile is NACKed as late) while it stays connected:
   it then asks for the open round's task and trains it (before the fix it asked only on connect);
 * it connects with an update in the outbox that never drains: it asks for the open round's task anyway.
@@ -102,7 +102,7 @@ def _world(tmp_path: Path, *, site_settings: dict, transfer: dict | None = None,
     return coord, bus, link, root
 
 
-# ---- item 11: start-up validation -------------------------------------------------------------------------------
+# ---- chunks the broker drops: start-up validation --------------------------------------------------------------
 def test_site_config_refuses_chunks_over_the_brokers_limit(tmp_path: Path) -> None:
     from edge_sdk.cli import app
 
@@ -141,7 +141,7 @@ def test_coordinator_config_refuses_chunks_over_the_brokers_limit(tmp_path: Path
     assert result.exit_code == 2 and "transfer.chunk_size_bytes" in _words(result.output)
 
 
-# ---- item 11: chunks asked for again and again -------------------------------------------------------------------
+# ---- chunks the broker drops: asked for again and again -----------------------------------------------------------
 def test_resend_tracker_counts_receipts_against_what_was_sent_before_their_probe() -> None:
     from shared.transfer import ResendTracker
 
@@ -208,7 +208,7 @@ def test_gateway_gives_up_a_task_download_whose_chunks_the_broker_drops(tmp_path
     coord.close()
 
 
-# ---- item 12: a gateway that missed the open round --------------------------------------------------------------
+# ---- a gateway that missed the open round ----------------------------------------------------------------------
 def test_gateway_asks_for_the_open_round_when_its_outbox_drains(tmp_path: Path) -> None:
     # Prepare: round 0's update is lost on the way while the gateway stays connected; round 0 closes without it,
     # and round 1's task is lost too (the gateway was unreachable for it)

@@ -243,7 +243,7 @@ def test_a_newer_format_is_refused_as_newer():
 
 
 def test_readdress_keeps_the_payload_and_its_digest_and_signs_the_new_site():
-    """One task payload for many sites (issue 22): ``readdress`` changes the site and timestamp, re-signs, and keeps
+    """One task payload for many sites: ``readdress`` changes the site and timestamp, re-signs, and keeps
     the payload object and its leaves; the result verifies (its digest recomputed here by hand) and nothing else in
     the header moves."""
     payload = bytes(range(256)) * 40  # 10,240 bytes: 3 pieces of 4 KiB

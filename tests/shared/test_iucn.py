@@ -1,4 +1,4 @@
-"""CCDP budgets: the seed's table (DESIGN.md) in both columns, exactly as printed (2 decimals)."""
+"""CCDP budgets: the seed's table (docs/privacy.md, "Budgets") in both columns, exactly as printed (2 decimals)."""
 
 import pytest
 

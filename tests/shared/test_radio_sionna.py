@@ -1,4 +1,4 @@
-"""The Sionna RT data set (shared.radio.sionna_maps, ``wildfed radio-data sionna``; issue 21, item 4).
+"""The Sionna RT data set (shared.radio.sionna_maps, ``wildfed radio-data sionna``; docs/radiomap-data.md).
 
 Most tests need neither Sionna nor Mitsuba nor Dr.Jit: settings, transmitter grids worked out by hand, the npz files
 and their keys, the set's manifest with a stand-in tracer, and the install checks (LLVM library, missing modules),

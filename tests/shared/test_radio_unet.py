@@ -1,4 +1,4 @@
-"""RadioUNet (issue 7, "Tests: groups"): the sensitive group is exactly the parameters connected to the
+"""RadioUNet's parameter groups (docs/radiomap.md): the sensitive group is exactly the parameters connected to the
 transmitter channel, checked by autograd rather than by reading the model's structure."""
 
 from __future__ import annotations

@@ -202,8 +202,9 @@ def test_the_gateway_loader_reads_the_package_back(tmp_path: Path, site_data) ->
 
 
 def test_duplicate_images_are_refused_and_distinct_images_keeps_one_of_each(tmp_path: Path, site_data) -> None:
-    """Issue 16 trial: Animal-MNIST holds byte-identical pairs; the demo wrote both, the gateway merged them (one
-    image = one record, with a warning on every run), so a site's enrolled count was not what its gateway loaded."""
+    """Animal-MNIST holds byte-identical pairs; were the demo to write both, the gateway would merge them (one
+    image = one record, with a warning on every run), and a site's enrolled count would not be what its gateway
+    loads."""
     site, images, labels, source = site_data
     images = images.copy()
     images[5] = images[2]  # same pixels, maybe another label: one image

@@ -1,4 +1,4 @@
-"""The DP-FedSOFIM experiment (wildfed_sim/fedsofim.py; issues 6 and 20).
+"""The DP-FedSOFIM experiment (wildfed_sim/fedsofim.py; docs/fedsofim.md).
 
 Fast tests: the linear head's per-example gradients against torch autograd, the clip + noise path against a hand
 computation (noise replaced by an injected constant source: unit tests only), the server's pseudo-gradient, the

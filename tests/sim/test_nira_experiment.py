@@ -1,4 +1,4 @@
-"""``wildfed experiment nira``: FedAvg vs NIRA on the demo federation (issue 5).
+"""``wildfed experiment nira``: FedAvg vs NIRA on the demo federation (docs/nira.md).
 
 Fast tests: the per-site evaluation against hand-computed accuracies (a fake model whose predictions are fixed),
 the summary and table on hand-made rows (means, sample stds, worst decile and paired differences worked out here),

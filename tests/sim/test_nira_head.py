@@ -1,4 +1,4 @@
-"""The NIRA-vs-baselines experiment's parts (issue 20): the numpy head against the torch model, one fine-tuning
+"""The NIRA-vs-baselines experiment's parts: the numpy head against the torch model, one fine-tuning
 step against torch autograd, the species mask on a hand-worked federation, NIRA with one cluster against FedAvg
 through the in-process replay, and the tuning choice on hand-made rows."""
 

@@ -1,4 +1,4 @@
-"""``wildfed experiment privacy-utility`` (issue 19, item 4): the statistics against hand-worked values, the epsilon
+"""``wildfed experiment privacy-utility``: the statistics against hand-worked values, the epsilon
 against dp-accounting called here, the protocol's rules (equal tuning effort, tuning seeds never reported), and a
 tiny end-to-end run checked against its own runs.jsonl and resumed."""
 

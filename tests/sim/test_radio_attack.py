@@ -1,4 +1,4 @@
-"""The template-likelihood attacker (issue 21, item 1) on hand-made cases: the candidate grid, the profile
+"""The template-likelihood attacker on hand-made cases: the candidate grid, the profile
 log-likelihood against its formula worked by hand, and evidence that accumulates over uploads."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The radio-map experiment's tiles and map sources (issue 21, item 4): every role on its own tiles, sites drawn from
-the source's transmitter pixels, and Sionna maps normalised like the COST 231 maps.
+"""The radio-map experiment's tiles and map sources (docs/radiomap-data.md): every role on its own tiles, sites drawn
+from the source's transmitter pixels, and Sionna maps normalised like the COST 231 maps.
 
 Expected values are worked out here by hand or recomputed independently: disjointness on occupancy rasters of the
 scenes, the transmitter pixels within a radius listed by hand, normalised gains from the window's formula. The scene

@@ -1,4 +1,4 @@
-"""The radio-map experiment (issue 7, "Evaluation"; per-client tiles, issue 21 item 4): a small setting end to end,
+"""The radio-map experiment (docs/radiomap.md, "Evaluation"; per-client tiles): a small setting end to end,
 client sites on their own tiles, the attacker, the allocator."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``wildfed``, the laboratory's command line, apart from the operator's ``wildfed-coordinator`` (issue 17).
+"""``wildfed``, the laboratory's command line, apart from the operator's ``wildfed-coordinator``.
 
 The command sets are written out here by hand (README and docs/interfaces.md name them): the lab commands moved to
 ``wildfed`` with their names and options; ``wildfed-coordinator`` keeps what an operator runs against a real
