@@ -404,7 +404,9 @@ class PrivacyLedger:
                                                      HaltRow.category == cat.value)).first()
             if exists is None:
                 s.add(HaltRow(site_id=site_id, category=cat.value, round=round, reason=reason))
-                log.warning("ledger: halted %s at site %s from round %d (%s)", cat.value, site_id, round, reason)
+                # a cohort's halt is routine (its records retire; new cohorts train on): info, not a warning
+                (log.info if COHORT_MARK in site_id else log.warning)(
+                    "ledger: halted %s at site %s from round %d (%s)", cat.value, site_id, round, reason)
 
     # ---- reads -----------------------------------------------------------------------------------------------
     def events(self, site_id: str, category: IUCNCategory | str, *, mechanism: str | None = None

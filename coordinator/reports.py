@@ -26,7 +26,8 @@ from coordinator.cohorts import CohortState, cohort_states
 from coordinator.ledger import PrivacyLedger, cohort_of
 from coordinator.registry import SiteRegistry
 
-__all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "plot_burn_down",
+__all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "burn_down_points",
+           "plot_burn_down",
            "ObserverReport", "observer_mode", "observer_report"]
 
 
@@ -47,7 +48,8 @@ class BudgetReportRow:
             whose records still train the category and those whose records have spent it; spent, remaining, rounds
             left and the noise are then those of the oldest cohort still training it (its records are the next to
             retire), or of the cohort that spent the most when none trains it; halted means no cohort trains it.
-            None for a site without cohorts.
+            None for a site without cohorts, and for a category the site never trained. cohort: the cohort the
+            figures are of (its first round; 0: the records the site trained before it had cohorts), or None.
         COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
         (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
     """
@@ -67,6 +69,7 @@ class BudgetReportRow:
     q_recorded: float | None = None
     cohorts_active: int | None = None
     cohorts_retired: int | None = None
+    cohort: int | None = None
 
 
 ROUNDS_LEFT_CAP = 10_000
@@ -82,12 +85,13 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
     out = []
     for site_id in sites:
         states = cohort_states(ledger, site_id)
+        trained = ledger.categories(site_id)  # a category the site never trained has no cohort to report
         halted = ledger.halted(site_id)
         _, last_sets = ledger.last_round_event_sets(site_id)
         pending_rounds = ledger.pending_rounds(site_id).get(site_id, ())
         for cat in IUCNCategory:
             stream, pending, counts = site_id, len(pending_rounds), (None, None)
-            if states:
+            if states and cat in trained:
                 stream, active = _reported_stream(ledger, states, cat, accountant)
                 first = cohort_of(stream)
                 pending = sum(1 for p in pending_rounds if first is None or p >= first)
@@ -97,7 +101,7 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
             nxt = ledger.next_round_events(stream, cat, last_sets)
             dpsgd = ledger.events(stream, cat, mechanism="dpsgd")
             spent = ledger.spent(stream, cat, accountant)
-            stopped = cat in halted if not states else counts[0] == 0
+            stopped = cat in halted if counts[0] is None else counts[0] == 0
             out.append(BudgetReportRow(
                 site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
                 remaining=max(0.0, budgets[cat] - spent),
@@ -111,7 +115,7 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
                 textbook_valid=textbook_formula_valid(budgets[cat]),
-                cohorts_active=counts[0], cohorts_retired=counts[1]))
+                cohorts_active=counts[0], cohorts_retired=counts[1], cohort=(cohort_of(stream) or 0) if counts[0] is not None else None))
     return out
 
 
@@ -187,13 +191,13 @@ def observer_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Priv
 
 
 def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: AccountantName) -> Any:
-    """A matplotlib figure of the privacy burn-down: per IUCN category (one panel each), each site's cumulative
-    epsilon (composed by ``accountant`` at the config's delta) after each round, with the category's budget as a
-    dashed line. The caller saves and closes it.
+    """A matplotlib figure of the privacy burn-down: per IUCN category (one panel each), each site's largest spend
+    of any record after each round (:func:`burn_down_points`, composed by ``accountant`` at the config's delta),
+    with the category's budget as a dashed line. The caller saves and closes it.
 
-    Each site's curve comes from one running composition (:class:`shared.privacy.running.RunningComposition`) that
-    takes its events round by round: O(rounds) accountant work, not O(rounds^2) for the prefixes; each point equals
-    the composition of that prefix afresh (``coordinator.ledger.composed_epsilon``) to floating-point rounding.
+    Each stream is composed round by round by one running composition: O(rounds) accountant work, not O(rounds^2)
+    for the prefixes; each point equals the composition of that prefix afresh (``coordinator.ledger.
+    composed_epsilon``) to floating-point rounding.
 
     Raises:
         dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
@@ -213,16 +217,11 @@ def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: 
     for ax, cat in zip(axes.flat, IUCNCategory):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         for site_id in sites:
-            history = ledger.round_events(site_id, cat)
-            if not history:
+            points = burn_down_points(ledger, site_id, cat, cfg.target_delta, accountant)
+            if not points:
                 continue
-            rounds = [r for r, _ in history]
-            running = RunningComposition(target_delta=cfg.target_delta, accountant=accountant)
-            spent = []
-            for _, event in history:
-                running.compose((event,))
-                spent.append(running.epsilon())
-            ax.plot(rounds, spent, marker="o", markersize=3, label=site_id, color=colour[site_id])
+            ax.plot(list(points), list(points.values()), marker="o", markersize=3, label=site_id,
+                    color=colour[site_id])
         ax.axhline(budgets[cat], color="red", linestyle="--", label=f"budget {budgets[cat]:.2f}")
         ax.set_title(f"{cat.value}")
         ax.set_ylabel("epsilon spent")
@@ -235,6 +234,28 @@ def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: 
     fig.suptitle(f"{cfg.federation_id}: privacy burn-down ({accountant}, delta={cfg.target_delta:g})")
     fig.tight_layout()
     return fig
+
+
+def burn_down_points(ledger: PrivacyLedger, site_id: str, category: IUCNCategory, target_delta: float,
+                     accountant: AccountantName) -> dict[int, float]:
+    """``{round: epsilon}``: after each round in which the site was charged for ``category``, the largest spend of
+    any of its records then, i.e. the largest over its ledger streams (its own and its cohorts') of that stream's
+    composition up to that round. A site without cohorts: its one stream's running spend. Each stream is composed
+    once, round by round (:class:`shared.privacy.running.RunningComposition`).
+
+    Raises:
+        dp_accounting.UnsupportedEventError: the accountant cannot interpret a recorded event.
+    """
+    out: dict[int, float] = {}
+    for stream in ledger.site_streams(site_id) or [site_id]:
+        running = RunningComposition(target_delta=target_delta, accountant=accountant)
+        by_round: dict[int, list] = {}
+        for r, event in ledger.round_events(stream, category):
+            by_round.setdefault(r, []).append(event)
+        for r in sorted(by_round):
+            running.compose(tuple(by_round[r]))
+            out[r] = max(out.get(r, 0.0), running.epsilon())
+    return dict(sorted(out.items()))
 
 
 def plot_burn_down(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: AccountantName, path: Path) -> Path:

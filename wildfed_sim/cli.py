@@ -483,16 +483,21 @@ def plan_budgets(
     capacity: int = typer.Option(200, help="the site's declared capacity (enrolment metadata)"),
     records: int = typer.Option(20, help="records of each category at the site, for the signal column"),
     sites: int = typer.Option(10, help="sites holding as many, for the federation's signal column"),
+    categories: str = typer.Option("CR,EN,VU,NT,LC,NE", help="the IUCN categories of the site's species table "
+                                   "(comma-separated): the largest budget among them sets the noise"),
 ) -> None:
     """What each IUCN category's records go through under a coordinator config: their sampling rate and noise, how
     many rounds (and days) each record trains before it retires, and whether that many records can teach the
     model (wildfed_sim.budget_plan; docs/privacy.md "Planning budgets for a multi-year network")."""
     from coordinator.config import CoordinatorConfig, load_config
+    from shared.iucn import parse_category
     from wildfed_sim.budget_plan import budget_plan
 
     cfg = load_config(config) if config is not None else CoordinatorConfig(federation_id="plan")
     with console.status("calibrating each category's noise and sampling rate (dp-accounting)"):
-        rows = budget_plan(cfg, capacity=capacity, records=records, sites=sites)
+        rows = budget_plan(cfg, capacity=capacity, records=records, sites=sites,
+                           categories=tuple(parse_category(c.strip(), field="--categories")
+                                            for c in categories.split(",") if c.strip()))
     table = Table(title=f"per record, capacity {capacity}, {cfg.rounds} rounds of {cfg.local_steps} steps, "
                         f"B={cfg.expected_batch_size}, delta={cfg.target_delta:g}")
     for col in ("category", "budget", "q", "noise multiplier", "rounds trained", "days trained",

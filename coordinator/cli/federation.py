@@ -160,7 +160,9 @@ BUDGET_HELP = (
     "and 0 exactly when the next round would halt the category.\n\n"
     "Records train in cohorts (those that joined in the same round) and retire once they have spent a category's "
     "budget, while new records join a new cohort: for such a site each row is its oldest cohort still training "
-    "the category, with the cohorts training it and those retired; 'halted' means no cohort trains it.\n\n"
+    "the category ('of cohort': the round its records joined), with the cohorts training it and those retired; "
+    "'halted' is yes only when no cohort trains the category (a cohort's halts are in `status`). The burn-down plot "
+    "shows, after each round, the largest spend of any of a site's records.\n\n"
     "Below it, the observers the figures hold against (docs/privacy.md, 'Who the guarantee holds against'); under "
     "distributed noise, the epsilon each observer faces, from one participant to colluding ones.\n\n"
     "Beside it, for comparison only: the textbook Gaussian noise and the seed's bound (docs/privacy.md).")
@@ -190,7 +192,7 @@ def budget(config: Path = config_option(),
         console.print("[yellow]privacy is 'none' in this config: updates carry no DP guarantee[/]")
     table = Table(title=f"privacy budget (epsilon per record, delta={cfg.target_delta:g}, accountant={acc})")
     for col, just in (("site", "left"), ("category", "left"), ("budget", "right"), ("spent", "right"),
-                      ("remaining", "right"), ("used", "right"), ("rounds left", "right"),
+                      ("remaining", "right"), ("used", "right"), ("rounds left", "right"), ("of cohort", "right"),
                       ("cohorts training/retired", "right"), ("halted", "left")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
@@ -199,7 +201,7 @@ def budget(config: Path = config_option(),
         left = ("-" if r.rounds_left is None else
                 f">={ROUNDS_LEFT_CAP}" if r.rounds_left >= ROUNDS_LEFT_CAP else str(r.rounds_left))
         table.add_row(r.site_id, r.category.value, f"{r.budget:.4f}", f"{r.spent:.4f}", f"{r.remaining:.4f}",
-                      f"[{colour}]{used:.0%}[/]", left,
+                      f"[{colour}]{used:.0%}[/]", left, "-" if r.cohort is None else str(r.cohort),
                       "-" if r.cohorts_active is None else f"{r.cohorts_active}/{r.cohorts_retired}",
                       "[red]yes[/]" if r.halted else "no")
     console.print(table)

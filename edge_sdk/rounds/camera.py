@@ -62,10 +62,13 @@ class SiteRecords:
         self._inputs: TrainingInputs | None = None
         self._centre_id: int | None = None
         self.cohorts = CohortRegistry(cohort_registry_path(config))
+        self.last_mask: np.ndarray | None = None
 
     def record_mask(self, task: TrainingTask) -> np.ndarray | None:
-        """The records ``task``'s cohorts let train (:meth:`edge_sdk.rounds.cohorts.CohortRegistry.mask`)."""
-        return self.cohorts.mask(self._dataset.media_ids, self._dataset.categories, task)
+        """The records ``task``'s cohorts let train (:meth:`edge_sdk.rounds.cohorts.CohortRegistry.mask`); kept as
+        :attr:`last_mask` for the round's log."""
+        self.last_mask = self.cohorts.mask(self._dataset.media_ids, self._dataset.categories, task)
+        return self.last_mask
 
     def _package_signature(self) -> tuple:
         root = Path(self.config.dataset)
@@ -180,7 +183,10 @@ class CameraRound:
             except OSError as exc:
                 log.warning("site %s: could not keep the round's plan for check-config: %s", self.ctx.site_id, exc)
             return
-        counts: dict[IUCNCategory, int] = self.records.dataset.category_counts()
+        mask = self.records.last_mask  # the records this round could sample: retired ones teach nothing more
+        ranks = self.records.dataset.categories if mask is None else self.records.dataset.categories[mask]
+        counts: dict[IUCNCategory, int] = {c: int(np.sum(ranks == c.rank)) for c in IUCNCategory
+                                           if np.any(ranks == c.rank)}
         steps = task.local_steps * max(1, task.planned_rounds)
         parameters = sum(int(np.asarray(w).size) for w in weights.values())
         try:
@@ -189,6 +195,7 @@ class CameraRound:
             log.warning("site %s: could not keep the round's plan for check-config: %s", self.ctx.site_id, exc)
         for row in signal_to_noise(counts, sampling_rates=plan.sampling_rates, clipping_norms=plan.clipping_norms,
                                    noise_std=plan.noise_std, steps=steps, parameters=parameters):
-            (log.info if row.learns else log.warning)("site %s: round %d, over the %d planned round(s): %s",
+            (log.info if row.learns else log.warning)("site %s: round %d, the records it may sample, over a "
+                                                      "record's training life of %d round(s): %s",
                                                       self.ctx.site_id, task.round, task.planned_rounds,
                                                       row.describe())

@@ -18,6 +18,7 @@ from shared.privacy.events import DPSGDEvent
 from shared.protocol import decode_task
 
 from coordinator.cohorts import cohort_states
+from coordinator.reports import budget_report, burn_down_points
 from coordinator.storage import RoundRow
 from edge_sdk.rounds.cohorts import CohortRegistry
 from tests.coordinator.helpers import FakeSite
@@ -100,6 +101,15 @@ def test_thirty_rounds_with_arriving_records_keep_every_record_within_its_budget
     assert site.tasks[-1].cohorts is not None and 30 in site.tasks[-1].cohorts
     assert all(states[c].retired_round == c + k[CR] for c in range(1, 31 - k[CR]))
     assert all(states[c].retired_round is None for c in range(31 - k[CR], 31))
+    # the burn-down: after round r the largest spend of any record, the oldest cohort's min(r, k) rounds
+    points = burn_down_points(coord.ledger, "s1", CR, 1e-5, "rdp")
+    assert list(points) == list(range(1, 31))
+    for r, eps in points.items():
+        assert eps == pytest.approx(direct_epsilon([CR_EVENT] * min(r, k[CR])), rel=1e-9)
+    # the budget table: CR's row is the oldest cohort still training it, with the cohorts training and retired
+    (row,) = [x for x in budget_report(coord.config, coord.registry, coord.ledger, "rdp") if x.category == CR]
+    assert (row.cohort, row.cohorts_active, row.cohorts_retired) == (31 - k[CR], k[CR], 30 - k[CR])
+    assert row.spent == pytest.approx(direct_epsilon([CR_EVENT] * k[CR]), rel=1e-9) and not row.halted
 
 
 def test_a_site_charged_before_cohorts_keeps_its_spend_in_cohort_zero(federation, tmp_path):
