@@ -21,8 +21,9 @@ count in every row. Timed steps:
   sampling with q = batch / N over N = min(10 * batch, 10,000) records whose categories cover all six IUCN
   categories (all active), implicit per-example gradients (``backend.per_example``: one forward and one
   backward, no (B, d) matrix),
-  ``CCDPMechanism.privatize`` (clip, one Gaussian draw of d values from the secure AES-CTR source, normalise by
-  q N), SGD update. The realised batch is Poisson, with mean ``--batch``;
+  ``CCDPMechanism.privatize`` (clip, one Gaussian draw of d values from the secure source
+  ``shared.privacy.randomness.SecureRandom``, normalise by q N), SGD update. The realised batch is Poisson,
+  with mean ``--batch``;
 - ``non-private (training step)``: the same ``local_step`` with no mechanism (Poisson sampling from the site, the
   mean gradient, SGD update): what a non-private round runs per step, the like-for-like baseline of the CCDP
   training step;
@@ -30,6 +31,9 @@ count in every row. Timed steps:
   like-for-like comparison with the baseline;
 - ``secure noise draw``: ``SecureRandom.standard_normal(d)`` alone, the part of the DP step whose cost grows with d
   and not with the batch (so the ratio DP / non-private falls towards 1 as the batch grows);
+- with ``--previous-noise``, ``CCDP (training step), polar`` and ``polar noise draw``: the same training step and
+  draw on the secure source used before the cipher-speed one (``_polar_noise.PolarAes256``: AES-256-CTR from
+  ``cryptography``, the polar method in numpy), for a before/after comparison within one run;
 - ``Opacus 1.6``: ``PrivacyEngine.make_private`` (hooks-based per-sample gradients, flat clipping, one noise draw,
   ``secure_mode=False``) with the same noise multiplier, clipping norm and fixed batch (Poisson sampling off).
 
@@ -100,6 +104,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--previous-noise", action="store_true",
+                        help="also time the CCDP step and the draw on the previous (polar, AES-256-CTR) source")
     args = parser.parse_args()
 
     import torch
@@ -187,6 +193,20 @@ def main() -> None:
         "CCDP (fixed batch)": ccdp_fixed_step,
         "secure noise draw": noise_draw,
     }
+    if args.previous_noise:
+        from _polar_noise import PolarAes256
+
+        polar = PolarAes256()
+        mech_polar = CCDPMechanism(clipping_norms={c: clip for c in IUCNCategory}, noise_std=z * clip,
+                                   expected_batch_size=q * n_records, noise=polar)
+        backend_polar = backend()
+
+        def ccdp_polar_step() -> None:
+            local_step(backend=backend_polar, dataset=site, inclusion_rates=rates, mechanism=mech_polar,
+                       randomness=polar, learning_rate=lr)
+
+        steps["CCDP (training step), polar"] = ccdp_polar_step
+        steps["polar noise draw"] = lambda: polar.standard_normal(d)
     try:
         import warnings
 
@@ -240,6 +260,11 @@ def main() -> None:
     print(f"{'CCDP (fixed batch) - noise / non-private':39s}: {(med[fixed] - med[noise]) / med[base]:5.2f}x "
           f"({(low[fixed] - low[noise]) / low[base]:4.2f}x)  the per-example part alone")
     print(f"{'noise draw / non-private':39s}: {ratio(noise, base)}  (d = {d:,} Gaussians per step)")
+    if args.previous_noise:
+        print(f"{'CCDP (training step), polar / non-priv.':39s}: {ratio('CCDP (training step), polar', base)}   "
+              f"/ same, non-private {ratio('CCDP (training step), polar', 'non-private (training step)')}")
+        print(f"{'polar noise draw / non-private':39s}: {ratio('polar noise draw', base)}")
+        print(f"{'polar noise draw / secure noise draw':39s}: {ratio('polar noise draw', noise)}  (the speed-up)")
 
 
 if __name__ == "__main__":
