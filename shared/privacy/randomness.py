@@ -17,7 +17,8 @@ Marsaglia and Tsang 2000), Skellam noise by its Poisson sampler (``shared.privac
 top 52 bits of each word. How many words a draw uses depends on the keystream alone, never on data.
 
 A forked child process never continues its parent's stream: the first draw in a new process rekeys from
-``os.urandom`` (two gateways, two instances or two processes never share a stream).
+``os.urandom``; and a :class:`SecureRandom` cannot be copied or pickled (two gateways, two instances or two
+processes never share a stream).
 
 Known limit (Mironov 2012, "On significance of the least significant bits for differential privacy"): textbook
 floating-point noise samplers have gaps in their support; the ziggurat's values lie on a 52-bit grid per layer,
@@ -122,6 +123,10 @@ class SecureRandom:
         self._pid = os.getpid()
         self._gen = np.random.Generator(
             _bit_generator(self.cipher, os.urandom(CIPHERS[self.cipher]) if key is None else key))
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TypeError("a SecureRandom cannot be copied or pickled: the copy would repeat its noise stream (and "
+                        "the pickle would hold its key); create a new SecureRandom() where another source is needed")
 
     def _generator(self) -> np.random.Generator:
         if os.getpid() != self._pid:  # a forked child: a fresh key, never the parent's stream

@@ -1,10 +1,12 @@
 """The secure noise source (``shared.privacy.randomness``): its streams are AES-128-CTR and ChaCha20 bit for bit
 (checked against ``cryptography``'s OpenSSL), each instance keys itself from ``os.urandom``, a forked child never
-continues its parent's stream, and the uniforms and normals have the right distribution; the seeded source warns.
+continues its parent's stream, no instance can be copied, and the uniforms and normals have the right
+distribution; the seeded source warns.
 
-Distribution checks: every statistical assertion runs at a false-failure probability of at most 2e-6 on fresh OS
-randomness (each bound's probability is in a comment), so a correct source fails a run of this file with
-probability below 2e-5, and the bounds are still tight enough to catch a wrong transform (see the comments)."""
+Distribution checks run on fresh OS randomness. Each statistical assertion fails a correct source with probability
+at most 1e-6 (KS and chi-square at significance 1e-6, the moment bounds at 2e-9; each says so in a comment), so a
+run of this file fails a correct source with probability below 1e-5, while the bounds still catch a wrong transform
+(the comments say which)."""
 
 from __future__ import annotations
 
@@ -117,6 +119,16 @@ def test_forked_child_never_continues_the_parents_stream() -> None:
     os.waitpid(pid, 0)
     assert child.shape == (4,) and np.all((child > 0) & (child < 1))
     assert not np.array_equal(child, source.random(4))  # without the rekey both would read the same 4 words
+
+
+def test_a_secure_source_cannot_be_copied_or_pickled() -> None:
+    import copy
+    import pickle
+
+    source = SecureRandom()
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="would repeat its noise stream"):
+            duplicate(source)
 
 
 @pytest.mark.parametrize("cipher", sorted(CIPHERS))
