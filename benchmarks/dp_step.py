@@ -4,7 +4,7 @@ Run by hand (not part of the tests)::
 
     .venv/bin/pip install opacus==1.6.0   # optional, only for the Opacus row
     .venv/bin/python benchmarks/dp_step.py [--adapter-width 256] [--batch 64] [--repeats 40]
-                                           [--threads 1]
+                                           [--threads 1] [--clock cpu] [--previous-noise]
 
 It times the trainable part of the camera model, ``shared.models.head`` (phi adapter
 1280 -> ``--adapter-width``, tanh, psi head; ``--adapter-width 0``: head only) on real backbone embeddings:
@@ -43,7 +43,8 @@ after warm-up, with the ratios CCDP / non-private (target <= 1.1 for the head mo
 without the noise draw, and CCDP / Opacus, of the medians and of the minima (on a shared machine the minimum is the
 estimate least disturbed by other processes; the CCDP training step's minimum also reflects its smallest Poisson
 batch, so compare its medians). On a machine with other load, ``--threads 1`` gives far steadier numbers than more
-threads (intra-op thread barriers wait on descheduled threads).
+threads (intra-op thread barriers wait on descheduled threads), and ``--clock cpu`` with ``--threads 1`` times each
+step by this process's CPU time, leaving out the time other processes hold the CPU.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall clock, or this process's CPU time (with --threads 1: other load left out)")
     parser.add_argument("--previous-noise", action="store_true",
                         help="also time the CCDP step and the draw on the previous (polar, AES-256-CTR) source")
     args = parser.parse_args()
@@ -229,11 +232,13 @@ def main() -> None:
     except ImportError:
         print("opacus not installed: `pip install opacus==1.6.0` to include it")
 
-    times = interleaved(steps, args.repeats)
+    import time
+
+    times = interleaved(steps, args.repeats, clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     med = {name: float(np.median(t)) for name, t in times.items()}
     low = {name: float(np.min(t)) for name, t in times.items()}
     print(f"model {spec.kind} {spec.option_dict or ''}: {d:,} trainable parameters; {source}; batch {args.batch} "
-          f"(CCDP training step: Poisson, mean {np.mean(realised):.1f}); threads {args.threads}; "
+          f"(CCDP training step: Poisson, mean {np.mean(realised):.1f}); threads {args.threads}; clock {args.clock}; "
           f"{args.repeats} interleaved repeats; load average {os.getloadavg()[0]:.2f}")
     for name, t in times.items():
         lo, hi = np.percentile(t, [25, 75])

@@ -16,12 +16,14 @@ For each size d (12,810: the demo's head; 330,506: the head with the 256-wide ad
   AES-128-CTR and ChaCha20.
 
 Medians of ``--repeats`` interleaved repeats (``_timing.interleaved``); normals per second and the ratio to the
-previous source.
+previous source. Every draw is single-threaded, so ``--clock cpu`` (this process's CPU time) gives the same
+figures as wall time on an idle machine and leaves out other processes' load on a busy one.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -33,12 +35,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="12810,330506,1000000", help="comma-separated numbers of normals")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time by wall clock (time.perf_counter) or by this process's CPU time (time.process_time)")
     args = parser.parse_args()
 
     from shared.privacy.randomness import SecureRandom, default_cipher, secure_generator
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"default cipher here: {default_cipher()}; {load_average()}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"default cipher here: {default_cipher()}; clock: {args.clock}; {load_average()}")
     previous, aes, chacha = PolarAes256(), SecureRandom(cipher="aes128-ctr"), SecureRandom(cipher="chacha20")
     pcg = np.random.default_rng()
     aes_bits = secure_generator(cipher="aes128-ctr").bit_generator
@@ -56,7 +61,7 @@ def main() -> None:
             "keystream randomgen AES-128-CTR": lambda d=d: aes_bits.random_raw(d),
             "keystream randomgen ChaCha20": lambda d=d: chacha_bits.random_raw(d),
         }
-        times = interleaved({**normals, **raw}, args.repeats)
+        times = interleaved({**normals, **raw}, args.repeats, clock=clock)
         med = {name: float(np.median(t)) for name, t in times.items()}
         print(f"\nd = {d:,} normals per draw; {args.repeats} interleaved repeats")
         for name in normals:
