@@ -18,17 +18,33 @@ For each size d (12,810: the demo's head; 330,506: the head with the 256-wide ad
 Medians of ``--repeats`` interleaved repeats (``_timing.interleaved``); normals per second and the ratio to the
 previous source. Every draw is single-threaded, so ``--clock cpu`` (this process's CPU time) gives the same
 figures as wall time on an idle machine and leaves out other processes' load on a busy one.
+
+Each row also prints the minor page faults per draw. The previous source's temporaries (about 130 kB each at the
+head's d) sit at glibc's default 128 kB mmap and trim thresholds, so in a fresh process they are mapped and
+faulted in at every draw (about 120 faults, 2-3x its time); in a gateway process, where torch has raised glibc's
+dynamic thresholds, they are not. ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864`` before the
+command gives the fault-free comparison; ``dp_step.py --previous-noise`` measures both sources in the training
+process itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections.abc import Callable
 
 import numpy as np
 from _polar_noise import PolarAes256
 from _timing import interleaved, load_average
+
+
+def _faults_per_call(step: Callable[[], object], calls: int = 20) -> float:
+    """Minor page faults of this process per call of ``step`` (``getrusage``), over ``calls`` calls."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def main() -> None:
@@ -63,12 +79,14 @@ def main() -> None:
         }
         times = interleaved({**normals, **raw}, args.repeats, clock=clock)
         med = {name: float(np.median(t)) for name, t in times.items()}
+        faults = {name: _faults_per_call(step) for name, step in {**normals, **raw}.items()}
         print(f"\nd = {d:,} normals per draw; {args.repeats} interleaved repeats")
         for name in normals:
             print(f"  {name:34s}: median {med[name] * 1e3:8.3f} ms  {d / med[name] / 1e6:7.1f} M normals/s  "
-                  f"speed-up over previous {med[base] / med[name]:5.2f}x")
+                  f"speed-up over previous {med[base] / med[name]:5.2f}x  page faults {faults[name]:.0f}")
         for name in raw:
-            print(f"  {name:34s}: median {med[name] * 1e3:8.3f} ms  {8 * d / med[name] / 1e9:7.2f} GB/s")
+            print(f"  {name:34s}: median {med[name] * 1e3:8.3f} ms  {8 * d / med[name] / 1e9:7.2f} GB/s of keystream  "
+                  f"page faults {faults[name]:.0f}")
     print(f"\n{load_average()}")
 
 
