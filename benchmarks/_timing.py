@@ -19,8 +19,12 @@ def load_average() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-def interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, np.ndarray]:
-    """Run each step ``warmup`` times, then ``repeats`` times in rotating order; seconds per call by name."""
+def interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, np.ndarray]:
+    """Run each step ``warmup`` times, then ``repeats`` times in rotating order; seconds per call by name.
+
+    ``clock``: wall time by default; ``time.process_time`` (this process's CPU time, all its threads) leaves out the
+    time other processes hold the CPU, for single-threaded steps on a loaded machine."""
     names = list(steps)
     for _ in range(warmup):
         for name in names:
@@ -28,7 +32,7 @@ def interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int 
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: np.asarray(t) for name, t in times.items()}

@@ -4,7 +4,7 @@ Run by hand (not part of the tests)::
 
     .venv/bin/pip install opacus==1.6.0   # optional, only for the Opacus row
     .venv/bin/python benchmarks/dp_step.py [--adapter-width 256] [--batch 64] [--repeats 40]
-                                           [--threads 1]
+                                           [--threads 1] [--clock cpu] [--previous-noise]
 
 It times the trainable part of the camera model, ``shared.models.head`` (phi adapter
 1280 -> ``--adapter-width``, tanh, psi head; ``--adapter-width 0``: head only) on real backbone embeddings:
@@ -21,8 +21,9 @@ count in every row. Timed steps:
   sampling with q = batch / N over N = min(10 * batch, 10,000) records whose categories cover all six IUCN
   categories (all active), implicit per-example gradients (``backend.per_example``: one forward and one
   backward, no (B, d) matrix),
-  ``CCDPMechanism.privatize`` (clip, one Gaussian draw of d values from the secure AES-CTR source, normalise by
-  q N), SGD update. The realised batch is Poisson, with mean ``--batch``;
+  ``CCDPMechanism.privatize`` (clip, one Gaussian draw of d values from the secure source
+  ``shared.privacy.randomness.SecureRandom``, normalise by q N), SGD update. The realised batch is Poisson,
+  with mean ``--batch``;
 - ``non-private (training step)``: the same ``local_step`` with no mechanism (Poisson sampling from the site, the
   mean gradient, SGD update): what a non-private round runs per step, the like-for-like baseline of the CCDP
   training step;
@@ -30,6 +31,9 @@ count in every row. Timed steps:
   like-for-like comparison with the baseline;
 - ``secure noise draw``: ``SecureRandom.standard_normal(d)`` alone, the part of the DP step whose cost grows with d
   and not with the batch (so the ratio DP / non-private falls towards 1 as the batch grows);
+- with ``--previous-noise``, ``CCDP (training step), polar`` and ``polar noise draw``: the same training step and
+  draw on the secure source used before the cipher-speed one (``_polar_noise.PolarAes256``: AES-256-CTR from
+  ``cryptography``, the polar method in numpy), for a before/after comparison within one run;
 - ``Opacus 1.6``: ``PrivacyEngine.make_private`` (hooks-based per-sample gradients, flat clipping, one noise draw,
   ``secure_mode=False``) with the same noise multiplier, clipping norm and fixed batch (Poisson sampling off).
 
@@ -39,7 +43,8 @@ after warm-up, with the ratios CCDP / non-private (target <= 1.1 for the head mo
 without the noise draw, and CCDP / Opacus, of the medians and of the minima (on a shared machine the minimum is the
 estimate least disturbed by other processes; the CCDP training step's minimum also reflects its smallest Poisson
 batch, so compare its medians). On a machine with other load, ``--threads 1`` gives far steadier numbers than more
-threads (intra-op thread barriers wait on descheduled threads).
+threads (intra-op thread barriers wait on descheduled threads), and ``--clock cpu`` with ``--threads 1`` times each
+step by this process's CPU time, leaving out the time other processes hold the CPU.
 """
 
 from __future__ import annotations
@@ -100,6 +105,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall clock, or this process's CPU time (with --threads 1: other load left out)")
+    parser.add_argument("--previous-noise", action="store_true",
+                        help="also time the CCDP step and the draw on the previous (polar, AES-256-CTR) source")
     args = parser.parse_args()
 
     import torch
@@ -187,6 +196,20 @@ def main() -> None:
         "CCDP (fixed batch)": ccdp_fixed_step,
         "secure noise draw": noise_draw,
     }
+    if args.previous_noise:
+        from _polar_noise import PolarAes256
+
+        polar = PolarAes256()
+        mech_polar = CCDPMechanism(clipping_norms={c: clip for c in IUCNCategory}, noise_std=z * clip,
+                                   expected_batch_size=q * n_records, noise=polar)
+        backend_polar = backend()
+
+        def ccdp_polar_step() -> None:
+            local_step(backend=backend_polar, dataset=site, inclusion_rates=rates, mechanism=mech_polar,
+                       randomness=polar, learning_rate=lr)
+
+        steps["CCDP (training step), polar"] = ccdp_polar_step
+        steps["polar noise draw"] = lambda: polar.standard_normal(d)
     try:
         import warnings
 
@@ -209,11 +232,13 @@ def main() -> None:
     except ImportError:
         print("opacus not installed: `pip install opacus==1.6.0` to include it")
 
-    times = interleaved(steps, args.repeats)
+    import time
+
+    times = interleaved(steps, args.repeats, clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     med = {name: float(np.median(t)) for name, t in times.items()}
     low = {name: float(np.min(t)) for name, t in times.items()}
     print(f"model {spec.kind} {spec.option_dict or ''}: {d:,} trainable parameters; {source}; batch {args.batch} "
-          f"(CCDP training step: Poisson, mean {np.mean(realised):.1f}); threads {args.threads}; "
+          f"(CCDP training step: Poisson, mean {np.mean(realised):.1f}); threads {args.threads}; clock {args.clock}; "
           f"{args.repeats} interleaved repeats; load average {os.getloadavg()[0]:.2f}")
     for name, t in times.items():
         lo, hi = np.percentile(t, [25, 75])
@@ -240,6 +265,11 @@ def main() -> None:
     print(f"{'CCDP (fixed batch) - noise / non-private':39s}: {(med[fixed] - med[noise]) / med[base]:5.2f}x "
           f"({(low[fixed] - low[noise]) / low[base]:4.2f}x)  the per-example part alone")
     print(f"{'noise draw / non-private':39s}: {ratio(noise, base)}  (d = {d:,} Gaussians per step)")
+    if args.previous_noise:
+        print(f"{'CCDP (training step), polar / non-priv.':39s}: {ratio('CCDP (training step), polar', base)}   "
+              f"/ same, non-private {ratio('CCDP (training step), polar', 'non-private (training step)')}")
+        print(f"{'polar noise draw / non-private':39s}: {ratio('polar noise draw', base)}")
+        print(f"{'polar noise draw / secure noise draw':39s}: {ratio('polar noise draw', noise)}  (the speed-up)")
 
 
 if __name__ == "__main__":

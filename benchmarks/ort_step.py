@@ -13,7 +13,7 @@ out, as the gateway runs them):
 - ``torch non-private`` / ``ORT non-private``: ``backend.gradient`` (one batched backward: torch autograd / the ORT
   training graph) + ``backend.apply_gradient``;
 - ``torch CCDP`` / ``ORT CCDP``: ``CCDPMechanism.privatize(backend.per_example(x, y), categories)`` (clip, one
-  summed-variance Gaussian from the secure AES-CTR source, normalise) + ``apply_gradient``: the torch backend's
+  summed-variance Gaussian from the secure source ``SecureRandom``, normalise) + ``apply_gradient``: the torch backend's
   per-example gradients are its ghost/windowed path, the ORT backend's the exported one-pass graph (for the head
   model its factor graph: layer inputs and output gradients, no (B, d) matrix);
 - ``ORT CCDP, (B, d) rows`` (head model): the same step from the materialised per-example graph instead of the

@@ -21,16 +21,15 @@ input) and ``D1 = sqrt(d) D2`` in L1. The sites sum in float64 and clip at ``C_c
 that this holds for the sum as computed, not only for the exact one (the proof: :mod:`shared.privacy.sum_rounding`). ``z`` is the noise multiplier against the anchor's ``C_eff = C +
 sqrt(d)/scale``: ``mu = (z C_eff scale)^2``.
 
-The noise is sampled with numpy's Poisson sampler on a PCG64 generator seeded with 128 bits of OS entropy each
-round: not a cryptographic generator (the Gaussian draws of the other modes use the AES-CTR source,
-``shared.privacy.randomness``); an observer sees only the noised sum of at least t sites.
+The noise is sampled with numpy's Poisson sampler on the secure keystream of
+:func:`shared.privacy.randomness.secure_generator` (AES-128-CTR or ChaCha20, keyed from ``os.urandom`` afresh for
+each share), the source of the Gaussian draws of the other modes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import secrets
 from collections.abc import Mapping
 
 import dp_accounting
@@ -40,6 +39,7 @@ from shared.errors import ConfigError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.accounting import epsilon_spent, make_accountant
 from shared.privacy.events import SkellamEvent
+from shared.privacy.randomness import secure_generator
 
 __all__ = ["skellam_event", "skellam_share_variance", "distributed_plan", "skellam_noise", "site_sampling_rate"]
 
@@ -171,13 +171,15 @@ def distributed_plan(*, budgets: Mapping[IUCNCategory, float], target_delta: flo
 
 def skellam_noise(variance: float, size: int, rng: np.random.Generator | None = None) -> np.ndarray:
     """int64 (size,) symmetric Skellam noise of per-coordinate ``variance``: ``Poisson(mu/2) - Poisson(mu/2)``
-    (variance mu). ``rng`` defaults to a PCG64 generator seeded with 128 bits from :mod:`secrets`.
+    (variance mu), by numpy's Poisson sampler. ``rng`` defaults to a fresh
+    :func:`~shared.privacy.randomness.secure_generator` (a cipher keystream keyed from ``os.urandom``); pass one
+    only for tests and simulations.
 
     Raises:
         ValueError: variance not positive.
     """
     if not variance > 0:
         raise ValueError(f"variance must be > 0, got {variance}")
-    rng = rng if rng is not None else np.random.Generator(np.random.PCG64(secrets.randbits(128)))
+    rng = rng if rng is not None else secure_generator()
     lam = float(variance) / 2.0
     return rng.poisson(lam, size).astype(np.int64) - rng.poisson(lam, size).astype(np.int64)

@@ -1,15 +1,28 @@
 """Randomness for privacy: a cryptographically secure source in production, a seeded one only on request.
 
 Floating-point Gaussian noise from a predictable generator (e.g. a seeded Mersenne Twister or PCG64) gives no
-privacy against anyone who can guess the seed. The production source here is AES-256 in counter mode
-(NIST SP 800-38A) keyed with 32 bytes from ``os.urandom``: its keystream is a cryptographically secure
-pseudo-random stream (the construction of NIST SP 800-90A's CTR_DRBG, without reseeding). Uniforms take the top
-52 bits of each 64-bit keystream word; Gaussians come from the polar method (Marsaglia and Bray 1964), the
-rejection form of Box-Muller that needs no trigonometric functions.
+privacy against anyone who can guess the seed. The production source here is a stream cipher's keystream, keyed
+from ``os.urandom`` afresh for every instance, read by numpy's ``Generator`` as its 64-bit words:
+
+- ``"aes128-ctr"``: AES-128 in counter mode (NIST SP 800-38A) with AES-NI, randomgen's ``AESCounter``: the block
+  ``AES_k(i)`` for the 128-bit little-endian counter ``i = 0, 1, 2, ...``, i.e. the keystream of NIST SP 800-90A's
+  CTR_DRBG construction without reseeding, at security strength 128;
+- ``"chacha20"``: ChaCha20 (RFC 8439's block function, 20 rounds, 256-bit key, zero nonce), randomgen's
+  ``ChaCha``; the default where the CPU has no AES instructions, since randomgen's software AES fallback is
+  table-based (slow, and its memory accesses depend on the key) while ChaCha20 is add-rotate-xor only.
+
+``tests/shared/test_randomness.py`` checks both streams bit for bit against ``cryptography``'s (OpenSSL's) AES and
+ChaCha20. The transforms are numpy's C loops: normals by its 256-layer ziggurat (``Generator.standard_normal``;
+Marsaglia and Tsang 2000), Skellam noise by its Poisson sampler (``shared.privacy.distributed``), uniforms from the
+top 52 bits of each word. How many words a draw uses depends on the keystream alone, never on data.
+
+A forked child process never continues its parent's stream: the first draw in a new process rekeys from
+``os.urandom``; and a :class:`SecureRandom` cannot be copied or pickled (two gateways, two instances or two
+processes never share a stream).
 
 Known limit (Mironov 2012, "On significance of the least significant bits for differential privacy"): textbook
-floating-point noise samplers have gaps in their support; this module does not implement a snapping or
-discrete-Gaussian defence. Documented in docs, not claimed away.
+floating-point noise samplers have gaps in their support; the ziggurat's values lie on a 52-bit grid per layer,
+and this module does not implement a snapping or discrete-Gaussian defence. Documented in docs, not claimed away.
 
 :class:`SeededRandom` wraps ``numpy.random.default_rng(seed)`` for reproducible tests and demos and emits an
 :class:`InsecureRandomnessWarning` when created.
@@ -17,13 +30,18 @@ discrete-Gaussian defence. Documented in docs, not claimed away.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Protocol
 
 import numpy as np
 
-__all__ = ["RandomSource", "SecureRandom", "SeededRandom", "InsecureRandomnessWarning", "make_random_source"]
+__all__ = ["RandomSource", "SecureRandom", "SeededRandom", "InsecureRandomnessWarning", "make_random_source",
+           "secure_generator", "default_cipher", "CIPHERS"]
+
+#: the stream ciphers a :class:`SecureRandom` can read, with their key lengths in bytes
+CIPHERS = {"aes128-ctr": 16, "chacha20": 32}
 
 
 class InsecureRandomnessWarning(UserWarning):
@@ -42,66 +60,96 @@ class RandomSource(Protocol):
         ...
 
 
-class SecureRandom:
-    """AES-256-CTR keystream keyed by ``os.urandom`` (see the module docstring).
+@functools.lru_cache(maxsize=1)
+def default_cipher() -> str:
+    """``"aes128-ctr"`` where randomgen's AES runs on the CPU's AES instructions (x86 AES-NI), else
+    ``"chacha20"`` (module docstring)."""
+    from randomgen import AESCounter
+
+    return "aes128-ctr" if AESCounter(key=0).use_aesni else "chacha20"
+
+
+def _bit_generator(cipher: str, key: bytes) -> np.random.BitGenerator:
+    from randomgen import AESCounter, ChaCha
+
+    if cipher == "aes128-ctr":
+        return AESCounter(key=int.from_bytes(key, "little"), counter=0)
+    return ChaCha(key=int.from_bytes(key, "little"), counter=0, rounds=20)
+
+
+def _check(cipher: str | None, key: bytes | None) -> str:
+    cipher = default_cipher() if cipher is None else cipher
+    if cipher not in CIPHERS:
+        raise ValueError(f"cipher must be one of {sorted(CIPHERS)}, got {cipher!r}")
+    if key is not None and len(key) != CIPHERS[cipher]:
+        raise ValueError(f"a {cipher} key is {CIPHERS[cipher]} bytes, got {len(key)}")
+    return cipher
+
+
+def secure_generator(key: bytes | None = None, *, cipher: str | None = None) -> np.random.Generator:
+    """A ``numpy.random.Generator`` reading a stream cipher's keystream (module docstring), for samplers that
+    take a Generator (e.g. ``shared.privacy.distributed.skellam_noise``). Unlike :class:`SecureRandom` it does
+    not rekey after a fork: use it within one process.
 
     Args:
-        key: 32-byte AES key; ``None`` (production) draws it from ``os.urandom``. Passing a key is for tests of
-            this class only.
+        key: ``None`` (production) draws a fresh key from ``os.urandom``; a key is for tests only
+            (16 bytes for ``"aes128-ctr"``, 32 for ``"chacha20"``).
+        cipher: one of :data:`CIPHERS`; ``None`` = :func:`default_cipher`.
+
+    Raises:
+        ValueError: an unknown cipher, or a key of the wrong length.
+    """
+    cipher = _check(cipher, key)
+    return np.random.Generator(_bit_generator(cipher, os.urandom(CIPHERS[cipher]) if key is None else key))
+
+
+class SecureRandom:
+    """Uniforms and normals from a stream cipher's keystream keyed by ``os.urandom`` (see the module docstring).
+
+    Args:
+        key: ``None`` (production) draws the key from ``os.urandom``. Passing a key is for tests of this class
+            only (16 bytes for ``"aes128-ctr"``, 32 for ``"chacha20"``).
+        cipher: one of :data:`CIPHERS`; ``None`` = :func:`default_cipher` (AES-128-CTR on AES-NI, else ChaCha20).
+
+    Raises:
+        ValueError: an unknown cipher, or a key of the wrong length.
     """
 
-    def __init__(self, key: bytes | None = None) -> None:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    def __init__(self, key: bytes | None = None, *, cipher: str | None = None) -> None:
+        self.cipher = _check(cipher, key)
+        self._rekey(key)
 
-        nonce = os.urandom(16) if key is None else b"\x00" * 16
-        key = os.urandom(32) if key is None else key
-        if len(key) != 32:
-            raise ValueError("AES-256 key must be 32 bytes")
-        self._encryptor = Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+    def _rekey(self, key: bytes | None = None) -> None:
+        self._pid = os.getpid()
+        self._gen = np.random.Generator(
+            _bit_generator(self.cipher, os.urandom(CIPHERS[self.cipher]) if key is None else key))
 
-    def _words(self, n: int) -> np.ndarray:
-        """n uint64 keystream words."""
-        return np.frombuffer(self._encryptor.update(bytes(8 * n)), dtype=np.uint64)
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TypeError("a SecureRandom cannot be copied or pickled: the copy would repeat its noise stream (and "
+                        "the pickle would hold its key); create a new SecureRandom() where another source is needed")
+
+    def _generator(self) -> np.random.Generator:
+        if os.getpid() != self._pid:  # a forked child: a fresh key, never the parent's stream
+            self._rekey()
+        return self._gen
 
     def random(self, size: int) -> np.ndarray:
-        """float64 (size,) uniforms strictly inside (0, 1): ``(top 52 bits + 0.5) / 2**52``.
+        """float64 (size,) uniforms strictly inside (0, 1): ``(top 52 bits of a word + 0.5) / 2**52``.
 
         52 bits, not 53: ``(2**53 - 0.5) / 2**53`` rounds to exactly 1.0 in float64, ``(2**52 - 0.5) / 2**52`` does
         not, so neither end of the interval is ever returned.
         """
-        return ((self._words(int(size)) >> np.uint64(12)).astype(np.float64) + 0.5) * (1.0 / 4503599627370496.0)
+        words = self._generator().bit_generator.random_raw(int(size))
+        words >>= np.uint64(12)
+        out = words.astype(np.float64)
+        out += 0.5
+        out *= 1.0 / 4503599627370496.0
+        return out
 
     def standard_normal(self, size: int | tuple[int, ...]) -> np.ndarray:
-        """float64 i.i.d. N(0, 1) of shape ``size`` by the polar method (Marsaglia and Bray 1964; Knuth, TAOCP
-        vol. 2, 3.4.1, Algorithm P): pairs ``v = 2u - 1`` uniform in the square, kept when ``0 < s = v1^2 + v2^2
-        < 1`` (probability pi/4), give the two independent normals ``v1 f`` and ``v2 f`` with
-        ``f = sqrt(-2 ln(s) / s)``. The same distribution as Box-Muller without its cosine and sine, which cost
-        two thirds of a noise draw. How many uniforms are used depends on the keystream alone, never on data.
-        """
-        shape = (size,) if isinstance(size, (int, np.integer)) else tuple(size)
-        n = int(np.prod(shape, dtype=np.int64))
-        out = np.empty(n, dtype=np.float64)
-        filled = 0
-        while filled < n:  # in cache-sized blocks (a few hundred kB of temporaries each)
-            need = min(n - filled, _POLAR_BLOCK)
-            pairs = int(need / 2 / _POLAR_ACCEPT * 1.02) + 16  # one round almost always suffices
-            v = self.random(2 * pairs)
-            v *= 2.0
-            v -= 1.0
-            v1, v2 = v[:pairs], v[pairs:]
-            s = v1 * v1 + v2 * v2
-            keep = (s < 1.0) & (s > 0.0)
-            v1, v2, s = v1[keep], v2[keep], s[keep]
-            f = np.sqrt(-2.0 * np.log(s) / s)
-            z = np.concatenate([v1 * f, v2 * f])
-            take = min(need, z.shape[0])
-            out[filled:filled + take] = z[:take]
-            filled += take
-        return out.reshape(shape)
-
-
-_POLAR_ACCEPT = np.pi / 4  # P(v1^2 + v2^2 < 1) for v uniform in the square (-1, 1)^2
-_POLAR_BLOCK = 1 << 14  # normals per block
+        """float64 i.i.d. N(0, 1) of shape ``size``: numpy's ziggurat (``Generator.standard_normal``) on the
+        keystream's words."""
+        return self._generator().standard_normal(size)
 
 
 class SeededRandom:
