@@ -44,7 +44,7 @@ from coordinator.model_delivery import release_state_key
 from coordinator.registry import SiteRegistry, UnknownSiteError
 from coordinator.storage import SiteHealthRow, Store, utcnow
 
-__all__ = ["FleetIngestor", "FleetRow", "fleet_rows", "DEFAULT_SILENT_AFTER_S"]
+__all__ = ["FleetIngestor", "FleetRow", "fleet_rows", "DEFAULT_SILENT_AFTER_S", "format_age", "format_gib"]
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +248,21 @@ def fleet_rows(store: Store, registry: SiteRegistry, *, now: _dt.datetime | None
                             sent_at=row.sent_at if row is not None else None,
                             released_hash=released.get("model"), released_round=released.get("round")))
     return out
+
+
+def format_age(seconds: float | None) -> str:
+    """``seconds`` as a short age: ``45 s``, ``12 min``, ``3.5 h``, ``2.0 d``; ``never`` for None."""
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86_400:.1f} d"
+
+
+def format_gib(value: int | None) -> str:
+    """Bytes as whole GiB (health records round disk free down to whole GiB); ``-`` for None."""
+    return "-" if value is None else f"{value / (1 << 30):.0f} GiB"

@@ -254,8 +254,8 @@ class Coordinator:
         and the broker queues those messages too until the coordinator is back (docs/service.md)."""
         if getattr(self.transport, "persistent_session", False) and self._started:
             fed = self.config.federation_id
-            self.transport.unsubscribe([updates_filter(fed), secagg_filter(fed), health_filter(fed),  # type: ignore[attr-defined]
-                                        status_filter(fed)])
+            quiet = [updates_filter(fed), secagg_filter(fed), health_filter(fed), status_filter(fed)]
+            self.transport.unsubscribe(quiet)  # type: ignore[attr-defined]
         if self._update_queue is not None:
             self._update_queue.close()
             self.ingestor.flush()
