@@ -226,3 +226,36 @@ def test_over_a_real_mosquitto_a_gateway_that_connects_later_gets_the_retained_m
         cleaner.close()
 
 
+
+
+def test_each_site_is_released_its_own_clusters_model_and_an_unclustered_site_none(tmp_path: Path) -> None:
+    from coordinator.strategies.fedavg import FedAvg
+
+    class TwoClusters(FedAvg):
+        """site_weights as NIRA's: the shared phi with the head of the site's cluster (g1: A, g2: B; g3: none)."""
+
+        def site_weights(self, bundle, site_id):  # noqa: ANN001
+            if site_id == "g3":
+                raise KeyError("site 'g3' has no cluster yet")
+            prefix = {"g1": "A/", "g2": "B/"}[site_id]
+            return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in bundle.items()
+                    if not k.startswith(("A/", "B/")) or k.startswith(prefix)}
+
+    coord, bus, _ = _federation(tmp_path, ["g1", "g2", "g3"])
+    coord.releases._strategy = TwoClusters()
+    coord.start()
+    _, weights = coord.rounds.current_model()
+    heads = {n for n in weights if n.startswith("psi.")}
+    bundle = {k: v for k, v in weights.items() if k not in heads}
+    for cluster, shift in (("A/", 0.1), ("B/", -0.1)):
+        bundle.update({cluster + n: (weights[n] + shift).astype(np.float32) for n in heads})
+    model_a = {**{k: v for k, v in weights.items() if k not in heads}, **{n: bundle["A/" + n] for n in heads}}
+    model_b = {**{k: v for k, v in weights.items() if k not in heads}, **{n: bundle["B/" + n] for n in heads}}
+    released = coord.releases.release(1, model_hash(bundle), bundle)
+    assert released == {"g1": model_hash(model_a), "g2": model_hash(model_b)} and released["g1"] != released["g2"]
+    for site, model in (("g1", model_a), ("g2", model_b)):
+        env = Envelope.from_bytes(bus.retained[model_topic("testfed", site)])
+        assert env.header.site_id == site and env.header.base_model_hash == model_hash(model)
+    assert model_topic("testfed", "g3") not in bus.retained
+    assert coord.store.get_state(release_state_key("g3")) is None  # nothing recorded: the next catch-up tries again
+    coord.close()
