@@ -21,7 +21,7 @@ takes the gateway back. Radio base stations keep no model: their releases are ig
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import numpy as np
@@ -59,6 +59,7 @@ class ModelReleases:
         self._download: Reassembly | None = None  # the chunked release being assembled (at most one: the newest)
         self._early: OrderedDict[str, dict[int, Chunk]] = OrderedDict()  # transfer id -> chunks before a manifest
         self._early_bytes = 0
+        self._settled: deque[str] = deque(maxlen=16)  # transfers taken or turned down: their chunks are dropped
 
     def handle(self, data: bytes) -> bool:
         """One message from the site's model topics; returns True when a new model was kept. Nothing here raises
@@ -94,6 +95,7 @@ class ModelReleases:
             return False
         h = envelope.header
         if not self._wanted(h.round, h.timestamp, h.base_model_hash, manifest.header.timestamp):
+            self._settle(manifest.transfer_id)  # held chunks freed; its retained chunks are dropped as they come
             return False
         if self._download is not None and self._download.manifest.transfer_id == manifest.transfer_id:
             return False  # a repeat: the chunks held are kept
@@ -117,7 +119,8 @@ class ModelReleases:
             return None
         if self._download is not None and chunk.transfer_id == self._download.manifest.transfer_id:
             return self._add(chunk)
-        self._hold(chunk)  # its manifest may come after it (retained messages come in no fixed order)
+        if chunk.transfer_id not in self._settled:
+            self._hold(chunk)  # its manifest may come after it (retained messages come in no fixed order)
         return None
 
     def _add(self, chunk: Chunk) -> Envelope | None:
@@ -131,7 +134,15 @@ class ModelReleases:
             self.ctx.reject("model chunk", exc.reason, str(exc))
             return None
         self._download = None
+        self._settle(chunk.transfer_id)
         return self.ctx.addressed(inner, MessageKind.MODEL, "model")
+
+    def _settle(self, transfer_id: str) -> None:
+        """A transfer taken or turned down: free the chunks held for it and drop those still to come."""
+        if transfer_id not in self._settled:
+            self._settled.append(transfer_id)
+        dropped = self._early.pop(transfer_id, {})
+        self._early_bytes -= sum(len(c.data) for c in dropped.values())
 
     def _hold(self, chunk: Chunk) -> None:
         held = self._early.setdefault(chunk.transfer_id, {})
