@@ -103,9 +103,10 @@ __all__ = ["BrokerConfigResult", "BrokerCredentials", "generate_broker_config", 
            "MOSQUITTO_PBKDF2_ITERATIONS", "WORKER_READ_CHANNELS", "WORKER_WRITE_CHANNELS", "ingest_worker_roles"]
 
 #: Channels a site publishes on (its own topics only).
-SITE_WRITE_CHANNELS = ("update", "detection", "secagg", "status")
-#: Channels a site reads (its own topics only).
-SITE_READ_CHANNELS = ("task", "ack")
+SITE_WRITE_CHANNELS = ("update", "detection", "secagg", "status", "health")
+#: Channels a site reads (its own topics only): ``model/#`` are the chunk topics of a released model
+#: (shared.topics.model_chunk_topic); ``model`` is listed too, so the rule does not rest on ``#`` matching its parent.
+SITE_READ_CHANNELS = ("task", "ack", "model", "model/#")
 #: Channels an ingest worker reads (every site's).
 WORKER_READ_CHANNELS = ("update",)
 #: Channels an ingest worker writes (every site's): ACKs and receipts, and the task chunks it resends.
@@ -144,10 +145,10 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
                site_roles: Sequence[str] = ()) -> str:
     """The Mosquitto ACL file of a federation.
 
-    Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status}`` and read
-    ``.../site/<id>/{task,ack}``; the coordinator user may read every site's update, detection, secagg and status
-    topics and write every site's task and ack topics. Role accounts (module docstring): an ingest worker
-    (``coordinator_roles``) reads every site's update topic and writes every task and ack topic; a site's
+    Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status,health}``
+    and read ``.../site/<id>/{task,ack,model,model/#}``; the coordinator user may read every site's update,
+    detection, secagg, status and health topics and write every site's task, ack and model topics. Role accounts
+    (module docstring): an ingest worker (``coordinator_roles``) reads every site's update topic and writes every task and ack topic; a site's
     ``detect`` role (in ``site_roles``) writes only that site's detection topic. Every rule is keyed by username
     (``user`` blocks), never by the client-chosen client id. Nothing else (no anonymous section, no patterns, no
     ``$SYS``). Sites and roles are listed sorted, so the text depends only on the sets.
@@ -635,7 +636,7 @@ def generate_broker_config(*, registry: SiteRegistry, federation_id: str, out: s
         client_certs: require client certificates on the TLS listener (CN = username) and issue one per account.
         ca_cert, ca_key: an existing CA (PEM certificate and unencrypted key) instead of a generated one.
         rotate_passwords: draw new passwords for every account (default: keep existing ones).
-        persistence: keep retained messages (site status) and persistent sessions with their queued messages (the
+        persistence: keep retained messages (site status, released models) and persistent sessions with their queued messages (the
             coordinator's: what gateways publish while it is stopped, docs/service.md) across broker restarts in
             ``out/persistence/``.
         broker_user: ``user`` line of the config (the account mosquitto drops root privileges to; it must be able

@@ -35,6 +35,7 @@ Example (``wildfed-coordinator init`` writes this)::
     seed: 0                               # model init and site sampling only
     task_seed: null                       # a seed in tasks makes gateway noise reproducible: tests only
     ship_ort_artifacts: null              # ONNX Runtime training artifacts in every task; null: if ORT training imports
+    release_models: true                  # publish each new global model (retained) to every camera site for detect
     secagg: {threshold: null, modulus_bits: 32, max_abs_value: null, stage_timeout_s: 60, colluding_sites: 1}
                                           # privacy: global only; colluding_sites: distributed noise only
     global_noise: trusted-server          # privacy: global: trusted-server (the coordinator adds the noise) or
@@ -475,6 +476,10 @@ class CoordinatorConfig(StrictModel):
     ship_ort_artifacts: bool | None = Field(None, description="put ONNX Runtime training artifacts of the global "
                                             "model in every task (coordinator.artifacts); None: yes where "
                                             "onnxruntime.training imports at the coordinator")
+    release_models: bool = Field(True, description="model: head: after every round that makes a new global "
+                                 "model, publish it signed and retained on each camera site's model topic (NIRA: "
+                                 "its cluster's), so that every gateway's detect and field loop use it "
+                                 "(coordinator.model_delivery)")
     secagg: SecAggConfig = Field(default_factory=SecAggConfig)
     strategy: Strategy = Field(default_factory=FedAvgConfig)
     server_optimizer: ServerOptimizerConfig = Field(default_factory=ServerSGDConfig)

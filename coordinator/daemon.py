@@ -12,6 +12,10 @@
   rounds exist. A round that cannot run (no site enrolled or selectable, every site's budget halted, fewer than
   two sites for Global DP) is logged with the reason and the next slot, and the service waits for that slot instead
   of exiting.
+* **Models and fleet health.** Every round that makes a new model releases it, retained, to the camera gateways
+  (coordinator.model_delivery; the last one too, once ``max_rounds`` rounds exist), and at every look at the
+  schedule the current model goes to the sites that lack it (a site enrolled while the service runs). Presence
+  and health records are stored as they come (coordinator.fleet; ``wildfed-coordinator fleet``).
 * **The rangers' web view** (coordinator.web.app) in the same process, served by uvicorn on a thread, unless
   ``web=False`` (``--no-web``).
 * **Clean stops.** SIGTERM (systemd's stop) and SIGINT (Ctrl-C) set the stop event: between rounds the service
@@ -179,6 +183,7 @@ class CoordinatorService:
         announced: _dt.datetime | None = None
         idle_logged = False
         while not self.stop_event.is_set():
+            self.coordinator.release_models()  # sites enrolled while it runs get the current model (cheap if none)
             due = next_round_at(self.coordinator.store, self.config, last_attempt=self._last_attempt)
             if due is None:
                 if not idle_logged:

@@ -172,6 +172,10 @@ class RoundManager:
         # the open round's sealed tasks, one per distinct content (payload encoded and hashed once for its sites)
         self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}
         self._offsets: tuple[int, tuple[float, ...] | None] | None = None  # (round, offsets) of prediction_offsets
+        self.on_new_model: Callable[[int, str, Mapping[str, np.ndarray]], object] | None = None
+        """``on_new_model(round, model hash, weights)`` once a round's new model is stored and its row closed (before
+        the strategy's ``end_round``, so NIRA's sites are still in the clusters that trained it): the coordinator
+        releases it to the gateways (coordinator.model_delivery). It must not raise."""
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -565,6 +569,8 @@ class RoundManager:
             row.closed_at = utcnow()
             row.detail = outcome.reason[:2000]
         log.info("rounds: round %d %s (Global DP), model %s", r, outcome.status, new_hash[:12])
+        if outcome.status == "closed" and self.on_new_model is not None:
+            self.on_new_model(r, new_hash, new_weights)
         return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
                            accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
                            duration_s=self._clock() - t0,
@@ -743,6 +749,8 @@ class RoundManager:
         log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
                  new_hash[:12])
         shutil.rmtree(self.config.data_dir / "outgoing" / str(ctx.round), ignore_errors=True)
+        if status == "closed" and self.on_new_model is not None:
+            self.on_new_model(ctx.round, new_hash, new_weights)
         if status == "closed":
             for line in ctx.strategy.end_round(ctx.round):
                 log.info("rounds: round %d: %s", ctx.round, line)

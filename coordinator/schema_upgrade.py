@@ -1,8 +1,9 @@
 """Upgrades of an existing coordinator database in place: :func:`upgrade_schema`, which
 :class:`coordinator.storage.Store` runs before it creates missing tables.
 
-SQLAlchemy's ``create_all`` creates the tables that do not exist and never changes one that does. A change to the
-shape of an existing table is therefore an upgrade step here. Each step detects the old shape by inspecting the
+SQLAlchemy's ``create_all`` creates the tables that do not exist and never changes one that does. A new table (such
+as ``site_health``, the fleet's health records) therefore needs no step: the store creates it in an existing
+database at its next start. A change to the shape of an existing table is an upgrade step here. Each step detects the old shape by inspecting the
 database and rewrites what it must in ONE transaction: PostgreSQL runs DDL inside transactions; on SQLite the step
 runs on an autocommit connection between an explicit ``BEGIN IMMEDIATE`` and ``COMMIT``, so that the DDL is inside
 the transaction too (the sqlite3 module would otherwise commit before each DDL statement). A crash or an error

@@ -14,6 +14,9 @@ Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
 chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
 :class:`~coordinator.detections.DetectionIngestor` (subscribed to ``shared.topics.detections_filter``),
 :class:`~coordinator.global_dp.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
+:class:`~coordinator.fleet.FleetIngestor` (subscribed to ``shared.topics.status_filter`` and ``health_filter``:
+presence and health records, ``wildfed-coordinator fleet``), :class:`~coordinator.model_delivery.ModelPublisher`
+(each new model released, retained, to the camera gateways; the round manager calls it),
 :class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
 :class:`~coordinator.optimizers.server_sgd.ServerSGD`. torch is never imported here; the round-0 model comes from
 the head model's ``initial_weights`` (``shared.models.kinds.model_spec("head", num_classes, adapter_width=...)``,
@@ -33,14 +36,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shared.codec import encode_tensors, model_hash
 from shared.iucn import IUCNCategory
 from shared.keys import load_private_key
-from shared.topics import detections_filter, secagg_filter, updates_filter
+from shared.topics import detections_filter, health_filter, secagg_filter, status_filter, updates_filter
 
 from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
+from coordinator.fleet import FleetIngestor
 from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor, ReplayWindow
 from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
+from coordinator.model_delivery import ModelPublisher
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.registry import Site, SiteRegistry
@@ -140,6 +145,12 @@ class Coordinator:
                                    strategy=strategy,
                                    optimizer=optimizer or build_optimizer(config),
                                    signing_key=self._key, secagg_collector=self.secagg)
+        self.releases = ModelPublisher(config=config, store=self.store, registry=self.registry,
+                                       transport=self.transport, signing_key=self._key, strategy=strategy,
+                                       offsets=self.rounds.prediction_offsets)
+        self.rounds.on_new_model = self.releases.release
+        self.fleet = FleetIngestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
+                                   replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
         self.transfers = TransferReceiver(
             federation_id=config.federation_id, store=self.store, registry=self.registry, ingestor=self.ingestor,
             transport=self.transport, signing_key=self._key,
@@ -213,6 +224,8 @@ class Coordinator:
             self.transport.subscribe(updates_filter(self.config.federation_id), handler)
         self.transport.subscribe(detections_filter(self.config.federation_id), self.detections)
         self.transport.subscribe(secagg_filter(self.config.federation_id), self.secagg)
+        self.transport.subscribe(health_filter(self.config.federation_id), self.fleet)
+        self.transport.subscribe(status_filter(self.config.federation_id), self.fleet)  # retained: each site's latest
         if isinstance(self.transport, MqttTransport):
             self.transport.connect()
             if self.config.ingest_workers > 0 and self.transport.persistent_session:
@@ -223,22 +236,26 @@ class Coordinator:
         self.rounds.restore_optimizer_state()
         self.transfers.sweep()  # expired uploads, and staging a killed process left for a stored update
         self._started = True
-        return self.rounds.recover()
+        recovered = self.rounds.recover()
+        self.releases.catch_up()  # sites enrolled since, releases that failed, a database from before releases
+        return recovered
 
     def close(self) -> None:
         """Stop ingesting (what was checked before the stop is made durable and ACKed), then disconnect the
         transport (if the coordinator built it; it lets its last ACKs go out first) and release database
         connections. The ACKs need the transport: it is closed last.
 
-        A persistent session is first unsubscribed from the update and secure-aggregation topics, so that while
-        this process is stopped the broker queues detection records only: a gateway re-sends an update until it is
-        ACKed (every ``resend_interval_s``: queued, the copies would fill the broker's queue for this client and
-        push detection records out of it), and a secure-aggregation message is of no use once its round has
-        ended. The next start subscribes to them again. After a crash the subscriptions stay, and the broker queues
-        those messages too until the coordinator is back (docs/service.md)."""
+        A persistent session is first unsubscribed from the update, secure-aggregation, health and presence topics,
+        so that while this process is stopped the broker queues detection records only: a gateway re-sends an update
+        until it is ACKed (every ``resend_interval_s``: queued, the copies would fill the broker's queue for this
+        client and push detection records out of it), a secure-aggregation message is of no use once its round has
+        ended, health records come again every ``health_interval_s`` and presence is retained (the next subscription
+        delivers each site's latest). The next start subscribes to them again. After a crash the subscriptions stay,
+        and the broker queues those messages too until the coordinator is back (docs/service.md)."""
         if getattr(self.transport, "persistent_session", False) and self._started:
             fed = self.config.federation_id
-            self.transport.unsubscribe([updates_filter(fed), secagg_filter(fed)])  # type: ignore[attr-defined]
+            quiet = [updates_filter(fed), secagg_filter(fed), health_filter(fed), status_filter(fed)]
+            self.transport.unsubscribe(quiet)  # type: ignore[attr-defined]
         if self._update_queue is not None:
             self._update_queue.close()
             self.ingestor.flush()
@@ -258,6 +275,11 @@ class Coordinator:
     def enrol(self, site_id: str, public_key_pem: str, metadata: Mapping[str, Any] | None = None) -> Site:
         """Enrol a site (see :meth:`coordinator.registry.SiteRegistry.enrol`; raises ``EnrolmentError``)."""
         return self.registry.enrol(site_id, public_key_pem, metadata)
+
+    def release_models(self) -> dict[str, str]:
+        """Release the current model to the camera sites that lack it (:meth:`ModelPublisher.catch_up`); returns
+        ``{site: model hash released}``. ``service`` calls it at every look at the schedule."""
+        return self.releases.catch_up()
 
     def run_round(self) -> RoundResult:
         """Run the next round (starts the coordinator first if needed)."""

@@ -33,6 +33,8 @@ Tables (SQLite by default, PostgreSQL by URL):
                 (coordinator.workers)
 ``registry_version`` one row: a counter every change of a site's keys increments in the same transaction
                 (coordinator.registry caches verification keys and re-reads them when it moves)
+``site_health`` per site, the newest verified health record and its times, and the latest presence message
+                (online/offline, advisory) with when it arrived (coordinator.fleet; ``wildfed-coordinator fleet``)
 ============== ===========================================================================================
 
 Blobs are written to a temporary file, ``fsync``-ed and atomically renamed, so a file that exists under its hash
@@ -110,6 +112,7 @@ __all__ = [
     "DetectionTallyRow",
     "TransferRow",
     "PartialSumRow",
+    "SiteHealthRow",
     "UserRow",
     "WebSessionRow",
     "DeploymentRow",
@@ -361,6 +364,21 @@ class RegistryVersionRow(Base):
     __tablename__ = "registry_version"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class SiteHealthRow(Base):
+    """What the coordinator last heard from a gateway (coordinator.fleet): its newest verified health record
+    (``record_json``, ``shared.health.HealthRecord``) with the envelope's signing time ``sent_at`` and the arrival
+    time ``received_at``, and the latest presence message (``presence``: ``online``/``offline``, unsigned and
+    advisory) with its arrival time ``presence_at``. Times are naive UTC. One row per site, replaced in place."""
+
+    __tablename__ = "site_health"
+    site_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    record_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    sent_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    received_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+    presence: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    presence_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class PartialSumRow(Base):

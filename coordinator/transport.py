@@ -73,8 +73,10 @@ class TransportError(WildFedError):
 class Transport(Protocol):
     """What the coordinator needs from a message bus."""
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
-        """Publish ``payload`` on ``topic`` (at-least-once for ``qos=1``); raises :class:`TransportError`."""
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        """Publish ``payload`` on ``topic`` (at-least-once for ``qos=1``; ``retain``: the broker keeps it as the
+        topic's retained message, delivered to every later subscriber, and an empty retained payload deletes it);
+        raises :class:`TransportError`."""
         ...
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
@@ -110,29 +112,45 @@ class InMemoryTransport:
     """In-process bus for tests: ``publish`` calls every matching subscriber synchronously, in subscription order.
 
     Subscriber exceptions are logged and swallowed (as a broker would isolate them). ``published`` keeps every
-    ``(topic, payload)`` for assertions. Thread-safe; re-entrant publishing from inside a callback is allowed.
+    ``(topic, payload)`` for assertions. Retained messages are kept per topic (``retained``; an empty retained
+    payload deletes one) and delivered to each new subscription whose filter matches, as a broker does (MQTT 3.1.1
+    sec. 3.3.1.3). Thread-safe; re-entrant publishing from inside a callback is allowed.
     """
 
     def __init__(self) -> None:
         self._subs: list[tuple[str, Callback]] = []
         self._lock = threading.RLock()
         self.published: list[tuple[str, bytes]] = []
+        self.retained: dict[str, bytes] = {}
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
-        """Record and deliver ``payload`` to every subscriber whose filter matches ``topic``."""
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        """Record and deliver ``payload`` to every subscriber whose filter matches ``topic``; keep it as the topic's
+        retained message when ``retain`` (an empty one deletes it and is not delivered)."""
         with self._lock:
+            if retain:
+                if not payload:
+                    self.retained.pop(topic, None)
+                    return
+                self.retained[topic] = bytes(payload)
             self.published.append((topic, bytes(payload)))
             targets = [cb for f, cb in self._subs if topic_matches(f, topic)]
         for cb in targets:
-            try:
-                cb(topic, bytes(payload))
-            except Exception:  # noqa: BLE001 - a subscriber's bug must not break the publisher (broker isolation)
-                log.exception("in-memory transport: subscriber of %s raised", topic)
+            self._call(cb, topic, bytes(payload))
+
+    @staticmethod
+    def _call(cb: Callback, topic: str, payload: bytes) -> None:
+        try:
+            cb(topic, payload)
+        except Exception:  # noqa: BLE001 - a subscriber's bug must not break the publisher (broker isolation)
+            log.exception("in-memory transport: subscriber of %s raised", topic)
 
     def subscribe(self, topic_filter: str, callback: Callback) -> None:
-        """Register ``callback`` for ``topic_filter``."""
+        """Register ``callback`` for ``topic_filter`` and deliver it the retained messages that match."""
         with self._lock:
             self._subs.append((topic_filter, callback))
+            retained = [(t, p) for t, p in self.retained.items() if topic_matches(topic_filter, t)]
+        for topic, payload in retained:
+            self._call(callback, topic, payload)
 
     def close(self) -> None:
         """Drop all subscriptions."""
@@ -372,8 +390,9 @@ class MqttTransport:
                                          "the TLS client certificate)")
                 raise TransportError(f"no CONNACK from {self.host}:{self.port} within {self.connect_timeout_s} s")
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
-        """Publish and wait until the broker has it (PUBACK for QoS 1), except when called from paho's own
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        """Publish (``retain``: as the topic's retained message) and wait until the broker has it (PUBACK for QoS 1),
+        except when called from paho's own
         network thread or from a :class:`QueuedCallback` handler (an ACK or a receipt), where waiting could block
         the loop that delivers the PUBACK (the network thread may itself be waiting for room in that handler's
         queue): paho then completes the QoS 1 exchange in the background. Such a reply, if lost, is sent again when
@@ -385,7 +404,7 @@ class MqttTransport:
         Raises:
             TransportError: paho refused the publish.
         """
-        info = self._publish_nowait(topic, payload, qos)
+        info = self._publish_nowait(topic, payload, qos, retain)
         if info is not None:
             self._wait_published([info])
 
@@ -431,7 +450,7 @@ class MqttTransport:
         finally:
             self._pipeline.publish = None
 
-    def _publish_nowait(self, topic: str, payload: bytes, qos: int) -> MQTTMessageInfo | None:
+    def _publish_nowait(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> MQTTMessageInfo | None:
         """Hand a message to paho; the ``MQTTMessageInfo`` to wait on, or None when there is nothing to wait for
         (refused before sending, queued while disconnected, or called where waiting could deadlock: see
         :meth:`publish`).
@@ -446,7 +465,7 @@ class MqttTransport:
                 self._refusal_logged.add(topic)
                 log.error("mqtt: not sent: %s", refused)
             return None
-        info = self._client.publish(topic, payload, qos=qos)
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS and info.rc != self._mqtt.MQTT_ERR_NO_CONN:
             raise TransportError(f"publish to {topic} failed: {self._mqtt.error_string(info.rc)}")
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).

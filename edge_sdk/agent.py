@@ -1,9 +1,12 @@
 """The gateway agent: the front door of the edge side, a loop that dispatches.
 
-Loop: wait for messages on the site's task and ack topics; dispatch each to the part that handles it
+Loop: wait for messages on the site's task, ack and model topics; dispatch each to the part that handles it
 (:mod:`edge_sdk.rounds`): a chunk or manifest of a task download, a TASK (checked by
 :func:`~edge_sdk.rounds.tasks.accept_task`, then trained by the camera, radio or Global DP part), a secure-aggregation
-stage, an ACK or a RECEIPT for an upload (:class:`~edge_sdk.uplink.uploader.Uploader`). Transport callbacks only
+stage, an ACK or a RECEIPT for an upload (:class:`~edge_sdk.uplink.uploader.Uploader`), a released global model or
+its chunks (:class:`~edge_sdk.rounds.releases.ModelReleases`, kept for ``detect`` and the field loop). The site's
+signed health record (:class:`~edge_sdk.uplink.health.HealthReporter`) goes out after every (re)connect, when a new
+model is kept, and every ``health_interval_s``. Transport callbacks only
 enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so nothing blocks the network thread.
 When idle, unacknowledged updates are resent every ``resend_interval_s`` and stalled downloads are asked for again;
 after every (re)connect the outbox is resent and the open round's task is asked for.
@@ -36,23 +39,25 @@ from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import load_feature_centre
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.radio import RadioMapSet
-from shared.topics import ack_topic, task_topic
+from shared.topics import ack_topic, model_filter, task_topic
 from shared.transfer import is_chunk
 
 from edge_sdk.backends.base import TrainingBackend
 from edge_sdk.backends.ort_backend import ArtifactCache
 from edge_sdk.config import SiteConfig, global_model_path, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset
-from edge_sdk.global_model import save_global_model
+from edge_sdk.global_model import ModelVersion, keep_global_model
 from edge_sdk.privacy.timing import RoundPacer
 from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.camera import CameraRound, SiteRecords
 from edge_sdk.rounds.context import AgentContext, kind_of
 from edge_sdk.rounds.downloads import TaskDownloads
 from edge_sdk.rounds.radio_round import RadioRound
+from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
 from edge_sdk.rounds.tasks import accept_task
 from edge_sdk.site_paths import calibration_cache_dir
+from edge_sdk.uplink.health import ErrorLog, HealthReporter
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport
 from edge_sdk.uplink.uploader import Uploader
@@ -114,11 +119,15 @@ class EdgeAgent:
                                    feature_centre=self.feature_centre, calibration_cache=self.calibration_cache)
                        if self.records is not None else None)
         self.field = None
+        self.errors = ErrorLog()  # the newest ERROR line, for the health record
+        self.health = HealthReporter(self.ctx, field_queue_pending=self._detections_waiting, errors=self.errors)
+        self.releases = ModelReleases(self.ctx, on_kept=lambda version: self.health.send("new model"))
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stop = threading.Event()
         self._started = False
         self._task_topic = task_topic(config.federation_id, config.site_id)
         self._ack_topic = ack_topic(config.federation_id, config.site_id)
+        self._model_filter = model_filter(config.federation_id, config.site_id)
 
     @classmethod
     def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
@@ -176,12 +185,20 @@ class EdgeAgent:
     def _on_ack(self, topic: str, payload: bytes) -> None:
         self._inbox.put(("ack", payload))
 
+    def _on_model(self, topic: str, payload: bytes) -> None:
+        self._inbox.put(("model", payload))
+
     def _on_connect(self) -> None:
         self._inbox.put(("connected", b""))
 
+    def _detections_waiting(self) -> int | None:
+        """Detection records waiting in the running field loop's queue (None: no field loop running)."""
+        field = self.field
+        return field.queue.pending() if field is not None and field.queue is not None else None
+
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Subscribe to the task and ack topics and connect (idempotent).
+        """Subscribe to the task, ack and model topics and connect (idempotent).
 
         Raises:
             TransportError: the broker cannot be reached.
@@ -190,6 +207,8 @@ class EdgeAgent:
             return
         self.transport.subscribe(self._task_topic, self._on_task)
         self.transport.subscribe(self._ack_topic, self._on_ack)
+        if self.config.task == "camera":  # a released model is for detect and the field loop
+            self.transport.subscribe(self._model_filter, self._on_model)
         self.transport.add_connect_listener(self._on_connect)
         self.transport.connect()
         self._started = True
@@ -203,6 +222,7 @@ class EdgeAgent:
         """Close the transport and the outbox."""
         self.transport.close()
         self.outbox.close()
+        self.errors.close()
 
     def run(self, *, max_rounds: int | None = None, idle_timeout_s: float | None = None) -> int:
         """Process messages until stopped (and run the field loop meanwhile, when the site has an incoming folder).
@@ -232,6 +252,8 @@ class EdgeAgent:
         while not self._stop.is_set():
             if pacer.run_due():  # what waited for its time slot leaves now (edge_sdk.privacy.timing)
                 last_activity = time.monotonic()
+            if self.health.due():
+                self.health.send("interval")
             if max_rounds is not None and trained >= max_rounds and not pacer.pending() \
                     and not self.outbox.count() and self.secagg.state is None:
                 break
@@ -257,9 +279,12 @@ class EdgeAgent:
                 self.uploader.handle_receipt(payload)
             elif kind == "ack":
                 self.uploader.handle_ack(payload)
+            elif kind == "model":
+                self.releases.handle(payload)
             elif kind == "connected":
                 self.uploader.resend_pending()
                 self.request_downloads()
+                self.health.send("connected")
         return trained
 
     def _start_field_loop(self) -> threading.Thread | None:
@@ -327,18 +352,21 @@ class EdgeAgent:
             return self.radio.train(task, weights, accepted.artifacts)
         if self.backends.select(task, accepted.artifacts, weights) is None:
             return False
-        self._keep_model(task, weights, accepted.model_hash)
+        self._keep_model(task, weights, accepted.model_hash, envelope.header.timestamp)
         if task.privacy == "global":
             assert self.records is not None
             return self.secagg.start(task, weights, self.records)
         assert self.camera is not None
         return self.camera.train(task, weights)
 
-    def _keep_model(self, task: object, weights: dict[str, np.ndarray], model_hash: str) -> None:
-        """Keep the task's model for detect and the field loop (a failure here must not cost the round)."""
+    def _keep_model(self, task: object, weights: dict[str, np.ndarray], model_hash: str, timestamp: int) -> None:
+        """Keep the task's model for detect and the field loop unless a newer one is kept (a released model of the
+        same round or later: :func:`edge_sdk.global_model.keep_global_model`); a failure here must not cost the
+        round."""
         try:
-            save_global_model(global_model_path(self.config), weights, round_=task.round,  # type: ignore[attr-defined]
-                              model_hash_hex=model_hash, prediction_offsets=task.prediction_offsets,  # type: ignore[attr-defined]
+            keep_global_model(global_model_path(self.config), weights,
+                              ModelVersion(task.round, "task", timestamp, model_hash),  # type: ignore[attr-defined]
+                              prediction_offsets=task.prediction_offsets,  # type: ignore[attr-defined]
                               backbone_id=self.config.backbone_id)
         except (OSError, ValueError) as exc:
             log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,

@@ -184,6 +184,11 @@ class SiteConfig(BaseModel):
             resent at every reconnect.
         max_task_bytes: largest task download accepted, bytes (checked on its manifest, before any chunk).
         download_ttl_s: seconds after which an incomplete task download is dropped.
+        health_interval_s: seconds between the gateway's signed health records (``shared.health``; also sent at
+            start, after every reconnect and when a new global model is kept); 0 sends none. Default 900 (15 min).
+        health_report_errors: put the newest ERROR line of the log (200 characters at most) in the health record;
+            default on. Turn it off where a log line could name something the site keeps to itself (docs/privacy.md,
+            "Public metadata").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -231,6 +236,8 @@ class SiteConfig(BaseModel):
     resend_interval_s: float = Field(default=60.0, gt=0)
     max_task_bytes: int = Field(default=512 << 20, ge=1024)
     download_ttl_s: float = Field(default=48 * 3600.0, gt=0)
+    health_interval_s: float = Field(default=900.0, ge=0)
+    health_report_errors: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -111,7 +111,9 @@ class MessageKind(str, Enum):
     an acknowledgement of an update (coordinator → site), a detection record (site → coordinator), one stage
     of secure aggregation in Global DP mode (both directions; ``shared.protocol.SecAggMessage``), the manifest of
     a chunked transfer or a receipt listing the chunks a receiver still lacks (both directions;
-    :mod:`shared.transfer`). A reader that does not know a kind rejects the envelope (rule 3 below)."""
+    :mod:`shared.transfer`), a released global model (coordinator → site; ``shared.releases``: the model a gateway
+    predicts with, published retained after each round that makes a new one) or a gateway's health record (site →
+    coordinator; ``shared.health``). A reader that does not know a kind rejects the envelope (rule 3 below)."""
 
     TASK = "task"
     UPDATE = "update"
@@ -120,6 +122,8 @@ class MessageKind(str, Enum):
     SECAGG = "secagg"
     MANIFEST = "manifest"
     RECEIPT = "receipt"
+    MODEL = "model"
+    HEALTH = "health"
 
 
 def validate_identifier(value: str, field: str) -> str:

@@ -8,6 +8,9 @@
     wildfed/v1/{federation_id}/site/{site_id}/detection   site -> coordinator   signed DETECTION
     wildfed/v1/{federation_id}/site/{site_id}/secagg      site -> coordinator   signed SECAGG (Global DP mode)
     wildfed/v1/{federation_id}/site/{site_id}/status      site (or the broker) -> coordinator   UNSIGNED presence
+    wildfed/v1/{federation_id}/site/{site_id}/health      site -> coordinator   signed HEALTH
+    wildfed/v1/{federation_id}/site/{site_id}/model       coordinator -> site   signed MODEL (or its MANIFEST), retained
+    wildfed/v1/{federation_id}/site/{site_id}/model/{i}   coordinator -> site   chunk i of a chunked MODEL, retained
 
 The coordinator's SECAGG messages to a site (key list, share inbox, recovery request, round end) ride on the
 site's ``task`` topic: a gateway reads only that topic and ``ack``.
@@ -15,6 +18,15 @@ site's ``task`` topic: a gateway reads only that topic and ``ack``.
 One topic per site and direction keeps broker ACLs simple (a site may publish only under its own ``site/{id}/``
 and read only its own task/ack topics) and lets the coordinator subscribe to ``site/+/update`` with one filter,
 or as a shared subscription (``$share/coordinators/...``) when several coordinator workers ingest.
+
+``model`` holds the global model the site should predict with (:mod:`shared.releases`), published **retained** by
+the coordinator after every round that makes a new model, so that a gateway that connects later still gets it. A
+model larger than the coordinator's chunk size travels as a signed manifest on ``model`` and its chunks on
+``model/0``, ``model/1``, ... (one topic per chunk, since a broker retains one message per topic); a gateway
+subscribes to ``model/#`` (:func:`model_filter`), which matches ``model`` itself and every chunk topic.
+
+``health`` carries a gateway's signed health record (:mod:`shared.health`): on start, after every reconnect, when
+it keeps a new model, and every ``health_interval_s``.
 
 ``status`` carries a small UTF-8 JSON presence message, ``{"site_id": ..., "state": "online" | "offline"}``
 (:func:`status_payload`), published *retained*: the gateway publishes ``online`` after every (re)connect, and the
@@ -32,11 +44,12 @@ from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError
 
 __all__ = ["PREFIX", "CHANNELS", "task_topic", "update_topic", "ack_topic", "detection_topic",
-           "secagg_topic", "status_topic", "updates_filter", "detections_filter", "secagg_filter", "status_filter",
+           "secagg_topic", "status_topic", "health_topic", "model_topic", "model_chunk_topic", "model_filter",
+           "updates_filter", "detections_filter", "secagg_filter", "status_filter", "health_filter",
            "status_payload", "parse_status_payload", "STATUS_STATES", "parse_topic"]
 
 PREFIX = "wildfed/v1"
-CHANNELS = ("task", "update", "ack", "detection", "secagg", "status")
+CHANNELS = ("task", "update", "ack", "detection", "secagg", "status", "health", "model")
 #: The states a presence message (:func:`status_payload`) may carry.
 STATUS_STATES = ("online", "offline")
 
@@ -77,6 +90,33 @@ def status_topic(federation_id: str, site_id: str) -> str:
     return _topic(federation_id, site_id, "status")
 
 
+def health_topic(federation_id: str, site_id: str) -> str:
+    """Topic on which ``site_id`` publishes its signed health records (``shared.health``)."""
+    return _topic(federation_id, site_id, "health")
+
+
+def model_topic(federation_id: str, site_id: str) -> str:
+    """Topic of ``site_id``'s released global model (retained): the MODEL envelope, or the manifest of a chunked one."""
+    return _topic(federation_id, site_id, "model")
+
+
+def model_chunk_topic(federation_id: str, site_id: str, index: int) -> str:
+    """Topic of chunk ``index`` (>= 0) of a chunked MODEL for ``site_id`` (retained): ``.../model/<index>``.
+
+    Raises:
+        MalformedEnvelopeError: a negative or non-integer ``index``.
+    """
+    if type(index) is not int or index < 0:
+        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
+    return f"{model_topic(federation_id, site_id)}/{index}"
+
+
+def model_filter(federation_id: str, site_id: str) -> str:
+    """Subscription filter of ``site_id``'s model topic and its chunk topics (``.../model/#``; MQTT 3.1.1 sec.
+    4.7.1.2: ``#`` also matches the parent level, the manifest's topic)."""
+    return f"{model_topic(federation_id, site_id)}/#"
+
+
 def updates_filter(federation_id: str) -> str:
     """Subscription filter matching every site's update topic."""
     validate_identifier(federation_id, "federation_id")
@@ -99,6 +139,12 @@ def status_filter(federation_id: str) -> str:
     """Subscription filter matching every site's status (presence) topic."""
     validate_identifier(federation_id, "federation_id")
     return f"{PREFIX}/{federation_id}/site/+/status"
+
+
+def health_filter(federation_id: str) -> str:
+    """Subscription filter matching every site's health topic."""
+    validate_identifier(federation_id, "federation_id")
+    return f"{PREFIX}/{federation_id}/site/+/health"
 
 
 def status_payload(site_id: str, state: str) -> bytes:

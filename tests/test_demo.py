@@ -42,6 +42,22 @@ def test_demo_small_federation(tmp_path):
     for value in report["final_accuracy"].values():
         assert value != value or 0.0 <= value <= 1.0  # nan for a category absent from the test split
 
+    # Every gateway holds the model the coordinator released to it after the last round (its own cluster's under
+    # NIRA), with no file copied: the hash in its kept model's metadata is the one the coordinator recorded.
+    assert report["final_models"] == {"sites": 3, "holding_final_model": 3, "missing": []}
+    from edge_sdk.config import global_model_path, load_site_config
+    from edge_sdk.global_model import kept_version
+
+    coord_db = sqlite3.connect(out / "coordinator" / "coordinator.db")
+    released = {k.split("/", 1)[1]: json.loads(v)["model"] for k, v in coord_db.execute(
+        "SELECT key, value_json FROM strategy_state WHERE key LIKE 'model_release/%'")}
+    assert set(released) == {site["site_id"] for site in report["sites"]}
+    for site in report["sites"]:
+        cfg = load_site_config(out / "sites" / site["site_id"] / "site.yaml")
+        kept = kept_version(global_model_path(cfg))
+        assert kept is not None and (kept.model_hash, kept.round, kept.source) == (
+            released[site["site_id"]], 2, "release")
+
     # Each site read its data from a Camtrap DP package written for it.
     for site in report["sites"]:
         pkg = out / "sites" / site["site_id"] / "camtrap-dp"

@@ -314,6 +314,7 @@ class DemoResult:
     nira: dict[str, Any] | None = None
     final_accuracy_unadjusted: dict[str, float] | None = None
     prediction_offsets: list[float] | None = None
+    final_models: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -904,6 +905,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         # while broker, coordinator and gateways still run: detections on real photos (wildfed_sim.detections)
         end_of_demo_detections(run_dir=run_dir, specs=specs, site_configs=site_configs, coordinator=coordinator,
                                weights=final_weights, model_round=len(result.history), console=console)
+        from wildfed_sim.fleet_check import wait_for_final_models
+
+        result.final_models = wait_for_final_models(coordinator, console=console)  # released, kept, reported
 
     if settings.centralised_epochs > 0:
         console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
@@ -961,7 +965,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         "pretraining": result.pretraining, "elapsed_s": result.elapsed_s,
         "strategy": settings.strategy, "per_site": result.per_site, "nira": result.nira,
         "final_accuracy_unadjusted": result.final_accuracy_unadjusted,
-        "prediction_offsets": result.prediction_offsets,
+        "prediction_offsets": result.prediction_offsets, "final_models": result.final_models,
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
     _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy != "none" else {},

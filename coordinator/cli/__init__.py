@@ -29,6 +29,8 @@ Commands, one module per group of operator tasks::
                                                       them (sensitive locations fuzzed for partner/public)
                    places list|lift                   the web view's protected places; lift earned protection
     clusters.py    clusters show|recluster|pin        NIRA's clusters (coordinator/strategies/nira.py)
+    fleet.py       fleet [--silent-hours H]           the gateways' health: presence, versions, models, backlogs,
+                                                      disk, last error; silent sites flagged (coordinator/fleet.py)
 
 ``common.py`` holds what they share (consoles, ``--config``, the error presentation, option parsing); it imports
 none of them. Every command but ``init`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or
@@ -43,12 +45,12 @@ from __future__ import annotations
 
 import typer
 
-from coordinator.cli import broker, clusters, federation, sites, web
+from coordinator.cli import broker, clusters, federation, fleet, sites, web
 
 __all__ = ["app"]
 
 app = typer.Typer(name="wildfed-coordinator", help="WildFed coordinator: federated rounds, ledger, registry.",
                   no_args_is_help=True, add_completion=False)
-for _group in (federation, sites, broker, web):
+for _group in (federation, sites, broker, web, fleet):
     app.add_typer(_group.app)  # no name: the group's commands stand at the top level (typer >= 0.15)
 app.add_typer(clusters.app, name="clusters")

@@ -23,9 +23,11 @@ need the operator role; what each role sees inside a page is decided by :class:`
  ``GET /sites``                   per-site summary
  ``GET /operator/budgets``        privacy budget burn-down per site and category (plot and table)
  ``GET /operator/rounds``         round history
+ ``GET /operator/fleet``          the gateways' health (coordinator.fleet): presence, last seen, versions, model,
+                                  backlogs, disk free, last error; ``silent_hours`` flags sites not heard from
  ``GET /export/camtrap-dp.zip``   Camtrap DP package as this role may see it
  ``GET /api/...``                 JSON of the same: deployments, detections, detections/{id}, species-counts,
-                                  sites, operator/budgets, operator/rounds
+                                  sites, operator/budgets, operator/rounds, operator/fleet
 =============================== ============================================================================
 
 Security headers on every response: a Content-Security-Policy that allows only this origin
@@ -59,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared.errors import ConfigError, DatasetError
 
 from coordinator.config import CoordinatorConfig
+from coordinator.fleet import format_age, format_gib
 from coordinator.storage import RoundRow, Store
 from coordinator.web.auth import AccountStore, LoginThrottle
 from coordinator.web.deployments import species_table_categories
@@ -239,6 +242,8 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
                                          window_s=config.web.login_window_s)
     templates = Jinja2Templates(directory=str(_HERE / "templates"))
     templates.env.filters["fmt"] = lambda v, spec=".3f": "–" if v is None else format(v, spec)
+    templates.env.filters["age"] = format_age
+    templates.env.filters["gib"] = format_gib
     templates.env.globals["federation_id"] = config.federation_id
 
     app = FastAPI(title=f"WildFed {config.federation_id}", docs_url=None, redoc_url=None, openapi_url=None)
@@ -486,6 +491,15 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
             if r.closed_at else None, "base_model": r.base_model_hash[:12], "new_model": (r.new_model_hash or "")[:12],
             "detail": r.detail} for r in rows]
 
+    def fleet(silent_hours: float) -> list[dict[str, Any]]:
+        from coordinator.fleet import fleet_rows
+        from coordinator.registry import SiteRegistry
+
+        if not (silent_hours > 0 and math.isfinite(silent_hours)):
+            raise HTTPException(status_code=422, detail="silent_hours must be a positive number of hours")
+        return [row.to_json() for row in fleet_rows(store, SiteRegistry(store), now=clock() if clock else None,
+                                                     silent_after_s=silent_hours * 3600)]
+
     @app.get("/operator/budgets", response_class=HTMLResponse)
     def budgets_page(request: Request) -> Response:
         ws = need(request, operator=True)
@@ -505,6 +519,11 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     def rounds_page(request: Request) -> Response:
         ws = need(request, operator=True)
         return page(request, "rounds.html", ws, rounds=round_rows())
+
+    @app.get("/operator/fleet", response_class=HTMLResponse)
+    def fleet_page(request: Request, silent_hours: float = 1.0) -> Response:
+        ws = need(request, operator=True)
+        return page(request, "fleet.html", ws, rows=fleet(silent_hours), silent_hours=silent_hours)
 
     # ---- export and JSON API -----------------------------------------------------------------------------------
     @app.get("/export/camtrap-dp.zip")
@@ -556,6 +575,11 @@ def create_app(config: CoordinatorConfig, *, store: Store | None = None, hasher:
     def api_rounds(request: Request) -> list[dict[str, Any]]:
         need(request, operator=True)
         return round_rows()
+
+    @app.get("/api/operator/fleet")
+    def api_fleet(request: Request, silent_hours: float = 1.0) -> list[dict[str, Any]]:
+        need(request, operator=True)
+        return fleet(silent_hours)
 
     return app
 

@@ -69,24 +69,37 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
 
 
 class InMemoryBroker:
-    """A process-local broker: delivers every publish synchronously to matching subscribers (tests, logic)."""
+    """A process-local broker: delivers every publish synchronously to matching subscribers (tests, logic).
+
+    Retained messages (``retained``, one per topic; an empty retained payload deletes it) are delivered to each new
+    subscription whose filter matches, as an MQTT broker does (MQTT 3.1.1 sec. 3.3.1.3)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._subscriptions: list[tuple[InMemoryTransport, str, MessageCallback]] = []
         self.published: list[tuple[str, bytes]] = []
+        self.retained: dict[str, bytes] = {}
 
     def _subscribe(self, transport: InMemoryTransport, topic_filter: str, callback: MessageCallback) -> None:
         with self._lock:
             self._subscriptions.append((transport, topic_filter, callback))
+            retained = [(t, p) for t, p in self.retained.items() if topic_matches(topic_filter, t)]
+        for topic, payload in retained:
+            callback(topic, payload)
 
     def _unsubscribe_all(self, transport: InMemoryTransport) -> None:
         with self._lock:
             self._subscriptions = [s for s in self._subscriptions if s[0] is not transport]
 
-    def deliver(self, topic: str, payload: bytes) -> None:
-        """Route one message to every connected subscriber whose filter matches (outside the lock)."""
+    def deliver(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        """Route one message to every connected subscriber whose filter matches (outside the lock); keep it as the
+        topic's retained message when ``retain`` (an empty one deletes it and is not delivered)."""
         with self._lock:
+            if retain:
+                if not payload:
+                    self.retained.pop(topic, None)
+                    return
+                self.retained[topic] = payload
             self.published.append((topic, payload))
             targets = [(t, cb) for t, f, cb in self._subscriptions if t.connected and topic_matches(f, topic)]
         for _, callback in targets:
@@ -113,11 +126,13 @@ class InMemoryTransport(Transport):
         for listener in list(self._listeners):
             listener()
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = 10.0) -> None:
-        """Deliver synchronously. Raises TransportError when not connected."""
+    def publish(self, topic: str, payload: bytes, qos: int = 1, timeout_s: float = 10.0, *,
+                retain: bool = False) -> None:
+        """Deliver synchronously (``retain``: also keep it as the topic's retained message). Raises TransportError
+        when not connected."""
         if not self.connected:
             raise TransportError(f"not connected: cannot publish to {topic}")
-        self._broker.deliver(topic, bytes(payload))
+        self._broker.deliver(topic, bytes(payload), retain=retain)
 
     def subscribe(self, topic_filter: str, callback: MessageCallback) -> None:
         """Register the subscription now (if connected) and on every reconnect."""

@@ -243,3 +243,38 @@ def test_the_broker_refuses_oversized_messages(broker, tmp_path: Path) -> None:
     finally:
         gateway.close()
         coordinator.close()
+
+
+def test_the_acl_lets_models_reach_only_their_site_and_health_records_only_the_coordinator(broker,
+                                                                                         tmp_path: Path) -> None:
+    from shared.topics import health_filter, health_topic, model_chunk_topic, model_filter, model_topic
+
+    # Prepare: the coordinator releases (retained) a model to a, in two chunks, and one to b
+    coordinator = coordinator_transport(_coordinator_config(tmp_path, broker))
+    health = Inbox()
+    coordinator.subscribe(health_filter(FED), health)
+    coordinator.connect()
+    released = {model_topic(FED, "a"): b"manifest-a", model_chunk_topic(FED, "a", 0): b"chunk-a-0",
+                model_chunk_topic(FED, "a", 1): b"chunk-a-1", model_topic(FED, "b"): b"model-b"}
+    gateway = site_transport(_site_config(tmp_path, broker, "a"))
+    try:
+        for topic, payload in released.items():
+            coordinator.publish(topic, payload, retain=True)
+        # Execute: gateway a connects later and subscribes to its own model topics and to b's
+        models = Inbox()
+        gateway.connect(timeout_s=10)
+        gateway.subscribe(model_filter(FED, "a"), models)
+        gateway.subscribe(model_filter(FED, "b"), models)
+        _subscribed(health, gateway, health_topic(FED, "a"))
+        gateway.publish(health_topic(FED, "b"), b"forged health of b", timeout_s=10)
+        gateway.publish(health_topic(FED, "a"), b"health of a", timeout_s=10)
+        # Assert: a got its three retained messages and none of b's; b's health topic is not a's to write
+        assert models.wait_for(lambda ms: len(ms) >= 3, timeout_s=10)
+        assert health.wait_for(lambda ms: b"health of a" in [p for _, p in ms], timeout_s=10)
+        assert sorted(models.messages) == sorted((t, p) for t, p in released.items() if "/site/a/" in t)
+        assert b"forged health of b" not in health.payloads()
+    finally:
+        for topic in released:  # the broker keeps retained messages for the module's other tests: clear them
+            coordinator.publish(topic, b"", retain=True)
+        gateway.close()
+        coordinator.close()

@@ -81,6 +81,7 @@ def matrix(detection_id: int) -> dict[str, tuple[dict[str, int], int]]:
         "/operator/budgets": (OPERATOR_ONLY, 303),
         "/plots/budgets.svg": (OPERATOR_ONLY, 303),
         "/operator/rounds": (OPERATOR_ONLY, 303),
+        "/operator/fleet": (OPERATOR_ONLY, 303),
         "/export/camtrap-dp.zip": (EVERY_ROLE, 401),
         "/api/me": (EVERY_ROLE, 401),
         "/api/deployments": (EVERY_ROLE, 401),
@@ -90,6 +91,7 @@ def matrix(detection_id: int) -> dict[str, tuple[dict[str, int], int]]:
         "/api/sites": (EVERY_ROLE, 401),
         "/api/operator/budgets": (OPERATOR_ONLY, 401),
         "/api/operator/rounds": (OPERATOR_ONLY, 401),
+        "/api/operator/fleet": (OPERATOR_ONLY, 401),
         "/login": ({r: 200 for r in EVERY_ROLE}, 200),
         "/healthz": ({r: 200 for r in EVERY_ROLE}, 200),
     }
@@ -428,7 +430,8 @@ def test_species_counts_and_site_summaries_match_the_seed(clients):
 
 
 def test_the_app_never_fetches_from_the_internet(clients):
-    for path in ("/map", "/detections", "/species", "/sites", "/operator/budgets", "/operator/rounds"):
+    for path in ("/map", "/detections", "/species", "/sites", "/operator/budgets", "/operator/rounds",
+                 "/operator/fleet"):
         text = clients["operator"].get(path).text
         assert not re.search(r'(src|href)="(https?:)?//', text), path
 

@@ -270,14 +270,15 @@ def test_each_role_logs_in(server: _Server, browser: Any, user: str) -> None:
         is_operator = role == "operator"
         assert page.locator("nav a[href='/operator/budgets']").count() == (1 if is_operator else 0)
         assert page.locator("nav a[href='/operator/rounds']").count() == (1 if is_operator else 0)
+        assert page.locator("nav a[href='/operator/fleet']").count() == (1 if is_operator else 0)
         assert page.locator("#fuzz-notice").count() == (0 if role in ("operator", "ranger") else 1)
 
-        for path in ("/operator/budgets", "/operator/rounds"):
+        for path in ("/operator/budgets", "/operator/rounds", "/operator/fleet"):
             r = goto(page, f"{server.base}{path}")
             if is_operator:
                 assert r.status == 200
                 assert page.locator("#error-message").count() == 0
-                table = "table#budgets" if path.endswith("budgets") else "table#rounds"
+                table = "table#" + path.rsplit("/", 1)[1]
                 assert page.locator(table).count() == 1
             else:
                 assert r.status == 403, (path, r.status)

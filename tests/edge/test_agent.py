@@ -145,11 +145,14 @@ def test_the_gateway_keeps_the_newest_accepted_global_model_for_detect(world) ->
     assert not path.exists()
     assert agent.handle_task(coordinator.task(1, site="site-2")) is False  # refused: nothing kept
     assert not path.exists()
-    assert agent.handle_task(coordinator.task(1)) is True
+    task = coordinator.task(1)
+    assert agent.handle_task(task) is True
     with safe_open(str(path), framework="numpy") as fh:
-        # the site's backbone (defaults: Lite0 at 128 px) is recorded, so detect can refuse the head on another
+        # the site's backbone (defaults: Lite0 at 128 px) is recorded, so detect can refuse the head on another;
+        # source and signing time order it against a model the coordinator releases (edge_sdk.global_model)
         assert fh.metadata() == {"round": "1", "model_hash": model_hash(coordinator.weights),
-                                 "backbone_id": "efficientnet-lite0@579344248a93e230/p1/128px"}
+                                 "backbone_id": "efficientnet-lite0@579344248a93e230/p1/128px", "source": "task",
+                                 "timestamp": str(Envelope.from_bytes(task).header.timestamp)}
         kept = {k: fh.get_tensor(k) for k in fh.keys()}
     assert set(kept) == set(coordinator.weights)
     for name, value in coordinator.weights.items():

@@ -101,7 +101,7 @@ def test_cache_keys_and_engine_slots_differ_per_backbone_and_size(tmp_path):
 # ---- the kept model and the refusal ------------------------------------------------------------------------------
 
 def test_the_kept_global_model_records_the_sites_backbone(tmp_path):
-    from edge_sdk.agent import save_global_model
+    from edge_sdk.global_model import save_global_model
 
     path = tmp_path / "global-model.safetensors"
     save_global_model(path, HEAD, round_=3, model_hash_hex=model_hash(HEAD), backbone_id=backbone_id(LITE1, 240))

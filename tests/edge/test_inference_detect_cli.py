@@ -121,7 +121,7 @@ def test_detect_with_a_site_config_and_no_weights_uses_the_gateways_latest_globa
 
 
 def test_detect_refuses_a_kept_model_of_another_backbone_naming_the_fix(tmp_path, detector_ready, monkeypatch):
-    from edge_sdk.agent import save_global_model
+    from edge_sdk.global_model import save_global_model
     from edge_sdk.cli import app
     from edge_sdk.config import global_model_path, load_site_config
     from shared.models.backbone import backbone_id
