@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _device_common import (DETECT_BATCHES, DETECTOR_BATCH, EMBED_BATCHES, MANIFEST, LogCapture,  # noqa: E402
+from _device_common import (DETECT_BATCHES, EMBED_BATCHES, MANIFEST, LogCapture,  # noqa: E402
                             Stage, crops, load_manifest, measure, photos, sha256, tile)
 
 
@@ -84,6 +84,10 @@ def probe(stage: Stage, args: argparse.Namespace) -> None:
 
     gpu = probe_gpu()
     info["gpu"] = None if gpu is None else {"name": gpu.name, "compute_capability": gpu.compute_capability}
+    if shutil.which("ldconfig"):  # TensorRT's own libraries, wherever a system install put them
+        proc = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=20, check=False)
+        info["libnvinfer"] = sorted({ln.split("=>")[-1].strip() for ln in proc.stdout.splitlines()
+                                     if "libnvinfer.so" in ln}) or "not in the linker cache"
     if shutil.which("nvidia-smi"):
         proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=20, check=False)
@@ -133,8 +137,9 @@ def bench(stage: Stage, args: argparse.Namespace) -> None:
             engines["backbone"]["ort-cuda"] = backbone_cuda
             engines["detector"]["ort-cuda"] = OrtEngine(detector_onnx(), device="cuda")
         else:
-            skipped["ort-cuda"] = (f"ONNX Runtime {onnxruntime.__version__} here has no working CUDA provider "
-                                   f"(available: {onnxruntime.get_available_providers()})")
+            skipped["ort-cuda"] = (f"the CUDA provider of ONNX Runtime {onnxruntime.__version__} did not load "
+                                   f"(listed: {onnxruntime.get_available_providers()}; no GPU, or its CUDA / cuDNN "
+                                   "libraries are missing: see the log)")
     if "trt" in wanted:
         reason = trt_unavailable(args, need_engines=True)
         if reason is None:

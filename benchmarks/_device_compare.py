@@ -97,8 +97,9 @@ def box_parity(reference: Sequence[Sequence[Any]], other: Sequence[Sequence[Any]
     """
     if len(reference) != len(other):
         return {"ok": False, "error": f"{len(reference)} images vs {len(other)}"}
-    as_tuple = (lambda b: tuple(b) if isinstance(b, (tuple, list)) else
-                (b.x1, b.y1, b.x2, b.y2, b.score, b.class_index))
+    def as_tuple(b: Any) -> tuple:
+        return tuple(b) if isinstance(b, (tuple, list)) else (b.x1, b.y1, b.x2, b.y2, b.score, b.class_index)
+
     failures: list[str] = []
     ious: list[float] = []
     score_diffs: list[float] = []

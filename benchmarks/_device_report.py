@@ -107,9 +107,9 @@ def report(work: Path, out: Path, *, mode: str, seconds: float, budget: float) -
                "seconds": round(seconds, 1), "budget_seconds": budget, "verdict": verdict, "exit_code": code,
                "stages": stages}
     md = [f"# WildFed device check ({mode})", "",
-          f"**{verdict}**, {seconds:.0f} s of a {budget:.0f} s budget; GPU "
-          f"{(environment.get('gpu') or {}).get('name', 'none')}, TensorRT {environment.get('tensorrt', '?')}, "
-          f"ONNX Runtime {environment.get('onnxruntime', '?')}, Python {environment.get('python', '?')}.", "",
+          (f"**{verdict}**, {seconds:.0f} s of a {budget:.0f} s budget; GPU "
+           f"{(environment.get('gpu') or {}).get('name', 'none')}, TensorRT {environment.get('tensorrt', '?')}, "
+           f"ONNX Runtime {environment.get('onnxruntime', '?')}, Python {environment.get('python', '?')}."), "",
           "| stage | status | seconds | summary |", "|---|---|---:|---|"]
     for name, s in stages.items():
         md.append(f"| {name} | {s['status'].upper()} | {_fmt(s.get('seconds', '-'))} | "

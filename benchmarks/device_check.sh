@@ -101,6 +101,10 @@ if [ "$MODE" = prepare ]; then
 fi
 
 # ---- stages ---------------------------------------------------------------------------------------------------------
+if [ ! -f "$ONNX_DIR/manifest.json" ]; then
+  echo "device_check.sh: no $ONNX_DIR/manifest.json: run 'bash benchmarks/device_check.sh --prepare' where torch is" >&2
+  exit 2
+fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/wildfed-device-check.XXXXXX")
 STAGES="$WORK/stages"
 mkdir -p "$STAGES" "$OUT_DIR"
@@ -223,10 +227,6 @@ install() {
 
 main() {
   log "WildFed device check ($MODE), budget ${BUDGET} s, work folder $WORK, summary to $OUT_DIR"
-  if [ ! -f "$ONNX_DIR/manifest.json" ]; then
-    log "no $ONNX_DIR/manifest.json: run 'bash benchmarks/device_check.sh --prepare' where torch is, first"
-    return 2
-  fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader |
     sed 's/^/[device-check] GPU: /'
   log "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1)"

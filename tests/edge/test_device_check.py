@@ -3,8 +3,9 @@
 - the parity measures on hand-computed cases (max |diff|, cosine; box IoU, score, unmatched strong boxes);
 - ``measure`` on a fake clock: no call starts that would end past the deadline;
 - the corrupt stage through WildFed's real ``EngineCache`` / ``TensorRTBuilder`` / ``TensorRTEngine`` code with the
-  fake ``tensorrt`` module of ``test_inference_trt_cache`` (engine outputs from ONNX Runtime): a flipped and a
-  truncated engine are each noticed, rebuilt and recorded, and the stage's checks match WildFed's log lines;
+  fake ``tensorrt`` module of ``test_inference_trt_cache`` (engine outputs from ONNX Runtime; needs torch): a
+  flipped and a truncated engine are each noticed, rebuilt and recorded, and the stage's checks match WildFed's log
+  lines;
 - the report's statuses and exit codes.
 """
 
@@ -22,7 +23,7 @@ import pytest
 from edge_sdk.inference import engines
 from edge_sdk.inference.engines import OrtEngine, TensorRTEngine
 from tests.edge.test_inference import FAKE_BACKBONE_SIZE, fake_backbone_onnx, tiny_onnx
-from tests.edge.test_inference_trt_cache import GPU, MAGIC, fake_cuda, make_fake_tensorrt  # noqa: F401 (fixture)
+from tests.edge.test_inference_trt_cache import GPU, MAGIC, make_fake_tensorrt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -89,8 +90,12 @@ def test_measure_never_starts_a_call_that_would_end_past_the_deadline(monkeypatc
 
 
 @pytest.fixture
-def trt(monkeypatch, fake_cuda):  # noqa: F811 (the fixture imported above)
-    """The fake tensorrt, whose deserialiser also refuses an engine of the wrong length (a truncated file)."""
+def trt(monkeypatch):
+    """The fake tensorrt, whose deserialiser also refuses an engine of the wrong length (a truncated file); torch
+    reports a CUDA device (TensorRTEngine allocates its stream with torch; nothing runs on it)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
     fake = make_fake_tensorrt()
     good = fake.Runtime.deserialize_cuda_engine
     fake.Runtime.deserialize_cuda_engine = (lambda self, data: good(self, data)
