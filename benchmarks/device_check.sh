@@ -26,7 +26,7 @@
 #   --budget S         seconds for all stages (default 450; the report follows)
 #   --photos N         ENA24 photos used (default 21, all)
 #   --out DIR          where the summary goes (default $OUT, else ./device-check-out)
-#   --keep-work        keep the work folder (engines, logs) instead of deleting it
+#   --keep-work        keep the work folder (engines, reference outputs; always kept when it holds environments)
 # Environment: WILDFED_DC_TRT_SPEC (default tensorrt-cu<driver CUDA major>>=10.13,<11), WILDFED_DC_ORT_GPU_SPEC
 # (default onnxruntime-gpu[cuda,cudnn]).
 
@@ -134,13 +134,19 @@ run_stage() {
   log "stage $name: ${said:-NO RESULT} (exit $rc) after $(($(date +%s) - t0)) s"
 }
 
-# step NAME BOX CMD...: one install step under `timeout`, its output in the work folder; a row in install.tsv
+# step NAME END CMD...: one install step under `timeout` until the epoch second END, its output in the work folder;
+# a row in install.tsv
 step() {
-  local name=$1 box=$2 t0 rc
+  local name=$1 end=$2 t0 rc
   shift 2
   t0=$(date +%s)
-  timeout -k 5 "$box" "$@" >"$WORK/install-$name.log" 2>&1
-  rc=$?
+  if [ "$end" -le "$t0" ]; then
+    echo "not started: the install's time box was spent" >"$WORK/install-$name.log"
+    rc=124
+  else
+    timeout -k 5 "$((end - t0))" "$@" >"$WORK/install-$name.log" 2>&1
+    rc=$?
+  fi
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" \
     "$(tail -n 2 "$WORK/install-$name.log" | tr '\t\n' '  ' | cut -c1-240)" >>"$STAGES/install.tsv"
   log "install $name: exit $rc after $(($(date +%s) - t0)) s"
@@ -154,7 +160,7 @@ imports() { env PYTHONPATH="${2:+$2:}$ROOT" timeout 60 "$1" -c "$3" >/dev/null 2
 HAS_CUDA_EP='import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())'
 
 install_online() {
-  local box=$1 major trt ort_gpu
+  local end=$1 major trt ort_gpu
   major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n1)
   trt="${WILDFED_DC_TRT_SPEC:-tensorrt-cu${major:-12}>=10.13,<11}"  # TensorRT 11 removed BuilderFlag.FP16
   ort_gpu="${WILDFED_DC_ORT_GPU_SPEC:-onnxruntime-gpu[cuda,cudnn]}"
@@ -162,28 +168,28 @@ install_online() {
   if imports "$PY" "" 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     PATH_A="$WORK/site-a"  # the interpreter has CUDA torch: keep it, add TensorRT beside it
     note env-a "$PY with its own torch (CUDA) + $PATH_A"
-    (step tensorrt "$box" "$PY" "${pip[@]}" --target "$PATH_A" "$trt") &
+    (step tensorrt "$end" "$PY" "${pip[@]}" --target "$PATH_A" "$trt") &
   else
     PY_A="$WORK/venv-a/bin/python"
     note env-a "virtual environment $WORK/venv-a: wildfed[edge,torch], onnx, onnxruntime, $trt"
-    (step venv-a 30 "$PY" -m venv "$WORK/venv-a" &&
-      step gateway "$box" "$PY_A" "${pip[@]}" "${ROOT}[edge,torch]" onnx onnxruntime &&
-      step tensorrt "$box" "$PY_A" "${pip[@]}" "$trt") &
+    # the gateway's own install; where it cannot install (e.g. its Python is too old), what the stages import
+    (step venv-a "$end" "$PY" -m venv "$WORK/venv-a" &&
+      { step gateway "$end" "$PY_A" "${pip[@]}" "${ROOT}[edge,torch]" onnx onnxruntime ||
+        step runtime "$end" "$PY_A" "${pip[@]}" numpy pillow onnx onnxruntime torch; } &&
+      step tensorrt "$end" "$PY_A" "${pip[@]}" "$trt") &
   fi
-  if "$PY" -m venv "$WORK/venv-b" >/dev/null 2>&1; then
-    PY_B="$WORK/venv-b/bin/python"
-    note env-b "virtual environment $WORK/venv-b: numpy, pillow, onnx, $ort_gpu"
-    (step ort-gpu "$box" "$PY_B" "${pip[@]}" numpy pillow onnx "$ort_gpu") &
-  else
-    PY_B="$PY" PATH_B="$WORK/site-b"
-    note env-b "$PY + $PATH_B: $ort_gpu (no venv module here)"
-    (step ort-gpu "$box" "$PY" "${pip[@]}" --target "$PATH_B" "$ort_gpu") &
-  fi
+  (if step venv-b "$end" "$PY" -m venv "$WORK/venv-b"; then
+    step ort-gpu "$end" "$WORK/venv-b/bin/python" "${pip[@]}" numpy pillow onnx "$ort_gpu"
+  else  # no venv module here: beside the interpreter's packages, in their own folder
+    step ort-gpu "$end" "$PY" "${pip[@]}" --target "$WORK/site-b" "$ort_gpu"
+  fi) &
   wait
+  if [ -x "$WORK/venv-b/bin/python" ]; then PY_B="$WORK/venv-b/bin/python"; else PY_B="$PY" PATH_B="$WORK/site-b"; fi
+  note env-b "$PY_B${PATH_B:+ + $PATH_B}: $ort_gpu"
 }
 
 install_offline() {
-  local box=$1 wheels_a=() wheels_b=() w
+  local end=$1 wheels_a=() wheels_b=() w
   local pip=(-m pip install -q --disable-pip-version-check --no-index --no-deps --no-cache-dir)
   for w in "$WHEELS"/*.whl; do
     [ -e "$w" ] || continue
@@ -191,11 +197,11 @@ install_offline() {
   done
   if [ ${#wheels_a[@]} -gt 0 ]; then
     PATH_A="$WORK/site-a"
-    step wheels-a "$box" "$PY" "${pip[@]}" --target "$PATH_A" "${wheels_a[@]}"
+    step wheels-a "$end" "$PY" "${pip[@]}" --target "$PATH_A" "${wheels_a[@]}"
   fi
   if [ ${#wheels_b[@]} -gt 0 ]; then
     PY_B="$PY" PATH_B="$WORK/site-b"
-    step wheels-b "$box" "$PY" "${pip[@]}" --target "$PATH_B" "${wheels_b[@]}"
+    step wheels-b "$end" "$PY" "${pip[@]}" --target "$PATH_B" "${wheels_b[@]}"
   fi
   [ ${#wheels_a[@]} -gt 0 ] || [ ${#wheels_b[@]} -gt 0 ] || note wheels "none in $WHEELS: $PY's own packages are used"
 }
@@ -210,15 +216,19 @@ install() {
   [ "$mode" = offline ] && box=60
   [ $((DEADLINE - $(date +%s) - 60)) -lt "$box" ] && box=$((DEADLINE - $(date +%s) - 60))
   case "$mode" in
-    online) install_online "$box" ;;
-    offline) install_offline "$box" ;;
+    online) install_online "$(($(date +%s) + box))" ;;
+    offline) install_offline "$(($(date +%s) + box))" ;;
     none) note mode "none: $PY's own packages are used" ;;
   esac
+  if ! imports "$PY_A" "$PATH_A" 'import numpy, PIL, onnx, onnxruntime'; then
+    note env-a "$PY_A lacks numpy, pillow, onnx or onnxruntime (its install did not finish): the stages use $PY"
+    PY_A="$PY" PATH_A=""
+  fi
   if imports "$PY_A" "$PATH_A" 'import tensorrt'; then note tensorrt "importable in environment A"; else
     note tensorrt "NOT importable in environment A: the TensorRT stages will skip"
   fi
   if [ -n "$PY_B" ] && ! imports "$PY_B" "$PATH_B" "$HAS_CUDA_EP"; then
-    ORTCUDA_SKIP="onnxruntime-gpu was installed but its CUDA provider is missing (see install-ort-gpu)"
+    ORTCUDA_SKIP="environment B has no ONNX Runtime with a CUDA provider (see the install step ort-gpu or wheels-b)"
     PY_B=""
   fi
   if [ -z "$PY_B" ] && imports "$PY_A" "$PATH_A" "$HAS_CUDA_EP"; then PY_B="$PY_A" PATH_B="$PATH_A"; fi
@@ -252,7 +262,11 @@ main() {
     --seconds "$(($(date +%s) - START))" --budget "$BUDGET"
   local rc=$?
   log "exit $rc; summary in $OUT_DIR/device_check.md and device_check.json, this log in device_check.log"
-  if [ "$KEEP_WORK" = 1 ]; then log "work folder kept: $WORK"; else rm -rf "$WORK"; fi
+  if [ "$KEEP_WORK" = 1 ] || [ -d "$WORK/venv-a" ] || [ -d "$WORK/venv-b" ]; then
+    log "work folder kept (engines, environments; deleting GBs of files takes minutes): $WORK"
+  else
+    rm -rf "$WORK"
+  fi
   return "$rc"
 }
 
