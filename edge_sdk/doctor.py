@@ -10,7 +10,8 @@ Probes (each one guarded: a missing or broken package is reported, never raised)
 :func:`rank_profiles` then checks each profile against the probes: *requirements* (the training backend imports;
 ``backend: torch`` on ``device: cuda`` has CUDA; the machine is of the profile's kind: :func:`kind_fit`, which
 ``run`` and ``check-config`` apply too) decide whether it fits; *warnings* (TensorRT missing, so ORT is used; the x86
-GPU profile on a box without a GPU or a CUDA torch, so ONNX Runtime runs on the CPU) only lower its rank. The recommended profile is the first that fits, preferring the
+GPU profile on a box without a GPU or a CUDA torch, so ONNX Runtime runs on the CPU) only lower its rank. The
+recommended profile is the first that fits, preferring the
 detected hardware kind.
 """
 

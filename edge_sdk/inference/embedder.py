@@ -215,7 +215,7 @@ def embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BAC
         where = f"{model_dir} (the site's model_dir) or {cache_dir()}" if model_dir is not None else str(cache_dir())
         raise ConfigError(f"no exported graph of the backbone {variant.name} at {size} px in {where}, and "
                           f"{exc.message}", field="model_dir" if model_dir is not None else "backbone",
-                          fix=f"reinstall the site's bundle (`wildfed-edge install-bundle --force`); a bundle ships the "
+                          fix="reinstall the site's bundle (`wildfed-edge install-bundle --force`); a bundle ships the "
                               f"graph of the backbone and size it was provisioned for (`wildfed-coordinator provision "
                               f"--backbone {variant.name} --embedding-input-size {size}`), so set site.yaml's "
                               "`backbone` and `embedding_input_size` back to those, or install torch here "

