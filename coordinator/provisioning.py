@@ -2,8 +2,15 @@
 enrolment, made together.
 
 ``provision_site`` writes the bundle of :mod:`shared.bundle`: the SDK wheel, the gateway profile, the site's fresh
-Ed25519 key pair, the coordinator's public key, the broker CA (optional), a ``site.yaml`` and a systemd unit that
-runs ``wildfed-edge run`` with ``Restart=on-failure``; and it enrols the site's public key in the registry.
+Ed25519 key pair, the coordinator's public key, the broker CA (optional), a ``site.yaml``, a systemd unit that
+runs ``wildfed-edge run`` with ``Restart=on-failure`` (but not after a configuration error, exit status 2), and the
+ONNX graphs of the site's backbone and of the detector; and it enrols the site's public key in the registry.
+
+The graphs (:mod:`shared.models.gateway_graphs`) are exported here, once per backbone and input size, into the
+WildFed cache (``$WILDFED_CACHE``, default ``~/.cache/wildfed``; the detector's checkpoint is fetched once, about
+41 MB), because exporting needs torch and a gateway installed from the bundle has none (the x86 profiles install
+ONNX Runtime only). The gateway installs them under ``<prefix>/models/`` and its ``site.yaml`` names that folder
+(``model_dir``): it runs ``run`` and ``detect`` with nothing else.
 
 Secrets: the site's private key is generated in memory, written only into the bundle (tar member mode 0600; the
 bundle file itself is created 0600) and never stored at the coordinator: not in the database, not in the data
@@ -12,7 +19,7 @@ folder. Whoever holds the bundle holds the site's identity until it is installed
 Atomicity (enrolment and bundle succeed or fail together):
 
 1. check everything that can be checked first: site id free and topic-safe, profile valid, keys readable, output
-   path free, wheel built;
+   path free, wheel built, graphs exported;
 2. write the complete bundle to a temporary file beside the output (0600, fsync);
 3. enrol the site (if that fails, the temporary file is removed: no bundle);
 4. rename the temporary file onto the output path (if that fails, the enrolment is deleted again: no site).
@@ -41,6 +48,8 @@ from cryptography.hazmat.primitives import serialization
 from shared import bundle as fmt
 from shared.errors import ConfigError
 from shared.keys import generate_signing_key, key_fingerprint, load_private_key, load_public_key, public_key_to_pem
+from shared.models.backbone_variants import DEFAULT_BACKBONE, get_variant
+from shared.models.gateway_graphs import backbone_graph_relpath, detector_graph_relpath, ensure_gateway_graphs
 from shared.profiles import GatewayProfile, check_profile_data, profile_path, read_profile_yaml
 
 from coordinator.config import CoordinatorConfig
@@ -176,10 +185,12 @@ def build_sdk_wheel(cache_dir: Path, *, source_root: Path | None = None) -> Path
 
 
 def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, profile_file: str, site_id: str,
-                       broker_url: str, species: Sequence[Mapping[str, Any]] | None, dataset: str | None) -> str:
+                       broker_url: str, species: Sequence[Mapping[str, Any]] | None, dataset: str | None,
+                       backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None) -> str:
     """The ``site.yaml`` of a bundle: ids, broker, identity and storage paths from the profile (relative to the
-    install prefix), privacy defaults from the profile, the federation's model size, and the species table (or
-    an empty one with a note to fill it in)."""
+    install prefix), privacy defaults from the profile, the federation's model size, the backbone and its input
+    size (whose graph the bundle ships, installed under ``model_dir``), and the species table (or an empty one with
+    a note to fill it in)."""
     body: dict[str, Any] = {
         "federation_id": config.federation_id,
         "site_id": site_id,
@@ -191,6 +202,9 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
         "outbox": profile.storage.outbox.as_posix(),
         "artifact_cache": profile.storage.artifact_cache.as_posix(),
         "profile": profile_file,
+        "backbone": backbone,
+        "embedding_input_size": embedding_input_size or get_variant(backbone).default_input_size,
+        "model_dir": fmt.MODELS_DIR,
         "num_classes": config.num_classes,
         "allow_non_private": profile.privacy.allow_non_private,
         "allow_seeded_noise": profile.privacy.allow_seeded_noise,
@@ -217,7 +231,8 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
                    species: Sequence[Mapping[str, Any]] | None = None, dataset: str | None = None,
                    metadata: Mapping[str, Any] | None = None, wheel: Path | None = None,
                    wheel_cache: Path | None = None, profiles_directory: Path | None = None,
-                   force: bool = False) -> ProvisionResult:
+                   force: bool = False, backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None,
+                   graph_cache: Path | None = None) -> ProvisionResult:
     """Write a site's bundle and enrol its public key, atomically (module docstring).
 
     Args (keyword-only):
@@ -234,10 +249,15 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         wheel: a prebuilt ``wildfed-*.whl`` (default: build from the source, cached in ``wheel_cache``).
         wheel_cache: default ``<data_dir>/wheels``.
         force: replace an existing file at ``out``.
+        backbone: the site's frozen backbone (every site of a federation uses the same); written into ``site.yaml``.
+        embedding_input_size: its input size S in pixels (default the backbone's default size).
+        graph_cache: where the exported graphs are kept (default the WildFed cache); a graph found there under its
+            name (``shared.models.gateway_graphs``) is shipped as it is, without exporting.
 
     Raises:
         EnrolmentError: the site id is taken or invalid, or the metadata is bad (no bundle is left).
-        ConfigError: bad profile, keys, CA, broker URL or wheel; ``out`` exists (without ``force``).
+        ConfigError: bad profile, keys, CA, broker URL, wheel or backbone; ``out`` exists (without ``force``); the
+            graphs cannot be exported (no torch here, or the detector's weights cannot be fetched).
         OSError: the bundle cannot be written (the site is not enrolled).
     """
     # 1. everything that can fail before any side effect
@@ -275,6 +295,8 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
             raise ConfigError("SDK wheel not found", source=wheel, field="wheel", fix="pass a wildfed-*.whl file")
     else:
         wheel = build_sdk_wheel(wheel_cache or config.data_dir / "wheels")
+    size = embedding_input_size or get_variant(backbone).default_input_size
+    graphs = ensure_gateway_graphs(backbone=backbone, input_size=size, root=graph_cache)
 
     site_key = generate_signing_key()  # in memory only; it goes into the bundle and nowhere else
     site_pub_pem = public_key_to_pem(site_key.public_key())
@@ -286,7 +308,7 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         fmt.BundleMember(fmt.PROFILE, profile_text.encode("utf-8")),
         fmt.BundleMember(fmt.SITE_CONFIG, render_site_config(
             config=config, profile=prof, profile_file=fmt.PROFILE, site_id=site_id, broker_url=url,
-            species=species, dataset=dataset).encode("utf-8")),
+            species=species, dataset=dataset, backbone=backbone, embedding_input_size=size).encode("utf-8")),
         fmt.BundleMember(fmt.SITE_KEY, site_key_pem, 0o600),
         fmt.BundleMember(fmt.SITE_PUBLIC_KEY, site_pub_pem.encode("ascii")),
         fmt.BundleMember(fmt.COORDINATOR_PUBLIC_KEY, public_key_to_pem(coordinator_pub).encode("ascii")),
@@ -295,9 +317,12 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
     ]
     if ca_bytes is not None:
         members.append(fmt.BundleMember(fmt.BROKER_CA, ca_bytes))
+    models = _graph_members(graphs, backbone=backbone, input_size=size)
+    members += [member for member, _ in models.values()]
     info = {"federation_id": config.federation_id, "site_id": site_id, "profile": prof.name,
             "site_key_fingerprint": key_fingerprint(site_key.public_key()),
-            "coordinator_key_fingerprint": key_fingerprint(coordinator_pub)}
+            "coordinator_key_fingerprint": key_fingerprint(coordinator_pub),
+            "models": {role: entry for role, (_, entry) in models.items()}}
 
     # 2. the complete bundle in a temporary file beside the output
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +350,23 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
                            profile=prof.name, wheel=wheel.name,
                            members=tuple(sorted(m.name for m in members)),
                            coordinator_fingerprint=info["coordinator_key_fingerprint"], broker_url=url)
+
+
+def _graph_members(graphs: Mapping[str, Path], *, backbone: str, input_size: int
+                   ) -> dict[str, tuple[fmt.BundleMember, dict[str, Any]]]:
+    """The bundle members of the exported graphs (``models/<role>/<name>``, mode 0644) and their manifest entries."""
+    from shared.models.backbone import backbone_id
+
+    out: dict[str, tuple[fmt.BundleMember, dict[str, Any]]] = {}
+    for role, path in graphs.items():
+        data = path.read_bytes()
+        relpath = backbone_graph_relpath(backbone, input_size) if role == "backbone" else detector_graph_relpath()
+        name = f"{fmt.MODELS_DIR}/{relpath}"
+        entry: dict[str, Any] = {"member": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        if role == "backbone":
+            entry.update(backbone=backbone, input_size=input_size, backbone_id=backbone_id(backbone, input_size))
+        out[role] = (fmt.BundleMember(name, data, 0o644), entry)
+    return out
 
 
 def _unenrol(store: Store, site_id: str) -> None:

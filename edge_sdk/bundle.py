@@ -11,10 +11,13 @@ Layout under the prefix (default ``/opt/wildfed``)::
     site.yaml  profile.yaml  bundle-manifest.json  wildfed-edge.service
     keys/site.key (0600)  keys/site.pub  keys/coordinator.pub  [keys/broker-ca.pem]   (profile ``identity``)
     wheels/wildfed-*.whl  venv/ (unless --no-venv)
+    models/backbone/<name>.onnx  models/detector/<name>.onnx                        (site.yaml ``model_dir``)
     state/  cache/artifacts/  cache/engines/  data/                                   (profile ``storage``)
 
-``wildfed-edge run --config <prefix>/site.yaml`` then starts the agent; the rendered systemd unit does the same
-with ``Restart=on-failure``. The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
+The graphs are the ONNX files the coordinator exported at provisioning (:mod:`shared.models.gateway_graphs`): with
+them ``run`` and ``detect`` need no torch. ``wildfed-edge run --config <prefix>/site.yaml`` then starts the agent;
+the rendered systemd unit does the same with ``Restart=on-failure`` and ``RestartPreventExitStatus=2`` (a
+configuration error is reported once, not retried every 10 s). The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
 packages of the interpreter running the install, e.g. JetPack's torch), then (:func:`pip_install_commands`):
 
 1. ``pip install --no-deps --no-index --force-reinstall <prefix>/wheels/wildfed-*.whl`` (the SDK itself);
@@ -229,6 +232,7 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
          0o644),
         (_inside(prefix, "bundle-manifest.json"), json.dumps(bundle.manifest, indent=2).encode(), 0o644),
     ]
+    destinations += [(_inside(prefix, name), bundle.members[name], 0o644) for name in bundle.models()]
     if fmt.BROKER_CA in bundle.members:
         ca_target = profile.broker.ca_file or Path(fmt.BROKER_CA)
         destinations.append((_inside(prefix, ca_target), bundle.members[fmt.BROKER_CA], 0o644))
@@ -286,6 +290,9 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
     write_file_atomic(site_config, bundle.members[fmt.SITE_CONFIG], 0o644)
 
     site_data = yaml.safe_load(bundle.members[fmt.SITE_CONFIG]) or {}
+    if not bundle.models():
+        warnings.append("the bundle carries no ONNX graphs (made by an older coordinator): without torch the gateway "
+                        "cannot embed or detect; ask the operator for a bundle from `wildfed-coordinator provision`")
     if not site_data.get("species"):
         warnings.append(f"{site_config}: fill in `species` (the site's species table) before starting the agent")
     dataset = Path(str(site_data.get("dataset", "")))

@@ -30,7 +30,7 @@ console = Console(stderr=True)
 def _error(message: object) -> None:
     """Print ``error: <message>`` to stderr; the message is escaped, so ``[...]`` in an exception or a path (an
     extra such as ``wildfed[torch]``) is shown, not taken for rich markup."""
-    console.print(f"[bold red]error:[/] {escape(str(message))}")
+    console.print(f"[bold red]error:[/] {escape(str(message))}", soft_wrap=True)  # one line, whatever the width
 
 
 def _setup_logging(level: str) -> None:
@@ -48,14 +48,27 @@ def run(
     ready_file: Annotated[Optional[Path], typer.Option(help="touch this file once connected and subscribed "
                                                               "(for supervisors and the demo)")] = None,
 ) -> None:
-    """Serve training tasks for one site until interrupted (Ctrl-C or SIGTERM stops cleanly)."""
+    """Serve training tasks for one site until interrupted (Ctrl-C or SIGTERM stops cleanly). Exit status 2: a
+    configuration error (the checks of `check-config`, one line each), which restarting cannot fix."""
     _setup_logging(log_level)
     from edge_sdk.agent import EdgeAgent
+    from edge_sdk.preflight import check_site
 
+    checked = check_site(config, load_dataset=False)  # the agent reads the package itself, right below
+    for warning in checked.warnings:
+        logging.getLogger("wildfed-edge").warning("%s", warning)
+    if checked.problems:
+        for field, message in checked.problems:
+            _error(f"{config}: {field}: {message}")
+        raise typer.Exit(code=2)
     try:
-        agent = EdgeAgent.from_config(config)
+        agent = EdgeAgent.from_config(checked.config)
     except WildFedError as exc:
         _error(exc)
+        raise typer.Exit(code=2) from None
+    except ImportError as exc:  # a package the site's settings need is not installed: restarting cannot fix it
+        _error(f"{config}: a package is missing: {exc}; fix: reinstall the site's bundle (`wildfed-edge "
+               "install-bundle --force`) or install the package")
         raise typer.Exit(code=2) from None
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
@@ -94,85 +107,6 @@ def keygen(
 
 
 # -- gateway profiles, doctor and bundle installation (docs/gateways.md) ------------------------------------------
-def _site_problems(path: Path, schema_only: bool, loaded: dict | None = None) -> list[tuple[str, str]]:
-    """Every problem of a site config: all schema errors, then (unless ``schema_only``) keys, dataset, profile.
-    ``loaded`` receives the site's training records under ``"dataset"`` when its package loads."""
-    from pydantic import ValidationError
-
-    from shared.errors import ConfigError
-    from shared.keys import load_private_key, load_public_key
-
-    from edge_sdk.config import load_site_config, site_config_problems
-    from edge_sdk.profiles import FirmwareProfile, profile_path, profile_problems
-    from shared.profiles import read_profile_yaml
-
-    try:
-        cfg = load_site_config(path)
-    except ConfigError as exc:
-        if isinstance(exc.__cause__, ValidationError):
-            return site_config_problems(exc.__cause__)
-        return [(exc.field or "<file>", exc.message)]
-    problems: list[tuple[str, str]] = []
-    if cfg.profile:
-        try:
-            ppath = profile_path(cfg.profile)
-            problems += [(f"profile.{f}", m) for f, m in profile_problems(read_profile_yaml(ppath), FirmwareProfile,
-                                                                          file_stem=ppath.stem)]
-        except ConfigError as exc:
-            problems.append(("profile", exc.message))
-    if schema_only:
-        return problems
-    problems += _backend_problems(cfg)
-    for field, loader in (("private_key", load_private_key), ("coordinator_public_key", load_public_key)):
-        try:
-            loader(getattr(cfg, field))
-        except ConfigError as exc:
-            problems.append((field, f"{exc.message} ({getattr(cfg, field)})"))
-    if not cfg.dataset.is_dir() and cfg.incoming is not None and cfg.task == "camera":
-        pass  # `run` creates the site's package on its first start (docs/field-loop.md)
-    elif not cfg.dataset.is_dir():
-        problems.append(("dataset", f"Camtrap DP folder {cfg.dataset} does not exist"))
-    else:
-        # Load the package the way `run` will, so a species missing from the table or a broken media file is
-        # reported here rather than when the agent starts.
-        from edge_sdk.data.camtrap_dp import load_camtrap_dp
-
-        try:
-            data = load_camtrap_dp(cfg.dataset, cfg.species_table, missing_media=cfg.missing_media,
-                                   train_on=cfg.train_on, machine_threshold=cfg.machine_threshold)
-            if loaded is not None:
-                loaded["dataset"] = data
-        except ConfigError as exc:
-            problems.append(("dataset", str(exc)))
-    return problems
-
-
-def _backend_problems(cfg: object) -> list[tuple[str, str]]:
-    """The site's training backend (its own ``backend``, else its profile's) must import here: ``[("backend",
-    message naming the backend and the install command)]`` or ``[]``."""
-    from edge_sdk.rounds.backends import requested_backend
-    from edge_sdk.profiles import TrainingBackendName, backend_import_problem, load_profile
-    from shared.errors import ConfigError
-
-    try:
-        backend = requested_backend(cfg)  # type: ignore[arg-type]
-        device = getattr(cfg, "device", None)
-        if device is None and getattr(cfg, "profile", None):
-            device = load_profile(cfg.profile).training.device  # type: ignore[attr-defined]
-    except ConfigError:
-        return []  # the profile's own problems are listed already
-    if backend not in {b.value for b in TrainingBackendName}:
-        from edge_sdk.backends import available_backends
-
-        if backend in available_backends():
-            return []  # another registered backend: it is built when the agent starts
-        # the error `run` stops with (edge_sdk.backends.base.create_backend), plus `auto`
-        return [("backend", f"unknown training backend {backend!r}; fix: use one of "
-                            f"{', '.join(['auto', *available_backends()])}")]
-    problem = backend_import_problem(backend, device=device or "cpu")
-    return [("backend", problem)] if problem else []
-
-
 @app.command("check-config")
 def check_config(
     file: Annotated[Path, typer.Argument(help="a gateway profile (firmware_configs/*.yaml) or a site config")],
@@ -180,7 +114,9 @@ def check_config(
     schema_only: Annotated[bool, typer.Option("--schema-only", help="site config: skip the key, dataset and "
                                               "file checks")] = False,
 ) -> None:
-    """Validate a profile or a site config and list EVERY problem with its field; exit status 2 if any."""
+    """Validate a profile or a site config and list EVERY problem with its field; exit status 2 if any. For a site
+    config, every check `run` makes before it starts (profile vs this machine, backend, keys, broker files, the
+    ONNX graphs, the dataset): exit 0 only when `run` would start."""
     import yaml
     from rich.table import Table
 
@@ -201,16 +137,23 @@ def check_config(
     if kind not in ("profile", "site"):
         _error(f"--kind must be auto, profile or site, not {kind!r}")
         raise typer.Exit(code=2)
-    loaded: dict = {}
-    problems = (profile_problems(data, FirmwareProfile, file_stem=file.stem) if kind == "profile"
-                else _site_problems(file, schema_only, loaded))
+    if kind == "profile":
+        problems, warnings, dataset = profile_problems(data, FirmwareProfile, file_stem=file.stem), [], None
+    else:
+        from edge_sdk.preflight import check_site
+
+        checked = check_site(file, schema_only=schema_only)
+        problems, warnings, dataset = checked.problems, checked.warnings, checked.dataset
+    for warning in warnings:
+        out.print(f"[yellow]warning:[/] {escape(warning)}")
     if not problems:
         what = "gateway profile" if kind == "profile" else "site config"
-        out.print(f"[green]OK[/] {escape(str(file))}: valid {what}")
+        out.print(f"[green]OK[/] {escape(str(file))}: valid {what}"
+                  + (" (run would start: every check it makes passed)" if kind == "site" and not schema_only else ""))
         if kind == "site" and not schema_only:
             from edge_sdk.cli_report import print_training_report
 
-            print_training_report(out, file, loaded.get("dataset"))
+            print_training_report(out, file, dataset)
         return
     table = Table(title=escape(f"{file}: {len(problems)} problem(s) ({kind})"))
     table.add_column("field", style="bold")
@@ -397,6 +340,7 @@ def detect(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
                 confidence=confidence, utc_offset=utc_offset, publisher=publisher,
+                model_dir=site.model_dir if site is not None else None,
                 **_detect_backbone(backbone, input_size, site),
                 on_start=lambda n: progress.update(task, total=n),
                 on_record=lambda r: progress.update(task, advance=1,

@@ -55,15 +55,17 @@ def _warn(message: str) -> None:
     Console(stderr=True).print(f"[bold yellow]warning:[/] {escape(message)}")
 
 
-def _detector(mode: str, confidence: float | None):
-    """``(boxes mode, detector or None, note)`` for ``--boxes`` on an input without boxes of its own."""
+def _detector(mode: str, confidence: float | None, model_dir: Path | None = None):
+    """``(boxes mode, detector or None, note)`` for ``--boxes`` on an input without boxes of its own; ``model_dir``:
+    the site's graph folder (its bundle's detector), searched first."""
     if mode == "none":
         return "none", None, None
     from edge_sdk.inference.detector import CONFIDENCE_THRESHOLD, YoloxDetector
 
     try:
         detector = YoloxDetector.open(download=True, batch_size=1,  # the first use fetches its weights (~41 MB)
-                                      confidence=CONFIDENCE_THRESHOLD if confidence is None else confidence)
+                                      confidence=CONFIDENCE_THRESHOLD if confidence is None else confidence,
+                                      model_dir=model_dir)
     except (WildFedError, ImportError, OSError) as exc:
         if mode == "detect":
             raise
@@ -156,13 +158,13 @@ def package(
         raise _fail(f"--utc-offset: {exc}") from None
     try:
         packaging.check_destination(out, force=force)
-        site_species = config_path = None
+        site_species = config_path = model_dir = None
         if site_config is not None:
             from edge_sdk.config import load_site_config
 
             config = load_site_config(site_config)
             site = site or config.site_id
-            site_species, config_path = frozenset(config.species_table), site_config
+            site_species, config_path, model_dir = frozenset(config.species_table), site_config, config.model_dir
         if not site:
             raise _fail("--site is required (or --site-config, whose site_id is used)")
         validate_identifier(site, "--site")
@@ -173,7 +175,7 @@ def package(
         if kind == "megadetector":
             mode, detector, note = "file", None, f"boxes from {source.name} at confidence >= {threshold:g}"
         else:
-            mode, detector, note = _detector(boxes, confidence)
+            mode, detector, note = _detector(boxes, confidence, model_dir)
         if note:
             read.notes.append(note)
         options = packaging.PackageOptions(

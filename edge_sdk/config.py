@@ -23,6 +23,7 @@ Example::
     threads: 2                       # overrides the profile
     backbone: efficientnet-lite0     # the frozen backbone; every site of a federation uses the same one
     embedding_input_size: 128        # its input size in px (default: the backbone's default size)
+    model_dir: models                # the backbone's and detector's ONNX graphs from the site's bundle
 
 Privacy-relevant switches are off by default and can only be turned on by the site itself, never by a task:
 ``allow_non_private`` (accept tasks with ``privacy: none``), ``allow_global_dp`` (accept ``privacy: global``
@@ -134,6 +135,11 @@ class SiteConfig(BaseModel):
         embedding_input_size: the backbone's input size S in pixels; default the backbone's
             ``default_input_size`` (Lite0: 128, chosen by measurement; Lite1: 240; Lite2: 260, their native
             sizes). Comparison on real camera-trap photos: docs/results/real-photo-backbones.md.
+        model_dir: folder of the ONNX graphs the gateway runs, as ``install-bundle`` writes them from the bundle:
+            ``backbone/<variant>-<sha12>-p1-<S>px-opset17.onnx`` (the embedder of ``backbone`` at
+            ``embedding_input_size``) and ``detector/yolox_tiny-<sha12>-opset17.onnx``
+            (:mod:`shared.models.gateway_graphs`). Searched before the WildFed cache; a graph in neither is exported
+            there, which needs torch. ``wildfed-edge check-config`` reports a missing one. Default: none (the cache).
         feature_centre: a public centre of the embeddings (safetensors, :mod:`shared.models.feature_centre`):
             local DP-SGD rounds then train on ``x - c`` (the updates stay in the plain form). It must come from
             public images, never from this site's records. Global DP rounds ignore it. Default: none.
@@ -217,6 +223,7 @@ class SiteConfig(BaseModel):
     calibration_cache: Path | None = None
     backbone: Literal[BACKBONE_NAMES] = DEFAULT_BACKBONE  # type: ignore[valid-type]  # the names of VARIANTS
     embedding_input_size: int = Field(default=128, ge=32, le=1024)
+    model_dir: Path | None = None
     feature_centre: Path | None = None
     logit_adjustment: bool = True
     num_classes: int | None = Field(default=None, ge=2)
@@ -344,7 +351,7 @@ class SiteConfig(BaseModel):
 
 
 _PATH_FIELDS = ("dataset", "incoming", "private_key", "coordinator_public_key", "outbox", "artifact_cache", "embedding_cache",
-                "calibration_cache", "feature_centre",
+                "calibration_cache", "feature_centre", "model_dir",
                 "broker_ca_file", "broker_cert_file", "broker_key_file", "broker_password_file")
 
 

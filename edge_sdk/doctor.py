@@ -8,8 +8,10 @@ Probes (each one guarded: a missing or broken package is reported, never raised)
   Jetson (``/etc/nv_tegra_release``, model from ``/proc/device-tree/model``), the CPU architecture and cores.
 
 :func:`rank_profiles` then checks each profile against the probes: *requirements* (the training backend imports;
-``device: cuda`` has CUDA; the machine is of the profile's kind) decide whether it fits; *warnings* (TensorRT
-missing, so ORT is used) only lower its rank. The recommended profile is the first that fits, preferring the
+``backend: torch`` on ``device: cuda`` has CUDA; the machine is of the profile's kind: :func:`kind_fit`, which
+``run`` and ``check-config`` apply too) decide whether it fits; *warnings* (TensorRT missing, so ORT is used; the x86
+GPU profile on a box without a GPU or a CUDA torch, so ONNX Runtime runs on the CPU) only lower its rank. The
+recommended profile is the first that fits, preferring the
 detected hardware kind.
 """
 
@@ -26,7 +28,8 @@ from pathlib import Path
 
 from shared.profiles import GatewayKind, GatewayProfile, InferenceEngine, TrainingBackendName
 
-__all__ = ["Probe", "MachineReport", "ProfileFit", "probe_machine", "detect_kind", "rank_profiles"]
+__all__ = ["Probe", "MachineReport", "ProfileFit", "probe_machine", "probe_hardware", "detect_kind", "kind_fit",
+           "device_fit", "rank_profiles"]
 
 TEGRA_RELEASE = Path("/etc/nv_tegra_release")
 DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
@@ -162,6 +165,22 @@ def _probe_jetson(probes: list[Probe]) -> str | None:
     return model
 
 
+def probe_hardware(*, cuda: bool = False) -> MachineReport:
+    """The hardware facts alone: architecture, a Jetson's model, GPUs from ``nvidia-smi``, and (with ``cuda``)
+    whether torch sees CUDA (imports torch where installed). What the profile checks of ``run`` and
+    ``check-config`` need, without importing every runtime as :func:`probe_machine` does."""
+    probes: list[Probe] = [Probe("system", "cpu", True, f"{platform.machine()}, {os.cpu_count() or '?'} cores")]
+    torch_cuda = False
+    if cuda:
+        from edge_sdk.profiles import torch_cuda_available
+
+        torch_cuda = torch_cuda_available()
+    gpus = _probe_nvidia_smi(probes)
+    jetson = _probe_jetson(probes)
+    return MachineReport(probes=tuple(probes), arch=platform.machine(), jetson_model=jetson, torch_cuda=torch_cuda,
+                         gpus=gpus)
+
+
 def probe_machine() -> MachineReport:
     """Probe this machine (imports torch, onnxruntime and tensorrt if present; runs nvidia-smi for at most 10 s)."""
     probes: list[Probe] = []
@@ -183,17 +202,45 @@ def detect_kind(report: MachineReport) -> GatewayKind:
     return GatewayKind.X86_GPU if report.gpus or report.torch_cuda else GatewayKind.X86_CPU
 
 
-def _check(profile: GatewayProfile, report: MachineReport, detected: GatewayKind) -> ProfileFit:
+def kind_fit(kind: GatewayKind, report: MachineReport, detected: GatewayKind | None = None
+             ) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)`` of running a profile of ``kind`` on the probed machine: a Jetson profile needs that
+    Jetson; the x86 kinds need an x86_64 machine; the x86 GPU kind without a GPU is a warning (it runs on ONNX
+    Runtime on the CPU, and says so), not a problem. A radio base station is a role any machine can play.
+    Shared by ``doctor`` and by the checks ``run`` and ``check-config`` make (:mod:`edge_sdk.preflight`)."""
+    detected = detected or detect_kind(report)
+    is_x86 = report.arch.lower() in ("x86_64", "amd64")
     problems: list[str] = []
     warnings: list[str] = []
-    kind = profile.kind
-    is_x86 = report.arch.lower() in ("x86_64", "amd64")
     if kind in (GatewayKind.JETSON_ORIN_NANO, GatewayKind.JETSON_XAVIER_NX) and detected is not kind:
-        problems.append(f"needs a {kind.value} (this is {detected.value})")
-    elif kind is GatewayKind.X86_GPU and not (is_x86 and detected is GatewayKind.X86_GPU):
-        problems.append("needs an x86_64 machine with an NVIDIA GPU")
+        problems.append(f"needs a {kind.value} (this is {detected.value}, {report.arch})")
+    elif kind is GatewayKind.X86_GPU and not is_x86:
+        problems.append(f"needs an x86_64 machine with an NVIDIA GPU (this is {report.arch})")
+    elif kind is GatewayKind.X86_GPU and detected is not GatewayKind.X86_GPU:
+        warnings.append("no NVIDIA GPU found: inference and training fall back to ONNX Runtime on the CPU")
     elif kind is GatewayKind.X86_CPU and not is_x86:
         problems.append(f"needs an x86_64 machine (this is {report.arch})")
+    return problems, warnings
+
+
+def device_fit(backend: TrainingBackendName, device: str, *, torch_cuda: bool, ort_training: bool
+               ) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)`` of training with ``backend`` on ``device`` here, once the backend is installed:
+    ``torch`` on ``cuda`` needs torch to see CUDA (``torch_cuda``); ``auto`` on ``cuda`` without it falls back to ONNX
+    Runtime on the CPU where that imports (``ort_training``; a warning), else is the same problem
+    (``edge_sdk.profiles.resolve_training`` is what the agent then does)."""
+    if not device.startswith("cuda") or torch_cuda:
+        return [], []
+    if backend is TrainingBackendName.AUTO and ort_training:
+        return [], [f"training.device {device}: torch sees no CUDA device here; training runs on ONNX Runtime on the "
+                    "CPU"]
+    if backend is TrainingBackendName.ORT:
+        return [], []
+    return [f"training.device {device}: torch sees no CUDA device"], []
+
+
+def _check(profile: GatewayProfile, report: MachineReport, detected: GatewayKind) -> ProfileFit:
+    problems, warnings = kind_fit(profile.kind, report, detected)
     backend = profile.training.backend
     torch_ok, ort_ok = report.has("torch"), report.has("onnxruntime.training")
     if backend is TrainingBackendName.TORCH and not torch_ok:
@@ -202,9 +249,11 @@ def _check(profile: GatewayProfile, report: MachineReport, detected: GatewayKind
         problems.append("training backend ort: onnxruntime.training is not installed")
     elif backend is TrainingBackendName.AUTO and not (torch_ok or ort_ok):
         problems.append("no training backend installed (torch or onnxruntime-training)")
-    uses_torch = backend is TrainingBackendName.TORCH or (backend is TrainingBackendName.AUTO and not ort_ok)
-    if profile.training.device.startswith("cuda") and uses_torch and not report.torch_cuda:
-        problems.append("training.device cuda: torch sees no CUDA device")
+    else:
+        device_problems, device_warnings = device_fit(backend, profile.training.device,
+                                                      torch_cuda=report.torch_cuda, ort_training=ort_ok)
+        problems += device_problems
+        warnings += device_warnings
     engine = profile.inference.engine
     if not report.has("onnxruntime"):
         problems.append("onnxruntime is not installed (inference, and the fallback of TensorRT)")
@@ -212,7 +261,7 @@ def _check(profile: GatewayProfile, report: MachineReport, detected: GatewayKind
         warnings.append("tensorrt missing: inference falls back to ONNX Runtime")
     elif engine is InferenceEngine.ORT_CUDA and "CUDAExecutionProvider" not in report.ort_providers:
         warnings.append("ORT has no CUDAExecutionProvider: inference runs on CPU")
-    return ProfileFit(name=profile.name, kind=kind, fits=not problems, kind_match=kind is detected,
+    return ProfileFit(name=profile.name, kind=profile.kind, fits=not problems, kind_match=profile.kind is detected,
                       problems=tuple(problems), warnings=tuple(warnings))
 
 

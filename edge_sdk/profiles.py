@@ -3,16 +3,19 @@
 The schema, the shipped profiles' folder and loading live in :mod:`shared.profiles` (the coordinator's provisioning
 reads the same files). This module adds the gateway's view, :class:`FirmwareProfile`: the flat attributes the agent
 reads (``backend``, ``device``, ``threads``, ``microbatch_size``; a site config's own settings override them, see
-:func:`edge_sdk.rounds.backends.build_backend`), and :func:`resolve_backend`, what ``backend: auto`` means on this machine:
-``ort`` where ``onnxruntime.training`` imports and an ``ort`` backend is registered, ``torch`` otherwise (Jetson:
-ORT training ships no aarch64 wheel). The agent refines ``auto`` per task (ORT only for a model that has ORT
-training artifacts).
+:func:`edge_sdk.rounds.backends.build_backend`), and :func:`resolve_backend` / :func:`resolve_training`, what
+``backend: auto`` means on this machine: on ``device: cpu``, ``ort`` where ``onnxruntime.training`` imports and an
+``ort`` backend is registered, ``torch`` otherwise (Jetson: ORT training ships no aarch64 wheel); on ``device: cuda``,
+``torch`` where torch sees a CUDA device, else ``ort`` on the CPU (logged: the x86 GPU profile without a CUDA torch
+or without a GPU), else ``torch``. The agent refines ``auto`` per task (ORT only for a model that has ORT training
+artifacts).
 
 What a gateway must install for its backend (:func:`install_backend`, :func:`backend_extras`): ``torch`` -> the
 ``edge`` and ``torch`` extras of the ``wildfed`` wheel (on a Jetson, NVIDIA's JetPack torch seen through
-``--system-site-packages`` satisfies it); ``ort`` -> the ``edge-ort`` extra (onnxruntime-training-cpu, onnx, no
-torch); ``auto`` -> ``edge-ort`` on an x86_64 CPU gateway (what the x86 CPU profile documents), ``torch``
-elsewhere. :func:`backend_import_problem` imports the backend's framework for ``check-config``.
+``--system-site-packages`` satisfies it; on x86_64 the ``torch`` extra adds ONNX Runtime for inference); ``ort`` ->
+the ``edge-ort`` extra (onnxruntime-training-cpu, onnx, no torch); ``auto`` -> ``edge-ort`` on an x86_64 gateway,
+whatever its device (CUDA training there is an opt-in: torch with CUDA added to the venv), ``torch`` elsewhere.
+:func:`backend_import_problem` imports the backend's framework for ``check-config``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ __all__ = [
     "GatewayKind", "TrainingBackendName", "InferenceEngine", "Precision", "TrainingSettings", "InferenceSettings",
     "StoragePaths", "BrokerSettings", "IdentityFiles", "PrivacyDefaults", "GatewayProfile", "FirmwareProfile",
     "PROFILES_DIR", "GPU_KINDS", "JETSON_KINDS", "profiles_dir", "available_profiles", "profile_path",
-    "profile_problems", "check_profile_data", "load_profile", "resolve_backend", "ort_training_importable",
+    "profile_problems", "check_profile_data", "load_profile", "resolve_backend", "resolve_training",
+    "torch_cuda_available", "ort_training_importable",
     "BACKEND_EXTRAS", "install_backend", "backend_extras", "backend_install_command", "backend_import_problem",
 ]
 
@@ -92,6 +96,41 @@ def resolve_backend(name: str | TrainingBackendName) -> str:
     if "ort" in available_backends() and ort_training_importable():
         return "ort"
     return "torch"
+
+
+def torch_cuda_available() -> bool:
+    """Whether torch imports here and sees a CUDA device (False without torch; imports torch when installed)."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - missing or a broken native library: no CUDA training here
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver
+        return False
+
+
+def resolve_training(backend: str | TrainingBackendName, device: str) -> tuple[str, str, str | None]:
+    """``(backend, device, note)`` a requested training backend and device mean on this machine.
+
+    ``torch`` and ``ort`` (and other registered names) pass through. ``auto`` on ``cpu`` is :func:`resolve_backend`.
+    ``auto`` on ``cuda[:N]`` is ``torch`` on that device where torch sees CUDA; else ``ort`` on ``cpu`` where
+    ``onnxruntime.training`` imports, with ``note`` saying so (the caller logs it: an x86 GPU gateway installed
+    without a CUDA torch, or run on a box without a GPU); else ``torch`` on the device (which then fails, naming
+    what to install).
+    """
+    value = getattr(backend, "value", backend)
+    if value != TrainingBackendName.AUTO.value:
+        return str(value), device, None
+    if device == "cpu":
+        return resolve_backend(value), device, None
+    if torch_cuda_available():
+        return "torch", device, None
+    if resolve_backend(value) == "ort":
+        return "ort", "cpu", (f"training.device {device}: torch with CUDA is not available here, so training runs on "
+                              "ONNX Runtime on the CPU (the head model is small; to train on the GPU install torch "
+                              "with CUDA into the gateway's venv: pip install 'wildfed[torch]')")
+    return "torch", device, None
 
 
 class FirmwareProfile(GatewayProfile):
@@ -134,8 +173,9 @@ def load_profile(name_or_path: str | os.PathLike[str], directory: Path | None = 
 def install_backend(backend: str | TrainingBackendName, *, device: str = "cpu", arch: str | None = None) -> str:
     """The concrete backend (``torch`` or ``ort``) a fresh gateway install must provide for a requested one.
 
-    ``torch`` and ``ort`` stand for themselves; ``auto`` is ``ort`` on an x86_64 machine training on the CPU
-    (onnxruntime-training-cpu has x86_64 wheels only and no CUDA provider) and ``torch`` otherwise.
+    ``torch`` and ``ort`` stand for themselves; ``auto`` is ``ort`` on an x86_64 machine, whatever the device
+    (onnxruntime-training-cpu has x86_64 wheels only and no CUDA provider: an x86 GPU gateway trains on the CPU
+    unless the operator adds torch with CUDA, which ``auto`` then prefers) and ``torch`` elsewhere.
 
     Args:
         backend: the profile's or site's ``training.backend``.
@@ -149,7 +189,7 @@ def install_backend(backend: str | TrainingBackendName, *, device: str = "cpu", 
     if value != TrainingBackendName.AUTO.value:
         return value
     arch = (arch or platform.machine()).lower()
-    return "ort" if arch in ("x86_64", "amd64") and str(device) == "cpu" else "torch"
+    return "ort" if arch in ("x86_64", "amd64") else "torch"
 
 
 def backend_extras(backend: str | TrainingBackendName, *, device: str = "cpu", arch: str | None = None

@@ -6,8 +6,8 @@ is written to disk.
 
 Layout (every member a regular file; names relative, ``/``-separated, no ``..``, no links)::
 
-    manifest.json                  format, federation, site, profile, created, and every other member's
-                                   SHA-256, size and mode
+    manifest.json                  format, federation, site, profile, created, ``models`` (which graph is which),
+                                   and every other member's SHA-256, size and mode
     manifest.sig                   Ed25519 signature of manifest.json by the coordinator's key
     profile.yaml                   the gateway profile (shared.profiles)
     site.yaml                      the site config (edge_sdk.config), paths relative to the install prefix
@@ -18,6 +18,16 @@ Layout (every member a regular file; names relative, ``/``-separated, no ``..``,
     systemd/wildfed-edge.service   unit template: @PREFIX@, @EXEC@, @USER@ are filled in at install
     wheels/<name>.whl              the WildFed SDK wheel (``wildfed-*.whl``), optionally with the wheels of its
                                    dependencies: the gateway then installs offline from them
+    models/backbone/<name>.onnx    the site's backbone embedder, exported at provisioning
+                                   (``shared.models.gateway_graphs``; e.g.
+                                   ``efficientnet-lite0-579344248a93-p1-128px-opset17.onnx``, 13.5 MB)
+    models/detector/<name>.onnx    the YOLOX-tiny detector (``yolox_tiny-31f8690fc62f-opset17.onnx``, 20.2 MB)
+
+The graphs are members like any other: listed with their SHA-256 in the signed manifest, so a changed graph is
+refused like a changed key. The manifest's ``models`` maps each role (``backbone``, ``detector``) to
+``{"member", "sha256", "size"}`` plus, for the backbone, ``backbone``, ``input_size`` and ``backbone_id``. A bundle
+without graphs (written before they were added) still installs; ``wildfed-edge check-config`` then reports them
+missing on a gateway that cannot export them (no torch).
 
 What the checks buy: the per-member SHA-256 catches corruption and a member changed after signing; the signature
 catches a rewritten manifest unless the attacker also replaced ``keys/coordinator.pub``, which is why the
@@ -48,7 +58,8 @@ from shared.keys import key_fingerprint, public_key_from_pem
 
 __all__ = [
     "BUNDLE_FORMAT", "MANIFEST", "SIGNATURE", "PROFILE", "SITE_CONFIG", "SITE_KEY", "SITE_PUBLIC_KEY",
-    "COORDINATOR_PUBLIC_KEY", "BROKER_CA", "SYSTEMD_UNIT", "WHEELS_DIR", "BundleError", "BundleMember", "Bundle",
+    "COORDINATOR_PUBLIC_KEY", "BROKER_CA", "SYSTEMD_UNIT", "WHEELS_DIR", "MODELS_DIR", "BundleError", "BundleMember",
+    "Bundle",
     "check_member_name", "write_bundle", "read_bundle",
 ]
 
@@ -63,6 +74,7 @@ COORDINATOR_PUBLIC_KEY = "keys/coordinator.pub"
 BROKER_CA = "keys/broker-ca.pem"
 SYSTEMD_UNIT = "systemd/wildfed-edge.service"
 WHEELS_DIR = "wheels"
+MODELS_DIR = "models"
 
 MAX_MEMBERS = 64
 MAX_MEMBER_BYTES = 512 * 1024 * 1024
@@ -110,6 +122,10 @@ class Bundle:
     def wheels(self) -> list[str]:
         """Member names of the bundled wheels."""
         return sorted(n for n in self.members if n.startswith(f"{WHEELS_DIR}/") and n.endswith(".whl"))
+
+    def models(self) -> list[str]:
+        """Member names of the bundled ONNX graphs (``models/<role>/<name>.onnx``)."""
+        return sorted(n for n in self.members if n.startswith(f"{MODELS_DIR}/") and n.endswith(".onnx"))
 
 
 def check_member_name(name: str) -> str:

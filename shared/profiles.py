@@ -101,7 +101,8 @@ GPU_KINDS = JETSON_KINDS | {GatewayKind.X86_GPU}
 
 
 class TrainingBackendName(str, Enum):
-    """Training backend: ``auto`` picks ``ort`` where ``onnxruntime.training`` imports, ``torch`` otherwise."""
+    """Training backend: ``auto`` picks ``ort`` where ``onnxruntime.training`` imports, ``torch`` otherwise; on a
+    ``cuda`` device, ``torch`` where it sees CUDA, else ``ort`` on the CPU (``edge_sdk.profiles.resolve_training``)."""
 
     AUTO = "auto"
     TORCH = "torch"

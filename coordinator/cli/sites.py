@@ -141,10 +141,16 @@ def provision(
                                        '"species": [...]}: capacity is a round number you declare, never the exact '
                                        'record count (docs/privacy.md)'),
     wheel: Path | None = typer.Option(None, "--wheel", help="a prebuilt wildfed-*.whl (default: build it)"),
+    backbone: str = typer.Option("efficientnet-lite0", "--backbone", help="the site's frozen backbone "
+                                 "(efficientnet-lite0, -lite1 or -lite2; the same for every site of the federation): "
+                                 "its ONNX graph goes into the bundle"),
+    embedding_input_size: int | None = typer.Option(None, "--embedding-input-size", min=32, help="its input size in "
+                                                    "px (default: the backbone's default size)"),
     force: bool = typer.Option(False, help="overwrite an existing bundle file"),
 ) -> None:
     """Write a site's provisioning bundle (SDK wheel, profile, fresh key pair, coordinator key, broker CA,
-    site.yaml, systemd unit) and enrol the site's public key, together or not at all."""
+    site.yaml, systemd unit, the backbone's and the detector's ONNX graphs) and enrol the site's public key,
+    together or not at all. Exporting the graphs needs torch here (once per backbone and size; cached)."""
     import yaml
 
     from coordinator.provisioning import provision_site
@@ -165,16 +171,18 @@ def provision(
                               fix="write - {scientific_name: ..., class_index: 0, iucn_category: CR} per species")
     store, _, _ = open_state(cfg)
     try:
-        with console.status("building the SDK wheel and the bundle"):
+        with console.status("building the SDK wheel, exporting the ONNX graphs (first time: a minute) and writing "
+                            "the bundle"):
             result = provision_site(config=cfg, store=store, site_id=site_id, profile=profile,
                                     out=out or Path(f"{site_id}.wildfed-bundle.tar"), broker_ca=broker_ca,
                                     broker_url=broker_url, species=rows, dataset=dataset, metadata=meta,
-                                    wheel=wheel, force=force)
+                                    wheel=wheel, force=force, backbone=backbone,
+                                    embedding_input_size=embedding_input_size)
     finally:
         store.dispose()
     console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")
-    console.print(escape(f"  bundle      {result.bundle_path} (holds the site's private key: mode 0600, delete after "
-                         "install)"))
+    console.print(escape(f"  bundle      {result.bundle_path} ({result.bundle_path.stat().st_size / 1e6:.1f} MB; "
+                         "holds the site's private key: mode 0600, delete after install)"))
     if result.broker_is_loopback:
         err_console.print(f"[bold yellow]warning:[/] the gateway will connect to {escape(result.broker_url)}, its own "
                           "loopback "

@@ -20,6 +20,7 @@ float32 (N, 1280) embeddings from memory (:attr:`LocalDataset.features`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,13 +44,15 @@ log = logging.getLogger(__name__)
 
 
 def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, backbone: str = DEFAULT_BACKBONE,
-                  threads: int | None = None) -> "Embedder":
+                  threads: int | None = None, model_dir: str | Path | None = None) -> "Embedder":
     """The backbone embedder a gateway uses for ``backbone`` (a variant name, e.g. ``efficientnet-lite0``) at
-    ``input_size``: the exported ONNX graph on TensorRT FP16 or ONNX Runtime
-    (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens.
+    ``input_size``: the exported ONNX graph (the site's ``model_dir`` first: its bundle's graph) on TensorRT FP16 or
+    ONNX Runtime (``edge_sdk.inference.embedder.OnnxEmbedder``), or the torch module where no inference engine opens
+    and torch is installed.
 
     Raises:
-        ConfigError: an unknown backbone (before anything is opened).
+        ConfigError: an unknown backbone (before anything is opened); no graph opens and torch is not installed
+            (the ONNX side's error, which names ``model_dir`` and the fix).
     """
     from shared.models.backbone import get_variant
 
@@ -57,10 +60,19 @@ def open_embedder(input_size: int = DEFAULT_INPUT_SIZE, *, backbone: str = DEFAU
 
     get_variant(backbone)
     try:
-        return OnnxEmbedder.open(input_size, backbone=backbone, threads=threads)
+        return OnnxEmbedder.open(input_size, backbone=backbone, threads=threads, model_dir=model_dir)
     except Exception as exc:  # noqa: BLE001 - no ONNX Runtime / exporter here: torch computes the same function
+        if not _torch_installed():
+            raise  # nothing to fall back to: the ONNX error says what is missing
         log.warning("ONNX embedder unavailable (%s: %s); embedding with torch", type(exc).__name__, exc)
         return TorchEmbedder(input_size, backbone=backbone, threads=threads)
+
+
+def _torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module marked absent
+        return False
 
 
 def load_rgb(path: str | Path) -> "Image.Image":
@@ -126,7 +138,8 @@ def _image_sizes(dataset: LocalDataset) -> dict[int, tuple[int, int]]:
 
 def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: int = DEFAULT_INPUT_SIZE,
                   backbone: str = DEFAULT_BACKBONE, embedder: "Embedder | None" = None, threads: int | None = None,
-                  chunk: int = 256, cache: EmbeddingCache | None = None) -> LocalDataset:
+                  chunk: int = 256, cache: EmbeddingCache | None = None,
+                  model_dir: str | Path | None = None) -> LocalDataset:
     """``dataset`` with :attr:`~LocalDataset.features` filled: every record's embedding (the mean over its crops),
     each crop read from the cache under ``cache_root`` where present and computed (then stored) where not.
 
@@ -140,6 +153,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
         threads: threads of the default embedder.
         chunk: crops per embedder call (each chunk is stored before the next, so an interrupted run keeps it).
         cache: an open cache to use instead of opening one under ``cache_root`` (one process, one cache object).
+        model_dir: the site's graph folder (site.yaml ``model_dir``), where the default embedder looks first.
 
     Returns:
         A new :class:`LocalDataset` (same records, same order) with ``features`` float32 (N, 1280).
@@ -167,7 +181,7 @@ def embed_dataset(dataset: LocalDataset, cache_root: str | Path, *, input_size: 
 
     def compute(idx: np.ndarray) -> np.ndarray:
         if not opened:
-            opened.append(open_embedder(input_size, backbone=backbone, threads=threads))
+            opened.append(open_embedder(input_size, backbone=backbone, threads=threads, model_dir=model_dir))
         emb = opened[0]
         if emb.input_size != input_size or emb.backbone_id != cache.backbone_id:
             raise ValueError(f"embedder {emb.backbone_id} at {emb.input_size} px does not match the cache "

@@ -116,9 +116,10 @@ class FieldService:
 
         s = config.field
         detector = detector or YoloxDetector.open(prefer=s.engine, batch_size=1,  # type: ignore[arg-type]
-                                                  threads=config.threads, confidence=s.detection_threshold)
+                                                  threads=config.threads, confidence=s.detection_threshold,
+                                                  model_dir=config.model_dir)
         embedder = embedder or open_embedder(config.embedding_input_size, backbone=config.backbone,
-                                             threads=config.threads)
+                                             threads=config.threads, model_dir=config.model_dir)
         classifier = PhotoClassifier(detector=detector, embedder=embedder, model_path=global_model_path(config),
                                      class_names=config.names_by_class,
                                      site_classes={e.class_index for e in config.species},

@@ -196,7 +196,7 @@ class SpeciesClassifier:
                      class_names: Mapping[int, str] | Sequence[str] | None = None,
                      prefer: EnginePreference = "auto", threads: int | None = None,
                      input_size: int = DEFAULT_INPUT_SIZE, backbone: str = DEFAULT_BACKBONE,
-                     embedder: Embedder | None = None,
+                     embedder: Embedder | None = None, model_dir: str | Path | None = None,
                      engine_options: Mapping[str, object] | None = None) -> "SpeciesClassifier":
         """Open the backbone on the best engine here (slot :func:`engine_slot`) and bind the head ``weights``.
 
@@ -205,12 +205,13 @@ class SpeciesClassifier:
             backbone: the backbone variant the head was trained on (``efficientnet-lite0``, ...).
             embedder: an already opened embedder to reuse (one backbone engine for many sites / model versions);
                 it must be that backbone at that size.
+            model_dir: the site's graph folder (site.yaml ``model_dir``: the bundle's backbone graph).
             engine_options: passed to :func:`~edge_sdk.inference.engines.open_engine` (``cache_root``,
                 ``builder_factory``, ``gpu_probe``; tests).
 
         Raises:
             ConfigError: not a head model; an unknown backbone; an embedder of another backbone or size; the
-                backbone cannot be exported (no torch and no ``$WILDFED_BACKBONE_ONNX``).
+                backbone's graph is not in ``model_dir`` or the cache and cannot be exported (no torch).
         """
         _head_config(weights)
         wanted = backbone_id(get_variant(backbone), input_size)
@@ -218,7 +219,8 @@ class SpeciesClassifier:
         _remove_legacy(cache_dir() / "classifier")
         _remove_legacy(Path(options["cache_root"]) if options.get("cache_root") else cache_dir() / "engines")
         if embedder is None:
-            embedder = OnnxEmbedder.open(input_size, backbone=backbone, prefer=prefer, threads=threads, **options)
+            embedder = OnnxEmbedder.open(input_size, backbone=backbone, prefer=prefer, threads=threads,
+                                         model_dir=model_dir, **options)
         elif embedder.input_size != input_size:
             raise ConfigError(f"the embedder takes {embedder.input_size} px input, the head wants {input_size} px",
                               field="input_size", fix="open the embedder at the head's training input size")

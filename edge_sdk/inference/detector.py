@@ -10,16 +10,17 @@ Pipeline (each stage matches zamba 2.7.2's ``MegadetectorLiteYoloX``, the code t
    score >= 0.25, greedy NMS at IoU 0.45 (YOLOX's ``postprocess`` with torchvision's NMS: suppress IoU > 0.45),
    divide boxes by ``r`` and clip them to the image.
 
-The ONNX file is exported once from the checkpoint (needs torch) and cached by the checkpoint's SHA-256
-(``<cache>/detector/yolox_tiny-<sha12>-opset17.onnx``, IR version <= 10 so ONNX Runtime 1.19 loads it); a gateway
-without torch needs only that file (``$WILDFED_DETECTOR_ONNX``).
+The ONNX file (``yolox_tiny-<checkpoint sha12>-opset17.onnx``, IR version <= 10 so ONNX Runtime 1.19 loads it;
+:mod:`shared.models.gateway_graphs`) is found (:func:`detector_onnx`) in the site's ``model_dir`` (where
+``install-bundle`` puts the graph the coordinator exported at provisioning: a gateway without torch needs nothing
+else), else in the WildFed cache (``<cache>/detector/``), else exported there from the fetched checkpoint where torch
+is installed. ``$WILDFED_DETECTOR_ONNX`` names a file to use instead (development override).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,15 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from shared.errors import ConfigError
+from shared.models.gateway_graphs import MAX_IR_VERSION, OPSET, detector_graph_relpath, export_detector
 from shared.models.yolox_tiny import INPUT_SIZE, NUM_CLASSES, WEIGHTS_FILE, decode_outputs
 
 from edge_sdk.inference.engines import EnginePreference, InferenceEngine, open_engine
 from edge_sdk.inference.weights import CHECKPOINT_SHA256, cache_dir, detector_checkpoint
 
 __all__ = ["CONFIDENCE_THRESHOLD", "NMS_IOU_THRESHOLD", "CATEGORY", "DETECTOR_ID", "OPSET", "MAX_IR_VERSION",
-           "Box", "preprocess", "box_iou", "nms", "postprocess", "export_onnx", "detector_onnx", "YoloxDetector"]
+           "Box", "preprocess", "box_iou", "nms", "postprocess", "export_onnx", "detector_onnx", "find_detector_onnx",
+           "YoloxDetector"]
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,6 @@ CONFIDENCE_THRESHOLD = 0.25
 NMS_IOU_THRESHOLD = 0.45
 CATEGORY = "animal"
 DETECTOR_ID = f"{Path(WEIGHTS_FILE).stem}@{CHECKPOINT_SHA256[:12]}"
-OPSET = 17
-MAX_IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10
 
 
 @dataclass(frozen=True)
@@ -147,62 +148,46 @@ def postprocess(raw: np.ndarray, *, ratio: float, width: int, height: int,
 
 # ---- the ONNX file ------------------------------------------------------------------------------------------------
 
-def export_onnx(checkpoint: str | Path, onnx_path: str | Path, *, opset: int = OPSET) -> Path:
-    """Export YOLOX-tiny with the checkpoint's weights to ONNX (input ``images`` (B, 3, 640, 640), output
-    ``output`` (B, 8400, 6), dynamic batch), written atomically.
+#: ``export_onnx(checkpoint, onnx_path, *, opset)``: export the detector (needs torch;
+#: :func:`shared.models.gateway_graphs.export_detector`, shared with the coordinator's provisioning).
+export_onnx = export_detector
+
+
+def detector_onnx(*, download: bool = True, model_dir: str | Path | None = None) -> Path:
+    """The detector ONNX file: ``$WILDFED_DETECTOR_ONNX`` if set, else ``<model_dir>/detector/<name>`` (the site's
+    bundle), else ``<cache>/detector/<name>``, else exported into the cache from the (fetched) checkpoint (needs
+    torch; checked before anything is downloaded).
 
     Raises:
-        ConfigError: torch is missing (export needs it; run inference from an exported file instead).
-        ValueError: the checkpoint does not load strictly.
-    """
-    try:
-        import torch
-    except ImportError as exc:
-        raise ConfigError("exporting the detector to ONNX needs torch", field="detector",
-                          fix="export once on a machine with torch and copy the file, setting "
-                              "WILDFED_DETECTOR_ONNX to it") from exc
-    import onnx
-
-    from shared.models.yolox_tiny import load_weights
-
-    model = load_weights(checkpoint)
-    onnx_path = Path(onnx_path)
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=onnx_path.parent, prefix=".export-", suffix=".onnx")
-    os.close(fd)
-    try:
-        with torch.no_grad():
-            torch.onnx.export(model, (torch.zeros(1, 3, INPUT_SIZE, INPUT_SIZE),), tmp_name, dynamo=False,
-                              input_names=["images"], output_names=["output"], opset_version=opset,
-                              dynamic_axes={"images": {0: "batch"}, "output": {0: "batch"}},
-                              do_constant_folding=True)
-        proto = onnx.load(tmp_name)
-        if proto.ir_version > MAX_IR_VERSION:
-            proto.ir_version = MAX_IR_VERSION
-        onnx.checker.check_model(proto)
-        onnx.save(proto, tmp_name)
-        os.replace(tmp_name, onnx_path)
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
-    log.info("detector: exported %s (IR %d, opset %d)", onnx_path, proto.ir_version, opset)
-    return onnx_path
-
-
-def detector_onnx(*, download: bool = True) -> Path:
-    """The cached detector ONNX file, exporting it from the (fetched) checkpoint on first use.
-
-    ``$WILDFED_DETECTOR_ONNX`` overrides the path (a gateway without torch).
-
-    Raises:
-        WeightsUnavailableError: the checkpoint cannot be fetched. ConfigError: torch is needed to export.
+        ConfigError: no graph is found and torch is missing (field ``model_dir``; the fix names the bundle).
+        WeightsUnavailableError: the checkpoint cannot be fetched.
     """
     override = os.environ.get("WILDFED_DETECTOR_ONNX")
     if override:
         return Path(override).expanduser()
-    target = cache_dir() / "detector" / f"yolox_tiny-{CHECKPOINT_SHA256[:12]}-opset{OPSET}.onnx"
-    if target.is_file():
-        return target
-    return export_onnx(detector_checkpoint(download=download), target)
+    found = find_detector_onnx(model_dir=model_dir)
+    if found is not None:
+        return found
+    try:
+        import torch  # noqa: F401 - only whether the export can run, before a 41 MB download
+    except ImportError:
+        where = f"{model_dir} (the site's model_dir) or {cache_dir()}" if model_dir is not None else str(cache_dir())
+        raise ConfigError(f"no exported detector graph in {where}, and exporting one needs torch, which is not "
+                          "installed here", field="model_dir" if model_dir is not None else "detector",
+                          fix="reinstall the site's bundle (`wildfed-edge install-bundle --force`: it ships the "
+                              "graph); for `wildfed-edge detect`, pass --config <prefix>/site.yaml; or install torch "
+                              "here (`pip install 'wildfed[torch]'`)") from None
+    return export_onnx(detector_checkpoint(download=download), cache_dir() / detector_graph_relpath())
+
+
+def find_detector_onnx(*, model_dir: str | Path | None = None) -> Path | None:
+    """``<model_dir>/detector/<name>`` or ``<cache>/detector/<name>``, whichever exists first; None if neither
+    (``$WILDFED_DETECTOR_ONNX`` is not consulted: :func:`detector_onnx` does that)."""
+    relpath = detector_graph_relpath()
+    for root in ([Path(model_dir)] if model_dir is not None else []) + [cache_dir()]:
+        if (root / relpath).is_file():
+            return root / relpath
+    return None
 
 
 class YoloxDetector:
@@ -228,9 +213,11 @@ class YoloxDetector:
 
     @classmethod
     def open(cls, *, prefer: EnginePreference = "auto", batch_size: int = 8, threads: int | None = None,
-             confidence: float = CONFIDENCE_THRESHOLD, download: bool = True) -> "YoloxDetector":
-        """The detector from the cached ONNX file (fetched and exported on first use) on the best engine."""
-        engine = open_engine(detector_onnx(download=download), name="yolox_tiny", prefer=prefer,
+             confidence: float = CONFIDENCE_THRESHOLD, download: bool = True,
+             model_dir: str | Path | None = None) -> "YoloxDetector":
+        """The detector from its ONNX file (:func:`detector_onnx`: the site's ``model_dir``, the cache, or fetched
+        and exported on first use) on the best engine."""
+        engine = open_engine(detector_onnx(download=download, model_dir=model_dir), name="yolox_tiny", prefer=prefer,
                              max_batch=batch_size, threads=threads)
         return cls(engine, confidence=confidence, batch_size=batch_size)
 

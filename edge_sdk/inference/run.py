@@ -62,7 +62,7 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
                   on_start: Callable[[int], None] | None = None,
                   on_record: Callable[[DetectionRecord], None] | None = None,
                   input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None,
-                  backbone: str = DEFAULT_BACKBONE) -> RunSummary:
+                  backbone: str = DEFAULT_BACKBONE, model_dir: str | Path | None = None) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:
@@ -83,6 +83,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         embedder: an already opened backbone embedder (one engine for many runs).
         backbone: the backbone variant the head was trained on (``efficientnet-lite0``, ...); a model file whose
             metadata names another backbone or input size is refused.
+        model_dir: the site's graph folder (site.yaml ``model_dir``), where its bundle installed the detector's and
+            the backbone's ONNX graphs; searched before the WildFed cache.
 
     Raises:
         FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched, weights
@@ -92,14 +94,15 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
     zone = parse_utc_offset(utc_offset)
     images = find_images(paths)
     if detector is None:
-        detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence)
+        detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence,
+                                      model_dir=model_dir)
     classifier = None
     if weights is not None:
         loaded = (load_classifier_weights(weights, backbone_id=backbone_id(backbone, input_size))
                   if isinstance(weights, (str, Path)) else dict(weights))
         classifier = SpeciesClassifier.from_weights(loaded, class_names=class_names,
                                                     prefer=prefer, threads=threads, input_size=input_size,
-                                                    backbone=backbone, embedder=embedder)
+                                                    backbone=backbone, embedder=embedder, model_dir=model_dir)
     pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone)
     summary = RunSummary(detector_engine=detector.engine.name,
                          classifier_engine=classifier.engine_name if classifier is not None else "")

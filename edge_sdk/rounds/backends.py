@@ -14,9 +14,9 @@ from shared.models.kinds import ModelSpec, spec_from_weights
 from shared.protocol import TrainingTask
 
 from edge_sdk.backends.base import TrainingBackend, create_backend
-from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
+from edge_sdk.backends.ort_backend import ArtifactCache
 from edge_sdk.config import SiteConfig
-from edge_sdk.profiles import load_profile
+from edge_sdk.profiles import load_profile, resolve_training
 from edge_sdk.rounds.context import AgentContext
 
 __all__ = ["requested_backend", "build_backend", "BackendChooser"]
@@ -74,7 +74,9 @@ def build_backend(config: SiteConfig, name: str | None = None, *, model: ModelSp
     settings = {"threads": pick("threads", 1), "device": pick("device", "cpu"),
                 "microbatch_size": pick("microbatch_size", 64)}
     if backend == "auto":
-        backend = "ort" if settings["device"] == "cpu" and ort_training_importable() else "torch"
+        backend, settings["device"], note = resolve_training("auto", str(settings["device"]))
+        if note is not None:
+            log.warning("site %s: %s", config.site_id, note)
     log.info("site %s: backend %s %s (profile %s)", config.site_id, backend, settings, config.profile or "none")
     if model is not None:
         return create_backend(backend, model=model, **settings)

@@ -87,7 +87,7 @@ class SiteRecords:
         data = load_camtrap_dp(c.dataset, c.species_table, missing_media=c.missing_media, train_on=c.train_on,
                                machine_threshold=c.machine_threshold, digests=self._digests)
         data = embed_dataset(data, embedding_cache_dir(c), input_size=c.embedding_input_size, backbone=c.backbone,
-                             threads=c.threads)
+                             threads=c.threads, model_dir=c.model_dir)
         counts = ", ".join(f"{cat.value} {n}" for cat, n in sorted(data.category_counts().items(),
                                                                     key=lambda kv: kv[0].rank)) or "none"
         log.info("site %s: %d training record(s) (%s; %s) from %s", c.site_id, len(data), c.train_on, counts,

@@ -5,6 +5,7 @@ members are refused before anything is written."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shlex
@@ -29,8 +30,10 @@ from shared.keys import generate_signing_key, load_private_key, save_private_key
 from coordinator.provisioning import build_sdk_wheel, provision_site
 from coordinator.registry import EnrolmentError, SiteRegistry
 from coordinator.storage import Store
+from shared.models.gateway_graphs import backbone_graph_relpath, detector_graph_relpath
 from tests.coordinator.helpers import make_config
 from tests.edge.conftest import write_package
+from tests.graph_support import fake_graph_folder
 
 SPECIES = [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "CR"},
            {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}]
@@ -40,6 +43,13 @@ SPECIES = [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_cat
 def sdk_wheel(tmp_path_factory) -> Path:
     """The SDK wheel, built once per test session from this checkout."""
     return build_sdk_wheel(tmp_path_factory.mktemp("wheels"))
+
+
+@pytest.fixture(scope="session")
+def graph_cache(tmp_path_factory) -> Path:
+    """A graph folder with stand-ins of the backbone (efficientnet-lite0, 128 px) and detector graphs under their
+    canonical names: provisioning ships them without exporting (no torch export, no download in these tests)."""
+    return fake_graph_folder(tmp_path_factory.mktemp("graphs"))
 
 
 @pytest.fixture
@@ -57,9 +67,18 @@ def fed(tmp_path: Path):
 def provision(fed, sdk_wheel: Path, tmp_path: Path, site_id: str = "site-1", **kw):
     cfg, store = fed
     kw.setdefault("profile", "x86-cpu-gateway")
+    kw.setdefault("graph_cache", GRAPHS[0])
     kw.setdefault("out", tmp_path / "out" / f"{site_id}.tar")
     return provision_site(config=cfg, store=store, site_id=site_id, species=SPECIES, wheel=sdk_wheel,
                           metadata={"capacity": 3}, **kw)
+
+
+GRAPHS: list[Path] = []  # the session's graph folder (set by the autouse fixture below)
+
+
+@pytest.fixture(autouse=True)
+def _graphs(graph_cache) -> None:
+    GRAPHS[:] = [graph_cache]
 
 
 def test_provisioning_imports_no_edge_sdk_and_no_torch() -> None:
@@ -77,18 +96,30 @@ def test_bundle_holds_everything_and_enrols_the_site(fed, sdk_wheel, tmp_path) -
     result = provision(fed, sdk_wheel, tmp_path, broker_ca=ca)
     assert os.stat(result.bundle_path).st_mode & 0o777 == 0o600
     bundle = read_bundle(result.bundle_path)
+    graphs = {"backbone": f"models/{backbone_graph_relpath('efficientnet-lite0', 128)}",
+              "detector": f"models/{detector_graph_relpath()}"}
+    assert graphs["backbone"] == "models/backbone/efficientnet-lite0-579344248a93-p1-128px-opset17.onnx"
     assert set(bundle.members) == {fmt.PROFILE, fmt.SITE_CONFIG, fmt.SITE_KEY, fmt.SITE_PUBLIC_KEY,
                                    fmt.COORDINATOR_PUBLIC_KEY, fmt.SYSTEMD_UNIT, fmt.BROKER_CA,
-                                   f"wheels/{sdk_wheel.name}"}
+                                   f"wheels/{sdk_wheel.name}", *graphs.values()}
+    # the graphs are the cache's files, listed in the signed manifest with their hash and role
+    for role, member in graphs.items():
+        data = (GRAPHS[0] / member.removeprefix("models/")).read_bytes()
+        assert bundle.members[member] == data and bundle.mode(member) == 0o644
+        entry = bundle.manifest["models"][role]
+        assert entry["member"] == member and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert bundle.manifest["models"]["backbone"]["input_size"] == 128
     assert bundle.mode(fmt.SITE_KEY) == 0o600 and bundle.site_id == "site-1"
     with tarfile.open(result.bundle_path) as tar:
         assert tar.getmember(fmt.SITE_KEY).mode == 0o600
     unit = bundle.members[fmt.SYSTEMD_UNIT].decode()
     assert "Restart=on-failure" in unit and "@EXEC@ run --config @PREFIX@/site.yaml" in unit
+    assert "RestartPreventExitStatus=2" in unit.splitlines()  # a configuration error is not retried every 10 s
     site = yaml.safe_load(bundle.members[fmt.SITE_CONFIG])
     assert site["site_id"] == "site-1" and site["federation_id"] == cfg.federation_id
     assert site["species"] == SPECIES and site["num_classes"] == cfg.num_classes
     assert site["allow_non_private"] is False and site["allow_seeded_noise"] is False
+    assert (site["backbone"], site["embedding_input_size"], site["model_dir"]) == ("efficientnet-lite0", 128, "models")
     # enrolled with the public half of the bundled private key
     site_key = load_private_key_from_bytes(bundle.members[fmt.SITE_KEY])
     assert SiteRegistry(store).get_public_key("site-1") == site_key.public_key()
@@ -117,7 +148,7 @@ def test_enrolment_failure_leaves_no_bundle(fed, sdk_wheel, tmp_path) -> None:
     out = tmp_path / "out"
     with pytest.raises(EnrolmentError):
         provision_site(config=fed[0], store=fed[1], site_id="site-1", profile="x86-cpu-gateway",
-                       out=out / "b.tar", wheel=sdk_wheel, metadata={"capacity": -1})
+                       out=out / "b.tar", wheel=sdk_wheel, metadata={"capacity": -1}, graph_cache=GRAPHS[0])
     assert not out.exists() or list(out.iterdir()) == []
     assert not SiteRegistry(fed[1]).is_enrolled("site-1")
     provision(fed, sdk_wheel, tmp_path)
@@ -149,8 +180,10 @@ def test_bad_profile_or_site_id_fail_before_anything(fed, sdk_wheel, tmp_path) -
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_cli_provision(tmp_path, sdk_wheel) -> None:
+def test_cli_provision(tmp_path, sdk_wheel, graph_cache, monkeypatch) -> None:
     from coordinator.cli import app as coordinator_app
+
+    monkeypatch.setenv("WILDFED_CACHE", str(graph_cache))  # the CLI ships the graphs of the WildFed cache
 
     runner = CliRunner()
     assert runner.invoke(coordinator_app, ["init", str(tmp_path / "fed"), "--federation-id", "f1"]).exit_code == 0

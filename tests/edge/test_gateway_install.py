@@ -91,7 +91,7 @@ def _install(tmp_path: Path, monkeypatch, profile: str, *extra_args: str, extra_
 
 @pytest.mark.parametrize("profile,extras", [
     ("radio-base-station", "edge,torch"),   # backend torch
-    ("x86-gpu-gateway", "edge,torch"),      # backend torch on CUDA
+    ("x86-gpu-gateway", "edge-ort"),        # backend auto on CUDA: runs without torch (CUDA torch is an opt-in)
     ("jetson-orin-nano", "edge,torch"),     # torch (JetPack's, through --system-site-packages)
     ("x86-cpu-gateway", "edge-ort"),        # backend auto on an x86_64 CPU box: onnxruntime-training, no torch
 ])
