@@ -41,8 +41,8 @@ def counting(monkeypatch):
     calls: list[int] = []
     real_open = embedding.open_embedder
 
-    def open_counted(input_size, *, backbone, threads=None):
-        inner = real_open(input_size, backbone=backbone, threads=threads)
+    def open_counted(input_size, *, backbone, threads=None, **options):
+        inner = real_open(input_size, backbone=backbone, threads=threads, **options)
 
         class Counted:
             name, backbone_id = inner.name, inner.backbone_id
