@@ -34,6 +34,7 @@ def pytest_report_header(config) -> str:  # noqa: ANN001 - pytest's Config
 
     line = f"python {sys.version.split()[0]}; gateway tests train with backend {GATEWAY_BACKEND}"
     if GATEWAY_BACKEND == "ort":
-        line += (f" (torch is not installed; ORT artifacts from {ARTIFACTS_ENV}="
-                 f"{os.environ.get(ARTIFACTS_ENV) or '(unset: tests that need them skip)'})")
+        source = os.environ.get(ARTIFACTS_ENV) or ("(unset: tests that train skip, tests that embed photos fail; "
+                                                   "see tests/gateway_backend.py)")
+        line += f" (torch is not installed; ORT artifacts and the backbone graph from {ARTIFACTS_ENV}={source})"
     return line

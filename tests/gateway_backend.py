@@ -13,7 +13,7 @@ backbone's (EfficientNet-Lite0 at the default input size, :data:`BACKBONE_FILE`)
 to the gateway as ``WILDFED_BACKBONE_ONNX``, the setting an ONNX Runtime gateway is given:
 
     .venv/bin/python -m tests.gateway_backend /tmp/wf-artifacts          # with torch: DIR/<model hash>/<files>
-    WILDFED_TEST_ARTIFACTS=/tmp/wf-artifacts venv310/bin/python -m pytest tests/edge tests/shared
+    WILDFED_TEST_ARTIFACTS=/tmp/wf-artifacts .venv310/bin/python -m pytest tests/edge tests/shared
 
 :func:`artifact_set` makes the set where torch imports, reads it from ``$WILDFED_TEST_ARTIFACTS`` otherwise, and skips
 the test (naming the commands above) where neither is possible. With ``$WILDFED_TEST_ARTIFACTS`` set, a set that is

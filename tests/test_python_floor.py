@@ -41,7 +41,8 @@ _LINE = re.compile(r"^(?P<path>.+?\.py):(?P<line>\d*):(?P<column>\d*):(?P<py2>[^
 
 @dataclass(frozen=True)
 class Finding:
-    """One construct vermin reports: where, and the lowest Python 3 it needs (``None``: none does)."""
+    """One construct vermin reports: where, and the lowest Python 3 it needs (``None``: none does, or the running
+    Python cannot parse it: ``feature`` then starts with ``error:``)."""
 
     path: Path
     line: int | None
@@ -50,6 +51,8 @@ class Finding:
 
     def __str__(self) -> str:
         where = f"{self.path}:{self.line}" if self.line else str(self.path)
+        if self.feature.startswith("error:"):
+            return f"{where}: {self.feature} (Python {sys.version.split()[0]} cannot parse it)"
         version = ".".join(map(str, self.needs)) if self.needs else "no Python 3"
         return f"{where}: {self.feature or 'this module'} needs Python {version}"
 
@@ -86,7 +89,10 @@ def scan(*paths: Path) -> tuple[set[Path], list[Finding]]:
         needs = _py3(match["py3"])
         if not match["line"]:
             scanned.add(path)
-        if needs is None or needs > FLOOR:
+        unreadable = match["feature"].startswith("error:")  # a syntax error to the Python running vermin
+        if unreadable:
+            needs = None
+        if unreadable or needs is None or needs > FLOOR:
             findings.append(Finding(path, int(match["line"]) if match["line"] else None, needs, match["feature"]))
     return scanned, findings
 
@@ -109,8 +115,9 @@ def test_every_gateway_module_runs_on_python_3_10() -> None:
 
 
 def test_the_check_flags_3_11_constructs_at_their_lines(tmp_path: Path) -> None:
-    """The control: a module written with 3.11-only constructs is reported, each at its own line, and a module of
-    3.10 constructs (match, ``X | Y`` annotations, ``zip(strict=)``) is not."""
+    """The control: modules written with 3.11-only library members and syntax are reported, each construct at its
+    own line, and a module of 3.10 constructs (match, ``X | Y`` annotations, ``zip(strict=)``) is not. (Vermin
+    parses with the Python that runs it: under 3.10, ``except*`` is reported as a syntax error at its line.)"""
     newer = tmp_path / "newer.py"
     newer.write_text(textwrap.dedent("""\
         import tomllib
@@ -125,8 +132,9 @@ def test_the_check_flags_3_11_constructs_at_their_lines(tmp_path: Path) -> None:
 
         def now():
             return datetime.datetime.now(datetime.UTC)
-
-
+        """))
+    syntax = tmp_path / "newer_syntax.py"
+    syntax.write_text(textwrap.dedent("""\
         def run():
             try:
                 pass
@@ -151,12 +159,18 @@ def test_the_check_flags_3_11_constructs_at_their_lines(tmp_path: Path) -> None:
                     return list(zip(a, b, strict=True)), first
             return [], None
         """))
-    scanned, findings = scan(newer, fine)
-    assert scanned == {newer.resolve(), fine.resolve()}
+    scanned, findings = scan(newer, syntax, fine)
+    assert scanned == {newer.resolve(), syntax.resolve(), fine.resolve()}
     flagged = {(f.path.name, f.line) for f in findings if f.line is not None}
-    assert {("newer.py", line) for line in (1, 2, 8, 12, 18)} <= flagged, flagged
-    assert not [f for f in findings if f.path.name == "fine.py"], findings
+    assert {("newer.py", line) for line in (1, 2, 8, 12)} <= flagged, flagged
     assert all(f.needs == (3, 11) for f in findings if f.path.name == "newer.py" and f.line)
+    (except_star,) = [f for f in findings if f.path.name == "newer_syntax.py" and f.line]
+    assert except_star.line == 4
+    if sys.version_info >= (3, 11):
+        assert except_star.needs == (3, 11) and "except*" in except_star.feature
+    else:
+        assert except_star.feature.startswith("error:") and "cannot parse" in str(except_star)
+    assert not [f for f in findings if f.path.name == "fine.py"], findings
 
 
 @pytest.mark.parametrize("field,want", [("3.11", (3, 11)), ("3.10", (3, 10)), ("~3", (3, 0)), ("!3", None)])
