@@ -8,11 +8,13 @@ equal those of 1.0).
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
+import re
 
 __all__ = ["media_id", "MEDIA_ID_HEX_DIGITS", "CAMTRAP_DP_VERSION", "CAMTRAP_DP_PROFILE", "schema_url",
            "DEPLOYMENTS_COLUMNS", "MEDIA_COLUMNS", "OBSERVATIONS_COLUMNS", "MEDIA_TYPES", "TIMESTAMP_SOURCES",
-           "TIMESTAMP_SOURCE_KEY", "mark_timestamp_source", "timestamp_source"]
+           "TIMESTAMP_SOURCE_KEY", "mark_timestamp_source", "timestamp_source", "parse_datetime"]
 
 #: Hex digits of a media id (128 bits of SHA-256: collisions need about 2**64 photos).
 MEDIA_ID_HEX_DIGITS = 32
@@ -112,3 +114,28 @@ def timestamp_source(media_comments: str | None) -> str | None:
 
 def _comment_items(comments: str) -> list[str]:
     return [item.strip() for item in comments.split("|") if item.strip()]
+
+
+# ---- reading a date and time -------------------------------------------------------------------------------------
+_ZULU = re.compile(r"[Zz]$")
+_FRACTION = re.compile(r"(\d{2}:\d{2}:\d{2})[.,](\d+)")
+
+
+def parse_datetime(text: str) -> _dt.datetime:
+    """A Camtrap DP date and time (ISO 8601 extended form, e.g. ``2024-01-02T10:00:00Z``,
+    ``2024-01-02T10:00:00.5+01:00``) as a datetime, aware where the text has a zone (``Z`` is UTC).
+
+    ``datetime.fromisoformat`` reads a ``Z`` zone and a fraction of a second of other than 3 or 6 digits only from
+    Python 3.11 on; both are rewritten first (``+00:00``; the fraction cut or padded to 6 digits, as 3.11 does), so
+    that a gateway on Python 3.10 reads the same timestamps.
+
+    Raises:
+        ValueError: not an ISO 8601 date (and time).
+    """
+    value = _ZULU.sub("+00:00", text.strip())
+    value = _FRACTION.sub(lambda m: f"{m[1]}.{(m[2] + '000000')[:6]}", value, count=1)
+    try:
+        return _dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an ISO 8601 date and time (YYYY-MM-DDThh:mm:ss with Z or +hh:mm)") \
+            from None

@@ -220,8 +220,11 @@ def _file_sha256(path: Path, digests: dict | None = None) -> str:
         key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
         if digests is not None and key in digests:
             return digests[key]
-        with path.open("rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        hasher = hashlib.sha256()
+        with path.open("rb") as handle:  # streamed in 1 MiB blocks (hashlib.file_digest is Python >= 3.11)
+            while block := handle.read(1 << 20):
+                hasher.update(block)
+        digest = hasher.hexdigest()
     except OSError as exc:
         raise DatasetError(
             f"image cannot be read: {exc}",

@@ -17,10 +17,11 @@ since files copied together share a time that says nothing of when the animals p
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from shared.camtrap_dp import parse_datetime
 
 __all__ = ["DEFAULT_GAP_S", "EventSpan", "event_id_for", "assign_event", "epoch_seconds"]
 
@@ -48,7 +49,7 @@ def epoch_seconds(timestamp: str) -> float:
     Raises:
         ValueError: not ISO 8601, or no offset.
     """
-    moment = _dt.datetime.fromisoformat(timestamp)
+    moment = parse_datetime(timestamp)
     if moment.tzinfo is None:
         raise ValueError(f"timestamp {timestamp!r} has no UTC offset")
     return moment.timestamp()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Mapping
 
+from shared.camtrap_dp import parse_datetime
+
 from edge_sdk.field.site_package import SitePackage
 from edge_sdk.field.store import FieldStore
 
@@ -46,7 +48,7 @@ def _after(when: str, previous: str | None) -> str:
     """``when``, or one second after ``previous`` when ``when`` is not later than it (ISO 8601 with offset)."""
     if previous is None:
         return when
-    moment, before = _dt.datetime.fromisoformat(when), _dt.datetime.fromisoformat(previous)
+    moment, before = parse_datetime(when), parse_datetime(previous)
     return when if moment > before else (before + _dt.timedelta(seconds=1)).isoformat()
 
 

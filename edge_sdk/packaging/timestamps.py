@@ -14,11 +14,11 @@ spreadsheets leave it alone: leading and trailing spaces are ignored.
 from __future__ import annotations
 
 import datetime as _dt
-import re
 from pathlib import Path
 
 from PIL import Image
 
+from shared.camtrap_dp import parse_datetime
 from shared.errors import DatasetError
 
 from edge_sdk.inference.records import read_timestamp
@@ -38,7 +38,7 @@ def parse_table_time(text: str, *, utc_offset: _dt.timezone, origin: str = "") -
     value = text.strip()
     moment: _dt.datetime | None = None
     try:
-        moment = _dt.datetime.fromisoformat(re.sub(r"Z$", "+00:00", value))
+        moment = parse_datetime(value)
     except ValueError:
         for fmt in _FORMATS:
             try:

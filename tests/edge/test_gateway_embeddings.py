@@ -18,6 +18,8 @@ from edge_sdk.data import embedding
 from edge_sdk.data.camtrap_dp import load_camtrap_dp
 from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
+from tests.gateway_backend import GATEWAY_BACKEND, model_weights, needs_torch, training_backend
+
 from .conftest import SPECIES, write_package
 
 
@@ -30,7 +32,7 @@ def _site(tmp_path: Path) -> Path:
               "species": [{"scientific_name": n, "class_index": c, "iucn_category": cat}
                           for n, (c, cat) in SPECIES.items()],
               "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-              "outbox": "state/outbox.sqlite", "threads": 1}
+              "outbox": "state/outbox.sqlite", "threads": 1, "backend": GATEWAY_BACKEND}
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(config))
     return tmp_path / "site.yaml"
 
@@ -69,19 +71,24 @@ def test_agent_embeds_each_record_once_and_a_restart_reads_the_cache(tmp_path, c
     assert feats.dtype == np.float32 and feats.shape == (3, 1280)
     first.close()
 
-    # independent reference: the torch backbone on each file, read as RGB, the whole image
-    from edge_sdk.inference.embedder import TorchEmbedder
-
-    torch_embedder = TorchEmbedder(DEFAULT_INPUT_SIZE)
-    data = load_camtrap_dp(tmp_path / "pkg", {n: v for n, v in SPECIES.items()})
-    ref = torch_embedder.embed(np.stack([preprocess_image(Image.open(f), DEFAULT_INPUT_SIZE) for f in data.files]))
-    np.testing.assert_allclose(feats, ref, atol=1e-4, rtol=1e-4)
-
     counting.clear()
     second = EdgeAgent.from_config(config, transport=InMemoryTransport(broker))
     assert counting == []  # nothing re-embedded
     np.testing.assert_array_equal(second.dataset.features, feats)
     second.close()
+
+
+@needs_torch
+def test_the_gateways_embeddings_are_the_torch_backbones(tmp_path) -> None:
+    """What the agent trains on (``embed_dataset``, the exported graph on ONNX Runtime) against an independent
+    reference: the torch backbone on each file, read as RGB, the whole image."""
+    from edge_sdk.inference.embedder import TorchEmbedder
+
+    write_package(tmp_path / "pkg")
+    data = embedding.embed_dataset(load_camtrap_dp(tmp_path / "pkg", dict(SPECIES)), tmp_path / "cache")
+    torch_embedder = TorchEmbedder(DEFAULT_INPUT_SIZE)
+    ref = torch_embedder.embed(np.stack([preprocess_image(Image.open(f), DEFAULT_INPUT_SIZE) for f in data.files]))
+    np.testing.assert_allclose(data.features, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_replaced_file_under_the_same_media_id_is_re_embedded(tmp_path, counting) -> None:
@@ -121,21 +128,18 @@ def test_training_reads_the_embeddings(tmp_path) -> None:
     import dataclasses
 
     from shared.iucn import IUCNCategory as Cat
-    from shared.models.kinds import model_spec
     from shared.protocol import TrainingTask
 
-    from edge_sdk.backends.base import create_backend
     from edge_sdk.privacy.randomness import SeededRandom
     from edge_sdk.training import train_locally
 
     write_package(tmp_path / "pkg")
     data = embedding.embed_dataset(load_camtrap_dp(tmp_path / "pkg", dict(SPECIES)), tmp_path / "cache")
-    spec = model_spec("head", 2, adapter_width=0)
-    backend = create_backend("torch", model=spec)
+    backend = training_backend("head-only", tmp_path / "artifacts")  # the head alone, K = 2, zero-initialised
     task = TrainingTask(federation_id="f", round=1, model_hash="0" * 64, privacy="none", local_steps=1,
                         expected_batch_size=3, learning_rate=1.0, clipping_norm=1.0, budgets={}, target_delta=1e-5,
                         planned_rounds=1)
-    w0 = spec.initial_weights(0)
+    w0 = model_weights("head-only")
     out = train_locally(backend=backend, dataset=data, task=task, global_weights=w0,
                         site_categories=[Cat.CR, Cat.NT], randomness=SeededRandom(1))
     # q = 1: one full-batch step of lr 1 from a zero head: delta = -mean gradient, computed by hand

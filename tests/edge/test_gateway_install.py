@@ -24,6 +24,7 @@ from shared.keys import generate_signing_key, public_key_to_pem
 from shared.profiles import PROFILES_DIR
 
 from edge_sdk.cli import app
+from tests.gateway_backend import needs_torch
 
 from .conftest import write_package
 
@@ -226,7 +227,12 @@ def test_check_config_fails_when_the_torch_backend_is_missing(tmp_path) -> None:
     assert "backend" in out and "training backend torch cannot run here" in out
     assert "No module named 'torch'" in out
     assert "pip install 'wildfed[edge,torch]'" in out  # brackets survive rich
-    # with torch importable the same config is OK (the check is the import, nothing else)
+
+
+@needs_torch
+def test_check_config_passes_the_torch_backend_where_torch_imports(tmp_path) -> None:
+    """The same config as above is OK with torch importable: the check is the import, nothing else."""
+    site = _site(tmp_path, "radio-base-station")  # backend torch
     ok = _check_config("nothing-blocked", str(site))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "valid site config" in ok.stdout

@@ -28,7 +28,7 @@ import pytest
 from shared.codec import model_hash
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory as Cat
-from shared.models.kinds import ModelSpec, model_spec
+from shared.models.kinds import ModelSpec, model_spec, spec_from_weights
 
 from edge_sdk.backends.base import ParameterSpec, create_backend, flatten
 from edge_sdk.backends.factored import LinearFactors
@@ -36,6 +36,7 @@ from edge_sdk.backends.ort_backend import ArtifactCache, ort_training_importable
 from edge_sdk.privacy.ccdp import CCDPMechanism
 from edge_sdk.privacy.randomness import SeededRandom
 from edge_sdk.training import local_step
+from tests.gateway_backend import artifact_set, model_weights, needs_torch
 from tests.support import assert_norm_upper_bounds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +70,7 @@ def data(rng: np.random.Generator, spec: ModelSpec, n: int = 9) -> tuple[np.ndar
     return x, rng.integers(0, spec.num_classes, n).astype(np.int64)
 
 
+@needs_torch
 @pytest.mark.parametrize("spec", [SMALL, SMALL_HEAD_ONLY], ids=["adapter", "head-only"])
 @pytest.mark.parametrize("scope", ["all", "head"])
 def test_torch_per_example_gradients_equal_the_closed_form(rng, spec, scope) -> None:
@@ -89,6 +91,7 @@ def test_torch_per_example_gradients_equal_the_closed_form(rng, spec, scope) -> 
     np.testing.assert_allclose(backend.gradient(x, y), expected.mean(axis=0), rtol=1e-4, atol=1e-6)
 
 
+@needs_torch
 def test_psi_gradient_is_softmax_error_outer_features_at_zero_init(rng) -> None:
     """With psi = 0 (the default initialisation) p = 1/K: g_i(psi.weight) = (1/K - onehot(y_i)) h_i^T exactly."""
     spec = SMALL
@@ -107,6 +110,7 @@ def test_psi_gradient_is_softmax_error_outer_features_at_zero_init(rng) -> None:
     assert not got[:, :layout["psi.weight"].offset].any()
 
 
+@needs_torch
 def test_frozen_adapter_scope_trains_psi_only(rng) -> None:
     spec = SMALL
     backend = create_backend("torch", model=spec, scope="head", threads=1)
@@ -122,6 +126,7 @@ def test_frozen_adapter_scope_trains_psi_only(rng) -> None:
         backend.set_weights({k: v for k, v in weights.items() if k != "phi.0.weight"})
 
 
+@needs_torch
 def test_head_model_refuses_images_and_bad_settings(rng) -> None:
     backend = create_backend("torch", model="head", num_classes=3, model_options={"adapter_width": 8}, threads=1)
     assert backend.spec == model_spec("head", 3, adapter_width=8)
@@ -158,16 +163,16 @@ def test_linear_factors_equal_explicit_outer_products(rng) -> None:
 @pytest.fixture(scope="module")
 def head_artifacts(tmp_path_factory):
     """Artifact sets of the full-size head model (1280 -> 256 -> 10) and of the small one, made by the
-    coordinator's code from the weights alone (the spec is inferred from the tensors)."""
+    coordinator's code from the weights alone (the spec is inferred from the tensors; tests.gateway_backend)."""
     if not ort_training_importable():
         pytest.skip("onnxruntime.training is not importable here")
-    from coordinator.artifacts import build_artifacts
-
     out = {}
-    for name, spec in (("full", model_spec("head", 10)), ("small", SMALL), ("head-only", SMALL_HEAD_ONLY)):
-        weights = spec.initial_weights(7, head_init="uniform")
+    for name, spec, model in (("full", model_spec("head", 10), "head-full"), ("small", SMALL, "head-small"),
+                              ("head-only", SMALL_HEAD_ONLY, "head-small-no-adapter")):
+        weights = model_weights(model)  # spec.initial_weights(7, head_init="uniform")
+        assert spec_from_weights(weights) == spec
         h = model_hash(weights)
-        files = build_artifacts(weights, model_hash=h)
+        files = artifact_set(model)  # made here where torch is installed, else made beforehand with torch
         out[name] = (spec, weights, files, ArtifactCache(tmp_path_factory.mktemp(name)).store(h, files))
     return out
 
@@ -185,16 +190,15 @@ def test_head_artifact_set_names_the_model_and_its_factor_graphs(head_artifacts)
 @needs_ort
 @pytest.mark.parametrize("which", ["full", "small", "head-only"])
 @pytest.mark.parametrize("scope", ["all", "head"])
-def test_ort_matches_closed_form_and_torch(head_artifacts, rng, which, scope) -> None:
+def test_ort_matches_the_closed_form(head_artifacts, rng, which, scope) -> None:
     spec, _, _, folder = head_artifacts[which]
     ort = create_backend("ort", num_classes=spec.num_classes, threads=1, microbatch_size=4, artifacts=folder,
                          scope=scope)
-    torch_backend = create_backend("torch", model=spec, scope=scope, threads=1)
     weights = spec.initial_weights(rng, head_init="uniform")
     ort.set_weights(weights)
-    torch_backend.set_weights(weights)
     assert ort.spec == spec
-    assert [s.name for s in ort.parameter_layout] == [s.name for s in torch_backend.parameter_layout]
+    assert [s.name for s in ort.parameter_layout] == [n for n, _ in spec.parameter_shapes()
+                                                      if scope == "all" or n.startswith("psi.")]
     x, y = data(rng, spec, 10)  # micro-batches of 4: three graph runs
     expected = closed_form(weights, x, y, scope)
     tol = dict(rtol=2e-4, atol=2e-6)
@@ -204,10 +208,29 @@ def test_ort_matches_closed_form_and_torch(head_artifacts, rng, which, scope) ->
     assert_norm_upper_bounds(implicit.norms, np.linalg.norm(expected, axis=1))
     w = rng.random((2, len(y))).astype(np.float32)
     np.testing.assert_allclose(implicit.weighted_sum(w), w @ expected, **tol)
+    np.testing.assert_allclose(ort.gradient(x, y), expected.mean(axis=0), **tol)
+
+
+@needs_ort
+@needs_torch
+@pytest.mark.parametrize("which", ["full", "small", "head-only"])
+@pytest.mark.parametrize("scope", ["all", "head"])
+def test_ort_matches_torch(head_artifacts, rng, which, scope) -> None:
+    spec, _, _, folder = head_artifacts[which]
+    ort = create_backend("ort", num_classes=spec.num_classes, threads=1, microbatch_size=4, artifacts=folder,
+                         scope=scope)
+    torch_backend = create_backend("torch", model=spec, scope=scope, threads=1)
+    weights = spec.initial_weights(rng, head_init="uniform")
+    ort.set_weights(weights)
+    torch_backend.set_weights(weights)
+    assert [s.name for s in ort.parameter_layout] == [s.name for s in torch_backend.parameter_layout]
+    x, y = data(rng, spec, 10)
+    tol = dict(rtol=2e-4, atol=2e-6)
     np.testing.assert_allclose(ort.gradient(x, y), torch_backend.gradient(x, y), **tol)
     np.testing.assert_array_equal(ort.predict(x), torch_backend.predict(x))
 
 
+@needs_torch
 @needs_ort
 @pytest.mark.filterwarnings("ignore::edge_sdk.privacy.randomness.InsecureRandomnessWarning")
 def test_one_dp_step_parity_through_the_gateway_step(head_artifacts, rng) -> None:
@@ -251,6 +274,7 @@ def test_ort_refuses_artifacts_of_another_model(head_artifacts) -> None:
         ok.per_example(np.zeros((2, 28, 28), np.uint8), np.zeros(2, np.int64))
 
 
+@needs_torch
 @needs_ort
 def test_artifact_store_makes_and_reloads_head_sets(head_artifacts, tmp_path) -> None:
     from coordinator.artifacts import ArtifactStore

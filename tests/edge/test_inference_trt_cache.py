@@ -130,7 +130,9 @@ def make_fake_tensorrt(*, fail_builds_after: int | None = None) -> types.ModuleT
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """torch reports a CUDA device (TensorRTEngine allocates its stream with torch); nothing is run on it."""
-    import torch
+    torch = pytest.importorskip("torch", reason="the TensorRT engine allocates its CUDA stream with torch, which this "
+                                "interpreter lacks (a gateway installed with wildfed[edge-ort]); the Python 3.11 run "
+                                "covers it")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: object())

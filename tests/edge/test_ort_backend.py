@@ -26,12 +26,13 @@ from shared.iucn import IUCNCategory as Cat
 from shared.models.kinds import model_spec
 from shared.protocol import TrainingTask, decode_task_with_artifacts, encode_task
 
-from coordinator.artifacts import artifact_digests, build_artifacts
 from edge_sdk.backends.base import create_backend, flatten
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.privacy.ccdp import CCDPMechanism
 from edge_sdk.privacy.randomness import SecureRandom, SeededRandom
 from edge_sdk.training import train_locally
+from tests.gateway_backend import (NO_TORCH_REASON, TORCH_INSTALLED, artifact_digests, artifact_set, model_weights,
+                                   needs_torch)
 from tests.support import assert_norm_upper_bounds
 
 K = 4
@@ -49,19 +50,28 @@ SPEC = model_spec("head", K, adapter_width=16)
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> tuple[dict[str, bytes], str, Path]:
-    weights = initial_weights(K, seed=3)
+    """The coordinator's artifact set of ``initial_weights(K, seed=3)`` (made with torch; where torch is absent, made
+    beforehand by an interpreter that has it: tests.gateway_backend)."""
+    weights = model_weights("ort-backend")
+    assert model_hash(weights) == model_hash(initial_weights(K, seed=3))
     h = model_hash(weights)
-    files = build_artifacts(weights, K, model_hash=h)
+    files = artifact_set("ort-backend")
     folder = ArtifactCache(tmp_path_factory.mktemp("cache")).store(h, files)
     return files, h, folder
 
 
 @pytest.fixture(scope="module")
-def backends(artifacts):
-    """(ort, torch) backends on the same weights, one thread each."""
-    ort = create_backend("ort", num_classes=K, threads=1, microbatch_size=5, artifacts=artifacts[2])
-    torch_backend = create_backend("torch", model=SPEC, threads=1)
-    return ort, torch_backend
+def ort_backend(artifacts):
+    """An ORT backend on the artifacts, one thread."""
+    return create_backend("ort", num_classes=K, threads=1, microbatch_size=5, artifacts=artifacts[2])
+
+
+@pytest.fixture(scope="module")
+def backends(ort_backend):
+    """(ort, torch) backends on the same weights, one thread each (skipped where torch is absent)."""
+    if not TORCH_INSTALLED:
+        pytest.skip(NO_TORCH_REASON)
+    return ort_backend, create_backend("torch", model=SPEC, threads=1)
 
 
 def batch(rng: np.random.Generator, n: int = 11) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +137,8 @@ def test_per_example_gradients_match_torch_full_and_head(backends, artifacts, rn
     np.testing.assert_allclose(after["psi.bias"], weights["psi.bias"] - 0.1, rtol=1e-6)
 
 
-def test_sgd_step_and_bad_weights(backends, rng) -> None:
-    ort, _ = backends
+def test_sgd_step_and_bad_weights(ort_backend, rng) -> None:
+    ort = ort_backend
     ort.set_weights(initial_weights(K, seed=5))
     before = flatten(ort.get_weights(), ort.parameter_layout)
     step = rng.standard_normal(ort.num_parameters).astype(np.float32)
@@ -246,10 +256,13 @@ def test_artifacts_train_on_a_gateway_without_torch(artifacts, tmp_path, torch_i
     assert out.stdout.strip().endswith("torch imported: False"), out.stdout + out.stderr
 
 
+@needs_torch  # auto falls back to torch for a model version without artifacts
 def test_agent_backend_auto_picks_ort_only_with_artifacts(tmp_path) -> None:
     """``backend: auto``: ORT for a task that carries artifacts (cached by model hash, so the next task of that
     model version uses them too), torch for a model version without any; ``backend: ort`` refuses such a task."""
     import yaml
+
+    from coordinator.artifacts import build_artifacts
 
     from shared.envelope import MessageKind, seal
 

@@ -28,11 +28,13 @@ from shared.topics import ack_topic, secagg_filter, updates_filter
 from coordinator.config import config_from_dict
 
 from edge_sdk.agent import EdgeAgent
-from edge_sdk.backends.torch_backend import TorchBackend
+from edge_sdk.backends.base import create_backend
 from edge_sdk.config import load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset
 from edge_sdk.privacy.timing import RoundPacer, release_time
 from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
+
+from tests.gateway_backend import needs_torch
 
 from .test_agent import FED, SITE, make_site
 
@@ -53,18 +55,23 @@ class FakeClock:
         self.now += seconds
 
 
-class ClockedBackend(TorchBackend):
+def clocked_backend(clock: FakeClock, cost_s: float):  # noqa: ANN201 - a TorchBackend subclass made here
     """The real torch backend whose per-example work costs ``cost_s`` seconds of the fake clock per record: a
-    round's duration is then a known function of how many records it sampled, as on a real gateway."""
+    round's duration is then a known function of how many records it sampled, as on a real gateway. Its
+    ``records_seen`` counts the records it was asked about."""
+    from edge_sdk.backends.torch_backend import TorchBackend
 
-    def __init__(self, clock: FakeClock, cost_s: float) -> None:
-        super().__init__(model=SPEC)
-        self.clock, self.cost_s, self.records_seen = clock, cost_s, 0
+    class ClockedBackend(TorchBackend):
+        def __init__(self) -> None:
+            super().__init__(model=SPEC)
+            self.clock, self.cost_s, self.records_seen = clock, cost_s, 0
 
-    def per_example(self, x, y, **kwargs):
-        self.clock.advance(self.cost_s * len(y))
-        self.records_seen += len(y)
-        return super().per_example(x, y, **kwargs)
+        def per_example(self, x, y, **kwargs):
+            self.clock.advance(self.cost_s * len(y))
+            self.records_seen += len(y)
+            return super().per_example(x, y, **kwargs)
+
+    return ClockedBackend()
 
 
 def records(n_cr: int, n_nt: int) -> LocalDataset:
@@ -126,12 +133,12 @@ def test_pacer_holds_releases_in_order_and_moves_a_missed_slot_to_the_next_bound
 
 # ---- two real agents -----------------------------------------------------------------------------------------
 def _agent(tmp_path: Path, broker: InMemoryBroker, clock: FakeClock, dataset: LocalDataset, *,
-           cost_s: float = 0.001, site_yaml: dict | None = None) -> tuple[EdgeAgent, ClockedBackend]:
+           cost_s: float = 0.001, site_yaml: dict | None = None) -> tuple[EdgeAgent, object]:
     if site_yaml:
         cfg = yaml.safe_load((tmp_path / "site.yaml").read_text())
         (tmp_path / "site.yaml").write_text(yaml.safe_dump({**cfg, **site_yaml}))
     config = load_site_config(tmp_path / "site.yaml")
-    backend = ClockedBackend(clock, cost_s)
+    backend = clocked_backend(clock, cost_s)
     agent = EdgeAgent(config=config, transport=InMemoryTransport(broker),
                       signing_key=load_private_key(config.private_key),
                       coordinator_key=load_public_key(config.coordinator_public_key), dataset=dataset,
@@ -164,6 +171,7 @@ def _time_to_update(tmp_path: Path, dataset: LocalDataset, duration_s: float) ->
         agent.close()
 
 
+@needs_torch  # the agent trains with a torch backend on the fake clock
 def test_sites_with_10_and_5000_records_release_their_updates_in_the_same_slot(tmp_path: Path) -> None:
     # Prepare: 10 records (5 CR, 5 NT) against 5,000 (1,000 CR, 4,000 NT); every NT record is sampled (B far above
     # N: q = 1) and each costs 1 ms of the fake clock, so the small site's two steps take about 10 ms and the big
@@ -181,6 +189,7 @@ def test_sites_with_10_and_5000_records_release_their_updates_in_the_same_slot(t
     assert padded[1][1] > 100 * padded[0][1]  # the work differed as much as without padding
 
 
+@needs_torch  # the agent trains with a torch backend on the fake clock
 def test_work_longer_than_the_duration_is_released_at_a_later_boundary(tmp_path: Path) -> None:
     elapsed, seen, stats = _time_to_update(tmp_path, records(1000, 4000), 2.0)
     work = seen * 0.001
@@ -189,6 +198,7 @@ def test_work_longer_than_the_duration_is_released_at_a_later_boundary(tmp_path:
     assert stats["rounds_overran"] == 1
 
 
+@needs_torch  # the agent trains with a torch backend on the fake clock
 def test_global_dp_shares_wait_for_the_slot_while_the_keys_leave_at_once(tmp_path: Path) -> None:
     broker, clock = InMemoryBroker(), FakeClock()
     coordinator = make_site(tmp_path, InMemoryTransport(broker))
@@ -227,6 +237,7 @@ def test_global_dp_shares_wait_for_the_slot_while_the_keys_leave_at_once(tmp_pat
     agent.close()
 
 
+@needs_torch  # the agent trains with a torch backend on the fake clock
 def test_a_task_padding_less_than_the_sites_floor_is_refused(tmp_path: Path) -> None:
     broker, clock = InMemoryBroker(), FakeClock()
     coordinator = make_site(tmp_path, InMemoryTransport(broker))
@@ -262,6 +273,7 @@ def test_coordinator_refuses_a_duration_that_outlasts_the_round() -> None:
 
 
 # ---- the real loop -------------------------------------------------------------------------------------------
+@needs_torch  # the agent trains with a torch backend on the fake clock
 def test_the_loop_reads_an_ack_while_the_update_waits_for_its_slot(tmp_path: Path) -> None:
     # Prepare: an update of round 0 waits in the outbox for its ACK; the coordinator acks nothing by itself
     broker = InMemoryBroker()
@@ -282,7 +294,7 @@ def test_the_loop_reads_an_ack_while_the_update_waits_for_its_slot(tmp_path: Pat
     agent = EdgeAgent(config=config, transport=InMemoryTransport(broker),
                       signing_key=load_private_key(config.private_key),
                       coordinator_key=load_public_key(config.coordinator_public_key), dataset=records(1, 2),
-                      backend=TorchBackend(model=SPEC))
+                      backend=create_backend("torch", model=SPEC))
     old = seal(private_key=agent.ctx.signing_key, federation_id=FED, site_id=SITE, round=0,
                base_model_hash="0" * 64, kind=MessageKind.UPDATE, sequence=agent.ctx.next_sequence(), payload=b"x")
     agent.outbox.put("update/0", agent.uploader.topic, old.to_bytes())

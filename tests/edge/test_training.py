@@ -204,17 +204,16 @@ def test_logit_adjustment_trains_at_bias_plus_log_weight_and_hands_back_the_plai
     np.testing.assert_allclose(plain.delta["w"], result.delta["w"])
 
 
-def test_class_reweighting_scales_each_class_row_by_its_weight_to_the_minus_p() -> None:
+def test_class_reweighting_scales_each_class_row_by_its_weight_to_the_minus_p(tmp_path) -> None:
     # A real head (3 classes over 4 inputs) on 60 records: class 0 CR, class 1 LC (the largest budget: the anchor,
     # sampled at q), class 2 VU. The same seeded draw twice: without and with class_reweighting 0.5. Row k of the
     # delta must be the plain row times (q_c / q)^-0.5 (c = class k's category, q_c from the rates that ran); the
     # events must not change (post-processing).
     import warnings
 
-    from edge_sdk.backends.torch_backend import TorchBackend
     from edge_sdk.training import reweight_class_rows
-    from shared.models.kinds import model_spec
     from shared.privacy.randomness import InsecureRandomnessWarning, SeededRandom
+    from tests.gateway_backend import model_weights, training_backend
 
     class Records:
         def __init__(self):
@@ -226,8 +225,7 @@ def test_class_reweighting_scales_each_class_row_by_its_weight_to_the_minus_p() 
         def __len__(self):
             return 60
 
-    spec = model_spec("head", 3, adapter_width=0, embedding_dim=4)
-    weights = spec.initial_weights(0)
+    weights = model_weights("tiny-4")  # the head alone on 4-dimensional inputs, K = 3
     table = {0: Cat.CR, 1: Cat.LC, 2: Cat.VU}
     results = []
     for p in (0.0, 0.5):
@@ -236,8 +234,8 @@ def test_class_reweighting_scales_each_class_row_by_its_weight_to_the_minus_p() 
                          budgets={Cat.CR: 0.5, Cat.VU: 1.0, Cat.LC: 2.0}, class_reweighting=p)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", InsecureRandomnessWarning)
-            results.append(train_locally(backend=TorchBackend(model=spec), dataset=Records(), task=t,
-                                         global_weights=weights, site_categories=[Cat.CR, Cat.VU, Cat.LC],
+            results.append(train_locally(backend=training_backend("tiny-4", tmp_path / f"p{p}"), dataset=Records(),
+                                         task=t, global_weights=weights, site_categories=[Cat.CR, Cat.VU, Cat.LC],
                                          randomness=SeededRandom(9), class_categories=table))
     plain, rw = results
     assert plain.report.events == rw.report.events

@@ -1,9 +1,10 @@
-"""The local Camtrap DP table schemas and the timestamp-source mark (shared/camtrap_dp_schema.py,
-shared/camtrap_dp.py)."""
+"""The local Camtrap DP table schemas, the timestamp-source mark and reading a Camtrap DP date and time
+(shared/camtrap_dp_schema.py, shared/camtrap_dp.py)."""
 
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared.camtrap_dp import (DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, OBSERVATIONS_COLUMNS, mark_timestamp_source,
-                               timestamp_source)
+                               parse_datetime, timestamp_source)
 from shared.camtrap_dp_schema import (LOCAL_PACKAGE_PROFILE, TABLES, local_resource, schema_file, table_schema,
                                       write_schema_files)
 
@@ -91,3 +92,34 @@ def test_timestamp_source_mark_round_trips_and_keeps_other_comments() -> None:
     assert timestamp_source(mark_timestamp_source("run")) == "run"  # an unreadable file: the time of the run
     with pytest.raises(ValueError, match="not one of"):
         mark_timestamp_source("guess")
+
+
+UTC, PLUS_1 = dt.timezone.utc, dt.timezone(dt.timedelta(hours=1))
+
+
+@pytest.mark.parametrize("text,want", [
+    ("2024-01-02T10:00:00Z", dt.datetime(2024, 1, 2, 10, tzinfo=UTC)),  # Python 3.10's fromisoformat refuses "Z"
+    ("2024-01-02T10:00:00z", dt.datetime(2024, 1, 2, 10, tzinfo=UTC)),
+    ("2024-01-02T10:00:00+01:00", dt.datetime(2024, 1, 2, 10, tzinfo=PLUS_1)),
+    ("2024-01-02T10:00:00.5+01:00", dt.datetime(2024, 1, 2, 10, 0, 0, 500_000, tzinfo=PLUS_1)),  # 1 digit
+    ("2024-01-02T10:00:00.1234567Z", dt.datetime(2024, 1, 2, 10, 0, 0, 123_456, tzinfo=UTC)),  # 7: cut to 6
+    (" 2024-01-02 10:00:00 ", dt.datetime(2024, 1, 2, 10)),  # no zone: naive
+])
+def test_camtrap_dp_datetimes_read_the_same_on_every_supported_python(text: str, want: dt.datetime) -> None:
+    got = parse_datetime(text)
+    assert got == want and got.utcoffset() == want.utcoffset()
+
+
+def test_a_text_that_is_no_datetime_is_refused_naming_it() -> None:
+    for bad in ("yesterday", "2024-13-01T00:00:00Z", ""):
+        with pytest.raises(ValueError, match="not an ISO 8601 date and time"):
+            parse_datetime(bad)
+
+
+def test_the_field_loop_reads_z_timestamps_as_utc() -> None:
+    from edge_sdk.field.events import epoch_seconds
+
+    assert epoch_seconds("2024-01-02T00:00:00Z") == 1_704_153_600.0  # 2024-01-01 is day 19,723 of the epoch, + 1
+    assert epoch_seconds("2024-01-02T01:00:00+01:00") == 1_704_153_600.0
+    with pytest.raises(ValueError, match="no UTC offset"):
+        epoch_seconds("2024-01-02T00:00:00")

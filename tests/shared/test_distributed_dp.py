@@ -94,13 +94,12 @@ def test_site_sampling_rate_is_min_one_b_over_n_and_one_under_distributed_noise(
         site_sampling_rate(0, 10)
 
 
-def test_a_distributed_site_sums_every_record_when_b_is_below_n():
+def test_a_distributed_site_sums_every_record_when_b_is_below_n(tmp_path):
     # Prepare: 40 NE and 10 LC records, B = 5 (q would be 0.1); a source whose uniforms are all 0.5, so any rate
     # below 0.5 would leave every record out and a rate of 1 takes every one
-    from edge_sdk.backends.torch_backend import TorchBackend
     from edge_sdk.training import clipped_sum_locally
-    from shared.models.kinds import model_spec
     from shared.protocol import SecAggSettings, TrainingTask
+    from tests.gateway_backend import model_weights, training_backend
 
     class Half:
         def random(self, size):
@@ -119,9 +118,8 @@ def test_a_distributed_site_sums_every_record_when_b_is_below_n():
         def __len__(self):
             return len(self.labels)
 
-    e, k = 8, 3
-    spec = model_spec("head", k, adapter_width=0, embedding_dim=e)
-    weights = spec.initial_weights(0)
+    e = 8
+    weights = model_weights("tiny-8")  # the head alone on e = 8 inputs, K = 3
     d = sum(w.size for w in weights.values())
     for distributed, want in ((True, 50), (False, 0)):
         task = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=5,
@@ -131,7 +129,8 @@ def test_a_distributed_site_sums_every_record_when_b_is_below_n():
                             secagg=SecAggSettings(site_ids=("a", "b"), threshold=2, vector_length=d,
                                                   max_abs_value=100.0, scale=2.0 ** 16))
         # Execute
-        part = clipped_sum_locally(backend=TorchBackend(model=spec), dataset=Records(40, 10, e), task=task,
+        part = clipped_sum_locally(backend=training_backend("tiny-8", tmp_path / str(distributed)),
+                                   dataset=Records(40, 10, e), task=task,
                                    global_weights=weights, site_categories=[Cat.NE, Cat.LC], randomness=Half())
         # Assert: distributed takes all 50 records at q = 1; trusted samples at q <= 0.1 < 0.5, so none
         assert part.batch_size == want

@@ -11,10 +11,11 @@ from shared.iucn import IUCNCategory as Cat
 from shared.models.kinds import model_spec
 from shared.protocol import TrainingTask
 
-from edge_sdk.backends.torch_backend import TorchBackend
+from edge_sdk.backends.base import create_backend
 from shared.models.feature_centre import (centre_digest, centred_weights, load_feature_centre, public_centre,
                                           save_feature_centre, uncentred_gradient, uncentred_weights)
 from edge_sdk.training import TrainingInputs, clipped_sum_locally, train_locally
+from tests.gateway_backend import GATEWAY_BACKEND, needs_torch
 
 
 class AllRecords:
@@ -59,6 +60,7 @@ def test_fold_and_unfold_give_the_same_function_on_centred_inputs(adapter_width)
         centred_weights(weights, np.zeros(7, np.float32))
 
 
+@needs_torch  # trains with the torch backend
 def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient():
     rng = np.random.default_rng(3)
     n, e, k = 6, 1280, 3
@@ -68,7 +70,7 @@ def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient
     weights = {"psi.weight": np.zeros((k, e), np.float32), "psi.bias": np.array([0.2, -0.1, 0.0], np.float32)}
     task = TrainingTask(federation_id="f", round=0, model_hash="0" * 64, local_steps=1, expected_batch_size=n,
                         learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=1, privacy="none")
-    result = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)),
+    result = train_locally(backend=create_backend("torch", model=model_spec("head", k, adapter_width=0)),
                            dataset=Records(x, y, np.full(n, 6)),
                            task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords(),
                            feature_centre=c)
@@ -83,13 +85,14 @@ def test_one_non_private_step_on_centred_inputs_matches_the_hand_worked_gradient
     np.testing.assert_allclose(result.delta["psi.weight"], w1, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(result.delta["psi.bias"], b1_plain - weights["psi.bias"], rtol=1e-4, atol=1e-5)
     # without the centre the bias gradient is the same, the weight gradient is on the raw inputs
-    raw = train_locally(backend=TorchBackend(model=model_spec("head", k, adapter_width=0)),
+    raw = train_locally(backend=create_backend("torch", model=model_spec("head", k, adapter_width=0)),
                         dataset=Records(x, y, np.full(n, 6)),
                         task=task, global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords())
     np.testing.assert_allclose(raw.delta["psi.weight"], -0.5 * err.T @ x.astype(np.float64) / n, rtol=1e-4,
                                atol=1e-6)
 
 
+@needs_torch  # trains with the torch backend
 def test_global_dp_centred_clipped_sum_folded_by_the_coordinator_matches_the_hand_worked_step():
     # A Global DP round: the site clips gradients of the centred form, the coordinator folds the (here noise-free)
     # mean with the public c before its step. By hand: the plain-form head (W, b') with b = b' + W c.
@@ -108,7 +111,7 @@ def test_global_dp_centred_clipped_sum_folded_by_the_coordinator_matches_the_han
                         budgets={Cat.NE: 1.0}, noise_multiplier=1e4, feature_centre=centre_digest(c),
                         secagg=SecAggSettings(site_ids=("a", "b"), threshold=2, vector_length=d, max_abs_value=10.0,
                                               scale=2.0 ** 20))
-    backend = TorchBackend(model=model_spec("head", k, adapter_width=0))
+    backend = create_backend("torch", model=model_spec("head", k, adapter_width=0))
     part = clipped_sum_locally(backend=backend, dataset=Records(x, y, np.full(n, Cat.NE.rank, np.int8)), task=task,
                                global_weights=weights, site_categories=[Cat.NE], randomness=AllRecords(),
                                feature_centre=c)
@@ -148,6 +151,7 @@ def test_centre_digest_is_sha256_of_the_float32_bytes():
     assert centre_digest(c) != centre_digest(c + 1e-3)
 
 
+@needs_torch  # trains with the torch backend
 def test_ccdp_events_do_not_depend_on_the_centre():
     rng = np.random.default_rng(4)
     x = rng.uniform(0, 6, (8, 1280)).astype(np.float32)
@@ -156,8 +160,8 @@ def test_ccdp_events_do_not_depend_on_the_centre():
                         learning_rate=0.5, clipping_norm=1.0, target_delta=1e-5, planned_rounds=3, privacy="ccdp",
                         budgets={Cat.VU: 1.0})
     weights = model_spec("head", 2, adapter_width=0).initial_weights(0)
-    runs = [train_locally(backend=TorchBackend(model=model_spec("head", 2, adapter_width=0)), dataset=data, task=task,
-                          global_weights=weights, site_categories=[Cat.VU], randomness=AllRecords(),
+    runs = [train_locally(backend=create_backend("torch", model=model_spec("head", 2, adapter_width=0)), dataset=data,
+                          task=task, global_weights=weights, site_categories=[Cat.VU], randomness=AllRecords(),
                           feature_centre=centre) for centre in (None, x.mean(axis=0))]
     assert runs[0].report.events == runs[1].report.events
     assert runs[0].noise_multipliers == runs[1].noise_multipliers
@@ -191,7 +195,7 @@ def test_the_gateway_reads_its_centre_from_the_site_config(tmp_path):
     centre = np.linspace(0, 1, 1280, dtype=np.float32)
     save_feature_centre(tmp_path / "site" / "centre.safetensors", centre, num_images=10, source="test")
     for name, file in (("site", "centre.safetensors"), ("other", "nowhere.safetensors")):
-        site_key = camera_site(tmp_path / name, name, coordinator, feature_centre=file)
+        site_key = camera_site(tmp_path / name, name, coordinator, feature_centre=file, backend=GATEWAY_BACKEND)
         config = load_site_config(tmp_path / name / "site.yaml")
         assert config.feature_centre == tmp_path / name / file  # resolved against the config's folder
 

@@ -38,6 +38,7 @@ def test_check_config_reports_records_and_warns_in_numbers(tmp_path: Path) -> No
 
     from ..conftest import SPECIES, write_package
     from shared.keys import generate_signing_key, save_private_key, save_public_key
+    from tests.gateway_backend import GATEWAY_BACKEND
 
     save_private_key(generate_signing_key(), tmp_path / "keys" / "site.key")
     save_public_key(generate_signing_key().public_key(), tmp_path / "keys" / "coordinator.pub")
@@ -46,7 +47,7 @@ def test_check_config_reports_records_and_warns_in_numbers(tmp_path: Path) -> No
               "species": [{"scientific_name": n, "class_index": c, "iucn_category": cat}
                           for n, (c, cat) in SPECIES.items()],
               "private_key": "keys/site.key", "coordinator_public_key": "keys/coordinator.pub",
-              "outbox": "state/outbox.sqlite", "backend": "torch"}
+              "outbox": "state/outbox.sqlite", "backend": GATEWAY_BACKEND}
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(config))
     result = CliRunner().invoke(app, ["check-config", str(tmp_path / "site.yaml")], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
