@@ -262,7 +262,8 @@ def _graph_problem(path: Path, *, input_shape: list[int], output_width: int, bac
     inputs, outputs = session.get_inputs(), session.get_outputs()
     shape = list(inputs[0].shape[1:]) if len(inputs) == 1 else None
     width = outputs[0].shape[-1] if len(outputs) == 1 else None
-    if shape != input_shape or width != output_width:
+    symbolic = len(outputs) == 1 and not isinstance(width, int)  # a named dynamic axis: known only when it runs
+    if shape != input_shape or (width != output_width and not symbolic):
         return (f"{path} takes {[i.shape for i in inputs]} and gives {[o.shape for o in outputs]}, not (batch, "
                 f"{', '.join(map(str, input_shape))}) -> (..., {output_width})")
     if backbone_id is not None:

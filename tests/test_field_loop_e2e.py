@@ -230,7 +230,9 @@ def test_photos_in_verdicts_on_the_gateway_a_round_on_exactly_those_records(fede
         if env.header.kind == MessageKind.DETECTION:
             record = decode_detection(env.payload)
             assert record.media_id in set(data.media_ids)
+    # besides tasks, updates and detection records: the coordinator's model releases and the gateway's health
+    # records (public operational metadata, docs/privacy.md), none carrying photo bytes (checked above)
     assert kinds <= {MessageKind.TASK, MessageKind.UPDATE, MessageKind.ACK, MessageKind.RECEIPT,
-                     MessageKind.DETECTION}
+                     MessageKind.DETECTION, MessageKind.MODEL, MessageKind.HEALTH}
     assert {MessageKind.DETECTION, MessageKind.UPDATE} <= kinds
     assert np.isfinite(events_by_category[IUCNCategory.LC].noise_multiplier)
