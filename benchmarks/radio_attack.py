@@ -4,7 +4,7 @@ and first-order shadows, timed in the same run.
 Run by hand (not part of the tests; about 5 min with the defaults on a shared 2-core machine)::
 
     .venv/bin/python benchmarks/radio_attack.py [--seed 0] [--client 0] [--candidates 6] [--repeats 3] \
-        [--threads 2] [--strides 2,3] [--cache runs/radio-attack-bench]
+        [--threads 2] [--strides 2,3,4] [--cache runs/radio-attack-bench]
 
 Setting: the radiomap experiment's defaults (munich tiles, COST 231, 50 maps per site, one epoch of Adam at batch
 16, site radius 20 m, template grid step 6 px), client ``--client``'s tile of seed ``--seed``, the seed's untrained
@@ -15,7 +15,9 @@ in rotating order (``_timing.interleaved``, one warm-up):
   the tile's grid);
 - ``first-order/<stride>, tile``: every candidate of the tile at once, the way the attacker calls it, divided by
   the number of candidates (sub-grid pixels are shared by neighbouring candidates' discs, so the cost per candidate
-  falls with the candidates' density).
+  falls with the candidates' density);
+- ``first-order/<stride>, tile, warm``: the same with the tile's sub-grid maps already made, as at every attack
+  round after a client's first (the maps depend on the tile only and are kept).
 
 Printed: seconds per candidate (median over repeats) and, pair by pair within each rotation, the sequential time
 per candidate over the other's (median, min, max); the load average before and after.
@@ -48,7 +50,7 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--strides", default="2,3")
+    ap.add_argument("--strides", default="2,3,4")
     ap.add_argument("--cache", type=Path, default=Path("runs/radio-attack-bench"))
     args = ap.parse_args()
     if args.candidates < 1 or args.repeats < 1:
@@ -79,7 +81,16 @@ def main() -> None:
     for stride in (int(s) for s in args.strides.split(",")):
         steps[f"first-order/{stride}"] = call("first-order", some, stride)
         steps[f"first-order/{stride}, tile"] = call("first-order", every, stride)
+        warm = shadows("first-order", stride)
+        warm.deltas(args.client, every, theta, np.random.default_rng(0))   # makes and keeps the tile's maps
+
+        def warm_call(warm: ShadowUpdates = warm) -> None:
+            warm.forget_deltas()
+            warm.deltas(args.client, every, theta, np.random.default_rng(0))
+
+        steps[f"first-order/{stride}, tile, warm"] = warm_call
         counts[f"first-order/{stride}"], counts[f"first-order/{stride}, tile"] = len(some), len(every)
+        counts[f"first-order/{stride}, tile, warm"] = len(every)
     times = interleaved(steps, repeats=args.repeats, warmup=1)
     per = {name: t / counts[name] for name, t in times.items()}
     print(f"{'shadows':24s} {'s per candidate':>16s} {'sequential / this (median, min-max)':>38s}")

@@ -1,20 +1,24 @@
 """How well the cheap template attackers locate clip-only sites against the full one, on the same seeds and uploads.
 
-Run by hand (not part of the tests; about 10-15 min per site on a shared 2-core machine, most of it the full
-shadows; every site's result is written to ``--out`` as soon as it is done)::
+Run by hand (not part of the tests; 3-10 min per site on a shared 2-core machine, most of it the full shadows;
+every site's result is written to ``--out`` as soon as it is done)::
 
-    .venv/bin/python benchmarks/radio_attack_strength.py [--seeds 0,1,2] [--sites 2] [--strides 2,3,4] \
+    .venv/bin/python benchmarks/radio_attack_strength.py [--seeds 0,1,2] [--sites 2] [--first-client 0] \
+        [--strides 2,3,4] [--threads 2] [--noisy-uploads 0] [--noise-multipliers 0.3] \
         [--cache runs/radio-attack-strength] [--out runs/radio-attack-strength/strength.json]
 
 Setting: the radiomap experiment's defaults (munich tiles, COST 231, 10 epochs of public pretraining, C = 0.005,
-template grid step 6 px), at round 1, where every defence shares the pretrained global model theta_0. For the first
-``--sites`` clients of each seed: the client's upload (its own 50 maps, one epoch of Adam from theta_0) without
-noise (``none``) and clipped (``clip-only``); the shadow updates at every candidate of its tile by ``batched`` (the
-full shadow: the sequential attacker's arithmetic, equal to it up to float rounding,
-``tests/sim/test_radio_shadows.py``) and by ``first-order`` at each pixel stride
-(:mod:`wildfed_sim.radio_shadows`); each attacker's maximum-likelihood candidate for each upload and its error in
-metres. Printed per site: the candidates, each attacker's error and wall time; at the end the RMSE per attacker and
-defence, how often the cheap attacker picks the full one's candidate, and the load average.
+template grid step 6 px), at round 1, where every defence shares the pretrained global model theta_0. For
+``--sites`` clients of each seed from ``--first-client`` on: the client's upload (its own 50 maps, one epoch of Adam
+from theta_0) without noise (``none``) and clipped (``clip-only``), and with ``--noisy-uploads`` M > 0, M releases
+of the clipped upload with uniform Gaussian noise N(0, (zC)^2 I) for each z (the evidence summed over the M, as the
+attacker sums it over a site's uploads; here all at theta_0). The shadow updates at every candidate of its tile by
+``batched`` (the full shadow: the sequential attacker's arithmetic, equal to it up to float rounding,
+``tests/sim/test_radio_shadows.py``) and by ``first-order`` at each pixel stride (:mod:`wildfed_sim.radio_shadows`);
+each attacker's maximum-likelihood candidate for each upload and its error in metres. Printed per site: the
+candidates, each attacker's error and wall time; at the end the RMSE per attacker and defence, how often the cheap
+attacker picks the full one's candidate, the median per-site time ratio (not interleaved: see
+``benchmarks/radio_attack.py`` for the speed-up) and the load average.
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--sites", type=int, default=2, help="clients per seed (the first ones)")
+    ap.add_argument("--sites", type=int, default=2, help="clients per seed")
+    ap.add_argument("--first-client", type=int, default=0, help="the first client attacked in each seed")
+    ap.add_argument("--noisy-uploads", type=int, default=0,
+                    help="also attack this many uniform-noise releases of each clip-only upload (0: none)")
+    ap.add_argument("--noise-multipliers", default="0.3", help="comma-separated z of those releases")
     ap.add_argument("--strides", default="2,3,4", help="first-order pixel strides")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
@@ -68,11 +76,15 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         data = prepare_data(settings, seed, cache_dir=args.cache / "data")
         theta = pretrain(settings, data, seed, cache_dir=args.cache / "data")
-        for k in range(args.sites):
+        for k in range(args.first_client, args.first_client + args.sites):
             raw = train_radio_maps(model, theta, data.clients[k].maps, epochs=settings.local_epochs,
                                    learning_rate=settings.local_lr, batch_size=settings.batch_size,
                                    rng=np.random.default_rng([seed, 17, k]))
             uploads = {"none": raw, "clip-only": clip_update(raw, settings.clipping_norm)[0]}
+            for z in (float(v) for v in args.noise_multipliers.split(",") if args.noisy_uploads):
+                # benchmark noise, not a release: seeded, so that every attacker sees the same releases
+                noise = np.random.default_rng([seed, 43, k]).standard_normal((args.noisy_uploads, raw.size))
+                uploads[f"uniform z={z:g}"] = uploads["clip-only"][None, :] + z * settings.clipping_norm * noise
             cands = template_candidates(data, k, settings)
             if args.candidates:
                 cands = cands[::args.candidates]
@@ -92,7 +104,8 @@ def main() -> None:
                 for defence, upload in uploads.items():
                     templates = deltas if defence == "none" else np.stack(
                         [clip_update(d, settings.clipping_norm)[0] for d in deltas])
-                    best = cands[int(np.argmax(profile_log_likelihood(upload, templates, layout.index)))]
+                    evidence = sum(profile_log_likelihood(u, templates, layout.index) for u in np.atleast_2d(upload))
+                    best = cands[int(np.argmax(evidence))]
                     record["estimate"][f"{kind}|{defence}"] = best.tolist()
                     record["errors_m"][f"{kind}|{defence}"] = float(np.linalg.norm(best - truth) * mpp)
             records.append(record)
@@ -100,7 +113,7 @@ def main() -> None:
                   flush=True)
             out_path.write_text(json.dumps({"records": records, "kinds": kinds}, indent=1))
     print("RMSE (m) over", len(records), "sites:")
-    for defence in ("none", "clip-only"):
+    for defence in sorted({key.split("|")[1] for key in records[0]["errors_m"]}):
         for kind in kinds:
             errs = np.array([r["errors_m"][f"{kind}|{defence}"] for r in records])
             same = np.mean([r["estimate"][f"{kind}|{defence}"] == r["estimate"][f"batched|{defence}"]

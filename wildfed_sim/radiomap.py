@@ -115,7 +115,7 @@ class RadioMapSettings:
     attacker: str = "ridge"
     template_step_px: int = 6
     template_shadow: str = "first-order"
-    template_pixel_stride: int = 2
+    template_pixel_stride: int = 3
     allocator_every: int = 5
     allocator: AllocatorTraining = AllocatorTraining()
     target_delta: float = 1e-5
@@ -558,7 +558,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
                 # shadows' draws are seeded by (seed, client, round): the same for every defence.
                 attacker = templates_of.setdefault(int(k), TemplateAttacker(template_candidates(data, int(k), settings),
                                                                             layout.index))
-                deltas = shadows.deltas(int(k), attacker.candidates, theta, np.random.default_rng([seed, 37, int(k), r]))
+                deltas = shadows.deltas(int(k), attacker.candidates, theta,
+                                        np.random.default_rng([seed, 37, int(k), r]))
                 attacker.observe(f"client{k:02d}", u, np.stack([mechanism.clipped(d) for d in deltas]))
             errs = {name: err for k, a in sorted(templates_of.items())
                     for name, err in a.errors_m({f"client{k:02d}": data.clients[k].centre_px}, mpp).items()}
@@ -788,7 +789,7 @@ def radiomap_command(
                                 "(wildfed_sim.radio_shadows): first-order (one gradient per transmitter pixel of a "
                                 "sub-grid at the global model, Adam replayed on its moments), batched (the gateways' "
                                 "training, candidates vectorised) or sequential (one training run per candidate)"),
-    template_pixel_stride: int = _opt(2, "first-order shadows: the transmitter pixel sub-grid's step"),
+    template_pixel_stride: int = _opt(3, "first-order shadows: the transmitter pixel sub-grid's step"),
     pretrain_epochs: int = _opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
     city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
                      "needs `pip install --no-deps sionna-rt==2.2.0`; each client gets its own disjoint 256 m tile, "
