@@ -33,8 +33,10 @@ schedule; privacy noise is never seeded: it comes from :class:`shared.privacy.ra
      the same local training from the same global model, the same defence), kernel ridge regression from the
      released update to the site centre in tile pixels, applied to each active client's real upload;
    - template (:mod:`wildfed_sim.radio_attack`): the attacker knows each client's tile (public building data) and
-     runs the gateways' training and clipping, without noise, on a shadow site at every candidate of a grid on that
-     tile; each upload's profile log-likelihood is summed over the site's uploads.
+     computes the update of a shadow site at every candidate of a grid on that tile, without noise, through the
+     defence's clipping (``template_shadow``: :mod:`wildfed_sim.radio_shadows`, first-order by default, the
+     gateways' own training with ``sequential``); each upload's profile log-likelihood is summed over the site's
+     uploads.
    Privacy RMSE = root mean squared Euclidean error in metres. The ridge attacker's naive baseline predicts the
    shadow centres' mean.
 5. Utility: validation MSE of stage 2's normalised map, in dB (10 log10 MSE, as the seed reports it), every round,
