@@ -12,7 +12,9 @@ template grid step 6 px), at round 1, where every defence shares the pretrained 
 ``--sites`` clients of each seed from ``--first-client`` on: the client's upload (its own 50 maps, one epoch of Adam
 from theta_0) without noise (``none``) and clipped (``clip-only``), and with ``--noisy-uploads`` M > 0, M releases
 of the clipped upload with uniform Gaussian noise N(0, (zC)^2 I) for each z (the evidence summed over the M, as the
-attacker sums it over a site's uploads; here all at theta_0). The shadow updates at every candidate of its tile by
+attacker sums it over a site's uploads; here all at theta_0); with ``--grouped`` also grouped clipping at round 1's
+public profile, noise-free and (with M > 0) with its own per-group noise at each z. The shadow updates at every
+candidate of its tile by
 ``batched`` (the full shadow: the sequential attacker's arithmetic, equal to it up to float rounding,
 ``tests/sim/test_radio_shadows.py``) and by ``first-order`` at each pixel stride (:mod:`wildfed_sim.radio_shadows`);
 each attacker's maximum-likelihood candidate for each upload and its error in metres. Printed per site: the
@@ -36,11 +38,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import load_average  # noqa: E402  (the script's folder)
 
 
+def group_profile(settings, data, theta: np.ndarray, seed: int) -> np.ndarray:
+    """The grouped-clipping profile at round 1 as the experiment computes it: 12 public proxy sites drawn from the
+    seed's proxy stream, the gateway's :meth:`RadioSiteTrainer.refresh_clipping_profile`."""
+    from edge_sdk.radio import RadioSiteTrainer
+    from wildfed_sim.radiomap import _public_site
+
+    rng = np.random.default_rng([seed, 31])
+    proxies = [_public_site(data, settings.proxy_maps, settings, rng) for _ in range(settings.proxy_sites)]
+    trainer = RadioSiteTrainer(maps=proxies[0].maps, defence="grouped-clipping", clipping_norm=settings.clipping_norm,
+                               noise_multiplier=settings.noise_multiplier, local_epochs=settings.local_epochs,
+                               learning_rate=settings.local_lr, batch_size=settings.batch_size, width=settings.width)
+    return trainer.refresh_clipping_profile(theta, proxies=[(p.maps, p.centre_px) for p in proxies], seed=1)
+
+
 def main() -> None:
     """Parse the options, attack every chosen site, print and write the results."""
     import torch
 
-    from edge_sdk.privacy.adaptive_noise import clip_update
+    from edge_sdk.privacy.adaptive_noise import (clip_groups, clip_update, grouped_clipping_noise_std,
+                                                 grouped_clipping_norms)
     from edge_sdk.radio import train_radio_maps
     from shared.models import radio_unet
     from wildfed_sim.radio_attack import profile_log_likelihood
@@ -54,6 +71,8 @@ def main() -> None:
     ap.add_argument("--noisy-uploads", type=int, default=0,
                     help="also attack this many uniform-noise releases of each clip-only upload (0: none)")
     ap.add_argument("--noise-multipliers", default="0.3", help="comma-separated z of those releases")
+    ap.add_argument("--grouped", action="store_true",
+                    help="also grouped clipping (the round's public clipping profile), with and without its noise")
     ap.add_argument("--strides", default="2,3,4", help="first-order pixel strides")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
@@ -81,10 +100,21 @@ def main() -> None:
                                    learning_rate=settings.local_lr, batch_size=settings.batch_size,
                                    rng=np.random.default_rng([seed, 17, k]))
             uploads = {"none": raw, "clip-only": clip_update(raw, settings.clipping_norm)[0]}
+            clippers = {"none": lambda u: u, "clip-only": lambda u: clip_update(u, settings.clipping_norm)[0]}
+            if args.grouped:
+                norms = grouped_clipping_norms(group_profile(settings, data, theta, seed), settings.clipping_norm)
+                clippers["grouped-clipping"] = lambda u, norms=norms: clip_groups(u, layout, norms)[0]
+                uploads["grouped-clipping"] = clippers["grouped-clipping"](raw)
             for z in (float(v) for v in args.noise_multipliers.split(",") if args.noisy_uploads):
                 # benchmark noise, not a release: seeded, so that every attacker sees the same releases
                 noise = np.random.default_rng([seed, 43, k]).standard_normal((args.noisy_uploads, raw.size))
                 uploads[f"uniform z={z:g}"] = uploads["clip-only"][None, :] + z * settings.clipping_norm * noise
+                clippers[f"uniform z={z:g}"] = clippers["clip-only"]
+                if args.grouped:
+                    std = grouped_clipping_noise_std(norms, layout, noise_multiplier=z)
+                    grouped = uploads["grouped-clipping"][None, :] + std[layout.index] * noise
+                    uploads[f"grouped-clipping z={z:g}"] = grouped
+                    clippers[f"grouped-clipping z={z:g}"] = clippers["grouped-clipping"]
             cands = template_candidates(data, k, settings)
             if args.candidates:
                 cands = cands[::args.candidates]
@@ -102,8 +132,7 @@ def main() -> None:
                 deltas = shadows.deltas(k, cands, theta, np.random.default_rng([seed, 37, k, 1]))
                 record["seconds"][kind] = time.perf_counter() - t0
                 for defence, upload in uploads.items():
-                    templates = deltas if defence == "none" else np.stack(
-                        [clip_update(d, settings.clipping_norm)[0] for d in deltas])
+                    templates = np.stack([clippers[defence](d) for d in deltas])
                     evidence = sum(profile_log_likelihood(u, templates, layout.index) for u in np.atleast_2d(upload))
                     best = cands[int(np.argmax(evidence))]
                     record["estimate"][f"{kind}|{defence}"] = best.tolist()

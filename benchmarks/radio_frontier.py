@@ -5,13 +5,14 @@ Run by hand (reads the runs' ``radiomap.json``; a few seconds)::
 
     .venv/bin/python benchmarks/radio_frontier.py RUN_DIR [RUN_DIR ...] [--plot docs/img/radiomap-frontier.png]
 
-Each run directory holds one noise multiplier z (``--noise-multiplier``) and any defences and seeds. A run's
-epsilon is the ledger's, max over its sites (delta 1e-5). Rows: defence and epsilon (runs whose epsilons agree
-within 1 % are one level: uniform and grouped-clipping at z, adaptive at z / sqrt(phi)); defences without a
-guarantee get their own rows. Columns, mean ± sample std over seeds: the template attacker's RMSE in metres at its
-last attack round (over every site it has observed, the evidence summed over that site's uploads), the validation
-MSE in dB at the last round on the held-out tiles and on the other city, and the round-0 value (the pretrained
-model, the same for every defence of a seed). Then, for each defence at an epsilon level that uniform has, the
+Each run directory holds one noise multiplier z (``--noise-multiplier``) and any defences and seeds. Rows: defence
+and privacy level, the per-upload noise multiplier of the ledger's event z_eff (z / 2 for uniform and
+grouped-clipping, sqrt(phi) z / 2 for adaptive). Every defence of a seed has the same schedule, so equal z_eff is
+equal epsilon per site; the epsilon column is the ledger's (max over sites, delta 1e-5), mean over seeds. Defences
+without a guarantee get their own rows. Columns, mean ± sample std over seeds: the template attacker's RMSE in
+metres at its last attack round (over every site it has observed, the evidence summed over that site's uploads),
+the validation MSE in dB at the last round on the held-out tiles and on the other city, and the round-0 value (the
+pretrained model, the same for every defence of a seed). Then, for each defence at a privacy level uniform has, the
 per-seed differences defence - uniform (RMSE, held-out MSE, other-city MSE), their mean and a 95 % t-interval over
 seeds (Student's t with n - 1 degrees of freedom).
 """
@@ -44,27 +45,19 @@ def load(dirs: list[Path]) -> list[dict]:
     for d in dirs:
         payload = json.loads((d / "radiomap.json").read_text())
         z = float(payload["settings"]["noise_multiplier"])
+        phi = float(payload["settings"]["floor_fraction"])
         for run in payload["runs"]:
             attack = run.get("template_attack") or []
+            z_eff = {"uniform": z / 2, "grouped-clipping": z / 2,
+                     "adaptive": math.sqrt(phi) * z / 2}.get(run["defence"])
             rows.append({"dir": str(d), "z": z, "defence": run["defence"], "seed": run["seed"],
+                         "level": None if z_eff is None else round(z_eff, 3),
                          "epsilon": run.get("epsilon"), "rmse_m": attack[-1]["rmse_m"] if attack else math.nan,
                          "sites": len(attack[-1]["errors_m"]) if attack else 0,
                          "val": run["val_mse_db"][-1], "val_other": run["val_other_mse_db"][-1],
                          "val0": run["val_mse_db"][0], "val0_other": run["val_other_mse_db"][0],
                          "rounds": len(run["val_mse_db"]) - 1})
     return rows
-
-
-def level(row: dict, levels: list[float]) -> float | None:
-    """The epsilon level of a row (None: no guarantee), merging epsilons within 1 %."""
-    eps = row["epsilon"]
-    if eps is None:
-        return None
-    for known in levels:
-        if abs(eps - known) <= 0.01 * known:
-            return known
-    levels.append(eps)
-    return eps
 
 
 def main() -> None:
@@ -74,24 +67,22 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     rows = load(args.dirs)
-    levels: list[float] = []
-    for r in sorted(rows, key=lambda r: (r["epsilon"] is not None, -(r["epsilon"] or 0))):
-        r["level"] = level(r, levels)
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["defence"], r["level"]), []).append(r)
-    print("| defence | z | eps per site | seeds | template RMSE (m), last attack | sites | held-out MSE (dB) | "
+    print("| defence | z | z_eff | eps per site | seeds | template RMSE (m), last attack | sites | held-out MSE (dB) | "
           "other city MSE (dB) | round 0: held-out / other (dB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0),
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] is not None, kv[0][1] or 0,
                                                                      kv[0][0])):
         rs.sort(key=lambda r: r["seed"])
-        print(f"| {defence} | {rs[0]['z']:g} | {'none' if lev is None else f'{lev:.1f}'} | {len(rs)} | "
+        eps = "none" if lev is None else f"{np.mean([r['epsilon'] for r in rs]):.1f}"
+        print(f"| {defence} | {rs[0]['z']:g} | {'-' if lev is None else f'{lev:g}'} | {eps} | {len(rs)} | "
               f"{_ms([r['rmse_m'] for r in rs])} | {sum(r['sites'] for r in rs) / len(rs):.1f} | "
               f"{_ms([r['val'] for r in rs])} | {_ms([r['val_other'] for r in rs])} | "
               f"{_ms([r['val0'] for r in rs])} / {_ms([r['val0_other'] for r in rs])} |")
     print("\nPaired by seed, defence - uniform at the same epsilon: mean [95 % t-interval] (per seed)")
-    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (-(kv[0][1] or 0), kv[0][0])):
+    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         base = {r["seed"]: r for r in groups.get(("uniform", lev), [])}
         pairs = [(r, base[r["seed"]]) for r in rs if r["seed"] in base]
         if defence == "uniform" or lev is None or not pairs:
@@ -99,7 +90,7 @@ def main() -> None:
         for key, unit in (("rmse_m", "m"), ("val", "dB held-out"), ("val_other", "dB other city")):
             diff = np.array([a[key] - b[key] for a, b in pairs])
             half = _t95(len(diff)) * diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else math.nan
-            print(f"  {defence} - uniform, eps {lev:.1f}: {diff.mean():+.2f} [{diff.mean() - half:+.2f}, "
+            print(f"  {defence} - uniform, z_eff {lev:g}: {diff.mean():+.2f} [{diff.mean() - half:+.2f}, "
                   f"{diff.mean() + half:+.2f}] {unit} ({', '.join(f'{x:+.2f}' for x in diff)})")
     if args.plot is not None:
         import matplotlib
@@ -114,7 +105,7 @@ def main() -> None:
                 y = np.array([r[key] for r in rs])
                 ax.errorbar(x.mean(), y.mean(), xerr=x.std(ddof=1) if len(x) > 1 else None,
                             yerr=y.std(ddof=1) if len(y) > 1 else None, marker="o", capsize=3,
-                            label=f"{defence}, eps {'-' if lev is None else f'{lev:.0f}'}")
+                            label=f"{defence}, z_eff {'-' if lev is None else f'{lev:g}'}")
         for ax, title in zip(axes, ("held-out tiles", "other city")):
             ax.set(xlabel="template attacker RMSE (m), higher is more private",
                    ylabel="validation MSE (dB), lower is better", title=title)
