@@ -13,7 +13,8 @@ template grid step 6 px), at round 1, where every defence shares the pretrained 
 from theta_0) without noise (``none``) and clipped (``clip-only``), and with ``--noisy-uploads`` M > 0, M releases
 of the clipped upload with uniform Gaussian noise N(0, (zC)^2 I) for each z (the evidence summed over the M, as the
 attacker sums it over a site's uploads; here all at theta_0); with ``--grouped`` also grouped clipping at round 1's
-public profile, noise-free and (with M > 0) with its own per-group noise at each z. The shadow updates at every
+public profile, noise-free and (with M > 0) with its own per-group noise at each z (``--profile-only``: print that
+profile's C_g / C and sigma_g / (zC) per seed against uniform's sqrt(d_g / d) and 1, and attack nothing). The shadow updates at every
 candidate of its tile by
 ``batched`` (the full shadow: the sequential attacker's arithmetic, equal to it up to float rounding,
 ``tests/sim/test_radio_shadows.py``) and by ``first-order`` at each pixel stride (:mod:`wildfed_sim.radio_shadows`);
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--noise-multipliers", default="0.3", help="comma-separated z of those releases")
     ap.add_argument("--grouped", action="store_true",
                     help="also grouped clipping (the round's public clipping profile), with and without its noise")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="print each seed's grouped-clipping norms and noise against uniform's, attack nothing")
     ap.add_argument("--strides", default="2,3,4", help="first-order pixel strides")
     ap.add_argument("--pretrain-epochs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
@@ -95,6 +98,14 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         data = prepare_data(settings, seed, cache_dir=args.cache / "data")
         theta = pretrain(settings, data, seed, cache_dir=args.cache / "data")
+        if args.profile_only:
+            norms = grouped_clipping_norms(group_profile(settings, data, theta, seed), settings.clipping_norm)
+            sizes = layout.sizes.astype(float)
+            std = grouped_clipping_noise_std(norms, layout, noise_multiplier=1.0)
+            print(f"seed {seed}, groups {layout.names}: C_g / C {np.round(norms / settings.clipping_norm, 4)}, "
+                  f"uniform's share sqrt(d_g / d) {np.round(np.sqrt(sizes / sizes.sum()), 4)}, sigma_g / (z C) "
+                  f"{np.round(std / settings.clipping_norm, 4)}", flush=True)
+            continue
         for k in range(args.first_client, args.first_client + args.sites):
             raw = train_radio_maps(model, theta, data.clients[k].maps, epochs=settings.local_epochs,
                                    learning_rate=settings.local_lr, batch_size=settings.batch_size,
@@ -141,6 +152,8 @@ def main() -> None:
             print(json.dumps({key: record[key] for key in ("seed", "client", "candidates", "errors_m", "seconds")}),
                   flush=True)
             out_path.write_text(json.dumps({"records": records, "kinds": kinds}, indent=1))
+    if not records:
+        return
     print("RMSE (m) over", len(records), "sites:")
     for defence in sorted({key.split("|")[1] for key in records[0]["errors_m"]}):
         for kind in kinds:
