@@ -11,7 +11,8 @@ the site sat at p:
    on the site's tile (its maps are that tile's public building raster with transmitters within the site radius of
    p, as :func:`wildfed_sim.radio_tiles.draw_site` draws them; :func:`wildfed_sim.radiomap.template_candidates`
    keeps the grid points that have a transmitter pixel of the map source within the radius): T_p(r), float (d,). Clipping is the release's, so T_p and the
-   upload live on the same sphere of radius C.
+   upload live on the same sphere of radius C. :mod:`wildfed_sim.radio_shadows` computes the shadow updates, by
+   that training run per candidate or by a cheaper first-order replay of it.
 2. **Likelihood.** A release is ``u = T_c(r) + e`` with e the mechanism's Gaussian noise plus the template's own
    randomness (which maps, which batches), modelled as Gaussian, isotropic within each parameter group g of the
    :class:`shared.models.radio_unet.GroupLayout` with an unknown variance s_g^2. Maximising over s_g^2 gives the

@@ -33,8 +33,10 @@ schedule; privacy noise is never seeded: it comes from :class:`shared.privacy.ra
      the same local training from the same global model, the same defence), kernel ridge regression from the
      released update to the site centre in tile pixels, applied to each active client's real upload;
    - template (:mod:`wildfed_sim.radio_attack`): the attacker knows each client's tile (public building data) and
-     runs the gateways' training and clipping, without noise, on a shadow site at every candidate of a grid on that
-     tile; each upload's profile log-likelihood is summed over the site's uploads.
+     computes the update of a shadow site at every candidate of a grid on that tile, without noise, through the
+     defence's clipping (``template_shadow``: :mod:`wildfed_sim.radio_shadows`, first-order by default, the
+     gateways' own training with ``sequential``); each upload's profile log-likelihood is summed over the site's
+     uploads.
    Privacy RMSE = root mean squared Euclidean error in metres. The ridge attacker's naive baseline predicts the
    shadow centres' mean.
 5. Utility: validation MSE of stage 2's normalised map, in dB (10 log10 MSE, as the seed reports it), every round,
@@ -70,6 +72,7 @@ from edge_sdk.privacy.randomness import SecureRandom
 from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
 
 from wildfed_sim.fedsofim import _opt, _parse_list, mean_std
+from wildfed_sim.radio_shadows import SHADOWS, ShadowTraining, ShadowUpdates
 from wildfed_sim.radio_tiles import PROCEDURAL, MapSource, TilePlan, TileSet, draw_site, map_source, plan_tiles
 
 __all__ = ["RadioMapSettings", "SiteData", "ExperimentData", "prepare_data", "pretrain", "make_site", "local_update", "fit_attacker",
@@ -113,6 +116,8 @@ class RadioMapSettings:
     attack_every: int = 10
     attacker: str = "ridge"
     template_step_px: int = 6
+    template_shadow: str = "first-order"
+    template_pixel_stride: int = 3
     allocator_every: int = 5
     allocator: AllocatorTraining = AllocatorTraining()
     target_delta: float = 1e-5
@@ -166,9 +171,12 @@ class RadioMapSettings:
         if self.attacker not in ("ridge", "template", "both"):
             raise ConfigError(f"attacker must be ridge, template or both, got {self.attacker!r}", field="attacker",
                               fix="use template (wildfed_sim.radio_attack) or ridge (fit_attacker)")
-        if type(self.template_step_px) is not int or self.template_step_px < 1:
-            raise ConfigError(f"template_step_px must be a positive integer, got {self.template_step_px!r}",
-                              field="template_step_px")
+        for name in ("template_step_px", "template_pixel_stride"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}", field=name)
+        if self.template_shadow not in SHADOWS:
+            raise ConfigError(f"unknown template shadow {self.template_shadow!r}", field="template_shadow",
+                              fix=f"use one of {', '.join(SHADOWS)} (wildfed_sim.radio_shadows)")
         if not 0 < self.floor_fraction <= 1:
             raise ConfigError(f"floor_fraction must be in (0, 1], got {self.floor_fraction}", field="floor_fraction")
 
@@ -460,10 +468,23 @@ def template_candidates(data: ExperimentData, client: int, settings: RadioMapSet
     return grid[near]
 
 
+def shadow_updates(settings: RadioMapSettings, data: ExperimentData) -> ShadowUpdates:
+    """The template attacker's shadow updates on the clients' tiles (``template_shadow``, replaying the gateways'
+    local training with the experiment's settings); share one between the defences of a seed so that those with the
+    same global model (all of them at round 1) reuse its cache."""
+    training = ShadowTraining(maps_per_site=settings.maps_per_client, epochs=settings.local_epochs,
+                              learning_rate=settings.local_lr, batch_size=settings.batch_size,
+                              radius_px=settings.site_radius_m / settings.metres_per_pixel, width=settings.width,
+                              pixel_stride=settings.template_pixel_stride)
+    return ShadowUpdates(settings.template_shadow, training, data.source, data.tiles.clients)
+
+
 def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: str, seed: int, *,
                    initial: np.ndarray | None = None, ledger: Any = None, site_prefix: str = "", noise: Any = None,
-                   on_round: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One federated run of ``defence`` (module docstring, steps 2-5).
+                   on_round: Callable[[int], None] | None = None,
+                   shadows: ShadowUpdates | None = None) -> dict[str, Any]:
+    """One federated run of ``defence`` (module docstring, steps 2-5); ``shadows``: the template attacker's
+    shadow updates (:func:`shadow_updates`; a fresh one when None).
 
     Returns:
         ``{"val_mse_db": [round 0..R] (held-out tiles of the city), "val_other_mse_db": [round 0..R] (the other
@@ -492,7 +513,8 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
                            "attack": [], "allocator": [], "shares": [], "update_norms": [], "template_attack": [],
                            "clipping_norms": []}
     templates_of: dict[int, Any] = {}   # client -> its TemplateAttacker (candidates on the client's public tile)
-    template_rng = np.random.default_rng([seed, 37])  # the attacker's shadow draws: same for all defences
+    if settings.attacker in ("template", "both") and shadows is None:
+        shadows = shadow_updates(settings, data)
     for r in range(1, settings.rounds + 1):
         active = np.sort(schedule.choice(settings.clients, size=settings.active, replace=False))
         batch_seeds = schedule.integers(2**32, size=settings.active)
@@ -530,23 +552,23 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
         if settings.attacker in ("template", "both") and (r == 1 or r % settings.attack_every == 0):
             from wildfed_sim.radio_attack import TemplateAttacker
 
-            profile = clients[0].mechanism.clipping_profile
+            assert shadows is not None
+            mechanism = clients[0].mechanism   # this round's clipping (grouped-clipping: this round's profile)
             for k, u in zip(active, released):
                 # The attacker knows client k's tile (public building data): noise-free shadow updates at every
-                # candidate centre on it, from this round's global model.
-                def shadow_update(c: np.ndarray, k: int = int(k)) -> np.ndarray:
-                    site = make_site(data.source, data.tiles.clients, k, settings.maps_per_client, settings,
-                                     template_rng, centre=c)
-                    shadow = _trainer(settings, defence, site.maps, allocator, noise, profile)
-                    return shadow.mechanism.clipped(shadow.local_delta(theta, rng=template_rng))  # without noise
-
+                # candidate centre on it, from this round's global model, through the defence's clipping. The
+                # shadows' draws are seeded by (seed, client, round): the same for every defence.
                 attacker = templates_of.setdefault(int(k), TemplateAttacker(template_candidates(data, int(k), settings),
                                                                             layout.index))
-                attacker.observe(f"client{k:02d}", u, attacker.templates(shadow_update))
+                deltas = shadows.deltas(int(k), attacker.candidates, theta,
+                                        np.random.default_rng([seed, 37, int(k), r]))
+                attacker.observe(f"client{k:02d}", u, np.stack([mechanism.clipped(d) for d in deltas]))
             errs = {name: err for k, a in sorted(templates_of.items())
                     for name, err in a.errors_m({f"client{k:02d}": data.clients[k].centre_px}, mpp).items()}
             rmse = float(np.sqrt(np.mean(np.square(list(errs.values())))))
             out["template_attack"].append({"round": r, "rmse_m": rmse, "errors_m": errs,
+                                           "shadows": settings.template_shadow,
+                                           "shadows_computed": shadows.computed, "shadows_reused": shadows.reused,
                                            "uploads": {f"client{k:02d}": a.uploads[f"client{k:02d}"]
                                                        for k, a in sorted(templates_of.items())},
                                            "candidates": {f"client{k:02d}": int(len(a.candidates))
@@ -712,11 +734,12 @@ def run_radiomap_experiment(settings: RadioMapSettings, *, console: Any = None) 
                 progress.update(bar, description=f"seed {s}: public pretraining, epoch {e}/{settings.pretrain_epochs}")
 
             initial = pretrain(settings, data, seed, cache_dir=out_dir / "data", on_epoch=epoch_done)
+            shadows = shadow_updates(settings, data) if settings.attacker in ("template", "both") else None
             for defence in settings.defences:
                 progress.update(bar, description=f"seed {seed}, {defence}")
                 prefix = f"seed{seed}-{defence}-"
                 run = run_federation(settings, data, defence, seed, initial=initial, ledger=ledger, site_prefix=prefix,
-                                     on_round=lambda _: progress.advance(bar))
+                                     on_round=lambda _: progress.advance(bar), shadows=shadows)
                 spend = [ledger.spent(f"{prefix}client{k:02d}", RADIO_CATEGORY) for k in range(settings.clients)
                          if ledger.events(f"{prefix}client{k:02d}", RADIO_CATEGORY)]
                 run.update(seed=seed, defence=defence, epsilon=max(spend) if spend else None)
@@ -764,6 +787,11 @@ def radiomap_command(
     attacker: str = _opt("ridge", "ridge (regression on shadows, per upload), template (likelihood over a grid of "
                          "candidate centres, summed over a site's uploads: wildfed_sim.radio_attack) or both"),
     template_step_px: int = _opt(6, "the template attacker's candidate grid spacing in pixels"),
+    template_shadow: str = _opt("first-order", "how the template attacker computes its shadow updates "
+                                "(wildfed_sim.radio_shadows): first-order (one gradient per transmitter pixel of a "
+                                "sub-grid at the global model, Adam replayed on its moments), batched (the gateways' "
+                                "training, candidates vectorised) or sequential (one training run per candidate)"),
+    template_pixel_stride: int = _opt(3, "first-order shadows: the transmitter pixel sub-grid's step"),
     pretrain_epochs: int = _opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
     city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
                      "needs `pip install --no-deps sionna-rt==2.2.0`; each client gets its own disjoint 256 m tile, "
@@ -794,6 +822,7 @@ def radiomap_command(
         rounds=rounds, clients=clients, active=active, maps_per_client=maps_per_client,
         noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
         shadow_sites=shadow_sites, attack_every=attack_every, city=city, pretrain_epochs=pretrain_epochs,
-        attacker=attacker, template_step_px=template_step_px, validation_city=validation_city, data=data,
+        attacker=attacker, template_step_px=template_step_px, template_shadow=template_shadow,
+        template_pixel_stride=template_pixel_stride, validation_city=validation_city, data=data,
         sionna_dir=sionna_dir, validation_tiles=validation_tiles, pretrain_tiles=pretrain_tiles, out_dir=out)
     run_radiomap_experiment(settings, console=Console())

@@ -24,7 +24,9 @@ from wildfed_sim.radiomap import (  # noqa: E402
     fit_attacker,
     make_site,
     prepare_data,
+    run_federation,
     run_radiomap_experiment,
+    shadow_updates,
 )
 
 SMALL = dict(clients=3, active=2, rounds=2, maps_per_client=4, validation_maps=4, pretrain_tiles=2,
@@ -93,6 +95,35 @@ def test_each_client_site_is_on_its_own_tile_around_its_centre(tmp_path):
     again = prepare_data(settings, 0, cache_dir=tmp_path)  # from the cache: identical
     np.testing.assert_array_equal(again.clients[1].maps.targets, data.clients[1].maps.targets)
     np.testing.assert_array_equal(again.validation_other.targets, data.validation_other.targets)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (two contend on a loaded 2-core machine), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_template_attack_shares_round_one_shadows_between_defences(tmp_path, one_torch_thread):
+    from dataclasses import replace
+
+    settings = RadioMapSettings(seeds=(0,), **{**SMALL, "rounds": 1, "attacker": "template"})
+    data = prepare_data(settings, 0, cache_dir=tmp_path)
+    shadows = shadow_updates(settings, data)
+    first = run_federation(settings, data, "clip-only", 0, shadows=shadows)["template_attack"]
+    attack = first[0]
+    assert attack["round"] == 1 and attack["shadows"] == "first-order" and attack["shadows_reused"] == 0
+    assert attack["shadows_computed"] == sum(attack["candidates"].values()) > 0
+    assert len(attack["errors_m"]) == settings.active and all(e >= 0 for e in attack["errors_m"].values())
+    # every defence starts from the same global model: round 1's shadows come from the cache
+    again = run_federation(settings, data, "uniform", 0, shadows=shadows)["template_attack"][0]
+    assert again["shadows_computed"] == attack["shadows_computed"]
+    assert again["shadows_reused"] == attack["shadows_computed"]
+    with pytest.raises(Exception) as err:
+        replace(settings, template_shadow="exact")
+    assert getattr(err.value, "field", None) == "template_shadow"
 
 
 def test_attacker_recovers_a_linear_leak_and_not_pure_noise():
