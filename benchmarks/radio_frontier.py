@@ -3,7 +3,7 @@ RMSE, per defence and epsilon, with differences paired by seed against uniform n
 
 Run by hand (reads the runs' ``radiomap.json``; a few seconds)::
 
-    .venv/bin/python benchmarks/radio_frontier.py RUN_DIR [RUN_DIR ...] [--plot docs/img/radiomap-frontier.png]
+    .venv/bin/python benchmarks/radio_frontier.py RUN_DIR [RUN_DIR ...] [--plot FRONTIER.png]
 
 Each run directory holds one noise multiplier z (``--noise-multiplier``) and any defences and seeds. Rows: defence
 and privacy level, the per-upload noise multiplier of the ledger's event z_eff (z / 2 for uniform and
