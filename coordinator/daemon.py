@@ -44,6 +44,7 @@ from sqlalchemy import func, select
 from shared.errors import ConfigError
 
 from coordinator.config import CoordinatorConfig
+from coordinator.fleet import format_age
 from coordinator.rounds import RoundResult
 from coordinator.service import Coordinator
 from coordinator.storage import RoundRow, Store, utcnow
@@ -232,14 +233,8 @@ def _why_skipped(coord: Coordinator, result: RoundResult) -> str:
 
 
 def _duration(seconds: float) -> str:
-    """``seconds`` as a short text: 45 s, 12 min, 3.5 h, 2 d."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86_400:.1f} d"
+    """``seconds`` as a short text: 45 s, 12 min, 3.5 h, 2.0 d (:func:`coordinator.fleet.format_age`)."""
+    return format_age(seconds)
 
 
 def install_stop_signals(service: CoordinatorService) -> None:
