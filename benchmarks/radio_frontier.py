@@ -14,7 +14,9 @@ metres at its last attack round (over every site it has observed, the evidence s
 the validation MSE in dB at the last round on the held-out tiles and on the other city, and the round-0 value (the
 pretrained model, the same for every defence of a seed). Then, for each defence at a privacy level uniform has, the
 per-seed differences defence - uniform (RMSE, held-out MSE, other-city MSE), their mean and a 95 % t-interval over
-seeds (Student's t with n - 1 degrees of freedom).
+seeds (Student's t with n - 1 degrees of freedom). ``--plot``: attacker RMSE against the change of validation MSE
+from the seed's round 0 (mean ± std over seeds), so that the seeds' cities, which differ by several dB, do not
+swamp the defences' differences.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def main() -> None:
                                                                      kv[0][0])):
         rs.sort(key=lambda r: r["seed"])
         eps = "none" if lev is None else f"{np.mean([r['epsilon'] for r in rs]):.1f}"
-        print(f"| {defence} | {rs[0]['z']:g} | {'-' if lev is None else f'{lev:g}'} | {eps} | {len(rs)} | "
+        z = "-" if lev is None else f"{rs[0]['z']:g}"
+        print(f"| {defence} | {z} | {'-' if lev is None else f'{lev:g}'} | {eps} | {len(rs)} | "
               f"{_ms([r['rmse_m'] for r in rs])} | {sum(r['sites'] for r in rs) / len(rs):.1f} | "
               f"{_ms([r['val'] for r in rs])} | {_ms([r['val_other'] for r in rs])} | "
               f"{_ms([r['val0'] for r in rs])} / {_ms([r['val0_other'] for r in rs])} |")
@@ -101,14 +104,14 @@ def main() -> None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
         for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             x = np.array([r["rmse_m"] for r in rs])
-            for ax, key in zip(axes, ("val", "val_other")):
-                y = np.array([r[key] for r in rs])
+            for ax, key, start in zip(axes, ("val", "val_other"), ("val0", "val0_other")):
+                y = np.array([r[key] - r[start] for r in rs])   # paired with the seed's round 0: no city spread
                 ax.errorbar(x.mean(), y.mean(), xerr=x.std(ddof=1) if len(x) > 1 else None,
                             yerr=y.std(ddof=1) if len(y) > 1 else None, marker="o", capsize=3,
                             label=f"{defence}, z_eff {'-' if lev is None else f'{lev:g}'}")
         for ax, title in zip(axes, ("held-out tiles", "other city")):
             ax.set(xlabel="template attacker RMSE (m), higher is more private",
-                   ylabel="validation MSE (dB), lower is better", title=title)
+                   ylabel="validation MSE minus round 0's (dB), lower is better", title=title)
         axes[1].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
