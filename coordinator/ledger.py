@@ -284,7 +284,7 @@ class PrivacyLedger:
         """
         cats = [parse_category(c) for c in categories]
         acc = accountant or self.accountant
-        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
+        streams = self._streams_of(site_id)
         out = dict.fromkeys(cats, 0.0)
         with self._lock:  # a site with cohorts: the largest over its streams, as spent()
             for stream in streams:
@@ -387,6 +387,10 @@ class PrivacyLedger:
         with self._store.session() as s:
             return s.scalars(select(LedgerRow.id).where(LedgerRow.site_id == stream).limit(1)).first() is not None
 
+    def _streams_of(self, site_id: str) -> list[str]:
+        """The streams a read of ``site_id`` covers: a stream id itself; a site's own and its cohorts' streams."""
+        return [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
+
     def site_streams(self, site_id: str) -> list[str]:
         """The ledger streams of a site that hold rows: its own and its cohorts', sorted (cohorts by round)."""
         with self._store.session() as s:
@@ -428,7 +432,7 @@ class PrivacyLedger:
 
     def categories(self, site_id: str) -> set[IUCNCategory]:
         """Categories for which the site (any of its cohorts, for a site id) has at least one recorded event."""
-        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
+        streams = self._streams_of(site_id)
         with self._store.session() as s:
             cats = s.scalars(select(LedgerRow.category).where(LedgerRow.site_id.in_(streams)).distinct()).all()
         return {IUCNCategory(c) for c in cats}
@@ -526,7 +530,7 @@ class PrivacyLedger:
                               ) -> tuple[int | None, dict[IUCNCategory, tuple[DPSGDEvent, ...]]]:
         """``(round, {category: (events of every mechanism, DP-SGD first)})`` of the site's most recent round (for
         a site with cohorts: the round's events as any one cohort that trained the category was charged them)."""
-        streams = [site_id] if COHORT_MARK in site_id else (self.site_streams(site_id) or [site_id])
+        streams = self._streams_of(site_id)
         with self._store.session() as s:
             q = select(LedgerRow.round).where(LedgerRow.site_id.in_(streams))
             if mechanisms is not None:
