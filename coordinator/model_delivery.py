@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -39,10 +38,11 @@ from shared.codec import decode_tensors, model_hash
 from shared.envelope import Envelope, MessageKind, readdress, seal
 from shared.releases import ModelRelease, encode_release
 from shared.topics import model_chunk_topic, model_topic
-from shared.transfer import piece_size_for, seal_manifest, split
+from shared.transfer import piece_size_for
 
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import SiteRegistry
+from coordinator.retained import publish_retained
 from coordinator.storage import RoundRow, Store
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport
@@ -164,23 +164,14 @@ class ModelPublisher:
         return released
 
     def _publish(self, site_id: str, env: Envelope) -> int:
-        """Publish one sealed MODEL retained on the site's topics; returns the number of chunk topics it uses."""
+        """Publish one sealed MODEL retained on the site's topics (:func:`coordinator.retained.publish_retained`);
+        returns the number of chunk topics it uses."""
         fed = self.config.federation_id
         before = int((self._store.get_state(release_state_key(site_id)) or {}).get("chunks", 0))
-        publish: Callable[..., Any] = self._transport.publish
-        if env.wire_length <= self.config.transfer.chunk_size_bytes:
-            publish(model_topic(fed, site_id), env.to_bytes(), qos=1, retain=True)
-            chunks = 0
-        else:  # the chunks first: a manifest never names chunks that are not retained yet
-            manifest, pieces = split(env)
-            for chunk in pieces:
-                publish(model_chunk_topic(fed, site_id, chunk.index), chunk.to_bytes(), qos=1, retain=True)
-            publish(model_topic(fed, site_id), seal_manifest(private_key=self._key, manifest=manifest).to_bytes(),
-                    qos=1, retain=True)
-            chunks = len(pieces)
-        for index in range(chunks, before):  # chunk topics of a larger earlier model: cleared
-            publish(model_chunk_topic(fed, site_id, index), b"", qos=1, retain=True)
-        return chunks
+        return publish_retained(self._transport, env, topic=model_topic(fed, site_id),
+                                chunk_topic=lambda i: model_chunk_topic(fed, site_id, i),
+                                chunk_size_bytes=self.config.transfer.chunk_size_bytes, signing_key=self._key,
+                                previous_chunks=before)
 
     # ---- catching up ---------------------------------------------------------------------------------------------
     def current(self) -> tuple[int, str] | None:
