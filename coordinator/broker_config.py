@@ -105,8 +105,9 @@ __all__ = ["BrokerConfigResult", "BrokerCredentials", "generate_broker_config", 
 #: Channels a site publishes on (its own topics only).
 SITE_WRITE_CHANNELS = ("update", "detection", "secagg", "status", "health")
 #: Channels a site reads (its own topics only): ``model/#`` are the chunk topics of a released model
-#: (shared.topics.model_chunk_topic); ``model`` is listed too, so the rule does not rest on ``#`` matching its parent.
-SITE_READ_CHANNELS = ("task", "ack", "model", "model/#")
+#: (shared.topics.model_chunk_topic), ``software/#`` those of a published SDK version; the parents are listed too, so
+#: the rule does not rest on ``#`` matching its parent.
+SITE_READ_CHANNELS = ("task", "ack", "model", "model/#", "software", "software/#")
 #: Channels an ingest worker reads (every site's).
 WORKER_READ_CHANNELS = ("update",)
 #: Channels an ingest worker writes (every site's): ACKs and receipts, and the task chunks it resends.
@@ -146,10 +147,10 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
     """The Mosquitto ACL file of a federation.
 
     Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status,health}``
-    and read ``.../site/<id>/{task,ack,model,model/#}``; the coordinator user may read every site's update,
-    detection, secagg, status and health topics and write every site's task, ack and model topics. Role accounts
-    (module docstring): an ingest worker (``coordinator_roles``) reads every site's update topic and writes every task and ack topic; a site's
-    ``detect`` role (in ``site_roles``) writes only that site's detection topic. Every rule is keyed by username
+    and read ``.../site/<id>/{task,ack,model,model/#,software,software/#}``; the coordinator user may read every
+    site's update, detection, secagg, status and health topics and write every site's task, ack, model and software
+    topics. Role accounts (module docstring): an ingest worker (``coordinator_roles``) reads every site's update
+    topic and writes every task and ack topic; a site's ``detect`` role (in ``site_roles``) writes only that site's detection topic. Every rule is keyed by username
     (``user`` blocks), never by the client-chosen client id. Nothing else (no anonymous section, no patterns, no
     ``$SYS``). Sites and roles are listed sorted, so the text depends only on the sets.
 

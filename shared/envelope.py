@@ -112,8 +112,9 @@ class MessageKind(str, Enum):
     of secure aggregation in Global DP mode (both directions; ``shared.protocol.SecAggMessage``), the manifest of
     a chunked transfer or a receipt listing the chunks a receiver still lacks (both directions;
     :mod:`shared.transfer`), a released global model (coordinator → site; ``shared.releases``: the model a gateway
-    predicts with, published retained after each round that makes a new one) or a gateway's health record (site →
-    coordinator; ``shared.health``). A reader that does not know a kind rejects the envelope (rule 3 below)."""
+    predicts with, published retained after each round that makes a new one), a gateway's health record (site →
+    coordinator; ``shared.health``) or a new SDK version (coordinator → site; ``shared.software``). A reader that
+    does not know a kind rejects the envelope (rule 3 below)."""
 
     TASK = "task"
     UPDATE = "update"
@@ -124,6 +125,7 @@ class MessageKind(str, Enum):
     RECEIPT = "receipt"
     MODEL = "model"
     HEALTH = "health"
+    SOFTWARE = "software"
 
 
 def validate_identifier(value: str, field: str) -> str:

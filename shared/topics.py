@@ -11,6 +11,8 @@
     wildfed/v1/{federation_id}/site/{site_id}/health      site -> coordinator   signed HEALTH
     wildfed/v1/{federation_id}/site/{site_id}/model       coordinator -> site   signed MODEL (or its MANIFEST), retained
     wildfed/v1/{federation_id}/site/{site_id}/model/{i}   coordinator -> site   chunk i of a chunked MODEL, retained
+    wildfed/v1/{federation_id}/site/{site_id}/software    coordinator -> site   signed SOFTWARE (or its MANIFEST), retained
+    wildfed/v1/{federation_id}/site/{site_id}/software/{i} coordinator -> site  chunk i of a chunked SOFTWARE, retained
 
 The coordinator's SECAGG messages to a site (key list, share inbox, recovery request, round end) ride on the
 site's ``task`` topic: a gateway reads only that topic and ``ack``.
@@ -24,6 +26,7 @@ the coordinator after every round that makes a new model, so that a gateway that
 model larger than the coordinator's chunk size travels as a signed manifest on ``model`` and its chunks on
 ``model/0``, ``model/1``, ... (one topic per chunk, since a broker retains one message per topic); a gateway
 subscribes to ``model/#`` (:func:`model_filter`), which matches ``model`` itself and every chunk topic.
+``software`` holds, the same way, the SDK version the operator published for the gateways (:mod:`shared.software`).
 
 ``health`` carries a gateway's signed health record (:mod:`shared.health`): on start, after every reconnect, when
 it keeps a new model, and every ``health_interval_s``.
@@ -45,11 +48,12 @@ from shared.errors import MalformedEnvelopeError
 
 __all__ = ["PREFIX", "CHANNELS", "task_topic", "update_topic", "ack_topic", "detection_topic",
            "secagg_topic", "status_topic", "health_topic", "model_topic", "model_chunk_topic", "model_filter",
+           "software_topic", "software_chunk_topic", "software_filter",
            "updates_filter", "detections_filter", "secagg_filter", "status_filter", "health_filter",
            "status_payload", "parse_status_payload", "STATUS_STATES", "parse_topic"]
 
 PREFIX = "wildfed/v1"
-CHANNELS = ("task", "update", "ack", "detection", "secagg", "status", "health", "model")
+CHANNELS = ("task", "update", "ack", "detection", "secagg", "status", "health", "model", "software")
 #: The states a presence message (:func:`status_payload`) may carry.
 STATUS_STATES = ("online", "offline")
 
@@ -115,6 +119,28 @@ def model_filter(federation_id: str, site_id: str) -> str:
     """Subscription filter of ``site_id``'s model topic and its chunk topics (``.../model/#``; MQTT 3.1.1 sec.
     4.7.1.2: ``#`` also matches the parent level, the manifest's topic)."""
     return f"{model_topic(federation_id, site_id)}/#"
+
+
+def software_topic(federation_id: str, site_id: str) -> str:
+    """Topic of ``site_id``'s published SDK version (retained): the SOFTWARE envelope (``shared.software``), or the
+    manifest of a chunked one."""
+    return _topic(federation_id, site_id, "software")
+
+
+def software_chunk_topic(federation_id: str, site_id: str, index: int) -> str:
+    """Topic of chunk ``index`` (>= 0) of a chunked SOFTWARE release for ``site_id`` (retained).
+
+    Raises:
+        MalformedEnvelopeError: a negative or non-integer ``index``.
+    """
+    if type(index) is not int or index < 0:
+        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
+    return f"{software_topic(federation_id, site_id)}/{index}"
+
+
+def software_filter(federation_id: str, site_id: str) -> str:
+    """Subscription filter of ``site_id``'s software topic and its chunk topics (``.../software/#``)."""
+    return f"{software_topic(federation_id, site_id)}/#"
 
 
 def updates_filter(federation_id: str) -> str:

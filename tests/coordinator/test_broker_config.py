@@ -52,6 +52,8 @@ topic write wildfed/v1/f/site/+/task
 topic write wildfed/v1/f/site/+/ack
 topic write wildfed/v1/f/site/+/model
 topic write wildfed/v1/f/site/+/model/#
+topic write wildfed/v1/f/site/+/software
+topic write wildfed/v1/f/site/+/software/#
 
 user site-a
 topic write wildfed/v1/f/site/a/update
@@ -63,6 +65,8 @@ topic read wildfed/v1/f/site/a/task
 topic read wildfed/v1/f/site/a/ack
 topic read wildfed/v1/f/site/a/model
 topic read wildfed/v1/f/site/a/model/#
+topic read wildfed/v1/f/site/a/software
+topic read wildfed/v1/f/site/a/software/#
 
 user site-b
 topic write wildfed/v1/f/site/b/update
@@ -74,16 +78,18 @@ topic read wildfed/v1/f/site/b/task
 topic read wildfed/v1/f/site/b/ack
 topic read wildfed/v1/f/site/b/model
 topic read wildfed/v1/f/site/b/model/#
+topic read wildfed/v1/f/site/b/software
+topic read wildfed/v1/f/site/b/software/#
 """
 
 
 # What broker-config writes for the same sites: each site also has its detection publisher's account
 # (site-<id>@detect), which may write nothing but the site's detection topic; written out by hand.
 EXPECTED_GENERATED_ACL_TWO_SITES = EXPECTED_ACL_TWO_SITES.replace(
-    "topic read wildfed/v1/f/site/a/model/#\n",
-    "topic read wildfed/v1/f/site/a/model/#\n\nuser site-a@detect\ntopic write wildfed/v1/f/site/a/detection\n").replace(
-    "topic read wildfed/v1/f/site/b/model/#\n",
-    "topic read wildfed/v1/f/site/b/model/#\n\nuser site-b@detect\ntopic write wildfed/v1/f/site/b/detection\n")
+    "topic read wildfed/v1/f/site/a/software/#\n",
+    "topic read wildfed/v1/f/site/a/software/#\n\nuser site-a@detect\ntopic write wildfed/v1/f/site/a/detection\n").replace(
+    "topic read wildfed/v1/f/site/b/software/#\n",
+    "topic read wildfed/v1/f/site/b/software/#\n\nuser site-b@detect\ntopic write wildfed/v1/f/site/b/detection\n")
 
 # Two ingest workers (ingest_workers: 2): each reads every site's update topic and writes every task and ack topic.
 EXPECTED_WORKER_BLOCKS = """\
