@@ -185,6 +185,7 @@ class CoordinatorService:
         idle_logged = False
         while not self.stop_event.is_set():
             self.coordinator.release_models()  # sites enrolled while it runs get the current model (cheap if none)
+            self.coordinator.publish_software()  # an SDK version recorded by `publish-update` meanwhile
             due = next_round_at(self.coordinator.store, self.config, last_attempt=self._last_attempt)
             if due is None:
                 if not idle_logged:

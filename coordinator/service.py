@@ -17,6 +17,7 @@ chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
 :class:`~coordinator.fleet.FleetIngestor` (subscribed to ``shared.topics.status_filter`` and ``health_filter``:
 presence and health records, ``wildfed-coordinator fleet``), :class:`~coordinator.model_delivery.ModelPublisher`
 (each new model released, retained, to the camera gateways; the round manager calls it),
+:class:`~coordinator.software_delivery.SoftwarePublisher` (the SDK version ``publish-update`` recorded, retained),
 :class:`~coordinator.rounds.RoundManager` with :class:`~coordinator.strategies.fedavg.FedAvg` and
 :class:`~coordinator.optimizers.server_sgd.ServerSGD`. torch is never imported here; the round-0 model comes from
 the head model's ``initial_weights`` (``shared.models.kinds.model_spec("head", num_classes, adapter_width=...)``,
@@ -46,6 +47,7 @@ from coordinator.ingest import Ingestor, ReplayWindow
 from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
 from coordinator.model_delivery import ModelPublisher
+from coordinator.software_delivery import SoftwarePublisher
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.registry import Site, SiteRegistry
@@ -149,6 +151,8 @@ class Coordinator:
                                        transport=self.transport, signing_key=self._key, strategy=strategy,
                                        offsets=self.rounds.prediction_offsets)
         self.rounds.on_new_model = self.releases.release
+        self.software = SoftwarePublisher(config=config, store=self.store, registry=self.registry,
+                                          transport=self.transport, signing_key=self._key)
         self.fleet = FleetIngestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
                                    replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s))
         self.transfers = TransferReceiver(
@@ -238,6 +242,7 @@ class Coordinator:
         self._started = True
         recovered = self.rounds.recover()
         self.releases.catch_up()  # sites enrolled since, releases that failed, a database from before releases
+        self.software.catch_up()  # an SDK version recorded by `publish-update` while no coordinator ran
         return recovered
 
     def close(self) -> None:
@@ -280,6 +285,12 @@ class Coordinator:
         """Release the current model to the camera sites that lack it (:meth:`ModelPublisher.catch_up`); returns
         ``{site: model hash released}``. ``service`` calls it at every look at the schedule."""
         return self.releases.catch_up()
+
+    def publish_software(self) -> dict[str, str]:
+        """Publish the SDK version recorded by ``publish-update`` to the sites that lack it
+        (:meth:`SoftwarePublisher.catch_up`); returns ``{site: version}``. ``service`` calls it at every look at
+        the schedule."""
+        return self.software.catch_up()
 
     def run_round(self) -> RoundResult:
         """Run the next round (starts the coordinator first if needed)."""

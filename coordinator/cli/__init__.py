@@ -31,6 +31,8 @@ Commands, one module per group of operator tasks::
     clusters.py    clusters show|recluster|pin        NIRA's clusters (coordinator/strategies/nira.py)
     fleet.py       fleet [--silent-hours H]           the gateways' health: presence, versions, models, backlogs,
                                                       disk, last error; silent sites flagged (coordinator/fleet.py)
+                   publish-update [--wheel W]         a new SDK version for the gateways: signed, retained, checked
+                                                      and rolled back on the gateway (coordinator/software_delivery.py)
 
 ``common.py`` holds what they share (consoles, ``--config``, the error presentation, option parsing); it imports
 none of them. Every command but ``init`` reads ``--config`` (default ``$WILDFED_COORDINATOR_CONFIG`` or

@@ -1,13 +1,16 @@
-"""``wildfed-coordinator fleet``: the gateways' health, from the database alone (coordinator/fleet.py).
+"""``wildfed-coordinator fleet`` and ``publish-update``: the gateways' health (coordinator/fleet.py) and their SDK.
 
 ::
 
+    wildfed-coordinator publish-update [--wheel W]   record a new SDK version for every gateway; the coordinator
+                                                     publishes it (coordinator/software_delivery.py)
     wildfed-coordinator fleet [--silent-hours H]     per site: online/offline, last seen, SDK version, model held
                                                      (and whether it is the one released to it), last round trained,
                                                      outbox, photo and detection backlogs, disk free, last error;
                                                      sites not heard from for more than H hours (default 1) flagged
 
-It reads what ``run`` or ``service`` stored, so it runs beside a running ``service``. Exit status 0 (1 with
+Both work on the database alone (``fleet`` reads what ``run`` or ``service`` stored), so they run beside a running
+``service``. Exit status 0 (1 with
 ``--fail-if-silent`` when a site is silent, for monitoring scripts).
 """
 
@@ -21,8 +24,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from coordinator.cli.common import config_option, console, friendly, open_state
+from shared.errors import ConfigError
+from shared.software import MAX_CONFIRM_S
+
 from coordinator.config import load_config
 from coordinator.fleet import DEFAULT_SILENT_AFTER_S, FleetRow, fleet_rows, format_age, format_gib
+from coordinator.software_delivery import DEFAULT_CONFIRM_S
 
 __all__ = ["app"]
 
@@ -92,3 +99,43 @@ def fleet(config: Path = config_option(),
                       "`journalctl -u wildfed-edge` on it)")
     if fail_if_silent and silent:
         raise typer.Exit(code=1)
+
+
+@app.command("publish-update")
+@friendly
+def publish_update(config: Path = config_option(),
+                   wheel: Path | None = typer.Option(None, "--wheel", help="the SDK wheel wildfed-<version>-*.whl "
+                                                     "(default: build it from this coordinator's source)"),
+                   with_wheels: Path | None = typer.Option(None, "--with-wheels", help="a folder of dependency "
+                                                           "wheels to ship too (gateways without a package index)"),
+                   confirm_within: int = typer.Option(DEFAULT_CONFIRM_S, "--confirm-within", min=1, max=MAX_CONFIRM_S,
+                                                      help="seconds the new version has, from its start, to reach "
+                                                      "the broker before a gateway rolls back")) -> None:
+    """Publish a new SDK version to every gateway (signed, retained): each installs it beside the running one,
+    checks it (check-config), switches, and rolls back when it fails its check or does not come back in time
+    (docs/gateways.md, "Updating the gateways"). The running coordinator publishes it at its next look at the
+    schedule (at its next start when none runs)."""
+    from coordinator.provisioning import build_sdk_wheel
+    from coordinator.software_delivery import describe, record_release
+
+    cfg = load_config(config)
+    if wheel is None:
+        with console.status("building the SDK wheel from this coordinator's source"):
+            wheel = build_sdk_wheel(Path(cfg.data_dir) / "wheels")
+    if not wheel.is_file():
+        raise ConfigError("wheel file not found", source=wheel, field="wheel", fix="pass the path of a .whl file")
+    files = {wheel.name: wheel.read_bytes()}
+    if with_wheels is not None:
+        if not with_wheels.is_dir():
+            raise ConfigError("not a folder", source=with_wheels, field="with_wheels", fix="pass a folder of .whl "
+                              "files (pip download on a connected machine of the gateways' platform)")
+        files.update({p.name: p.read_bytes() for p in sorted(with_wheels.glob("*.whl")) if p.name != wheel.name})
+    store, _, _ = open_state(cfg)
+    try:
+        recorded = record_release(store, Path(cfg.data_dir), federation_id=cfg.federation_id, wheels=files,
+                                  confirm_within_s=confirm_within)
+    finally:
+        store.dispose()
+    console.print(escape(f"recorded SDK {describe(recorded)}"))
+    console.print("the coordinator publishes it to every enrolled gateway at its next look at the schedule (or "
+                  "its next start); `wildfed-coordinator fleet` shows each gateway's SDK version as it moves")
