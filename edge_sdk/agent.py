@@ -1,10 +1,12 @@
 """The gateway agent: the front door of the edge side, a loop that dispatches.
 
-Loop: wait for messages on the site's task, ack and model topics; dispatch each to the part that handles it
+Loop: wait for messages on the site's task, ack, model and software topics; dispatch each to the part that handles it
 (:mod:`edge_sdk.rounds`): a chunk or manifest of a task download, a TASK (checked by
 :func:`~edge_sdk.rounds.tasks.accept_task`, then trained by the camera, radio or Global DP part), a secure-aggregation
 stage, an ACK or a RECEIPT for an upload (:class:`~edge_sdk.uplink.uploader.Uploader`), a released global model or
-its chunks (:class:`~edge_sdk.rounds.releases.ModelReleases`, kept for ``detect`` and the field loop). The site's
+its chunks (:class:`~edge_sdk.rounds.releases.ModelReleases`, kept for ``detect`` and the field loop), a published
+SDK version (:class:`~edge_sdk.updates.receiver.SoftwareUpdates`: installed beside this one when idle, after which
+:meth:`EdgeAgent.run` returns and ``wildfed-edge run`` switches to it). The site's
 signed health record (:class:`~edge_sdk.uplink.health.HealthReporter`) goes out after every (re)connect, when a new
 model is kept, and every ``health_interval_s``. Transport callbacks only
 enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so nothing blocks the network thread.
@@ -39,7 +41,7 @@ from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import load_feature_centre
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.radio import RadioMapSet
-from shared.topics import ack_topic, model_filter, task_topic
+from shared.topics import ack_topic, model_filter, software_filter, task_topic
 from shared.transfer import is_chunk
 
 from edge_sdk.backends.base import TrainingBackend
@@ -57,6 +59,8 @@ from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
 from edge_sdk.rounds.tasks import accept_task
 from edge_sdk.site_paths import calibration_cache_dir
+from edge_sdk.updates.receiver import SoftwareUpdates
+from edge_sdk.updates.stage import StagedVersion
 from edge_sdk.uplink.health import ErrorLog, HealthReporter
 from edge_sdk.uplink.outbox import Outbox
 from edge_sdk.uplink.transport import Transport
@@ -81,17 +85,21 @@ class EdgeAgent:
             chosen per task from the site config / profile (:class:`~edge_sdk.rounds.backends.BackendChooser`).
         outbox: the persistent outbox; default ``Outbox(config.outbox)``.
         clock: monotonic seconds of the rounds' time slots (default ``time.monotonic``; tests inject one).
+        site_config_path: the ``site.yaml`` the config was read from; its folder is the install prefix, which signed
+            SDK updates need (:mod:`edge_sdk.updates`). None: updates are received but not installed.
 
     Attributes:
         stats: ``Counter`` of what happened (``tasks_trained``, ``updates_published``, ``acks_accepted``,
             ``rejected:<reason>``, ...).
         field: the field loop (:class:`edge_sdk.field.service.FieldService`) while :meth:`run` runs one, else None.
+        staged: a new SDK version installed and checked beside this one (:mod:`edge_sdk.updates`), set when
+            :meth:`run` returned to switch to it; else None.
     """
 
     def __init__(self, *, config: SiteConfig, transport: Transport, signing_key: Ed25519PrivateKey,
                  coordinator_key: Ed25519PublicKey, dataset: LocalDataset | RadioMapSet | None = None,
                  backend: TrainingBackend | None = None, outbox: Outbox | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, site_config_path: Path | None = None) -> None:
         self.config = config
         self.transport = transport
         self.outbox = outbox if outbox is not None else Outbox(config.outbox)
@@ -122,26 +130,33 @@ class EdgeAgent:
         self.errors = ErrorLog()  # the newest ERROR line, for the health record
         self.health = HealthReporter(self.ctx, field_queue_pending=self._detections_waiting, errors=self.errors)
         self.releases = ModelReleases(self.ctx, on_kept=lambda version: self.health.send("new model"))
+        self.software = SoftwareUpdates(self.ctx, site_config=site_config_path, running_version=self.health.version)
+        self.staged: StagedVersion | None = None
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stop = threading.Event()
         self._started = False
         self._task_topic = task_topic(config.federation_id, config.site_id)
         self._ack_topic = ack_topic(config.federation_id, config.site_id)
         self._model_filter = model_filter(config.federation_id, config.site_id)
+        self._software_filter = software_filter(config.federation_id, config.site_id)
 
     @classmethod
-    def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None) -> EdgeAgent:
+    def from_config(cls, config: SiteConfig | str | Path, *, transport: Transport | None = None,
+                    site_config_path: Path | None = None) -> EdgeAgent:
         """Build an agent from a site config (object or YAML path): load keys, read and embed the site's records
         (or radio maps), build the backend.
 
         Args:
             config: a :class:`SiteConfig` or the path of its YAML file.
             transport: default: an :class:`~edge_sdk.uplink.mqtt.MqttTransport` to ``config.broker_url``.
+            site_config_path: the file a config object was read from (a path ``config`` is its own); updates need it.
 
         Raises:
             ConfigError: bad config, keys or backend. DatasetError: bad Camtrap DP package or radio-map file.
         """
+        path = site_config_path
         if not isinstance(config, SiteConfig):
+            path = Path(config)
             config = load_site_config(config)
         signing_key = load_private_key(config.private_key)
         coordinator_key = load_public_key(config.coordinator_public_key)
@@ -153,7 +168,8 @@ class EdgeAgent:
             from edge_sdk.uplink.mqtt import transport_from_config
 
             transport = transport_from_config(config)  # TLS, credentials, last will (docs/security.md)
-        return cls(config=config, transport=transport, signing_key=signing_key, coordinator_key=coordinator_key)
+        return cls(config=config, transport=transport, signing_key=signing_key, coordinator_key=coordinator_key,
+                   site_config_path=path)
 
     # -- what tests and tools look at ---------------------------------------------------------------------------
     @property
@@ -188,6 +204,9 @@ class EdgeAgent:
     def _on_model(self, topic: str, payload: bytes) -> None:
         self._inbox.put(("model", payload))
 
+    def _on_software(self, topic: str, payload: bytes) -> None:
+        self._inbox.put(("software", payload))
+
     def _on_connect(self) -> None:
         self._inbox.put(("connected", b""))
 
@@ -198,7 +217,7 @@ class EdgeAgent:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Subscribe to the task, ack and model topics and connect (idempotent).
+        """Subscribe to the task, ack, model and software topics and connect (idempotent).
 
         Raises:
             TransportError: the broker cannot be reached.
@@ -209,6 +228,7 @@ class EdgeAgent:
         self.transport.subscribe(self._ack_topic, self._on_ack)
         if self.config.task == "camera":  # a released model is for detect and the field loop
             self.transport.subscribe(self._model_filter, self._on_model)
+        self.transport.subscribe(self._software_filter, self._on_software)
         self.transport.add_connect_listener(self._on_connect)
         self.transport.connect()
         self._started = True
@@ -267,6 +287,10 @@ class EdgeAgent:
                         self.uploader.resend_pending()
                     if self.downloads.stalled():
                         self.downloads.request(open_round=False, only_stalled=True)
+                if self.software.pending is not None and self._idle():
+                    self.staged = self.software.stage()  # blocks while pip and check-config run
+                    if self.staged is not None:
+                        break  # `wildfed-edge run` switches to it (edge_sdk.updates.trial)
                 if idle_timeout_s is not None and time.monotonic() - last_activity > idle_timeout_s \
                         and not pacer.pending():
                     log.info("site %s: idle for %.1f s, stopping", self.config.site_id, idle_timeout_s)
@@ -281,11 +305,17 @@ class EdgeAgent:
                 self.uploader.handle_ack(payload)
             elif kind == "model":
                 self.releases.handle(payload)
+            elif kind == "software":
+                self.software.handle(payload)
             elif kind == "connected":
                 self.uploader.resend_pending()
                 self.request_downloads()
                 self.health.send("connected")
         return trained
+
+    def _idle(self) -> bool:
+        """Nothing in flight: no reply waiting for its time slot, no secure-aggregation round, an empty outbox."""
+        return not self.ctx.pacer.pending() and not self.outbox.count() and self.secagg.state is None
 
     def _start_field_loop(self) -> threading.Thread | None:
         if self.config.task != "camera" or self.config.incoming is None:

@@ -11,13 +11,16 @@ Layout under the prefix (default ``/opt/wildfed``)::
     site.yaml  profile.yaml  bundle-manifest.json  wildfed-edge.service
     keys/site.key (0600)  keys/site.pub  keys/coordinator.pub  [keys/broker-ca.pem]   (profile ``identity``)
     wheels/wildfed-*.whl  venv/ (unless --no-venv)
+    current -> venv   stable -> venv   sdk/install.json  sdk/state.json              (updates: edge_sdk.updates)
     models/backbone/<name>.onnx  models/detector/<name>.onnx                        (site.yaml ``model_dir``)
     state/  cache/artifacts/  cache/engines/  data/                                   (profile ``storage``)
 
 The graphs are the ONNX files the coordinator exported at provisioning (:mod:`shared.models.gateway_graphs`): with
 them ``run`` and ``detect`` need no torch. ``wildfed-edge run --config <prefix>/site.yaml`` then starts the agent;
-the rendered systemd unit does the same with ``Restart=on-failure`` and ``RestartPreventExitStatus=2`` (a
-configuration error is reported once, not retried every 10 s). The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
+the rendered systemd unit starts it through the launcher (``<prefix>/stable/bin/python -m edge_sdk.updates.launch
+--prefix <prefix> run --config <prefix>/site.yaml``, which runs the ``current`` version and supervises a new one on
+trial after a signed update) with ``Restart=on-failure`` and ``RestartPreventExitStatus=2`` (a configuration error
+is reported once, not retried every 10 s). The venv: ``python -m venv`` (with ``--system-site-packages`` it also sees the
 packages of the interpreter running the install, e.g. JetPack's torch), then (:func:`pip_install_commands`):
 
 1. ``pip install --no-deps --no-index --force-reinstall <prefix>/wheels/wildfed-*.whl`` (the SDK itself);
@@ -53,10 +56,13 @@ from shared.bundle import Bundle, BundleError, read_bundle
 from shared.keys import write_file_atomic
 from shared.errors import ConfigError
 from shared.profiles import JETSON_KINDS, GatewayProfile, check_profile_data
+from shared.software import sdk_wheel_version
 
 from edge_sdk.profiles import backend_extras
+from edge_sdk.updates.layout import InstallLayout
 
-__all__ = ["InstallResult", "install_bundle", "pip_install_commands", "BundleError"]
+__all__ = ["InstallResult", "install_bundle", "pip_install_commands", "pip_install", "make_venv", "venv_python",
+           "BundleError"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +78,8 @@ class InstallResult:
         site_id, federation_id, profile: from the bundle.
         site_config: ``<prefix>/site.yaml``.
         unit: the rendered systemd unit file.
-        executable: the ``wildfed-edge`` command the unit runs.
+        executable: the command the unit runs, before ``run --config ...``: the launcher of the stable version
+            (:mod:`edge_sdk.updates.launch`), or ``python -m edge_sdk.cli`` with ``--no-venv`` (no updates then).
         venv: the virtual environment, or ``None`` with ``--no-venv``.
         coordinator_fingerprint: hex SHA-256 of the bundled coordinator key.
         warnings: things the operator must still do (e.g. fill in the species table).
@@ -98,24 +105,33 @@ def _inside(prefix: Path, relative: Path | str) -> Path:
     return target
 
 
-def _venv_python(venv: Path) -> Path:
+def venv_python(venv: Path) -> Path:
+    """The interpreter of the venv ``venv``."""
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _make_venv(venv: Path, *, system_site_packages: bool, python: str) -> None:
+def make_venv(venv: Path, *, system_site_packages: bool, python: str, inherit: tuple[str, ...] = ()) -> None:
+    """``python -m venv [--system-site-packages] venv``; the new venv also sees the site folders ``inherit`` (and,
+    with ``system_site_packages`` from inside a venv, that venv's) through a ``.pth`` file.
+
+    Raises:
+        ConfigError: venv creation failed (python3-venv missing).
+    """
     cmd = [python, "-m", "venv"] + (["--system-site-packages"] if system_site_packages else []) + [str(venv)]
     log.info("creating the venv: %s", " ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ConfigError(f"creating the venv failed: {(proc.stderr or proc.stdout).strip()[-600:]}", source=venv,
                           fix="install python3-venv, or pass --no-venv to use this interpreter")
+    parents = list(inherit)
     if system_site_packages and sys.prefix != sys.base_prefix:
         # this interpreter is itself a venv: let the new one see its packages too (torch, onnxruntime, ...)
-        purelib = Path(subprocess.run([str(_venv_python(venv)), "-c", "import sysconfig; "
+        parents += sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"]})
+    if parents:
+        purelib = Path(subprocess.run([str(venv_python(venv)), "-c", "import sysconfig; "
                                        "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
                                       check=True).stdout.strip())
-        parents = sorted({*site.getsitepackages(), sysconfig.get_paths()["purelib"]})
-        (purelib / "_wildfed_parent_site.pth").write_text("".join(f"{p}\n" for p in parents))
+        (purelib / "_wildfed_parent_site.pth").write_text("".join(f"{p}\n" for p in dict.fromkeys(parents)))
 
 
 def pip_install_commands(python: str | Path, wheel: Path, *, extras: tuple[str, ...], find_links: tuple[Path, ...] = (),
@@ -141,9 +157,14 @@ def pip_install_commands(python: str | Path, wheel: Path, *, extras: tuple[str, 
     return commands
 
 
-def _pip_install(venv: Path, wheel: Path, *, extras: tuple[str, ...], find_links: tuple[Path, ...],
-                 no_deps: bool) -> None:
-    for cmd in pip_install_commands(_venv_python(venv), wheel, extras=extras, find_links=find_links,
+def pip_install(venv: Path, wheel: Path, *, extras: tuple[str, ...], find_links: tuple[Path, ...],
+                no_deps: bool) -> None:
+    """Run :func:`pip_install_commands` in ``venv``.
+
+    Raises:
+        ConfigError: pip failed (its output's tail and where the wheels would come from).
+    """
+    for cmd in pip_install_commands(venv_python(venv), wheel, extras=extras, find_links=find_links,
                                     no_deps=no_deps):
         log.info("installing the SDK: %s", shlex.join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -257,11 +278,16 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
     venv_dir: Path | None = None
     if venv:
         venv_dir = prefix / "venv"
-        if not _venv_python(venv_dir).exists():
-            _make_venv(venv_dir, system_site_packages=system_site_packages, python=python)
-        _pip_install(venv_dir, sdk_wheels[0], extras=extras, find_links=tuple(links), no_deps=no_deps)
-        executable = str(venv_dir / "bin" / "wildfed-edge")
-        agent_python: str | Path = _venv_python(venv_dir)
+        if not venv_python(venv_dir).exists():
+            make_venv(venv_dir, system_site_packages=system_site_packages, python=python)
+        pip_install(venv_dir, sdk_wheels[0], extras=extras, find_links=tuple(links), no_deps=no_deps)
+        layout = InstallLayout.create(prefix, version=sdk_wheel_version(sdk_wheels[0].name) or "unknown",
+                                      venv=venv_dir, options={
+                                          "python": python, "system_site_packages": system_site_packages,
+                                          "no_deps": no_deps, "extras": list(extras),
+                                          "find_links": [str(p) for p in links]})
+        executable = shlex.join(layout.launcher_command())  # updates: edge_sdk.updates.launch
+        agent_python: str | Path = venv_python(venv_dir)
     else:
         executable = f"{python} -m edge_sdk.cli"
         agent_python = python

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -49,7 +50,9 @@ def run(
                                                               "(for supervisors and the demo)")] = None,
 ) -> None:
     """Serve training tasks for one site until interrupted (Ctrl-C or SIGTERM stops cleanly). Exit status 2: a
-    configuration error (the checks of `check-config`, one line each), which restarting cannot fix."""
+    configuration error (the checks of `check-config`, one line each), which restarting cannot fix. A signed SDK
+    update published by the operator is installed beside this version, checked, and switched to (docs/gateways.md,
+    "Updating the gateways")."""
     _setup_logging(log_level)
     from edge_sdk.agent import EdgeAgent
     from edge_sdk.preflight import check_site
@@ -62,7 +65,7 @@ def run(
             _error(f"{config}: {field}: {message}")
         raise typer.Exit(code=2)
     try:
-        agent = EdgeAgent.from_config(checked.config)
+        agent = EdgeAgent.from_config(checked.config, site_config_path=config)
     except WildFedError as exc:
         _error(exc)
         raise typer.Exit(code=2) from None
@@ -73,6 +76,7 @@ def run(
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
         agent.start()
+        agent.software.report_start()  # a version on trial confirms here: it reached the broker
         if ready_file is not None:
             ready_file.parent.mkdir(parents=True, exist_ok=True)
             ready_file.write_text(f"{agent.config.site_id}\n")
@@ -84,6 +88,10 @@ def run(
         raise typer.Exit(code=1) from None
     finally:
         agent.close()
+    if agent.staged is not None:
+        from edge_sdk.updates.switch import switch_to
+
+        switch_to(agent.software, agent.staged, sys.argv[1:])  # does not return
     console.print(escape(f"stopped; rounds trained: {rounds if rounds is not None else 'interrupted'}; "
                          f"stats: {dict(agent.stats)}"))
 

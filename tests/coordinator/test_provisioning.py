@@ -424,10 +424,13 @@ def test_install_into_a_real_venv_without_downloads(fed, sdk_wheel, tmp_path) ->
     where = subprocess.run([str(venv_python), "-c", "import edge_sdk, torch; print(edge_sdk.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert str(prefix / "venv") in where
-    assert installed.executable == str(prefix / "venv" / "bin" / "wildfed-edge")
+    # the unit starts the launcher of the stable version (signed updates), which runs the current version
+    assert installed.executable == shlex.join([str(prefix.resolve() / "stable" / "bin" / "python"), "-m",
+                                               "edge_sdk.updates.launch", "--prefix", str(prefix.resolve())])
+    assert (prefix / "current").resolve() == (prefix / "stable").resolve() == (prefix / "venv").resolve()
     write_package(prefix / "data" / "camtrap")
-    check = subprocess.run([installed.executable, "check-config", str(installed.site_config)], capture_output=True,
-                           text=True, cwd=tmp_path)
+    check = subprocess.run([*shlex.split(installed.executable), "check-config", str(installed.site_config)],
+                           capture_output=True, text=True, cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"ExecStart={installed.executable} run" in installed.unit.read_text()
 
