@@ -725,8 +725,8 @@ def _budget(settings: DemoSettings) -> Any:
 
 def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, federation_id: str, broker_url: str,
                         coordinator_pub: Path, centre_path: Path | None, budget: Any) -> Any:
-    """The coordinator's resolved config for this run, also saved as ``coordinator/coordinator.yaml`` (so that the
-    operator commands work on a finished demo)."""
+    """The coordinator's resolved config for this run, also saved as ``coordinator.yaml`` in ``coord_dir`` (so that
+    the operator commands work on a finished demo)."""
     from coordinator.config import config_from_dict, save_config
     from wildfed_sim.animal_mnist import SPECIES_TABLE
 
