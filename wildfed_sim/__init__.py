@@ -17,4 +17,6 @@ Modules:
     privacy_utility, nira, fedsofim, radiomap: the seed's experiments, their tables and plots.
     audit: the empirical privacy audit (one-run canaries, Steinke et al. 2023).
     nira_metadata: NIRA's clustering on the real Wildlife Insights / Snapshot Serengeti metadata (../shared/data).
+    common: what more than one experiment needs (run folder, statistics, options, federation cache, the demo's data
+        design); experiments import it and never each other (tests/sim/test_experiment_imports.py).
 """

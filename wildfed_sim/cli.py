@@ -221,7 +221,7 @@ def real_photos(
     """Leave-one-site-out on the real camera-trap photos of ../shared/data: sites built with `wildfed-edge package`,
     federations run over MQTT on verified crops (no privacy, and the default CCDP), against a central head on the
     same crops; every choice tuned on the training sites only. Writes results.json."""
-    from wildfed_sim.demo import new_run_dir
+    from wildfed_sim.common.runs import new_run_dir
     from wildfed_sim.real_photos_run import run_experiment
 
     names = [r.strip() for r in reserves.split(",") if r.strip()]
@@ -374,7 +374,7 @@ def audit(
     own CCDP training, and an epsilon lower bound from a membership test, beside the claimed epsilon. Exit status 1
     when a lower bound exceeds its claim on the real mechanism (a privacy bug, or a beta-probability fluke)."""
     from wildfed_sim.audit import AuditSettings, load_audit_site, run_audit
-    from wildfed_sim.demo import new_run_dir
+    from wildfed_sim.common.runs import new_run_dir
     from shared.iucn import CCDPBudget, parse_category
 
     if not 0 < confidence < 1:

@@ -22,17 +22,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import secrets
-import signal
 import statistics
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import yaml
@@ -41,13 +39,12 @@ from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
 
+from wildfed_sim.common.demo_data import demo_sites, public_images
+from wildfed_sim.common.runs import new_run_dir, sigterm_unwinds
 from wildfed_sim.gateway_processes import spawned_gateways
 
 __all__ = ["DP_DEFAULTS", "GLOBAL_DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings",
-           "DemoResult", "run_demo",
-           "public_split_indices", "without_site_duplicates", "secagg_threshold", "balanced_public_split", "demo_sites", "public_images",
-           "design_sites_with_public_split", "pretrain_on_public_split",
-           "load_weights", "save_weights"]
+           "DemoResult", "run_demo", "secagg_threshold", "pretrain_on_public_split", "load_weights", "save_weights"]
 
 
 #: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
@@ -318,44 +315,6 @@ class DemoResult:
 
 
 # ------------------------------------------------------------------------------------------ preparation
-def demo_sites(seed: int, num_sites: int, *, public_per_class: int = 0) -> tuple[Any, Any, list[Any], Any]:
-    """The demo's data for ``seed``: Animal-MNIST split 80/20 (:func:`~wildfed_sim.animal_mnist.split_holdout`),
-    the sites designed on the training split (:func:`design_sites_with_public_split`), and each site's byte-identical
-    repeats dropped (a site holds each image once: :func:`~wildfed_sim.camtrap_writer.distinct_images`).
-
-    Returns:
-        (train split, held-out test split, site specs with indices into the training split, design summary of the
-        sites as designed, before the repeats were dropped).
-    """
-    from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.ecology import summarize_design
-
-    train, test = split_holdout(fetch_animal_mnist(), 0.2, seed=seed)
-    specs, _ = design_sites_with_public_split(train.labels, num_sites, seed=seed, public_per_class=public_per_class)
-    summary = summarize_design(specs, num_available=len(train))
-    specs = [dataclasses.replace(s, indices=s.indices[distinct_images(train.images[s.indices])]) for s in specs]
-    return train, test, specs, summary
-
-
-def public_images(train: Any, specs: Any, *, public_per_class: int, seed: int) -> np.ndarray:
-    """Indices (into the training split) of the demo's public images: :func:`balanced_public_split` when
-    ``public_per_class > 0`` (the sites must come from :func:`design_sites_with_public_split` with the same value),
-    else :func:`public_split_indices`; in both cases less every byte-copy of an image a site holds.
-
-    Raises:
-        ConfigError: a site holds an image of the balanced split.
-    """
-    if public_per_class <= 0:
-        return public_split_indices(len(train.labels), specs, train.images)
-    public = balanced_public_split(train.labels, public_per_class, seed=seed)
-    held = np.concatenate([np.asarray(s.indices, dtype=np.int64) for s in specs])
-    if np.isin(public, held).any():
-        raise ConfigError("a site holds images of the balanced public split", field="public_per_class",
-                          fix="design the sites with design_sites_with_public_split(public_per_class=...)")
-    return without_site_duplicates(public, train.images, specs)
-
-
 def _prepare_sites(settings: DemoSettings, run_dir: Path, console: Any) -> tuple[list[Any], Any, Any, Any]:
     """Fetch data, split, design sites, write each site's Camtrap DP package.
 
@@ -463,85 +422,6 @@ def _header_label(settings: DemoSettings) -> str:
 
 
 # ------------------------------------------------------------------------------------------ public pretraining
-def public_split_indices(num_train: int, specs: Any, images: np.ndarray | None = None) -> np.ndarray:
-    """Indices (into the training split) of the images that no site holds: the public pretraining split.
-
-    The held-out test split is separate and never part of it; the sites' images are disjoint from it, so
-    pretraining on it spends no site's privacy budget. With ``images`` (uint8 (num_train, H, W)), an image whose
-    bytes equal an image a site holds is left out too (:func:`without_site_duplicates`): the demo drops a site's
-    duplicate images, so a dropped duplicate is not "held" by index, but its pixels are the site's.
-    """
-    used = np.zeros(num_train, dtype=bool)
-    for spec in specs:
-        used[np.asarray(spec.indices, dtype=np.int64)] = True
-    public = np.flatnonzero(~used)
-    return public if images is None else without_site_duplicates(public, images, specs)
-
-
-def without_site_duplicates(public: np.ndarray, images: np.ndarray, specs: Any) -> np.ndarray:
-    """``public`` (int64 indices into ``images``, uint8 (N, H, W)) less every image byte-identical (SHA-256 of
-    the array's bytes, as :func:`wildfed_sim.camtrap_writer.distinct_images`) to an image some site holds."""
-    from wildfed_sim.camtrap_writer import image_digest
-
-    held = {image_digest(images[int(i)]) for spec in specs for i in np.asarray(spec.indices, dtype=np.int64)}
-    return np.asarray([i for i in np.asarray(public, dtype=np.int64) if image_digest(images[int(i)]) not in held],
-                      dtype=np.int64)
-
-
-def balanced_public_split(labels: np.ndarray, per_class: int, *, seed: int) -> np.ndarray:
-    """Sorted indices (into the training split ``labels``) of ``per_class`` images of every class, drawn
-    uniformly at random without replacement by its own generator (``default_rng([seed, 0x5055424C])``, so it
-    does not shift the site design's random stream): the class-balanced public split.
-
-    :func:`design_sites_with_public_split` keeps these images away from every site; they come from the training
-    split only, so they are disjoint from the held-out test split too.
-
-    Raises:
-        ConfigError: ``per_class`` < 1, or more than a class has.
-    """
-    from wildfed_sim.animal_mnist import SPECIES_TABLE
-
-    labels = np.asarray(labels)
-    if per_class < 1:
-        raise ConfigError(f"public_per_class must be >= 1, got {per_class}", field="public_per_class",
-                          fix="use e.g. 100, or 0 for the images no site holds")
-    rng = np.random.default_rng([seed, 0x5055424C])
-    parts = []
-    for c in range(len(SPECIES_TABLE)):
-        members = np.flatnonzero(labels == c)
-        if members.size < per_class:
-            raise ConfigError(f"class {c} has {members.size} training images, fewer than public_per_class="
-                              f"{per_class}", field="public_per_class", fix="use a smaller public_per_class")
-        parts.append(rng.choice(members, size=per_class, replace=False))
-    return np.sort(np.concatenate(parts)).astype(np.int64)
-
-
-def design_sites_with_public_split(labels: np.ndarray, num_sites: int, *, seed: int,
-                                   public_per_class: int = 0) -> tuple[list[Any], np.ndarray]:
-    """The demo's sites and its public split, from the training split's ``labels``.
-
-    ``public_per_class == 0``: :func:`~wildfed_sim.ecology.design_sites` on every training image
-    (the demo's default design), and the public split is whatever no site holds (:func:`public_split_indices`;
-    not class-balanced). ``public_per_class > 0``: first :func:`balanced_public_split` reserves that many images
-    of every class, then the sites are designed on the remaining training images only (indices mapped back into
-    the training split), so no site holds a public image.
-
-    Returns:
-        (site specs with indices into the training split, sorted public indices into the training split).
-    """
-    from wildfed_sim.ecology import design_sites
-
-    labels = np.asarray(labels)
-    if public_per_class <= 0:
-        specs = design_sites(labels, num_sites, seed=seed)
-        return specs, public_split_indices(len(labels), specs)
-    public = balanced_public_split(labels, public_per_class, seed=seed)
-    rest = np.setdiff1d(np.arange(len(labels)), public)
-    specs = [dataclasses.replace(s, indices=rest[s.indices])
-             for s in design_sites(labels[rest], num_sites, seed=seed)]
-    return specs, public
-
-
 def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size: int, learning_rate: float,
                              seed: int, public_per_class: int = 0, adapter_width: int = 0
                              ) -> tuple[dict[str, np.ndarray], int]:
@@ -692,26 +572,6 @@ def _plot(history: list[dict[str, Any]], budgets: dict[str, float], path: Path, 
 
 
 # ------------------------------------------------------------------------------------------ the run
-@contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """Turn SIGTERM (``timeout``, a CI cancel, ``kill``) into KeyboardInterrupt while the demo runs, so the
-    broker and gateway processes are stopped by the same clean-up as Ctrl-C instead of being orphaned."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     """Run the whole federation described in the module docstring.
 
@@ -721,45 +581,21 @@ def run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         ConfigError: bad settings. WildFedError: a gateway failed to start, or the data could not be fetched.
         KeyboardInterrupt: interrupted (after clean-up).
     """
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         return _run_demo(settings, console=console)
 
 
-def new_run_dir(out_dir: str | os.PathLike[str] | None, prefix: str) -> Path:
-    """The absolute run folder: ``out_dir``, or ``runs/<prefix>-<UTC time>``; created empty.
-
-    Raises:
-        ConfigError: the folder exists and is not empty (nothing of an earlier run is overwritten).
-    """
-    run_dir = Path(out_dir or Path("runs") / f"{prefix}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}").resolve()
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(f"folder {run_dir} is not empty", field="out", fix="choose a new --out folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
+    """The demo's steps in order (the order of the seeded draws and of the processes' starts is the demo's)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from coordinator.config import BudgetFromAnchor, config_from_dict, save_config
     from wildfed_sim.animal_mnist import SPECIES_TABLE
-    from wildfed_sim.embedded_broker import embedded_broker
-    from wildfed_sim.evaluation import evaluate, train_centralised
-    from coordinator.service import Coordinator
+    from wildfed_sim.embeddings import embed_grayscale
 
     console = console or Console()
     t0 = time.monotonic()
-    run_dir = new_run_dir(settings.out_dir, "demo")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "ready").mkdir(parents=True, exist_ok=True)
-    console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
-                 f"{_header_label(settings)}, strategy {settings.strategy}")
-    console.log(f"run folder {run_dir}")
-
+    run_dir = _open_run_dir(settings, console)
     specs, train, test, design = _prepare_sites(settings, run_dir, console)
-    from wildfed_sim.embeddings import embed_grayscale
 
     class_categories = [e.iucn for e in SPECIES_TABLE]
     held = {SPECIES_TABLE[int(c)].iucn for spec in specs for c in spec.species}  # categories of the sites' tables
@@ -769,22 +605,13 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     # One federation id per run: two demos on one broker (--broker) must not see each other's topics (a shared id
     # made them exchange updates that the signature checks then rejected).
     federation_id = f"wildfed-demo-{secrets.token_hex(4)}"
-
     coord_dir = run_dir / "coordinator"
-    coord_key = generate_signing_key()
-    save_private_key(coord_key, coord_dir / "keys" / "coordinator.key")
-    coordinator_pub = save_public_key(coord_key.public_key(), coord_dir / "keys" / "coordinator.pub")
-    budget = BudgetFromAnchor(category=IUCNCategory(settings.anchor_category), epsilon=settings.anchor_epsilon,
-                              gamma=settings.gamma)
+    coordinator_pub = _coordinator_keys(coord_dir)
+    budget = _budget(settings)
 
     result = DemoResult(run_dir=run_dir)
     with ExitStack() as stack:
-        broker_url = settings.broker
-        if broker_url is None:
-            broker_url = stack.enter_context(embedded_broker(log_path=run_dir / "logs" / "broker.log"))
-            console.log(f"embedded MQTT broker (amqtt) at {broker_url}")
-        else:
-            console.log(f"using MQTT broker {broker_url}")
+        broker_url = _start_broker(settings, stack, run_dir, console)
         site_configs, site_pems = [], []
         for spec in specs:
             path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub,
@@ -801,107 +628,20 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         # the coordinator's held-out evaluation set, embedded once by the frozen backbone (cached for later runs)
         test_features = embed_grayscale(test.images, test.source_indices)
         console.log(f"held-out test split: {len(test)} backbone embeddings ({time.monotonic() - t_embed:.1f} s)")
-        start_weights = None
-        if settings.initial_weights_path is not None:
-            start_weights = load_weights(Path(settings.initial_weights_path))
-            result.pretraining = {"source": str(settings.initial_weights_path)}
-            console.log(f"starting the federation from {settings.initial_weights_path}")
-        elif settings.pretrain_epochs > 0:
-            start_weights, n_public = pretrain_on_public_split(
-                train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
-                learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
-                public_per_class=settings.public_per_class, adapter_width=settings.adapter_width)
-            result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
-                                  "epochs": settings.pretrain_epochs}
-            console.log(f"pretrained on the public split ({n_public} training images no site holds), "
-                        f"{settings.pretrain_epochs} epochs, non-private")
-        if start_weights is not None:
-            pre = evaluate(start_weights, test_features, test.labels, class_categories)
-            result.pretraining["accuracy"] = dict(pre.by_group)
-            console.log(f"round-0 model: {100 * pre.by_group['overall']:.1f}% overall on the held-out test split")
-        config = config_from_dict({
-            "federation_id": federation_id, "data_dir": str(coord_dir), "broker_url": broker_url,
-            "signing_key_path": str(coord_dir / "keys" / "coordinator.key"),
-            "public_key_path": str(coordinator_pub), "rounds": settings.rounds,
-            "round_deadline_s": settings.round_deadline_s, "local_steps": settings.local_steps,
-            "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
-            "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
-            "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
-            "class_reweighting": settings.class_reweighting if settings.privacy == "ccdp" else 0.0,
-            "posthoc_logit_adjustment": settings.posthoc_logit_adjustment,
-            "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
-            "model": "head", "adapter_width": settings.adapter_width,
-            # Global DP: the sites take centred gradients, the coordinator folds the noisy sum with the same file
-            **({"feature_centre": str(centre_path)} if settings.privacy == "global" and centre_path else {}),
-            "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
-            **({"secagg": {"threshold": secagg_threshold(settings)}} if settings.privacy == "global" else {}),
-            "seed": settings.seed, "strategy": _strategy_config(settings),
-            "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
-                        for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
-        # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
-        save_config(config, coord_dir / "coordinator.yaml")
-        coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
-        stack.callback(gateways.stop)  # on the way out the gateways stop before the coordinator closes, as before
-        for spec, pem in zip(specs, site_pems):
-            public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
-                              if not SPECIES_TABLE[c].iucn.is_sensitive]
-            coordinator.enrol(spec.site_id, pem, {"capacity": spec.num_images, "biome": spec.biome,
-                                                  "species": public_species,
-                                                  "monitoring_months": spec.monitoring_months})
-        console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
-        _import_demo_deployments(coordinator.store, run_dir, specs, config, console)
+        start_weights = _start_weights(settings, result, train, specs, test, test_features, class_categories,
+                                       console)
+        config = _coordinator_config(settings, run_dir, coord_dir, federation_id, broker_url, coordinator_pub,
+                                     centre_path, budget)
+        coordinator = _start_coordinator(stack, config, start_weights, gateways, specs, site_pems, run_dir, console)
 
         console.log("waiting for the gateways to connect (each imports its libraries, loads its Camtrap DP "
                     "package and embeds its images; about a minute, longer on a first run or a busy machine)")
         gateways.wait_ready(console)
         budgets = config.budgets()
-        columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-        with Progress(*columns, console=console) as progress:
-            task = progress.add_task("rounds", total=settings.rounds, info="training...")
-            closed_at = None  # monotonic time the previous round's result came back (just after its close)
-            for round_result in coordinator.iter_rounds():
-                got_at = time.monotonic()
-                # the gap: from the previous round's close to this round's last task published (the sites idle)
-                gap_s = (None if closed_at is None
-                         else got_at - round_result.duration_s + round_result.open_s - closed_at)
-                weights, trained = _served_and_trained(coordinator)  # as served: logit-adjusted when configured
-                acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
-                                                  class_categories, test_features)
-                unadjusted = (evaluate(trained, test_features, test.labels, class_categories)
-                              if settings.posthoc_logit_adjustment else None)
-                eps = _epsilon_by_category(coordinator)
-                entry = {"round": round_result.round, "status": round_result.status,
-                         "selected": list(round_result.selected), "accepted": list(round_result.accepted),
-                         "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
-                         "per_site": sites_eval["summary"], "gap_s": gap_s,
-                         "open_s": round_result.open_s}
-                if unadjusted is not None:
-                    entry["accuracy_unadjusted"] = dict(unadjusted.by_group)
-                if settings.strategy == "nira":
-                    entry["clusters"] = _nira_state(coordinator)["clusters"]
-                result.history.append(entry)
-                info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
-                        f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
-                if settings.privacy != "none" and IUCNCategory.CR in held:
-                    info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
-                progress.update(task, advance=1, info=info)
-                closed_at = got_at
-        status = coordinator.status()
-        result.rejections = dict(status.rejections)
-        result.epsilon = _epsilon_by_category(coordinator)
-        final_weights, trained = _served_and_trained(coordinator)
-        final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
-                                             class_categories, test_features)
-        result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
-        if settings.posthoc_logit_adjustment:
-            plain = evaluate(trained, test_features, test.labels, class_categories)
-            result.final_accuracy_unadjusted = {**plain.by_group,
-                                                **{c.value: v for c, v in plain.by_category.items()}}
-            result.prediction_offsets = list(coordinator.rounds.prediction_offsets() or ())
-        result.per_site = final_sites
-        if settings.strategy == "nira":
-            result.nira = _nira_state(coordinator)
+        _run_rounds(settings, coordinator, result, specs, train, test, test_features, class_categories, held,
+                    console)
+        final_weights = _final_results(settings, coordinator, result, specs, train, test, test_features,
+                                       class_categories)
         # while broker, coordinator and gateways still run: detections on real photos (wildfed_sim.detections)
         end_of_demo_detections(run_dir=run_dir, specs=specs, site_configs=site_configs, coordinator=coordinator,
                                weights=final_weights, model_round=len(result.history), console=console)
@@ -909,16 +649,221 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
         result.final_models = wait_for_final_models(coordinator, console=console)  # released, kept, reported
 
-    if settings.centralised_epochs > 0:
-        console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
-        used = np.concatenate([s.indices for s in specs])
-        weights = train_centralised(embed_grayscale(train.images[used], train.source_indices[used]),
-                                    train.labels[used], num_classes=len(SPECIES_TABLE),
-                                    epochs=settings.centralised_epochs, batch_size=settings.expected_batch_size,
-                                    learning_rate=NON_PRIVATE_DEFAULTS["learning_rate"], seed=settings.seed,
-                                    adapter_width=settings.adapter_width)
-        result.centralised_accuracy = dict(evaluate(weights, test_features, test.labels, class_categories).by_group)
+    _centralised_reference(settings, result, specs, train, test, test_features, class_categories, console)
     result.elapsed_s = time.monotonic() - t0
+    _print_summary(settings, result, budgets, held, console)
+    _write_report(settings, result, design, specs, budgets, run_dir, console)
+    _print_web_commands(coord_dir, console)
+    return result
+
+
+def _open_run_dir(settings: DemoSettings, console: Any) -> Path:
+    """The run folder (new and empty) with its ``logs`` and ``ready`` folders; the run's header printed."""
+    run_dir = new_run_dir(settings.out_dir, "demo")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "ready").mkdir(parents=True, exist_ok=True)
+    console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
+                 f"{_header_label(settings)}, strategy {settings.strategy}")
+    console.log(f"run folder {run_dir}")
+    return run_dir
+
+
+def _coordinator_keys(coord_dir: Path) -> Path:
+    """A fresh coordinator signing key under ``coord_dir/keys``; returns the public key's path."""
+    coord_key = generate_signing_key()
+    save_private_key(coord_key, coord_dir / "keys" / "coordinator.key")
+    return save_public_key(coord_key.public_key(), coord_dir / "keys" / "coordinator.pub")
+
+
+def _start_broker(settings: DemoSettings, stack: ExitStack, run_dir: Path, console: Any) -> str:
+    """The broker's URL: ``settings.broker``, else an embedded amqtt broker that ``stack`` stops."""
+    from wildfed_sim.embedded_broker import embedded_broker
+
+    broker_url = settings.broker
+    if broker_url is None:
+        broker_url = stack.enter_context(embedded_broker(log_path=run_dir / "logs" / "broker.log"))
+        console.log(f"embedded MQTT broker (amqtt) at {broker_url}")
+    else:
+        console.log(f"using MQTT broker {broker_url}")
+    return broker_url
+
+
+def _start_weights(settings: DemoSettings, result: DemoResult, train: Any, specs: Any, test: Any,
+                   test_features: np.ndarray, class_categories: list[IUCNCategory], console: Any) -> Any:
+    """The federation's round-0 weights: loaded (``initial_weights_path``), pretrained on the public split
+    (``pretrain_epochs``), or None (the coordinator's seeded initial model); recorded in ``result.pretraining``."""
+    from wildfed_sim.evaluation import evaluate
+
+    start_weights = None
+    if settings.initial_weights_path is not None:
+        start_weights = load_weights(Path(settings.initial_weights_path))
+        result.pretraining = {"source": str(settings.initial_weights_path)}
+        console.log(f"starting the federation from {settings.initial_weights_path}")
+    elif settings.pretrain_epochs > 0:
+        start_weights, n_public = pretrain_on_public_split(
+            train, specs, epochs=settings.pretrain_epochs, batch_size=settings.pretrain_batch_size,
+            learning_rate=settings.pretrain_learning_rate, seed=settings.seed,
+            public_per_class=settings.public_per_class, adapter_width=settings.adapter_width)
+        result.pretraining = {"source": "public split (training images no site holds)", "num_images": n_public,
+                              "epochs": settings.pretrain_epochs}
+        console.log(f"pretrained on the public split ({n_public} training images no site holds), "
+                    f"{settings.pretrain_epochs} epochs, non-private")
+    if start_weights is not None:
+        pre = evaluate(start_weights, test_features, test.labels, class_categories)
+        result.pretraining["accuracy"] = dict(pre.by_group)
+        console.log(f"round-0 model: {100 * pre.by_group['overall']:.1f}% overall on the held-out test split")
+    return start_weights
+
+
+def _budget(settings: DemoSettings) -> Any:
+    """The federation's CCDP budget, anchored as the settings say (coordinator.config.BudgetFromAnchor)."""
+    from coordinator.config import BudgetFromAnchor
+
+    return BudgetFromAnchor(category=IUCNCategory(settings.anchor_category), epsilon=settings.anchor_epsilon,
+                            gamma=settings.gamma)
+
+
+def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, federation_id: str, broker_url: str,
+                        coordinator_pub: Path, centre_path: Path | None, budget: Any) -> Any:
+    """The coordinator's resolved config for this run, also saved as ``coordinator.yaml`` in ``coord_dir`` (so that
+    the operator commands work on a finished demo)."""
+    from coordinator.config import config_from_dict, save_config
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+
+    config = config_from_dict({
+        "federation_id": federation_id, "data_dir": str(coord_dir), "broker_url": broker_url,
+        "signing_key_path": str(coord_dir / "keys" / "coordinator.key"),
+        "public_key_path": str(coordinator_pub), "rounds": settings.rounds,
+        "round_deadline_s": settings.round_deadline_s, "local_steps": settings.local_steps,
+        "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
+        "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
+        "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
+        "class_reweighting": settings.class_reweighting if settings.privacy == "ccdp" else 0.0,
+        "posthoc_logit_adjustment": settings.posthoc_logit_adjustment,
+        "budget": budget.model_dump(), "num_classes": len(SPECIES_TABLE),
+        "model": "head", "adapter_width": settings.adapter_width,
+        # Global DP: the sites take centred gradients, the coordinator folds the noisy sum with the same file
+        **({"feature_centre": str(centre_path)} if settings.privacy == "global" and centre_path else {}),
+        "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
+        **({"secagg": {"threshold": secagg_threshold(settings)}} if settings.privacy == "global" else {}),
+        "seed": settings.seed, "strategy": _strategy_config(settings),
+        "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
+                    for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
+    # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
+    save_config(config, coord_dir / "coordinator.yaml")
+    return config
+
+
+def _start_coordinator(stack: ExitStack, config: Any, start_weights: Any, gateways: Any, specs: Any,
+                       site_pems: list[Any], run_dir: Path, console: Any) -> Any:
+    """The coordinator, entered on ``stack`` (the gateways stop before it closes), with every site enrolled (public
+    key and public metadata, CR/EN species left out) and the sites' deployments imported for the web view."""
+    from coordinator.service import Coordinator
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+
+    coordinator = stack.enter_context(Coordinator(config, initial_weights=start_weights))
+    stack.callback(gateways.stop)  # on the way out the gateways stop before the coordinator closes, as before
+    for spec, pem in zip(specs, site_pems):
+        public_species = [SPECIES_TABLE[c].scientific_name for c in spec.species
+                          if not SPECIES_TABLE[c].iucn.is_sensitive]
+        coordinator.enrol(spec.site_id, pem, {"capacity": spec.num_images, "biome": spec.biome,
+                                              "species": public_species,
+                                              "monitoring_months": spec.monitoring_months})
+    console.log(f"enrolled {len(specs)} sites (public keys + public metadata; CR/EN species left out)")
+    _import_demo_deployments(coordinator.store, run_dir, specs, config, console)
+    return coordinator
+
+
+def _run_rounds(settings: DemoSettings, coordinator: Any, result: DemoResult, specs: Any, train: Any, test: Any,
+                test_features: np.ndarray, class_categories: list[IUCNCategory], held: set[IUCNCategory],
+                console: Any) -> None:
+    """Every round of the federation, each evaluated as it closes and appended to ``result.history``, with a
+    progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from wildfed_sim.evaluation import evaluate
+
+    columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("rounds", total=settings.rounds, info="training...")
+        closed_at = None  # monotonic time the previous round's result came back (just after its close)
+        for round_result in coordinator.iter_rounds():
+            got_at = time.monotonic()
+            # the gap: from the previous round's close to this round's last task published (the sites idle)
+            gap_s = (None if closed_at is None
+                     else got_at - round_result.duration_s + round_result.open_s - closed_at)
+            weights, trained = _served_and_trained(coordinator)  # as served: logit-adjusted when configured
+            acc, sites_eval = _evaluate_model(settings, coordinator, weights, specs, train, test,
+                                              class_categories, test_features)
+            unadjusted = (evaluate(trained, test_features, test.labels, class_categories)
+                          if settings.posthoc_logit_adjustment else None)
+            eps = _epsilon_by_category(coordinator)
+            entry = {"round": round_result.round, "status": round_result.status,
+                     "selected": list(round_result.selected), "accepted": list(round_result.accepted),
+                     "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
+                     "per_site": sites_eval["summary"], "gap_s": gap_s,
+                     "open_s": round_result.open_s}
+            if unadjusted is not None:
+                entry["accuracy_unadjusted"] = dict(unadjusted.by_group)
+            if settings.strategy == "nira":
+                entry["clusters"] = _nira_state(coordinator)["clusters"]
+            result.history.append(entry)
+            info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
+                    f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
+            if settings.privacy != "none" and IUCNCategory.CR in held:
+                info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
+            progress.update(task, advance=1, info=info)
+            closed_at = got_at
+
+
+def _final_results(settings: DemoSettings, coordinator: Any, result: DemoResult, specs: Any, train: Any, test: Any,
+                   test_features: np.ndarray, class_categories: list[IUCNCategory]) -> Any:
+    """The final model's accuracy, epsilon and rejections into ``result``; returns the final (served) weights."""
+    from wildfed_sim.evaluation import evaluate
+
+    status = coordinator.status()
+    result.rejections = dict(status.rejections)
+    result.epsilon = _epsilon_by_category(coordinator)
+    final_weights, trained = _served_and_trained(coordinator)
+    final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
+                                         class_categories, test_features)
+    result.final_accuracy = {**final.by_group, **{c.value: v for c, v in final.by_category.items()}}
+    if settings.posthoc_logit_adjustment:
+        plain = evaluate(trained, test_features, test.labels, class_categories)
+        result.final_accuracy_unadjusted = {**plain.by_group,
+                                            **{c.value: v for c, v in plain.by_category.items()}}
+        result.prediction_offsets = list(coordinator.rounds.prediction_offsets() or ())
+    result.per_site = final_sites
+    if settings.strategy == "nira":
+        result.nira = _nira_state(coordinator)
+    return final_weights
+
+
+def _centralised_reference(settings: DemoSettings, result: DemoResult, specs: Any, train: Any, test: Any,
+                           test_features: np.ndarray, class_categories: list[IUCNCategory], console: Any) -> None:
+    """With ``centralised_epochs``: the same head trained on the sites' pooled data, non-privately, into
+    ``result.centralised_accuracy``."""
+    if settings.centralised_epochs <= 0:
+        return
+    from wildfed_sim.animal_mnist import SPECIES_TABLE
+    from wildfed_sim.embeddings import embed_grayscale
+    from wildfed_sim.evaluation import evaluate, train_centralised
+
+    console.log(f"centralised reference: {settings.centralised_epochs} epochs on the pooled training data")
+    used = np.concatenate([s.indices for s in specs])
+    weights = train_centralised(embed_grayscale(train.images[used], train.source_indices[used]),
+                                train.labels[used], num_classes=len(SPECIES_TABLE),
+                                epochs=settings.centralised_epochs, batch_size=settings.expected_batch_size,
+                                learning_rate=NON_PRIVATE_DEFAULTS["learning_rate"], seed=settings.seed,
+                                adapter_width=settings.adapter_width)
+    result.centralised_accuracy = dict(evaluate(weights, test_features, test.labels, class_categories).by_group)
+
+
+def _print_summary(settings: DemoSettings, result: DemoResult, budgets: Any, held: set[IUCNCategory],
+                   console: Any) -> None:
+    """The final table (accuracy and epsilon per IUCN category), the rejections and the gaps between rounds."""
+    from rich.table import Table
 
     table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} "
                         f"round{'s' * (len(result.history) != 1)}, {_header_label(settings)}, "
@@ -955,6 +900,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
                     f"demo's evaluation of each round included): median {statistics.median(gaps):.2f} s, "
                     f"max {max(gaps):.2f} s")
 
+
+def _write_report(settings: DemoSettings, result: DemoResult, design: Any, specs: Any, budgets: Any, run_dir: Path,
+                  console: Any) -> None:
+    """``report.json`` (settings, sites, per-round history, final table) and ``report.png`` in the run folder."""
     report = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
         "design": dataclasses.asdict(design),
@@ -972,6 +921,10 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
           run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
     console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
                 f"({result.elapsed_s:.0f} s in all)")
+
+
+def _print_web_commands(coord_dir: Path, console: Any) -> None:
+    """The two commands that open this run's web view (one per line, never wrapped, so each copies whole)."""
     import shlex
 
     coord_yaml = shlex.quote(str(coord_dir / "coordinator.yaml"))
@@ -985,7 +938,6 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     console.print(f"{exe} user add me --role operator --config {coord_yaml}", soft_wrap=True, markup=False,
                   highlight=False)
     console.print(f"{exe} serve --config {coord_yaml}", soft_wrap=True, markup=False, highlight=False)
-    return result
 
 
 def end_of_demo_detections(*, run_dir: Path, specs: Any, site_configs: list[Path], coordinator: Any,

@@ -3,8 +3,8 @@ with the same effort, on tuning seeds that are not the reported one).
 
 ``wildfed demo`` runs a real coordinator, real gateways and a broker; a tuning sweep needs hundreds of runs, so this
 module replays the same learning problem without the transport: the demo's data and site design
-(:func:`wildfed_sim.demo.design_sites_with_public_split` on the split of :func:`wildfed_sim.animal_mnist.split_holdout`,
-duplicates dropped as the demo drops them), the gateways' own round of training
+(:func:`wildfed_sim.common.demo_data.design_sites_with_public_split` on the split of
+:func:`wildfed_sim.animal_mnist.split_holdout`, duplicates dropped as the demo drops them), the gateways' own round of training
 (:func:`edge_sdk.training.train_locally`, so the same Poisson sampling, calibration of the noise multipliers with
 dp-accounting and the same CCDP mechanism), FedAvg weights ``n_k / n`` (McMahan et al. 2017, Alg. 1) and the
 coordinator's server optimizer (:class:`coordinator.optimizers.server_sgd.ServerSGD`, FedAvgM when momentum > 0),
@@ -80,7 +80,7 @@ def load_federation(seed: int, *, num_sites: int = 8) -> SimFederation:
     """The demo's data for ``seed`` (the same split, site design and de-duplication as ``wildfed demo --seed``),
     with every image embedded by the gateway's backbone (cached: :func:`wildfed_sim.embeddings.embed_grayscale`)."""
     from wildfed_sim.animal_mnist import SPECIES_TABLE
-    from wildfed_sim.demo import demo_sites, public_images
+    from wildfed_sim.common.demo_data import demo_sites, public_images
     from wildfed_sim.embeddings import embed_grayscale
 
     train, test, specs, _ = demo_sites(seed, num_sites)
@@ -354,9 +354,3 @@ def _simulate_global(fed: SimFederation, config: SimConfig, weights: dict[str, n
                                     planned_rounds=config.rounds))
     return weights, {s: {c: ev.with_steps(ev.steps * config.rounds) for c, ev in evs.items()}
                      for s, evs in per_round.items()}
-
-
-def summarise(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, sample standard deviation) of ``values`` (std 0 for one value)."""
-    arr = np.asarray(values, dtype=np.float64)
-    return float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else 0.0

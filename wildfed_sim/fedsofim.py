@@ -7,10 +7,10 @@ Protocol (per seed; the seed fixes the data splits only, privacy noise is never 
 
 1. Animal-MNIST (10,000 images) -> stratified train (80 %) / held-out test (20 %) split
    (:func:`wildfed_sim.animal_mnist.split_holdout`).
-2. Public split: :func:`wildfed_sim.demo.balanced_public_split` takes ``public_per_class`` training images of every
-   class (default 100). No client holds them. The frozen backbone is the public ImageNet EfficientNet-Lite0
-   (:mod:`shared.models.backbone`); a linear head trained on the public split's embeddings, non-privately, is reported
-   as the public-data reference (``public_model_test_accuracy``); the federation does not start from it.
+2. Public split: :func:`wildfed_sim.common.demo_data.balanced_public_split` takes ``public_per_class`` training
+   images of every class (default 100). No client holds them. The frozen backbone is the public ImageNet
+   EfficientNet-Lite0 (:mod:`shared.models.backbone`); a linear head trained on the public split's embeddings,
+   non-privately, is reported as the public-data reference (``public_model_test_accuracy``); the federation does not start from it.
 3. Validation split: ``val_per_class`` further training images per class (default 70), for tuning only; no client
    holds them, and the test split is never used for tuning.
 4. Clients: the remaining training images (the pool), cut into K near-equal IID shards.
@@ -41,7 +41,7 @@ one decade beyond that edge, up to ``max_widenings`` times per edge; every widen
 
 Metrics (reported seeds): test accuracy after round T ("final"), the mean of the last 10 rounds ("last-10"), the
 first round that reaches DP-FedGD's final accuracy of the same seed, and paired differences against DP-FedAvgM with
-95 % Student-t intervals (:func:`wildfed_sim.privacy_utility.paired_interval`). For DP-FedSOFIM, ``|M_t|^2`` per
+95 % Student-t intervals (:func:`wildfed_sim.common.stats.paired_interval`). For DP-FedSOFIM, ``|M_t|^2`` per
 round (to compare with rho). The non-private ceiling is the same head trained by FedGD without noise, tuned the
 same way (the clipping stays; K does not matter without noise).
 
@@ -72,11 +72,16 @@ from shared.privacy.events import DPSGDEvent
 
 from edge_sdk.privacy.per_example import PerExampleGradients
 
+from wildfed_sim.common.demo_data import balanced_public_split
+from wildfed_sim.common.options import opt, parse_list
+from wildfed_sim.common.runs import new_run_dir
+from wildfed_sim.common.stats import mean_std, paired_interval
+
 __all__ = [
     "LinearHeadGradients", "HeadData", "head_residuals", "per_example_head_gradients", "flatten_head",
     "unflatten_head", "accuracy", "client_private_gradient", "server_pseudo_gradient", "make_optimizer",
     "run_federation", "Pool", "released_aggregates", "run_batch", "Axis", "grid_points", "tune_grids",
-    "rounds_to_reach", "mean_std", "summarise_cell", "markdown_tables", "FedSofimSettings", "FedSofimResult",
+    "rounds_to_reach", "summarise_cell", "markdown_tables", "FedSofimSettings", "FedSofimResult",
     "SeedData", "prepare_seed", "run_fedsofim_experiment", "fedsofim_command", "OPTIMIZERS", "GRIDS", "BASELINE",
     "CEILING", "UNIFORM_CATEGORY",
 ]
@@ -546,16 +551,6 @@ def rounds_to_reach(curve: Sequence[float], target: float) -> int | None:
     return None
 
 
-def mean_std(values: Sequence[float | None]) -> dict[str, Any]:
-    """``{"mean", "std" (sample; 0 for one value), "n"}`` over the values that are not None."""
-    vals = [float(v) for v in values if v is not None]
-    if not vals:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-            "n": len(vals)}
-
-
-
 def _last10(curve: Sequence[float]) -> float:
     return float(np.mean(curve[-10:]))
 
@@ -575,8 +570,6 @@ def summarise_cell(runs: Sequence[Mapping[str, Any]], tuning: Mapping[str, Any],
         seeds, and at round T), "paired_final", "paired_last10" (paired_interval vs baseline; None for the
         baseline itself)}, "round0": mean test accuracy of the zero head}``.
     """
-    from wildfed_sim.privacy_utility import paired_interval
-
     by = {(r["optimizer"], r["seed"]): r for r in runs}
     seeds = sorted({s for _, s in by})
     out: dict[str, Any] = {"round0": mean_std([by[(methods[0], s)]["test"][0] for s in seeds
@@ -827,7 +820,6 @@ class SeedData:
 def prepare_seed(settings: FedSofimSettings, seed: int) -> SeedData:
     """Steps 1-5 of the protocol for one seed: splits, the public-split reference head, backbone embeddings."""
     from wildfed_sim.animal_mnist import NUM_CLASSES, fetch_animal_mnist, split_holdout
-    from wildfed_sim.demo import balanced_public_split
     from wildfed_sim.evaluation import train_centralised
 
     t0 = time.monotonic()
@@ -911,7 +903,6 @@ def run_fedsofim_experiment(settings: FedSofimSettings, console: Any = None) -> 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from wildfed_sim.demo import new_run_dir
     from coordinator.ledger import PrivacyLedger
     from coordinator.storage import Store
     from shared.privacy.accounting import calibrate_noise_multiplier
@@ -1012,40 +1003,22 @@ def run_fedsofim_experiment(settings: FedSofimSettings, console: Any = None) -> 
 
 
 # --------------------------------------------------------------------------------------------------- the CLI
-def _parse_list(text: str, kind: type, name: str, example: str) -> tuple:
-    try:
-        values = tuple(kind(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise ConfigError(f"--{name} {text!r} is not a comma-separated list of {kind.__name__}s", field=name,
-                          fix=f"e.g. --{name} {example}") from None
-    if not values:
-        raise ConfigError(f"--{name} is empty", field=name, fix=f"e.g. --{name} {example}")
-    return values
-
-
-def _opt(default: Any, help: str, *names: str) -> Any:
-    import typer
-
-    return typer.Option(default, *names, help=help)
-
-
-
 def fedsofim_command(
-    seeds: str = _opt("0,1,2,3,4", "comma-separated reported seeds (data splits; noise is never seeded)"),
-    tuning_seeds: str = _opt("101,103", "comma-separated tuning seeds (grids run here only; not reported)"),
-    clients: str = _opt("20,100", "comma-separated client counts K"),
-    epsilons: str = _opt("0.5,1,2,5,10", "comma-separated target epsilons (each client's records, delta below)"),
-    optimizers: str = _opt(",".join(OPTIMIZERS), "comma-separated server optimizers to compare"),
-    rounds: int = _opt(100, "federated rounds T (one full-batch DP step per client per round)"),
-    max_widenings: int = _opt(2, "times a grid is widened by a decade beyond an edge its best point lies on"),
-    out: Path | None = _opt(None, "output folder (default runs/fedsofim-<UTC time>)"),
-    target_delta: float = _opt(1e-5, "delta of every guarantee"),
-    clipping_norm: float = _opt(1.0, "L2 clipping norm C of per-example head gradients"),
-    public_per_class: int = _opt(100, "public images per class (held by no client; the reference head)"),
-    val_per_class: int = _opt(70, "validation images per class (tuning only; held by no client)"),
-    pretrain_epochs: int = _opt(30, "epochs of the non-private reference head on the public split's embeddings"),
-    ledger: bool = _opt(True, "record one reported run per cell (every client, every round) in ledger.db",
-                        "--ledger/--no-ledger"),
+    seeds: str = opt("0,1,2,3,4", "comma-separated reported seeds (data splits; noise is never seeded)"),
+    tuning_seeds: str = opt("101,103", "comma-separated tuning seeds (grids run here only; not reported)"),
+    clients: str = opt("20,100", "comma-separated client counts K"),
+    epsilons: str = opt("0.5,1,2,5,10", "comma-separated target epsilons (each client's records, delta below)"),
+    optimizers: str = opt(",".join(OPTIMIZERS), "comma-separated server optimizers to compare"),
+    rounds: int = opt(100, "federated rounds T (one full-batch DP step per client per round)"),
+    max_widenings: int = opt(2, "times a grid is widened by a decade beyond an edge its best point lies on"),
+    out: Path | None = opt(None, "output folder (default runs/fedsofim-<UTC time>)"),
+    target_delta: float = opt(1e-5, "delta of every guarantee"),
+    clipping_norm: float = opt(1.0, "L2 clipping norm C of per-example head gradients"),
+    public_per_class: int = opt(100, "public images per class (held by no client; the reference head)"),
+    val_per_class: int = opt(70, "validation images per class (tuning only; held by no client)"),
+    pretrain_epochs: int = opt(30, "epochs of the non-private reference head on the public split's embeddings"),
+    ledger: bool = opt(True, "record one reported run per cell (every client, every round) in ledger.db",
+                       "--ledger/--no-ledger"),
 ) -> None:
     """DP-FedSOFIM (preconditioning G or M) vs DP-FedGD, DP-FedAvgM and DP-FedAdam: frozen public
     EfficientNet-Lite0 backbone, linear head federated with full-batch DP gradient descent per client; every
@@ -1054,11 +1027,11 @@ def fedsofim_command(
     from rich.console import Console
 
     settings = FedSofimSettings(
-        seeds=_parse_list(seeds, int, "seeds", "0,1,2,3,4"),
-        tuning_seeds=_parse_list(tuning_seeds, int, "tuning-seeds", "101,103"),
-        clients=_parse_list(clients, int, "clients", "20,100"),
-        epsilons=_parse_list(epsilons, float, "epsilons", "0.5,1,2,5,10"),
-        optimizers=_parse_list(optimizers, str, "optimizers", ",".join(OPTIMIZERS)), rounds=rounds,
+        seeds=parse_list(seeds, int, "seeds", "0,1,2,3,4"),
+        tuning_seeds=parse_list(tuning_seeds, int, "tuning-seeds", "101,103"),
+        clients=parse_list(clients, int, "clients", "20,100"),
+        epsilons=parse_list(epsilons, float, "epsilons", "0.5,1,2,5,10"),
+        optimizers=parse_list(optimizers, str, "optimizers", ",".join(OPTIMIZERS)), rounds=rounds,
         max_widenings=max_widenings, target_delta=target_delta, clipping_norm=clipping_norm,
         public_per_class=public_per_class, val_per_class=val_per_class, pretrain_epochs=pretrain_epochs,
         ledger=ledger, out_dir=out)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,6 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
+
+from wildfed_sim.common.runs import new_run_dir
+from wildfed_sim.common.stats import mean_std
 
 __all__ = ["NiraConfiguration", "CONFIGURATIONS", "DEFAULT_CONFIGURATIONS", "PRIVACY", "NiraSettings", "NiraResult", "run_nira_experiment",
            "row_from_report", "summarise", "markdown_table", "METRICS"]
@@ -167,13 +169,6 @@ def row_from_report(report: dict[str, Any], privacy: str) -> dict[str, Any]:
     return row
 
 
-def _mean_std(values: Sequence[float | None]) -> dict[str, float | None]:
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    if not vals:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
-
-
 def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean and sample std (0 for one seed) over seeds of every metric, per (privacy, configuration), in the
     order of :data:`PRIVACY` and :data:`CONFIGURATIONS`; ``delta_macro``: the paired difference (same seed) of the
@@ -187,12 +182,13 @@ def summarise(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"configuration": config.name, "label": config.label, "privacy": privacy,
                                      "seeds": sorted(r["seed"] for r in rows)}
             for metric in METRICS:
-                entry[metric] = _mean_std([r.get(metric) for r in rows])
+                entry[metric] = mean_std([r.get(metric) for r in rows], skip_nan=True)
             base = {r["seed"]: r["macro"] for r in runs if r["configuration"] == "fedavg" and r["privacy"] == privacy}
-            entry["delta_macro"] = _mean_std([r["macro"] - base[r["seed"]] for r in rows if r["seed"] in base])
+            entry["delta_macro"] = mean_std([r["macro"] - base[r["seed"]] for r in rows if r["seed"] in base],
+                                            skip_nan=True)
             histories = [r.get("history_macro") or [] for r in rows]
             length = max((len(h) for h in histories), default=0)
-            entry["history_macro"] = [_mean_std([h[i] for h in histories if i < len(h)])["mean"]
+            entry["history_macro"] = [mean_std([h[i] for h in histories if i < len(h)], skip_nan=True)["mean"]
                                       for i in range(length)]
             out.append(entry)
     return out
@@ -305,7 +301,7 @@ def run_nira_experiment(settings: NiraSettings, console: Any = None) -> NiraResu
     from rich.console import Console
     from rich.table import Table
 
-    from wildfed_sim.demo import DemoSettings, new_run_dir, run_demo
+    from wildfed_sim.demo import DemoSettings, run_demo
 
     console = console or Console()
     t0 = time.monotonic()

@@ -30,7 +30,7 @@ head-only points; the fine-tuned baseline also chooses its number of fine-tuning
 that are never reported (default 101, 103), by the mean macro accuracy; methods that share a training share its
 runs (a scoring is post-processing of the same models). Reported: seeds 0-9 by default, each method at its chosen
 point; paired differences (same seed: same data, sites and initial model) with 95 % Student-t intervals
-(:func:`wildfed_sim.privacy_utility.paired_interval`) of every method against the best baseline (chosen on the
+(:func:`wildfed_sim.common.stats.paired_interval`) of every method against the best baseline (chosen on the
 tuning seeds among the three FedAvg baselines). Headroom: round 0 (the initial model) and the non-private ceiling
 (the same head trained centrally on all sites' records, :func:`wildfed_sim.evaluation.train_centralised`).
 
@@ -65,7 +65,9 @@ import numpy as np
 from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 
-from wildfed_sim.privacy_utility import mean_and_sd
+from wildfed_sim.common.federation import FederationCache
+from wildfed_sim.common.runs import new_run_dir, read_runs
+from wildfed_sim.common.stats import mean_and_sd, paired_interval
 
 __all__ = ["Method", "TRAININGS", "METHODS", "BASELINES", "GRID", "NIRA_GRID", "HEAD_ONLY_GRID", "grid_for",
            "FINE_TUNE_STEPS", "MIN_CLUSTER_RECORDS",
@@ -251,7 +253,7 @@ def _all_scorings(fed: Any, site_models: Mapping[str, Mapping[str, np.ndarray]])
 
 
 # ------------------------------------------------------------------------------------------ one run
-_FEDERATION: dict[tuple[int, int, str], Any] = {}
+_FEDERATION = FederationCache()  # one federation per worker at a time (memory)
 
 
 STRUCTURES = ("demo", "wildlife-insights", "serengeti")
@@ -344,12 +346,9 @@ def real_structure_federation(seed: int, structure: str, *, data_root: str | Pat
 def _federation(seed: int, sites: int, structure: str = "demo") -> Any:
     from wildfed_sim.demo_sim import load_federation
 
-    key = (seed, sites, structure)
-    if key not in _FEDERATION:
-        _FEDERATION.clear()
-        _FEDERATION[key] = (load_federation(seed, num_sites=sites) if structure == "demo"
-                            else real_structure_federation(seed, structure))
-    return _FEDERATION[key]
+    return _FEDERATION.get((seed, sites, structure),
+                           lambda: (load_federation(seed, num_sites=sites) if structure == "demo"
+                                    else real_structure_federation(seed, structure)))
 
 
 class _MemoryStore:
@@ -644,8 +643,6 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from wildfed_sim.demo import new_run_dir
-    from wildfed_sim.privacy_utility import paired_interval, read_runs
 
     t0 = time.monotonic()
     resume = settings.out_dir is not None and (Path(settings.out_dir) / "runs.jsonl").is_file()

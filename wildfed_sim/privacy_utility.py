@@ -62,10 +62,13 @@ from typing import Any
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
+from wildfed_sim.common.federation import FederationCache
+from wildfed_sim.common.runs import new_run_dir, read_runs
+from wildfed_sim.common.stats import mean_and_sd, paired_interval
+
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
-           "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "paired_interval", "mixture_prediction",
-           "MIXTURE_REFERENCE",
-           "epsilon_by_category", "choose", "markdown_tables", "read_runs", "mean_and_sd"]
+           "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "mixture_prediction",
+           "MIXTURE_REFERENCE", "epsilon_by_category", "choose", "markdown_tables"]
 
 
 @dataclass(frozen=True)
@@ -250,30 +253,6 @@ class PrivacyUtilityResult:
 
 
 # ------------------------------------------------------------------------------------------ statistics
-def paired_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict[str, float]:
-    """Mean of the paired differences ``a_i - b_i`` and its two-sided Student-t interval (n - 1 degrees of
-    freedom; Student 1908): ``mean +- t_{(1+confidence)/2, n-1} * sd / sqrt(n)``.
-
-    Returns ``{"n", "mean", "sd", "low", "high"}`` (fractions, like the inputs); for n = 1 the interval is
-    infinite.
-
-    Raises:
-        ValueError: different lengths or no pair.
-    """
-    from scipy import stats
-
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired samples need equal, non-zero lengths, got {len(a)} and {len(b)}")
-    diffs = [float(x) - float(y) for x, y in zip(a, b)]
-    n = len(diffs)
-    mean = statistics.fmean(diffs)
-    if n == 1:
-        return {"n": 1, "mean": mean, "sd": math.nan, "low": -math.inf, "high": math.inf}
-    sd = statistics.stdev(diffs)
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half}
-
-
 def epsilon_by_category(events: Mapping[str, Mapping[IUCNCategory, Any]], target_delta: float
                         ) -> dict[str, float]:
     """``{category code: epsilon}``: for each category the largest over sites of the epsilon of the events its
@@ -348,7 +327,7 @@ def choose(tuning: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ one run
-_FEDERATIONS: dict[tuple[int, int], Any] = {}
+_FEDERATIONS = FederationCache()  # one federation per worker at a time (memory)
 
 
 def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) -> dict[str, Any]:
@@ -358,10 +337,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
     name, seed, (rounds, steps, clip, lr, momentum), fixed = job
     warnings.simplefilter("ignore")
     config = next(c for c in CONFIGURATIONS if c.name == name)
-    key = (seed, fixed["sites"])
-    if key not in _FEDERATIONS:
-        _FEDERATIONS.clear()  # one federation per worker at a time (memory)
-        _FEDERATIONS[key] = load_federation(seed, num_sites=fixed["sites"])
+    fed = _FEDERATIONS.get((seed, fixed["sites"]), lambda: load_federation(seed, num_sites=fixed["sites"]))
     privacy = "none" if config.privacy == "none" else config.privacy
     sim = SimConfig(privacy=privacy, budgets=config.budgets(), rounds=rounds, local_steps=steps,
                     expected_batch_size=fixed["expected_batch_size"] if privacy != "none" else 128,
@@ -370,7 +346,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float], dict[str, Any]]) ->
                     global_noise=config.global_noise, secagg_threshold=config.threshold(fixed["sites"]),
                     class_reweighting=config.class_reweighting, prediction_tau=fixed.get("prediction_tau", 0.0))
     t0 = time.monotonic()
-    out = simulate(_FEDERATIONS[key], sim, seed=seed)
+    out = simulate(fed, sim, seed=seed)
     eps = epsilon_by_category(out.get("events", {}), fixed["target_delta"]) if privacy != "none" else {}
     return {"configuration": name, "seed": seed, "point": [rounds, steps, clip, lr, momentum],
             "overall": out["final"]["overall"], "groups": out["final"], "by_category": out["final_by_category"],
@@ -419,21 +395,6 @@ def _run_all(jobs: list[tuple], done: dict[str, dict[str, Any]], log_path: Path,
 
 
 # ------------------------------------------------------------------------------------------ tables and plot
-def read_runs(path: Path) -> list[dict[str, Any]]:
-    """The rows of a resumable run log (one JSON object per line; blank lines skipped; [] when absent)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def mean_and_sd(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, sample sd) of the values that are not None or nan; (nan, nan) when none is left, sd 0 for one."""
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    if not vals:
-        return math.nan, math.nan
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
 def _summarise(runs: Sequence[dict[str, Any]], configs: Sequence[Configuration]) -> list[dict[str, Any]]:
     out = []
     for config in configs:
@@ -566,7 +527,7 @@ def _site_records(settings: PrivacyUtilitySettings) -> dict[str, dict[str, int]]
     out = {}
     for seed in settings.seeds:
         warnings.simplefilter("ignore")
-        fed = _FEDERATIONS.get((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
+        fed = _FEDERATIONS.held((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
         ranks = np.concatenate([s.categories for s in fed.sites]).astype(np.int64)
         out[str(seed)] = {c.value: int((ranks == c.rank).sum()) for c in IUCNCategory}
     return out
@@ -582,7 +543,7 @@ def _test_weights(settings: PrivacyUtilitySettings) -> dict[str, dict[str, float
     out = {}
     for seed in settings.seeds:
         warnings.simplefilter("ignore")
-        fed = _FEDERATIONS.get((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
+        fed = _FEDERATIONS.held((seed, settings.sites)) or load_federation(seed, num_sites=settings.sites)
         ranks = np.asarray([fed.class_categories[int(y)].rank for y in fed.test_labels], dtype=np.int64)
         out[str(seed)] = {c.value: float((ranks == c.rank).mean()) for c in IUCNCategory}
     return out
@@ -598,7 +559,6 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
     """
     from rich.console import Console
 
-    from wildfed_sim.demo import new_run_dir
 
     console = console or Console()
     t0 = time.monotonic()

@@ -89,9 +89,9 @@ def run_radio_demo(settings: RadioDemoSettings, *, console: Any = None) -> Radio
         ConfigError: bad settings (e.g. a sionna-rt city whose files are not installed). WildFedError: a gateway
             failed to start. KeyboardInterrupt: interrupted (after clean-up).
     """
-    from wildfed_sim.demo import _sigterm_unwinds
+    from wildfed_sim.common.runs import sigterm_unwinds
 
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         return _run(settings, console=console)
 
 
@@ -101,7 +101,7 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
     from rich.table import Table
 
     from coordinator.config import config_from_dict, save_config
-    from wildfed_sim.demo import new_run_dir
+    from wildfed_sim.common.runs import new_run_dir
     from wildfed_sim.gateway_processes import running_gateways
     from wildfed_sim.embedded_broker import embedded_broker
     from wildfed_sim.radiomap import RadioMapSettings, prepare_data, pretrain, validation_mse_db

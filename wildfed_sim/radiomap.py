@@ -71,7 +71,8 @@ from edge_sdk.privacy.noise_allocator import AllocatorTraining, NoiseAllocator
 from edge_sdk.privacy.randomness import SecureRandom
 from edge_sdk.radio import RadioSiteTrainer, flat_weights, set_flat_weights, train_radio_maps
 
-from wildfed_sim.fedsofim import _opt, _parse_list, mean_std
+from wildfed_sim.common.options import opt, parse_list
+from wildfed_sim.common.stats import mean_std
 from wildfed_sim.radio_shadows import SHADOWS, ShadowTraining, ShadowUpdates
 from wildfed_sim.radio_tiles import PROCEDURAL, MapSource, TilePlan, TileSet, draw_site, map_source, plan_tiles
 
@@ -770,42 +771,42 @@ def _write(result: RadioMapResult, settings: RadioMapSettings, out_dir: Path) ->
 
 
 def radiomap_command(
-    seeds: str = _opt("0,1,2", "comma-separated seeds (tiles, transmitters, initial model, schedule; noise is "
-                      "never seeded)"),
-    defences: str = _opt(",".join(DEFENCES), "comma-separated defences, default all six: none, clip-only, uniform, "
-                         "steered-uniform, adaptive (learned noise shares over a uniform floor), grouped-clipping "
-                         "(per-group clipping norms from a public profile, noise calibrated to uniform's epsilon)"),
-    rounds: int = _opt(50, "federated rounds"),
-    clients: int = _opt(14, "clients (base-station sites)"),
-    active: int = _opt(6, "active clients per round"),
-    maps_per_client: int = _opt(50, "radio maps per client"),
-    noise_multiplier: float = _opt(3.0, "z: each upload's noise budget is d (z C)^2"),
-    clipping_norm: float = _opt(0.005, "C: L2 clipping norm of each upload (model delta)"),
-    floor_fraction: float = _opt(0.5, "phi: the adaptive defence's uniform noise floor, a fraction of the budget"),
-    shadow_sites: int = _opt(24, "shadow sites the attacker simulates per attack round"),
-    attack_every: int = _opt(10, "attack every this many rounds (and at round 1)"),
-    attacker: str = _opt("ridge", "ridge (regression on shadows, per upload), template (likelihood over a grid of "
-                         "candidate centres, summed over a site's uploads: wildfed_sim.radio_attack) or both"),
-    template_step_px: int = _opt(6, "the template attacker's candidate grid spacing in pixels"),
-    template_shadow: str = _opt("first-order", "how the template attacker computes its shadow updates "
-                                "(wildfed_sim.radio_shadows): first-order (one gradient per transmitter pixel of a "
-                                "sub-grid at the global model, Adam replayed on its moments), batched (the gateways' "
-                                "training, candidates vectorised) or sequential (one training run per candidate)"),
-    template_pixel_stride: int = _opt(3, "first-order shadows: the transmitter pixel sub-grid's step"),
-    pretrain_epochs: int = _opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
-    city: str = _opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
-                     "needs `pip install --no-deps sionna-rt==2.2.0`; each client gets its own disjoint 256 m tile, "
-                     "the rest are held out for validation) or procedural"),
-    validation_city: str | None = _opt(None, "the city of the second validation set (default: florence, or munich "
-                                       "when --city florence; procedural-old-town with --city procedural); the "
-                                       "remaining cities' tiles are the public ones (pretraining, proxies, shadows)"),
-    data: str = _opt("cost231", "where the maps come from: cost231 (free space + multi-wall, computed here) or "
-                     "sionna (a Sionna RT set made by `wildfed radio-data sionna`; needs --sionna-dir)"),
-    sionna_dir: Path | None = _opt(None, "with --data sionna: the set's folder (`wildfed radio-data sionna --out`)"),
-    validation_tiles: int | None = _opt(None, "held-out tiles per validation set (default: every tile of the city "
-                                        "that no client has, and every tile of the other city)"),
-    pretrain_tiles: int = _opt(16, "public tiles (pretraining, proxy and shadow sites), from the remaining cities"),
-    out: Path | None = _opt(None, "output folder (default runs/radiomap-<UTC time>)"),
+    seeds: str = opt("0,1,2", "comma-separated seeds (tiles, transmitters, initial model, schedule; noise is "
+                     "never seeded)"),
+    defences: str = opt(",".join(DEFENCES), "comma-separated defences, default all six: none, clip-only, uniform, "
+                        "steered-uniform, adaptive (learned noise shares over a uniform floor), grouped-clipping "
+                        "(per-group clipping norms from a public profile, noise calibrated to uniform's epsilon)"),
+    rounds: int = opt(50, "federated rounds"),
+    clients: int = opt(14, "clients (base-station sites)"),
+    active: int = opt(6, "active clients per round"),
+    maps_per_client: int = opt(50, "radio maps per client"),
+    noise_multiplier: float = opt(3.0, "z: each upload's noise budget is d (z C)^2"),
+    clipping_norm: float = opt(0.005, "C: L2 clipping norm of each upload (model delta)"),
+    floor_fraction: float = opt(0.5, "phi: the adaptive defence's uniform noise floor, a fraction of the budget"),
+    shadow_sites: int = opt(24, "shadow sites the attacker simulates per attack round"),
+    attack_every: int = opt(10, "attack every this many rounds (and at round 1)"),
+    attacker: str = opt("ridge", "ridge (regression on shadows, per upload), template (likelihood over a grid of "
+                        "candidate centres, summed over a site's uploads: wildfed_sim.radio_attack) or both"),
+    template_step_px: int = opt(6, "the template attacker's candidate grid spacing in pixels"),
+    template_shadow: str = opt("first-order", "how the template attacker computes its shadow updates "
+                               "(wildfed_sim.radio_shadows): first-order (one gradient per transmitter pixel of a "
+                               "sub-grid at the global model, Adam replayed on its moments), batched (the gateways' "
+                               "training, candidates vectorised) or sequential (one training run per candidate)"),
+    template_pixel_stride: int = opt(3, "first-order shadows: the transmitter pixel sub-grid's step"),
+    pretrain_epochs: int = opt(10, "epochs of public pretraining on other cities' maps (0: start from scratch)"),
+    city: str = opt("munich", "the federation's city: a sionna-rt scene (munich, florence, san_francisco, etoile; "
+                    "needs `pip install --no-deps sionna-rt==2.2.0`; each client gets its own disjoint 256 m tile, "
+                    "the rest are held out for validation) or procedural"),
+    validation_city: str | None = opt(None, "the city of the second validation set (default: florence, or munich "
+                                      "when --city florence; procedural-old-town with --city procedural); the "
+                                      "remaining cities' tiles are the public ones (pretraining, proxies, shadows)"),
+    data: str = opt("cost231", "where the maps come from: cost231 (free space + multi-wall, computed here) or "
+                    "sionna (a Sionna RT set made by `wildfed radio-data sionna`; needs --sionna-dir)"),
+    sionna_dir: Path | None = opt(None, "with --data sionna: the set's folder (`wildfed radio-data sionna --out`)"),
+    validation_tiles: int | None = opt(None, "held-out tiles per validation set (default: every tile of the city "
+                                       "that no client has, and every tile of the other city)"),
+    pretrain_tiles: int = opt(16, "public tiles (pretraining, proxy and shadow sites), from the remaining cities"),
+    out: Path | None = opt(None, "output folder (default runs/radiomap-<UTC time>)"),
 ) -> None:
     """Federated RadioUNet radio maps with six defences (the seed's none, clip-only, uniform, steered-uniform,
     adaptive, and grouped-clipping) on per-client tiles; attacker localisation RMSE (m) and validation MSE (dB) on
@@ -818,7 +819,7 @@ def radiomap_command(
     from rich.console import Console
 
     settings = RadioMapSettings(
-        seeds=_parse_list(seeds, int, "seeds", "0,1,2"), defences=_parse_list(defences, str, "defences", "uniform"),
+        seeds=parse_list(seeds, int, "seeds", "0,1,2"), defences=parse_list(defences, str, "defences", "uniform"),
         rounds=rounds, clients=clients, active=active, maps_per_client=maps_per_client,
         noise_multiplier=noise_multiplier, clipping_norm=clipping_norm, floor_fraction=floor_fraction,
         shadow_sites=shadow_sites, attack_every=attack_every, city=city, pretrain_epochs=pretrain_epochs,

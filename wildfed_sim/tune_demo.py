@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from wildfed_sim.common.federation import FederationCache
+
 __all__ = ["DP_GRID", "DP_GRID_3", "DP_GRID_4", "DP_GRID_5", "DP_GRID_6", "NON_PRIVATE_GRID", "main"]
 
 #: (local_steps, expected_batch_size, learning_rate, server_momentum) for the DP modes
@@ -42,7 +44,7 @@ DP_GRID_6 = [(1, 1024, 2.0, 0.5), (1, 1024, 4.0, 0.5), (1, 1024, 8.0, 0.5), (2, 
 #: the same axes without privacy (no clipping: the mean gradient's norm is ~20, hence larger steps)
 NON_PRIVATE_GRID = list(itertools.product((30, 60), (128,), (3.0, 10.0), (0.5, 0.8)))
 
-_FEDERATIONS: dict[int, Any] = {}
+_FEDERATIONS = FederationCache(keep_one=False)  # a worker keeps every seed it has embedded
 
 
 def _run(job: tuple[str, int, tuple[int, int, float, float]] | tuple[str, int, tuple, int]) -> dict[str, Any]:
@@ -52,8 +54,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float]] | tuple[str, int, t
     mode, seed, (steps, batch, lr, momentum) = job[:3]
     draw = job[3] if len(job) > 3 else 0
     warnings.simplefilter("ignore")
-    if seed not in _FEDERATIONS:
-        _FEDERATIONS[seed] = load_federation(seed)
+    fed = _FEDERATIONS.get(seed, lambda: load_federation(seed))
     common = {"local_steps": steps, "expected_batch_size": batch, "learning_rate": lr, "server_momentum": momentum}
     if mode == "none":
         config = SimConfig(privacy="none", **common)
@@ -62,7 +63,7 @@ def _run(job: tuple[str, int, tuple[int, int, float, float]] | tuple[str, int, t
     else:  # "ccdp" (the "sample" variant) or "ccdp-scale"
         config = SimConfig(budgets=CCDPBudget.from_anchor("VU", 1.0, 1.0).table(),
                            ccdp_variant="scale" if mode == "ccdp-scale" else "sample", **common)
-    out = simulate(_FEDERATIONS[seed], config, seed=seed, noise_seed=seed + 7919 * draw if draw else None)
+    out = simulate(fed, config, seed=seed, noise_seed=seed + 7919 * draw if draw else None)
     return {"mode": mode, "seed": seed, "draw": draw, "local_steps": steps, "expected_batch_size": batch,
             "learning_rate": lr,
             "server_momentum": momentum, "overall": out["final"]["overall"],

@@ -131,8 +131,8 @@ def import_detections(path: Path = typer.Argument(..., help="a MegaDetector batc
                                                      "UTC as +HH:MM or -HH:MM, for capture times written without "
                                                      "one (e.g. -05:00)"),
                       config: Path = config_option()) -> None:
-    """Import detections from a MegaDetector results file for the web view (coordinator/web/formats.py); the whole
-    file is checked before anything is written, and re-importing it changes nothing. Import the deployment's
+    """Import detections from a MegaDetector results file for the web view (coordinator/web/megadetector_import.py);
+    the whole file is checked before anything is written, and re-importing it changes nothing. Import the deployment's
     coordinates with `import-deployments` too: without them the map cannot place its records and
     `export-camtrap-dp` leaves them out."""
     from coordinator.storage import DeploymentRow

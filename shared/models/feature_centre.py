@@ -18,7 +18,7 @@ the federation trains exactly the centred model, and ``detect``, the audit and t
 
 ``c`` must not come from the site's own records (that would release a statistic of them without noise): it is
 computed by whoever provisions the federation from public images (the demo: the training images no site holds,
-:func:`wildfed_sim.demo.public_split_indices`) and given to every gateway as a file (site config
+:func:`wildfed_sim.common.demo_data.public_split_indices`) and given to every gateway as a file (site config
 ``feature_centre``): safetensors (``safetensors.numpy``, no pickle), one float32 tensor ``centre`` of shape (E,),
 with the number of images in its metadata.
 """

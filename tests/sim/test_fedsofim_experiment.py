@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from wildfed_sim import fedsofim as fs
+from wildfed_sim.common.options import parse_list
+from wildfed_sim.common.stats import mean_std
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.fedadam import ServerAdam
 from coordinator.optimizers.fedsofim import DPFedSOFIM
@@ -105,7 +107,7 @@ def test_server_pseudo_gradient_and_fedgd_step():
 def test_rounds_to_reach_and_mean_std():
     assert fs.rounds_to_reach([0.1, 0.5, 0.7, 0.6, 0.8], 0.7) == 2
     assert fs.rounds_to_reach([0.1, 0.5], 0.9) is None
-    stat = fs.mean_std([0.7, 0.8, None, 0.9])
+    stat = mean_std([0.7, 0.8, None, 0.9])
     assert stat["mean"] == pytest.approx(0.8) and stat["std"] == pytest.approx(0.1) and stat["n"] == 3
 
 
@@ -267,7 +269,7 @@ def test_settings_errors_name_the_field():
     with pytest.raises(ConfigError, match="optimizers"):
         fs.FedSofimSettings(optimizers=("dp-fedyogi",))
     with pytest.raises(ConfigError, match="epsilons"):
-        fs._parse_list("1,x", float, "epsilons", "0.5,1")
+        parse_list("1,x", float, "epsilons", "0.5,1")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from shared.iucn import IUCNCategory as Cat
 from shared.privacy.events import DPSGDEvent
 
 from wildfed_sim.cli import app
+from wildfed_sim.common.stats import paired_interval
 from wildfed_sim.privacy_utility import (
     CONFIGURATIONS,
     DP_GRID,
@@ -24,7 +25,6 @@ from wildfed_sim.privacy_utility import (
     PrivacyUtilitySettings,
     choose,
     epsilon_by_category,
-    paired_interval,
 )
 
 

@@ -9,14 +9,8 @@ import pytest
 from shared.errors import ConfigError
 
 from wildfed_sim.animal_mnist import AnimalMNIST, split_holdout
-from wildfed_sim.demo import (
-    DemoSettings,
-    balanced_public_split,
-    design_sites_with_public_split,
-    load_weights,
-    public_split_indices,
-    save_weights,
-)
+from wildfed_sim.common.demo_data import balanced_public_split, design_sites_with_public_split, public_split_indices
+from wildfed_sim.demo import DemoSettings, load_weights, save_weights
 from wildfed_sim.ecology import design_sites
 
 
