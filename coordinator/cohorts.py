@@ -58,7 +58,7 @@ def plan_round(store: Store, ledger: PrivacyLedger, site_id: str, round: int,
         site_id: the site about to be sent a task.
         round: the round about to open.
         budgets: epsilon per IUCN category.
-        categories: the categories the site holds (its declared ones, :func:`coordinator.rounds.known_categories`);
+        categories: the categories the site holds (its declared ones, :func:`coordinator.selection.known_categories`);
             a cohort retires when all of them are halted in it.
         pending_rounds: the site's earlier rounds whose charges can still arrive
             (:meth:`coordinator.ledger.PrivacyLedger.pending_rounds`).

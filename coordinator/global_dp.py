@@ -58,6 +58,11 @@ included (none of them knows the coordinator's draw). The coordinator itself see
 "Interplay with the DP guarantee"). Under distributed noise (``global_noise: distributed``) the charged epsilon holds
 against the coordinator, non-participants and up to ``secagg.colluding_sites`` colluding participants
 (:mod:`shared.privacy.observers`; docs/privacy.md "Who the guarantee holds against").
+
+This module holds the maths (pure functions). The round's plan is :class:`coordinator.round_plan.GlobalRoundPlan`;
+the sites' stage messages are collected by :class:`coordinator.secagg_collector.SecAggCollector`; stages 3-4 are
+driven by :class:`coordinator.secagg_round.SecureAggregationRound`; steps 1-2 and 5 by
+:meth:`coordinator.rounds.RoundManager.run_global_round`.
 """
 
 from __future__ import annotations

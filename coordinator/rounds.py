@@ -31,6 +31,12 @@ and is recorded as an ``over_budget`` rejection.
 Global DP mode (``privacy: global``) replaces steps 3-5 by secure aggregation and one coordinator-side noise draw:
 :mod:`coordinator.global_dp`.
 
+The parts, each in a module of its own: selection and halting (:mod:`coordinator.selection`); the tasks
+(:mod:`coordinator.round_tasks`); the round row from open to close and the model version it commits, for both
+lifecycles (:mod:`coordinator.round_record`); the close-time steps that settle which updates count
+(:mod:`coordinator.round_close`, folding stored blobs with :mod:`coordinator.stored_updates`); a Global DP round's
+plan (:mod:`coordinator.round_plan`) and secure-aggregation driver (:mod:`coordinator.secagg_round`).
+
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
 itself at that point of :meth:`RoundManager._close` (tests/coordinator/test_crash.py); set to ``after_publish``, it
@@ -40,12 +46,10 @@ Never set it in production.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import time
@@ -57,32 +61,32 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
 from shared.codec import decode_tensors, model_hash
-from shared.iucn import IUCNCategory, parse_category
+from shared.iucn import IUCNCategory
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
 from shared.models.logit_adjustment import adjusted_for_prediction, metadata_offsets
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
-from coordinator.cohorts import plan_round
 from coordinator.config import CoordinatorConfig
 from coordinator.ingest import Ingestor, RoundContext
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.radio import expected_events
-from coordinator.registry import Site, SiteRegistry
+from coordinator.registry import SiteRegistry
 from coordinator.round_close import absorb_stored, drop_refused, finalise_from_workers, over_budget_at_close
 from coordinator.round_plan import GlobalRoundPlan
 from coordinator.round_record import RoundRecord, save_optimizer_state, store_model
 from coordinator.round_tasks import TaskPublisher
 from coordinator.secagg_collector import SecAggCollector
 from coordinator.secagg_round import GlobalRoundOutcome, SecureAggregationRound
+from coordinator.selection import known_categories, select_sites, uses_cohorts
 from coordinator.storage import ModelVersionRow, RoundRow, Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
 from coordinator.transport import Transport, pipelined_publish
 
-__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
+__all__ = ["RoundResult", "RoundManager"]
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +112,6 @@ class RoundResult:
     duration_s: float
     halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
     open_s: float = 0.0
-
-
-def derive_seed(seed: int | None, round: int, label: str) -> int | None:
-    """A seed for (round, label) derived from the federation seed (None stays None): first 4 bytes of
-    SHA-256("seed:round:label"). Used for site sampling; never sent to gateways."""
-    if seed is None:
-        return None
-    return int.from_bytes(hashlib.sha256(f"{seed}:{round}:{label}".encode()).digest()[:4], "big")
-
-
-def known_categories(site: Site, ledger: PrivacyLedger) -> set[IUCNCategory]:
-    """The categories a site holds: its declared ``metadata.categories``, else those it has spent on."""
-    declared = site.metadata.get("categories")
-    if declared:
-        return {parse_category(c, field="metadata.categories") for c in declared}
-    return ledger.categories(site.site_id)
 
 
 _CRASH_ENV = "WILDFED_TEST_CRASH_AT"
@@ -273,57 +261,19 @@ class RoundManager:
 
     # ---- selection ---------------------------------------------------------------------------------------------
     def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]:
-        """Halt what must be halted, then choose this round's sites: those with a valid key (not revoked) and a
-        category that is not halted. Under record-level budgets (:meth:`uses_cohorts`) the seeded subset is drawn
-        first and each chosen site's cohorts are then planned (:func:`coordinator.cohorts.plan_round`, kept in
-        ``self.round_cohorts`` for its task); a category is halted at a site when it is halted in every cohort.
+        """Halt what must be halted, then choose this round's sites (:func:`coordinator.selection.select_sites`);
+        under record-level budgets each chosen site's cohorts are kept in ``self.round_cohorts`` for its task.
 
         Returns:
             ``(selected site ids, {site: halted categories})`` for every enrolled site.
         """
-        budgets = self.config.budgets()
-        halted: dict[str, frozenset[IUCNCategory]] = {}
-        eligible: list[str] = []
-        # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run. Read
-        # BEFORE the ledger's history: a late charge landing in between is then counted twice (safe), never missed.
-        pending = self._ledger.pending_rounds(before_round=round) if self.config.privacy != "none" else {}
-        cohorts = self.uses_cohorts()
-        sites = {site.site_id: site for site in self._registry.list()}
-        for site in sites.values():
-            if not self._registry.verification_keys(site.site_id):
-                log.warning("rounds: site %s has no valid key (revoked); it is not selected", site.site_id)
-                continue
-            if self.config.privacy != "none" and not cohorts:
-                halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round,
-                                                                   pending=len(pending.get(site.site_id, ())))
-            else:
-                halted[site.site_id] = frozenset()
-            known = known_categories(site, self._ledger)
-            if known and known <= halted[site.site_id]:
-                log.warning("rounds: site %s has every category halted; it is no longer selected", site.site_id)
-                continue
-            eligible.append(site.site_id)
-        k = self.config.sites_per_round
-        if k is not None and k < len(eligible):
-            rng = random.Random(derive_seed(self.config.seed, round, "selection"))
-            eligible = sorted(rng.sample(eligible, k))
-        self.round_cohorts = {}
-        if cohorts:
-            for site_id in list(eligible):
-                plan = plan_round(self._store, self._ledger, site_id, round, budgets,
-                                  categories=known_categories(sites[site_id], self._ledger),
-                                  pending_rounds=pending.get(site_id, ()))
-                if not plan:
-                    eligible.remove(site_id)
-                    continue
-                self.round_cohorts[site_id] = plan
-                halted[site_id] = frozenset.intersection(*plan.values())
-        return eligible, halted
+        chosen = select_sites(self.config, self._store, self._registry, self._ledger, round)
+        self.round_cohorts = chosen.cohorts
+        return chosen.selected, chosen.halted
 
     def uses_cohorts(self) -> bool:
-        """Whether rounds train records in cohorts with record-level budgets (:mod:`coordinator.cohorts`): every
-        private camera federation; radio maps (a site's survey is one record) and ``privacy: none`` do not."""
-        return self.config.privacy != "none" and self.config.model != "radio_unet"
+        """Whether rounds train records in cohorts with record-level budgets (:func:`coordinator.selection.uses_cohorts`)."""
+        return uses_cohorts(self.config)
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def quorum(self, num_selected: int) -> int:

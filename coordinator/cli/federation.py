@@ -38,7 +38,7 @@ from coordinator.detections import DetectionCounts
 from coordinator.ledger import base_site
 from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
                                  plot_burn_down)
-from coordinator.rounds import known_categories
+from coordinator.selection import known_categories
 from coordinator.service import Coordinator, status_report
 
 __all__ = ["app"]
