@@ -76,7 +76,8 @@ from shared.privacy.running import RunningComposition
 
 from coordinator.ledger_forecast import LedgerForecasts
 from coordinator.ledger_streams import COHORT_MARK, base_site, check_budget, cohort_of, stream_id
-from coordinator.storage import CohortRoundRow, HaltRow, LedgerRow, Store, dumps
+from coordinator.storage import Store, dumps
+from coordinator.tables import CohortRoundRow, HaltRow, LedgerRow
 
 __all__ = ["PrivacyLedger", "LedgerError", "HaltInfo"]
 

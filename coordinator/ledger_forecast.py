@@ -18,7 +18,7 @@ from shared.privacy.events import DPSGDEvent, SkellamEvent, parse_event
 
 from coordinator.ledger_streams import (UNCHARGEABLE_PRIVACY, base_site, check_budget, composed_epsilon,
                                         mechanism_steps, repeat_rounds)
-from coordinator.storage import LedgerRow, RoundRow
+from coordinator.tables import LedgerRow, RoundRow
 
 __all__ = ["LedgerForecasts"]
 

@@ -21,8 +21,9 @@ from sqlalchemy import select
 from coordinator.ingest import RoundContext
 from coordinator.ledger import PrivacyLedger
 from coordinator.partial_sums import collect_round
-from coordinator.storage import RoundRow, Store
+from coordinator.storage import Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
+from coordinator.tables import RoundRow
 
 __all__ = ["absorb_stored", "finalise_from_workers", "over_budget_at_close", "drop_refused"]
 

@@ -22,7 +22,8 @@ import numpy as np
 from shared.codec import encode_model, encode_tensors
 
 from coordinator.optimizers.base import ServerOptimizer
-from coordinator.storage import RoundRow, Store, dumps, utcnow
+from coordinator.storage import Store, dumps
+from coordinator.tables import RoundRow, utcnow
 
 __all__ = ["RoundRecord", "store_model", "save_optimizer_state"]
 

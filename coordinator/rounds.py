@@ -81,9 +81,10 @@ from coordinator.round_tasks import TaskPublisher
 from coordinator.secagg_collector import SecAggCollector
 from coordinator.secagg_round import GlobalRoundOutcome, SecureAggregationRound
 from coordinator.selection import known_categories, select_sites, uses_cohorts
-from coordinator.storage import ModelVersionRow, RoundRow, Store
+from coordinator.storage import Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
+from coordinator.tables import ModelVersionRow, RoundRow
 from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["RoundResult", "RoundManager"]

@@ -18,7 +18,8 @@ from typing import Protocol, TypeVar
 from shared.protocol import UpdateReport, decode_update
 
 from coordinator.ingest import Accepted, RoundContext
-from coordinator.storage import Store, UpdateRow
+from coordinator.storage import Store
+from coordinator.tables import UpdateRow
 
 __all__ = ["StoredUpdate", "fold_stored_updates", "accepted_from_stored"]
 
