@@ -12,7 +12,7 @@ the DP-SGD steps and NIRA's noisy count release) and run the next round's halt c
 of the same history, timed interleaved in rotating order (``_timing.interleaved``):
 
 - ``full``: the full recomposition, the baseline: every spend and dry run reads every stored event of the (site,
-  category) and composes it afresh with :func:`coordinator.ledger.composed_epsilon` (a ``PrivacyLedger`` whose
+  category) and composes it afresh with :func:`coordinator.ledger_streams.composed_epsilon` (a ``PrivacyLedger`` whose
   composition step is replaced by that, the rest of the code shared);
 - ``incremental``: ``PrivacyLedger`` as it is: the new rows composed into its running composition, the dry run on
   a copy of it.
@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _timing import interleaved  # noqa: E402  (the script's folder; Opacus ships a top-level package "benchmarks")
-from coordinator.ledger import PrivacyLedger, composed_epsilon  # noqa: E402
+from coordinator.ledger import PrivacyLedger  # noqa: E402
+from coordinator.ledger_streams import composed_epsilon  # noqa: E402
 from coordinator.storage import LedgerRow, Store, dumps  # noqa: E402
 from shared.iucn import IUCNCategory  # noqa: E402
 from shared.privacy.events import DPSGDEvent  # noqa: E402

@@ -8,7 +8,7 @@ a cohort for every round in which it sends the site a task, empty or not.
 Every record of cohort ``c`` and category ``k`` takes part in exactly the rounds ``c, c+1, ...`` in which ``k`` is
 not halted in ``c``, under the round's mechanism for ``k`` (the same for every cohort: the sampling rate and noise
 come from public values only, docs/privacy.md "No uncharged counts"). So its privacy loss is the composition of the
-events of those rounds, which the ledger keeps as the cohort's own stream (:func:`coordinator.ledger.stream_id`):
+events of those rounds, which the ledger keeps as the cohort's own stream (:func:`coordinator.ledger_streams.stream_id`):
 :meth:`coordinator.ledger.PrivacyLedger.record_round` writes a site's round events once to each cohort the round
 named, for the categories active in it. Before each round, :func:`plan_round` runs the halt check on each active
 cohort's stream (its recorded events, the rounds whose charges can still arrive, and one more round) and halts a
@@ -33,7 +33,8 @@ from sqlalchemy import select
 
 from shared.iucn import IUCNCategory
 
-from coordinator.ledger import PrivacyLedger, stream_id
+from coordinator.ledger import PrivacyLedger
+from coordinator.ledger_streams import stream_id
 from coordinator.storage import CohortRoundRow, CohortRow, Store, dumps
 
 __all__ = ["plan_round", "CohortState", "cohort_states"]
@@ -58,7 +59,7 @@ def plan_round(store: Store, ledger: PrivacyLedger, site_id: str, round: int,
         site_id: the site about to be sent a task.
         round: the round about to open.
         budgets: epsilon per IUCN category.
-        categories: the categories the site holds (its declared ones, :func:`coordinator.rounds.known_categories`);
+        categories: the categories the site holds (its declared ones, :func:`coordinator.selection.known_categories`);
             a cohort retires when all of them are halted in it.
         pending_rounds: the site's earlier rounds whose charges can still arrive
             (:meth:`coordinator.ledger.PrivacyLedger.pending_rounds`).

@@ -23,7 +23,8 @@ from shared.privacy.comparison import (
 
 from coordinator.config import CoordinatorConfig
 from coordinator.cohorts import CohortState, cohort_states
-from coordinator.ledger import PrivacyLedger, cohort_of
+from coordinator.ledger import PrivacyLedger
+from coordinator.ledger_streams import cohort_of
 from coordinator.registry import SiteRegistry
 
 __all__ = ["BudgetReportRow", "ROUNDS_LEFT_CAP", "budget_report", "burn_down_figure", "burn_down_points",
@@ -196,7 +197,7 @@ def burn_down_figure(cfg: CoordinatorConfig, ledger: PrivacyLedger, accountant: 
     with the category's budget as a dashed line. The caller saves and closes it.
 
     Each stream is composed round by round by one running composition: O(rounds) accountant work, not O(rounds^2)
-    for the prefixes; each point equals the composition of that prefix afresh (``coordinator.ledger.
+    for the prefixes; each point equals the composition of that prefix afresh (``coordinator.ledger_streams.
     composed_epsilon``) to floating-point rounding.
 
     Raises:

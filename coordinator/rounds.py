@@ -31,6 +31,12 @@ and is recorded as an ``over_budget`` rejection.
 Global DP mode (``privacy: global``) replaces steps 3-5 by secure aggregation and one coordinator-side noise draw:
 :mod:`coordinator.global_dp`.
 
+The parts, each in a module of its own: selection and halting (:mod:`coordinator.selection`); the tasks
+(:mod:`coordinator.round_tasks`); the round row from open to close and the model version it commits, for both
+lifecycles (:mod:`coordinator.round_record`); the close-time steps that settle which updates count
+(:mod:`coordinator.round_close`, folding stored blobs with :mod:`coordinator.stored_updates`); a Global DP round's
+plan (:mod:`coordinator.round_plan`) and secure-aggregation driver (:mod:`coordinator.secagg_round`).
+
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
 itself at that point of :meth:`RoundManager._close` (tests/coordinator/test_crash.py); set to ``after_publish``, it
@@ -40,49 +46,48 @@ Never set it in production.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
-from shared.codec import decode_tensors, encode_tensors, model_hash
-from shared.envelope import Envelope, MessageKind, readdress, seal
-from shared.iucn import IUCNCategory, parse_category
+from shared.codec import decode_tensors, model_hash
+from shared.iucn import IUCNCategory
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
 from shared.models.logit_adjustment import adjusted_for_prediction, metadata_offsets
-from shared.protocol import SecAggSettings, TrainingTask, decode_update, encode_task
-from shared.privacy.distributed import site_sampling_rate
-from shared.transfer import Receipt, piece_size_for
+from shared.transfer import Receipt
 
-from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
+from coordinator.artifacts import ArtifactStore
 from coordinator.config import CoordinatorConfig
-from coordinator.global_dp import SecAggCollector, SecureAggregationRound, plan_global_round
-from coordinator.ingest import Accepted, Ingestor, RoundContext
-from coordinator.radio import city_artifact, expected_events, radio_task
-from coordinator.cohorts import plan_round
+from coordinator.ingest import Ingestor, RoundContext
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
-from coordinator.outgoing import answer_download_receipt, outgoing_task_path, send_task_bytes, store_outgoing_task
-from coordinator.partial_sums import collect_round
-from coordinator.registry import UnknownSiteError, Site, SiteRegistry
-from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
+from coordinator.radio import expected_events
+from coordinator.registry import SiteRegistry
+from coordinator.round_close import absorb_stored, drop_refused, finalise_from_workers, over_budget_at_close
+from coordinator.round_plan import GlobalRoundPlan
+from coordinator.round_record import RoundRecord, save_optimizer_state, store_model
+from coordinator.round_tasks import TaskPublisher
+from coordinator.secagg_collector import SecAggCollector
+from coordinator.secagg_round import GlobalRoundOutcome, SecureAggregationRound
+from coordinator.selection import known_categories, select_sites, uses_cohorts
+from coordinator.storage import Store
+from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
+from coordinator.tables import ModelVersionRow, RoundRow
 from coordinator.transport import Transport, pipelined_publish
 
-__all__ = ["RoundResult", "RoundManager", "derive_seed", "known_categories"]
+__all__ = ["RoundResult", "RoundManager"]
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +113,6 @@ class RoundResult:
     duration_s: float
     halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
     open_s: float = 0.0
-
-
-def derive_seed(seed: int | None, round: int, label: str) -> int | None:
-    """A seed for (round, label) derived from the federation seed (None stays None): first 4 bytes of
-    SHA-256("seed:round:label"). Used for site sampling; never sent to gateways."""
-    if seed is None:
-        return None
-    return int.from_bytes(hashlib.sha256(f"{seed}:{round}:{label}".encode()).digest()[:4], "big")
-
-
-def known_categories(site: Site, ledger: PrivacyLedger) -> set[IUCNCategory]:
-    """The categories a site holds: its declared ``metadata.categories``, else those it has spent on."""
-    declared = site.metadata.get("categories")
-    if declared:
-        return {parse_category(c, field="metadata.categories") for c in declared}
-    return ledger.categories(site.site_id)
 
 
 _CRASH_ENV = "WILDFED_TEST_CRASH_AT"
@@ -164,14 +153,13 @@ class RoundManager:
         self._clock = clock
         self._secagg = secagg_collector or SecAggCollector(federation_id=config.federation_id, store=store,
                                                            registry=registry)
-        self._artifacts = ArtifactStore(config.data_dir / "ort-artifacts")
-        self._artifacts_failed = False
+        self._tasks = TaskPublisher(config=config, registry=registry, transport=transport, signing_key=signing_key,
+                                    artifacts=ArtifactStore(config.data_dir / "ort-artifacts"))
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
-        # the open round's sealed tasks, one per distinct content (payload encoded and hashed once for its sites)
-        self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}
         self._offsets: tuple[int, tuple[float, ...] | None] | None = None  # (round, offsets) of prediction_offsets
+        self.round_cohorts: dict[str, dict[int, frozenset[IUCNCategory]]] = {}  # planned in select()
         self.on_new_model: Callable[[int, str, Mapping[str, np.ndarray]], object] | None = None
         """``on_new_model(round, model hash, weights)`` once a round's new model is stored and its row closed (before
         the strategy's ``end_round``, so NIRA's sites are still in the clusters that trained it): the coordinator
@@ -179,26 +167,13 @@ class RoundManager:
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
-        """Whether tasks carry ONNX Runtime training artifacts: ``config.ship_ort_artifacts``, or (None) whether
-        ``onnxruntime.training`` imports here."""
-        ship = self.config.ship_ort_artifacts
-        return ort_training_available() if ship is None else bool(ship)
+        """Whether tasks carry ONNX Runtime training artifacts (:meth:`coordinator.round_tasks.TaskPublisher.ships_artifacts`)."""
+        return self._tasks.ships_artifacts()
 
     def task_artifacts(self, model_hash_: str, weights: Mapping[str, np.ndarray]) -> dict[str, bytes]:
-        """The artifact files of the model version (``coordinator.artifacts``), or ``{}`` when not shipped or when
-        making them fails (logged; gateways on ``auto`` then train with torch). Radio tasks carry the public city
-        raster instead (``coordinator.radio.city_artifact``)."""
-        if self.config.model == "radio_unet" and self.config.radio is not None:
-            return city_artifact(self.config.radio)
-        if not self.ships_artifacts() or self._artifacts_failed:
-            return {}
-        try:
-            return self._artifacts.get(model_hash_, weights, self.config.num_classes)
-        except Exception as exc:  # noqa: BLE001 - artifacts are an optimisation; the torch path must go on
-            self._artifacts_failed = True  # same architecture every round: do not retry (and log) each round
-            log.error("rounds: ORT training artifacts for model %s could not be made (%s: %s); tasks go without "
-                      "them from now on", model_hash_[:12], type(exc).__name__, exc)
-            return {}
+        """The files a task of this model version carries, ``{}`` when none
+        (:meth:`coordinator.round_tasks.TaskPublisher.task_artifacts`)."""
+        return self._tasks.task_artifacts(model_hash_, weights)
 
     # ---- model versions ----------------------------------------------------------------------------------------
     def current_model(self) -> tuple[str, dict[str, np.ndarray]]:
@@ -264,10 +239,7 @@ class RoundManager:
     def save_optimizer_state(self, model_hash_: str) -> None:
         """Store the server optimizer's state (if any) for the model version ``model_hash_`` (a blob, named in the
         strategy-state table), so that a restart from that version continues with the same state."""
-        state = self._optimizer.state_tensors()
-        if state:
-            digest = self._store.put_blob(encode_tensors(state))
-            self._store.set_state(f"optimizer/{model_hash_}", digest)
+        save_optimizer_state(self._store, self._optimizer, model_hash_)
 
     def restore_optimizer_state(self) -> bool:
         """Load the optimizer state stored with the current model version; returns whether there was one."""
@@ -290,57 +262,19 @@ class RoundManager:
 
     # ---- selection ---------------------------------------------------------------------------------------------
     def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]:
-        """Halt what must be halted, then choose this round's sites: those with a valid key (not revoked) and a
-        category that is not halted. Under record-level budgets (:meth:`uses_cohorts`) the seeded subset is drawn
-        first and each chosen site's cohorts are then planned (:func:`coordinator.cohorts.plan_round`, kept in
-        ``self.round_cohorts`` for its task); a category is halted at a site when it is halted in every cohort.
+        """Halt what must be halted, then choose this round's sites (:func:`coordinator.selection.select_sites`);
+        under record-level budgets each chosen site's cohorts are kept in ``self.round_cohorts`` for its task.
 
         Returns:
             ``(selected site ids, {site: halted categories})`` for every enrolled site.
         """
-        budgets = self.config.budgets()
-        halted: dict[str, frozenset[IUCNCategory]] = {}
-        eligible: list[str] = []
-        # rounds whose tasks went out and whose charges can still arrive: counted as spent in the dry run. Read
-        # BEFORE the ledger's history: a late charge landing in between is then counted twice (safe), never missed.
-        pending = self._ledger.pending_rounds(before_round=round) if self.config.privacy != "none" else {}
-        cohorts = self.uses_cohorts()
-        sites = {site.site_id: site for site in self._registry.list()}
-        for site in sites.values():
-            if not self._registry.verification_keys(site.site_id):
-                log.warning("rounds: site %s has no valid key (revoked); it is not selected", site.site_id)
-                continue
-            if self.config.privacy != "none" and not cohorts:
-                halted[site.site_id] = self._ledger.halt_if_needed(site.site_id, budgets, round=round,
-                                                                   pending=len(pending.get(site.site_id, ())))
-            else:
-                halted[site.site_id] = frozenset()
-            known = known_categories(site, self._ledger)
-            if known and known <= halted[site.site_id]:
-                log.warning("rounds: site %s has every category halted; it is no longer selected", site.site_id)
-                continue
-            eligible.append(site.site_id)
-        k = self.config.sites_per_round
-        if k is not None and k < len(eligible):
-            rng = random.Random(derive_seed(self.config.seed, round, "selection"))
-            eligible = sorted(rng.sample(eligible, k))
-        self.round_cohorts = {}
-        if cohorts:
-            for site_id in list(eligible):
-                plan = plan_round(self._store, self._ledger, site_id, round, budgets,
-                                  categories=known_categories(sites[site_id], self._ledger),
-                                  pending_rounds=pending.get(site_id, ()))
-                if not plan:
-                    eligible.remove(site_id)
-                    continue
-                self.round_cohorts[site_id] = plan
-                halted[site_id] = frozenset.intersection(*plan.values())
-        return eligible, halted
+        chosen = select_sites(self.config, self._store, self._registry, self._ledger, round)
+        self.round_cohorts = chosen.cohorts
+        return chosen.selected, chosen.halted
 
     def uses_cohorts(self) -> bool:
-        """Whether rounds train records in cohorts with record-level budgets (:mod:`coordinator.cohorts`): every
-        private camera federation; radio maps (a site's survey is one record) and ``privacy: none`` do not."""
-        return self.config.privacy != "none" and self.config.model != "radio_unet"
+        """Whether rounds train records in cohorts with record-level budgets (:func:`coordinator.selection.uses_cohorts`)."""
+        return uses_cohorts(self.config)
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def quorum(self, num_selected: int) -> int:
@@ -378,8 +312,7 @@ class RoundManager:
             return None
         bundle = self._strategy.prepare(stored, round=r)
         if set(bundle) != set(stored) or any(not np.array_equal(bundle[k], stored[k]) for k in bundle):
-            base_hash = model_hash(bundle)
-            self._store.put_model(base_hash, encode_tensors(bundle), round=r - 1)
+            base_hash = store_model(self._store, bundle, round=r - 1)
         site_models = {site: self._strategy.site_weights(bundle, site) for site in selected}
         by_arrays: dict[tuple[int, ...], str] = {}  # FedAvg gives every site the same arrays: hash them once
         site_hashes = {}
@@ -388,10 +321,9 @@ class RoundManager:
             if key not in by_arrays:
                 by_arrays[key] = model_hash(w)
             site_hashes[site] = by_arrays[key]
-        self._payloads = {}  # one sealed task per distinct content
-        with self._store.session() as s:
-            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
-                           privacy=self.config.privacy))
+        self._tasks.begin_round()  # one sealed task per distinct content
+        RoundRecord.open(self._store, round=r, base_model_hash=base_hash, selected=selected,
+                         privacy=self.config.privacy)
         self._strategy.begin_round(bundle)
         ctx = RoundContext(round=r, model_hash=base_hash, template=site_models[selected[0]],
                            selected=frozenset(selected), halted=halted, budgets=self.config.budgets(),
@@ -402,11 +334,14 @@ class RoundManager:
                            **self._task_noise_parameters())
         self._ingestor.open_round(ctx)
         log.info("rounds: round %d open, %d site(s) selected, model %s", r, len(selected), base_hash[:12])
+        offsets = self.prediction_offsets(r)
         with pipelined_publish(self._transport):  # the round's tasks: PUBACKs awaited once
             for site_id in selected:
                 artifacts = self.task_artifacts(site_hashes[site_id], site_models[site_id])
-                self._publish_task(r, site_id, site_hashes[site_id], site_models[site_id],
-                                   halted.get(site_id, frozenset()), artifacts)
+                self._tasks.publish(r, site_id, site_hashes[site_id], site_models[site_id],
+                                    halted.get(site_id, frozenset()), artifacts,
+                                    count_noise_multiplier=self._count_noise(), prediction_offsets=offsets,
+                                    cohorts=self._task_cohorts(site_id))
         _test_crash_point("after_publish")
         return ctx
 
@@ -439,47 +374,14 @@ class RoundManager:
         self._ingestor.close_round()
         weights = ctx.bundle if ctx.bundle is not None else ctx.template
         if self.config.ingest_workers > 0:
-            self._finalise_from_workers(ctx, weights)
+            finalise_from_workers(self._store, ctx, weights)
         else:
-            self._absorb_stored(ctx)
+            absorb_stored(self._store, ctx)
         status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
         return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
                            accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
                            duration_s=self._clock() - t0,
                            halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
-
-    def _absorb_stored(self, ctx: RoundContext) -> None:
-        """Make every stored update of the round count once: one stored by another process (e.g. a misconfigured
-        ingest worker beside this coordinator) is aggregated and charged like the ones this process accepted, never
-        lost from the ledger. Normally there is none."""
-        for upd in self._store.updates_for_round(ctx.round):
-            if upd.site_id in ctx.accepted:
-                continue
-            report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
-            ctx.strategy.accumulate(upd.site_id, delta, num_examples=int(report.num_examples),
-                                    species_counts=report.species_counts or None,
-                                    noise_variance=ctx.noise_variance(report))
-            ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=ctx.round, sequence=upd.sequence,
-                                                 num_examples=upd.num_examples, weight=float(report.num_examples),
-                                                 payload_sha256=upd.payload_sha256, events=report.events,
-                                                 count_events=dict(report.count_events),
-                                                 species_counts=dict(report.species_counts))
-            log.warning("rounds: round %d: %s's update was stored by another process; counted here once", ctx.round,
-                        upd.site_id)
-
-    def _finalise_from_workers(self, ctx: RoundContext, weights: Mapping[str, np.ndarray]) -> None:
-        """Scale-out close (``coordinator.workers``): mark the round ``closing`` under the round row's lock (from then
-        on a worker charges an update as late instead of storing it), then take the merged partial sums and the
-        stored updates' reports as this round's aggregate and accepted set."""
-        with self._store.session() as s:
-            row = s.scalars(select(RoundRow).where(RoundRow.round == ctx.round).with_for_update()).first()
-            assert row is not None
-            row.status = "closing"
-        merged, accepted = collect_round(self._store, ctx.round, weights)
-        ctx.strategy.begin_round(weights)
-        ctx.strategy.absorb(merged)  # type: ignore[attr-defined] - FedAvg (the config refuses other strategies)
-        ctx.accepted.clear()
-        ctx.accepted.update(accepted)
 
     def run_global_round(self) -> RoundResult:
         """One Global DP round (:mod:`coordinator.global_dp`): select, send tasks with secagg settings, run secure
@@ -494,38 +396,59 @@ class RoundManager:
                       r, len(selected))
             return RoundResult(round=r, status="skipped", selected=tuple(selected), accepted=(), model_hash=base_hash,
                                duration_s=self._clock() - t0)
-        d = sum(int(np.asarray(w).size) for w in weights.values())
-        distributed = cfg.global_noise == "distributed"
-        budgets = cfg.budgets()
         enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
-        # each site's q_k from its declared capacity (public); 1.0 where unknown, which only raises z, and
-        # 1.0 under distributed noise (no subsampling credited: shared.privacy.distributed.site_sampling_rate)
-        rates = {s: site_sampling_rate(cfg.expected_batch_size,
-                                       enrolled[s].capacity if s in enrolled else None, distributed=distributed)
-                 for s in selected}
-        settings, z = plan_global_round(budgets=budgets, sampling_rates=rates, vector_length=d,
-                                        clipping_norm=float(cfg.clipping_norm),
-                                        expected_batch_size=cfg.expected_batch_size,
-                                        target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
-                                        distributed=distributed, threshold=cfg.secagg.threshold,
-                                        modulus_bits=cfg.secagg.modulus_bits,
-                                        max_abs_value=cfg.secagg.max_abs_value, accountant=cfg.accountant,
-                                        colluding_sites=cfg.secagg.colluding_sites)
-        with self._store.session() as s:
-            s.add(RoundRow(round=r, status="open", base_model_hash=base_hash, selected_json=dumps(selected),
-                           privacy="global"))
-        self._secagg.open_round(r, base_hash, selected)
-        log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r, settings.threshold,
-                 len(selected), base_hash[:12])
-        artifacts = self.task_artifacts(base_hash, weights)
         declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
-        self._payloads = {}  # one sealed task per distinct content (sites differ only in their halted categories)
+        plan = GlobalRoundPlan.for_round(cfg, round=r, model_hash=base_hash, weights=weights, selected=selected,
+                                         halted=halted, enrolled=enrolled, declared=declared)
+        record = RoundRecord.open(self._store, round=r, base_model_hash=base_hash, selected=selected,
+                                  privacy="global")
+        self._secagg.open_round(r, base_hash, selected)
+        log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r,
+                 plan.settings.threshold, len(selected), base_hash[:12])
+        self._publish_global_tasks(plan, selected, weights)
+        open_s = self._clock() - t0
+        outcome = self._run_secure_aggregation(plan)
+        new_weights: dict[str, np.ndarray] | None = None
+        if outcome.status == "closed":
+            assert outcome.noisy_gradient is not None
+            gradient = outcome.noisy_gradient
+            if self._centre is not None:  # the sites summed centred gradients: fold with the public c
+                gradient = uncentred_gradient(gradient, self._centre)
+            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in gradient.items()}
+            new_weights = self._optimizer.step(weights, step)
+            record.commit_model(new_weights, optimizer=self._optimizer)
+        record.close(outcome.status, num_accepted=len(outcome.survivors) if outcome.status == "closed" else 0,
+                     detail=outcome.reason)
+        new_hash = record.model_hash_after
+        log.info("rounds: round %d %s (Global DP), model %s", r, outcome.status, new_hash[:12])
+        if new_weights is not None and self.on_new_model is not None:
+            self.on_new_model(r, new_hash, new_weights)
+        return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
+                           accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
+                           duration_s=self._clock() - t0,
+                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c},
+                           open_s=open_s)
+
+    def _publish_global_tasks(self, plan: GlobalRoundPlan, selected: list[str],
+                              weights: Mapping[str, np.ndarray]) -> None:
+        """Send each selected site its Global DP task: the plan's secagg settings and z, the feature centre's
+        digest; sites differ only in their halted categories."""
+        artifacts = self.task_artifacts(plan.model_hash, weights)
+        offsets = self.prediction_offsets(plan.round)
+        self._tasks.begin_round()  # one sealed task per distinct content
         with pipelined_publish(self._transport):  # the round's tasks: PUBACKs awaited once
             for site_id in selected:
-                self._publish_task(r, site_id, base_hash, weights, halted.get(site_id, frozenset()), artifacts,
-                                   secagg=settings, noise_multiplier=z, distributed_noise=distributed,
-                                   feature_centre=self._centre_digest)
-        open_s = self._clock() - t0
+                self._tasks.publish(plan.round, site_id, plan.model_hash, weights,
+                                    plan.halted.get(site_id, frozenset()), artifacts, secagg=plan.settings,
+                                    noise_multiplier=plan.noise_multiplier, distributed_noise=plan.distributed,
+                                    feature_centre=self._centre_digest, prediction_offsets=offsets,
+                                    cohorts=self._task_cohorts(site_id))
+
+    def _run_secure_aggregation(self, plan: GlobalRoundPlan) -> GlobalRoundOutcome:
+        """Run the round's secure aggregation (:class:`coordinator.secagg_round.SecureAggregationRound`): each
+        survivor is charged to the ledger durably before the sum is unmasked; a charge that would pass a budget
+        abandons the round first. The collector stops collecting whatever happens."""
+        r, budgets = plan.round, plan.budgets
 
         def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
             for cat, ev in events.items():
@@ -535,47 +458,12 @@ class RoundManager:
             return None
 
         try:
-            outcome = SecureAggregationRound(
-                federation_id=cfg.federation_id, round=r, model_hash=base_hash, template=weights, settings=settings,
-                collector=self._secagg, transport=self._transport, signing_key=self._key,
+            return SecureAggregationRound(
+                plan, collector=self._secagg, transport=self._transport, signing_key=self._key,
                 charge=lambda site, ev: self._ledger.record_round(site, r, ev), over_budget=over_budget,
-                budgets=budgets, halted=halted, declared=declared, target_delta=float(cfg.target_delta),
-                planned_rounds=cfg.rounds, accountant=cfg.accountant, clipping_norm=float(cfg.clipping_norm),
-                expected_batch_size=cfg.expected_batch_size, noise_multiplier=z, distributed=distributed,
-                shares_timeout_s=cfg.round_deadline_s,
-                stage_timeout_s=cfg.secagg.stage_timeout_s, after_charge=lambda: _test_crash_point("after_ledger"),
-                clock=self._clock,
-                capacities={s: enrolled[s].capacity for s in selected if s in enrolled and enrolled[s].capacity}
-                ).run()
+                after_charge=lambda: _test_crash_point("after_ledger"), clock=self._clock).run()
         finally:
             self._secagg.close_round()
-        new_hash = base_hash
-        if outcome.status == "closed":
-            assert outcome.noisy_gradient is not None
-            gradient = outcome.noisy_gradient
-            if self._centre is not None:  # the sites summed centred gradients: fold with the public c
-                gradient = uncentred_gradient(gradient, self._centre)
-            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in gradient.items()}
-            new_weights = self._optimizer.step(weights, step)
-            new_hash = model_hash(new_weights)
-            self.save_optimizer_state(new_hash)
-            self._store.put_model(new_hash, encode_tensors(new_weights), round=r)
-        with self._store.session() as s:
-            row = s.get(RoundRow, r)
-            assert row is not None
-            row.status = outcome.status
-            row.new_model_hash = new_hash if outcome.status == "closed" else None
-            row.num_accepted = len(outcome.survivors) if outcome.status == "closed" else 0
-            row.closed_at = utcnow()
-            row.detail = outcome.reason[:2000]
-        log.info("rounds: round %d %s (Global DP), model %s", r, outcome.status, new_hash[:12])
-        if outcome.status == "closed" and self.on_new_model is not None:
-            self.on_new_model(r, new_hash, new_weights)
-        return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
-                           accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
-                           duration_s=self._clock() - t0,
-                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c},
-                           open_s=open_s)
 
     def _count_noise(self) -> float | None:
         """The count release tasks ask for: the strategy's (NIRA with noisy counts); exact counts (0) when the
@@ -599,127 +487,21 @@ class RoundManager:
         radio = self.config.radio if self.config.model == "radio_unet" else None
         return radio.local_epochs if radio is not None else self.config.local_steps
 
-    def _publish_task(self, r: int, site_id: str, model_hash_: str, weights: Mapping[str, np.ndarray],
-                      halted: frozenset[IUCNCategory], artifacts: Mapping[str, bytes] | None = None,
-                      secagg: SecAggSettings | None = None, noise_multiplier: float | None = None,
-                      distributed_noise: bool = False, feature_centre: str | None = None) -> None:
-        cfg = self.config
-        radio = cfg.radio if cfg.model == "radio_unet" else None
-        if radio is not None:
-            # The generic fields mean: epochs, maps per Adam step, Adam step size, C of the whole update.
-            task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
-                                local_steps=radio.local_epochs, expected_batch_size=radio.batch_size,
-                                learning_rate=float(radio.learning_rate), clipping_norm=float(radio.clipping_norm),
-                                target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds,
-                                privacy=cfg.privacy, budgets=cfg.budgets() if cfg.privacy != "none" else {},
-                                halted=tuple(halted), seed=cfg.task_seed, artifacts=artifact_digests(artifacts or {}),
-                                radio=radio_task(radio), round_duration_s=float(cfg.round_duration_s))
-            self._send_task(r, site_id, model_hash_, task, weights, artifacts)
-            return
-        task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
-                            local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
-                            learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
-                            target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
-                            budgets=cfg.budgets(), halted=tuple(halted), seed=cfg.task_seed,
-                            artifacts=artifact_digests(artifacts or {}), secagg=secagg,
-                            count_noise_multiplier=None if secagg is not None else self._count_noise(),
-                            ccdp_variant=cfg.ccdp_variant, noise_multiplier=noise_multiplier,
-                            distributed_noise=distributed_noise, feature_centre=feature_centre,
-                            class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
-                            prediction_offsets=self.prediction_offsets(r), capacity=self._capacity(site_id),
-                            round_duration_s=float(cfg.round_duration_s), cohorts=self._task_cohorts(site_id))
-        self._send_task(r, site_id, model_hash_, task, weights, artifacts)
-
     def _task_cohorts(self, site_id: str) -> dict[int, tuple[IUCNCategory, ...]] | None:
         """The site's cohorts for its task (planned in :meth:`select`), None outside record-level budgets."""
-        plan = getattr(self, "round_cohorts", {}).get(site_id)
+        plan = self.round_cohorts.get(site_id)
         return None if plan is None else {c: tuple(h) for c, h in plan.items()}
 
-    def _capacity(self, site_id: str) -> int | None:
-        """The site's declared capacity (enrolment metadata), sent in its camera tasks; None when it declared none
-        (its gateway then refuses the task, naming the fix)."""
-        try:
-            return self._registry.get(site_id).capacity
-        except UnknownSiteError:
-            return None
-
-    def _send_task(self, r: int, site_id: str, model_hash_: str, task: TrainingTask,
-                   weights: Mapping[str, np.ndarray], artifacts: Mapping[str, bytes] | None) -> None:
-        cfg = self.config
-        memo = self._payloads
-        key = (model_hash_, json.dumps(task.to_json(), sort_keys=True),
-               tuple(sorted(artifact_digests(artifacts or {}).values())))
-        sealed = memo.get(key)
-        if sealed is None:  # encoded and hashed once per distinct task content; each further site is a new header
-            env = memo[key] = seal(private_key=self._key, federation_id=cfg.federation_id, site_id=site_id, round=r,
-                                   base_model_hash=model_hash_, kind=MessageKind.TASK, sequence=r,
-                                   payload=encode_task(task, weights, artifacts),
-                                   piece_size=piece_size_for(cfg.transfer.chunk_size_bytes))  # chunks = pieces
-        else:
-            env = readdress(sealed, private_key=self._key, site_id=site_id)
-        store_outgoing_task(cfg, r, site_id, env)  # for resends while the round is open
-        self._send_envelope(site_id, env)
-
-    def _send_envelope(self, site_id: str, env: Envelope) -> int:
-        return send_task_bytes(self.config, self._transport, self._key, site_id, env)
-
-    def _outgoing_path(self, r: int, site_id: str) -> Path:
-        return outgoing_task_path(self.config, r, site_id)
-
     def resend_task(self, site_id: str, round: int, receipt: Receipt) -> None:
-        """Answer a site's download receipt (see :func:`answer_download_receipt`) for this process's open round."""
-        answer_download_receipt(self.config, self._transport, self._key, self._ingestor.context, site_id, round,
-                                receipt)
-
-    def _over_budget_at_close(self, ctx: RoundContext) -> dict[str, str]:
-        """The over-budget check repeated at close, against what the ledger holds NOW (late updates of earlier
-        rounds may have been charged since an update was admitted): per accepted update and category, its round's
-        events (every mechanism) after every other round's recorded events and the site's other pending rounds
-        (:meth:`coordinator.ledger.PrivacyLedger.round_would_exceed`).
-
-        Returns:
-            ``{site: reason}`` of the updates that must not be aggregated (empty when every one fits).
-        """
-        if ctx.privacy == "none":
-            return {}
-        budgets = ctx.budgets
-        pending = self._ledger.pending_rounds(before_round=ctx.round)
-        refused: dict[str, str] = {}
-        for site_id, acc in sorted(ctx.accepted.items()):
-            others = len(pending.get(site_id, ()))  # per cohort: those from its first round on (the ledger counts)
-            for cat in sorted({*acc.events, *acc.count_events}, key=lambda c: c.rank):
-                budget = budgets.get(cat)
-                events = tuple(e for e in (acc.events.get(cat), acc.count_events.get(cat)) if e is not None)
-                if budget is None or not events:
-                    continue
-                if self._ledger.cohort_round_would_exceed(site_id, cat, ctx.round, events, budget,
-                                                          pending_rounds=pending.get(site_id, ())):
-                    refused[site_id] = (f"at close, round {ctx.round}'s events for {cat.value} would take site "
-                                        f"{site_id!r} past its budget eps={budget:.4f} (after {others} other "
-                                        "round(s) whose charges can still arrive); charged, not aggregated")
-                    break
-        return refused
-
-    def _rebuild_without(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], refused: Mapping[str, str]
-                         ) -> None:
-        """Drop ``refused`` from the round: rebuild the running sum from the stored blobs of the others."""
-        for site_id, reason in refused.items():
-            ctx.accepted.pop(site_id)
-            log.error("rounds: round %d: %s", ctx.round, reason)
-            self._store.add_rejection(round=ctx.round, site_id=site_id, topic="", reason="over_budget",
-                                      error_kind="close_check", detail=reason)
-        ctx.strategy.begin_round(weights)
-        for acc in ctx.accepted.values():
-            report, delta = decode_update(self._store.get_blob(acc.payload_sha256))
-            ctx.strategy.accumulate(acc.site_id, delta, num_examples=int(report.num_examples),
-                                    species_counts=report.species_counts or None,
-                                    noise_variance=ctx.noise_variance(report))
+        """Answer a site's download receipt (see :func:`coordinator.outgoing.answer_download_receipt`) for this
+        process's open round."""
+        self._tasks.resend(self._ingestor.context, site_id, round, receipt)
 
     def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
         """Check the budgets again, ledger first (durable), then aggregate + step + store. Returns ``(status,
         model hash after)``."""
         _test_crash_point("after_ingest")
-        refused = self._over_budget_at_close(ctx)
+        refused = over_budget_at_close(self._ledger, ctx)
         for acc in ctx.accepted.values():  # every update the coordinator has seen is charged, refused ones too
             if acc.events:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.events)
@@ -727,31 +509,25 @@ class RoundManager:
                 self._ledger.record_round(acc.site_id, ctx.round, acc.count_events, mechanism="counts")
         _test_crash_point("after_ledger")
         if refused:
-            self._rebuild_without(ctx, weights, refused)
+            drop_refused(self._store, ctx, weights, refused)
+        record = RoundRecord(self._store, ctx.round, ctx.model_hash)
+        new_weights: dict[str, np.ndarray] | None = None
         if len(ctx.accepted) >= need and ctx.strategy.count > 0:
             avg_delta = ctx.strategy.aggregate()
             new_weights = ctx.strategy.after_step(self._optimizer.step(weights, avg_delta))
-            new_hash = model_hash(new_weights)
-            self.save_optimizer_state(new_hash)
-            self._store.put_model(new_hash, encode_tensors(new_weights), round=ctx.round)
+            record.commit_model(new_weights, optimizer=self._optimizer)
             status = "closed"
         else:
-            new_hash = ctx.model_hash
             status = "failed"
             log.warning("rounds: round %d failed: %d of %d needed updates", ctx.round, len(ctx.accepted), need)
-        with self._store.session() as s:
-            row = s.get(RoundRow, ctx.round)
-            assert row is not None
-            row.status = status
-            row.new_model_hash = new_hash if status == "closed" else None
-            row.num_accepted = len(ctx.accepted)
-            row.closed_at = utcnow()
+        record.close(status, num_accepted=len(ctx.accepted))
+        new_hash = record.model_hash_after
         log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
                  new_hash[:12])
         shutil.rmtree(self.config.data_dir / "outgoing" / str(ctx.round), ignore_errors=True)
-        if status == "closed" and self.on_new_model is not None:
-            self.on_new_model(ctx.round, new_hash, new_weights)
-        if status == "closed":
+        if new_weights is not None:
+            if self.on_new_model is not None:
+                self.on_new_model(ctx.round, new_hash, new_weights)
             for line in ctx.strategy.end_round(ctx.round):
                 log.info("rounds: round %d: %s", ctx.round, line)
         return status, new_hash
@@ -766,12 +542,10 @@ class RoundManager:
         for row in open_rows:
             t0 = self._clock()
             if row.privacy == "global":
-                with self._store.session() as s:
-                    live = s.get(RoundRow, row.round)
-                    assert live is not None
-                    live.status, live.closed_at = "failed", utcnow()
-                    live.detail = ("the coordinator stopped during secure aggregation (its state is in memory "
-                                   "only); spend recorded before unmasking stays charged once; re-run as a new round")
+                RoundRecord.attach(row, self._store).close(
+                    "failed", detail=("the coordinator stopped during secure aggregation (its state is in memory "
+                                      "only); spend recorded before unmasking stays charged once; re-run as a new "
+                                      "round"))
                 log.warning("rounds: Global DP round %d left open by a previous run: marked failed", row.round)
                 results.append(RoundResult(round=row.round, status="failed",
                                            selected=tuple(sorted(json.loads(row.selected_json))), accepted=(),
@@ -784,17 +558,8 @@ class RoundManager:
                                halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
                                local_steps=self._local_steps(), strategy=self._strategy, bundle=weights,
                                expected_events=expected_events(self.config), **self._task_noise_parameters())
-            for upd in self._store.updates_for_round(row.round):
-                report, delta = decode_update(self._store.get_blob(upd.payload_sha256))
-                weight = float(report.num_examples)
-                self._strategy.accumulate(upd.site_id, delta, num_examples=int(weight),
-                                          species_counts=report.species_counts or None,
-                                          noise_variance=ctx.noise_variance(report))
-                ctx.accepted[upd.site_id] = Accepted(site_id=upd.site_id, round=row.round, sequence=upd.sequence,
-                                                     num_examples=upd.num_examples, weight=weight,
-                                                     payload_sha256=upd.payload_sha256, events=report.events,
-                                                     count_events=dict(report.count_events),
-                                                     species_counts=dict(report.species_counts))
+            for upd, report in fold_stored_updates(self._store, ctx, self._store.updates_for_round(row.round)):
+                ctx.accepted[upd.site_id] = accepted_from_stored(row.round, upd, report)
             status, h = self._close(ctx, weights, self.quorum(len(selected)))
             log.warning("rounds: recovered round %d left open by a previous run: %s", row.round, status)
             results.append(RoundResult(round=row.round, status=status, selected=tuple(sorted(selected)),

@@ -13,7 +13,7 @@ Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
 :class:`~coordinator.transfers.TransferReceiver` (subscribed to ``shared.topics.updates_filter``: size limits,
 chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
 :class:`~coordinator.detections.DetectionIngestor` (subscribed to ``shared.topics.detections_filter``),
-:class:`~coordinator.global_dp.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
+:class:`~coordinator.secagg_collector.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
 :class:`~coordinator.fleet.FleetIngestor` (subscribed to ``shared.topics.status_filter`` and ``health_filter``:
 presence and health records, ``wildfed-coordinator fleet``), :class:`~coordinator.model_delivery.ModelPublisher`
 (each new model released, retained, to the camera gateways; the round manager calls it),
@@ -42,7 +42,6 @@ from shared.topics import detections_filter, health_filter, secagg_filter, statu
 from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
 from coordinator.fleet import FleetIngestor
-from coordinator.global_dp import SecAggCollector
 from coordinator.ingest import Ingestor, ReplayWindow
 from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
@@ -52,6 +51,7 @@ from coordinator.optimizers.base import ServerOptimizer
 from coordinator.optimizers.server_sgd import ServerSGD
 from coordinator.registry import Site, SiteRegistry
 from coordinator.rounds import RoundManager, RoundResult
+from coordinator.secagg_collector import SecAggCollector
 from coordinator.storage import Store
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg

@@ -20,7 +20,7 @@ from safetensors.numpy import save as _st_save
 
 from shared.errors import PayloadError
 
-__all__ = ["encode_tensors", "decode_tensors", "model_hash", "MAX_HEADER_BYTES"]
+__all__ = ["encode_tensors", "decode_tensors", "model_hash", "encode_model", "MAX_HEADER_BYTES"]
 
 MAX_HEADER_BYTES = 1 << 20  # a header larger than 1 MiB is not something WildFed writes
 
@@ -89,4 +89,15 @@ def model_hash(tensors: Mapping[str, np.ndarray]) -> str:
     safetensors writes names in a deterministic order, so equal weights give equal hashes. This is the model
     *version hash* carried in every envelope header.
     """
-    return hashlib.sha256(encode_tensors(tensors)).hexdigest()
+    return encode_model(tensors)[0]
+
+
+def encode_model(tensors: Mapping[str, np.ndarray]) -> tuple[str, bytes]:
+    """``(model_hash(tensors), encode_tensors(tensors))`` from ONE encoding: the version hash (hex SHA-256, 64 chars)
+    and the safetensors bytes it is the hash of, for a caller that stores the bytes under the hash.
+
+    Raises:
+        PayloadError: as :func:`encode_tensors`.
+    """
+    data = encode_tensors(tensors)
+    return hashlib.sha256(data).hexdigest(), data

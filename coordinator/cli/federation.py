@@ -35,10 +35,10 @@ from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_
                                     warn_plain_http)
 from coordinator.config import config_from_dict, load_config, save_config
 from coordinator.detections import DetectionCounts
-from coordinator.ledger import base_site
+from coordinator.ledger_streams import base_site
 from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
                                  plot_burn_down)
-from coordinator.rounds import known_categories
+from coordinator.selection import known_categories
 from coordinator.service import Coordinator, status_report
 
 __all__ = ["app"]

@@ -17,6 +17,7 @@ from dp_accounting import rdp
 from scipy import stats
 
 import coordinator.global_dp as global_dp
+import coordinator.secagg_round as secagg_round
 from shared.envelope import Envelope
 from shared.iucn import IUCNCategory
 from shared.protocol import decode_secagg
@@ -50,7 +51,7 @@ class ZeroNoise:
 def global_federation(federation, monkeypatch):
     def build(specs, *, zero_noise=True, **overrides):
         if zero_noise:
-            monkeypatch.setattr(global_dp, "SecureRandom", ZeroNoise)
+            monkeypatch.setattr(secagg_round, "SecureRandom", ZeroNoise)
         kw = dict(privacy="global", local_steps=1, expected_batch_size=4, learning_rate=0.5, rounds=3,
                   round_deadline_s=1.0, secagg={"stage_timeout_s": 0.5})
         kw.update(overrides)

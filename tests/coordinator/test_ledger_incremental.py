@@ -21,7 +21,8 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent, SkellamEvent
 from shared.privacy.skellam import _subsampled_gaussian_rdp
 
-from coordinator.ledger import PrivacyLedger, composed_epsilon
+from coordinator.ledger import PrivacyLedger
+from coordinator.ledger_streams import composed_epsilon
 from coordinator.reports import burn_down_figure
 from coordinator.storage import LedgerRow, Store, dumps
 from tests.coordinator.helpers import make_config
