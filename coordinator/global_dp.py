@@ -86,7 +86,8 @@ from shared.secagg import (AdvertisedKeys, EncryptedShare, NotEnoughSharesError,
                            SecAggParams, SecAggServer, max_power_of_two_scale)
 from shared.topics import task_topic
 
-from coordinator.ingest import RejectReason, _Reject, parse_site_envelope, verify_site_envelope
+from coordinator.inbound.reject import Reject as _Reject, RejectReason
+from coordinator.inbound.site_checks import parse_site_envelope, verify_site_envelope
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 from coordinator.transport import Transport, TransportError

@@ -70,13 +70,14 @@ from shared.transfer import Receipt, piece_size_for
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
 from coordinator.global_dp import SecAggCollector, SecureAggregationRound, plan_global_round
-from coordinator.ingest import Accepted, Ingestor, RoundContext
+from coordinator.inbound.context import Accepted, RoundContext
+from coordinator.inbound.ingest import Ingestor
 from coordinator.radio import city_artifact, expected_events, radio_task
 from coordinator.cohorts import plan_round
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.outgoing import answer_download_receipt, outgoing_task_path, send_task_bytes, store_outgoing_task
-from coordinator.partial_sums import collect_round
+from coordinator.inbound.partial_sums import collect_round
 from coordinator.registry import UnknownSiteError, Site, SiteRegistry
 from coordinator.storage import ModelVersionRow, RoundRow, Store, dumps, utcnow
 from coordinator.strategies.base import Strategy
