@@ -52,7 +52,7 @@ Example (``wildfed-coordinator init`` writes this)::
     radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
                                           #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
     transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300,
-               memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (coordinator.inbound.staging)
+               memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (inbound.staging)
     group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.inbound.group_commit
     ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
     schedule: {round_interval_s: 86400, max_rounds: null}   # `service`: a round a day, no limit (run: `rounds`)

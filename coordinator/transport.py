@@ -609,8 +609,8 @@ _HANDLER_THREAD = threading.local()
 def mark_handler_thread() -> None:
     """Declare the calling thread a message handler's thread: :meth:`MqttTransport.publish` from it does not wait
     for the PUBACK (paho sends and retransmits QoS 1 by itself). For threads that publish ACKs on behalf of the
-    ingest thread, e.g. the group committer (coordinator.inbound.group_commit.BackgroundCommits): waiting there would hold
-    the ingest lock for a network round trip per ACK."""
+    ingest thread, e.g. the group committer (coordinator.inbound.group_commit.BackgroundCommits): waiting there would
+    hold the ingest lock for a network round trip per ACK."""
     _HANDLER_THREAD.active = True
 
 

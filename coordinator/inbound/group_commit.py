@@ -5,7 +5,8 @@ Group commit is the classic way to amortise the cost of forcing a log to disk ov
 al., "Implementation techniques for main memory database systems", SIGMOD 1984, sec. 4; PostgreSQL's
 ``commit_delay``/``commit_siblings``, https://www.postgresql.org/docs/current/wal-configuration.html). Here the
 "transactions" are accepted updates: :class:`coordinator.inbound.ingest.Ingestor` checks an update completely, then
-hands it to a :class:`GroupCommitter` (through :class:`CommitGroups`) instead of writing it at once. A group is made durable (:meth:`GroupCommitter.flush`)
+hands it to a :class:`GroupCommitter` (through :class:`CommitGroups`) instead of writing it at once. A group is made
+durable (:meth:`GroupCommitter.flush`)
 
 1. by writing every payload of the group as a blob and then fsync-ing them (:meth:`Store.put_blobs`), and
 2. by inserting every update row, and deleting the consumed ``transfers`` rows, in ONE database transaction

@@ -1,7 +1,7 @@
 """Partial sums: what each ingest worker keeps of the updates it accepted, and the finaliser's merge of them.
 
-Written by :class:`coordinator.inbound.workers.IngestWorker` after every accepted update (``partial_sums`` table + a blob);
-merged by the round manager when it closes a scale-out round (:func:`collect_round`, called from
+Written by :class:`coordinator.inbound.workers.IngestWorker` after every accepted update (``partial_sums`` table + a
+blob); merged by the round manager when it closes a scale-out round (:func:`collect_round`, called from
 :mod:`coordinator.rounds`). Both import this module; neither imports the other for it. The blob is safetensors
 (float64 running sums) with the total weight, count, contributors and template dtypes in its metadata: never
 pickled. The design is :mod:`coordinator.inbound.workers`' docstring.

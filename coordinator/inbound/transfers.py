@@ -15,8 +15,8 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
   missing, and the site sends only those. A manifest for an update that is already stored gets its positive ACK
   again;
 * a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
-  only pass over the payload's bytes) and staged (:class:`coordinator.inbound.staging.ChunkStaging`: in memory, or past a
-  limit in ``<data_dir>/transfers/<transfer id>/``); when the last one is in, the inner envelope is the
+  only pass over the payload's bytes) and staged (:class:`coordinator.inbound.staging.ChunkStaging`: in memory, or past
+  a limit in ``<data_dir>/transfers/<transfer id>/``); when the last one is in, the inner envelope is the
   manifest's header and signature with the pieces joined, verified already, and goes to ingest with the fingerprint
   of the key that verified it (:meth:`Ingestor.handle_envelope`), which checks that key is still valid, hashes
   nothing, stores the update durably, ACKs it and aggregates it; the staging is then deleted;
@@ -31,8 +31,8 @@ this process did not check and write itself (staged before a restart, or by anot
 leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a piece it checked is not hashed
 twice.
 
-Several ingest workers (``shared_staging=True``, coordinator.inbound.workers): the broker spreads one transfer's chunks over
-the workers of the shared subscription, so every transfer is staged on disk in the shared ``data_dir`` and recorded
+Several ingest workers (``shared_staging=True``, coordinator.inbound.workers): the broker spreads one transfer's chunks
+over the workers of the shared subscription, so every transfer is staged on disk in the shared ``data_dir`` and recorded
 in the shared database (PostgreSQL), and whichever worker receives the last chunk assembles it (the behaviour before
 in-memory staging, kept for this deployment).
 
@@ -185,9 +185,9 @@ class TransferReceiver:
         """Route one message from a site's update topic. Never raises for bad input.
 
         Returns:
-            what ingest returned for a whole or reassembled update (:class:`~coordinator.inbound.ingest.Accepted` or
-            :class:`~coordinator.inbound.ingest.Rejected`), a :class:`~coordinator.inbound.ingest.Rejected` for a refused
-            manifest/chunk/receipt, or None for a message that was kept and needs nothing else yet.
+            what ingest returned for a whole or reassembled update (:class:`~coordinator.inbound.context.Accepted` or
+            :class:`~coordinator.inbound.reject.Rejected`), a :class:`~coordinator.inbound.reject.Rejected` for a
+            refused manifest/chunk/receipt, or None for a message that was kept and needs nothing else yet.
         """
         with self._lock:
             try:

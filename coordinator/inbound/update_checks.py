@@ -29,8 +29,8 @@ from coordinator.ledger import LedgerError, PrivacyLedger
 from coordinator.registry import SiteRegistry, UnknownSiteError
 from coordinator.storage import RoundRow, Store, UpdateRow
 
-__all__ = ["check_round_binding", "decode_checked_update", "check_tensors", "check_report", "charge_refused", "charge_late",
-           "stored_update", "round_selected"]
+__all__ = ["check_round_binding", "decode_checked_update", "check_tensors", "check_report", "charge_refused",
+           "charge_late", "stored_update", "round_selected"]
 
 
 def check_round_binding(h: EnvelopeHeader, ctx: RoundContext | None, store: Store, *,

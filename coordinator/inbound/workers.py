@@ -4,8 +4,9 @@ docs/transport.md, "Scale-out": past a few hundred gateways, updates are ingeste
 
 * subscribes to ``$share/<group>/wildfed/v1/<federation>/site/+/update`` (MQTT 5.0, sec. 4.8.2; Mosquitto >= 1.6
   and EMQX also serve shared subscriptions to MQTT 3.1.1 clients), so the broker hands each message to one worker;
-* runs the same :class:`~coordinator.inbound.transfers.TransferReceiver` and :class:`~coordinator.inbound.ingest.Ingestor` as a
-  single coordinator, with the round it ingests for read from the database (the round row the finaliser opened);
+* runs the same :class:`~coordinator.inbound.transfers.TransferReceiver` and
+  :class:`~coordinator.inbound.ingest.Ingestor` as a single coordinator, with the round it ingests for read from the
+  database (the round row the finaliser opened);
 * keeps a FedAvg running sum of what it accepted and, after every commit group that accepted updates
   (coordinator.inbound.group_commit), writes it durably as its *partial sum* (``partial_sums`` table + a blob), with the
   sites it covers and what they reported.
@@ -117,7 +118,7 @@ class IngestWorker:
                                   memory_limit_bytes=t.memory_limit_bytes, spill_above_bytes=t.spill_above_bytes),
             on_download_receipt=lambda site, r, receipt: answer_download_receipt(
                 config, self.transport, key, self.ingestor.context, site, r, receipt),
-            shared_staging=True)  # the broker spreads one transfer's chunks over the workers (coordinator.inbound.staging)
+            shared_staging=True)  # the broker spreads one transfer's chunks over the workers (inbound.staging)
         self._lock = threading.Lock()
         self._queue: QueuedCallback | None = None
 
@@ -154,8 +155,8 @@ class IngestWorker:
                 self._write_dirty_partial()
 
     def _flush(self) -> None:
-        """Group commit, driven by the ingest thread (coordinator.inbound.group_commit), under the worker's lock; then the
-        partial sum, once for the whole group."""
+        """Group commit, driven by the ingest thread (coordinator.inbound.group_commit), under the worker's lock; then
+        the partial sum, once for the whole group."""
         with self._lock:
             try:
                 self.ingestor.flush()

@@ -1,7 +1,7 @@
 """Fuzzing the coordinator's upload path (docs/transport.md): every message a site, an attacker or a broken link could
-put on a site's update topic goes through the real :class:`coordinator.inbound.transfers.TransferReceiver` (whole envelopes to
-the real :class:`coordinator.inbound.ingest.Ingestor`, manifests and chunks staged and reassembled), over a real
-:class:`coordinator.storage.Store` on SQLite in ``tmp_path``, a real :class:`coordinator.registry.SiteRegistry` and
+put on a site's update topic goes through the real :class:`coordinator.inbound.transfers.TransferReceiver` (whole
+envelopes to the real :class:`coordinator.inbound.ingest.Ingestor`, manifests and chunks staged and reassembled), over a
+real :class:`coordinator.storage.Store` on SQLite in ``tmp_path``, a real :class:`coordinator.registry.SiteRegistry` and
 :class:`coordinator.ledger.PrivacyLedger`, a :class:`coordinator.strategies.fedavg.FedAvg` running sum and an
 :class:`coordinator.transport.InMemoryTransport` that collects the ACKs, NACKs and RECEIPTs.
 
@@ -35,8 +35,8 @@ reason codes of its defects, because the first failing check decides):
   digest, an inner signature that does not verify) is refused at the manifest, before any chunk is kept.
 
 Invariants asserted for EVERY generated message (:meth:`Harness.deliver`): ``handle`` never raises; the result is a
-:class:`~coordinator.inbound.ingest.Rejected` whose ``reason`` is a :class:`~coordinator.inbound.ingest.RejectReason` in the
-expected set with a non-empty detail (exactly one more rejection counted), or None only for a manifest or chunk that
+:class:`~coordinator.inbound.reject.Rejected` whose ``reason`` is a :class:`~coordinator.inbound.reject.RejectReason` in
+the expected set with a non-empty detail (exactly one more rejection counted), or None only for a manifest or chunk that
 was legitimately kept (a genuine key's manifest binding its chunks, a chunk matching its piece digest); nothing is
 ever accepted except in the positive controls, where exactly the one genuine update is; the FedAvg running sum
 (count, weight, sums), the ``updates`` and ``ledger`` tables are unchanged by every adversarial message; nothing is

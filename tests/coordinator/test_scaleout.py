@@ -1,5 +1,5 @@
-"""Scale-out ingest (coordinator.inbound.workers): three ingest workers on one MQTT shared subscription of the real Mosquitto,
-state in PostgreSQL (a throw-away schema), a finaliser that only opens, merges and closes rounds.
+"""Scale-out ingest (coordinator.inbound.workers): three ingest workers on one MQTT shared subscription of the real
+Mosquitto, state in PostgreSQL (a throw-away schema), a finaliser that only opens, merges and closes rounds.
 
 Checked against the FedAvg mean worked out by hand: the round closes with exactly the weighted mean of the six
 sites' deltas, each update stored, charged and aggregated once, even when (a) each update is delivered twice
