@@ -7,9 +7,9 @@ Not part of the tests and not a project dependency (the hypothesis fuzzer in
     .venv/bin/python benchmarks/fuzz_atheris.py -runs=20000            # or -max_total_time=600
     .venv/bin/python benchmarks/fuzz_atheris.py corpus_dir/ -max_len=20000   # keep a corpus between runs
 
-Each input drives one message through the real :class:`coordinator.transfers.TransferReceiver` of the fuzz test's
-world (``Harness``: SQLite store in a temporary folder, enrolled sites, open round 2 with ``s1``'s update stored and
-aggregated). The first byte picks how the rest becomes a message:
+Each input drives one message through the real :class:`coordinator.inbound.transfers.TransferReceiver` of the fuzz
+test's world (``Harness``: SQLite store in a temporary folder, enrolled sites, open round 2 with ``s1``'s update stored
+and aggregated). The first byte picks how the rest becomes a message:
 
 0. raw bytes on ``s2``'s update topic (the parser's view);
 1. a genuine ``s2`` update with the input XOR-ed over it (bit flips anywhere after signing; at least one);
@@ -45,7 +45,8 @@ with atheris.instrument_imports():
     from shared.envelope import MessageKind
     from shared.transfer import CHUNK_MAGIC
 
-    from coordinator.ingest import Accepted, Rejected, RejectReason
+    from coordinator.inbound.context import Accepted
+    from coordinator.inbound.reject import Rejected, RejectReason
     from tests.coordinator.test_fuzz_transport import Harness, full_delta, good_payload
 
 logging.getLogger("coordinator").setLevel(logging.ERROR)

@@ -112,7 +112,7 @@ class Bench:
     ingestor; ``open_round(r)`` opens round r with a fresh FedAvg running sum."""
 
     def __init__(self, root: Path, k: int, params: int) -> None:
-        from coordinator.ingest import Ingestor
+        from coordinator.inbound.ingest import Ingestor
         from coordinator.ledger import PrivacyLedger
         from coordinator.registry import SiteRegistry
         from coordinator.storage import Store
@@ -150,7 +150,7 @@ class Bench:
                            delta=self.deltas[i % len(self.deltas)], num_examples=100 + i, sequence=round)
 
     def open_round(self, r: int) -> None:
-        from coordinator.ingest import RoundContext
+        from coordinator.inbound.context import RoundContext
         from coordinator.storage import RoundRow, dumps
         from coordinator.strategies.fedavg import FedAvg
 
@@ -173,7 +173,7 @@ class Bench:
 
 def child_memory(k: int, params: int) -> None:
     """Peak memory of one round of K updates through ``Ingestor.handle`` (prints one JSON line)."""
-    from coordinator.ingest import Accepted
+    from coordinator.inbound.context import Accepted
 
     root = Path(tempfile.mkdtemp(prefix="wildfed-ingest-mem-"))
     try:
@@ -224,7 +224,7 @@ def interleaved_prepared(steps: dict[str, tuple[Callable[[int], None], Callable[
 
 
 def time_k(k: int, params: int, repeats: int) -> dict[str, object]:
-    from coordinator.ingest import Accepted
+    from coordinator.inbound.context import Accepted
     from coordinator.strategies.fedavg import add_weighted, new_running_sum
     from shared.envelope import Envelope, verify
     from shared.protocol import decode_update

@@ -52,8 +52,8 @@ Example (``wildfed-coordinator init`` writes this)::
     radio: null                           # {defence: adaptive, noise_multiplier: 3, floor_fraction: 0.5,
                                           #  clipping_norm: 0.005, epsilon: 30, city: procedural, ...}
     transfer: {chunk_size_bytes: 262144, max_update_bytes: 268435456, ttl_s: 172800, max_clock_skew_s: 300,
-               memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (coordinator.staging)
-    group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.group_commit
+               memory_limit_bytes: 268435456, spill_above_bytes: 67108864}   # chunk staging (inbound.staging)
+    group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.inbound.group_commit
     ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
     schedule: {round_interval_s: 86400, max_rounds: null}   # `service`: a round a day, no limit (run: `rounds`)
 
@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -75,9 +75,6 @@ from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, 
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
-
-if TYPE_CHECKING:
-    from coordinator.group_commit import GroupCommitPolicy
 
 __all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
            "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "GroupCommitConfig", "ScheduleConfig",
@@ -284,7 +281,7 @@ class RadioConfig(StrictModel):
 
 
 class TransferConfig(StrictModel):
-    """Chunked transfers, size limits and the replay window (``coordinator.transfers``, ``shared.transfer``)."""
+    """Chunked transfers, size limits and the replay window (``coordinator.inbound.transfers``, ``shared.transfer``)."""
 
     chunk_size_bytes: int = Field(256 * 1024, ge=1024, description="chunk size of task downloads (bytes); well "
                                   "under the broker's packet limit (EMQX 1 MB by default); tasks are sealed with "
@@ -303,7 +300,7 @@ class TransferConfig(StrictModel):
                                    "is no longer re-sent (coordinator.transport, docs/transport.md)")
     memory_limit_bytes: int = Field(256 << 20, ge=0, description="announced bytes of the uploads in progress "
                                     "held in memory, together (bytes); an upload whose size does not fit in what is "
-                                    "left is staged on disk (coordinator.staging); 0: every upload on disk")
+                                    "left is staged on disk (coordinator.inbound.staging); 0: every upload on disk")
     spill_above_bytes: int = Field(64 << 20, ge=0, description="an upload announcing more bytes than this is "
                                    "staged on disk from its first chunk, so it resumes after a coordinator restart "
                                    "(smaller ones held in memory start over then)")
@@ -318,21 +315,15 @@ class TransferConfig(StrictModel):
 
 
 class GroupCommitConfig(StrictModel):
-    """Group commit of accepted updates (``coordinator.group_commit``): several updates made durable by one batch of
-    fsyncs and one database commit, each ACKed only after its group is durable."""
+    """Group commit of accepted updates (``coordinator.inbound.group_commit``): several updates made durable by one
+    batch of fsyncs and one database commit, each ACKed only after its group is durable. The ingest path takes its
+    bounds as :meth:`coordinator.inbound.group_commit.GroupCommitPolicy.from_config`."""
 
     max_updates: int = Field(32, ge=1, description="updates per group (1: every update committed alone)")
     max_delay_s: float = Field(0.005, ge=0, le=1.0, description="seconds the first update of a group may wait for "
                                "others (the most an ACK is delayed by grouping; 0: commit whenever ingest is idle)")
     max_bytes: int = Field(128 << 20, ge=1024, description="payload bytes per group (they wait in memory until "
                            "the group is durable)")
-
-    def policy(self) -> "GroupCommitPolicy":
-        """The :class:`coordinator.group_commit.GroupCommitPolicy` of these settings."""
-        from coordinator.group_commit import GroupCommitPolicy
-
-        return GroupCommitPolicy(max_updates=self.max_updates, max_delay_s=self.max_delay_s,
-                                 max_bytes=self.max_bytes)
 
 
 class ScheduleConfig(StrictModel):

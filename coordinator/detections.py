@@ -1,7 +1,7 @@
 """Detection ingest: verify signed DETECTION envelopes from gateways and store their records.
 
 :meth:`DetectionIngestor.handle` checks, in this order (the first failure decides the reason code, the codes of
-``coordinator.ingest.RejectReason``):
+``coordinator.inbound.reject.RejectReason``):
 
 ==== ================================================================ =======================
  #    check                                                            reason on failure
@@ -48,7 +48,8 @@ from shared.envelope import Envelope, MessageKind
 from shared.errors import PayloadError
 from shared.protocol import DetectionRecord, decode_detection
 
-from coordinator.ingest import RejectReason, Rejected, _Reject, parse_site_envelope, verify_site_envelope
+from coordinator.inbound.reject import Reject, RejectReason, Rejected
+from coordinator.inbound.site_checks import parse_site_envelope, verify_site_envelope
 from coordinator.registry import SiteRegistry
 from coordinator.storage import DetectionRow, DetectionTallyRow, RejectionRow, Store
 
@@ -104,10 +105,10 @@ class DetectionIngestor:
                 try:
                     record = decode_detection(env.payload)
                 except PayloadError as exc:
-                    raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+                    raise Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
                 result: StoredDetection | Rejected = self._store_record(env, record)
                 self.counts[result.status] += 1
-            except _Reject as rej:
+            except Reject as rej:
                 h = env.header if env is not None else None
                 result = Rejected(reason=rej.reason, detail=rej.detail, error_kind=rej.error_kind,
                                   site_id=h.site_id if h is not None else None,

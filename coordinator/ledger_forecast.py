@@ -33,7 +33,7 @@ class LedgerForecasts:
         """Rounds whose charges can still arrive, per site: the site was selected (its task was sent, or was about
         to be: the round row is written before the tasks), the round's privacy mode charges updates (not Global
         DP, not "none"), and no event of the site for that round is in the ledger yet. Its update may still come
-        late and be charged (``coordinator.ingest``: ``late``).
+        late and be charged (``coordinator.inbound.ingest``: ``late``).
 
         Args:
             site_id: only this site (default: every site with a pending round).

@@ -2,9 +2,9 @@
 
 The round manager (:mod:`coordinator.rounds`) seals a task per selected site, keeps it here while the round is open
 and sends it; a site that lost chunks, or was offline when the round opened, answers with a download receipt
-(``coordinator.transfers``), and whoever holds the receipt (the round manager, or an ingest worker of
-:mod:`coordinator.workers`, which shares ``data_dir``) resends from the kept bytes. Both import this module; neither
-imports the other for it.
+(``coordinator.inbound.transfers``), and whoever holds the receipt (the round manager, or an ingest worker of
+:mod:`coordinator.inbound.workers`, which shares ``data_dir``) resends from the kept bytes. Both import this module;
+neither imports the other for it.
 
 On disk: ``<data_dir>/outgoing/<round>/<site>.head`` (magic, header, signature) names the payload file
 ``payload-<payload digest>.bin`` beside it, written once per content (every site whose payload is the same shares it).
@@ -22,7 +22,7 @@ from shared.topics import task_topic
 from shared.transfer import NO_TRANSFER, Receipt, send, transfer_id_of
 
 from coordinator.config import CoordinatorConfig
-from coordinator.ingest import RoundContext
+from coordinator.inbound.context import RoundContext
 from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["outgoing_task_path", "store_outgoing_task", "load_outgoing_task", "send_task_bytes",
@@ -81,8 +81,8 @@ def send_task_bytes(config: CoordinatorConfig, transport: Transport, key: Ed2551
 
 def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key: Ed25519PrivateKey,
                             ctx: RoundContext | None, site_id: str, round: int, receipt: Receipt) -> None:
-    """Answer a site's download receipt (``coordinator.transfers``): resend the missing chunks of its task for the
-    open round ``ctx``, or the whole task when the site holds nothing yet (``shared.transfer.NO_TRANSFER``: it was
+    """Answer a site's download receipt (``coordinator.inbound.transfers``): resend the missing chunks of its task for
+    the open round ``ctx``, or the whole task when the site holds nothing yet (``shared.transfer.NO_TRANSFER``: it was
     offline when the round opened). Receipts with no open round, from a site not selected, or from a site whose
     update is already in, are ignored (logged). Ingest workers answer them too: the task files are in the shared
     ``data_dir``."""

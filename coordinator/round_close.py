@@ -4,7 +4,7 @@
 functions, charges the ledger and only then aggregates (docs/architecture.md, "A round", step 5):
 
 - :func:`absorb_stored`: an update stored by another process is counted here once (normally there is none);
-- :func:`finalise_from_workers`: under scale-out ingest (``coordinator.workers``) the merged partial sums and the
+- :func:`finalise_from_workers`: under scale-out ingest (``coordinator.inbound.workers``) the merged partial sums and the
   stored updates' reports are the round's aggregate and accepted set;
 - :func:`over_budget_at_close` and :func:`drop_refused`: the budget check repeated against what the ledger holds
   at close; a refused update is charged (the coordinator has seen it) but not aggregated.
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 import numpy as np
 from sqlalchemy import select
 
-from coordinator.ingest import RoundContext
+from coordinator.inbound.context import RoundContext
 from coordinator.ledger import PrivacyLedger
-from coordinator.partial_sums import collect_round
+from coordinator.inbound.partial_sums import collect_round
 from coordinator.storage import Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.tables import RoundRow
@@ -42,9 +42,9 @@ def absorb_stored(store: Store, ctx: RoundContext) -> None:
 
 
 def finalise_from_workers(store: Store, ctx: RoundContext, weights: Mapping[str, np.ndarray]) -> None:
-    """Scale-out close (``coordinator.workers``): mark the round ``closing`` under the round row's lock (from then on
+    """Scale-out close (``coordinator.inbound.workers``): mark the round ``closing`` under the round row's lock (from then on
     a worker charges an update as late instead of storing it), then take the merged partial sums
-    (:func:`coordinator.partial_sums.collect_round`) and the stored updates' reports as the round's aggregate
+    (:func:`coordinator.inbound.partial_sums.collect_round`) and the stored updates' reports as the round's aggregate
     (``ctx.strategy``, restarted from ``weights``) and accepted set."""
     with store.session() as s:
         row = s.scalars(select(RoundRow).where(RoundRow.round == ctx.round).with_for_update()).first()

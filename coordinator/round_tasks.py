@@ -24,7 +24,7 @@ from shared.transfer import Receipt, piece_size_for
 
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
-from coordinator.ingest import RoundContext
+from coordinator.inbound.context import RoundContext
 from coordinator.outgoing import answer_download_receipt, send_task_bytes, store_outgoing_task
 from coordinator.radio import city_artifact, radio_task
 from coordinator.registry import SiteRegistry, UnknownSiteError

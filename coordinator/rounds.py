@@ -69,7 +69,8 @@ from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
 from coordinator.config import CoordinatorConfig
-from coordinator.ingest import Ingestor, RoundContext
+from coordinator.inbound.context import RoundContext
+from coordinator.inbound.ingest import Ingestor
 from coordinator.ledger import PrivacyLedger
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.radio import expected_events
@@ -475,7 +476,7 @@ class RoundManager:
 
     def _task_noise_parameters(self) -> dict[str, float | int]:
         """The camera tasks' learning rate, clipping norm and expected batch size (for the DP noise variance of an
-        update, :meth:`coordinator.ingest.RoundContext.noise_variance`); zeros for radio rounds (FedAvg only)."""
+        update, :meth:`coordinator.inbound.context.RoundContext.noise_variance`); zeros for radio rounds (FedAvg only)."""
         if self.config.model == "radio_unet":
             return {}
         cfg = self.config

@@ -21,7 +21,8 @@ from shared.iucn import IUCNCategory, parse_category
 from shared.protocol import SITE_STAGES, SecAggMessage, decode_secagg
 from shared.secagg import AdvertisedKeys, EncryptedShare, RecoveryShares, SecAggError
 
-from coordinator.ingest import RejectReason, _Reject, parse_site_envelope, verify_site_envelope
+from coordinator.inbound.reject import Reject, RejectReason
+from coordinator.inbound.site_checks import parse_site_envelope, verify_site_envelope
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 
@@ -57,7 +58,7 @@ class SecAggCollector:
     """Transport callback for ``site/+/secagg``: verify each SECAGG envelope and file it in the open round's
     :class:`StageInbox`.
 
-    Checks, in order (reason codes of :class:`coordinator.ingest.RejectReason`, stored and counted in ``status``):
+    Checks, in order (reason codes of :class:`coordinator.inbound.reject.RejectReason`, stored and counted in ``status``):
     envelope, topic, kind, federation, site as in ingest; enrolled site and Ed25519 signature; a Global DP round is
     open and the header names it (``wrong_round``); the site was selected (``not_selected``); the base model is
     the round's (``stale_model``); the payload decodes to a site stage (``malformed_payload``); the body is
@@ -129,7 +130,7 @@ class SecAggCollector:
                 verify_site_envelope(env, self._registry)
                 self._file(env)
                 return None
-            except _Reject as rej:
+            except Reject as rej:
                 h = env.header if env is not None else None
                 log.warning("secagg: rejected message on %s: %s: %s", topic, rej.reason.value, rej.detail)
                 self._store.add_rejection(round=h.round if h else None, site_id=h.site_id if h else None,
@@ -142,23 +143,23 @@ class SecAggCollector:
     def _file(self, env: Envelope) -> None:
         h, inbox = env.header, self._inbox
         if inbox is None or h.round != inbox.round:
-            raise _Reject(RejectReason.WRONG_ROUND, f"secagg message for round {h.round}, open Global DP round is "
+            raise Reject(RejectReason.WRONG_ROUND, f"secagg message for round {h.round}, open Global DP round is "
                           f"{'none' if inbox is None else inbox.round}")
         if h.site_id not in inbox.selected:
-            raise _Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round {h.round}")
+            raise Reject(RejectReason.NOT_SELECTED, f"site {h.site_id!r} was not selected for round {h.round}")
         if h.base_model_hash != inbox.model_hash:
-            raise _Reject(RejectReason.STALE_MODEL, f"secagg message for model {h.base_model_hash[:12]}")
+            raise Reject(RejectReason.STALE_MODEL, f"secagg message for model {h.base_model_hash[:12]}")
         try:
             message = decode_secagg(env.payload, stages=SITE_STAGES)
         except PayloadError as exc:
-            raise _Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
+            raise Reject(RejectReason.MALFORMED_PAYLOAD, str(exc), exc) from exc
         site, stage = h.site_id, message.stage
         if site in inbox.stage(stage):
-            raise _Reject(RejectReason.DUPLICATE, f"site {site!r} already sent its {stage} for round {h.round}")
+            raise Reject(RejectReason.DUPLICATE, f"site {site!r} already sent its {stage} for round {h.round}")
         try:
             self._parse_stage(inbox, site, message)
         except (PayloadError, SecAggError, ValueError) as exc:
-            raise _Reject(RejectReason.SECAGG_PROTOCOL, f"{stage}: {exc}", exc) from exc
+            raise Reject(RejectReason.SECAGG_PROTOCOL, f"{stage}: {exc}", exc) from exc
 
     @staticmethod
     def _parse_stage(inbox: StageInbox, site: str, message: SecAggMessage) -> None:

@@ -10,11 +10,11 @@
 
 Wiring (nothing else builds these parts): :class:`~coordinator.storage.Store` ->
 :class:`~coordinator.registry.SiteRegistry`, :class:`~coordinator.ledger.PrivacyLedger`,
-:class:`~coordinator.transfers.TransferReceiver` (subscribed to ``shared.topics.updates_filter``: size limits,
-chunked uploads) in front of :class:`~coordinator.ingest.Ingestor`,
+:class:`~coordinator.inbound.transfers.TransferReceiver` (subscribed to ``shared.topics.updates_filter``: size limits,
+chunked uploads) in front of :class:`~coordinator.inbound.ingest.Ingestor`,
 :class:`~coordinator.detections.DetectionIngestor` (subscribed to ``shared.topics.detections_filter``),
 :class:`~coordinator.secagg_collector.SecAggCollector` (subscribed to ``shared.topics.secagg_filter``; Global DP mode),
-:class:`~coordinator.fleet.FleetIngestor` (subscribed to ``shared.topics.status_filter`` and ``health_filter``:
+:class:`~coordinator.inbound.health.FleetIngestor` (subscribed to ``shared.topics.status_filter`` and ``health_filter``:
 presence and health records, ``wildfed-coordinator fleet``), :class:`~coordinator.model_delivery.ModelPublisher`
 (each new model released, retained, to the camera gateways; the round manager calls it),
 :class:`~coordinator.software_delivery.SoftwarePublisher` (the SDK version ``publish-update`` recorded, retained),
@@ -41,8 +41,11 @@ from shared.topics import detections_filter, health_filter, secagg_filter, statu
 
 from coordinator.config import CoordinatorConfig
 from coordinator.detections import DetectionCounts, DetectionIngestor, detection_counts
-from coordinator.fleet import FleetIngestor
-from coordinator.ingest import Ingestor, ReplayWindow
+from coordinator.inbound.group_commit import GroupCommitPolicy
+from coordinator.inbound.health import FleetIngestor
+from coordinator.inbound.ingest import Ingestor
+from coordinator.inbound.site_checks import ReplayWindow
+from coordinator.inbound.transfers import TransferLimits, TransferReceiver
 from coordinator.instance_lock import InstanceLock
 from coordinator.ledger import PrivacyLedger
 from coordinator.model_delivery import ModelPublisher
@@ -55,7 +58,6 @@ from coordinator.secagg_collector import SecAggCollector
 from coordinator.storage import Store
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transfers import TransferLimits, TransferReceiver
 from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
 
 __all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy", "build_optimizer"]
@@ -136,7 +138,7 @@ class Coordinator:
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
                                  ledger=self.ledger, transport=self.transport, signing_key=self._key,
                                  replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s),
-                                 group_commit=config.group_commit.policy())
+                                 group_commit=GroupCommitPolicy.from_config(config.group_commit))
         self.detections = DetectionIngestor(federation_id=config.federation_id, store=self.store,
                                             registry=self.registry)
         if strategy is None:
@@ -213,11 +215,11 @@ class Coordinator:
             raise
 
     def _start(self) -> list[RoundResult]:
-        if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.workers)
+        if self.config.ingest_workers == 0:  # else `ingest-worker` processes take them (coordinator.inbound.workers)
             self.ingestor.sole_ingest = True  # the open round's updates are all stored by this process
             handler: Any = self.transfers
             if isinstance(self.transport, MqttTransport):  # off paho's network thread (in-process buses stay sync)
-                # ... and that thread drives group commit (coordinator.group_commit): updates in flight together
+                # ... and that thread drives group commit (coordinator.inbound.group_commit): updates in flight together
                 # share one fsync pass and one commit, each ACKed after its group is durable.
                 handler = self._update_queue = QueuedCallback(self.transfers, name="wildfed-ingest",
                                                               flush=self.ingestor.flush_async,

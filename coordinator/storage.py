@@ -13,7 +13,7 @@ that a verified payload is not hashed again. The column ``payload_sha256`` keeps
 when that digest was a SHA-256; rows written since hold the format-2 payload digest. Rows are committed before
 :class:`Store` methods return ("durable" in the rest of the package means: committed to the database and, for
 payloads, fsync-ed to disk). :meth:`Store.put_blobs` and
-:meth:`Store.add_updates_if_open` are the batched forms ingest's group commit uses (coordinator.group_commit):
+:meth:`Store.add_updates_if_open` are the batched forms ingest's group commit uses (coordinator.inbound.group_commit):
 several blobs written before their fsyncs are issued, several updates' rows in one transaction.
 
 SQLite runs in write-ahead-log mode with ``synchronous=FULL`` (set and checked on every new connection): a commit
@@ -222,7 +222,7 @@ class Store:
         return digest
 
     def put_blobs(self, blobs: Sequence[tuple[bytes, str]]) -> None:
-        """Store several blobs durably, their syncs batched (group commit, coordinator.group_commit): every new file
+        """Store several blobs durably, their syncs batched (group commit, coordinator.inbound.group_commit): every new file
         is written first, then each is fsync-ed, renamed into place, and each folder they went into is fsync-ed
         once. A file that exists under its name is complete, as with :meth:`put_blob`; idempotent.
 

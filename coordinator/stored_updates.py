@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 from shared.protocol import UpdateReport, decode_update
 
-from coordinator.ingest import Accepted, RoundContext
+from coordinator.inbound.context import Accepted, RoundContext
 from coordinator.storage import Store
 from coordinator.tables import UpdateRow
 
@@ -56,7 +56,7 @@ def fold_stored_updates(store: Store, ctx: RoundContext, updates: Iterable[U]) -
 
 
 def accepted_from_stored(round: int, upd: UpdateRow, report: UpdateReport) -> Accepted:
-    """The :class:`coordinator.ingest.Accepted` of a stored update row of ``round`` and its decoded report (FedAvg
+    """The :class:`coordinator.inbound.context.Accepted` of a stored update row of ``round`` and its decoded report (FedAvg
     weight = the report's ``num_examples``)."""
     return Accepted(site_id=upd.site_id, round=round, sequence=upd.sequence, num_examples=upd.num_examples,
                     weight=float(report.num_examples), payload_sha256=upd.payload_sha256, events=report.events,

@@ -19,7 +19,7 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``detections``  verified detection records from gateways (coordinator.detections): one row per (site, media id),
                 the record as JSON plus indexed columns for the ranger view
 ``detection_tallies`` per site, how often a gateway's record was stored, a duplicate, replaced, or stale
-``transfers``   incomplete chunked uploads (coordinator.transfers): the signed manifest and its expiry time
+``transfers``   incomplete chunked uploads (coordinator.inbound.transfers): the signed manifest and its expiry time
 ``deployments`` camera deployments for the web view's map, one per (site, deployment id): coordinates, name, IUCN
                 categories recorded
 ``protected_places`` places the web view protects (coordinator.web.places): the fixed anchor of each one's
@@ -27,7 +27,7 @@ Tables (SQLite by default, PostgreSQL by URL):
 ``users``       accounts of the rangers' web view: Argon2id password hash, role, disabled (coordinator.web.auth)
 ``web_sessions`` logged-in web-view sessions: SHA-256 of the cookie token, account, CSRF token, expiry
 ``partial_sums`` per round and ingest worker, its partial FedAvg sum (blob) and the sites it covers
-                (coordinator.workers)
+                (coordinator.inbound.workers)
 ``registry_version`` one row: a counter every change of a site's keys increments in the same transaction
                 (coordinator.registry caches verification keys and re-reads them when it moves)
 ``site_health`` per site, the newest verified health record and its times, and the latest presence message
@@ -129,7 +129,7 @@ class UpdateRow(Base):
 
 
 class RejectionRow(Base):
-    """A rejected message: ``reason`` is a stable code (see ``coordinator.ingest.RejectReason``)."""
+    """A rejected message: ``reason`` is a stable code (see ``coordinator.inbound.reject.RejectReason``)."""
 
     __tablename__ = "rejections"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -268,7 +268,7 @@ class DetectionTallyRow(Base):
 
 
 class TransferRow(Base):
-    """An incomplete chunked upload (coordinator.transfers): the verified manifest payload and its expiry. The
+    """An incomplete chunked upload (coordinator.inbound.transfers): the verified manifest payload and its expiry. The
     chunk data lives in ``<data_dir>/transfers/<transfer_id>/``; the row is deleted once the update is reassembled
     and handed to ingest, or when it expires."""
 
@@ -310,7 +310,7 @@ class SiteHealthRow(Base):
 
 
 class PartialSumRow(Base):
-    """One ingest worker's partial FedAvg sum for one round (coordinator.workers): the running weighted sum as a
+    """One ingest worker's partial FedAvg sum for one round (coordinator.inbound.workers): the running weighted sum as a
     blob (float64 safetensors), the sites it covers with what their updates reported (JSON), and its total weight.
     The finaliser merges the rows of a round (aggregation is associative)."""
 

@@ -609,8 +609,8 @@ _HANDLER_THREAD = threading.local()
 def mark_handler_thread() -> None:
     """Declare the calling thread a message handler's thread: :meth:`MqttTransport.publish` from it does not wait
     for the PUBACK (paho sends and retransmits QoS 1 by itself). For threads that publish ACKs on behalf of the
-    ingest thread, e.g. the group committer (coordinator.group_commit.BackgroundCommits): waiting there would hold
-    the ingest lock for a network round trip per ACK."""
+    ingest thread, e.g. the group committer (coordinator.inbound.group_commit.BackgroundCommits): waiting there would
+    hold the ingest lock for a network round trip per ACK."""
     _HANDLER_THREAD.active = True
 
 
@@ -623,7 +623,7 @@ class QueuedCallback:
     waiting, the network thread blocks in :meth:`__call__`, which stops reading the socket, and TCP back-pressure
     holds the rest at the broker.
 
-    Group commit (coordinator.group_commit): with ``flush`` and ``flush_in`` given, this thread also drives the
+    Group commit (coordinator.inbound.group_commit): with ``flush`` and ``flush_in`` given, this thread also drives the
     callback's commit groups. Between messages it asks ``flush_in()`` how long the open group may still wait: when
     that is over it calls ``flush()`` before taking another message, and while the queue is empty it waits for a
     message at most that long, then calls ``flush()``. So a group is never older than the policy's

@@ -22,7 +22,7 @@ inner envelope's payload, already verified (:func:`assemble` hashes nothing). Ea
 
 A chunk is not signed by itself: it is authenticated by its leaf in the signed manifest, so nothing unauthenticated
 is ever parsed beyond the fixed 40-byte chunk header. The receiver keeps the chunks it has (the coordinator durably,
-:mod:`coordinator.transfers`), answers a repeated manifest with a signed ``RECEIPT`` that lists the chunks still
+:mod:`coordinator.inbound.transfers`), answers a repeated manifest with a signed ``RECEIPT`` that lists the chunks still
 missing, and the sender then sends only those: a transfer resumes after a reconnect instead of starting over.
 Transfers not completed within their time to live expire (receiver side).
 

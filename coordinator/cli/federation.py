@@ -339,7 +339,7 @@ def ingest_worker(config: Path = config_option(),
     import signal as _signal
     import threading
 
-    from coordinator.workers import IngestWorker
+    from coordinator.inbound.workers import IngestWorker
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

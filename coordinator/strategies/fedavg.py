@@ -159,7 +159,8 @@ class FedAvg(Strategy):
         return self._acc
 
     def absorb(self, partial: RunningWeightedSum) -> None:
-        """Add a partial sum (e.g. the merge of the ingest workers' sums, ``coordinator.workers``) to this round's.
+        """Add a partial sum (e.g. the merge of the ingest workers' sums, ``coordinator.inbound.workers``) to this
+        round's.
 
         Raises:
             ValueError: called before :meth:`begin_round`, or the partial's tensors differ from the template.

@@ -16,7 +16,7 @@ from tests.coordinator.helpers import make_config
 
 def test_coordinator_modules_import_neither_torch_nor_edge_sdk():
     code = ("import sys\n"
-            "import coordinator, coordinator.cli, coordinator.service, coordinator.rounds, coordinator.ingest\n"
+            "import coordinator, coordinator.cli, coordinator.service, coordinator.rounds, coordinator.inbound.ingest\n"
             "import coordinator.ledger, coordinator.registry, coordinator.storage, coordinator.transport\n"
             "import coordinator.strategies.fedavg, coordinator.optimizers.server_sgd\n"
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('edge_sdk') or m.startswith('paho')]\n"

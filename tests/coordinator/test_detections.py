@@ -13,7 +13,7 @@ from shared.protocol import Detection, DetectionRecord, encode_detection
 from shared.topics import detection_topic, update_topic
 
 from coordinator.detections import StoredDetection
-from coordinator.ingest import Rejected, RejectReason
+from coordinator.inbound.reject import Rejected, RejectReason
 from coordinator.storage import DetectionRow
 from tests.coordinator.helpers import FED
 

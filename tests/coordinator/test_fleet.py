@@ -27,7 +27,7 @@ from edge_sdk.uplink.health import HealthReporter
 from coordinator.cli import app
 from coordinator.config import load_config
 from coordinator.fleet import fleet_rows
-from coordinator.ingest import RejectReason, Rejected
+from coordinator.inbound.reject import Rejected, RejectReason
 from coordinator.service import Coordinator
 from coordinator.storage import RejectionRow, SiteHealthRow, utcnow
 from coordinator.transport import InMemoryTransport

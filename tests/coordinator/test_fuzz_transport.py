@@ -1,7 +1,7 @@
 """Fuzzing the coordinator's upload path (docs/transport.md): every message a site, an attacker or a broken link could
-put on a site's update topic goes through the real :class:`coordinator.transfers.TransferReceiver` (whole envelopes to
-the real :class:`coordinator.ingest.Ingestor`, manifests and chunks staged and reassembled), over a real
-:class:`coordinator.storage.Store` on SQLite in ``tmp_path``, a real :class:`coordinator.registry.SiteRegistry` and
+put on a site's update topic goes through the real :class:`coordinator.inbound.transfers.TransferReceiver` (whole
+envelopes to the real :class:`coordinator.inbound.ingest.Ingestor`, manifests and chunks staged and reassembled), over a
+real :class:`coordinator.storage.Store` on SQLite in ``tmp_path``, a real :class:`coordinator.registry.SiteRegistry` and
 :class:`coordinator.ledger.PrivacyLedger`, a :class:`coordinator.strategies.fedavg.FedAvg` running sum and an
 :class:`coordinator.transport.InMemoryTransport` that collects the ACKs, NACKs and RECEIPTs.
 
@@ -35,8 +35,8 @@ reason codes of its defects, because the first failing check decides):
   digest, an inner signature that does not verify) is refused at the manifest, before any chunk is kept.
 
 Invariants asserted for EVERY generated message (:meth:`Harness.deliver`): ``handle`` never raises; the result is a
-:class:`~coordinator.ingest.Rejected` whose ``reason`` is a :class:`~coordinator.ingest.RejectReason` in the
-expected set with a non-empty detail (exactly one more rejection counted), or None only for a manifest or chunk that
+:class:`~coordinator.inbound.reject.Rejected` whose ``reason`` is a :class:`~coordinator.inbound.reject.RejectReason` in
+the expected set with a non-empty detail (exactly one more rejection counted), or None only for a manifest or chunk that
 was legitimately kept (a genuine key's manifest binding its chunks, a chunk matching its piece digest); nothing is
 ever accepted except in the positive controls, where exactly the one genuine update is; the FedAvg running sum
 (count, weight, sums), the ``updates`` and ``ledger`` tables are unchanged by every adversarial message; nothing is
@@ -93,12 +93,14 @@ from shared.topics import parse_topic
 from shared.transfer import (CHUNK_MAGIC, Chunk, Manifest, decode_manifest, decode_receipt, seal_manifest, send,
                              split)
 
-from coordinator.ingest import Accepted, Ingestor, Rejected, RejectReason, RoundContext
+from coordinator.inbound.context import Accepted, RoundContext
+from coordinator.inbound.ingest import Ingestor
+from coordinator.inbound.reject import Rejected, RejectReason
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.storage import LedgerRow, RoundRow, Store, UpdateRow, dumps
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transfers import TransferLimits, TransferReceiver
+from coordinator.inbound.transfers import TransferLimits, TransferReceiver
 from coordinator.transport import InMemoryTransport
 
 FED = "testfed"
@@ -707,7 +709,7 @@ CHUNK_OPS = ["all", "send", "send", "send", "flip", "reindex", "truncate", "over
              "bad_topic", "resume", "manifest_again"]
 CHUNK_SIZES = st.sampled_from([1024, 2048])  # piece sizes are powers of two (shared.envelope)
 BITS = st.integers(0, 2 ** 20)
-#: What a manifest variant is refused with at the manifest, before any chunk is kept (coordinator.transfers).
+#: What a manifest variant is refused with at the manifest, before any chunk is kept (coordinator.inbound.transfers).
 VARIANT_REFUSALS = {"forged": frozenset({R.BAD_SIGNATURE}), "bad_body": frozenset({R.BAD_TRANSFER}),
                     "task_kind": frozenset({R.BAD_TRANSFER}), "oversized_total": frozenset({R.OVERSIZED}),
                     "oversized_chunk": frozenset({R.OVERSIZED}), "header_mismatch": frozenset({R.BAD_TRANSFER}),

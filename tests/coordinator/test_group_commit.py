@@ -1,4 +1,4 @@
-"""Group commit of accepted updates (coordinator/group_commit.py).
+"""Group commit of accepted updates (coordinator/inbound/group_commit.py).
 
 What is checked:
 * a group of updates is durable (every row committed, in ONE transaction, every blob on disk) before the first of
@@ -33,11 +33,12 @@ from shared.protocol import decode_ack, decode_task
 from shared.topics import ack_topic, update_topic
 
 from coordinator.config import config_from_dict, save_config
-from coordinator.group_commit import GroupCommitPolicy
-from coordinator.ingest import Accepted, Pending, Rejected, RejectReason
+from coordinator.inbound.context import Accepted, Pending
+from coordinator.inbound.group_commit import GroupCommitPolicy
+from coordinator.inbound.reject import Rejected, RejectReason
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
-from coordinator.staging import StagingLimits
+from coordinator.inbound.staging import StagingLimits
 from coordinator.storage import LedgerRow, ModelVersionRow
 from coordinator import transport as transport_module
 from coordinator.transport import MqttTransport, QueuedCallback

@@ -16,7 +16,8 @@ from shared.privacy.events import DPSGDEvent
 from shared.protocol import UpdateReport, decode_ack
 from shared.topics import ack_topic, update_topic
 
-from coordinator.ingest import Accepted, Rejected, RejectReason
+from coordinator.inbound.context import Accepted
+from coordinator.inbound.reject import Rejected, RejectReason
 from tests.coordinator.helpers import EVENT, FED, FakeSite, tiny_weights
 
 
@@ -226,6 +227,6 @@ def test_ack_is_signed_by_the_coordinator(open_round):
     submit(coord, s1, s1.envelope(ctx.round, ctx.model_hash, s1.payload(good_delta())))
     topic, raw = [(t, r) for t, r in transport.published if t == ack_topic(FED, "s1")][-1]
     env = Envelope.from_bytes(raw)
-    verify(env, coord.ingestor._key.public_key())
+    verify(env, coord._key.public_key())  # the key the coordinator was built with
     assert env.header.kind is MessageKind.ACK and env.header.site_id == "s1"
     assert decode_ack(env.payload).accepted

@@ -266,7 +266,8 @@ def test_keys_are_cached_and_a_revocation_in_this_process_counts_at_once(tmp_pat
 def test_a_revoked_key_stops_verifying_updates_at_once(tmp_path: Path) -> None:
     """Through ingest: an update signed with a key revoked a moment ago (after the registry cached it) is refused
     (``no_valid_key``), the one before the revocation was accepted."""
-    from coordinator.ingest import Accepted, RejectReason, Rejected
+    from coordinator.inbound.context import Accepted
+    from coordinator.inbound.reject import Rejected, RejectReason
     from coordinator.service import Coordinator
     from coordinator.transport import InMemoryTransport
     from shared.iucn import IUCNCategory

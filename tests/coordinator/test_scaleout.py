@@ -1,5 +1,5 @@
-"""Scale-out ingest (coordinator.workers): three ingest workers on one MQTT shared subscription of the real Mosquitto,
-state in PostgreSQL (a throw-away schema), a finaliser that only opens, merges and closes rounds.
+"""Scale-out ingest (coordinator.inbound.workers): three ingest workers on one MQTT shared subscription of the real
+Mosquitto, state in PostgreSQL (a throw-away schema), a finaliser that only opens, merges and closes rounds.
 
 Checked against the FedAvg mean worked out by hand: the round closes with exactly the weighted mean of the six
 sites' deltas, each update stored, charged and aggregated once, even when (a) each update is delivered twice
@@ -20,12 +20,12 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 from shared.topics import update_topic
 
-from coordinator.partial_sums import decode_partial, encode_partial
+from coordinator.inbound.partial_sums import decode_partial, encode_partial
 from coordinator.service import Coordinator
 from coordinator.storage import PartialSumRow, Store
 from coordinator.strategies.fedavg import add_weighted, new_running_sum
 from coordinator.transport import MqttTransport
-from coordinator.workers import IngestWorker
+from coordinator.inbound.workers import IngestWorker
 from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture
 from tests.coordinator.test_postgres import PG_URL, pg_schema  # noqa: F401 - the PostgreSQL schema fixture
@@ -122,9 +122,9 @@ def test_collect_round_reads_updates_no_partial_covers_from_their_blobs(tmp_path
     partial and s3 from its blob, once each (FedAvg by hand)."""
     from shared.protocol import UpdateReport, encode_update
 
-    from coordinator.ingest import Accepted
+    from coordinator.inbound.context import Accepted
     from coordinator.storage import RoundRow, UpdateRow
-    from coordinator.partial_sums import accepted_to_json, collect_round
+    from coordinator.inbound.partial_sums import accepted_to_json, collect_round
 
     store = Store("sqlite://", tmp_path / "d")
     from coordinator.registry import SiteRegistry
@@ -164,7 +164,7 @@ def test_an_update_stored_by_another_process_is_aggregated_and_charged_once(tmp_
     """A second ingesting process (a worker started beside a coordinator with ingest_workers: 0) stores a site's
     update first; the coordinator refuses its own copy as a duplicate, yet counts the stored one at the close: it is
     aggregated and charged once, never left out of the ledger."""
-    from coordinator.ingest import Ingestor
+    from coordinator.inbound.ingest import Ingestor
     from coordinator.transport import InMemoryTransport
 
     key = generate_signing_key()

@@ -1,4 +1,4 @@
-"""Chunked, resumable uploads and downloads (shared.transfer, coordinator.transfers, the agent's side).
+"""Chunked, resumable uploads and downloads (shared.transfer, coordinator.inbound.transfers, the agent's side).
 
 What is checked, each against values worked out independently (sizes by hand, digests with the blake3 library,
 FedAvg in closed form):
@@ -43,9 +43,9 @@ from shared.transfer import (NO_TRANSFER, CHUNK_HEADER_LENGTH, Chunk, Manifest, 
                              decode_manifest, decode_receipt, encode_manifest, is_chunk, piece_size_for,
                              seal_manifest, send, split)
 
-from coordinator.ingest import Rejected, RejectReason
+from coordinator.inbound.reject import Rejected, RejectReason
 from coordinator.service import Coordinator
-from coordinator.staging import StagingLimits
+from coordinator.inbound.staging import StagingLimits
 from coordinator.storage import TransferRow
 from coordinator.transport import InMemoryTransport
 from tests.support import camera_site
@@ -303,7 +303,7 @@ def test_resume_after_a_coordinator_restart(tmp_path: Path, staged: str) -> None
     with coord.store.session() as db:
         assert db.query(TransferRow).count() == (1 if staged == "on_disk" else 0)
     assert coord.transfers.staging.memory_bytes == (0 if staged == "on_disk" else 5 * CHUNK)
-    from coordinator.transfers import TransferLimits, TransferReceiver
+    from coordinator.inbound.transfers import TransferLimits, TransferReceiver
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key,
@@ -368,7 +368,7 @@ def test_staging_in_memory_spills_to_disk_past_its_limit(tmp_path: Path) -> None
     assert rows() == ["s2"]
     assert sorted(p[1:] for p in receiver.pending()) == [("s1", 2, n), ("s2", 2, n)]
     # a restarted receiver: s2 resumes from its files
-    from coordinator.transfers import TransferReceiver
+    from coordinator.inbound.transfers import TransferReceiver
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key)
@@ -403,7 +403,7 @@ def test_after_a_restart_pieces_staged_before_are_checked_again_and_a_torn_one_i
     manifest, chunks = split(raw)
     for p in _messages(raw, s.key)[:6]:  # the manifest and chunks 0-4
         assert coord.transfers.handle(topic, p) is None
-    from coordinator.transfers import TransferReceiver
+    from coordinator.inbound.transfers import TransferReceiver
 
     restarted = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,
                                  ingestor=coord.ingestor, transport=bus, signing_key=key)
@@ -669,7 +669,7 @@ def test_incomplete_transfers_expire(tmp_path: Path) -> None:
     key = generate_signing_key()
     bus = InMemoryTransport()
     coord, s, ctx, raw = _open_round(tmp_path, key, bus)
-    from coordinator.transfers import TransferLimits, TransferReceiver
+    from coordinator.inbound.transfers import TransferLimits, TransferReceiver
 
     now = [1.9e9]
     receiver = TransferReceiver(federation_id="testfed", store=coord.store, registry=coord.registry,

@@ -22,7 +22,7 @@ from shared.topics import detection_topic
 
 from coordinator.config import CoordinatorConfig, config_from_dict
 from coordinator.detections import DetectionIngestor, StoredDetection
-from coordinator.ingest import Rejected
+from coordinator.inbound.reject import Rejected
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 from coordinator.web.auth import AccountStore

@@ -1,10 +1,10 @@
 """Partial sums: what each ingest worker keeps of the updates it accepted, and the finaliser's merge of them.
 
-Written by :class:`coordinator.workers.IngestWorker` after every accepted update (``partial_sums`` table + a blob);
-merged by the round manager when it closes a scale-out round (:func:`collect_round`, called from
+Written by :class:`coordinator.inbound.workers.IngestWorker` after every accepted update (``partial_sums`` table + a
+blob); merged by the round manager when it closes a scale-out round (:func:`collect_round`, called from
 :mod:`coordinator.rounds`). Both import this module; neither imports the other for it. The blob is safetensors
 (float64 running sums) with the total weight, count, contributors and template dtypes in its metadata: never
-pickled. The design is :mod:`coordinator.workers`' docstring.
+pickled. The design is :mod:`coordinator.inbound.workers`' docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
 from shared.protocol import decode_update
 
-from coordinator.ingest import Accepted
+from coordinator.inbound.context import Accepted
 from coordinator.storage import PartialSumRow, Store
 from coordinator.strategies.fedavg import RunningWeightedSum, add_weighted, merge, new_running_sum
 

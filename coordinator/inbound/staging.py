@@ -1,6 +1,6 @@
 """Where the chunks of an upload wait until the last one is in: memory first, files past a limit.
 
-:class:`ChunkStaging` keeps the data of each transfer in progress (coordinator.transfers) either
+:class:`ChunkStaging` keeps the data of each transfer in progress (coordinator.inbound.transfers) either
 
 * in memory: a transfer of at most ``spill_above_bytes`` is admitted to memory when its announced size fits in
   what is left of ``memory_limit_bytes`` (the sizes of the transfers admitted before and not yet finished are
@@ -13,7 +13,7 @@
   files: ``chunks``, the inner envelope's payload, each chunk written in place at ``index * chunk_size`` (one
   ``pwrite``), and ``held``, an append-only log of the indices written (4 bytes each, big-endian, appended after
   the chunk's data). Nothing is fsync-ed, renamed or listed per chunk: the chunk digests of pieces staged by an
-  earlier process are checked again at assembly (coordinator.transfers), so a chunk torn by a power cut, or an
+  earlier process are checked again at assembly (coordinator.inbound.transfers), so a chunk torn by a power cut, or an
   index logged before its data reached the disk, is simply asked for again; a torn last record of the log is
   ignored. Assembly reads ``chunks`` once. (A file per chunk, created, renamed, listed, read and removed, cost
   about a third of the ingest thread's time in ``benchmarks/load_200.py``, where 200 uploads arrive at once and
@@ -29,7 +29,7 @@ this module.
 Which chunks a transfer holds is kept in memory (a set per transfer); the folder of a spilled transfer is listed
 once, when a restarted process meets the transfer again, never per chunk.
 
-Several ingest workers (``shared=True``, coordinator.workers): an MQTT shared subscription hands each message to
+Several ingest workers (``shared=True``, coordinator.inbound.workers): an MQTT shared subscription hands each message to
 one member of the group, so the chunks of one transfer are spread over the workers; only the shared folder, which
 every worker lists, can tell when the last one is in. Staging is then on disk for every transfer, one file per chunk
 (``<transfer id>/<index>.part``, complete under its final name: temporary file + rename), and the folder is listed

@@ -5,7 +5,7 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
 * a message longer than the limit is refused before any parsing (``oversized``);
 * every other message is parsed once, here, and the parsed envelope is handed on (never parsed again);
 * a plain UPDATE envelope (small enough to travel whole) goes straight to ingest
-  (:meth:`coordinator.ingest.Ingestor.handle_envelope`);
+  (:meth:`coordinator.inbound.ingest.Ingestor.handle_envelope`);
 * a MANIFEST envelope is checked like an update (topic, federation, site, signature with one of the site's valid
   keys, replay window) and against the open round before any chunk is kept (:meth:`Ingestor.precheck`); so is the
   inner envelope it announces: its header must name what the manifest's does (site, round, sequence, base model
@@ -15,8 +15,8 @@ Everything a site publishes on its update topic comes through :class:`TransferRe
   missing, and the site sends only those. A manifest for an update that is already stored gets its positive ACK
   again;
 * a chunk is checked against its transfer's manifest (index, length, one BLAKE3 over its data against its leaf: the
-  only pass over the payload's bytes) and staged (:class:`coordinator.staging.ChunkStaging`: in memory, or past a
-  limit in ``<data_dir>/transfers/<transfer id>/``); when the last one is in, the inner envelope is the
+  only pass over the payload's bytes) and staged (:class:`coordinator.inbound.staging.ChunkStaging`: in memory, or past
+  a limit in ``<data_dir>/transfers/<transfer id>/``); when the last one is in, the inner envelope is the
   manifest's header and signature with the pieces joined, verified already, and goes to ingest with the fingerprint
   of the key that verified it (:meth:`Ingestor.handle_envelope`), which checks that key is still valid, hashes
   nothing, stores the update durably, ACKs it and aggregates it; the staging is then deleted;
@@ -31,8 +31,8 @@ this process did not check and write itself (staged before a restart, or by anot
 leaf again at assembly, so a chunk torn by a power cut is simply asked for again; a piece it checked is not hashed
 twice.
 
-Several ingest workers (``shared_staging=True``, coordinator.workers): the broker spreads one transfer's chunks over
-the workers of the shared subscription, so every transfer is staged on disk in the shared ``data_dir`` and recorded
+Several ingest workers (``shared_staging=True``, coordinator.inbound.workers): the broker spreads one transfer's chunks
+over the workers of the shared subscription, so every transfer is staged on disk in the shared ``data_dir`` and recorded
 in the shared database (PostgreSQL), and whichever worker receives the last chunk assembles it (the behaviour before
 in-memory staging, kept for this deployment).
 
@@ -59,16 +59,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import delete, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
-from shared.envelope import Envelope, MessageKind, seal
+from shared.envelope import Envelope, EnvelopeHeader, MessageKind
 from shared.errors import ConfigError, EnvelopeError, MalformedEnvelopeError
-from shared.topics import ack_topic, parse_topic
 from shared.transfer import (CHUNK_HEADER_LENGTH, Chunk, Manifest, Receipt, TransferError, assemble, check_chunk,
                              check_manifest_header, decode_manifest, decode_receipt, encode_receipt, is_chunk)
 
-from coordinator.ingest import (Accepted, Ingestor, Pending, RejectReason, _Reject, check_header_ranges,
-                                verify_site_envelope, verify_site_signature)
+from coordinator.inbound.context import Accepted, Pending
+from coordinator.inbound.ingest import Ingestor
+from coordinator.inbound.reject import Reject, RejectReason
+from coordinator.inbound.replies import send_to_site
+from coordinator.inbound.site_checks import (check_header_ranges, check_site_topic, parse_site_topic,
+                                             verify_site_envelope, verify_site_signature)
 from coordinator.registry import SiteRegistry
-from coordinator.staging import ChunkStaging, StagingLimits
+from coordinator.inbound.staging import ChunkStaging, StagingLimits
 from coordinator.storage import Store, TransferRow, UpdateRow
 from coordinator.transport import Transport, TransportError
 
@@ -90,7 +93,7 @@ class TransferLimits:
         max_message_bytes: largest MQTT payload looked at, bytes; checked before any parsing. A whole (unchunked)
             envelope must fit in it; anything larger must be chunked.
         ttl_s: seconds after which an incomplete transfer expires.
-        memory_limit_bytes: announced bytes of the transfers staged in memory, together (coordinator.staging; an
+        memory_limit_bytes: announced bytes of the transfers staged in memory, together (coordinator.inbound.staging; an
             upload is admitted to memory at its manifest if its size fits; 0: all on disk).
         spill_above_bytes: a transfer larger than this is staged on disk (it resumes across a restart).
 
@@ -133,7 +136,7 @@ class TransferReceiver:
         on_download_receipt: ``callback(site_id, round, receipt)`` for a site asking for the missing chunks of a
             task (the round manager re-publishes them); None: ignored.
         clock: wall clock, seconds since the epoch (tests inject one).
-        shared_staging: several ingest workers share the data folder and database (coordinator.workers): every
+        shared_staging: several ingest workers share the data folder and database (coordinator.inbound.workers): every
             transfer is staged on disk and recorded, so any worker can finish it (module docstring).
 
     Thread-safe (one lock); call it as a transport callback: ``receiver(topic, payload)``.
@@ -182,46 +185,37 @@ class TransferReceiver:
         """Route one message from a site's update topic. Never raises for bad input.
 
         Returns:
-            what ingest returned for a whole or reassembled update (:class:`~coordinator.ingest.Accepted` or
-            :class:`~coordinator.ingest.Rejected`), a :class:`~coordinator.ingest.Rejected` for a refused
-            manifest/chunk/receipt, or None for a message that was kept and needs nothing else yet.
+            what ingest returned for a whole or reassembled update (:class:`~coordinator.inbound.context.Accepted` or
+            :class:`~coordinator.inbound.reject.Rejected`), a :class:`~coordinator.inbound.reject.Rejected` for a
+            refused manifest/chunk/receipt, or None for a message that was kept and needs nothing else yet.
         """
         with self._lock:
             try:
                 if len(raw) > self.limits.max_message_bytes:
-                    raise _Reject(RejectReason.OVERSIZED, f"message of {len(raw)} bytes exceeds the limit of "
-                                  f"{self.limits.max_message_bytes} (larger uploads must be chunked)")
+                    raise Reject(RejectReason.OVERSIZED, f"message of {len(raw)} bytes exceeds the limit of "
+                                 f"{self.limits.max_message_bytes} (larger uploads must be chunked)")
                 if is_chunk(raw):
                     return self._chunk(topic, raw)
                 try:
                     env = Envelope.from_bytes(raw)  # the only parse: the envelope is handed on
                 except MalformedEnvelopeError as exc:
-                    raise _Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
+                    raise Reject(RejectReason.MALFORMED_ENVELOPE, str(exc), exc) from exc
                 if env.header.kind == MessageKind.MANIFEST:
                     return self._manifest(topic, env)
                 if env.header.kind == MessageKind.RECEIPT:
                     return self._receipt(topic, env)
                 return self._ingestor.handle_envelope(topic, env)
-            except _Reject as rej:
+            except Reject as rej:
                 return self._ingestor.record_rejection(topic, rej)
 
     # ---- manifests ---------------------------------------------------------------------------------------------
     def _open_site_envelope(self, topic: str, env: Envelope, kind: MessageKind) -> tuple[Envelope, str]:
-        """Check a parsed site envelope of ``kind`` sent on its update topic: topic/federation/site and signature."""
-        try:
-            t_fed, t_site, channel = parse_topic(topic)
-        except (MalformedEnvelopeError, ConfigError) as exc:
-            raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
-        h = env.header
-        if channel != "update" or h.kind != kind:
-            raise _Reject(RejectReason.WRONG_KIND, f"{h.kind.value} on channel {channel!r}")
-        if h.federation_id != self.federation_id or t_fed != self.federation_id:
-            raise _Reject(RejectReason.WRONG_FEDERATION, f"federation {h.federation_id!r} (topic {t_fed!r})")
-        if t_site != h.site_id:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, f"topic names site {t_site!r}, header names {h.site_id!r}")
+        """Check a parsed site envelope of ``kind`` sent on its update topic: topic/federation/site, header ranges and
+        signature."""
+        check_site_topic(topic, env, federation_id=self.federation_id, kind=kind, channel=MessageKind.UPDATE.value)
         check_header_ranges(env)
         verify_site_envelope(env, self._registry)
-        return env, h.site_id
+        return env, env.header.site_id
 
     def _manifest(self, topic: str, env: Envelope) -> object:
         env, site_id = self._open_site_envelope(topic, env, MessageKind.MANIFEST)
@@ -231,21 +225,21 @@ class TransferReceiver:
             try:
                 manifest = decode_manifest(env.payload)
             except TransferError as exc:
-                raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+                raise Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
             if manifest.kind != MessageKind.UPDATE:
-                raise _Reject(RejectReason.BAD_TRANSFER, f"a site may only upload updates, not {manifest.kind.value}")
+                raise Reject(RejectReason.BAD_TRANSFER, f"a site may only upload updates, not {manifest.kind.value}")
             if manifest.total_length > self.limits.max_update_bytes:
-                raise _Reject(RejectReason.OVERSIZED, f"transfer of {manifest.total_length} bytes exceeds the limit "
-                              f"of {self.limits.max_update_bytes}")
+                raise Reject(RejectReason.OVERSIZED, f"transfer of {manifest.total_length} bytes exceeds the limit "
+                             f"of {self.limits.max_update_bytes}")
             if manifest.chunk_size > self.limits.max_chunk_bytes:
-                raise _Reject(RejectReason.OVERSIZED, f"chunk size {manifest.chunk_size} exceeds the limit of "
-                              f"{self.limits.max_chunk_bytes} bytes")
+                raise Reject(RejectReason.OVERSIZED, f"chunk size {manifest.chunk_size} exceeds the limit of "
+                             f"{self.limits.max_chunk_bytes} bytes")
             try:  # the inner envelope is the one the manifest's header announced, signed by the same site
                 check_manifest_header(manifest, h)
             except TransferError as exc:
-                raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+                raise Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
             verified_by = verify_site_signature(manifest.header, manifest.signature, self._registry)
-        except _Reject as rej:
+        except Reject as rej:
             return self._ingestor.refuse_verified(topic, rej, env)
         verdict = self._ingestor.precheck(env)  # round, selection, model version, duplicate (ACKs/NACKs itself)
         if verdict is not None:
@@ -255,11 +249,11 @@ class TransferReceiver:
         tid = manifest.transfer_id
         known = self._manifests.get(tid)
         if known is not None and known[0] != site_id:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
+            raise Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
         if known is None or not self.staging.tracks(tid):
             owner = self._row_owner(tid)
             if owner is not None and owner != site_id:
-                raise _Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
+                raise Reject(RejectReason.TOPIC_MISMATCH, "transfer id already belongs to another site")
             on_disk = self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
                                          chunk_size=manifest.chunk_size, known_on_disk=owner is not None)
             self._manifests[tid] = (site_id, manifest)
@@ -316,12 +310,10 @@ class TransferReceiver:
             self._rows[transfer_id] = site_id
         self._memory.pop(transfer_id, None)
 
-    def _send_receipt(self, site_id: str, h, receipt: Receipt) -> None:  # noqa: ANN001 - an EnvelopeHeader
+    def _send_receipt(self, site_id: str, h: EnvelopeHeader, receipt: Receipt) -> None:
         try:
-            out = seal(private_key=self._key, federation_id=self.federation_id, site_id=site_id, round=h.round,
-                       base_model_hash=h.base_model_hash, kind=MessageKind.RECEIPT, sequence=h.sequence,
-                       payload=encode_receipt(receipt))
-            self._transport.publish(ack_topic(self.federation_id, site_id), out.to_bytes(), qos=1)
+            send_to_site(self._transport, self._key, self.federation_id, h, MessageKind.RECEIPT,
+                         encode_receipt(receipt))
         except (TransportError, EnvelopeError) as exc:
             log.error("transfers: could not send a receipt to %s: %s", site_id, exc)
 
@@ -331,11 +323,8 @@ class TransferReceiver:
             chunk = Chunk.from_bytes(raw, max_data_bytes=self.limits.max_chunk_bytes)
         except TransferError as exc:
             reason = RejectReason.OVERSIZED if exc.reason == "oversized" else RejectReason.BAD_TRANSFER
-            raise _Reject(reason, str(exc), exc) from exc
-        try:
-            _, t_site, channel = parse_topic(topic)
-        except (MalformedEnvelopeError, ConfigError) as exc:
-            raise _Reject(RejectReason.BAD_TOPIC, str(exc), exc) from exc
+            raise Reject(reason, str(exc), exc) from exc
+        _, t_site, channel = parse_site_topic(topic)
         known = self._manifests.get(chunk.transfer_id)
         if known is None and (self.staging.shared or chunk.transfer_id in self._row_ids()):
             with self._store.session() as s:  # a transfer staged on disk by an earlier process or another worker
@@ -348,15 +337,15 @@ class TransferReceiver:
                                    num_chunks=known[1].num_chunks, chunk_size=known[1].chunk_size,
                                    known_on_disk=True)
         if known is None or channel != "update":
-            raise _Reject(RejectReason.UNKNOWN_TRANSFER, f"chunk {chunk.index} of transfer {chunk.transfer_id[:12]}, "
-                          "which has no (unexpired) manifest; the site resends after its manifest is answered")
+            raise Reject(RejectReason.UNKNOWN_TRANSFER, f"chunk {chunk.index} of transfer {chunk.transfer_id[:12]}, "
+                         "which has no (unexpired) manifest; the site resends after its manifest is answered")
         owner, manifest = known
         if owner != t_site:
-            raise _Reject(RejectReason.TOPIC_MISMATCH, f"chunk of {owner!r}'s transfer on {t_site!r}'s topic")
+            raise Reject(RejectReason.TOPIC_MISMATCH, f"chunk of {owner!r}'s transfer on {t_site!r}'s topic")
         try:
             check_chunk(manifest, chunk)
         except TransferError as exc:
-            raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+            raise Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
         tid = manifest.transfer_id
         if not self.staging.tracks(tid):  # a manifest this process saw, of a transfer another worker finished
             self.staging.begin(tid, total_length=manifest.total_length, num_chunks=manifest.num_chunks,
@@ -382,13 +371,13 @@ class TransferReceiver:
                     self.staging.discard(tid, i)
                     damaged += 1
         if damaged:  # the site resends them
-            raise _Reject(RejectReason.BAD_TRANSFER, f"reassembly failed: {damaged} damaged chunk(s) dropped")
+            raise Reject(RejectReason.BAD_TRANSFER, f"reassembly failed: {damaged} damaged chunk(s) dropped")
         env = assemble(manifest, pieces)  # verified piece by piece: nothing is hashed again
         verified_by = self._verified_by.get(manifest.transfer_id)
         if verified_by is None:  # recorded before a restart or by another worker: its signature, not its payload
             try:
                 verified_by = verify_site_signature(manifest.header, manifest.signature, self._registry)
-            except _Reject:
+            except Reject:
                 self._drop(manifest.transfer_id)
                 raise
         result = self._ingestor.handle_envelope(topic, env, verified_by=verified_by)
@@ -416,12 +405,12 @@ class TransferReceiver:
         self._ingestor.check_replay(env)
         floor = self._receipt_floor.get(site_id)
         if floor is not None and env.header.sequence <= floor:
-            raise _Reject(RejectReason.REPLAYED, f"receipt sequence {env.header.sequence} is not above {floor}, the "
-                          "site's last one: a replay")
+            raise Reject(RejectReason.REPLAYED, f"receipt sequence {env.header.sequence} is not above {floor}, the "
+                         "site's last one: a replay")
         try:
             receipt = decode_receipt(env.payload)
         except TransferError as exc:
-            raise _Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
+            raise Reject(RejectReason.BAD_TRANSFER, str(exc), exc) from exc
         self._receipt_floor[site_id] = env.header.sequence  # only a well-formed receipt moves the floor
         if self._on_download_receipt is not None:
             self._on_download_receipt(site_id, env.header.round, receipt)

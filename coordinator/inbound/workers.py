@@ -4,10 +4,11 @@ docs/transport.md, "Scale-out": past a few hundred gateways, updates are ingeste
 
 * subscribes to ``$share/<group>/wildfed/v1/<federation>/site/+/update`` (MQTT 5.0, sec. 4.8.2; Mosquitto >= 1.6
   and EMQX also serve shared subscriptions to MQTT 3.1.1 clients), so the broker hands each message to one worker;
-* runs the same :class:`~coordinator.transfers.TransferReceiver` and :class:`~coordinator.ingest.Ingestor` as a
-  single coordinator, with the round it ingests for read from the database (the round row the finaliser opened);
+* runs the same :class:`~coordinator.inbound.transfers.TransferReceiver` and
+  :class:`~coordinator.inbound.ingest.Ingestor` as a single coordinator, with the round it ingests for read from the
+  database (the round row the finaliser opened);
 * keeps a FedAvg running sum of what it accepted and, after every commit group that accepted updates
-  (coordinator.group_commit), writes it durably as its *partial sum* (``partial_sums`` table + a blob), with the
+  (coordinator.inbound.group_commit), writes it durably as its *partial sum* (``partial_sums`` table + a blob), with the
   sites it covers and what they reported.
 
 The finaliser (the coordinator process that opens and closes rounds, ``ingest_workers > 0`` in its config) does not
@@ -18,13 +19,13 @@ the workers' partial sums (``coordinator.strategies.fedavg.merge``; addition is 
 update that no partial covers (a worker died between storing it and writing its partial), the update itself, read
 from its blob. Each stored update is therefore aggregated exactly once, and its events are charged once (ledger
 rows are unique per site, round and category). The partial sums' encoding and the merge are
-:mod:`coordinator.partial_sums`; the task resends a worker answers are :mod:`coordinator.outgoing`.
+:mod:`coordinator.inbound.partial_sums`; the task resends a worker answers are :mod:`coordinator.outgoing`.
 
 State shared by the workers and the finaliser: the database (PostgreSQL; SQLite only on one machine) and the blob
 directory ``data_dir`` (accepted payloads, partial sums, chunk staging), which must be one shared folder. The
 broker hands each *message* to one worker, so the chunks of one upload are spread over the workers: a worker stages
 every chunk on disk in the shared folder and records every manifest in the database (``shared_staging``,
-coordinator.staging; a single coordinator keeps chunks in memory instead), and whichever worker receives a
+coordinator.inbound.staging; a single coordinator keeps chunks in memory instead), and whichever worker receives a
 transfer's last chunk assembles it. The path
 to an MQTT cluster: point every worker and gateway at the cluster's listener (EMQX cluster, or Mosquitto bridges);
 shared subscriptions are then balanced cluster-wide (EMQX) or per node (bridged Mosquitto: give each node's
@@ -46,15 +47,18 @@ from shared.keys import load_private_key
 from shared.topics import updates_filter
 
 from coordinator.config import CoordinatorConfig
-from coordinator.ingest import Accepted, Ingestor, ReplayWindow, RoundContext
+from coordinator.inbound.context import Accepted, RoundContext
+from coordinator.inbound.group_commit import GroupCommitPolicy
+from coordinator.inbound.ingest import Ingestor
+from coordinator.inbound.partial_sums import accepted_to_json, encode_partial
+from coordinator.inbound.site_checks import ReplayWindow
+from coordinator.inbound.transfers import TransferLimits, TransferReceiver
 from coordinator.ledger import PrivacyLedger
 from coordinator.radio import expected_events
 from coordinator.outgoing import answer_download_receipt
-from coordinator.partial_sums import accepted_to_json, encode_partial
 from coordinator.registry import SiteRegistry
 from coordinator.storage import HaltRow, PartialSumRow, RoundRow, Store
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transfers import TransferLimits, TransferReceiver
 from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
 
 __all__ = ["SHARE_GROUP", "shared_updates_filter", "IngestWorker"]
@@ -103,7 +107,7 @@ class IngestWorker:
         self.ingestor = Ingestor(federation_id=config.federation_id, store=self.store, registry=self.registry,
                                  ledger=self.ledger, transport=self.transport, signing_key=key,
                                  replay_window=ReplayWindow(t.max_clock_skew_s, t.max_message_age_s),
-                                 group_commit=config.group_commit.policy())
+                                 group_commit=GroupCommitPolicy.from_config(config.group_commit))
         self.ingestor.on_accepted = self._note_accepted
         self._dirty: RoundContext | None = None  # the round whose running sum changed since its partial was written
         self.receiver = TransferReceiver(
@@ -114,7 +118,7 @@ class IngestWorker:
                                   memory_limit_bytes=t.memory_limit_bytes, spill_above_bytes=t.spill_above_bytes),
             on_download_receipt=lambda site, r, receipt: answer_download_receipt(
                 config, self.transport, key, self.ingestor.context, site, r, receipt),
-            shared_staging=True)  # the broker spreads one transfer's chunks over the workers (coordinator.staging)
+            shared_staging=True)  # the broker spreads one transfer's chunks over the workers (inbound.staging)
         self._lock = threading.Lock()
         self._queue: QueuedCallback | None = None
 
@@ -151,8 +155,8 @@ class IngestWorker:
                 self._write_dirty_partial()
 
     def _flush(self) -> None:
-        """Group commit, driven by the ingest thread (coordinator.group_commit), under the worker's lock; then the
-        partial sum, once for the whole group."""
+        """Group commit, driven by the ingest thread (coordinator.inbound.group_commit), under the worker's lock; then
+        the partial sum, once for the whole group."""
         with self._lock:
             try:
                 self.ingestor.flush()

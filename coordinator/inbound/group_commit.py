@@ -4,8 +4,9 @@ commit, each acknowledged only after its group is durable.
 Group commit is the classic way to amortise the cost of forcing a log to disk over several transactions (DeWitt et
 al., "Implementation techniques for main memory database systems", SIGMOD 1984, sec. 4; PostgreSQL's
 ``commit_delay``/``commit_siblings``, https://www.postgresql.org/docs/current/wal-configuration.html). Here the
-"transactions" are accepted updates: :class:`coordinator.ingest.Ingestor` checks an update completely, then hands it
-to a :class:`GroupCommitter` instead of writing it at once. A group is made durable (:meth:`GroupCommitter.flush`)
+"transactions" are accepted updates: :class:`coordinator.inbound.ingest.Ingestor` checks an update completely, then
+hands it to a :class:`GroupCommitter` (through :class:`CommitGroups`) instead of writing it at once. A group is made
+durable (:meth:`GroupCommitter.flush`)
 
 1. by writing every payload of the group as a blob and then fsync-ing them (:meth:`Store.put_blobs`), and
 2. by inserting every update row, and deleting the consumed ``transfers`` rows, in ONE database transaction
@@ -42,7 +43,8 @@ killed before the commit loses only updates that were never ACKed (the gateways 
 send them again). A process killed after the commit but before the ACKs (the TEST-ONLY hook below) leaves updates
 that are stored but un-ACKed: the restarted coordinator recovers their round from the stored rows, counting each
 once (``RoundManager.recover``), and the gateway's re-sent copy is recognised as a duplicate of the stored update and
-ACKed positively (``Ingestor._nack``), so it is neither lost nor counted twice (tests/coordinator/test_group_commit.py).
+ACKed positively (``coordinator.inbound.replies.SiteReplies``), so it is neither lost nor counted twice
+(tests/coordinator/test_group_commit.py).
 
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT=after_group_commit`` the process
 SIGKILLs itself right after a group's commit, before any of its ACKs is published (the power cut between commit and
@@ -59,6 +61,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
 
@@ -67,7 +70,11 @@ from shared.errors import ConfigError
 from coordinator.storage import Store, UpdateOutcome, UpdateRow
 from coordinator.transport import mark_handler_thread
 
-__all__ = ["GroupCommitPolicy", "StagedUpdate", "GroupCommitter", "BackgroundCommits", "CRASH_AFTER_COMMIT"]
+if TYPE_CHECKING:
+    from coordinator.config import GroupCommitConfig
+
+__all__ = ["GroupCommitPolicy", "StagedUpdate", "GroupCommitter", "BackgroundCommits", "CommitGroups",
+           "CRASH_AFTER_COMMIT"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,16 @@ class GroupCommitPolicy:
             raise ConfigError(f"max_bytes is {self.max_bytes!r}", field="group_commit.max_bytes",
                               fix="give at least 1024 bytes (e.g. 134217728 for 128 MiB)")
 
+    @classmethod
+    def from_config(cls, config: GroupCommitConfig) -> GroupCommitPolicy:
+        """The policy of the ``group_commit:`` section of the coordinator config
+        (:class:`coordinator.config.GroupCommitConfig`).
+
+        Raises:
+            ConfigError: a value out of range (see the class).
+        """
+        return cls(max_updates=config.max_updates, max_delay_s=config.max_delay_s, max_bytes=config.max_bytes)
+
 
 @dataclass
 class StagedUpdate:
@@ -142,7 +159,7 @@ class StagedUpdate:
 class GroupCommitter:
     """Collects :class:`StagedUpdate` objects and makes them durable together (see the module docstring).
 
-    Not thread-safe by itself: :class:`coordinator.ingest.Ingestor` calls it under its lock.
+    Not thread-safe by itself: :class:`coordinator.inbound.ingest.Ingestor` calls it under its lock.
 
     Args:
         store: where blobs and rows go.
@@ -346,3 +363,72 @@ class BackgroundCommits:
                 finally:
                     self._inflight, self._keys = None, set()
                     self._cond.notify_all()
+
+
+class CommitGroups:
+    """The ingest path's handle on group commit: the open group (a :class:`GroupCommitter`) and, once
+    :meth:`run_in_background` was called, the committer thread that makes sealed groups durable
+    (:class:`BackgroundCommits`). Without that thread a sealed group is made durable in the calling thread.
+
+    Every method is called with ``cond``'s lock held (the ingest lock); waiting for the group in flight releases it.
+
+    Args:
+        store: where blobs and rows go. policy: the group's bounds (None: the default :class:`GroupCommitPolicy`).
+        cond: a condition on the ingest lock (``Ingestor.changed``), notified after each group commit.
+    """
+
+    def __init__(self, store: Store, policy: GroupCommitPolicy | None, cond: threading.Condition) -> None:
+        self.committer = GroupCommitter(store, policy)
+        self._cond = cond
+        self._background: BackgroundCommits | None = None
+
+    def run_in_background(self) -> None:
+        """From now on :meth:`seal` hands a group to a committer thread. Idempotent."""
+        if self._background is None:
+            self._background = BackgroundCommits(self.committer, self._cond)
+
+    def submit(self, item: StagedUpdate) -> None:
+        """Add ``item`` to the open group."""
+        self.committer.submit(item)
+
+    def flush(self) -> None:
+        """The group in flight finished (waiting releases the lock), then the open group made durable and finished
+        in this thread.
+
+        Raises:
+            OSError, sqlalchemy errors: storing failed; nothing of the group was ACKed.
+        """
+        if self._background is not None:
+            self._background.wait()
+        if len(self.committer):
+            try:
+                self.committer.flush()
+            finally:
+                self._cond.notify_all()
+
+    def seal(self) -> None:
+        """Start making the open group durable: on the committer thread (waiting only for the group already in
+        flight), else as :meth:`flush`."""
+        if self._background is not None:
+            self._background.seal()
+        else:
+            self.flush()
+
+    def seal_if_due(self) -> None:
+        """:meth:`seal` when the open group is full or past its deadline."""
+        if self.committer.full() or (self.committer.seconds_left() or 0.0) < 0:
+            self.seal()
+
+    def holds(self, round: int, site_id: str) -> bool:
+        """Whether an update of (``round``, ``site_id``) waits in the open group or is in the group in flight."""
+        return self.committer.holds(round, site_id) or (self._background is not None
+                                                        and self._background.holds(round, site_id))
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update is waiting for, or in, a group commit (open group or one in flight)."""
+        return bool(len(self.committer)) or (self._background is not None and self._background.in_flight)
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the open group must be flushed (<= 0: now), or None when none is open."""
+        return self.committer.seconds_left()
