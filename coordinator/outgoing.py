@@ -93,7 +93,8 @@ def answer_download_receipt(config: CoordinatorConfig, transport: Transport, key
         data = load_outgoing_task(config, ctx.round, site_id)
     except FileNotFoundError:
         # the round is open but its tasks are still being sealed and published: the task is on its way
-        log.info("outgoing: no stored task of round %d for %s to resend yet", ctx.round, site_id)
+        log.info("outgoing: %s asked for round %d's task while it is still being sent; it arrives as sent",
+                 site_id, ctx.round)
         return
     if receipt.transfer_id == NO_TRANSFER:
         sent = send_task_bytes(config, transport, key, site_id, data)

@@ -201,6 +201,34 @@ def _profile(bundle: Bundle) -> GatewayProfile:
     return check_profile_data(data, source=f"bundle:{fmt.PROFILE}")
 
 
+def _make_storage(profile: GatewayProfile, prefix: Path) -> list[str]:
+    """Create the profile's storage folders; a warning for each that cannot be created."""
+    warnings = []
+    for folder in (profile.storage.outbox.parent, profile.storage.artifact_cache, profile.storage.engine_cache,
+                   profile.storage.data):
+        target = folder if folder.is_absolute() else prefix / folder
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            warnings.append(f"could not create {target} ({exc}); create it before starting the agent")
+    return warnings
+
+
+def _site_warnings(bundle: Bundle, prefix: Path, site_config: Path) -> list[str]:
+    """What the operator must still do before the agent starts: graphs, species table, the site's package."""
+    warnings = []
+    site_data = yaml.safe_load(bundle.members[fmt.SITE_CONFIG]) or {}
+    if not bundle.models():
+        warnings.append("the bundle carries no ONNX graphs (made by an older coordinator): without torch the gateway "
+                        "cannot embed or detect; ask the operator for a bundle from `wildfed-coordinator provision`")
+    if not site_data.get("species"):
+        warnings.append(f"{site_config}: fill in `species` (the site's species table) before starting the agent")
+    dataset = Path(str(site_data.get("dataset", "")))
+    if not (dataset if dataset.is_absolute() else prefix / dataset).exists():
+        warnings.append(f"put the site's Camtrap DP package at {dataset} (relative to {prefix}) before starting")
+    return warnings
+
+
 def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREFIX, venv: bool = True,
                    system_site_packages: bool = False, no_deps: bool = False, force: bool = False,
                    coordinator_fingerprint: str | None = None, service_user: str = "wildfed",
@@ -302,28 +330,14 @@ def install_bundle(bundle_path: str | Path, *, prefix: str | Path = DEFAULT_PREF
     if profile.kind in JETSON_KINDS and venv and not system_site_packages:
         warnings.append("a Jetson trains with NVIDIA's JetPack torch (PyPI's aarch64 torch has no CUDA): "
                         "reinstall with --system-site-packages --force where JetPack's torch is installed")
-    for folder in (profile.storage.outbox.parent, profile.storage.artifact_cache, profile.storage.engine_cache,
-                   profile.storage.data):
-        target = folder if folder.is_absolute() else prefix / folder
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            warnings.append(f"could not create {target} ({exc}); create it before starting the agent")
+    warnings += _make_storage(profile, prefix)
     unit_text = (bundle.members[fmt.SYSTEMD_UNIT].decode("utf-8").replace("@PREFIX@", str(prefix))
                  .replace("@EXEC@", executable).replace("@USER@", service_user))
     unit = prefix / "wildfed-edge.service"
     write_file_atomic(unit, unit_text.encode("utf-8"), 0o644)
     write_file_atomic(site_config, bundle.members[fmt.SITE_CONFIG], 0o644)
 
-    site_data = yaml.safe_load(bundle.members[fmt.SITE_CONFIG]) or {}
-    if not bundle.models():
-        warnings.append("the bundle carries no ONNX graphs (made by an older coordinator): without torch the gateway "
-                        "cannot embed or detect; ask the operator for a bundle from `wildfed-coordinator provision`")
-    if not site_data.get("species"):
-        warnings.append(f"{site_config}: fill in `species` (the site's species table) before starting the agent")
-    dataset = Path(str(site_data.get("dataset", "")))
-    if not (dataset if dataset.is_absolute() else prefix / dataset).exists():
-        warnings.append(f"put the site's Camtrap DP package at {dataset} (relative to {prefix}) before starting")
+    warnings += _site_warnings(bundle, prefix, site_config)
     log.info("installed site %s (profile %s) under %s", bundle.site_id, profile.name, prefix)
     return InstallResult(prefix=prefix, site_id=bundle.site_id, federation_id=bundle.federation_id,
                          profile=profile.name, site_config=site_config, unit=unit, executable=executable,

@@ -28,7 +28,8 @@ def evaluate(
     weights: Annotated[Optional[Path], typer.Option(help="a global model .safetensors (default: the one the "
                                                          "gateway keeps)")] = None,
 ) -> None:
-    """Score the gateway's model on labelled photos, per species (module docstring)."""
+    """Score the model this gateway keeps on labelled photos, per species: the site's own package (optimistic: it
+    trained on them), or --package a held-out one (docs/field-loop.md)."""
     import numpy as np
 
     from shared.errors import WildFedError

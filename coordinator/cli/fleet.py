@@ -94,6 +94,11 @@ def fleet(config: Path = config_option(),
                       _count(rec.detection_backlog if rec else None),
                       format_gib(rec.disk_free_bytes if rec else None), escape(error))
     console.print(table)
+    unreported = [r.site_id for r in rows if r.record is None and r.last_seen is not None]
+    if unreported:
+        console.print(f"no health record yet from {', '.join(unreported)}: one comes at each (re)connect, when a "
+                      "gateway keeps a new model and every health_interval_s (a record sent before this coordinator's "
+                      "first start is not kept)")
     if silent:
         console.print(f"[red]silent: {', '.join(silent)}[/] (check the gateway, its power and its link; "
                       "`journalctl -u wildfed-edge` on it)")

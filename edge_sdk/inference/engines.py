@@ -536,9 +536,10 @@ def open_engine(onnx_path: str | Path, *, name: str, prefer: EnginePreference = 
             except EngineError as exc:
                 reason = f"TensorRT engine does not load: {exc}"
     engine = OrtEngine(onnx_path, threads=threads)
-    if reason is not None:
-        level = fallback_level if reason != "no GPU found" or prefer == "tensorrt" else logging.INFO
-        log.log(level, "inference: %s; falling back to ONNX Runtime (%s) for %s", reason,
+    if reason == "no GPU found" and prefer == "auto":  # nothing falls back: a CPU box runs ONNX Runtime
+        log.info("inference: %s runs on ONNX Runtime (%s): no GPU here", name, engine.name)
+    elif reason is not None:
+        log.log(fallback_level, "inference: %s; falling back to ONNX Runtime (%s) for %s", reason,
                 "CUDA" if engine.name == "ort-cuda" else "CPU", name)
     else:
         log.info("inference: %s runs on ONNX Runtime (%s)", name, engine.name)

@@ -140,8 +140,13 @@ class RoundPacer:
             return bool(action())
         slot = self.ready(round_)
         assert slot is not None
-        if not st.waiting and self.clock() >= slot:
+        now = self.clock()
+        if not st.waiting and now >= slot:
             return bool(action())
+        if not st.waiting:
+            log.info("round %d: ready after %.1f s; its reply leaves at the round's public time slot in %.0f s "
+                     "(round_duration_s %.0f s, docs/privacy.md \"Timing\")", round_, now - st.started, slot - now,
+                     st.duration_s)
         st.waiting.append(action)
         self.run_due()
         return True

@@ -77,7 +77,8 @@ def build_backend(config: SiteConfig, name: str | None = None, *, model: ModelSp
         backend, settings["device"], note = resolve_training("auto", str(settings["device"]))
         if note is not None:
             log.warning("site %s: %s", config.site_id, note)
-    log.info("site %s: backend %s %s (profile %s)", config.site_id, backend, settings, config.profile or "none")
+    log.info("site %s: training backend %s on %s, %d thread(s), micro-batch %d (profile %s)", config.site_id, backend,
+             settings["device"], settings["threads"], settings["microbatch_size"], config.profile or "none")
     if model is not None:
         return create_backend(backend, model=model, **settings)
     return create_backend(backend, num_classes=config.model_classes, **settings)

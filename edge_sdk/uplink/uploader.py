@@ -105,8 +105,8 @@ class Uploader:
         message_id = update_message_id(task.round)
         ctx.outbox.put(message_id, self.topic, update.to_bytes())  # durable before publishing
         ctx.stats["tasks_trained"] += 1
-        log.info("site %s: round %d trained in %.1f s (%s); update stored in outbox", ctx.site_id, task.round,
-                 time.monotonic() - started, detail)
+        log.info("site %s: round %d update sent %.1f s after its task (%s); kept in the outbox until acknowledged",
+                 ctx.site_id, task.round, time.monotonic() - started, detail)
         self.publish(message_id, self.topic, update)  # the envelope: its leaves are not hashed again
         return True
 

@@ -140,7 +140,7 @@ def test_no_gpu_never_builds_and_prefer_ort_skips_tensorrt(tmp_path, model, capl
         engine = open_engine(model, name="cnn", cache_root=tmp_path, builder_factory=lambda: builder,
                              gpu_probe=lambda: None)
     assert isinstance(engine, OrtEngine) and builder.builds == []
-    assert "no GPU found; falling back to ONNX Runtime" in caplog.text
+    assert "cnn runs on ONNX Runtime (ort-cpu): no GPU here" in caplog.text and "falling back" not in caplog.text
 
     def probe_must_not_run():
         raise AssertionError("prefer='ort' must not probe for a GPU")
