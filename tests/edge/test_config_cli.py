@@ -118,8 +118,8 @@ def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypat
     make_site(tmp_path, InMemoryTransport(broker))
     original = agent_module.EdgeAgent.from_config.__func__
     monkeypatch.setattr(agent_module.EdgeAgent, "from_config",
-                        classmethod(lambda cls, cfg, transport=None: original(cls, cfg,
-                                                                              transport=InMemoryTransport(broker))))
+                        classmethod(lambda cls, cfg, transport=None, **kw: original(
+                            cls, cfg, transport=InMemoryTransport(broker), **kw)))
     ready = tmp_path / "ready" / "site.ready"
     result = CliRunner().invoke(app, ["run", "--config", str(tmp_path / "site.yaml"), "--idle-timeout", "0.2",
                                       "--ready-file", str(ready)])

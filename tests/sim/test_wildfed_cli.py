@@ -26,7 +26,7 @@ LAB = {"demo", "experiment", "audit", "observers", "plan-budgets", "clusters", "
 EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap", "real-photos"}
 OPERATOR = {"init", "enrol", "rotate-key", "revoke-key", "keys", "broker-config", "status", "budget", "run", "service",
             "ingest-worker", "provision", "serve", "import-deployments", "import-detections", "export-camtrap-dp",
-            "user", "places", "clusters", "fleet"}
+            "user", "places", "clusters", "fleet", "publish-update"}
 
 
 def _commands(app: typer.Typer, *path: str) -> set[str]:
