@@ -281,6 +281,47 @@ def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Ite
                                                         distributed=bool(task.distributed_noise))
 
 
+def _training_inputs(dataset: LocalDataset, feature_centre: np.ndarray | None) -> TrainingInputs:
+    """The inputs the steps run on: ``dataset`` itself when it is a prepared :class:`TrainingInputs` (checked to be
+    centred by ``feature_centre``), else prepared here.
+
+    Raises:
+        ConfigError: prepared inputs centred by another centre (field ``feature_centre``).
+    """
+    if isinstance(dataset, TrainingInputs):
+        if feature_centre is not None and (dataset.centre is None
+                                           or not np.array_equal(dataset.centre, feature_centre)):
+            raise ConfigError("the prepared training inputs were centred by another feature centre",
+                              field="feature_centre", fix="prepare TrainingInputs with the same centre")
+        return dataset
+    return TrainingInputs(dataset, feature_centre)
+
+
+def _count_release(task: TrainingTask, dataset: LocalDataset, eligible: np.ndarray, active: Iterable[IUCNCategory],
+                   global_weights: Mapping[str, np.ndarray], randomness: RandomSource, num_classes: int | None
+                   ) -> tuple[dict[int, float], dict[IUCNCategory, DPSGDEvent]]:
+    """The noisy class counts the task asks for (``task.count_noise_multiplier``; none when it is None) and their
+    privacy events, one Gaussian release per active category when the noise is > 0.
+
+    Raises:
+        PayloadError: counts asked for, ``num_classes`` None and no ``psi.bias`` in ``global_weights``.
+    """
+    z_count = task.count_noise_multiplier
+    counts: dict[int, float] = {}
+    count_events: dict[IUCNCategory, DPSGDEvent] = {}
+    if z_count is not None:
+        if num_classes is None:
+            if "psi.bias" not in global_weights:
+                raise PayloadError("the task asks for class counts but the number of classes is unknown: pass "
+                                   "num_classes (the site's model_classes)")
+            num_classes = int(np.asarray(global_weights["psi.bias"]).shape[0])
+        counts = noisy_class_counts(dataset.labels, eligible, num_classes=num_classes, noise_std=float(z_count),
+                                    randomness=randomness)
+        if z_count > 0:
+            count_events = {c: DPSGDEvent(float(z_count), 1.0, 1) for c in active}
+    return counts, count_events
+
+
 def train_locally(
     *,
     backend: TrainingBackend,
@@ -336,14 +377,7 @@ def train_locally(
     site_categories = tuple(site_categories)
     active, eligible, n_site, q = _eligibility(dataset, task, site_categories, record_mask)
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
-    if isinstance(dataset, TrainingInputs):
-        if feature_centre is not None and (dataset.centre is None
-                                           or not np.array_equal(dataset.centre, feature_centre)):
-            raise ConfigError("the prepared training inputs were centred by another feature centre",
-                              field="feature_centre", fix="prepare TrainingInputs with the same centre")
-        train_on = dataset
-    else:
-        train_on = TrainingInputs(dataset, feature_centre)
+    train_on = _training_inputs(dataset, feature_centre)
     centre = train_on.centre
     if centre is None:
         backend.set_weights(plain)
@@ -392,18 +426,7 @@ def train_locally(
     if plan is not None and task.class_reweighting and class_categories:
         delta = reweight_class_rows(delta, plan.relative_weights(), class_categories, task.class_reweighting)
     events = plan.events(task.local_steps) if plan is not None else {}
-    counts: dict[int, float] = {}
-    count_events: dict[IUCNCategory, DPSGDEvent] = {}
-    if z_count is not None:
-        if num_classes is None:
-            if "psi.bias" not in global_weights:
-                raise PayloadError("the task asks for class counts but the number of classes is unknown: pass "
-                                   "num_classes (the site's model_classes)")
-            num_classes = int(np.asarray(global_weights["psi.bias"]).shape[0])
-        counts = noisy_class_counts(dataset.labels, eligible, num_classes=num_classes, noise_std=float(z_count),
-                                    randomness=randomness)
-        if z_count > 0:
-            count_events = {c: DPSGDEvent(float(z_count), 1.0, 1) for c in active}
+    counts, count_events = _count_release(task, dataset, eligible, active, global_weights, randomness, num_classes)
     report = UpdateReport(num_examples=n_site, local_steps=task.local_steps, events=events,
                           species_counts=counts, count_events=count_events)
     return LocalTrainingResult(delta=delta, report=report, plan=plan, sampling_rate=q)

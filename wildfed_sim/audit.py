@@ -661,6 +661,52 @@ def load_audit_site(num_records: int, *, seed: int | None = None) -> tuple[np.nd
     return embed_grayscale(train.images[pick], train.source_indices[pick]), labels, ranks
 
 
+def _site_arrays(features: np.ndarray, labels: np.ndarray, categories: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The audited site's records as (features float32 (N, E), labels int64 (N,), IUCN ranks int8 (N,)).
+
+    Raises:
+        ConfigError: a wrong dtype or shapes that disagree (field ``site``).
+    """
+    images = np.asarray(features)  # the records' model inputs (canary keys take their shape and dtype)
+    labels = np.asarray(labels, dtype=np.int64)
+    real_ranks = np.asarray(categories).astype(np.int8)
+    n_real = int(labels.shape[0])
+    if images.dtype != np.float32 or images.ndim != 2 or images.shape[0] != n_real or real_ranks.shape != (n_real,):
+        raise ConfigError(f"site data shapes disagree: features {images.dtype} {images.shape}, labels {labels.shape}, "
+                          f"categories {real_ranks.shape}", field="site",
+                          fix="pass float32 (N, 1280) backbone embeddings, (N,), (N,)")
+    return images, labels, real_ranks
+
+
+def _category_rows(settings: AuditSettings, design: CanaryDesign, scores: np.ndarray,
+                   events: Mapping[IUCNCategory, list[DPSGDEvent]], z: Mapping[IUCNCategory, float],
+                   q_by_category: Mapping[IUCNCategory, float]) -> tuple[CategoryAudit, ...]:
+    """Audit each category of ``settings.categories``: guess its canaries' membership from ``scores`` (float64
+    (M,), aligned with ``design``), count the correct guesses against the revealed inclusion bits, and set the
+    empirical lower bound beside the accountant's claimed epsilon (its ``events``)."""
+    rows = []
+    for category in settings.categories:
+        members = np.flatnonzero(design.categories == category.rank)
+        k_plus, k_minus = guess_sizes(members.size, float(settings.guess_fraction))
+        guesses = membership_guesses(scores[members], k_plus=k_plus, k_minus=k_minus)
+        truth = np.where(design.included[members], 1, -1)
+        r_guess = int(np.count_nonzero(guesses))
+        v_correct = int(np.count_nonzero(guesses == truth))
+        rows.append(CategoryAudit(
+            category=category, canaries=int(members.size), included=int(design.included[members].sum()),
+            guesses=r_guess, correct=v_correct,
+            claimed_epsilon=epsilon_spent(events[category], target_delta=settings.target_delta,
+                                          accountant=settings.accountant),
+            lower_bound=epsilon_lower_bound(num_canaries=int(members.size), num_guesses=r_guess,
+                                            num_correct=v_correct, delta=settings.target_delta, beta=settings.beta),
+            ceiling=epsilon_lower_bound(num_canaries=int(members.size), num_guesses=r_guess, num_correct=r_guess,
+                                        delta=settings.target_delta, beta=settings.beta),
+            noise_multiplier=float(z[category]), delta=settings.target_delta,
+            sampling_rate=float(q_by_category[category])))
+    return tuple(rows)
+
+
 def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarray, categories: np.ndarray,
               backend: Any = None, initial_weights: Mapping[str, np.ndarray] | None = None,
               threads: int | None = None) -> AuditResult:
@@ -693,14 +739,8 @@ def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarr
     from shared.protocol import TrainingTask
 
     start = time.perf_counter()
-    images = np.asarray(features)  # the records' model inputs (canary keys take their shape and dtype)
-    labels = np.asarray(labels, dtype=np.int64)
-    real_ranks = np.asarray(categories).astype(np.int8)
+    images, labels, real_ranks = _site_arrays(features, labels, categories)
     n_real = int(labels.shape[0])
-    if images.dtype != np.float32 or images.ndim != 2 or images.shape[0] != n_real or real_ranks.shape != (n_real,):
-        raise ConfigError(f"site data shapes disagree: features {images.dtype} {images.shape}, labels {labels.shape}, "
-                          f"categories {real_ranks.shape}", field="site",
-                          fix="pass float32 (N, 1280) backbone embeddings, (N,), (N,)")
     if backend is None:
         from edge_sdk.backends.base import create_backend
         from shared.models.kinds import model_spec
@@ -762,24 +802,6 @@ def run_audit(settings: AuditSettings, *, features: np.ndarray, labels: np.ndarr
         q_by_category = result.sampling_rates
 
     scores = -moved
-    rows = []
-    for category in settings.categories:
-        members = np.flatnonzero(design.categories == category.rank)
-        k_plus, k_minus = guess_sizes(members.size, float(settings.guess_fraction))
-        guesses = membership_guesses(scores[members], k_plus=k_plus, k_minus=k_minus)
-        truth = np.where(design.included[members], 1, -1)
-        r_guess = int(np.count_nonzero(guesses))
-        v_correct = int(np.count_nonzero(guesses == truth))
-        rows.append(CategoryAudit(
-            category=category, canaries=int(members.size), included=int(design.included[members].sum()),
-            guesses=r_guess, correct=v_correct,
-            claimed_epsilon=epsilon_spent(events[category], target_delta=settings.target_delta,
-                                          accountant=settings.accountant),
-            lower_bound=epsilon_lower_bound(num_canaries=int(members.size), num_guesses=r_guess,
-                                            num_correct=v_correct, delta=settings.target_delta, beta=settings.beta),
-            ceiling=epsilon_lower_bound(num_canaries=int(members.size), num_guesses=r_guess, num_correct=r_guess,
-                                        delta=settings.target_delta, beta=settings.beta),
-            noise_multiplier=float(z[category]), delta=settings.target_delta,
-            sampling_rate=float(q_by_category[category])))
-    return AuditResult(settings=settings, rows=tuple(rows), num_real_records=n_real, num_active=len(dataset),
+    rows = _category_rows(settings, design, scores, events, z, q_by_category)
+    return AuditResult(settings=settings, rows=rows, num_real_records=n_real, num_active=len(dataset),
                        sampling_rate=q, scores=scores, design=design, wall_seconds=time.perf_counter() - start)

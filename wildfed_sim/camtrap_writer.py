@@ -106,6 +106,133 @@ def _write_pngs(media_dir: Path, names: Sequence[str], images: np.ndarray) -> No
         Image.fromarray(np.ascontiguousarray(image)).save(media_dir / name, format="PNG")
 
 
+def _checked_inputs(out: Path, site: SiteSpec, images: np.ndarray, labels: np.ndarray, species_table: SpeciesTable,
+                    source_indices: np.ndarray | None, start_time: datetime, overwrite: bool) -> np.ndarray:
+    """Check :func:`write_camtrap_dp`'s arguments (its Raises, in that order) and return ``source_indices`` as an
+    array (default ``0..N-1``).
+
+    Raises:
+        CamtrapWriteError: the first argument that is wrong, naming the fix.
+    """
+    n = images.shape[0] if images.ndim == 3 else -1
+    if images.dtype != np.uint8 or images.ndim != 3 or n < 1:
+        raise CamtrapWriteError(f"images must be a non-empty uint8 (N, H, W) array, got {images.dtype} {images.shape}")
+    if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
+        raise CamtrapWriteError(f"labels must be an integer ({n},) array, got {labels.dtype} {labels.shape}")
+    if labels.min() < 0 or labels.max() >= len(species_table):
+        raise CamtrapWriteError(
+            f"labels must lie in 0..{len(species_table) - 1} (the species table), got {labels.min()}..{labels.max()}"
+        )
+    if n != site.num_images:
+        raise CamtrapWriteError(f"site {site.site_id} has {site.num_images} images, {n} were given")
+    distinct = distinct_images(images)
+    if distinct.size != n:
+        first_dup = int(np.setdiff1d(np.arange(n), distinct)[0])
+        raise CamtrapWriteError(
+            f"{n - distinct.size} image(s) repeat an earlier image byte for byte (first: row {first_dup}); one image "
+            "is one record, and the gateway would merge them, loading fewer records than the site has; fix: keep "
+            "the rows distinct_images(images) returns (and the site's indices with them)")
+    if source_indices is None:
+        source_indices = np.arange(n, dtype=np.int64)
+    source_indices = np.asarray(source_indices)
+    if source_indices.shape != (n,):
+        raise CamtrapWriteError(f"source_indices must have shape ({n},), got {source_indices.shape}")
+    if np.unique(source_indices).size != n:
+        raise CamtrapWriteError("source_indices must be unique (they name the media files)")
+    if start_time.tzinfo is None or start_time.utcoffset() is None:
+        raise CamtrapWriteError("start_time must be timezone-aware (Camtrap DP timestamps carry an offset); "
+                                "fix: pass e.g. datetime(2024, 1, 1, tzinfo=timezone.utc)")
+    if out.exists() and not overwrite:
+        raise CamtrapWriteError(f"{out} already exists; fix: choose another folder or pass overwrite=True")
+    return source_indices
+
+
+def _deployment_row(site: SiteSpec, start: datetime, end: datetime) -> dict[str, object]:
+    """The one row of ``deployments.csv``: the site's fictional deployment from ``start`` to ``end``."""
+    return {
+        "deploymentID": site.site_id,
+        "locationID": f"loc-{site.site_id}",
+        "locationName": f"{site.biome} {site.site_id}",
+        "latitude": f"{site.latitude:.3f}",
+        "longitude": f"{site.longitude:.3f}",
+        "coordinateUncertainty": 100,
+        "deploymentStart": _iso(start),
+        "deploymentEnd": _iso(end),
+        "setupBy": "WildFed demo",
+        "cameraID": f"cam-{site.site_id}",
+        "timestampIssues": "false",
+        "baitUse": "false",
+        "habitat": site.habitat,
+        "deploymentGroups": f"biome:{site.biome}",
+        "deploymentComments": "Fictional deployment: Animal-MNIST images placed by WildFed's ecological site design",
+    }
+
+
+def _descriptor(site: SiteSpec, species_table: SpeciesTable, labels: np.ndarray, start: datetime, end: datetime,
+                seed: int) -> dict[str, object]:
+    """``datapackage.json``: the local resources and schemas, the project, and the site's spatial, temporal and
+    taxonomic coverage (the species of ``labels``)."""
+    present = sorted({int(c) for c in labels})
+    return {
+        "resources": [local_resource(name) for name in ("deployments", "media", "observations")],
+        "profile": LOCAL_PACKAGE_PROFILE,
+        "name": f"wildfed-demo-{site.site_id}",
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"wildfed-demo/{site.site_id}/{_iso(start)}/{seed}")),
+        "created": _iso(datetime.now(timezone.utc)),
+        "title": f"WildFed demo camera-trap site {site.site_id} ({site.biome})",
+        "description": ("Animal-MNIST silhouettes (" + PACKAGE_SPEC + ") arranged as one camera-trap deployment by "
+                        "WildFed's ecological site design. Coordinates and timestamps are fictional."),
+        "version": "1.0",
+        "contributors": [{"title": "WildFed demo", "role": "contact"}],
+        "licenses": [{"name": "MIT", "scope": "data"}, {"name": "MIT", "scope": "media"}],
+        "project": {
+            "title": "WildFed federated-learning demo",
+            "samplingDesign": "targeted",
+            "captureMethod": ["activityDetection"],
+            "individualAnimals": False,
+            "observationLevel": ["media"],
+        },
+        "coordinatePrecision": 0.001,
+        "spatial": {"type": "Point", "coordinates": [round(site.longitude, 3), round(site.latitude, 3)]},
+        "temporal": {"start": start.date().isoformat(), "end": end.date().isoformat()},
+        "taxonomic": [
+            {
+                "scientificName": species_table[c].scientific_name,
+                "taxonRank": "species",
+                "vernacularNames": {"eng": species_table[c].common_name},
+            }
+            for c in present
+        ],
+    }
+
+
+def _write_package(out: Path, file_names: Sequence[str], images: np.ndarray, deployment: dict[str, object],
+                   media_rows: Sequence[dict[str, object]], observation_rows: Sequence[dict[str, object]],
+                   descriptor: dict[str, object]) -> None:
+    """Write the package in a temporary folder beside ``out`` and rename it into place (replacing an old ``out``
+    only once the new one is complete); on any error the temporary folder is removed and ``out`` is untouched."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_pngs(tmp / "media", file_names, images)
+        _write_csv(tmp / "deployments.csv", DEPLOYMENTS_COLUMNS, [deployment])
+        _write_csv(tmp / "media.csv", MEDIA_COLUMNS, media_rows)
+        _write_csv(tmp / "observations.csv", OBSERVATIONS_COLUMNS, observation_rows)
+        write_schema_files(tmp)
+        (tmp / "datapackage.json").write_text(json.dumps(descriptor, indent=2) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out.exists():  # overwrite: move the old package aside, put the new one in, then drop the old one
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "pkg")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_camtrap_dp(
     out_dir: str | os.PathLike[str],
     *,
@@ -147,36 +274,9 @@ def write_camtrap_dp(
     out = Path(out_dir)
     images = np.asarray(images)
     labels = np.asarray(labels)
-    n = images.shape[0] if images.ndim == 3 else -1
-    if images.dtype != np.uint8 or images.ndim != 3 or n < 1:
-        raise CamtrapWriteError(f"images must be a non-empty uint8 (N, H, W) array, got {images.dtype} {images.shape}")
-    if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
-        raise CamtrapWriteError(f"labels must be an integer ({n},) array, got {labels.dtype} {labels.shape}")
-    if labels.min() < 0 or labels.max() >= len(species_table):
-        raise CamtrapWriteError(
-            f"labels must lie in 0..{len(species_table) - 1} (the species table), got {labels.min()}..{labels.max()}"
-        )
-    if n != site.num_images:
-        raise CamtrapWriteError(f"site {site.site_id} has {site.num_images} images, {n} were given")
-    distinct = distinct_images(images)
-    if distinct.size != n:
-        first_dup = int(np.setdiff1d(np.arange(n), distinct)[0])
-        raise CamtrapWriteError(
-            f"{n - distinct.size} image(s) repeat an earlier image byte for byte (first: row {first_dup}); one image "
-            "is one record, and the gateway would merge them, loading fewer records than the site has; fix: keep "
-            "the rows distinct_images(images) returns (and the site's indices with them)")
-    if source_indices is None:
-        source_indices = np.arange(n, dtype=np.int64)
-    source_indices = np.asarray(source_indices)
-    if source_indices.shape != (n,):
-        raise CamtrapWriteError(f"source_indices must have shape ({n},), got {source_indices.shape}")
-    if np.unique(source_indices).size != n:
-        raise CamtrapWriteError("source_indices must be unique (they name the media files)")
-    if start_time.tzinfo is None or start_time.utcoffset() is None:
-        raise CamtrapWriteError("start_time must be timezone-aware (Camtrap DP timestamps carry an offset); "
-                                "fix: pass e.g. datetime(2024, 1, 1, tzinfo=timezone.utc)")
-    if out.exists() and not overwrite:
-        raise CamtrapWriteError(f"{out} already exists; fix: choose another folder or pass overwrite=True")
+    source_indices = _checked_inputs(out, site, images, labels, species_table, source_indices, start_time,
+                                     overwrite)
+    n = images.shape[0]
 
     start = start_time.replace(microsecond=0)
     end = start + timedelta(days=site.monitoring_months * DAYS_PER_MONTH)
@@ -191,23 +291,7 @@ def write_camtrap_dp(
     images = images[order]
     source_indices = source_indices[order]
 
-    deployment = {
-        "deploymentID": site.site_id,
-        "locationID": f"loc-{site.site_id}",
-        "locationName": f"{site.biome} {site.site_id}",
-        "latitude": f"{site.latitude:.3f}",
-        "longitude": f"{site.longitude:.3f}",
-        "coordinateUncertainty": 100,
-        "deploymentStart": _iso(start),
-        "deploymentEnd": _iso(end),
-        "setupBy": "WildFed demo",
-        "cameraID": f"cam-{site.site_id}",
-        "timestampIssues": "false",
-        "baitUse": "false",
-        "habitat": site.habitat,
-        "deploymentGroups": f"biome:{site.biome}",
-        "deploymentComments": "Fictional deployment: Animal-MNIST images placed by WildFed's ecological site design",
-    }
+    deployment = _deployment_row(site, start, end)
     media_rows = [
         {
             "mediaID": m, "deploymentID": site.site_id, "captureMethod": "activityDetection", "timestamp": ts,
@@ -224,57 +308,7 @@ def write_camtrap_dp(
         }
         for m, ts, e, i in zip(media_ids, stamps, entries, source_indices, strict=True)
     ]
-    present = sorted({int(c) for c in labels})
-    descriptor = {
-        "resources": [local_resource(name) for name in ("deployments", "media", "observations")],
-        "profile": LOCAL_PACKAGE_PROFILE,
-        "name": f"wildfed-demo-{site.site_id}",
-        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"wildfed-demo/{site.site_id}/{_iso(start)}/{seed}")),
-        "created": _iso(datetime.now(timezone.utc)),
-        "title": f"WildFed demo camera-trap site {site.site_id} ({site.biome})",
-        "description": ("Animal-MNIST silhouettes (" + PACKAGE_SPEC + ") arranged as one camera-trap deployment by "
-                        "WildFed's ecological site design. Coordinates and timestamps are fictional."),
-        "version": "1.0",
-        "contributors": [{"title": "WildFed demo", "role": "contact"}],
-        "licenses": [{"name": "MIT", "scope": "data"}, {"name": "MIT", "scope": "media"}],
-        "project": {
-            "title": "WildFed federated-learning demo",
-            "samplingDesign": "targeted",
-            "captureMethod": ["activityDetection"],
-            "individualAnimals": False,
-            "observationLevel": ["media"],
-        },
-        "coordinatePrecision": 0.001,
-        "spatial": {"type": "Point", "coordinates": [round(site.longitude, 3), round(site.latitude, 3)]},
-        "temporal": {"start": start.date().isoformat(), "end": end.date().isoformat()},
-        "taxonomic": [
-            {
-                "scientificName": species_table[c].scientific_name,
-                "taxonRank": "species",
-                "vernacularNames": {"eng": species_table[c].common_name},
-            }
-            for c in present
-        ],
-    }
+    descriptor = _descriptor(site, species_table, labels, start, end, seed)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _write_pngs(tmp / "media", file_names, images)
-        _write_csv(tmp / "deployments.csv", DEPLOYMENTS_COLUMNS, [deployment])
-        _write_csv(tmp / "media.csv", MEDIA_COLUMNS, media_rows)
-        _write_csv(tmp / "observations.csv", OBSERVATIONS_COLUMNS, observation_rows)
-        write_schema_files(tmp)
-        (tmp / "datapackage.json").write_text(json.dumps(descriptor, indent=2) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out.exists():  # overwrite: move the old package aside, put the new one in, then drop the old one
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "pkg")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_package(out, file_names, images, deployment, media_rows, observation_rows, descriptor)
     return out

@@ -98,7 +98,6 @@ def run_radio_demo(settings: RadioDemoSettings, *, console: Any = None) -> Radio
 def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from coordinator.config import config_from_dict, save_config
     from wildfed_sim.common.runs import new_run_dir
@@ -164,24 +163,9 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
         save_config(config, coord_dir / "coordinator.yaml")
         start = canonical_unflatten(initial.astype(np.float32), template)
         coordinator = stack.enter_context(Coordinator(config, initial_weights=start))
-        site_configs = []
-        for k, site in enumerate(data.clients):
-            site_id = f"bs-{k:02d}"
-            site_dir = run_dir / "sites" / site_id
-            site_dir.mkdir(parents=True, exist_ok=True)
-            site.maps.save(site_dir / "maps.safetensors")
-            key = generate_signing_key()
-            save_private_key(key, site_dir / "keys" / "site.key")
-            save_public_key(key.public_key(), site_dir / "keys" / "site.pub")
-            site_config = {"federation_id": federation_id, "site_id": site_id, "task": "radiomap",
-                           "dataset": "maps.safetensors", "profile": "radio-base-station",
-                           "private_key": "keys/site.key", "coordinator_public_key": str(coordinator_pub),
-                           "broker_url": broker_url, "outbox": "state/outbox.sqlite",
-                           "allow_non_private": settings.privacy == "none"}
-            (site_dir / "site.yaml").write_text(yaml.safe_dump(site_config, sort_keys=False))
-            coordinator.enrol(site_id, public_key_to_pem(key.public_key()),
-                              {"capacity": len(site.maps), "categories": ["NE"]})
-            site_configs.append(site_dir / "site.yaml")
+        site_configs = _enrol_sites(coordinator, data.clients, run_dir, federation_id=federation_id,
+                                    coordinator_pub=coordinator_pub, broker_url=broker_url,
+                                    allow_non_private=settings.privacy == "none")
         console.log(f"enrolled {len(site_configs)} base-station sites (their centres stay on the sites)")
         stack.enter_context(running_gateways(site_configs, run_dir / "logs", run_dir / "ready", console))
         columns = (TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), MofNCompleteColumn(),
@@ -201,6 +185,39 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
                 progress.update(bar, advance=1, info=info)
         result.rejections = dict(coordinator.status().rejections)
     result.elapsed_s = time.monotonic() - t0
+    _report(settings, result, console)
+    return result
+
+
+def _enrol_sites(coordinator: Any, clients: Any, run_dir: Path, *, federation_id: str, coordinator_pub: Path,
+                 broker_url: str, allow_non_private: bool) -> list[Path]:
+    """Give each client of the data set a site folder ``<run>/sites/bs-<k>`` (its maps, a fresh key pair, a
+    ``site.yaml``) and enrol it with ``coordinator``; returns the ``site.yaml`` paths."""
+    site_configs = []
+    for k, site in enumerate(clients):
+        site_id = f"bs-{k:02d}"
+        site_dir = run_dir / "sites" / site_id
+        site_dir.mkdir(parents=True, exist_ok=True)
+        site.maps.save(site_dir / "maps.safetensors")
+        key = generate_signing_key()
+        save_private_key(key, site_dir / "keys" / "site.key")
+        save_public_key(key.public_key(), site_dir / "keys" / "site.pub")
+        site_config = {"federation_id": federation_id, "site_id": site_id, "task": "radiomap",
+                       "dataset": "maps.safetensors", "profile": "radio-base-station",
+                       "private_key": "keys/site.key", "coordinator_public_key": str(coordinator_pub),
+                       "broker_url": broker_url, "outbox": "state/outbox.sqlite",
+                       "allow_non_private": allow_non_private}
+        (site_dir / "site.yaml").write_text(yaml.safe_dump(site_config, sort_keys=False))
+        coordinator.enrol(site_id, public_key_to_pem(key.public_key()),
+                          {"capacity": len(site.maps), "categories": ["NE"]})
+        site_configs.append(site_dir / "site.yaml")
+    return site_configs
+
+
+def _report(settings: RadioDemoSettings, result: RadioDemoResult, console: Any) -> None:
+    """Print the per-round table and write ``<run>/report.json``."""
+    from rich.table import Table
+
     table = Table(title=f"WildFed radio demo: {settings.sites} sites, defence {settings.defence}, "
                         f"z = {settings.noise_multiplier}, C = {settings.clipping_norm}")
     table.add_column("round", justify="right")
@@ -217,6 +234,5 @@ def _run(settings: RadioDemoSettings, *, console: Any = None) -> RadioDemoResult
     report = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
               "initial_val_mse_db": result.initial_mse_db, "history": result.history,
               "rejections": result.rejections, "elapsed_s": result.elapsed_s}
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
-    console.log(f"report: {run_dir / 'report.json'} ({result.elapsed_s:.0f} s in all)")
-    return result
+    (result.run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
+    console.log(f"report: {result.run_dir / 'report.json'} ({result.elapsed_s:.0f} s in all)")

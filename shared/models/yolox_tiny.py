@@ -55,8 +55,9 @@ WEIGHTS_FILE = "yolox_tiny_640_20220528.pth"
 
 
 @functools.cache
-def _modules() -> SimpleNamespace:
-    """Define the YOLOX module classes (needs torch; defined once, on first use)."""
+def _blocks() -> SimpleNamespace:
+    """Define the YOLOX building blocks: BaseConv, Bottleneck, SPPBottleneck, CSPLayer, Focus (needs torch; defined
+    once, on first use)."""
     import torch
     from torch import nn
 
@@ -127,6 +128,20 @@ def _modules() -> SimpleNamespace:
             top_left, top_right = x[..., ::2, ::2], x[..., ::2, 1::2]
             bot_left, bot_right = x[..., 1::2, ::2], x[..., 1::2, 1::2]
             return self.conv(torch.cat((top_left, bot_left, top_right, bot_right), dim=1))
+
+    return SimpleNamespace(BaseConv=BaseConv, Bottleneck=Bottleneck, SPPBottleneck=SPPBottleneck,
+                           CSPLayer=CSPLayer, Focus=Focus)
+
+
+@functools.cache
+def _modules() -> SimpleNamespace:
+    """Define the YOLOX networks from :func:`_blocks`: CSPDarknet, YOLOPAFPN, YOLOXHead, YOLOX; the namespace holds
+    the blocks too (needs torch; defined once, on first use)."""
+    import torch
+    from torch import nn
+
+    blocks = _blocks()
+    BaseConv, CSPLayer, Focus, SPPBottleneck = blocks.BaseConv, blocks.CSPLayer, blocks.Focus, blocks.SPPBottleneck
 
     class CSPDarknet(nn.Module):
         """The backbone; returns the dark3, dark4, dark5 feature maps (strides 8, 16, 32)."""
@@ -233,9 +248,8 @@ def _modules() -> SimpleNamespace:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(self.backbone(x))
 
-    return SimpleNamespace(BaseConv=BaseConv, Bottleneck=Bottleneck, SPPBottleneck=SPPBottleneck,
-                           CSPLayer=CSPLayer, Focus=Focus, CSPDarknet=CSPDarknet, YOLOPAFPN=YOLOPAFPN,
-                           YOLOXHead=YOLOXHead, YOLOX=YOLOX)
+    return SimpleNamespace(**vars(blocks), CSPDarknet=CSPDarknet, YOLOPAFPN=YOLOPAFPN, YOLOXHead=YOLOXHead,
+                           YOLOX=YOLOX)
 
 
 def build_model(num_classes: int = NUM_CLASSES) -> "torch.nn.Module":

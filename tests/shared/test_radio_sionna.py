@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from shared.errors import ConfigError, DatasetError
-from shared.radio.scenes import SceneTile
-from shared.radio import sionna_maps
+from shared.radio.scenes import SceneTile, scene_grid
+from shared.radio.sionna_maps import availability
 from shared.radio.sionna_maps import (
     INSTALL_STEPS,
     SionnaSettings,
@@ -162,10 +162,10 @@ def test_llvm_library_names_the_fix_for_a_missing_or_crashing_llvm(tmp_path, mon
     good.write_bytes(b"")
     assert llvm_library(environ={"DRJIT_LIBLLVM_PATH": str(good)}) == good
     # Unset: a libLLVM-19 at a standard place is found and put in the environment given; none found is an error.
-    monkeypatch.setattr(sionna_maps, "_LLVM_CANDIDATES", (str(tmp_path / "libLLVM-1[9].so"),))
+    monkeypatch.setattr(availability, "_LLVM_CANDIDATES", (str(tmp_path / "libLLVM-1[9].so"),))
     env: dict[str, str] = {}
     assert llvm_library(environ=env) == good and env["DRJIT_LIBLLVM_PATH"] == str(good)
-    monkeypatch.setattr(sionna_maps, "_LLVM_CANDIDATES", (str(tmp_path / "absent-*.so"),))
+    monkeypatch.setattr(availability, "_LLVM_CANDIDATES", (str(tmp_path / "absent-*.so"),))
     with pytest.raises(SionnaUnavailable) as info:
         llvm_library(environ={})
     assert "apt-get install -y libllvm19" in info.value.fix
@@ -184,7 +184,7 @@ def test_check_sionna_names_missing_packages(monkeypatch):
 
 def _scene_files() -> bool:
     try:
-        sionna_maps.scene_grid("etoile")
+        scene_grid("etoile")
     except ConfigError:
         return False
     return True
@@ -197,7 +197,7 @@ def test_the_command_without_sionna_fails_with_the_install_steps(tmp_path, monke
 
     from wildfed_sim.cli import app
 
-    monkeypatch.setattr(sionna_maps, "_LLVM_CANDIDATES", (str(tmp_path / "absent-*.so"),))
+    monkeypatch.setattr(availability, "_LLVM_CANDIDATES", (str(tmp_path / "absent-*.so"),))
     monkeypatch.delenv("DRJIT_LIBLLVM_PATH", raising=False)
     result = CliRunner().invoke(app, ["radio-data", "sionna", "--out", str(tmp_path / "set"), "--scene", "etoile",
                                       "--tile", "0"], env={"COLUMNS": "400"})

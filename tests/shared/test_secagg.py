@@ -1,4 +1,4 @@
-"""Secure aggregation (shared/secagg.py, Bonawitz et al. 2017): masks cancel exactly, dropped sites' masks are
+"""Secure aggregation (shared/secagg/, Bonawitz et al. 2017): masks cancel exactly, dropped sites' masks are
 recovered, one masked update reveals nothing, and the protocol refuses what it must.
 
 The statistical tests use fresh OS randomness (there is no seeded mode on purpose), so they are tests at a tiny
@@ -40,7 +40,7 @@ from shared.secagg import (
     shamir_split,
     unmask_sum,
 )
-from shared.secagg import _agree, _pair_sign, _pairwise_mask_key  # white-box: rebuild what a server could compute
+from shared.secagg.derive import agree, pair_sign, pairwise_mask_key  # white-box: rebuild what a server could compute
 
 ALPHA = 1e-6
 SITES = ("site_a", "site_b", "site_c", "site_d", "site_e")
@@ -297,9 +297,9 @@ def test_late_update_of_a_dropped_site_stays_hidden_by_its_self_mask():
         if v == late:
             continue
         pk_v = rnd.broadcast[v].mask_public
-        mask = expand_mask(_pairwise_mask_key(_agree(private, pk_v), params, late, pk_late, v, pk_v),
+        mask = expand_mask(pairwise_mask_key(agree(private, pk_v), params, late, pk_late, v, pk_v),
                            params.vector_length, params.modulus_bits)
-        residue = residue - mask if _pair_sign(late, v) > 0 else residue + mask
+        residue = residue - mask if pair_sign(late, v) > 0 else residue + mask
     q = quantise(updates[late], params)
     assert not np.array_equal(residue, q)
     assert stats.chisquare(np.bincount((residue - q).view(np.uint8), minlength=256)).pvalue > ALPHA
