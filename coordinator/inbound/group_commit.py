@@ -71,7 +71,7 @@ from coordinator.storage import Store, UpdateOutcome, UpdateRow
 from coordinator.transport import mark_handler_thread
 
 if TYPE_CHECKING:
-    from coordinator.config import GroupCommitConfig
+    from coordinator.config_operations import GroupCommitConfig
 
 __all__ = ["GroupCommitPolicy", "StagedUpdate", "GroupCommitter", "BackgroundCommits", "CommitGroups",
            "CRASH_AFTER_COMMIT"]
@@ -118,7 +118,7 @@ class GroupCommitPolicy:
     @classmethod
     def from_config(cls, config: GroupCommitConfig) -> GroupCommitPolicy:
         """The policy of the ``group_commit:`` section of the coordinator config
-        (:class:`coordinator.config.GroupCommitConfig`).
+        (:class:`coordinator.config_operations.GroupCommitConfig`).
 
         Raises:
             ConfigError: a value out of range (see the class).
