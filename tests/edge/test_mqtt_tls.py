@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from shared.broker import load_broker_credentials
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.topics import parse_status_payload, status_filter, status_topic, task_topic, update_topic
 
-from coordinator.broker_config import BrokerConfigResult, generate_broker_config, load_broker_credentials
+from coordinator.broker_config import BrokerConfigResult, generate_broker_config
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 from coordinator.transport import MqttTransport as CoordinatorTransport
