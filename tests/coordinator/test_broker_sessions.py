@@ -36,7 +36,7 @@ from shared.topics import detection_topic, update_topic
 from coordinator.broker_config import generate_broker_config
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
-from coordinator.transport import transport_from_config as coordinator_transport
+from coordinator.transport.mqtt import transport_from_config as coordinator_transport
 from edge_sdk.config import SiteConfig
 from edge_sdk.uplink.mqtt import transport_from_config as site_transport
 from tests.support import free_port

@@ -23,8 +23,8 @@ from shared.topics import parse_status_payload, status_filter, status_topic, tas
 from coordinator.broker_config import BrokerConfigResult, generate_broker_config
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
-from coordinator.transport import MqttTransport as CoordinatorTransport
-from coordinator.transport import transport_from_config as coordinator_transport_from_config
+from coordinator.transport.mqtt import MqttTransport as CoordinatorTransport
+from coordinator.transport.mqtt import transport_from_config as coordinator_transport_from_config
 from edge_sdk.config import SiteConfig
 from edge_sdk.uplink.mqtt import MqttTransport, full_jitter_delay, transport_from_config
 from edge_sdk.uplink.transport import TransportError
