@@ -38,7 +38,7 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    from coordinator.transport import parse_broker_url
+    from coordinator.transport.mqtt import parse_broker_url
     from shared.envelope import Envelope, MessageKind, verify
     from shared.protocol import decode_ack
     from shared.topics import ack_topic, update_topic

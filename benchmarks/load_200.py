@@ -104,7 +104,7 @@ def main() -> None:
     from coordinator.config import config_from_dict, load_config, save_config
     from coordinator.registry import SiteRegistry
     from coordinator.storage import RoundRow, Store
-    from coordinator.transport import parse_broker_url
+    from coordinator.transport.mqtt import parse_broker_url
     from shared.codec import encode_tensors, model_hash
     from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
     from shared.topics import task_topic

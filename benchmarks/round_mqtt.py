@@ -64,7 +64,7 @@ def main() -> None:
 
     from coordinator.config import config_from_dict
     from coordinator.service import Coordinator
-    from coordinator.transport import parse_broker_url
+    from coordinator.transport.mqtt import parse_broker_url
     from shared.envelope import hash_piece
     from shared.keys import generate_signing_key, public_key_to_pem
 

@@ -59,6 +59,11 @@ Example (``wildfed-coordinator init`` writes this)::
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
+
+The sections are defined beside this module, one idea each: :mod:`coordinator.config_privacy` (budget, secagg),
+:mod:`coordinator.config_learning` (strategy, server_optimizer, species, radio) and
+:mod:`coordinator.config_operations` (transfer, group_commit, schedule, web). This module holds the whole
+:class:`CoordinatorConfig`, the rules that span sections, and loading, resolving and saving.
 """
 
 from __future__ import annotations
@@ -66,324 +71,21 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from coordinator.config_learning import (FedAvgConfig, RadioConfig, ServerOptimizerConfig, ServerSGDConfig,
+                                         SpeciesEntry, Strategy)
+from coordinator.config_operations import GroupCommitConfig, ScheduleConfig, TransferConfig, WebConfig
+from coordinator.config_privacy import Budget, BudgetFromAnchor, SecAggConfig
 from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits
 from shared.config import StrictModel, load_yaml, validation_errors
 from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
-__all__ = ["BudgetFromMax", "BudgetFromAnchor", "SecAggConfig", "RadioConfig", "FedAvgConfig", "NiraConfig", "SpeciesEntry",
-           "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig", "TransferConfig", "GroupCommitConfig", "ScheduleConfig",
-           "CoordinatorConfig", "load_config", "save_config"]
-
-
-class BudgetFromMax(StrictModel):
-    """CCDP budget in the seed's form: ``eps_c = eps_max * (rank(c)/6) ** gamma`` (shared.iucn.CCDPBudget)."""
-
-    kind: Literal["from_max"] = "from_max"
-    eps_max: float = Field(2.0, gt=0, description="NE budget (total epsilon per record over the federation)")
-    gamma: float = Field(1.0, ge=0)
-
-    def to_budget(self) -> CCDPBudget:
-        """The :class:`shared.iucn.CCDPBudget`."""
-        return CCDPBudget.from_max(eps_max=self.eps_max, gamma=self.gamma)
-
-
-class BudgetFromAnchor(StrictModel):
-    """CCDP budget pinned at one category: ``eps_c = epsilon * (rank(c)/rank(category)) ** gamma``.
-
-    Defaults are the documented CCDP setting (README, docs/privacy.md): VU = 1.0 with gamma = 1, i.e. CR 0.33,
-    EN 0.67, VU 1.00, NT 1.33, LC 1.67, NE 2.00; ``gamma: 2`` must be asked for (NE 4.00)."""
-
-    kind: Literal["from_anchor"] = "from_anchor"
-    category: IUCNCategory = IUCNCategory.VU
-    epsilon: float = Field(1.0, gt=0)
-    gamma: float = Field(1.0, ge=0, description="steepness; 1 (default) is linear in rank, 2 quadratic")
-
-    def to_budget(self) -> CCDPBudget:
-        """The :class:`shared.iucn.CCDPBudget`."""
-        return CCDPBudget.from_anchor(category=self.category, epsilon=self.epsilon, gamma=self.gamma)
-
-
-Budget = Annotated[BudgetFromMax | BudgetFromAnchor, Field(discriminator="kind")]
-
-
-class FedAvgConfig(StrictModel):
-    """Plain FedAvg over all sites (McMahan et al. 2017)."""
-
-    kind: Literal["fedavg"] = "fedavg"
-
-
-class NiraConfig(StrictModel):
-    """NIRA: ecological clusters, shared phi, one head psi per cluster (coordinator/strategies/nira.py, docs/nira.md).
-
-    At most one of ``distance_threshold`` / ``num_clusters`` cuts the species-list dendrogram; with neither, the
-    cut is at Jaccard distance 0.7 (sites sharing less than 30 % of their species lists fall apart)."""
-
-    kind: Literal["nira"] = "nira"
-    distance_threshold: float | None = Field(None, gt=0, le=1, description="cut at this Jaccard distance 1 - J "
-                                             "(average linkage)")
-    num_clusters: int | None = Field(None, ge=1, description="or cut into this many clusters")
-    exclude_categories: list[IUCNCategory] = Field(default_factory=lambda: [IUCNCategory.CR, IUCNCategory.EN],
-                                                   description="IUCN categories left out of the species lists used "
-                                                   "for clustering (sensitive species)")
-    recluster_every: int = Field(0, ge=0, description="re-cluster from the cosine similarity of the sites' "
-                                 "phi-updates every this many rounds (0: never)")
-    recluster_margin: float = Field(0.1, ge=0, le=2, description="a site moves only if its mean cosine similarity "
-                                    "to another cluster beats its own cluster's by this much")
-    min_rounds_between_moves: int = Field(3, ge=1, description="a site moves at most once per this many rounds")
-    embedding_merging: bool = Field(True, description="initialise (once, aligned) the head rows of species a "
-                                    "cluster lacks with the weighted mean of the sites' embeddings of that species; "
-                                    "on by default; under CCDP gamma 1 it changed nothing measurable (66.5 vs "
-                                    "66.4 % macro over 10 seeds, docs/nira.md)")
-    head_prefix: str = Field("psi.", min_length=1, description="tensor-name prefix of the classification head")
-    embedding_weights: Literal["public", "noisy_counts"] = Field(
-        "public", description="weights w_ks of the merged embeddings: the sites' public N_k (no cost), or per-species "
-        "counts each site releases with Gaussian noise every round (charged to its ledger; DP-SGD noise is "
-        "calibrated so that both stay within each budget)")
-    count_noise_multiplier: float = Field(100.0, gt=0, description="noise std of each released count (records; "
-                                          "sensitivity 1), for embedding_weights: noisy_counts. One release per "
-                                          "round: 10 rounds at 100 cost about eps 0.1 at delta 1e-5, which the "
-                                          "DP-SGD calibration leaves room for; too little noise for a budget stops "
-                                          "the site with a clear error")
-
-    phi_weighting: Literal["records", "inverse_variance", "clusters"] = Field(
-        "records", description="weights of the clusters' mean deltas in the shared phi's step: records (N_m / N, "
-        "FedAvg's), inverse_variance (1 / the DP noise variance of each cluster's mean), or clusters (|C_m| / K, "
-        "the seed's rule, which multiplied the noise on phi by up to 2.9x under CCDP: docs/nira.md)")
-    min_cluster_records: int = Field(0, ge=0, description="a cluster from the species lists with fewer declared "
-                                     "records joins its most similar cluster (0: off)")
-    recluster_min_snr: float = Field(1.0, ge=0, description="re-cluster only in rounds whose similarity "
-                                     "signal-to-noise ratio (estimated from the updates and their DP noise "
-                                     "variance; docs/nira.md) is at least this; 0: always")
-
-    @model_validator(mode="after")
-    def _one_cut(self) -> "NiraConfig":
-        if self.distance_threshold is not None and self.num_clusters is not None:
-            raise ValueError("give at most one of distance_threshold and num_clusters")
-        return self
-
-    @property
-    def cut(self) -> dict[str, float | int | None]:
-        """Keyword arguments of the dendrogram cut: ``distance_threshold`` or ``num_clusters``."""
-        if self.num_clusters is not None:
-            return {"distance_threshold": None, "num_clusters": self.num_clusters}
-        return {"distance_threshold": self.distance_threshold if self.distance_threshold is not None else 0.7,
-                "num_clusters": None}
-
-
-Strategy = Annotated[FedAvgConfig | NiraConfig, Field(discriminator="kind")]
-
-
-class ServerSGDConfig(StrictModel):
-    """Server SGD (DP-FedGD baseline), optionally with server momentum; step size ``server_learning_rate``."""
-
-    kind: Literal["sgd"] = "sgd"
-    momentum: float = Field(0.0, ge=0, lt=1, description="server momentum mu (FedAvgM); 0 = plain")
-
-
-class FedSOFIMConfig(StrictModel):
-    """DP-FedSOFIM (coordinator/optimizers/fedsofim.py, docs/fedsofim.md); step size ``server_learning_rate``."""
-
-    kind: Literal["fedsofim"] = "fedsofim"
-    beta: float = Field(0.9, ge=0, lt=1, description="momentum of M_t = beta M + (1 - beta) G")
-    rho: float = Field(1.0, gt=0, description="ridge of the Fisher proxy M M^T + rho I (large: SGD with eta/rho)")
-    warmup_rounds: int = Field(0, ge=0, description="first steps taken as SGD with step eta/rho while M fills")
-    precondition: Literal["gradient", "momentum"] = Field(
-        "gradient", description="precondition the round's aggregate G (the seed's step) or the momentum M")
-
-
-class FedAdamConfig(StrictModel):
-    """FedAdam (Reddi et al. 2021, Alg. 2; coordinator/optimizers/fedadam.py); step size ``server_learning_rate``
-    (typically far below 1, e.g. 0.01)."""
-
-    kind: Literal["fedadam"] = "fedadam"
-    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay")
-    beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay")
-    tau: float = Field(1e-3, gt=0, description="adaptivity (large: momentum SGD with step eta/tau)")
-
-
-ServerOptimizerConfig = Annotated[ServerSGDConfig | FedSOFIMConfig | FedAdamConfig, Field(discriminator="kind")]
-
-
-class SpeciesEntry(StrictModel):
-    """One class of the federation's model (public): its scientific name, class index and IUCN category."""
-
-    scientific_name: str = Field(min_length=1)
-    class_index: int = Field(ge=0)
-    iucn_category: IUCNCategory
-
-
-class SecAggConfig(StrictModel):
-    """Secure aggregation of Global DP rounds (Bonawitz et al. 2017; shared.secagg, docs/secagg.md)."""
-
-    threshold: int | None = Field(None, ge=2, description="t: fewest surviving sites that can unmask; None -> the "
-                                  "smallest majority of the round's selected sites, floor(n/2) + 1")
-    modulus_bits: int = Field(32, ge=16, le=64, description="k: masks and sums live in Z_{2^k}")
-    max_abs_value: float | None = Field(None, gt=0, description="B: per-coordinate box of a site's clipped gradient "
-                                        "sum; None -> clipping_norm * expected_batch_size (never binding for a "
-                                        "batch of at most that size)")
-    stage_timeout_s: float = Field(60.0, gt=0, description="seconds each secure-aggregation stage waits for the "
-                                   "sites (keys, masked updates, recovery shares); the shares stage, which waits "
-                                   "for local training, uses round_deadline_s")
-    colluding_sites: int = Field(1, ge=0, description="f, global_noise: distributed only: how many colluding "
-                                 "participants the sites' noise must survive. Each site adds variance mu / (t - f), "
-                                 "so the shares of t - f survivors carry the whole noise, and the epsilon charged "
-                                 "holds against the coordinator, anyone who sees only the released models, and up "
-                                 "to f colluding participants (docs/privacy.md, 'Who the guarantee holds against'). "
-                                 "1 (the default): every participant knows its own share, so with f = 0 each site "
-                                 "would face less noise than charged; must be below the round's threshold t")
-
-    @model_validator(mode="after")
-    def _colluders_below_threshold(self) -> "SecAggConfig":
-        if self.threshold is not None and self.colluding_sites >= self.threshold:
-            raise ValueError(f"colluding_sites ({self.colluding_sites}) must be below threshold ({self.threshold}): "
-                             "the noise of threshold - colluding_sites survivors is what carries the guarantee")
-        return self
-
-
-class RadioConfig(StrictModel):
-    """A radio-map federation (``model: radio_unet``; docs/radiomap.md): RadioUNet on base-station
-    gateways, uploads through the grouped-noise defence. Each selected site trains ``local_epochs`` of Adam over
-    its maps and uploads its whole delta clipped to ``clipping_norm``."""
-
-    defence: Literal["none", "clip-only", "uniform", "steered-uniform", "adaptive", "grouped-clipping"] = Field(
-        "adaptive", description="uniform, adaptive and grouped-clipping state an (eps, delta) (privacy: grouped); "
-        "the others none (privacy: none)")
-    noise_multiplier: float = Field(3.0, gt=0, description="z: each upload's noise budget is d (z C)^2")
-    floor_fraction: float = Field(0.5, gt=0, le=1, description="phi: the adaptive defence's uniform floor")
-    clipping_norm: float = Field(0.005, gt=0, description="C: L2 norm of each upload (model delta)")
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(16, ge=1, description="maps per local Adam step")
-    learning_rate: float = Field(5e-4, gt=0, description="local Adam step size")
-    epsilon: float = Field(30.0, gt=0, description="total epsilon per site (ledger key NE) before it is halted; "
-                           "at z=3, phi=0.5 one upload costs 4.4 and 21 uploads 28.8 (RDP, delta 1e-5)")
-    width: int = Field(8, ge=1, description="RadioUNet base width")
-    allocator_every: int = Field(5, ge=1, description="rounds between the gateways' allocator retraining")
-    proxy_sites: int = Field(12, ge=3)
-    proxy_maps: int = Field(8, ge=1)
-    site_radius_m: float = Field(20.0, gt=0)
-    city: str = Field("procedural", description="procedural, or a sionna-rt scene (munich, florence, "
-                      "san_francisco, etoile; pip install --no-deps sionna-rt==2.2.0)")
-    city_seed: int = Field(0, description="which tile of the city (public)")
-    size_px: int = Field(64, ge=4, multiple_of=4)
-    metres_per_pixel: float = Field(4.0, gt=0)
-    max_walls: int | None = Field(4, ge=1)
-
-    @property
-    def guaranteed(self) -> bool:
-        """Whether the defence states an (eps, delta)."""
-        return self.defence in ("uniform", "adaptive")
-
-
-class TransferConfig(StrictModel):
-    """Chunked transfers, size limits and the replay window (``coordinator.inbound.transfers``, ``shared.transfer``)."""
-
-    chunk_size_bytes: int = Field(256 * 1024, ge=1024, description="chunk size of task downloads (bytes); well "
-                                  "under the broker's packet limit (EMQX 1 MB by default); tasks are sealed with "
-                                  "the largest power of two not above it as their piece size, and travel in chunks "
-                                  "of that size (shared.transfer.piece_size_for)")
-    max_chunk_bytes: int = Field(1 << 20, ge=1024, description="largest upload chunk accepted (bytes)")
-    max_update_bytes: int = Field(256 << 20, ge=1024, description="largest update a manifest may announce (bytes)")
-    max_message_bytes: int = Field((1 << 20) + 65536, ge=2048, description="largest MQTT payload looked at, "
-                                   "checked before parsing (bytes); at least max_chunk_bytes + 40")
-    ttl_s: float = Field(48 * 3600.0, gt=0, description="seconds after which an incomplete upload expires")
-    max_clock_skew_s: float = Field(300.0, ge=0, description="seconds a message may be signed in the future")
-    max_message_age_s: float = Field(7 * 24 * 3600.0, gt=0, description="seconds after signing at which a "
-                                     "message is refused as stale")
-    max_dropped_sends: int = Field(3, ge=1, description="link drops in a row while one message waited for its "
-                                   "PUBACK after which the broker is taken to refuse it (over its packet limit): it "
-                                   "is no longer re-sent (coordinator.transport, docs/transport.md)")
-    memory_limit_bytes: int = Field(256 << 20, ge=0, description="announced bytes of the uploads in progress "
-                                    "held in memory, together (bytes); an upload whose size does not fit in what is "
-                                    "left is staged on disk (coordinator.inbound.staging); 0: every upload on disk")
-    spill_above_bytes: int = Field(64 << 20, ge=0, description="an upload announcing more bytes than this is "
-                                   "staged on disk from its first chunk, so it resumes after a coordinator restart "
-                                   "(smaller ones held in memory start over then)")
-
-    @model_validator(mode="after")
-    def _fits(self) -> "TransferConfig":
-        if self.max_message_bytes < self.max_chunk_bytes + 40:
-            raise ValueError("transfer.max_message_bytes must be at least max_chunk_bytes + 40 (fix: raise it)")
-        if self.chunk_size_bytes > self.max_chunk_bytes:
-            raise ValueError("transfer.chunk_size_bytes must not exceed max_chunk_bytes (fix: lower it)")
-        return self
-
-
-class GroupCommitConfig(StrictModel):
-    """Group commit of accepted updates (``coordinator.inbound.group_commit``): several updates made durable by one
-    batch of fsyncs and one database commit, each ACKed only after its group is durable. The ingest path takes its
-    bounds as :meth:`coordinator.inbound.group_commit.GroupCommitPolicy.from_config`."""
-
-    max_updates: int = Field(32, ge=1, description="updates per group (1: every update committed alone)")
-    max_delay_s: float = Field(0.005, ge=0, le=1.0, description="seconds the first update of a group may wait for "
-                               "others (the most an ACK is delayed by grouping; 0: commit whenever ingest is idle)")
-    max_bytes: int = Field(128 << 20, ge=1024, description="payload bytes per group (they wait in memory until "
-                           "the group is durable)")
-
-
-class ScheduleConfig(StrictModel):
-    """When ``wildfed-coordinator service`` runs rounds (coordinator.daemon; ``run`` ignores it)."""
-
-    round_interval_s: float = Field(86_400.0, gt=0, description="seconds from the start of one round (or of a slot "
-                                    "in which no round could run) to the next slot; default one round a day")
-    max_rounds: int | None = Field(None, ge=1, description="open no round once this many rounds exist (null: no "
-                                   "limit; each record retires from training once its budget is spent); the "
-                                   "service keeps ingesting")
-
-    @field_validator("round_interval_s")
-    @classmethod
-    def _finite_interval(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
-
-
-class WebConfig(StrictModel):
-    """The rangers' web view (``wildfed-coordinator serve``, coordinator.web; docs/web.md)."""
-
-    host: str = Field("127.0.0.1", description="address to listen on (put a TLS proxy in front, or give "
-                      "tls_cert_file/tls_key_file, before exposing it)")
-    port: int = Field(8080, ge=1, le=65535)
-    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve HTTPS directly (with tls_key_file)")
-    tls_key_file: Path | None = Field(None, description="PEM key of tls_cert_file")
-    cookie_secure: bool = Field(True, description="mark the session cookie Secure (sent over HTTPS only; browsers "
-                                "also send it to http://localhost and 127.0.0.1). false only for plain HTTP on a "
-                                "trusted network")
-    session_ttl_s: float = Field(8 * 3600.0, gt=0, description="seconds a login lasts (absolute)")
-    session_idle_s: float = Field(3600.0, gt=0, description="seconds without a request after which a login ends")
-    login_max_failures: int = Field(5, ge=1, description="failed logins per (account, client address) allowed "
-                                    "within login_window_s before that account is refused from that address")
-    login_max_failures_per_address: int = Field(50, ge=1, description="failed logins per client address, all "
-                                                "accounts together, within login_window_s before the address is "
-                                                "refused (against password spraying; keep it well above "
-                                                "login_max_failures: a ranger station shares one NAT address)")
-    login_window_s: float = Field(900.0, gt=0, description="seconds of the login-throttle window")
-    location_method: Literal["displace", "grid"] = Field("displace", description="how sensitive deployments are "
-                                                         "shown to partner/public: displace (random point within "
-                                                         "location_radius_m, fixed per deployment) or grid (cell "
-                                                         "centre; stronger, docs/location-privacy.md)")
-    location_radius_m: float = Field(1000.0, gt=0, description="displacement radius (metres)")
-    location_cell_m: float = Field(10_000.0, gt=0, description="grid cell side (metres)")
-    sensitive_categories: list[IUCNCategory] = Field(
-        default_factory=lambda: [IUCNCategory.CR, IUCNCategory.EN, IUCNCategory.VU],
-        description="IUCN categories whose deployments are protected for viewers without the ranger role")
-    unknown_species: Literal["protect", "ne"] = Field("protect", description="a species the species table does not "
-                                                      "list: protect (its places are shown like a sensitive "
-                                                      "species', failing closed) or ne (IUCN Not Evaluated: shown "
-                                                      "exactly)")
-    location_secret_path: Path | None = Field(None, description="0600 file with the displacement key; None -> "
-                                              "data_dir/location-secret (created on first use)")
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> "WebConfig":
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("web.tls_cert_file and web.tls_key_file go together (fix: give both, or neither)")
-        return self
+__all__ = ["CoordinatorConfig", "config_from_dict", "load_config", "save_config"]
 
 
 class CoordinatorConfig(StrictModel):
@@ -642,7 +344,8 @@ def config_from_dict(data: dict[str, Any], *, source: object = "<config>") -> Co
         problems = validation_errors(exc, CoordinatorConfig)
         detail = "; ".join(f"{f}: {m}" for f, m in problems)
         raise ConfigError(f"{len(problems)} invalid field(s): {detail}", source=source, field=problems[0][0],
-                          fix="correct the listed fields (see coordinator/config.py for units and ranges)") from exc
+                          fix="correct the listed fields (see coordinator/config.py and the config_* modules beside it "
+                          "for units and ranges)") from exc
 
 
 def save_config(config: CoordinatorConfig, path: str | os.PathLike[str]) -> Path:

@@ -6,8 +6,8 @@
   (and chunked uploads), Global DP secure-aggregation messages and detection records are verified and stored as
   they come, between rounds too. Its MQTT session is persistent (coordinator.transport), so what gateways
   published while the service was stopped is delivered when it starts.
-* **Rounds on a schedule** (``schedule:`` in the config, :class:`~coordinator.config.ScheduleConfig`): a slot
-  every ``round_interval_s`` seconds after the start of the last round (its ``opened_at`` in the database, so a
+* **Rounds on a schedule** (``schedule:`` in the config, :class:`~coordinator.config_operations.ScheduleConfig`): a
+  slot every ``round_interval_s`` seconds after the start of the last round (its ``opened_at`` in the database, so a
   restart keeps the rhythm) or after the last slot in which no round could run; no round once ``max_rounds``
   rounds exist. A round that cannot run (no site enrolled or selectable, every site's budget halted, fewer than
   two sites for Global DP) is logged with the reason and the next slot, and the service waits for that slot instead

@@ -1,8 +1,8 @@
 """One coordinator process per federation at a time: an exclusive lock on ``<data_dir>/coordinator.lock``.
 
 ``wildfed-coordinator run`` and ``wildfed-coordinator service`` connect to the broker as the same MQTT client (the
-coordinator's client id, coordinator.transport.transport_from_config) and resume the same persistent session. Two of
-them at once would not share the work: the broker disconnects the older connection whenever the other connects
+coordinator's client id, coordinator.transport.mqtt.transport_from_config) and resume the same persistent session.
+Two of them at once would not share the work: the broker disconnects the older connection whenever the other connects
 (MQTT 3.1.1 sec. 3.1.4: a second client with the same id takes the session over), each reconnects and takes it back,
 and messages are delivered to whichever holds it at that moment, while both open and close rounds in one database.
 So a process that drives the federation takes this lock first and refuses to start, naming the holder, when

@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shared import bundle as fmt
 from shared.errors import ConfigError
@@ -226,6 +227,50 @@ def _check_broker_url(url: str) -> str:
     return url
 
 
+def _coordinator_key_pair(config: CoordinatorConfig) -> tuple[Ed25519PrivateKey, Ed25519PublicKey]:
+    """The coordinator's signing key and public key (which must match).
+
+    Raises:
+        ConfigError: a key cannot be read, or the public key is not the signing key's.
+    """
+    coordinator_key = load_private_key(config.signing_key_path)
+    coordinator_pub = load_public_key(config.public_key_path)
+    if coordinator_pub != coordinator_key.public_key():
+        raise ConfigError("the coordinator's public key does not match its signing key", source=config.public_key_path,
+                          field="public_key_path", fix="point public_key_path at the key pair's .pub file")
+    return coordinator_key, coordinator_pub
+
+
+def _read_broker_ca(broker_ca: Path) -> bytes:
+    """The broker's CA certificate (PEM bytes) to ship in the bundle.
+
+    Raises:
+        ConfigError: the file is missing or not a PEM certificate.
+    """
+    if not Path(broker_ca).is_file():
+        raise ConfigError("broker CA file not found", source=broker_ca, field="broker_ca",
+                          fix="pass the PEM certificate of the CA that signed the broker's certificate")
+    ca_bytes = Path(broker_ca).read_bytes()
+    if b"-----BEGIN CERTIFICATE-----" not in ca_bytes:
+        raise ConfigError("broker CA is not a PEM certificate", source=broker_ca, field="broker_ca",
+                          fix="pass a PEM file (-----BEGIN CERTIFICATE-----)")
+    return ca_bytes
+
+
+def _sdk_wheel(wheel: Path | None, wheel_cache: Path) -> Path:
+    """The given SDK wheel (checked), or one built from the source and cached in ``wheel_cache``.
+
+    Raises:
+        ConfigError: the given wheel is not a ``.whl`` file.
+    """
+    if wheel is not None:
+        wheel = Path(wheel)
+        if not (wheel.is_file() and wheel.name.endswith(".whl")):
+            raise ConfigError("SDK wheel not found", source=wheel, field="wheel", fix="pass a wildfed-*.whl file")
+        return wheel
+    return build_sdk_wheel(wheel_cache)
+
+
 def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, profile: str | Path, out: Path,
                    broker_ca: Path | None = None, broker_url: str | None = None,
                    species: Sequence[Mapping[str, Any]] | None = None, dataset: str | None = None,
@@ -275,26 +320,9 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
     profile_text = ppath.read_text(encoding="utf-8")
     prof = check_profile_data(read_profile_yaml(ppath), source=ppath)
     url = _check_broker_url(broker_url or prof.broker.url or config.broker_url)
-    coordinator_key = load_private_key(config.signing_key_path)
-    coordinator_pub = load_public_key(config.public_key_path)
-    if coordinator_pub != coordinator_key.public_key():
-        raise ConfigError("the coordinator's public key does not match its signing key", source=config.public_key_path,
-                          field="public_key_path", fix="point public_key_path at the key pair's .pub file")
-    ca_bytes = None
-    if broker_ca is not None:
-        if not Path(broker_ca).is_file():
-            raise ConfigError("broker CA file not found", source=broker_ca, field="broker_ca",
-                              fix="pass the PEM certificate of the CA that signed the broker's certificate")
-        ca_bytes = Path(broker_ca).read_bytes()
-        if b"-----BEGIN CERTIFICATE-----" not in ca_bytes:
-            raise ConfigError("broker CA is not a PEM certificate", source=broker_ca, field="broker_ca",
-                              fix="pass a PEM file (-----BEGIN CERTIFICATE-----)")
-    if wheel is not None:
-        wheel = Path(wheel)
-        if not (wheel.is_file() and wheel.name.endswith(".whl")):
-            raise ConfigError("SDK wheel not found", source=wheel, field="wheel", fix="pass a wildfed-*.whl file")
-    else:
-        wheel = build_sdk_wheel(wheel_cache or config.data_dir / "wheels")
+    coordinator_key, coordinator_pub = _coordinator_key_pair(config)
+    ca_bytes = _read_broker_ca(broker_ca) if broker_ca is not None else None
+    wheel = _sdk_wheel(wheel, wheel_cache or config.data_dir / "wheels")
     size = embedding_input_size or get_variant(backbone).default_input_size
     graphs = ensure_gateway_graphs(backbone=backbone, input_size=size, root=graph_cache)
 

@@ -20,13 +20,14 @@ from shared.iucn import IUCNCategory
 from shared.privacy.events import DPSGDEvent
 from shared.protocol import RADIO_CATEGORY, RadioTask
 
-from coordinator.config import CoordinatorConfig, RadioConfig
+from coordinator.config import CoordinatorConfig
+from coordinator.config_learning import RadioConfig
 
 __all__ = ["RADIO_CATEGORY", "radio_task", "city_raster", "city_artifact", "expected_events", "initial_weights"]
 
 
 def radio_task(radio: RadioConfig) -> RadioTask:
-    """The task's radio part from the config (the wire form of :class:`coordinator.config.RadioConfig`)."""
+    """The task's radio part from the config (the wire form of :class:`coordinator.config_learning.RadioConfig`)."""
     return RadioTask(defence=radio.defence, noise_multiplier=float(radio.noise_multiplier),
                      floor_fraction=float(radio.floor_fraction), width=radio.width,
                      allocator_every=radio.allocator_every, proxy_sites=radio.proxy_sites,

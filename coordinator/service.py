@@ -58,7 +58,9 @@ from coordinator.secagg_collector import SecAggCollector
 from coordinator.storage import Store
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
+from coordinator.transport import Transport
+from coordinator.transport.handlers import QueuedCallback
+from coordinator.transport.mqtt import MqttTransport, transport_from_config
 
 __all__ = ["Coordinator", "StatusReport", "BudgetRow", "build_strategy", "build_optimizer"]
 
@@ -105,7 +107,7 @@ class Coordinator:
 
     Args:
         config: a resolved config (:func:`coordinator.config.load_config` resolves paths).
-        transport: message bus; defaults to :class:`~coordinator.transport.MqttTransport` on ``config.broker_url``
+        transport: message bus; defaults to :class:`~coordinator.transport.mqtt.MqttTransport` on ``config.broker_url``
             (connected in :meth:`start`).
         signing_key: the coordinator's Ed25519 key; defaults to the one at ``config.signing_key_path``.
         initial_weights: round-0 global model (float32 arrays); defaults to

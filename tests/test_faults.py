@@ -43,7 +43,7 @@ from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.service import Coordinator
 from coordinator.storage import LedgerRow, ModelVersionRow, Store, TransferRow
-from coordinator.transport import MqttTransport as CoordinatorMqtt
+from coordinator.transport.mqtt import MqttTransport as CoordinatorMqtt
 from tests.coordinator.helpers import EVENT, FakeSite, make_config
 from tests.coordinator.test_crash import direct_epsilon, prepare_federation, run_coordinator, subprocess_env
 from tests.coordinator.test_mqtt import _port_open
@@ -261,7 +261,7 @@ def test_gateway_killed_mid_upload_resumes_and_the_update_arrives_once(tmp_path:
 @pytest.mark.slow
 def test_broker_restart_mid_round_every_site_once(tmp_path: Path, private_broker: Broker):
     """Why ``persistence false`` is right here: both the coordinator and the gateways connect with clean sessions
-    (coordinator/transport.py, edge_sdk/uplink/mqtt.py), so mosquitto keeps no subscriptions and no queued or
+    (coordinator/transport/mqtt.py, edge_sdk/uplink/mqtt.py), so mosquitto keeps no subscriptions and no queued or
     in-flight QoS 1 messages for them across a restart, with or without persistence (persistence saves retained
     messages and the state of persistent sessions only). QoS 1 ends at the broker; what survives the restart is
     end to end: the gateway's outbox (a ``resume`` manifest on reconnect and every ``resend_interval_s``), the

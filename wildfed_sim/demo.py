@@ -716,8 +716,8 @@ def _start_weights(settings: DemoSettings, result: DemoResult, train: Any, specs
 
 
 def _budget(settings: DemoSettings) -> Any:
-    """The federation's CCDP budget, anchored as the settings say (coordinator.config.BudgetFromAnchor)."""
-    from coordinator.config import BudgetFromAnchor
+    """The federation's CCDP budget, anchored as the settings say (coordinator.config_privacy.BudgetFromAnchor)."""
+    from coordinator.config_privacy import BudgetFromAnchor
 
     return BudgetFromAnchor(category=IUCNCategory(settings.anchor_category), epsilon=settings.anchor_epsilon,
                             gamma=settings.gamma)

@@ -41,7 +41,7 @@ def _model_size(settings: DemoSettings) -> int:
 
 
 def _colluding_sites() -> int:
-    from coordinator.config import SecAggConfig
+    from coordinator.config_privacy import SecAggConfig
 
     return SecAggConfig().colluding_sites
 

@@ -35,16 +35,14 @@ import numpy as np
 from shared.errors import DatasetError
 from shared.iucn import IUCNCategory
 
+from coordinator.strategies.cluster_agreement import adjusted_rand_index, contingency_table, purity
+from coordinator.strategies.cluster_assignment import ClusterAssignment
 from coordinator.strategies.ecological_clustering import (
     DEFAULT_EXCLUDED_CATEGORIES,
-    ClusterAssignment,
-    adjusted_rand_index,
     cluster_sites,
-    contingency_table,
     jaccard_matrix,
     pairwise_values,
     plot_similarity_heatmap,
-    purity,
     site_species_lists,
 )
 
@@ -309,7 +307,7 @@ def wildlife_insights_report(data_root: str | Path = DEFAULT_DATA_ROOT, *,
 
     For every cut (each distance threshold and each target number of clusters) the report holds the clusters,
     the contingency table (rows: projects in sorted order; columns: cluster labels), purity and adjusted Rand
-    index (:func:`~coordinator.strategies.ecological_clustering.adjusted_rand_index`).
+    index (:func:`~coordinator.strategies.cluster_agreement.adjusted_rand_index`).
 
     Args:
         data_root: folder holding ``wildlife-insights`` (and optionally ``iucn/mdd_2020-09.csv``).

@@ -52,7 +52,8 @@ def broker_config(
     """Write a Mosquitto 2.x config (TLS listener, no anonymous access), a per-site ACL, a password file with one
     random credential per enrolled site, and TLS material, from the registry (docs/security.md). Plain credentials
     go only to OUT/sites/<id>/broker-credentials.yaml and OUT/coordinator/broker-credentials.yaml (mode 0600)."""
-    from coordinator.broker_config import coordinator_username, generate_broker_config
+    from coordinator.broker_config import generate_broker_config
+    from shared.broker import coordinator_username
 
     cfg = load_config(config)
     store, registry, _ = open_state(cfg)

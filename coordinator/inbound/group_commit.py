@@ -29,8 +29,9 @@ When a group is flushed (the bound on latency and memory):
 =========================================== =================================================================
  the group holds ``max_updates`` updates      at once, inside the call that submitted the last one
  or ``max_bytes`` of payload
- its oldest update waited ``max_delay_s``     by the ingest thread's loop (coordinator.transport.QueuedCallback),
-                                              which never lets a group wait past that, busy or idle
+ its oldest update waited ``max_delay_s``     by the ingest thread's loop
+                                              (coordinator.transport.handlers.QueuedCallback), which never lets a
+                                              group wait past that, busy or idle
  the ingest queue is empty                    the loop waits for another message until the group's deadline at
                                               most, then flushes: a lone update waits ``max_delay_s`` or less
  a message about a pending update arrives     first (its duplicate check must see the stored row)
@@ -68,10 +69,10 @@ from sqlalchemy.exc import IntegrityError
 from shared.errors import ConfigError
 
 from coordinator.storage import Store, UpdateOutcome, UpdateRow
-from coordinator.transport import mark_handler_thread
+from coordinator.transport.handlers import mark_handler_thread
 
 if TYPE_CHECKING:
-    from coordinator.config import GroupCommitConfig
+    from coordinator.config_operations import GroupCommitConfig
 
 __all__ = ["GroupCommitPolicy", "StagedUpdate", "GroupCommitter", "BackgroundCommits", "CommitGroups",
            "CRASH_AFTER_COMMIT"]
@@ -118,7 +119,7 @@ class GroupCommitPolicy:
     @classmethod
     def from_config(cls, config: GroupCommitConfig) -> GroupCommitPolicy:
         """The policy of the ``group_commit:`` section of the coordinator config
-        (:class:`coordinator.config.GroupCommitConfig`).
+        (:class:`coordinator.config_operations.GroupCommitConfig`).
 
         Raises:
             ConfigError: a value out of range (see the class).

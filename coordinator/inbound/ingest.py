@@ -60,7 +60,7 @@ ACK is published on the site's ack topic, THEN the delta is folded into the roun
 shared by a group of updates (:mod:`coordinator.inbound.group_commit`): a checked update waits, for a few
 milliseconds at most, until its group's blobs are fsync-ed together and their rows committed in one transaction; its
 ACK and its accumulation follow that commit. Called directly, :meth:`Ingestor.handle` commits every update before
-it returns (groups of one); the ingest thread (``coordinator.transport.QueuedCallback``) sets
+it returns (groups of one); the ingest thread (``coordinator.transport.handlers.QueuedCallback``) sets
 :attr:`Ingestor.defer_commits` and seals the groups when they are due, which a committer thread then makes durable,
 ACKs and accumulates (:meth:`Ingestor.commit_in_background`), and :meth:`Ingestor.handle` answers :class:`Pending`
 for an update whose group is not yet durable. A site whose signature verified but whose update was refused gets a

@@ -59,7 +59,9 @@ from coordinator.outgoing import answer_download_receipt
 from coordinator.registry import SiteRegistry
 from coordinator.storage import HaltRow, PartialSumRow, RoundRow, Store
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.transport import MqttTransport, QueuedCallback, Transport, transport_from_config
+from coordinator.transport import Transport
+from coordinator.transport.handlers import QueuedCallback
+from coordinator.transport.mqtt import MqttTransport, transport_from_config
 
 __all__ = ["SHARE_GROUP", "shared_updates_filter", "IngestWorker"]
 

@@ -36,9 +36,9 @@ sketch (Weinberger et al. 2009, "Feature Hashing for Large Scale Multitask Learn
 preserved in expectation). A site moves only when another cluster beats its own by a margin, and not more often
 than every ``min_rounds_between_moves`` rounds, so clusters do not flap. Every change is logged with its reason
 and kept in the strategy state. Re-clustering acts only when the round's similarity signal-to-noise ratio is at
-least ``recluster_min_snr`` (:func:`similarity_snr`, estimated from the updates and their known DP noise variance);
-each round's ratio is kept in the state (``diagnostics``) with the noise std on phi against FedAvg's, so an operator
-sees whether the similarities carry signal above the DP noise.
+least ``recluster_min_snr`` (:func:`~coordinator.strategies.reclustering.similarity_snr`, estimated from the updates
+and their known DP noise variance); each round's ratio is kept in the state (``diagnostics``) with the noise std on
+phi against FedAvg's, so an operator sees whether the similarities carry signal above the DP noise.
 
 Species-embedding merging (rare-species transfer): the embedding of species s at site k is row s of its trained
 head, ``e_s^(k) = (psi_m + delta_k,psi)[s]`` (weight row and bias). The merged embedding is
@@ -70,7 +70,9 @@ matching or with the bias. The current form, over 3 seeds without privacy, lifte
 66.4 % macro, docs/nira.md, where most of that old gain turns out to be label masking). It is on by default.
 
 State (clusters, pins, last moves, change log) is JSON in the coordinator database (``Store.get_state``), so a
-restarted coordinator continues with the same clusters.
+restarted coordinator continues with the same clusters (:mod:`coordinator.strategies.nira_clusters`). The
+re-clustering maths (sketches, similarity SNR, label matching, the move rule) is in
+:mod:`coordinator.strategies.reclustering`.
 """
 
 from __future__ import annotations
@@ -85,104 +87,21 @@ import numpy as np
 from shared.errors import ConfigError
 
 from coordinator.strategies.base import Strategy, Tensors
-from coordinator.strategies.ecological_clustering import (ClusterAssignment, cluster_sites, jaccard_matrix,
-                                                          merge_small_clusters, recluster_from_updates,
-                                                          site_species_lists)
+from coordinator.strategies.cluster_assignment import ClusterAssignment
 from coordinator.strategies.fedavg import RunningWeightedSum, add_weighted, new_running_sum
+from coordinator.strategies.nira_clusters import NiraClusters
+from coordinator.strategies.reclustering import hash_sketch, recluster_from_updates, similarity_snr
 
-__all__ = ["NIRA", "BUNDLE_PREFIX", "SKETCH_DIM", "PHI_WEIGHTINGS", "hash_sketch", "match_labels",
-           "similarity_snr"]
+__all__ = ["NIRA", "BUNDLE_PREFIX", "PHI_WEIGHTINGS"]
 
 log = logging.getLogger(__name__)
 
 BUNDLE_PREFIX = "nira/"
-SKETCH_DIM = 4096
-_STATE_KEY = "nira"
 PHI_WEIGHTINGS = ("records", "inverse_variance", "clusters")
 _DIAGNOSTICS_KEPT = 200  # rounds of diagnostics kept in the state
 
 
-def similarity_snr(squared_norms: Mapping[str, float], variances: Mapping[str, float | None], dim: int
-                   ) -> float | None:
-    """The signal-to-noise ratio of the pairwise inner products that re-clustering compares (median over pairs).
-
-    For a received update ``u_k = s_k + n_k`` (signal s_k, DP noise n_k with variance v_k per coordinate, d
-    coordinates), ``E||u_k||^2 = ||s_k||^2 + d v_k``, so ``r_k = max(0, ||u_k||^2 / (d v_k) - 1)`` estimates the
-    signal-to-noise power per coordinate. For a pair, ``<u_i, u_j>`` has signal at most ``||s_i|| ||s_j||`` and
-    noise variance ``||s_i||^2 v_j + ||s_j||^2 v_i + d v_i v_j``, so
-    ``SNR_ij = sqrt(d) sqrt(r_i r_j) / sqrt(r_i + r_j + 1)``: an upper bound of what the similarities can resolve
-    (two updates that differ in direction carry less). Below about 1, cosine similarities are noise.
-
-    Args:
-        squared_norms: ``{site: ||u_k||^2}`` of the received updates (phi part). variances: ``{site: v_k}``
-            (:func:`coordinator.strategies.base.update_noise_variance`). dim: d, the number of coordinates.
-
-    Returns:
-        The median SNR over the pairs (``inf`` when no site's update carries noise), or None with fewer than two
-        sites or a site of unknown variance.
-    """
-    sites = sorted(squared_norms)
-    if len(sites) < 2 or dim <= 0 or any(variances.get(s) is None for s in sites):
-        return None
-    if all(variances[s] == 0 for s in sites):
-        return math.inf
-    r = {s: (math.inf if variances[s] == 0 else max(0.0, squared_norms[s] / (dim * variances[s]) - 1.0))
-         for s in sites}
-    def pair(ra: float, rb: float) -> float:
-        if math.isinf(ra) and math.isinf(rb):
-            return math.inf
-        if math.isinf(ra) or math.isinf(rb):  # one noise-free update: the limit sqrt(d r) of the other
-            return math.sqrt(dim * min(ra, rb))
-        return math.sqrt(dim) * math.sqrt(ra * rb) / math.sqrt(ra + rb + 1.0)
-
-    values = [pair(r[a], r[b]) for i, a in enumerate(sites) for b in sites[i + 1:]]
-    return float(np.median(values))
-
-
-def hash_sketch(vector: np.ndarray, dim: int = SKETCH_DIM, *, seed: int = 0) -> np.ndarray:
-    """Signed feature-hashing sketch of a float vector (Weinberger et al. 2009, §2): coordinate i is added, with
-    sign s(i) in {-1, +1}, to bucket h(i) in [0, dim). ``E[<sk(x), sk(y)>] = <x, y>``; the hash and sign are fixed
-    by ``seed`` (public: the sketch is post-processing, not a privacy mechanism).
-
-    Args:
-        vector: float (d,). dim: sketch size. Returns: float64 (dim,).
-    """
-    x = np.asarray(vector, dtype=np.float64).reshape(-1)
-    rng = np.random.default_rng(seed + x.shape[0])  # same hash for every site (it depends only on d and seed)
-    buckets = rng.integers(0, dim, size=x.shape[0])
-    signs = rng.choice(np.array([-1.0, 1.0]), size=x.shape[0])
-    out = np.zeros(dim, dtype=np.float64)
-    np.add.at(out, buckets, signs * x)
-    return out
-
-
-def match_labels(new: ClusterAssignment, old: ClusterAssignment, pins: Mapping[str, str]) -> ClusterAssignment:
-    """Relabel a fresh clustering so that heads stay with the sites that trained them: a new cluster holding sites
-    pinned to label L (and no other pin) is L; the others take the old label they share most members with
-    (largest overlap first, each old label once); the rest get the smallest unused ``c<n>``."""
-    mapping: dict[str, str] = {}
-    for label, members in new.clusters.items():
-        pinned = {pins[s] for s in members if s in pins}
-        if len(pinned) == 1:
-            mapping[label] = pinned.pop()
-    used = set(mapping.values())
-    pairs = sorted(((len(set(members) & set(old.clusters[o])), label, o) for label, members in new.clusters.items()
-                    if label not in mapping for o in old.clusters), key=lambda t: (-t[0], t[1], t[2]))
-    for overlap, label, o in pairs:
-        if overlap > 0 and label not in mapping and o not in used:
-            mapping[label] = o
-            used.add(o)
-    n = 0
-    for label in new.clusters:
-        if label not in mapping:
-            while f"c{n}" in used:
-                n += 1
-            mapping[label] = f"c{n}"
-            used.add(mapping[label])
-    return new.with_clusters({mapping[label]: members for label, members in new.clusters.items()})
-
-
-class NIRA(Strategy):
+class NIRA(NiraClusters, Strategy):
     """The NIRA strategy (see the module docstring).
 
     Args:
@@ -199,7 +118,8 @@ class NIRA(Strategy):
             noise std (the ``noisy_counts`` choice of the module docstring); None: public N_k weights.
         phi_weighting: ``"records"`` (default), ``"inverse_variance"`` or ``"clusters"`` (module docstring).
         min_cluster_records: clusters with fewer declared records join their most similar cluster (0: off).
-        recluster_min_snr: re-cluster only in rounds whose :func:`similarity_snr` is at least this (0: always).
+        recluster_min_snr: re-cluster only in rounds whose similarity SNR
+            (:func:`~coordinator.strategies.reclustering.similarity_snr`) is at least this (0: always).
 
     Raises:
         ConfigError: an unknown ``phi_weighting`` or a negative ``min_cluster_records`` / ``recluster_min_snr``.
@@ -246,103 +166,6 @@ class NIRA(Strategy):
     def count_noise_multiplier(self) -> float | None:
         """The count release the tasks ask for: ``count_noise`` when merging by noisy counts, else None."""
         return self.count_noise if (self.embedding_merging and self.count_noise is not None) else None
-
-    # ---- persistent state ---------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """``{"assignment": ClusterAssignment JSON or None, "pins": {site: cluster}, "last_moved": {site: round},
-        "changes": [{round, site, from, to, reason}], "recluster_requested": bool}``."""
-        return self._store.get_state(_STATE_KEY, None) or {"assignment": None, "pins": {}, "last_moved": {},
-                                                           "changes": [], "recluster_requested": False}
-
-    def _save(self, state: Mapping[str, Any]) -> None:
-        self._store.set_state(_STATE_KEY, dict(state))
-
-    def assignment(self) -> ClusterAssignment | None:
-        """The current clusters, or None before the first round."""
-        raw = self.state()["assignment"]
-        return ClusterAssignment.from_json(raw) if raw is not None else None
-
-    def pin(self, site_id: str, cluster: str) -> None:
-        """Pin ``site_id`` to ``cluster`` (applied at the next re-cluster, which this requests)."""
-        state = self.state()
-        state["pins"][site_id] = cluster
-        state["recluster_requested"] = True
-        self._save(state)
-
-    def request_recluster(self) -> None:
-        """Re-cluster from the species lists (and pins) before the next round."""
-        state = self.state()
-        state["recluster_requested"] = True
-        self._save(state)
-
-    def species_lists(self) -> dict[str, Any]:
-        """Each enrolled site's public species list used for clustering (sensitive categories left out)."""
-        return site_species_lists(self._site_metadata(), exclude_categories=self._exclude,
-                                  species_categories=self._categories or None)
-
-    def cluster_from_species(self, pins: Mapping[str, str] | None = None) -> ClusterAssignment:
-        """Jaccard similarity of the species lists -> average-linkage clusters (pins applied), then clusters below
-        ``min_cluster_records`` declared records merged into their most similar one."""
-        site_ids, similarity = jaccard_matrix(self.species_lists())
-        assignment = cluster_sites(similarity, site_ids, pinned=dict(pins or {}), **self._cut)
-        if self.min_cluster_records > 0:
-            records = {s: float(m.get("capacity", m.get("num_examples")) or 0)
-                       for s, m in self._site_metadata().items()}
-            assignment = merge_small_clusters(assignment, records, self.min_cluster_records)
-        return assignment
-
-    def _log_change(self, state: dict[str, Any], round: int, site: str, old: str | None, new: str,
-                    reason: str) -> None:
-        state["changes"].append({"round": round, "site": site, "from": old, "to": new, "reason": reason})
-        log.info("nira: round %d: site %s %s -> %s: %s", round, site, old, new, reason)
-
-    def _ensure_assignment(self, round: int) -> ClusterAssignment:
-        state = self.state()
-        current = self.assignment()
-        enrolled = set(self._site_metadata())
-        if current is None or state.get("recluster_requested"):
-            new = self.cluster_from_species(state["pins"])
-            if current is not None:
-                new = match_labels(new, current, state["pins"])
-            for site in sorted(new.site_cluster):
-                old = current.site_cluster.get(site) if current is not None else None
-                if old != new.site_cluster[site]:
-                    why = "initial clustering from species lists" if current is None else "operator re-cluster"
-                    self._log_change(state, round, site, old, new.site_cluster[site], why)
-            state["assignment"], state["recluster_requested"] = new.to_json(), False
-            self._save(state)
-            return new
-        missing = sorted(enrolled - set(current.site_cluster))
-        if missing:
-            lists = self.species_lists()
-            clusters = {label: list(members) for label, members in current.clusters.items()}
-            for site in missing:
-                cluster, score = self._closest_cluster(current, lists, site)
-                clusters[cluster].append(site)
-                self._log_change(state, round, site, None, cluster,
-                                 f"enrolled after clustering; mean Jaccard {score:.3f} with this cluster's lists")
-            site_ids, similarity = jaccard_matrix({s: lists[s] for s in sorted({*current.site_ids, *missing})})
-            current = ClusterAssignment(site_ids=site_ids, similarity=similarity, clusters=clusters,
-                                        linkage=current.linkage, distance_threshold=current.distance_threshold,
-                                        num_clusters=current.num_clusters, pinned=current.pinned)
-            state["assignment"] = current.to_json()
-            self._save(state)
-        return current
-
-    @staticmethod
-    def _closest_cluster(assignment: ClusterAssignment, lists: Mapping[str, Any], site: str) -> tuple[str, float]:
-        mine = set(lists.get(site, ()))
-        best, best_score = sorted(assignment.clusters)[0], -1.0
-        for label, members in sorted(assignment.clusters.items()):
-            scores = []
-            for other in members:
-                theirs = set(lists.get(other, ()))
-                union = mine | theirs
-                scores.append(len(mine & theirs) / len(union) if union else 0.0)
-            score = float(np.mean(scores)) if scores else 0.0
-            if score > best_score:
-                best, best_score = label, score
-        return best, best_score
 
     # ---- bundle <-> site weights ------------------------------------------------------------------------------
     def _head_names(self, bundle: Tensors) -> list[str]:
@@ -534,9 +357,10 @@ class NIRA(Strategy):
         """This round's ``{"similarity_snr": float | None, "phi_noise_std": float | None, "fedavg_noise_std":
         float | None, "phi_weights": {cluster: w_m}, "head_noise_std": {cluster: sqrt(V_m)},
         "cluster_records": {cluster: N_m}}``: the SNR of re-clustering's similarities
-        (:func:`similarity_snr`, over phi's weight tensors: a gateway's centring fold adds noise to biases), and
-        the noise std per coordinate on the phi average against the one FedAvg over the same updates would have
-        (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is unknown."""
+        (:func:`~coordinator.strategies.reclustering.similarity_snr`, over phi's weight tensors: a gateway's
+        centring fold adds noise to biases), and the noise std per coordinate on the phi average against the one
+        FedAvg over the same updates would have (``sqrt(sum_k (N_k / N)^2 v_k)``); None where a variance is
+        unknown."""
         weights = self.phi_weights()
         variances = self._cluster_variances()
         phi_var = (None if any(variances[c] is None for c in weights)
@@ -590,7 +414,7 @@ class NIRA(Strategy):
 
     def end_round(self, round: int) -> list[str]:
         """Every ``recluster_every`` rounds: move sites whose phi-updates align with another cluster (margin and
-        anti-flapping rules of :func:`~coordinator.strategies.ecological_clustering.recluster_from_updates`)."""
+        anti-flapping rules of :func:`~coordinator.strategies.reclustering.recluster_from_updates`)."""
         lines: list[str] = []
         state = self.state()
         diagnostics = {"round": round, **self.round_diagnostics()}
@@ -621,7 +445,6 @@ class NIRA(Strategy):
     def count(self) -> int:
         """Updates accumulated this round (all clusters)."""
         return sum(acc.count for acc in self._acc.values())
-
 
 
 def _json_ready(value: Any) -> Any:

@@ -128,6 +128,60 @@ def _canonical(record: DetectionRecord) -> str:
     return json.dumps(record.to_json(), sort_keys=True, separators=(",", ":"))
 
 
+def _read_json(path: Path) -> Any:
+    """The results file's JSON value.
+
+    Raises:
+        DatasetError: the file is missing, unreadable, not UTF-8 or not JSON.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DatasetError("file not found", source=path, fix="give the path of a MegaDetector results .json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"cannot read the file: {exc}", source=path, fix="give a UTF-8 JSON file") from None
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"not JSON: {exc}", source=path, fix=MD_FIX) from None
+    return results
+
+
+def _store_rows(store: Store, rows: dict[str, dict[str, Any]], *, site_id: str, summary: ImportSummary,
+                policy: LocationPolicy | None, category_of: CategoryOf | None) -> None:
+    """Store the images (blobs first: a row never names an image that is not on disk), then insert, replace or
+    keep each detection row in one transaction (a gateway's own record is never replaced); counts go to
+    ``summary``. With ``policy`` and ``category_of`` the protection the stored records earned is recorded before
+    and after (coordinator.web.places)."""
+    for values in rows.values():  # blobs first: a row never names an image that is not on disk
+        data = values.pop("_data")
+        if data is not None:
+            summary.images_new += int(not store.blob_path(values["image_sha256"]).exists())
+            store.put_blob(data, sha256_hex=values["image_sha256"])
+            summary.images_stored += 1
+    with store.session() as s:
+        if policy is not None and category_of is not None:
+            evaluate(s, policy, category_of)  # what the stored records earned, before any is replaced
+        existing = {r.media_id: r for r in s.scalars(select(DetectionRow).where(
+            DetectionRow.site_id == site_id, DetectionRow.media_id.in_(list(rows))))} if rows else {}
+        for media_id, values in rows.items():
+            row = existing.get(media_id)
+            if row is None:
+                s.add(DetectionRow(site_id=site_id, media_id=media_id, **values))
+                summary.stored += 1
+            elif row.source == "gateway":
+                summary.kept_gateway += 1
+            elif row.payload_sha256 == values["payload_sha256"] and row.image_sha256 == values["image_sha256"]:
+                summary.unchanged += 1
+            else:
+                for k, v in values.items():
+                    setattr(row, k, v)
+                summary.replaced += 1
+        if policy is not None and category_of is not None:
+            s.flush()
+            evaluate(s, policy, category_of)
+
+
 def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str, deployment_id: str | None = None,
                         images_dir: str | Path | None = None, category_of: CategoryOf | None = None,
                         utc_offset: _dt.timezone = _dt.timezone.utc,
@@ -165,17 +219,7 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
         if s.get(SiteRow, site_id) is None:
             raise ConfigError(f"site {site_id!r} is not enrolled", field="site",
                               fix=f"enrol it first: wildfed-coordinator enrol {site_id} --public-key FILE")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DatasetError("file not found", source=path, fix="give the path of a MegaDetector results .json") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"cannot read the file: {exc}", source=path, fix="give a UTF-8 JSON file") from None
-    try:
-        results = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"not JSON: {exc}", source=path, fix=MD_FIX) from None
-    parsed, detector = parse_results(path, results)
+    parsed, detector = parse_results(path, _read_json(path))
 
     summary = ImportSummary(source=f"import:{path.name}", images=len(parsed))
     root = Path(images_dir) if images_dir is not None else None
@@ -245,31 +289,5 @@ def import_megadetector(store: Store, path_to_json: str | Path, *, site_id: str,
             progress(n, len(parsed))
     summary.categories = dict(sorted(categories.items()))
 
-    for values in rows.values():  # blobs first: a row never names an image that is not on disk
-        data = values.pop("_data")
-        if data is not None:
-            summary.images_new += int(not store.blob_path(values["image_sha256"]).exists())
-            store.put_blob(data, sha256_hex=values["image_sha256"])
-            summary.images_stored += 1
-    with store.session() as s:
-        if policy is not None and category_of is not None:
-            evaluate(s, policy, category_of)  # what the stored records earned, before any is replaced
-        existing = {r.media_id: r for r in s.scalars(select(DetectionRow).where(
-            DetectionRow.site_id == site_id, DetectionRow.media_id.in_(list(rows))))} if rows else {}
-        for media_id, values in rows.items():
-            row = existing.get(media_id)
-            if row is None:
-                s.add(DetectionRow(site_id=site_id, media_id=media_id, **values))
-                summary.stored += 1
-            elif row.source == "gateway":
-                summary.kept_gateway += 1
-            elif row.payload_sha256 == values["payload_sha256"] and row.image_sha256 == values["image_sha256"]:
-                summary.unchanged += 1
-            else:
-                for k, v in values.items():
-                    setattr(row, k, v)
-                summary.replaced += 1
-        if policy is not None and category_of is not None:
-            s.flush()
-            evaluate(s, policy, category_of)
+    _store_rows(store, rows, site_id=site_id, summary=summary, policy=policy, category_of=category_of)
     return summary

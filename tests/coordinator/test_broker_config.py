@@ -1,4 +1,4 @@
-"""Broker configuration from the registry (coordinator/broker_config.py): ACL, mosquitto.conf, password file, TLS
+"""Broker configuration from the registry (coordinator/broker_config.py and its parts): ACL, mosquitto.conf, password file, TLS
 material, idempotence and errors. Real-broker behaviour is tested in tests/edge/test_mqtt_tls.py."""
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ from typer.testing import CliRunner
 from shared.errors import ConfigError
 from shared.keys import generate_signing_key, public_key_to_pem
 
-from coordinator.broker_config import (
-    generate_broker_config,
-    hash_password_pbkdf2,
-    load_broker_credentials,
-    render_acl,
-    render_mosquitto_conf,
-    validate_hostname,
-    verify_password_pbkdf2,
-)
+from shared.broker import load_broker_credentials
+
+from coordinator.broker_acl import render_acl
+from coordinator.broker_config import generate_broker_config
+from coordinator.broker_passwords import hash_password_pbkdf2, verify_password_pbkdf2
+from coordinator.broker_tls import validate_hostname
+from coordinator.mosquitto_conf import render_mosquitto_conf
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 

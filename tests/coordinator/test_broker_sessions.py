@@ -28,15 +28,15 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
-from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, MQTT_PUBLISH_OVERHEAD
+from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, MQTT_PUBLISH_OVERHEAD, load_broker_credentials
 from shared.errors import ConfigError
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.topics import detection_topic, update_topic
 
-from coordinator.broker_config import generate_broker_config, load_broker_credentials
+from coordinator.broker_config import generate_broker_config
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
-from coordinator.transport import transport_from_config as coordinator_transport
+from coordinator.transport.mqtt import transport_from_config as coordinator_transport
 from edge_sdk.config import SiteConfig
 from edge_sdk.uplink.mqtt import transport_from_config as site_transport
 from tests.support import free_port

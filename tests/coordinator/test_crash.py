@@ -31,7 +31,7 @@ from coordinator.config import save_config
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.storage import LedgerRow, ModelVersionRow, Store
-from coordinator.transport import MqttTransport
+from coordinator.transport.mqtt import MqttTransport
 from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture (skips without a broker)
 

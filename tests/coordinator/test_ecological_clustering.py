@@ -27,19 +27,16 @@ import pytest
 
 from shared.iucn import IUCNCategory
 
+from coordinator.strategies.cluster_agreement import adjusted_rand_index, contingency_table, purity
+from coordinator.strategies.cluster_assignment import ClusterAssignment, ClusteringError
 from coordinator.strategies.ecological_clustering import (
-    ClusterAssignment,
-    ClusteringError,
-    adjusted_rand_index,
     cluster_sites,
-    contingency_table,
     jaccard,
     jaccard_matrix,
     plot_similarity_heatmap,
-    purity,
-    recluster_from_updates,
     site_species_lists,
 )
+from coordinator.strategies.reclustering import recluster_from_updates
 
 LISTS = {"a": {"A", "B", "C", "D"}, "b": {"A", "B", "C", "E"}, "c": {"X", "Y"}, "d": {"X", "Y", "Z"},
          "f": {"A", "X"}}

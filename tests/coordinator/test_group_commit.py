@@ -40,8 +40,9 @@ from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.inbound.staging import StagingLimits
 from coordinator.storage import LedgerRow, ModelVersionRow
-from coordinator import transport as transport_module
-from coordinator.transport import MqttTransport, QueuedCallback
+from coordinator.transport import handlers as handler_module
+from coordinator.transport.handlers import QueuedCallback
+from coordinator.transport.mqtt import MqttTransport
 from tests.coordinator.helpers import EVENT, FED, FakeSite, tiny_weights
 from tests.coordinator.test_crash import direct_epsilon, prepare_federation, run_coordinator
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture (skips without a broker)
@@ -157,7 +158,7 @@ def test_a_group_committed_in_the_background_is_durable_before_its_acks(open_rou
 
     def observe(topic, raw):  # the in-memory bus delivers in the publishing (committer) thread
         at_ack.append((coord.store.count_updates(), len(list((coord.store.data_dir / "blobs").rglob("*.bin"))),
-                       getattr(transport_module._HANDLER_THREAD, "active", False)))
+                       getattr(handler_module._HANDLER_THREAD, "active", False)))
         if len(at_ack) == 3:
             acked.set()
 

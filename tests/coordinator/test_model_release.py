@@ -192,7 +192,7 @@ def test_a_model_over_the_chunk_size_arrives_in_retained_chunks_with_its_logit_a
 
 def test_over_a_real_mosquitto_a_gateway_that_connects_later_gets_the_retained_model(tmp_path: Path,
                                                                                      broker_url: str) -> None:
-    from coordinator.transport import MqttTransport
+    from coordinator.transport.mqtt import MqttTransport
 
     from edge_sdk.uplink.mqtt import MqttTransport as EdgeMqtt
 

@@ -17,7 +17,7 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 
 from coordinator.service import Coordinator
-from coordinator.transport import MqttTransport
+from coordinator.transport.mqtt import MqttTransport
 from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
 
 pytestmark = pytest.mark.broker
@@ -168,7 +168,7 @@ def test_close_lets_the_replies_sent_without_a_wait_go_out_first(broker_url):
     and a subscriber gets every one."""
     import threading
 
-    from coordinator import transport as transport_module
+    from coordinator.transport import handlers as handler_module
 
     topic = f"wf-test/{uuid.uuid4().hex[:10]}/ack"
     pub = MqttTransport(broker_url, client_id=f"close-pub-{uuid.uuid4().hex[:8]}")
@@ -186,12 +186,12 @@ def test_close_lets_the_replies_sent_without_a_wait_go_out_first(broker_url):
         sub.subscribe(topic, on_message)
         sub.connect()
         pub.connect()
-        transport_module._HANDLER_THREAD.active = True  # this thread publishes as a QueuedCallback handler does
+        handler_module._HANDLER_THREAD.active = True  # this thread publishes as a QueuedCallback handler does
         try:
             for m in messages:
                 pub.publish(topic, m)
         finally:
-            transport_module._HANDLER_THREAD.active = False
+            handler_module._HANDLER_THREAD.active = False
         pub.close()
         assert done.wait(30), f"{len(got)} of {len(messages)} arrived"
         assert got == messages

@@ -10,7 +10,8 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 
 from coordinator.service import Coordinator
-from coordinator.strategies.nira import BUNDLE_PREFIX, NIRA, hash_sketch
+from coordinator.strategies.nira import BUNDLE_PREFIX, NIRA
+from coordinator.strategies.reclustering import hash_sketch
 from coordinator.transport import InMemoryTransport
 from tests.coordinator.helpers import EVENT, FakeSite, make_config
 
@@ -142,7 +143,7 @@ def test_hash_sketch_preserves_inner_products_in_expectation():
 
 def test_a_fresh_clustering_keeps_heads_with_the_sites_that_trained_them():
     from coordinator.strategies.ecological_clustering import cluster_sites, jaccard_matrix
-    from coordinator.strategies.nira import match_labels
+    from coordinator.strategies.reclustering import match_labels
 
     ids, sim = jaccard_matrix({"a": {"A"}, "b": {"A"}, "c": {"C"}, "d": {"C"}})
     old = cluster_sites(sim, ids, num_clusters=2)  # c0 = {a, b}, c1 = {c, d}

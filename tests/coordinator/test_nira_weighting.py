@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from coordinator.strategies.base import update_noise_variance
-from coordinator.strategies.ecological_clustering import ClusterAssignment, merge_small_clusters
-from coordinator.strategies.nira import NIRA, similarity_snr
+from coordinator.strategies.cluster_assignment import ClusterAssignment
+from coordinator.strategies.ecological_clustering import merge_small_clusters
+from coordinator.strategies.nira import NIRA
+from coordinator.strategies.reclustering import similarity_snr
 from shared.errors import ConfigError
 from shared.privacy.events import DPSGDEvent
 from tests.coordinator.test_nira import DictStore

@@ -40,7 +40,7 @@ from coordinator.config import save_config
 from coordinator.ledger import PrivacyLedger
 from coordinator.registry import SiteRegistry
 from coordinator.storage import LedgerRow, RejectionRow
-from coordinator.transport import MqttTransport
+from coordinator.transport.mqtt import MqttTransport
 from tests.support import wait_for
 from tests.coordinator.helpers import FakeSite, tiny_weights
 from tests.coordinator.test_crash import ROOT, prepare_federation, subprocess_env

@@ -24,7 +24,7 @@ from coordinator.inbound.partial_sums import decode_partial, encode_partial
 from coordinator.service import Coordinator
 from coordinator.storage import PartialSumRow, Store
 from coordinator.strategies.fedavg import add_weighted, new_running_sum
-from coordinator.transport import MqttTransport
+from coordinator.transport.mqtt import MqttTransport
 from coordinator.inbound.workers import IngestWorker
 from tests.coordinator.helpers import EVENT, FakeSite, make_config, tiny_weights
 from tests.coordinator.test_mqtt import broker_url  # noqa: F401 - the broker fixture

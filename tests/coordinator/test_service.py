@@ -34,7 +34,7 @@ from coordinator.cli import app
 from coordinator.config import load_config
 from coordinator.detections import detection_counts
 from coordinator.storage import RoundRow, Store
-from coordinator.transport import MqttTransport
+from coordinator.transport.mqtt import MqttTransport
 from tests.coordinator.helpers import tiny_weights, wide_cli_consoles
 from tests.support import free_port
 

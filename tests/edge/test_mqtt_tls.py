@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from shared.broker import load_broker_credentials
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.topics import parse_status_payload, status_filter, status_topic, task_topic, update_topic
 
-from coordinator.broker_config import BrokerConfigResult, generate_broker_config, load_broker_credentials
+from coordinator.broker_config import BrokerConfigResult, generate_broker_config
 from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
-from coordinator.transport import MqttTransport as CoordinatorTransport
-from coordinator.transport import transport_from_config as coordinator_transport_from_config
+from coordinator.transport.mqtt import MqttTransport as CoordinatorTransport
+from coordinator.transport.mqtt import transport_from_config as coordinator_transport_from_config
 from edge_sdk.config import SiteConfig
 from edge_sdk.uplink.mqtt import MqttTransport, full_jitter_delay, transport_from_config
 from edge_sdk.uplink.transport import TransportError

@@ -30,8 +30,8 @@ import pytest
 
 from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES
 
-from coordinator.transport import MqttTransport as CoordinatorTransport
-from coordinator.transport import transport_from_config as coordinator_transport
+from coordinator.transport.mqtt import MqttTransport as CoordinatorTransport
+from coordinator.transport.mqtt import transport_from_config as coordinator_transport
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.config import load_site_config
 from edge_sdk.uplink.mqtt import transport_from_config
@@ -160,7 +160,7 @@ def test_coordinator_stops_resending_a_task_message_the_broker_refuses(broker: i
     site.loop_start()
     try:
         # Execute: a 262,144-byte task chunk (the default chunk size), over the broker's 100,000 bytes
-        with caplog.at_level(logging.ERROR, logger="coordinator.transport"):
+        with caplog.at_level(logging.ERROR, logger="coordinator.transport.mqtt"):
             coordinator.publish(task_topic, bytes(262_144))  # returns: it never raises for this
             # Assert: 3 drops in a row (max_drops), then paho's copy is dropped and the link stays up
             assert poll_until(lambda: coordinator.refused == 1, 20), coordinator.disconnects

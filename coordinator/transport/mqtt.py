@@ -1,14 +1,4 @@
-"""The coordinator's message transport: a two-method interface, an MQTT implementation and an in-memory one.
-
-Everything above this module (ingest, rounds, service) depends only on :class:`Transport`:
-``publish(topic, payload, qos=1)`` and ``subscribe(topic_filter, callback)``, where ``callback(topic, payload)``
-receives raw bytes. :class:`MqttTransport` wraps paho-mqtt 2.x (``CallbackAPIVersion.VERSION2``, QoS 1,
-re-subscribing after every reconnect, a message acknowledged only once its handlers returned; the coordinator's own
-client keeps a persistent session, so what is published while it is stopped waits at the broker: "Sessions" in its
-docstring). :class:`InMemoryTransport` delivers in-process for tests, with MQTT topic
-filter semantics (``+`` one level, ``#`` the rest).
-
-The gateway has its own transport (edge_sdk/uplink); the two sides share nothing but the wire.
+"""The coordinator's MQTT transport: :class:`MqttTransport` (paho-mqtt 2.x) and :func:`transport_from_config`.
 
 Security (docs/security.md): ``mqtts://host:port`` (default port 8883) connects over TLS 1.2+ with the broker's
 certificate checked against ``ca_file`` (system CAs when None) and the URL's host; ``cert_file``/``key_file`` add a
@@ -43,119 +33,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from shared.broker import (DEFAULT_MAX_DROPS, RefusedMessages, check_client_options, load_broker_credentials,
                            role_cert_paths, tls_context)
-from shared.errors import ConfigError, WildFedError
+from shared.errors import ConfigError
+
+from coordinator.transport import Callback, TransportError, topic_matches
+from coordinator.transport.handlers import on_handler_thread
 
 if TYPE_CHECKING:
     from paho.mqtt.client import MQTTMessageInfo
 
     from coordinator.config import CoordinatorConfig
 
-__all__ = ["QueuedCallback", "mark_handler_thread", "Callback", "Transport", "TransportError", "InMemoryTransport", "MqttTransport", "topic_matches",
-           "parse_broker_url", "transport_from_config", "pipelined_publish"]
+__all__ = ["MqttTransport", "parse_broker_url", "transport_from_config"]
 
 log = logging.getLogger(__name__)
-
-#: ``callback(topic, payload_bytes)``; exceptions it raises are logged by the transport, never propagated.
-Callback = Callable[[str, bytes], None]
-
-
-class TransportError(WildFedError):
-    """The broker cannot be reached or refused a publish/subscribe."""
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """What the coordinator needs from a message bus."""
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
-        """Publish ``payload`` on ``topic`` (at-least-once for ``qos=1``; ``retain``: the broker keeps it as the
-        topic's retained message, delivered to every later subscriber, and an empty retained payload deletes it);
-        raises :class:`TransportError`."""
-        ...
-
-    def subscribe(self, topic_filter: str, callback: Callback) -> None:
-        """Deliver every message matching ``topic_filter`` to ``callback(topic, payload)``."""
-        ...
-
-
-def pipelined_publish(transport: Transport) -> AbstractContextManager[Callable[[str, bytes], None]]:
-    """``with pipelined_publish(transport) as publish:`` QoS 1 publishes that do not wait for their PUBACK each
-    where the transport can (:meth:`MqttTransport.pipelined`: all acknowledged when the block ends), else plain
-    ``transport.publish`` calls (the in-memory bus delivers at once)."""
-    pipelined = getattr(transport, "pipelined", None)
-    if pipelined is not None:
-        return pipelined()
-    return nullcontext(lambda topic, payload: transport.publish(topic, payload, qos=1))
-
-
-def topic_matches(topic_filter: str, topic: str) -> bool:
-    """MQTT 3.1.1 §4.7 filter matching: ``+`` matches one level, a trailing ``#`` matches the rest."""
-    f_parts = topic_filter.split("/")
-    t_parts = topic.split("/")
-    for i, f in enumerate(f_parts):
-        if f == "#":
-            return True
-        if i >= len(t_parts):
-            return False
-        if f != "+" and f != t_parts[i]:
-            return False
-    return len(f_parts) == len(t_parts)
-
-
-class InMemoryTransport:
-    """In-process bus for tests: ``publish`` calls every matching subscriber synchronously, in subscription order.
-
-    Subscriber exceptions are logged and swallowed (as a broker would isolate them). ``published`` keeps every
-    ``(topic, payload)`` for assertions. Retained messages are kept per topic (``retained``; an empty retained
-    payload deletes one) and delivered to each new subscription whose filter matches, as a broker does (MQTT 3.1.1
-    sec. 3.3.1.3). Thread-safe; re-entrant publishing from inside a callback is allowed.
-    """
-
-    def __init__(self) -> None:
-        self._subs: list[tuple[str, Callback]] = []
-        self._lock = threading.RLock()
-        self.published: list[tuple[str, bytes]] = []
-        self.retained: dict[str, bytes] = {}
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
-        """Record and deliver ``payload`` to every subscriber whose filter matches ``topic``; keep it as the topic's
-        retained message when ``retain`` (an empty one deletes it and is not delivered)."""
-        with self._lock:
-            if retain:
-                if not payload:
-                    self.retained.pop(topic, None)
-                    return
-                self.retained[topic] = bytes(payload)
-            self.published.append((topic, bytes(payload)))
-            targets = [cb for f, cb in self._subs if topic_matches(f, topic)]
-        for cb in targets:
-            self._call(cb, topic, bytes(payload))
-
-    @staticmethod
-    def _call(cb: Callback, topic: str, payload: bytes) -> None:
-        try:
-            cb(topic, payload)
-        except Exception:  # noqa: BLE001 - a subscriber's bug must not break the publisher (broker isolation)
-            log.exception("in-memory transport: subscriber of %s raised", topic)
-
-    def subscribe(self, topic_filter: str, callback: Callback) -> None:
-        """Register ``callback`` for ``topic_filter`` and deliver it the retained messages that match."""
-        with self._lock:
-            self._subs.append((topic_filter, callback))
-            retained = [(t, p) for t, p in self.retained.items() if topic_matches(topic_filter, t)]
-        for topic, payload in retained:
-            self._call(callback, topic, payload)
-
-    def close(self) -> None:
-        """Drop all subscriptions."""
-        with self._lock:
-            self._subs.clear()
 
 
 def _unshared(topic_filter: str) -> str:
@@ -180,8 +76,6 @@ def parse_broker_url(url: str) -> tuple[str, int, bool]:
                           fix="use e.g. mqtt://127.0.0.1:1883")
     tls = parsed.scheme in ("mqtts", "ssl")
     return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
-
-
 
 
 _MAX_TOPICS_CACHED = 4096
@@ -471,7 +365,7 @@ class MqttTransport:
         # With no connection paho queues the message and sends it after reconnecting (QoS 1).
         if info.rc != self._mqtt.MQTT_ERR_SUCCESS:
             return None
-        if threading.get_ident() != self._loop_thread and not getattr(_HANDLER_THREAD, "active", False):
+        if threading.get_ident() != self._loop_thread and not on_handler_thread():
             return info
         if qos > 0:  # not waited for here; close() lets paho finish it before it disconnects
             with self._lock:
@@ -600,139 +494,3 @@ def transport_from_config(config: CoordinatorConfig, *, client_id: str | None = 
                          password=password, max_drops=config.transfer.max_dropped_sends,
                          broker_max_packet_bytes=config.broker_max_packet_bytes,
                          persistent_session=role is None if persistent is None else persistent)
-
-
-_HANDLER_THREAD = threading.local()
-"""``active`` is True on a :class:`QueuedCallback`'s thread (and on threads that :func:`mark_handler_thread`)."""
-
-
-def mark_handler_thread() -> None:
-    """Declare the calling thread a message handler's thread: :meth:`MqttTransport.publish` from it does not wait
-    for the PUBACK (paho sends and retransmits QoS 1 by itself). For threads that publish ACKs on behalf of the
-    ingest thread, e.g. the group committer (coordinator.inbound.group_commit.BackgroundCommits): waiting there would
-    hold the ingest lock for a network round trip per ACK."""
-    _HANDLER_THREAD.active = True
-
-
-class QueuedCallback:
-    """Runs a transport callback on its own thread, so that slow work (verify, decode, fsync) never runs on paho's
-    network thread, which must keep reading the socket and completing PUBACKs (paho-mqtt docs: "do not block in
-    callbacks").
-
-    Messages are handled one at a time, in arrival order. The queue is bounded in bytes: when ``max_bytes`` are
-    waiting, the network thread blocks in :meth:`__call__`, which stops reading the socket, and TCP back-pressure
-    holds the rest at the broker.
-
-    Group commit (coordinator.inbound.group_commit): with ``flush`` and ``flush_in`` given, this thread also drives the
-    callback's commit groups. Between messages it asks ``flush_in()`` how long the open group may still wait: when
-    that is over it calls ``flush()`` before taking another message, and while the queue is empty it waits for a
-    message at most that long, then calls ``flush()``. So a group is never older than the policy's
-    ``max_delay_s`` when it is committed, busy or idle, and a lone update waits at most that long.
-
-    Args:
-        callback: ``callback(topic, payload)``; its exceptions are logged, never propagated.
-        name: thread name (logs).
-        max_bytes: payload bytes that may wait, default 64 MiB (the rest waits at the broker: TCP back-pressure).
-        flush: makes the callback's open commit group durable (e.g. ``Ingestor.flush``); its exceptions are logged.
-        flush_in: seconds until the open group must be flushed (<= 0: now), None when none is open (e.g.
-            ``Ingestor.flush_in``).
-        busy: whether a commit group is still open or being committed (e.g. ``Ingestor.committing``); :meth:`drain`
-            waits for it. Default: ``flush_in() is not None``.
-    """
-
-    def __init__(self, callback: Callback, *, name: str = "wildfed-ingest", max_bytes: int = 64 << 20,
-                 flush: Callable[[], None] | None = None, flush_in: Callable[[], float | None] | None = None,
-                 busy: Callable[[], bool] | None = None) -> None:
-        import queue
-
-        self._callback = callback
-        self._max_bytes = int(max_bytes)
-        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
-        self._cond = threading.Condition()
-        self._waiting = 0
-        self._busy = False
-        self._flush = flush
-        self._flush_in = flush_in if flush is not None else None
-        self._group_busy = busy
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def __call__(self, topic: str, payload: bytes) -> None:
-        """Enqueue (blocks while ``max_bytes`` are already waiting)."""
-        with self._cond:
-            while self._waiting and self._waiting + len(payload) > self._max_bytes:
-                self._cond.wait()
-            self._waiting += len(payload)
-        self._queue.put((topic, payload))
-
-    def _next(self) -> tuple[str, bytes] | None:
-        """The next message; meanwhile flushes the callback's commit group when it is due (class docstring)."""
-        import queue
-
-        while True:
-            left = self._flush_in() if self._flush_in is not None else None
-            if left is None:
-                return self._queue.get()
-            if left > 0:
-                try:
-                    return self._queue.get(timeout=left)
-                except queue.Empty:
-                    pass
-            self._run_flush()
-
-    def _run_flush(self) -> None:
-        with self._cond:
-            self._busy = True
-        try:
-            assert self._flush is not None
-            self._flush()
-        except Exception:  # noqa: BLE001 - a storage failure must not stop ingest (the gateways re-send)
-            log.exception("queued handler: group commit failed")
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-
-    def _run(self) -> None:
-        _HANDLER_THREAD.active = True  # publishes from here do not wait for their PUBACK (MqttTransport.publish)
-        while True:
-            item = self._next()
-            if item is None:
-                if self._flush is not None:
-                    self._run_flush()  # what was checked before the stop is made durable and ACKed
-                return
-            topic, payload = item
-            with self._cond:
-                self._busy = True
-            try:
-                self._callback(topic, payload)
-            except Exception:  # noqa: BLE001 - a handler bug must not stop ingest
-                log.exception("queued handler for %s raised", topic)
-            finally:
-                with self._cond:
-                    self._waiting -= len(payload)
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every enqueued message was handled (and the commit group they opened is durable); returns
-        False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._waiting or self._busy or not self._queue.empty() or self._group_open():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
-        return True
-
-    def _group_open(self) -> bool:
-        if self._group_busy is not None:
-            return self._group_busy()
-        return self._flush_in is not None and self._flush_in() is not None
-
-    def close(self) -> None:
-        """Stop the thread after the messages already queued (messages not yet handled are resent by gateways,
-        which keep them until ACKed)."""
-        self._queue.put(None)
-        self._thread.join(timeout=30)
