@@ -94,7 +94,7 @@ def _deployments_by_site(conn: Connection, schema: str | None) -> list[str]:
         return []
     if "site_id" in {c["name"] for c in insp.get_columns("deployments", schema=schema)}:
         return []  # already keyed by site (another process upgraded it first)
-    from coordinator.storage import DeploymentRow, deployment_key  # the new shape (storage imports this module)
+    from coordinator.tables import DeploymentRow, deployment_key  # the new shape
 
     meta = MetaData()
     old = Table("deployments", meta, autoload_with=conn, schema=schema)
