@@ -13,6 +13,8 @@ import json
 import struct
 from collections.abc import Mapping
 
+from typing import Any
+
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as _st_load
@@ -20,7 +22,7 @@ from safetensors.numpy import save as _st_save
 
 from shared.errors import PayloadError
 
-__all__ = ["encode_tensors", "decode_tensors", "model_hash", "encode_model", "MAX_HEADER_BYTES"]
+__all__ = ["encode_tensors", "decode_tensors", "decode_with_metadata", "model_hash", "encode_model", "MAX_HEADER_BYTES"]
 
 MAX_HEADER_BYTES = 1 << 20  # a header larger than 1 MiB is not something WildFed writes
 
@@ -101,3 +103,30 @@ def encode_model(tensors: Mapping[str, np.ndarray]) -> tuple[str, bytes]:
     """
     data = encode_tensors(tensors)
     return hashlib.sha256(data).hexdigest(), data
+
+
+def decode_with_metadata(payload: bytes | memoryview, *, key: str, fields: set[str] | frozenset[str],
+                         what: str = "payload") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Parse a payload whose metadata ``key`` holds a JSON object of known ``fields`` (every WildFed payload:
+    tasks, updates, releases, SDK releases).
+
+    Returns:
+        ``(tensors, body)``: the tensors as :func:`decode_tensors` gives them and the JSON object.
+
+    Raises:
+        PayloadError: not safetensors, no ``key`` metadata, not JSON, not an object, or a field not in ``fields``
+            (``what`` names the payload in the message).
+    """
+    tensors, metadata = decode_tensors(bytes(payload))
+    if key not in metadata:
+        raise PayloadError(f"{what} has no '{key}' metadata")
+    try:
+        body = json.loads(metadata[key])
+    except json.JSONDecodeError as exc:
+        raise PayloadError(f"{what}: '{key}' metadata is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise PayloadError(f"{what}: metadata body is not an object")
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise PayloadError(f"{what}: unknown fields {sorted(unknown)}")
+    return tensors, body

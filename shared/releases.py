@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.codec import decode_tensors, encode_tensors
+from shared.codec import decode_with_metadata, encode_tensors
 from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError, PayloadError
 
@@ -103,19 +103,11 @@ def decode_release(payload: bytes | memoryview) -> tuple[ModelRelease, dict[str,
         PayloadError: not safetensors, no or malformed metadata, unknown or missing fields, values out of range,
             no tensor, a tensor that is not float32 or not finite.
     """
-    tensors, metadata = decode_tensors(bytes(payload))
-    if METADATA_KEY not in metadata:
-        raise PayloadError(f"model payload has no '{METADATA_KEY}' metadata")
-    try:
-        body = json.loads(metadata[METADATA_KEY])
-    except json.JSONDecodeError as exc:
-        raise PayloadError(f"'{METADATA_KEY}' metadata is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise PayloadError("model metadata is not an object")
-    fields = set(ModelRelease.__dataclass_fields__)
-    unknown, missing = set(body) - fields, {"federation_id", "round", "model_hash"} - set(body)
-    if unknown or missing:
-        raise PayloadError(f"model release fields wrong: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    tensors, body = decode_with_metadata(payload, key=METADATA_KEY, fields=set(ModelRelease.__dataclass_fields__),
+                                         what="model release")
+    missing = {"federation_id", "round", "model_hash"} - set(body)
+    if missing:
+        raise PayloadError(f"model release fields missing: {sorted(missing)}")
     if not tensors:
         raise PayloadError("a model release carries no weights")
     release = ModelRelease(**body)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.codec import decode_tensors, encode_tensors
+from shared.codec import decode_with_metadata, encode_tensors
 from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError, PayloadError
 
@@ -151,16 +151,10 @@ def decode_software(payload: bytes | memoryview) -> tuple[SoftwareRelease, dict[
         PayloadError: not safetensors, malformed or unknown metadata fields, a file missing, extra, not uint8, or
             whose size or SHA-256 differs from the listing.
     """
-    tensors, metadata = decode_tensors(bytes(payload))
-    try:
-        body = json.loads(metadata[METADATA_KEY])
-    except KeyError:
-        raise PayloadError(f"software payload has no '{METADATA_KEY}' metadata") from None
-    except json.JSONDecodeError as exc:
-        raise PayloadError(f"'{METADATA_KEY}' metadata is not JSON: {exc}") from exc
     fields = set(SoftwareRelease.__dataclass_fields__)
-    if not isinstance(body, dict) or set(body) != fields:
-        raise PayloadError(f"software release fields wrong: expected {sorted(fields)}")
+    tensors, body = decode_with_metadata(payload, key=METADATA_KEY, fields=fields, what="software release")
+    if set(body) != fields:
+        raise PayloadError(f"software release fields missing: {sorted(fields - set(body))}")
     if not isinstance(body["wheels"], list) or not all(isinstance(w, dict) and set(w) == {"name", "sha256", "size"}
                                                        for w in body["wheels"]):
         raise PayloadError("software release wheels must be a list of {name, sha256, size}")

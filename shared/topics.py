@@ -64,6 +64,13 @@ def _topic(federation_id: str, site_id: str, channel: str) -> str:
     return f"{PREFIX}/{federation_id}/site/{site_id}/{channel}"
 
 
+def _chunk_topic(topic: str, index: int) -> str:
+    """``<topic>/<index>``: the topic of chunk ``index`` of a retained, chunked envelope on ``topic``."""
+    if type(index) is not int or index < 0:
+        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
+    return f"{topic}/{index}"
+
+
 def task_topic(federation_id: str, site_id: str) -> str:
     """Topic on which the coordinator publishes tasks for ``site_id``."""
     return _topic(federation_id, site_id, "task")
@@ -110,9 +117,7 @@ def model_chunk_topic(federation_id: str, site_id: str, index: int) -> str:
     Raises:
         MalformedEnvelopeError: a negative or non-integer ``index``.
     """
-    if type(index) is not int or index < 0:
-        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
-    return f"{model_topic(federation_id, site_id)}/{index}"
+    return _chunk_topic(model_topic(federation_id, site_id), index)
 
 
 def model_filter(federation_id: str, site_id: str) -> str:
@@ -133,9 +138,7 @@ def software_chunk_topic(federation_id: str, site_id: str, index: int) -> str:
     Raises:
         MalformedEnvelopeError: a negative or non-integer ``index``.
     """
-    if type(index) is not int or index < 0:
-        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
-    return f"{software_topic(federation_id, site_id)}/{index}"
+    return _chunk_topic(software_topic(federation_id, site_id), index)
 
 
 def software_filter(federation_id: str, site_id: str) -> str:

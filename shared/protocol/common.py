@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from shared.codec import decode_tensors
+from shared.codec import decode_with_metadata
 from shared.errors import PayloadError
 from shared.iucn import IUCNCategory
 
@@ -82,19 +82,7 @@ def _metadata(obj: Any) -> dict[str, str]:
 
 
 def _read(payload: bytes, fields: set[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    tensors, metadata = decode_tensors(payload)
-    if METADATA_KEY not in metadata:
-        raise PayloadError(f"payload has no '{METADATA_KEY}' metadata")
-    try:
-        body = json.loads(metadata[METADATA_KEY])
-    except json.JSONDecodeError as exc:
-        raise PayloadError(f"'{METADATA_KEY}' metadata is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise PayloadError("metadata body is not an object")
-    unknown = set(body) - fields
-    if unknown:
-        raise PayloadError(f"unknown fields {sorted(unknown)}")
-    return tensors, body
+    return decode_with_metadata(payload, key=METADATA_KEY, fields=fields)
 
 
 def _check_weights(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -48,7 +48,8 @@ def _tampered(payload: bytes, edit) -> bytes:
 @pytest.mark.parametrize("edit, message", [
     (lambda t, b: ({**t, f"wheels/{SDK}": np.frombuffer(b"other sdk bytes \x00\xff", np.uint8)}, b), "SHA-256"),
     (lambda t, b: ({k: v for k, v in t.items() if DEP not in k}, b), "differ from the release's listing"),
-    (lambda t, b: (t, {**b, "channel": "beta"}), "fields wrong"),
+    (lambda t, b: (t, {**b, "channel": "beta"}), "unknown fields"),
+    (lambda t, b: (t, {k: v for k, v in b.items() if k != "issued"}), "fields missing"),
     (lambda t, b: (t, {**b, "version": "0.3.0"}), "first wheel must be the SDK wheel wildfed-0.3.0"),
     (lambda t, b: (t, {**b, "confirm_within_s": 0}), "confirm_within_s"),
     (lambda t, b: (t, {**b, "wheels": [{**b["wheels"][0], "name": "../evil.whl"}, b["wheels"][1]]}),
