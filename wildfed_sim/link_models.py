@@ -4,7 +4,8 @@ A model draws, for gateway g of a run seeded s, a sorted list of disjoint online
 ``[0, horizon)``; :class:`Schedule` answers "is it online at t" and "when is it next online". Every draw comes from
 ``numpy.random.default_rng((seed, g))``, so a gateway's link is the same whichever mode or configuration runs on
 it (paired comparisons see the same outages). The long-run fraction of time online (the duty cycle) of each model
-has a closed form, given in its docstring and checked by ``tests/sim/test_link_models.py``.
+has a closed form, given in its docstring and checked by ``tests/sim/test_link_models.py``. ``powered_offline``
+says whether the gateway keeps computing while it is offline (a link outage) or not (a power loss).
 
 * :class:`AlwaysOn`: duty 1.
 * :class:`SatellitePasses`: a low-Earth-orbit store-and-forward link (e.g. Swarm/Iridium-class data services):
@@ -68,6 +69,20 @@ class Schedule:
             return float(t)
         return self._starts[i + 1] if i + 1 < len(self._starts) else math.inf
 
+    def after_online_minutes(self, t: float, minutes: float) -> float:
+        """The time at which the gateway, counting from ``t``, has been online for ``minutes`` (work that runs only
+        while it is powered: a solar gateway's training pauses at dusk), or ``inf``."""
+        left = float(minutes)
+        i = max(0, bisect.bisect_right(self._starts, t) - 1)
+        for s, e in self.intervals[i:]:
+            start = max(s, t)
+            if start >= e:
+                continue
+            if e - start >= left:
+                return start + left
+            left -= e - start
+        return math.inf
+
     def online_minutes(self, horizon: float) -> float:
         """Minutes online in ``[0, horizon)``."""
         return float(sum(max(0.0, min(e, horizon) - s) for s, e in self.intervals if s < horizon))
@@ -85,6 +100,7 @@ class AlwaysOn:
     """Online all the time (the reference). Duty 1."""
 
     name = "always-on"
+    powered_offline = True  # offline never happens
 
     def duty_cycle(self) -> float:
         """The long-run fraction of time online: 1."""
@@ -106,6 +122,7 @@ class SatellitePasses:
     window: float = 10.0
     period: float = 90.0
     name = "satellite"
+    powered_offline = True  # the link is down between passes, the gateway keeps running
 
     def __post_init__(self) -> None:
         _check_positive("window", self.window)
@@ -139,6 +156,7 @@ class SolarNight:
     jitter_min: float = 30.0
     start_hour: float = 7.0
     name = "solar-night"
+    powered_offline = False  # offline = powered off: training pauses until dawn
 
     def __post_init__(self) -> None:
         _check_positive("jitter_min", self.jitter_min, zero=True)
@@ -179,6 +197,7 @@ class Cellular:
     mean_up: float = 240.0
     mean_down: float = 60.0
     name = "cellular"
+    powered_offline = True  # an outage of the link, not of the gateway
 
     def __post_init__(self) -> None:
         _check_positive("mean_up", self.mean_up)

@@ -20,6 +20,8 @@ def test_schedule_lookups():
     assert s.next_online(0) == 10 and s.next_online(12) == 12 and s.next_online(30) == 40
     assert s.next_online(50) == math.inf
     assert s.online_minutes(45) == 20.0  # 15 + 5
+    assert s.after_online_minutes(12, 10) == 22 and s.after_online_minutes(20, 10) == 45  # 5 then 5 of (40, 50)
+    assert s.after_online_minutes(0, 30) == math.inf
     with pytest.raises(ValueError):
         Schedule([(10.0, 20.0), (15.0, 30.0)])
 
