@@ -15,9 +15,15 @@ Normalisation. With ``weighting="uniform"`` every w_i is 1 and the denominator i
 ``Delta-bar / K`` with ``Delta-bar = sum_i s(t_i) delta_i`` (Alg. 1, lines 9-11; the server learning rate eta_g
 is applied by the caller). With ``weighting="examples"`` w_i is the update's number of examples n_i and the
 denominator is sum_i n_i: FedAvg's n_k / n weights (McMahan et al. 2017, Alg. 1) inside the buffer, so that with
-K equal to the number of sites and no staleness one buffer is exactly one synchronous FedAvg round. In both the
-denominator is *not* sum_i s(t_i) w_i: renormalising by the staleness weights would undo them whenever every update
-in the buffer is equally stale; FedBuff lets stale updates shrink the step, and so does this module.
+K equal to the number of sites and no staleness one buffer is exactly one synchronous FedAvg round. With
+``weighting="fixed"`` w_i is n_i too but the denominator is fixed, ``K * reference_weight`` (the mean declared
+capacity of the sites, say): the fixed-denominator estimator of DP-FedAvg (McMahan et al., "Learning
+Differentially Private Recurrent Language Models", ICLR 2018, Sec. 2), unbiased for FedAvg's mean when the K
+updates are a uniform draw of sites. It matters when site sizes differ a lot and K is small: under "examples" a
+buffer that happens to hold only small sites is normalised to a full step, and under local DP their updates are
+the noisiest (noise / (q n_i)). No denominator is sum_i s(t_i) w_i: renormalising by the staleness weights would
+undo them whenever every update in the buffer is equally stale; FedBuff lets stale updates shrink the step, and so
+does this module.
 
 The buffer keeps a running float64 sum, never the K updates (as the round strategies do,
 ``coordinator.strategies.base``), so its memory does not grow with K.
@@ -46,7 +52,7 @@ __all__ = ["StalenessWeight", "Offer", "StalenessBuffer", "STALENESS_KINDS", "WE
 #: the staleness functions :class:`StalenessWeight` knows
 STALENESS_KINDS = ("constant", "polynomial", "hinge")
 #: the weightings :class:`StalenessBuffer` knows (module docstring, "Normalisation")
-WEIGHTINGS = ("uniform", "examples")
+WEIGHTINGS = ("uniform", "examples", "fixed")
 
 
 @dataclass(frozen=True)
@@ -120,15 +126,19 @@ class StalenessBuffer:
         size: K >= 1, updates per aggregate.
         max_staleness: the oldest accepted update, in versions (>= 0); an older one is refused as ``too_stale``.
         staleness: the weight s(t) (default FedBuff's 1/sqrt(1+t)).
-        weighting: ``"uniform"`` (FedBuff: divide by K) or ``"examples"`` (FedAvg's n_i / sum n_i).
+        weighting: ``"uniform"`` (FedBuff: divide by K), ``"examples"`` (FedAvg's n_i / sum n_i) or ``"fixed"``
+            (n_i / (K * reference_weight)).
+        reference_weight: the fixed denominator's weight per update (``"fixed"`` only; > 0).
         version: the model version the buffer starts at (e.g. the stored one after a restart).
 
     Raises:
-        ConfigError: size < 1, max_staleness < 0, or an unknown weighting.
+        ConfigError: size < 1, max_staleness < 0, an unknown weighting, or ``"fixed"`` without a positive
+            reference_weight.
     """
 
     def __init__(self, template: Mapping[str, np.ndarray], *, size: int, max_staleness: int,
-                 staleness: StalenessWeight | None = None, weighting: str = "uniform", version: int = 0) -> None:
+                 staleness: StalenessWeight | None = None, weighting: str = "uniform",
+                 reference_weight: float | None = None, version: int = 0) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"buffer size K must be an integer >= 1, got {size!r}", field="buffer.size",
                               fix="e.g. size: 4")
@@ -138,6 +148,10 @@ class StalenessBuffer:
         if weighting not in WEIGHTINGS:
             raise ConfigError(f"unknown weighting {weighting!r}", field="buffer.weighting",
                               fix=f"use one of {', '.join(WEIGHTINGS)}")
+        if weighting == "fixed" and not (isinstance(reference_weight, (int, float)) and 0 < reference_weight < math.inf):
+            raise ConfigError(f"weighting fixed needs a positive reference_weight, got {reference_weight!r}",
+                              field="buffer.reference_weight", fix="use the sites' mean declared capacity")
+        self.reference_weight = reference_weight
         self.size = size
         self.max_staleness = max_staleness
         self.staleness = staleness or StalenessWeight()
@@ -201,12 +215,14 @@ class StalenessBuffer:
         return Offer(True, None, t, scale, self.flush())
 
     def flush(self) -> dict[str, np.ndarray] | None:
-        """Release what the buffer holds now, normalised by the weights it holds (uniform: their count), and empty
-        it (its version one higher); None when it is empty. :meth:`offer` calls it at K; a caller may call it to
-        drain a partial buffer when no further update can come (every site's budget spent)."""
+        """Release what the buffer holds now, normalised by the weights it holds (uniform: their count; fixed: their
+        count times ``reference_weight``), and empty it (its version one higher); None when it is empty.
+        :meth:`offer` calls it at K; a caller may call it to drain a partial buffer when no further update can
+        come (every site's budget spent)."""
         if self._count == 0:
             return None
-        out = {k: (s / self._weight_sum).astype(self._dtypes[k]) for k, s in self._sum.items()}
+        norm = self._count * self.reference_weight if self.weighting == "fixed" else self._weight_sum
+        out = {k: (s / norm).astype(self._dtypes[k]) for k, s in self._sum.items()}
         self.version += 1
         self._reset()
         return out

@@ -21,8 +21,8 @@ takes no more work once its updates sent and in hand reach that number.
   and discarded.
 * ``fedbuff``: an idle gateway with budget left, when online, fetches the newest model and trains;
   the coordinator puts every update it receives into a :class:`coordinator.buffered.StalenessBuffer` (K updates,
-  weighted ``n_i / sum n_i`` so that K = all sites without staleness is one FedAvg round; staleness weight s(t))
-  and steps at every K-th. A gateway learns the current version when it is online, and drops (never sends, so is
+  each weighted ``s(t_i) n_i / (K n_mean)``: the fixed denominator, so that a buffer of small, noisy sites takes a
+  small step and K = all sites without staleness is one FedAvg round) and steps at every K-th. A gateway learns the current version when it is online, and drops (never sends, so is
   never charged for) an update it knows is older than ``max_staleness``. When no site can send again, the
   coordinator drains the partial buffer.
 
@@ -63,7 +63,8 @@ class AsyncConfig:
     settings default to the demo's tuned DP ones (``wildfed_sim.demo.DP_DEFAULTS``) with its class re-weighting
     0.5 and post-hoc logit adjustment tau 1. ``server_learning_rate`` / ``server_momentum``: the server SGD,
     both modes. ``deadline_minutes``: sync only. ``buffer_size`` (K), ``max_staleness`` and ``staleness``:
-    FedBuff only. ``horizon_minutes``: the run stops there even with budget left.
+    FedBuff only; ``weighting``: the buffer's (:mod:`coordinator.buffered`), default ``"fixed"`` with the sites'
+    mean declared capacity as reference weight. ``horizon_minutes``: the run stops there even with budget left.
 
     Raises:
         ConfigError: an unknown mode or privacy, or a non-positive count or time.
@@ -90,6 +91,7 @@ class AsyncConfig:
     buffer_size: int = 4
     max_staleness: int = 10
     staleness: StalenessWeight = StalenessWeight()
+    weighting: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -177,8 +179,10 @@ class _Run:
         self.selected: set[int] = set()
         self.arrived = 0
         self.round_weights = self.weights
+        mean_capacity = sum(len(s) for s in fed.sites) / len(fed.sites)  # declared capacities: public
         self.buffer = StalenessBuffer(self.weights, size=config.buffer_size, max_staleness=config.max_staleness,
-                                      staleness=config.staleness, weighting="examples")
+                                      staleness=config.staleness, weighting=config.weighting,
+                                      reference_weight=mean_capacity)
         self.record(0.0)
 
     def push(self, t: float, kind: str, k: int) -> None:

@@ -77,6 +77,18 @@ def test_examples_weighting_is_not_renormalised_by_the_staleness_weights():
     np.testing.assert_allclose(out["w"], [2.0, 1.0], rtol=1e-6)  # 0.5 * (2+6)/2, 0.5 * (2+2)/2
 
 
+def test_fixed_weighting_divides_by_k_times_the_reference_weight():
+    # K = 2, reference 4 examples: n = 1 and 3 fresh, then a drained partial buffer of one n = 8 update 3 versions old
+    buf = StalenessBuffer(_template(), size=2, max_staleness=5, weighting="fixed", reference_weight=4.0)
+    buf.offer({"w": np.array([8.0, 0.0], np.float32), "b": np.array(0.0, np.float32)}, base_version=0, weight=1)
+    out = buf.offer({"w": np.array([0.0, 8.0], np.float32), "b": np.array(4.0, np.float32)}, base_version=0,
+                    weight=3).aggregate
+    np.testing.assert_allclose(out["w"], [1.0, 3.0])  # 1*8/8, 3*8/8
+    np.testing.assert_allclose(out["b"], 1.5)  # 3*4/8
+    buf.offer({"w": np.array([2.0, 2.0], np.float32), "b": np.array(0.0, np.float32)}, base_version=-2, weight=8)
+    np.testing.assert_allclose(buf.flush()["w"], [2.0, 2.0])  # s(3) = 1/2: 0.5 * 8 * 2 / (1 * 4)
+
+
 def test_refusals_are_returned_not_raised_and_leave_the_buffer_unchanged():
     buf = StalenessBuffer(_template(), size=2, max_staleness=2, weighting="examples", version=5)
     delta = {"w": np.ones(2, np.float32), "b": np.array(1.0, np.float32)}
@@ -110,7 +122,8 @@ def test_malformed_deltas_and_settings_raise():
     assert len(buf) == 0
     for kwargs, field in (({"size": 0, "max_staleness": 1}, "buffer.size"),
                           ({"size": 2, "max_staleness": -1}, "buffer.max_staleness"),
-                          ({"size": 2, "max_staleness": 1, "weighting": "sqrt"}, "buffer.weighting")):
+                          ({"size": 2, "max_staleness": 1, "weighting": "sqrt"}, "buffer.weighting"),
+                          ({"size": 2, "max_staleness": 1, "weighting": "fixed"}, "buffer.reference_weight")):
         with pytest.raises(ConfigError) as info:
             StalenessBuffer(_template(), **kwargs)
         assert info.value.field == field
