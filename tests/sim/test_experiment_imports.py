@@ -25,7 +25,7 @@ EXPERIMENTS: dict[str, set[str]] = {
     "real_photos": {"real_photos_run", "real_photos", "real_photo_sites"},
     "audit": {"audit"},
     "budget_plan": {"budget_plan"},
-    "fedbuff": {"fedbuff_sim"},
+    "fedbuff": {"fedbuff_sim", "fedbuff_experiment"},
 }
 #: what every experiment may use: the building blocks (besides wildfed_sim.common)
 BUILDING_BLOCKS = {"animal_mnist", "camtrap_writer", "detections", "ecology", "embedded_broker", "embeddings",
