@@ -148,7 +148,8 @@ class StalenessBuffer:
         if weighting not in WEIGHTINGS:
             raise ConfigError(f"unknown weighting {weighting!r}", field="buffer.weighting",
                               fix=f"use one of {', '.join(WEIGHTINGS)}")
-        if weighting == "fixed" and not (isinstance(reference_weight, (int, float)) and 0 < reference_weight < math.inf):
+        positive = isinstance(reference_weight, (int, float)) and 0 < reference_weight < math.inf
+        if weighting == "fixed" and not positive:
             raise ConfigError(f"weighting fixed needs a positive reference_weight, got {reference_weight!r}",
                               field="buffer.reference_weight", fix="use the sites' mean declared capacity")
         self.reference_weight = reference_weight

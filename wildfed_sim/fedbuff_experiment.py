@@ -207,8 +207,10 @@ def markdown(rows: list[dict[str, Any]], best: dict[tuple[str, str], tuple], set
         by_seed = {r["seed"]: r[key] for r in rows if r["link"] == link and r["arm"] == arm}
         return [by_seed.get(s) for s in settings.seeds]
 
-    lines = [f"Reported seeds {', '.join(map(str, settings.seeds))}; tuned on {', '.join(map(str, settings.tuning_seeds))}"
-             f" (grid {settings.grid}); training {settings.training_minutes:g} min per update; mean ± sd.", ""]
+    seeds, tuning_seeds = ", ".join(map(str, settings.seeds)), ", ".join(map(str, settings.tuning_seeds))
+    lines = [f"Reported seeds {seeds}; tuned on {tuning_seeds} (grid {settings.grid}); CCDP gamma 1, VU = 1, "
+             f"10 planned updates per site; training {settings.training_minutes:g} min per update; horizon 7 days; "
+             "mean ± sd over seeds, differences paired.", ""]
     for link in settings.links:
         lines += [f"### {link}", "", "| measure | " + " | ".join(settings.arms) + " | "
                   + " | ".join(f"{a} − sync [95 % CI]" for a in settings.arms if a != "sync") + " |",
@@ -230,14 +232,17 @@ def markdown(rows: list[dict[str, Any]], best: dict[tuple[str, str], tuple], set
             _cell([r["discarded_fraction"] for r in tuning if r["link"] == link and r["point"][0] == d])
             for d in deadlines) + " |")
     groups = ("CR/EN", "VU/NT", "LC", "NE")
-    lines += ["", "Accuracy per IUCN group once the budget is spent (%), and epsilon per category then (max over "
-              "sites, mean over seeds):", "", "| link / arm | " + " | ".join(groups) + " | epsilon |",
+    lines += ["", "Accuracy per IUCN group once the budget is spent (%), and epsilon per category then (the largest "
+              "over sites and seeds):", "", "| link / arm | " + " | ".join(groups) + " | epsilon |",
               "|---" * (len(groups) + 2) + "|"]
     for link, arm in list(best) + [("always-on", "non-private")]:
         rs = [r for r in rows if r["link"] == link and r["arm"] == arm]
         if not rs:
             continue
-        eps = {c: sum(r["eps_budget"].get(c, 0.0) for r in rs) / len(rs) for c in rs[0]["eps_budget"]}
+        eps: dict[str, float] = {}
+        for r in rs:
+            for c, e in r["eps_budget"].items():
+                eps[c] = max(eps.get(c, 0.0), e)
         lines.append(f"| {link} / {arm} | " + " | ".join(_cell([r["groups_budget"][g] for r in rs]) for g in groups)
                      + " | " + (", ".join(f"{c} {e:.2f}" for c, e in eps.items()) or "∞ (no privacy)") + " |")
     return "\n".join(lines) + "\n"

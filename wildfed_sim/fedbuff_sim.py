@@ -19,12 +19,12 @@ takes no more work once its updates sent and in hand reach that number.
   closes when every selected site's update is in, or at ``deadline_minutes``; it aggregates what arrived (FedAvg,
   ``n_k / n``; no update: no new model) and the next round opens at once. An update for a closed round is charged
   and discarded.
-* ``fedbuff``: an idle gateway with budget left, when online, fetches the newest model and trains;
-  the coordinator puts every update it receives into a :class:`coordinator.buffered.StalenessBuffer` (K updates,
-  each weighted ``s(t_i) n_i / (K n_mean)``: the fixed denominator, so that a buffer of small, noisy sites takes a
-  small step and K = all sites without staleness is one FedAvg round) and steps at every K-th. A gateway learns the current version when it is online, and drops (never sends, so is
-  never charged for) an update it knows is older than ``max_staleness``. When no site can send again, the
-  coordinator drains the partial buffer.
+* ``fedbuff``: an idle gateway with budget left, when online, fetches the newest model and trains; the coordinator
+  puts every update it receives into a :class:`coordinator.buffered.StalenessBuffer` (K updates, each weighted
+  ``s(t_i) n_i / (K n_mean)``: the fixed denominator, so that a buffer of small, noisy sites takes a small step and
+  K = all sites without staleness is one FedAvg round) and steps at every K-th. A gateway learns the current
+  version when it is online, and drops (never sends, so is never charged for) an update it knows is older than
+  ``max_staleness``. When no site can send again, the coordinator drains the partial buffer.
 
 ``run_async`` returns the accuracy after every new model against wall-clock time and against each category's
 epsilon (the largest over sites: the guarantee of the worst-placed record), and the budget charged and discarded.
@@ -324,7 +324,8 @@ def run_async(fed: Any, config: AsyncConfig, *, seed: int) -> dict[str, Any]:
 
     Returns:
         ``{"points": [{"minutes", "version", "accuracy" (served, overall), "sent": [updates charged per site],
-        "epsilon": {category: epsilon so far}, "by_group"}, ...]`` (round 0 first, then one per new model and one per update charged, in time order),
+        "epsilon": {category: epsilon so far}, "by_group"}, ...]`` (round 0 first, then one per new model and one
+        per update charged, in time order),
         ``"charged"``, ``"discarded"`` (sync: late updates), ``"dropped_unsent"`` (FedBuff: too stale, never
         sent), ``"pending"`` (charged, not yet aggregated when the run stopped), ``"budget_spent_minutes"`` (when
         the last site sent its last update; None if the horizon came first), ``"versions"``, ``"weights"`` (the
@@ -336,5 +337,6 @@ def run_async(fed: Any, config: AsyncConfig, *, seed: int) -> dict[str, Any]:
     run = _Run(fed, config, seed)
     run.run()
     pending = len(run.buffer) if config.mode == "fedbuff" else (run.arrived if run.round_open else 0)
-    return {"points": run.points, "weights": run.weights, "charged": run.charged, "discarded": run.discarded, "dropped_unsent": run.dropped,
-            "pending": pending, "budget_spent_minutes": run.budget_spent_at, "versions": run.version}
+    return {"points": run.points, "weights": run.weights, "charged": run.charged, "discarded": run.discarded,
+            "dropped_unsent": run.dropped, "pending": pending, "budget_spent_minutes": run.budget_spent_at,
+            "versions": run.version}
