@@ -25,10 +25,11 @@ EXPERIMENTS: dict[str, set[str]] = {
     "real_photos": {"real_photos_run", "real_photos", "real_photo_sites"},
     "audit": {"audit"},
     "budget_plan": {"budget_plan"},
+    "fedbuff": {"fedbuff_sim", "fedbuff_experiment"},
 }
 #: what every experiment may use: the building blocks (besides wildfed_sim.common)
 BUILDING_BLOCKS = {"animal_mnist", "camtrap_writer", "detections", "ecology", "embedded_broker", "embeddings",
-                   "evaluation", "fleet_check", "gateway_processes", "demo_sim"}
+                   "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models"}
 ENTRY_POINTS = {"cli", "__init__"}
 
 

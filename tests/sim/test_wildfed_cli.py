@@ -23,7 +23,7 @@ runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
 LAB = {"demo", "experiment", "audit", "observers", "plan-budgets", "clusters", "radio-data"}
-EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap", "real-photos"}
+EXPERIMENTS = {"privacy-utility", "nira", "nira-head", "fedsofim", "radiomap", "real-photos", "fedbuff"}
 OPERATOR = {"init", "enrol", "rotate-key", "revoke-key", "keys", "broker-config", "status", "budget", "run", "service",
             "ingest-worker", "provision", "serve", "import-deployments", "import-detections", "export-camtrap-dp",
             "user", "places", "clusters", "fleet", "publish-update"}
