@@ -55,7 +55,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = ["Base", "SiteRow", "SiteKeyRow", "RoundRow", "StrategyStateRow", "UpdateRow", "RejectionRow", "LedgerRow",
            "ModelVersionRow", "HaltRow", "CohortRow", "CohortRoundRow", "DetectionRow", "DetectionTallyRow",
-           "TransferRow", "PartialSumRow", "SiteHealthRow", "UserRow", "WebSessionRow", "DeploymentRow", "PlaceRow",
+           "TransferRow", "PartialSumRow", "SiteHealthRow", "PresenceEventRow", "UserRow", "WebSessionRow", "DeploymentRow", "PlaceRow",
            "RegistryVersionRow", "deployment_key", "utcnow"]
 
 
@@ -307,6 +307,19 @@ class SiteHealthRow(Base):
     received_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
     presence: Mapped[str | None] = mapped_column(String(16), nullable=True)
     presence_at: Mapped[_dt.datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class PresenceEventRow(Base):
+    """A change of a gateway's presence as the coordinator heard it (coordinator.inbound.health): ``state``
+    (``online``/``offline``) and the arrival time ``at`` (naive UTC). Presence is unsigned and advisory; a change
+    that happened while no coordinator ran is heard late (the retained message, at the next start). The link
+    statistics (coordinator.link_stats) are read from these rows."""
+
+    __tablename__ = "presence_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    site_id: Mapped[str] = mapped_column(String(128), index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    at: Mapped[_dt.datetime] = mapped_column(DateTime, index=True)
 
 
 class PartialSumRow(Base):

@@ -33,7 +33,7 @@ from shared.keys import generate_signing_key, save_private_key, save_public_key
 
 from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_console, friendly, open_state,
                                     warn_plain_http)
-from coordinator.config import config_from_dict, load_config, save_config
+from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
 from coordinator.detections import DetectionCounts
 from coordinator.ledger_streams import base_site
 from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
@@ -134,6 +134,34 @@ def status(config: Path = config_option()) -> None:
     console.print(hal)
     for site_id in left:
         console.print(f"[red]site {site_id} has every category halted: it is no longer selected[/]")
+    _print_links(cfg, site_ids)
+
+
+def _print_links(cfg: CoordinatorConfig, site_ids: list[str]) -> None:
+    """The links table of ``status`` (coordinator/link_stats.py): each site's online fraction and offline gaps over
+    the last 7 days, as the coordinator heard its presence, and what to change for them."""
+    from coordinator.link_stats import DEFAULT_WINDOW_S, fleet_link_stats, link_advice
+    from coordinator.storage import Store, utcnow
+
+    store = Store(cfg.database_url, cfg.data_dir)
+    try:
+        stats = fleet_link_stats(store, site_ids, now=utcnow())
+    finally:
+        store.dispose()
+    known = [s for s in stats if s.online_fraction is not None]
+    if not known:
+        return
+    table = Table(title=f"links over the last {DEFAULT_WINDOW_S / 86400:.0f} days (presence heard by the coordinator; "
+                        "advisory)")
+    for col in ("site", "online", "offline gaps", "longest gap", "90th pct gap"):
+        table.add_column(col, justify="left" if col == "site" else "right")
+    for st in known:
+        table.add_row(escape(st.site_id), f"{st.online_fraction:.0%}", str(len(st.gaps_s)),
+                      f"{st.longest_gap_s / 3600:.1f} h", f"{st.gap_p90_s / 3600:.1f} h")
+    console.print(table)
+    for line in link_advice(stats, privacy=cfg.privacy, round_deadline_s=cfg.round_deadline_s,
+                            secagg_threshold=cfg.secagg.threshold):
+        console.print(f"[yellow]links:[/] {escape(line)}")
 
 
 def _print_detections(counts: DetectionCounts) -> None:

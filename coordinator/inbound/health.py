@@ -12,7 +12,9 @@ Two inputs, both subscribed by :class:`coordinator.service.Coordinator` (so by `
   record replaces the site's stored one when it was signed later; an older one (a re-delivery) changes nothing.
 - **Presence** (``shared.topics.status_topic``: ``online`` after each connect, the broker's last will ``offline``):
   unsigned, so advisory only. It is stored (state and arrival time) for enrolled sites whose topic and payload
-  name the same site; anything else is ignored (logged at debug level), never counted as a rejection.
+  name the same site, and each change of state is kept as a ``presence_events`` row, from which
+  :mod:`coordinator.link_stats` measures the sites' links; anything else is ignored (logged at debug level), never
+  counted as a rejection.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from shared.topics import parse_status_payload, parse_topic
 from coordinator.inbound.reject import Reject, RejectReason, Rejected
 from coordinator.inbound.site_checks import ReplayWindow, check_timestamp, parse_site_envelope, verify_site_envelope
 from coordinator.registry import SiteRegistry, UnknownSiteError
-from coordinator.storage import SiteHealthRow, Store, utcnow
+from coordinator.storage import Store, utcnow
+from coordinator.tables import PresenceEventRow, SiteHealthRow
 
 __all__ = ["FleetIngestor"]
 
@@ -94,7 +97,13 @@ class FleetIngestor:
             log.debug("fleet: presence message on %s ignored: %s", topic, exc)
             return "presence_ignored"
         now = self._clock()
-        self._upsert(site_id, lambda row: (setattr(row, "presence", state), setattr(row, "presence_at", now)))
+
+        def update(row: SiteHealthRow) -> list[Any]:
+            changed = row.presence != state  # a retained message heard again at a (re)subscription is no change
+            row.presence, row.presence_at = state, now
+            return [PresenceEventRow(site_id=site_id, state=state, at=now)] if changed else []
+
+        self._upsert(site_id, update)
         log.info("fleet: %s is %s", site_id, state)
         return "presence"
 
@@ -145,7 +154,8 @@ class FleetIngestor:
                     if row is None:
                         row = SiteHealthRow(site_id=site_id)
                         s.add(row)
-                    change(row)
+                    for extra in change(row) or ():  # rows to add in the same transaction (presence events)
+                        s.add(extra)
                 return
             except IntegrityError:  # another process added the site's row first: update it instead
                 if attempt == 2:
