@@ -277,7 +277,7 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
                    metadata: Mapping[str, Any] | None = None, wheel: Path | None = None,
                    wheel_cache: Path | None = None, profiles_directory: Path | None = None,
                    force: bool = False, backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None,
-                   graph_cache: Path | None = None) -> ProvisionResult:
+                   graph_cache: Path | None = None, replace: bool = False) -> ProvisionResult:
     """Write a site's bundle and enrol its public key, atomically (module docstring).
 
     Args (keyword-only):
@@ -299,8 +299,12 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         graph_cache: where the exported graphs are kept (default the WildFed cache); a graph found there under its
             name (``shared.models.gateway_graphs``) is shipped as it is, without exporting.
 
+        replace: the site is enrolled already: write it a new bundle and make the bundle's key its only valid key
+            (:meth:`coordinator.registry.SiteRegistry.rotate_key` with no grace; its ledger and history stay).
+
     Raises:
-        EnrolmentError: the site id is taken or invalid, or the metadata is bad (no bundle is left).
+        EnrolmentError: the site id is taken (without ``replace``) or invalid, or the metadata is bad (no bundle is
+            left).
         ConfigError: bad profile, keys, CA, broker URL, wheel or backbone; ``out`` exists (without ``force``); the
             graphs cannot be exported (no torch here, or the detector's weights cannot be fetched).
         OSError: the bundle cannot be written (the site is not enrolled).
@@ -310,9 +314,11 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         raise EnrolmentError(f"site id {site_id!r} is not topic-safe", field="site_id",
                              fix="use letters, digits, '_', '.', '-' (no '/', '+', '#', spaces)")
     registry = SiteRegistry(store)
-    if registry.is_enrolled(site_id):
+    if registry.is_enrolled(site_id) and not replace:
         raise EnrolmentError(f"site {site_id!r} is already enrolled", field="site_id",
-                             fix="choose another site id (re-provisioning an enrolled site is not done silently)")
+                             fix="choose another site id, or pass --replace to give this site a new bundle and key "
+                             "(its old keys stop at once; its ledger and history stay)")
+    _check_species(config, species)
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError("output file exists", source=out, field="out", fix="choose another --out or pass --force")
@@ -362,13 +368,20 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
             fmt.write_bundle(handle, members, signing_key=coordinator_key, info=info)
             handle.flush()
             os.fsync(handle.fileno())
-        # 3. enrol; 4. publish the bundle under its name, or undo the enrolment
-        registry.enrol(site_id, site_pub_pem, metadata or {})
-        try:
+        if replace and registry.is_enrolled(site_id):  # 3'. publish the bundle, then make its key the site's
             os.replace(tmp, out)
-        except BaseException:
-            _unenrol(store, site_id)
-            raise
+            try:
+                registry.rotate_key(site_id, site_pub_pem, grace_s=0.0)
+            except BaseException:
+                out.unlink(missing_ok=True)
+                raise
+        else:  # 3. enrol; 4. publish the bundle under its name, or undo the enrolment
+            registry.enrol(site_id, site_pub_pem, metadata or {})
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                _unenrol(store, site_id)
+                raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -395,6 +408,27 @@ def _graph_members(graphs: Mapping[str, Path], *, backbone: str, input_size: int
             entry.update(backbone=backbone, input_size=input_size, backbone_id=backbone_id(backbone, input_size))
         out[role] = (fmt.BundleMember(name, data, 0o644), entry)
     return out
+
+
+def _check_species(config: CoordinatorConfig, species: Sequence[Mapping[str, Any]] | None) -> None:
+    """Each species row's ``class_index`` is below the federation's ``num_classes`` and, where the coordinator
+    config has a federation species table, names the same species there (class indices are federation-wide).
+
+    Raises:
+        ConfigError: naming the row and the fix, before anything is enrolled or written.
+    """
+    federation = {e.class_index: e.scientific_name for e in config.species or []}
+    for row in species or []:
+        name, index = row.get("scientific_name"), row.get("class_index")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < config.num_classes:
+            raise ConfigError(f"species {name!r}: class_index {index!r} is not in 0..{config.num_classes - 1} "
+                              f"(num_classes {config.num_classes})", field="species.class_index",
+                              fix="class indices are federation-wide: raise num_classes in the coordinator config "
+                              "(before the first round) or renumber the site's species")
+        if federation and federation.get(index) not in (None, name):
+            raise ConfigError(f"species {name!r}: class_index {index} is {federation[index]!r} in the coordinator's "
+                              "species table", field="species.class_index",
+                              fix="use the federation's class index of each species (coordinator config `species`)")
 
 
 def _unenrol(store: Store, site_id: str) -> None:

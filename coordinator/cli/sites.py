@@ -147,6 +147,9 @@ def provision(
     embedding_input_size: int | None = typer.Option(None, "--embedding-input-size", min=32, help="its input size in "
                                                     "px (default: the backbone's default size)"),
     force: bool = typer.Option(False, help="overwrite an existing bundle file"),
+    replace: bool = typer.Option(False, "--replace", help="the site is enrolled already (a lost or broken gateway, "
+                                 "a wrong species table): write a new bundle whose key replaces the site's keys at "
+                                 "once; its ledger and history stay"),
 ) -> None:
     """Write a site's provisioning bundle (SDK wheel, profile, fresh key pair, coordinator key, broker CA,
     site.yaml, systemd unit, the backbone's and the detector's ONNX graphs) and enrol the site's public key,
@@ -177,7 +180,7 @@ def provision(
                                     out=out or Path(f"{site_id}.wildfed-bundle.tar"), broker_ca=broker_ca,
                                     broker_url=broker_url, species=rows, dataset=dataset, metadata=meta,
                                     wheel=wheel, force=force, backbone=backbone,
-                                    embedding_input_size=embedding_input_size)
+                                    embedding_input_size=embedding_input_size, replace=replace)
     finally:
         store.dispose()
     console.print(f"[green]provisioned[/] {result.site_id} (profile {result.profile}, key {result.fingerprint[:16]})")

@@ -17,8 +17,11 @@ only, and:
 - a trial that was already started once (the launcher or the gateway died during it) or whose deadline passed:
   rolls back at once, then runs the previous version.
 
-A stop signal during a trial rolls the trial back too (the version did not show that it works). Exit status: the
-agent's (128 + signal number when a signal ended it); 1 when no version can be started.
+A stop signal during a trial rolls the trial back too (the version did not show that it works). When a version that
+a launcher supervises switches again, it does not start another launcher under this one: it begins the next
+trial and exits with :data:`RELAUNCH_STATUS`, and this launcher supervises the next version itself, so however many
+updates come, one launcher at most stays between systemd and the agent. Exit status: the agent's (128 + signal
+number when a signal ended it); 1 when no version can be started.
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ from typing import Any, NoReturn
 from edge_sdk.updates.layout import InstallLayout
 from edge_sdk.updates.trial import roll_back
 
-__all__ = ["main"]
+__all__ = ["main", "LAUNCHER_ENV", "RELAUNCH_STATUS"]
 
 #: Seconds between looks at the child and the trial file while a version is on trial.
 POLL_S = 0.5
 #: Seconds a child on trial has to stop after SIGTERM before SIGKILL.
 STOP_GRACE_S = 30.0
+#: The environment variable naming the supervising launcher's pid, set for its child.
+LAUNCHER_ENV = "WILDFED_LAUNCHER_PID"
+#: The exit status with which an agent that a launcher supervises hands it the next version's trial (EX_TEMPFAIL).
+RELAUNCH_STATUS = 75
 
 
 def _say(message: str) -> None:
@@ -78,7 +85,8 @@ def _supervise(layout: InstallLayout, args: list[str], trial: dict[str, Any]) ->
     """Run the version on trial as a child (module docstring); its exit status once it confirmed, or None after a
     rollback (the caller then runs the previous version)."""
     version, deadline = str(trial["version"]), float(trial["deadline"])
-    child = subprocess.Popen([str(layout.executable("current")), *args])
+    env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}  # the child hands the next switch back here
+    child = subprocess.Popen([str(layout.executable("current")), *args], env=env)
     stopped: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -116,20 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="wildfed-edge's arguments (e.g. run --config ...)")
     ns = parser.parse_args(argv)
     layout = InstallLayout(ns.prefix.resolve())
-    trial = layout.trial()
-    if trial is not None:
+    while (trial := layout.trial()) is not None:
         if int(trial.get("starts", 0)) >= 1 or time.time() >= float(trial.get("deadline", 0)):
             reason = ("its deadline passed" if time.time() >= float(trial.get("deadline", 0))
                       else "it was started once already (it, or the gateway, stopped during its trial)")
             roll_back(layout, reason)
             _say(f"version {trial.get('version')} rolled back: {reason}")
-        else:
-            layout.save_trial({**trial, "starts": 1})
-            code = _supervise(layout, list(ns.args), trial)
-            if code is not None:
-                return code
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            break
+        layout.save_trial({**trial, "starts": 1})
+        code = _supervise(layout, list(ns.args), trial)
+        if code is None:  # rolled back: the previous version runs in this process's place
+            break
+        if code != RELAUNCH_STATUS:
+            return code
+        # the confirmed version began the next version's trial and handed it back: supervise that one
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     _exec(layout, list(ns.args))
 
 

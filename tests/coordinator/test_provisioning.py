@@ -157,6 +157,26 @@ def test_enrolment_failure_leaves_no_bundle(fed, sdk_wheel, tmp_path) -> None:
     assert not (out / "again.tar").exists()
 
 
+def test_replace_gives_an_enrolled_site_a_new_bundle_whose_key_alone_is_valid(fed, sdk_wheel, tmp_path) -> None:
+    first = provision(fed, sdk_wheel, tmp_path)
+    again = provision(fed, sdk_wheel, tmp_path, out=tmp_path / "out" / "again.tar", replace=True)
+    valid = SiteRegistry(fed[1]).verification_keys("site-1")
+    assert [fp for fp, _ in valid] == [again.fingerprint] != [first.fingerprint]
+
+
+def test_species_outside_the_federations_classes_are_refused_before_anything(fed, sdk_wheel, tmp_path) -> None:
+    from shared.errors import ConfigError
+
+    wide = [{"scientific_name": "Gallus gallus domesticus", "class_index": fed[0].num_classes,
+             "iucn_category": "LC"}]
+    with pytest.raises(ConfigError, match=r"class_index \d+ is not in 0\.\.") as err:
+        provision_site(config=fed[0], store=fed[1], site_id="site-9", profile="x86-cpu-gateway", species=wide,
+                       out=tmp_path / "out" / "s9.tar", wheel=sdk_wheel, metadata={"capacity": 3},
+                       graph_cache=GRAPHS[0])
+    assert err.value.field == "species.class_index" and "num_classes" in str(err.value)
+    assert not SiteRegistry(fed[1]).is_enrolled("site-9") and not (tmp_path / "out" / "s9.tar").exists()
+
+
 def test_bundle_write_failure_rolls_back_the_enrolment(fed, sdk_wheel, tmp_path, monkeypatch) -> None:
     import coordinator.provisioning as provisioning
 
