@@ -82,6 +82,28 @@ def _epoch(naive_utc: dt.datetime) -> float:
     return naive_utc.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
+def _compare() -> None:
+    """``--compare``: this script twice (same other arguments), whole-model tasks then ``--models-by-digest``; prints
+    each run's output and the coordinator's CPU per update of both and their ratio (CPU, not wall: fairer on a
+    shared machine)."""
+    import re
+
+    argv = [a for a in sys.argv[1:] if a not in ("--compare", "--models-by-digest")]
+    cpu, cpu_open = {}, {}
+    for label, extra in (("whole model in each task", []), ("models by digest", ["--models-by-digest"])):
+        out = subprocess.run([sys.executable, __file__, *argv, *extra], capture_output=True, text=True,
+                             check=False)
+        print(f"==== {label} ====\n{out.stdout}{out.stderr[-2000:] if out.returncode else ''}", flush=True)
+        found = re.search(r"= ([0-9.]+) ms per update", out.stdout)
+        cpu[label] = float(found.group(1)) if found else float("nan")
+        found = re.search(r"= ([0-9.]+) ms/update per update", out.stdout)
+        cpu_open[label] = float(found.group(1)) if found else float("nan")
+    for name, values in (("first update -> closed", cpu), ("round opened -> closed", cpu_open)):
+        (a, va), (b, vb) = values.items()
+        print(f"coordinator CPU per update ({name}): {a} {va:.1f} ms, {b} {vb:.1f} ms; ratio "
+              f"{va / vb if vb else float('nan'):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gateways", type=int, default=200)
@@ -96,7 +118,15 @@ def main() -> None:
     parser.add_argument("--private-broker", action="store_true", help="start a private mosquitto on a free port "
                         "with no per-client queue limit (max_queued_messages 0) instead of using --broker")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (database, blobs, log)")
+    parser.add_argument("--models-by-digest", action="store_true", help="transfer.models_by_digest: the round's "
+                        "model published once (retained, by digest) and tasks without weights")
+    parser.add_argument("--compare", action="store_true", help="run twice in subprocesses, tasks with the whole "
+                        "model then --models-by-digest, and print the coordinator's CPU per update of each and "
+                        "their ratio")
     args = parser.parse_args()
+    if args.compare:
+        _compare()
+        return
 
     import paho.mqtt.client as mqtt
     import psutil
@@ -127,7 +157,8 @@ def main() -> None:
         "federation_id": fed, "data_dir": "data", "broker_url": args.broker, "rounds": 1, "quorum_fraction": 1.0,
         "round_deadline_s": args.timeout, "local_steps": 5, "privacy": "none", "ship_ort_artifacts": False,
         "seed": 0, "signing_key_path": "keys/coordinator.key", "public_key_path": "keys/coordinator.pub",
-        "transfer": {"chunk_size_bytes": args.chunk_size}}), tmp / "coordinator.yaml")
+        "transfer": {"chunk_size_bytes": args.chunk_size, "models_by_digest": args.models_by_digest}}),
+        tmp / "coordinator.yaml")
     cfg = load_config(cfg_path)
     template = model_template(args.params)
     h0 = model_hash(template)
@@ -135,8 +166,8 @@ def main() -> None:
     store.put_model(h0, encode_tensors(template), round=0)
     registry = SiteRegistry(store)
     sites = [(f"gw{i:03d}", generate_signing_key()) for i in range(args.gateways)]
-    for site_id, k in sites:
-        registry.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100})
+    for i, (site_id, k) in enumerate(sites):  # _gateways reports N_k = 100 + its index
+        registry.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100 + i})
 
     # Gateway workers: connect, then make their signed updates for round 1.
     pipes, procs = spawn_workers(sites, workers=args.workers, broker_url=args.broker, federation_id=fed,
@@ -230,6 +261,7 @@ def main() -> None:
     cpu_before = max((c for t, _, c in samples if t < first), default=float("nan"))
     cpu_at_close = max((c for t, _, c in samples if t <= t_close), default=float("nan"))
     cpu_round = cpu_at_close - cpu_before  # sampled every 0.1 s: +-0.1 s at each end
+    cpu_open = cpu_at_close - max((c for t, _, c in samples if t < t_open), default=float("nan"))
 
     raw_time = None
     if args.baseline:
@@ -270,6 +302,8 @@ def main() -> None:
           f"{(t_close - first) / args.gateways * 1000:.1f} ms wall; its CPU (user + system, all threads) over the "
           f"same span: {cpu_round:.1f} s = {cpu_round / args.gateways * 1000:.1f} ms per update (target: "
           "<= 15 ms)")
+    print(f"coordinator CPU from round opened (tasks published) -> round closed: {cpu_open:.1f} s = "
+          f"{cpu_open / args.gateways * 1000:.1f} ms/update per update")
     print()
     print_table(["coordinator memory", "MiB"], [
         ["peak RSS (VmHWM at exit)", f"{vm.get('VmHWM', float('nan')):.0f}"],

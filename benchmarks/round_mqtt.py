@@ -81,8 +81,8 @@ def main() -> None:
         "public_key_path": str(tmp / "k.pub"), "transfer": {"chunk_size_bytes": args.chunk_size}}).resolved(tmp)
     coord = Coordinator(cfg, signing_key=key, initial_weights=template)
     sites = [(f"gw{i:03d}", generate_signing_key()) for i in range(args.gateways)]
-    for site_id, k in sites:
-        coord.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100})
+    for i, (site_id, k) in enumerate(sites):  # _gateways reports N_k = 100 + its index
+        coord.enrol(site_id, public_key_to_pem(k.public_key()), {"capacity": 100 + i})
     coord.start()
     print(f"round_mqtt: {args.gateways} gateways in {args.workers} worker process(es), model {args.params:,} float32 "
           f"parameters, broker {args.broker}, chunks of {args.chunk_size} bytes, federation {fed}; {load_average()}",

@@ -48,9 +48,10 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
     """The Mosquitto ACL file of a federation.
 
     Each site user ``site-<id>`` may write ``wildfed/v1/<fed>/site/<id>/{update,detection,secagg,status,health}``
-    and read ``.../site/<id>/{task,ack,model,model/#,software,software/#}``; the coordinator user may read every
-    site's update, detection, secagg, status and health topics and write every site's task, ack, model and software
-    topics. Role accounts (:mod:`coordinator.broker_config`): an ingest worker (``coordinator_roles``) reads every
+    and read ``.../site/<id>/{task,ack,model,model/#,software,software/#}`` and the federation's models by digest,
+    ``wildfed/v1/<fed>/models/#`` (the same models for every site, shared.topics.digest_topic); the coordinator user
+    may read every site's update, detection, secagg, status and health topics and write every site's task, ack, model
+    and software topics and ``wildfed/v1/<fed>/models/#``. Role accounts (:mod:`coordinator.broker_config`): an ingest worker (``coordinator_roles``) reads every
     site's update topic and writes every task and ack topic; a site's ``detect`` role (in ``site_roles``) writes
     only that site's detection topic. Every rule is keyed by username (``user`` blocks), never by the
     client-chosen client id. Nothing else (no anonymous section, no patterns, no ``$SYS``). Sites and roles are listed sorted, so the text depends only on the sets.
@@ -59,6 +60,7 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
         ConfigError: a bad role name, or a site role other than ``detect``.
     """
     base = f"{PREFIX}/{federation_id}/site"
+    models = f"{PREFIX}/{federation_id}/models/#"  # shared.topics.models_filter: the models published by digest
     coord = coordinator_username(federation_id)
     lines = [f"# Mosquitto ACL of WildFed federation {federation_id}, written by `wildfed-coordinator broker-config`.",
              "# Mosquitto checks 'write' when a client publishes and 'read' when a message is delivered to it, against",
@@ -67,6 +69,7 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
              f"user {coord}"]
     lines += [f"topic read {base}/+/{channel}" for channel in SITE_WRITE_CHANNELS]
     lines += [f"topic write {base}/+/{channel}" for channel in SITE_READ_CHANNELS]
+    lines.append(f"topic write {models}")
     for role in sorted(coordinator_roles):
         lines += ["", f"user {role_username(coord, role)}"]
         lines += [f"topic read {base}/+/{channel}" for channel in WORKER_READ_CHANNELS]
@@ -79,6 +82,7 @@ def render_acl(federation_id: str, site_ids: Sequence[str], *, coordinator_roles
         lines += ["", f"user {site_username(site_id)}"]
         lines += [f"topic write {base}/{site_id}/{channel}" for channel in SITE_WRITE_CHANNELS]
         lines += [f"topic read {base}/{site_id}/{channel}" for channel in SITE_READ_CHANNELS]
+        lines.append(f"topic read {models}")
         for role in sorted(site_roles):
             lines += ["", f"user {role_username(site_username(site_id), role)}"]
             lines += [f"topic write {base}/{site_id}/{channel}" for channel in DETECT_WRITE_CHANNELS]

@@ -43,7 +43,7 @@ from sqlalchemy import select, update
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from shared.envelope import validate_identifier
+from shared.envelope import BROADCAST_SITE_ID, validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.keys import key_fingerprint, public_key_from_pem, public_key_to_pem
 
@@ -318,6 +318,10 @@ class SiteRegistry:
         if not site_id_ok:
             raise EnrolmentError(f"site id {site_id!r} is not topic-safe", field="site_id",
                                  fix="use letters, digits, '_', '.', '-' (no '/', '+', '#', spaces)")
+        if site_id == BROADCAST_SITE_ID:
+            raise EnrolmentError(f"site id {site_id!r} is reserved: it addresses the models every site reads "
+                                 "(docs/protocol.md, 'Models by digest')", field="site_id",
+                                 fix="choose another site id")
         public_key = _parse_site_key(public_key_pem, EnrolmentError, f"public key of site {site_id!r}",
                                      fix="pass the site's Ed25519 public key PEM (the .pub file of `wildfed-edge "
                                      "keygen`)")

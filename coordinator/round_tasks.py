@@ -6,10 +6,15 @@ round's per-site values (halted categories, cohorts, capacity, Global DP setting
 ``shared.topics.task_topic``, keeps it for resends (:mod:`coordinator.outgoing`) and sends it. A payload is encoded
 and hashed once per distinct task content in a round; every further site with the same content gets a readdressed
 header.
+
+With ``transfer.models_by_digest`` a camera task carries no weights: the model goes out once per distinct model
+(:class:`coordinator.model_digests.ModelDigests`, before the first task that names it) and each site's task names
+its digest (``TrainingTask.model_digest``). Radio tasks always carry their weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -25,9 +30,11 @@ from shared.transfer import Receipt, piece_size_for
 from coordinator.artifacts import ArtifactStore, artifact_digests, ort_training_available
 from coordinator.config import CoordinatorConfig
 from coordinator.inbound.context import RoundContext
+from coordinator.model_digests import ModelDigests
 from coordinator.outgoing import answer_download_receipt, send_task_bytes, store_outgoing_task
 from coordinator.radio import city_artifact, radio_task
 from coordinator.registry import SiteRegistry, UnknownSiteError
+from coordinator.storage import Store
 from coordinator.transport import Transport
 
 __all__ = ["TaskPublisher"]
@@ -43,10 +50,11 @@ class TaskPublisher:
         registry: the enrolled sites (a camera task carries the site's declared capacity).
         transport: where tasks go. signing_key: the coordinator's Ed25519 key.
         artifacts: the ORT training-artifact cache.
+        store: coordinator state; required for ``transfer.models_by_digest`` (records what is published by digest).
     """
 
     def __init__(self, *, config: CoordinatorConfig, registry: SiteRegistry, transport: Transport,
-                 signing_key: Ed25519PrivateKey, artifacts: ArtifactStore) -> None:
+                 signing_key: Ed25519PrivateKey, artifacts: ArtifactStore, store: Store | None = None) -> None:
         self.config = config
         self._registry = registry
         self._transport = transport
@@ -55,6 +63,10 @@ class TaskPublisher:
         self._artifacts_failed = False
         # the open round's sealed tasks, one per distinct content (payload encoded and hashed once for its sites)
         self._payloads: dict[tuple[str, str, tuple[str, ...]], Envelope] = {}
+        self.digests = (ModelDigests(config=config, store=store, transport=transport, signing_key=signing_key)
+                        if store is not None else None)
+        """Publishes models once by digest (None without a store: every task carries its weights)."""
+        self._expired_for: int | None = None  # the round whose old digests were cleared
 
     # ---- ORT training artifacts --------------------------------------------------------------------------------
     def ships_artifacts(self) -> bool:
@@ -110,7 +122,7 @@ class TaskPublisher:
                                 radio=radio_task(radio), round_duration_s=float(cfg.round_duration_s))
             self._send_task(r, site_id, model_hash_, task, weights, artifacts)
             return
-        task = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
+        camera = TrainingTask(federation_id=cfg.federation_id, round=r, model_hash=model_hash_,
                             local_steps=cfg.local_steps, expected_batch_size=cfg.expected_batch_size,
                             learning_rate=float(cfg.learning_rate), clipping_norm=float(cfg.clipping_norm),
                             target_delta=float(cfg.target_delta), planned_rounds=cfg.rounds, privacy=cfg.privacy,
@@ -122,7 +134,26 @@ class TaskPublisher:
                             class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
                             prediction_offsets=prediction_offsets, capacity=self._capacity(site_id),
                             round_duration_s=float(cfg.round_duration_s), cohorts=cohorts)
-        self._send_task(r, site_id, model_hash_, task, weights, artifacts)
+        if self.by_digest():
+            assert self.digests is not None
+            self.digests.publish(r, model_hash_, weights)  # once per distinct model; retained before any task
+            if self._expired_for != r:
+                self._expired_for = r
+                self.digests.expire(r)
+            camera, weights = dataclasses.replace(camera, model_digest=model_hash_), {}
+        self._send_task(r, site_id, model_hash_, camera, weights, artifacts)
+
+    def by_digest(self) -> bool:
+        """Whether camera tasks name their model by digest instead of carrying it (``transfer.models_by_digest``).
+
+        Raises:
+            ValueError: it is configured but this publisher was built without a store.
+        """
+        if not self.config.transfer.models_by_digest:
+            return False
+        if self.digests is None:
+            raise ValueError("transfer.models_by_digest needs the coordinator's store (TaskPublisher(store=...))")
+        return True
 
     def _capacity(self, site_id: str) -> int | None:
         """The site's declared capacity (enrolment metadata), sent in its camera tasks; None when it declared none

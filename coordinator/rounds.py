@@ -155,7 +155,7 @@ class RoundManager:
         self._secagg = secagg_collector or SecAggCollector(federation_id=config.federation_id, store=store,
                                                            registry=registry)
         self._tasks = TaskPublisher(config=config, registry=registry, transport=transport, signing_key=signing_key,
-                                    artifacts=ArtifactStore(config.data_dir / "ort-artifacts"))
+                                    artifacts=ArtifactStore(config.data_dir / "ort-artifacts"), store=store)
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks

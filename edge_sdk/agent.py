@@ -25,6 +25,7 @@ package and their detection records published.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -54,10 +55,11 @@ from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.camera import CameraRound, SiteRecords
 from edge_sdk.rounds.context import AgentContext, kind_of
 from edge_sdk.rounds.downloads import TaskDownloads
+from edge_sdk.rounds.model_cache import DigestModels, WaitingTask
 from edge_sdk.rounds.radio_round import RadioRound
 from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
-from edge_sdk.rounds.tasks import accept_task
+from edge_sdk.rounds.tasks import AcceptedTask, accept_task
 from edge_sdk.site_paths import calibration_cache_dir
 from edge_sdk.updates.receiver import SoftwareUpdates
 from edge_sdk.updates.stage import StagedVersion
@@ -129,7 +131,9 @@ class EdgeAgent:
         self.field = None
         self.errors = ErrorLog()  # the newest ERROR line, for the health record
         self.health = HealthReporter(self.ctx, field_queue_pending=self._detections_waiting, errors=self.errors)
-        self.releases = ModelReleases(self.ctx, on_kept=lambda version: self.health.send("new model"))
+        self.digests = DigestModels(self.ctx, transport, lambda topic, payload: self._inbox.put(("digest", payload)))
+        self.releases = ModelReleases(self.ctx, on_kept=lambda version: self.health.send("new model"),
+                                      cache=self.digests.store)
         self.software = SoftwareUpdates(self.ctx, site_config=site_config_path, running_version=self.health.version)
         self.staged: StagedVersion | None = None
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
@@ -305,6 +309,8 @@ class EdgeAgent:
                 self.uploader.handle_ack(payload)
             elif kind == "model":
                 self.releases.handle(payload)
+            elif kind == "digest":
+                trained += int(self._digest_message(payload))
             elif kind == "software":
                 self.software.handle(payload)
             elif kind == "connected":
@@ -376,6 +382,29 @@ class EdgeAgent:
         accepted = accept_task(self.ctx, envelope)
         if accepted is None:
             return False
+        digest = accepted.task.model_digest
+        if digest is not None:  # the model was published once for every site (edge_sdk.rounds.model_cache)
+            held = self.digests.lookup(digest)
+            if held is None:
+                self.digests.wait(WaitingTask(envelope, accepted))
+                return False
+            accepted = dataclasses.replace(accepted, weights=held)
+        return self._train(envelope, accepted)
+
+    def _digest_message(self, data: bytes) -> bool:
+        """One message from a digest topic: train the waiting task once its model is whole (if it is still new)."""
+        ready = self.digests.handle(data)
+        if ready is None:
+            return False
+        waiting, weights = ready
+        if waiting.accepted.task.round <= self.ctx.last_round():
+            self.ctx.reject("task", "stale_round", f"round {waiting.accepted.task.round}'s model came after a newer "
+                            "round was trained")
+            return False
+        return self._train(waiting.envelope, dataclasses.replace(waiting.accepted, weights=weights))
+
+    def _train(self, envelope: Envelope, accepted: AcceptedTask) -> bool:
+        """Train an accepted task whose weights are in hand."""
         task, weights = accepted.task, accepted.weights
         self.ctx.pacer.begin(task.round, task.round_duration_s)  # its replies leave at a public time slot
         if self.radio is not None:

@@ -84,6 +84,7 @@ __all__ = [
     "verify_signature",
     "verify_payload",
     "validate_identifier",
+    "BROADCAST_SITE_ID",
 ]
 
 FORMAT_VERSION = 2
@@ -102,6 +103,10 @@ PAYLOAD_DIGEST_CONTEXT = "WildFed 2025-06-01 12:00:00 envelope payload digest v2
 LEAF_LENGTH = 32
 """Bytes of one piece digest (BLAKE3's default output length)."""
 MAX_HEADER_LENGTH = 4096
+BROADCAST_SITE_ID = "all-sites"
+"""The reserved ``site_id`` of an envelope addressed to every site of the federation: the MODEL envelopes published
+once per model on ``shared.topics.digest_topic`` (docs/protocol.md, "Models by digest"). No site may be enrolled
+under it (``coordinator.registry``); a gateway accepts it only on a digest topic, never on its own topics."""
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -150,7 +155,7 @@ class EnvelopeHeader:
         format_version: wire format version (:data:`FORMAT_VERSION`).
         federation_id: the federation this message belongs to.
         site_id: the site the message concerns: the sender of an UPDATE or DETECTION, the addressee of a
-            TASK or ACK.
+            TASK or ACK; :data:`BROADCAST_SITE_ID` for a MODEL published once for every site.
         round: federated round number (0-based), ``int``.
         base_model_hash: hex SHA-256 (64 chars) of the global model version the message refers to, or ``""``
             when it refers to none.

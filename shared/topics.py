@@ -13,6 +13,9 @@
     wildfed/v1/{federation_id}/site/{site_id}/model/{i}   coordinator -> site   chunk i of a chunked MODEL, retained
     wildfed/v1/{federation_id}/site/{site_id}/software    coordinator -> site   signed SOFTWARE (or its MANIFEST), retained
     wildfed/v1/{federation_id}/site/{site_id}/software/{i} coordinator -> site  chunk i of a chunked SOFTWARE, retained
+    wildfed/v1/{federation_id}/models/{digest}            coordinator -> every site   signed MODEL (or its MANIFEST),
+                                                          retained: a round's model, published once (by digest)
+    wildfed/v1/{federation_id}/models/{digest}/{i}        coordinator -> every site   chunk i of it, retained
 
 The coordinator's SECAGG messages to a site (key list, share inbox, recovery request, round end) ride on the
 site's ``task`` topic: a gateway reads only that topic and ``ack``.
@@ -28,6 +31,11 @@ model larger than the coordinator's chunk size travels as a signed manifest on `
 subscribes to ``model/#`` (:func:`model_filter`), which matches ``model`` itself and every chunk topic.
 ``software`` holds, the same way, the SDK version the operator published for the gateways (:mod:`shared.software`).
 
+``models/{digest}`` holds a model a round's tasks train from, published **once** for every site (``digest`` is the
+model hash, ``shared.codec.model_hash``): a task sent by digest (``TrainingTask.model_digest``) carries no weights,
+and a gateway that does not hold that model subscribes to :func:`digest_filter` until it has it. Its envelope is
+addressed to the reserved site id ``shared.envelope.BROADCAST_SITE_ID`` (docs/protocol.md, "Models by digest").
+
 ``health`` carries a gateway's signed health record (:mod:`shared.health`): on start, after every reconnect, when
 it keeps a new model, and every ``health_interval_s``.
 
@@ -42,13 +50,15 @@ itself write its status topic (docs/security.md), which is all the authenticity 
 from __future__ import annotations
 
 import json
+import re
 
 from shared.envelope import validate_identifier
 from shared.errors import MalformedEnvelopeError
 
 __all__ = ["PREFIX", "CHANNELS", "task_topic", "update_topic", "ack_topic", "detection_topic",
            "secagg_topic", "status_topic", "health_topic", "model_topic", "model_chunk_topic", "model_filter",
-           "software_topic", "software_chunk_topic", "software_filter",
+           "software_topic", "software_chunk_topic", "software_filter", "digest_topic", "digest_chunk_topic",
+           "digest_filter", "models_filter",
            "updates_filter", "detections_filter", "secagg_filter", "status_filter", "health_filter",
            "status_payload", "parse_status_payload", "STATUS_STATES", "parse_topic"]
 
@@ -56,6 +66,7 @@ PREFIX = "wildfed/v1"
 CHANNELS = ("task", "update", "ack", "detection", "secagg", "status", "health", "model", "software")
 #: The states a presence message (:func:`status_payload`) may carry.
 STATUS_STATES = ("online", "offline")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _topic(federation_id: str, site_id: str, channel: str) -> str:
@@ -144,6 +155,41 @@ def software_chunk_topic(federation_id: str, site_id: str, index: int) -> str:
 def software_filter(federation_id: str, site_id: str) -> str:
     """Subscription filter of ``site_id``'s software topic and its chunk topics (``.../software/#``)."""
     return f"{software_topic(federation_id, site_id)}/#"
+
+
+def digest_topic(federation_id: str, digest: str) -> str:
+    """Topic of the model whose hash is ``digest`` (64 lowercase hex; retained): ``wildfed/v1/<fed>/models/<digest>``,
+    the MODEL envelope or the manifest of a chunked one.
+
+    Raises:
+        MalformedEnvelopeError: a bad federation id or a digest that is not 64 lowercase hex characters.
+    """
+    validate_identifier(federation_id, "federation_id")
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise MalformedEnvelopeError(f"model digest {digest!r} must be 64 lowercase hex characters (a model hash)")
+    return f"{PREFIX}/{federation_id}/models/{digest}"
+
+
+def digest_chunk_topic(federation_id: str, digest: str, index: int) -> str:
+    """Topic of chunk ``index`` (>= 0) of the chunked model ``digest`` (retained): ``.../models/<digest>/<index>``.
+
+    Raises:
+        MalformedEnvelopeError: a bad digest, or a negative or non-integer ``index``.
+    """
+    if type(index) is not int or index < 0:
+        raise MalformedEnvelopeError(f"chunk index {index!r} must be a non-negative integer")
+    return f"{digest_topic(federation_id, digest)}/{index}"
+
+
+def digest_filter(federation_id: str, digest: str) -> str:
+    """Subscription filter of model ``digest``'s topic and its chunk topics (``.../models/<digest>/#``)."""
+    return f"{digest_topic(federation_id, digest)}/#"
+
+
+def models_filter(federation_id: str) -> str:
+    """Filter of every model-by-digest topic of the federation (``wildfed/v1/<fed>/models/#``; the broker ACL's)."""
+    validate_identifier(federation_id, "federation_id")
+    return f"{PREFIX}/{federation_id}/models/#"
 
 
 def updates_filter(federation_id: str) -> str:

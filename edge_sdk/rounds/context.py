@@ -89,19 +89,21 @@ class AgentContext:
         self.stats[f"rejected:{reason}"] += 1
         log.warning("site %s: %s rejected (%s): %s", self.site_id, what, reason, detail)
 
-    def open(self, data: bytes, kind: MessageKind, what: str) -> Envelope | None:
-        """Parse and verify an envelope from the coordinator addressed to this site; None if rejected."""
+    def open(self, data: bytes, kind: MessageKind, what: str, *, addressee: str | None = None) -> Envelope | None:
+        """Parse and verify an envelope from the coordinator addressed to this site (or to ``addressee``, e.g.
+        ``shared.envelope.BROADCAST_SITE_ID`` on a digest topic); None if rejected."""
         try:
             envelope = Envelope.from_bytes(data)
             verify(envelope, self.coordinator_key)
         except EnvelopeError as exc:
             self.reject(what, exc.reason, str(exc))
             return None
-        return self.addressed(envelope, kind, what)
+        return self.addressed(envelope, kind, what, addressee=addressee)
 
-    def addressed(self, envelope: Envelope, kind: MessageKind, what: str) -> Envelope | None:
-        """``envelope`` (verified) if it is of ``kind`` and addressed to this site in our federation; None if
-        rejected."""
+    def addressed(self, envelope: Envelope, kind: MessageKind, what: str, *,
+                  addressee: str | None = None) -> Envelope | None:
+        """``envelope`` (verified) if it is of ``kind`` and addressed to this site (or to ``addressee`` where
+        given) in our federation; None if rejected."""
         header = envelope.header
         if header.kind != kind:
             self.reject(what, "wrong_kind", f"kind {header.kind.value}, expected {kind.value}")
@@ -109,7 +111,7 @@ class AgentContext:
         if header.federation_id != self.config.federation_id:
             self.reject(what, "wrong_federation", f"federation {header.federation_id!r}")
             return None
-        if header.site_id != self.config.site_id:
+        if header.site_id != (self.config.site_id if addressee is None else addressee):
             self.reject(what, "wrong_site", f"addressed to {header.site_id!r}")
             return None
         return envelope

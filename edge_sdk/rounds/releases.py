@@ -40,11 +40,15 @@ class ModelReleases:
     Args:
         ctx: the agent's shared state (keys, config, statistics).
         on_kept: ``on_kept(version)`` after a new model was kept (the agent sends a health record).
+        cache: ``cache(model hash, weights)``: also keep a released model's weights as trained by their hash, for
+            tasks that name their model by digest (``edge_sdk.rounds.model_cache.DigestModels.store``).
     """
 
-    def __init__(self, ctx: AgentContext, *, on_kept: Callable[[ModelVersion], None] | None = None) -> None:
+    def __init__(self, ctx: AgentContext, *, on_kept: Callable[[ModelVersion], None] | None = None,
+                 cache: Callable[[str, dict[str, np.ndarray]], None] | None = None) -> None:
         self.ctx = ctx
         self._on_kept = on_kept
+        self._cache = cache
         self._download = RetainedDownload(
             ctx, kind=MessageKind.MODEL, what="model", max_bytes=ctx.config.max_task_bytes,
             wanted=lambda h, inner: self._wanted(h.round, h.timestamp, h.base_model_hash, inner),
@@ -94,6 +98,8 @@ class ModelReleases:
             ctx.reject("model", "model_hash", f"weights hash {actual[:12]} does not match the signed model hash "
                        f"{h.base_model_hash[:12]}")
             return False
+        if self._cache is not None:
+            self._cache(actual, weights)
         return self.take(ModelVersion(h.round, "release", h.timestamp, actual), weights,
                          release.prediction_offsets)
 

@@ -43,12 +43,16 @@ class RetainedDownload:
         wanted: ``wanted(header, inner_timestamp)`` -> whether an announced envelope is worth receiving; the
             header is the outer one (of the manifest when chunked, whose inner timestamp is passed too).
         announced: ``announced(header, total_length, num_chunks)``, called once per new chunked transfer (logging).
+        addressee: the header ``site_id`` expected (default: this site's; ``shared.envelope.BROADCAST_SITE_ID`` for
+            the models published once by digest).
     """
 
     def __init__(self, ctx: AgentContext, *, kind: MessageKind, what: str, max_bytes: int,
                  wanted: Callable[[EnvelopeHeader, int | None], bool],
-                 announced: Callable[[EnvelopeHeader, int, int], None] = lambda *_: None) -> None:
+                 announced: Callable[[EnvelopeHeader, int, int], None] = lambda *_: None,
+                 addressee: str | None = None) -> None:
         self.ctx = ctx
+        self._addressee = addressee
         self._kind, self._what, self._max_bytes = kind, what, max_bytes
         self._wanted, self._announced = wanted, announced
         self._download: Reassembly | None = None  # the chunked transfer being assembled (at most one: the newest)
@@ -66,11 +70,11 @@ class RetainedDownload:
             return self._chunk(data)
         if kind_of(data) == MessageKind.MANIFEST:
             return self._manifest(data)
-        return self.ctx.open(data, self._kind, self._what)
+        return self.ctx.open(data, self._kind, self._what, addressee=self._addressee)
 
     def _manifest(self, data: bytes) -> Envelope | None:
         ctx, what = self.ctx, self._what
-        envelope = ctx.open(data, MessageKind.MANIFEST, f"{what} manifest")
+        envelope = ctx.open(data, MessageKind.MANIFEST, f"{what} manifest", addressee=self._addressee)
         if envelope is None:
             return None
         try:
@@ -125,7 +129,7 @@ class RetainedDownload:
             return None
         self._download = None
         self._settle(chunk.transfer_id)
-        return self.ctx.addressed(inner, self._kind, self._what)
+        return self.ctx.addressed(inner, self._kind, self._what, addressee=self._addressee)
 
     def _settle(self, transfer_id: str) -> None:
         """A transfer taken or turned down: free the chunks held for it and drop those still to come."""

@@ -4,7 +4,9 @@ data), whose payload decodes, whose round and federation match the signed header
 hash the coordinator signed, whose privacy mode the site allows (``privacy: none`` only with
 ``allow_non_private``; ``privacy: global`` only with ``allow_global_dp``: defaults the coordinator cannot override),
 whose time padding (``round_duration_s``) is at least the site's ``min_round_duration_s``, and whose kind (camera
-or radio) is the site's.
+or radio) is the site's. A task that names its model by digest (``TrainingTask.model_digest``) carries no weights:
+it is accepted with empty ``weights`` and its digest as ``model_hash`` (the agent then finds the model,
+:mod:`edge_sdk.rounds.model_cache`, whose hash is checked there).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ __all__ = ["AcceptedTask", "accept_task"]
 
 @dataclass(frozen=True)
 class AcceptedTask:
-    """A task that passed every check: the task, its global weights (float32 by name), its ONNX Runtime artifacts
-    (file name -> bytes) and the weights' hash."""
+    """A task that passed every check: the task, its global weights (float32 by name; empty for a task with
+    ``model_digest`` until they are found), its ONNX Runtime artifacts (file name -> bytes) and the weights' hash."""
 
     task: TrainingTask
     weights: dict[str, np.ndarray]
@@ -50,7 +52,7 @@ def accept_task(ctx: AgentContext, envelope: Envelope) -> AcceptedTask | None:
     if task.round != header.round or task.federation_id != header.federation_id:
         ctx.reject("task", "header_mismatch", "task round/federation differ from the envelope header")
         return None
-    actual_hash = model_hash(weights)
+    actual_hash = model_hash(weights) if task.model_digest is None else task.model_digest
     if not (task.model_hash == header.base_model_hash == actual_hash):
         ctx.reject("task", "model_hash", f"weights hash {actual_hash[:12]} does not match the task")
         return None

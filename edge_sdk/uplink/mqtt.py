@@ -391,6 +391,14 @@ class MqttTransport(Transport):
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
 
+    def unsubscribe(self, topic_filter: str) -> bool:
+        """Drop ``topic_filter``'s subscription now (if connected) and on reconnects; returns True."""
+        with self._lock:
+            self._filters = [(f, cb) for f, cb in self._filters if f != topic_filter]
+        if self._connected.is_set():
+            self._client.unsubscribe(topic_filter)
+        return True
+
     def add_connect_listener(self, listener: Callable[[], None]) -> None:
         """Called on paho's thread after each (re)connect and resubscription."""
         with self._lock:

@@ -48,6 +48,11 @@ class Transport(ABC):
     def subscribe(self, topic_filter: str, callback: MessageCallback) -> None:
         """Subscribe (QoS 1); kept across reconnects. ``callback(topic, payload)`` must not block."""
 
+    def unsubscribe(self, topic_filter: str) -> bool:
+        """Drop the subscriptions to ``topic_filter`` (now and on reconnects). Returns whether this transport could;
+        this default cannot (returns False: the messages keep coming, and their handler ignores them)."""
+        return False
+
     @abstractmethod
     def add_connect_listener(self, listener: Callable[[], None]) -> None:
         """``listener()`` is called after every (re)connect (after resubscribing). It must not block."""
@@ -86,6 +91,10 @@ class InMemoryBroker:
             retained = [(t, p) for t, p in self.retained.items() if topic_matches(topic_filter, t)]
         for topic, payload in retained:
             callback(topic, payload)
+
+    def _unsubscribe(self, transport: InMemoryTransport, topic_filter: str) -> None:
+        with self._lock:
+            self._subscriptions = [s for s in self._subscriptions if s[0] is not transport or s[1] != topic_filter]
 
     def _unsubscribe_all(self, transport: InMemoryTransport) -> None:
         with self._lock:
@@ -139,6 +148,12 @@ class InMemoryTransport(Transport):
         self._filters.append((topic_filter, callback))
         if self.connected:
             self._broker._subscribe(self, topic_filter, callback)
+
+    def unsubscribe(self, topic_filter: str) -> bool:
+        """See :meth:`Transport.unsubscribe`."""
+        self._filters = [(f, cb) for f, cb in self._filters if f != topic_filter]
+        self._broker._unsubscribe(self, topic_filter)
+        return True
 
     def add_connect_listener(self, listener: Callable[[], None]) -> None:
         """See :meth:`Transport.add_connect_listener`."""

@@ -221,6 +221,11 @@ class TrainingTask:
             round's replies after its keys) at ``accepted + k D``, the first such slot (k >= 1) after its local
             work, so that the release time tells nothing of its records (:mod:`edge_sdk.privacy.timing`). Public
             and the same for every site of the round. 0 (default, left out of the JSON) = no padding.
+        model_digest: camera tasks only: the model is not in the payload but published once for every site,
+            retained on ``shared.topics.digest_topic(federation_id, model_digest)``; equal to ``model_hash``
+            (hex SHA-256 of the weights). The payload then holds no weight tensor (artifacts still ride in it).
+            None (default, left out of the JSON): the weights are in the payload. An older gateway rejects a task
+            with this field (unknown field), so the coordinator sends it only when ``transfer.models_by_digest``.
     """
 
     federation_id: str
@@ -249,9 +254,14 @@ class TrainingTask:
     capacity: int | None = None
     round_duration_s: float = 0.0
     cohorts: Mapping[int, tuple[IUCNCategory, ...]] | None = None
+    model_digest: str | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        if self.model_digest is not None and (self.model_digest != self.model_hash or self.radio is not None
+                                              or not _SHA256_HEX.match(str(self.model_digest))):
+            raise PayloadError(f"model_digest {self.model_digest!r} must equal model_hash {self.model_hash!r} (64 "
+                               "lowercase hex) in a camera task (radio tasks carry their weights)")
         if self.cohorts is not None:
             object.__setattr__(self, "cohorts", _cohorts(self.cohorts, self.round))
         if self.capacity is not None:
@@ -375,18 +385,23 @@ class TrainingTask:
                 **({"capacity": self.capacity} if self.capacity is not None else {}),
                 **({"round_duration_s": self.round_duration_s} if self.round_duration_s else {}),
                 **({"cohorts": {str(c): [x.value for x in h] for c, h in self.cohorts.items()}}
-                   if self.cohorts is not None else {})}
+                   if self.cohorts is not None else {}),
+                **({"model_digest": self.model_digest} if self.model_digest is not None else {})}
 
 
 def encode_task(task: TrainingTask, weights: Mapping[str, np.ndarray],
                 artifacts: Mapping[str, bytes] | None = None) -> bytes:
     """Payload of a TASK: the global weights (float32 arrays) with the task as metadata, plus the files of
     ``artifacts`` (``{file name: bytes}``) as uint8 tensors; their names and SHA-256 must be those listed in
-    ``task.artifacts`` (the signature over the payload then covers them).
+    ``task.artifacts`` (the signature over the payload then covers them). A task with ``model_digest`` carries no
+    weights: pass ``weights={}``.
 
     Raises:
-        PayloadError: ``artifacts`` and ``task.artifacts`` disagree, or a weight name uses the artifact prefix.
+        PayloadError: ``artifacts`` and ``task.artifacts`` disagree, a weight name uses the artifact prefix, or
+            weights given with a ``model_digest``.
     """
+    if task.model_digest is not None and weights:
+        raise PayloadError("a task with model_digest carries no weights (they are published on its digest topic)")
     artifacts = dict(artifacts or {})
     listed = {name: hashlib.sha256(data).hexdigest() for name, data in artifacts.items()}
     if listed != dict(task.artifacts):
@@ -400,7 +415,8 @@ def encode_task(task: TrainingTask, weights: Mapping[str, np.ndarray],
 
 
 def decode_task_with_artifacts(payload: bytes) -> tuple[TrainingTask, dict[str, np.ndarray], dict[str, bytes]]:
-    """Inverse of :func:`encode_task`: ``(task, weights, {artifact file name: bytes})``.
+    """Inverse of :func:`encode_task`: ``(task, weights, {artifact file name: bytes})``; ``weights`` is ``{}`` for
+    a task with ``model_digest`` (the receiver fetches them by digest).
 
     Raises:
         PayloadError: as :func:`decode_task`, or an artifact missing, unlisted, not uint8 or with another SHA-256
@@ -428,6 +444,8 @@ def decode_task_with_artifacts(payload: bytes) -> tuple[TrainingTask, dict[str, 
     missing = sorted(set(task.artifacts) - set(files))
     if missing:
         raise PayloadError(f"artifact(s) {missing} listed in the task are missing from the payload")
+    if task.model_digest is not None and tensors:
+        raise PayloadError("a task with model_digest must carry no weight tensors")
     return task, _check_weights(tensors), files
 
 

@@ -52,6 +52,7 @@ topic write wildfed/v1/f/site/+/model
 topic write wildfed/v1/f/site/+/model/#
 topic write wildfed/v1/f/site/+/software
 topic write wildfed/v1/f/site/+/software/#
+topic write wildfed/v1/f/models/#
 
 user site-a
 topic write wildfed/v1/f/site/a/update
@@ -65,6 +66,7 @@ topic read wildfed/v1/f/site/a/model
 topic read wildfed/v1/f/site/a/model/#
 topic read wildfed/v1/f/site/a/software
 topic read wildfed/v1/f/site/a/software/#
+topic read wildfed/v1/f/models/#
 
 user site-b
 topic write wildfed/v1/f/site/b/update
@@ -78,16 +80,17 @@ topic read wildfed/v1/f/site/b/model
 topic read wildfed/v1/f/site/b/model/#
 topic read wildfed/v1/f/site/b/software
 topic read wildfed/v1/f/site/b/software/#
+topic read wildfed/v1/f/models/#
 """
 
 
 # What broker-config writes for the same sites: each site also has its detection publisher's account
 # (site-<id>@detect), which may write nothing but the site's detection topic; written out by hand.
 EXPECTED_GENERATED_ACL_TWO_SITES = EXPECTED_ACL_TWO_SITES.replace(
-    "topic read wildfed/v1/f/site/a/software/#\n",
-    "topic read wildfed/v1/f/site/a/software/#\n\nuser site-a@detect\ntopic write wildfed/v1/f/site/a/detection\n").replace(
-    "topic read wildfed/v1/f/site/b/software/#\n",
-    "topic read wildfed/v1/f/site/b/software/#\n\nuser site-b@detect\ntopic write wildfed/v1/f/site/b/detection\n")
+    "topic read wildfed/v1/f/models/#\n\nuser site-b\n",
+    "topic read wildfed/v1/f/models/#\n\nuser site-a@detect\ntopic write wildfed/v1/f/site/a/detection\n\nuser site-b\n").replace(
+    "wildfed/v1/f/site/b/software/#\ntopic read wildfed/v1/f/models/#\n",
+    "wildfed/v1/f/site/b/software/#\ntopic read wildfed/v1/f/models/#\n\nuser site-b@detect\ntopic write wildfed/v1/f/site/b/detection\n")
 
 # Two ingest workers (ingest_workers: 2): each reads every site's update topic and writes every task and ack topic.
 EXPECTED_WORKER_BLOCKS = """\
