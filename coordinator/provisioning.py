@@ -207,6 +207,7 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
         "embedding_input_size": embedding_input_size or get_variant(backbone).default_input_size,
         "model_dir": fmt.MODELS_DIR,
         "num_classes": config.num_classes,
+        "federation_plan": _federation_plan(config),
         "allow_non_private": profile.privacy.allow_non_private,
         "allow_seeded_noise": profile.privacy.allow_seeded_noise,
     }
@@ -408,6 +409,18 @@ def _graph_members(graphs: Mapping[str, Path], *, backbone: str, input_size: int
             entry.update(backbone=backbone, input_size=input_size, backbone_id=backbone_id(backbone, input_size))
         out[role] = (fmt.BundleMember(name, data, 0o644), entry)
     return out
+
+
+def _federation_plan(config: CoordinatorConfig) -> dict[str, Any] | None:
+    """The plan the site's learnability report uses before its first round (``edge_sdk.federation_plan``): public
+    values every task carries; None where the gateway's local CCDP plan is not what runs (``privacy: none`` or
+    ``global``, radio maps)."""
+    if config.privacy in ("none", "global") or config.model == "radio_unet":
+        return None
+    return {"rounds": config.rounds, "local_steps": config.local_steps,
+            "expected_batch": config.expected_batch_size, "target_delta": config.target_delta,
+            "clipping_norm": config.clipping_norm, "variant": config.ccdp_variant,
+            "budgets": {c.value: float(e) for c, e in config.budgets().items()}}
 
 
 def _check_species(config: CoordinatorConfig, species: Sequence[Mapping[str, Any]] | None) -> None:

@@ -48,6 +48,7 @@ from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
 from shared.models.backbone_variants import BACKBONE_NAMES, DEFAULT_BACKBONE, get_variant
 
+from edge_sdk.federation_plan import FederationPlan
 from edge_sdk.field.settings import FieldSettings
 
 __all__ = ["SpeciesEntry", "SiteConfig", "load_site_config", "global_model_path", "species_table_from_entries"]
@@ -168,6 +169,8 @@ class SiteConfig(BaseModel):
             no watching (:mod:`edge_sdk.field`).
         field: how those photos are handled (:class:`edge_sdk.field.settings.FieldSettings`: settle time, event gap,
             thresholds, deployments).
+        federation_plan: the coordinator's training plan written at provisioning (:mod:`edge_sdk.federation_plan`;
+            the learnability report's plan before the first round).
         train_on: which records train: ``verified`` (default: photos whose last classification is a person's,
             ``classificationMethod: human``, as a ranger's review writes them) or ``machine`` (also photos the
             gateway's model classified with ``classificationProbability >= machine_threshold``, for operators who
@@ -235,6 +238,7 @@ class SiteConfig(BaseModel):
     missing_media: str = "error"
     incoming: Path | None = None
     field: FieldSettings = Field(default_factory=FieldSettings)
+    federation_plan: FederationPlan | None = None
     train_on: Literal["verified", "machine"] = "verified"
     machine_threshold: float = Field(default=0.95, gt=0, le=1)
     chunk_size_bytes: int = Field(default=256 * 1024, ge=1024, le=1 << 20)

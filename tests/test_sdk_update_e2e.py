@@ -89,6 +89,19 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     return built
 
 
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc: Linux)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _wait(what: str, condition: Callable[[], object], proc: subprocess.Popen, timeout: float = 240.0) -> object:
     """Wait until ``condition()`` is truthy (the gateway's records change as it works), or fail naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -153,12 +166,17 @@ def test_a_signed_update_is_installed_confirmed_and_broken_ones_are_rolled_back(
         assert layout.version_of("current") == "0.1.1" and layout.trial() is None
         assert (prefix / "sdk" / "0.1.1" / "venv" / "bin" / "wildfed-edge").exists()
         _wait("the fleet showing SDK 0.1.1", lambda: (fleet_version() or ("",))[0] == "0.1.1", proc)
+        # the launcher the unit started supervises B: one launcher and one agent, nothing stacked
+        agent = _children(proc.pid)
+        assert len(agent) == 1 and _children(agent[0]) == [], (agent, [_children(a) for a in agent])
 
         # B -> C: passes its check, exits before reaching the broker: rolled back to B, reported
         publish("C")
         _wait("C rolled back", lambda: "0.1.2" in layout.state()["failed"], proc)
         assert layout.state()["failed"]["0.1.2"] == "exited with status 3 before it reached the broker"
         assert layout.version_of("current") == layout.version_of("stable") == "0.1.1"
+        # B handed C's trial back to that launcher (no second launcher); after the rollback B runs in its place
+        assert _children(proc.pid) == []
         reported = _wait("the rollback in the health record",
                          lambda: (v := fleet_version()) and "rolled back" in v[1] and v, proc)
         assert reported[0] == "0.1.1" and "SDK update to 0.1.2 rolled back to 0.1.1" in reported[1]

@@ -3,8 +3,10 @@ records can learn under the noise of the federation's plan (:mod:`edge_sdk.field
 
 The noise comes from the latest round this gateway trained (the plan it ran is kept in ``<state>/last-plan.json``:
 public values only) or, before any round, from a plan calibrated here with the real accountant for stated
-assumptions: :data:`ASSUMED` (the demo's defaults: 10 rounds of one local step, expected batch 1024, CCDP gamma 1
-with VU at epsilon 1, delta 1e-5, clipping norm 1); ``wildfed-edge check-config`` prints which.
+the coordinator's plan written into ``site.yaml`` at provisioning (``federation_plan``, :mod:`edge_sdk.federation_plan`)
+or, without one, stated assumptions: :data:`ASSUMED` (the demo's defaults: 10 rounds of one local step, expected
+batch 1024, CCDP gamma 1 with VU at epsilon 1, delta 1e-5, clipping norm 1); ``wildfed-edge check-config`` prints
+which.
 """
 
 from __future__ import annotations
@@ -84,16 +86,25 @@ def category_signals(config: SiteConfig, dataset: LocalDataset) -> tuple[list[Ca
         return rows, f"the plan of round {saved['round']}, the latest this gateway trained ({path})"
     from edge_sdk.privacy.ccdp import plan_ccdp
 
-    a = ASSUMED
+    fp = config.federation_plan
+    a = ASSUMED if fp is None else {"rounds": fp.rounds, "local_steps": fp.local_steps,
+                                    "expected_batch": fp.expected_batch, "target_delta": fp.target_delta,
+                                    "clipping_norm": fp.clipping_norm, "variant": fp.variant}
     n = max(1, len(dataset))
     steps = a["rounds"] * a["local_steps"]
-    budgets = CCDPBudget.from_anchor(IUCNCategory.VU, a["anchor_epsilon"], gamma=a["gamma"]).table()
+    budgets = (CCDPBudget.from_anchor(IUCNCategory.VU, a["anchor_epsilon"], gamma=a["gamma"]).table() if fp is None
+               else {IUCNCategory(code): eps for code, eps in fp.budgets.items()})
     plan = plan_ccdp(variant=a["variant"], budgets=budgets, active=config.categories,
                      target_delta=a["target_delta"], sampling_rate=min(1.0, a["expected_batch"] / n), steps=steps,
                      clipping_norm=a["clipping_norm"], site_categories=config.categories)
     parameters = 1280 * config.model_classes + config.model_classes
     rows = signal_to_noise(counts, sampling_rates=plan.sampling_rates, clipping_norms=plan.clipping_norms,
                            noise_std=plan.noise_std, steps=steps, parameters=parameters)
+    if fp is not None:
+        return rows, ("no round trained yet: the coordinator's plan written at provisioning, {rounds} rounds x "
+                      "{local_steps} steps, expected batch {expected_batch}, delta {target_delta:g}, the head only "
+                      "({p} parameters); the report after the first round uses the plan that ran"
+                      ).format(**a, p=parameters)
     return rows, ("no round trained yet: an assumed plan of {rounds} rounds x {local_steps} step, expected batch "
                   "{expected_batch}, CCDP gamma {gamma:g} with VU at epsilon {anchor_epsilon:g}, delta "
                   "{target_delta:g}, the head only ({p} parameters); your coordinator's plan may differ, and the "

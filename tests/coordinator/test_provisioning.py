@@ -473,3 +473,16 @@ def test_install_with_the_backend_offline_from_a_wheel_folder(fed, sdk_wheel, tm
                             "backend_import_problem as p; print(edge_sdk.__file__); print(p('auto') or 'ok')"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
     assert str(prefix / "venv") in probe[0] and probe[1] == "ok"
+
+
+def test_the_bundles_site_yaml_carries_the_coordinators_plan(fed, sdk_wheel, tmp_path) -> None:
+    import yaml as _yaml
+
+    cfg = fed[0]
+    result = provision(fed, sdk_wheel, tmp_path)
+    site = _yaml.safe_load(read_bundle(result.bundle_path).members[fmt.SITE_CONFIG])
+    assert site["federation_plan"] == {
+        "rounds": cfg.rounds, "local_steps": cfg.local_steps, "expected_batch": cfg.expected_batch_size,
+        "target_delta": cfg.target_delta, "clipping_norm": cfg.clipping_norm, "variant": cfg.ccdp_variant,
+        "budgets": {c.value: e for c, e in cfg.budgets().items()}}
+    assert site["federation_plan"]["budgets"]["VU"] == 1.0  # the test config's anchor (from_anchor VU 1.0)
