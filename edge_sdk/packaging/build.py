@@ -90,7 +90,7 @@ class PackageSummary:
     Attributes:
         photos: labelled photos the input named. media: media rows (distinct photos). duplicates: photos that
         repeat another's bytes. observations: ``(observationType, scientificName) -> count``. boxes: observations
-        with a box. unboxed: animal photos that got no box (with boxes asked for). timestamps: ``source -> media
+        with a box. unboxed: animal photos that got no box (with boxes asked for). animal_labels: animal labels read. timestamps: ``source -> media
         rows``. skipped: ``reason -> inputs left out``. warnings: one line each.
     """
 
@@ -100,6 +100,7 @@ class PackageSummary:
     observations: Counter = field(default_factory=Counter)
     boxes: int = 0
     unboxed: int = 0
+    animal_labels: int = 0
     timestamps: Counter = field(default_factory=Counter)
     skipped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -240,6 +241,7 @@ def _observation_rows(m: _Media, options: PackageOptions, summary: PackageSummar
                          "observationTags": f"detectorConfidence:{box.confidence:.3f}"
                          + (f" | detector:{options.detector.detector_id}" if options.boxes == "detect" else "")})
         summary.boxes += len(boxes)
+        summary.animal_labels += kind == "animal"
         if not boxes:
             rows.append(row)
             if kind == "animal" and options.boxes != "none":
@@ -270,6 +272,12 @@ def _assemble(media: dict[str, _Media], options: PackageOptions, summary: Packag
         observation_rows += _observation_rows(m, options, summary, when)
         copies.append((m.photo.path, m.file_path))
     summary.media = len(media_rows)
+    animals = summary.animal_labels
+    if options.boxes != "none" and summary.unboxed and 2 * summary.unboxed >= animals:
+        summary.warnings.append(f"no box in {summary.unboxed} of {animals} animal photo(s): those records train on "
+                                "the whole photo while detect and the field loop classify the detector's crops "
+                                "(small or low-light photos: the detector finds little); check a few with "
+                                "`wildfed-edge detect`, or label boxes (--from megadetector)")
     if summary.duplicates:
         summary.warnings.append(f"{summary.duplicates} photo(s) repeat another photo byte for byte: one media row "
                                 "each (mediaID is the hash of the bytes)")

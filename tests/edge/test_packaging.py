@@ -159,6 +159,12 @@ def test_detected_boxes_carry_the_label_and_a_photo_without_one_keeps_a_row(tmp_
     assert boxed[0]["observationTags"] == "detectorConfidence:0.910 | detector:fake@0"
     assert (content.summary.boxes, content.summary.unboxed) == (2, 1)
     assert len(content.observations) == 4  # 2 boxes + the tall photo without a box + the blank photo
+    # half the animal photos without a box: said, since those train on whole photos while detect uses crops
+    assert [w for w in content.summary.warnings if w.startswith("no box in 1 of 2 animal photo(s)")]
+    jpeg(tmp_path / "photos" / "Sus scrofa" / "wide2.jpg", (200, 30, 30), size=(64, 48))
+    more = build_content(read_folder(tmp_path / "photos"),
+                         PackageOptions(site="s1", classified_by="ana", boxes="detect", detector=_FakeDetector()))
+    assert more.summary.unboxed == 1 and not [w for w in more.summary.warnings if w.startswith("no box in")]
 
 
 def test_the_package_validates_and_loads_with_the_gateways_loader(tmp_path: Path) -> None:
