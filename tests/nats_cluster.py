@@ -41,7 +41,7 @@ cluster {{
 }}
 mqtt {{
   listen: 127.0.0.1:{mqtt_port}
-  stream_replicas: {replicas}
+  stream_replicas: {replicas}{consumer_replicas}
 }}
 """
 
@@ -61,13 +61,16 @@ class NatsCluster:
             as ``max_packet_size``; docs/brokers.md says what NATS 2.9 does with it for MQTT).
         replicas: ``mqtt.stream_replicas``, the copies JetStream keeps of the MQTT sessions, retained messages
             and QoS 1 messages (default: one per node, at most 3).
+        consumer_replicas: ``mqtt.consumer_replicas``: NATS makes one JetStream consumer per QoS 1 subscription;
+            default (None) the server's, as many as ``replicas``. 1 made the consumer of the coordinator's
+            session die with its node (docs/brokers.md, "Measured").
 
     Raises:
         NatsClusterError: from :meth:`start`, when ``nats-server`` is missing or a node does not come up.
     """
 
     def __init__(self, folder: Path | None = None, *, nodes: int = 3, max_payload: int = 1_115_136,
-                 replicas: int | None = None) -> None:
+                 replicas: int | None = None, consumer_replicas: int | None = None) -> None:
         self._own_folder = folder is None
         self.folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="wildfed-nats-"))
         self.names = [f"n{i}" for i in range(nodes)]
@@ -76,6 +79,7 @@ class NatsCluster:
         self.mqtt_ports = [free_port() for _ in range(nodes)]
         self.max_payload = max_payload
         self.replicas = replicas if replicas is not None else min(nodes, 3)
+        self.consumer_replicas = consumer_replicas
         self.procs: list[subprocess.Popen | None] = [None] * nodes
 
     @property
@@ -90,7 +94,9 @@ class NatsCluster:
         path = self.folder / f"{self.names[i]}.conf"
         path.write_text(_CONFIG.format(name=self.names[i], client_port=self.client_ports[i],
                                        max_payload=self.max_payload, store=store, route_port=self.route_ports[i],
-                                       routes=routes, mqtt_port=self.mqtt_ports[i], replicas=self.replicas))
+                                       routes=routes, mqtt_port=self.mqtt_ports[i], replicas=self.replicas,
+                                       consumer_replicas="" if self.consumer_replicas is None else
+                                       f"\n  consumer_replicas: {self.consumer_replicas}"))
         return path
 
     def log(self, i: int) -> Path:
