@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits
+from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits, check_failover_urls
 from shared.envelope import validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.iucn import IUCNCategory
@@ -105,6 +106,8 @@ class SiteConfig(BaseModel):
         private_key: the site's Ed25519 private key (PEM).
         coordinator_public_key: the coordinator's Ed25519 public key (PEM); tasks and acks must verify with it.
         broker_url: ``mqtt://host:port``, or ``mqtts://host:port`` for TLS (default port 8883).
+        broker_failover_urls: further nodes of a broker cluster, same scheme, tried in turn when the current one
+            cannot be reached (docs/brokers.md, "Failover"); default none.
         broker_ca_file: PEM CA bundle that signs the broker's certificate (``mqtts://``; default: system CAs, or the
             installed profile's ``broker.ca_file``).
         broker_cert_file, broker_key_file: PEM client certificate and key (mutual TLS; both or neither).
@@ -210,6 +213,7 @@ class SiteConfig(BaseModel):
     private_key: Path
     coordinator_public_key: Path
     broker_url: str = "mqtt://127.0.0.1:1883"
+    broker_failover_urls: tuple[str, ...] = ()
     broker_ca_file: Path | None = None
     broker_cert_file: Path | None = None
     broker_key_file: Path | None = None
@@ -276,6 +280,11 @@ class SiteConfig(BaseModel):
         if not value.startswith(("mqtt://", "mqtts://")):
             raise ValueError("must look like mqtt://host:port or mqtts://host:port")
         return value
+
+    @field_validator("broker_failover_urls", mode="before")
+    @classmethod
+    def _failover_urls(cls, value: Any, info: ValidationInfo) -> tuple[str, ...]:
+        return check_failover_urls(info.data.get("broker_url", "mqtt://"), value)
 
     @model_validator(mode="after")
     def _broker_tls_consistent(self) -> SiteConfig:

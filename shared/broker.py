@@ -25,6 +25,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 
@@ -32,6 +33,7 @@ from shared.errors import ConfigError
 from shared.transfer import CHUNK_HEADER_LENGTH
 
 __all__ = ["BrokerCredentials", "load_broker_credentials", "tls_context", "check_broker_fields", "check_client_options",
+           "check_failover_urls",
            "site_username", "coordinator_username", "role_username", "validate_role", "role_cert_paths",
            "check_chunk_fits", "DEFAULT_BROKER_MAX_PACKET_BYTES", "MQTT_PUBLISH_OVERHEAD", "CHUNK_HEADER_BYTES",
            "SITE_ROLES", "DETECT_ROLE", "RefusedMessages", "DEFAULT_MAX_DROPS"]
@@ -295,6 +297,34 @@ def check_broker_fields(url: str, ca_file: object, cert_file: object, key_file: 
         raise ValueError("broker_cert_file and broker_key_file go together (mutual TLS): set both or neither")
     if url.startswith("mqtt://") and any(f is not None for f in (ca_file, cert_file, key_file)):
         raise ValueError("broker TLS files are set but broker_url is mqtt:// (plain): use mqtts://host:8883")
+
+
+def check_failover_urls(primary: str, others: object) -> tuple[str, ...]:
+    """The further brokers of a cluster a client fails over to (``broker_failover_urls``; docs/brokers.md):
+    each ``mqtt://host:port`` or ``mqtts://host:port`` with a host, of the same scheme as ``primary`` (the TLS
+    files and credentials are the same for every node), none repeated and none equal to ``primary``.
+
+    Returns:
+        the URLs, as a tuple in the given order.
+
+    Raises:
+        ValueError: naming the bad URL and the rule it breaks (a config's validator reports it with the field).
+    """
+    if isinstance(others, str) or not isinstance(others, (list, tuple)):
+        raise ValueError("must be a list of broker URLs, e.g. [mqtt://broker-2:1883, mqtt://broker-3:1883]")
+    scheme = primary.split("://", 1)[0]
+    seen = {primary}
+    for url in others:
+        parsed = urlparse(str(url))
+        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
+            raise ValueError(f"{url!r} is not mqtt://host:port or mqtts://host:port")
+        if parsed.scheme != scheme:
+            raise ValueError(f"{url!r} is {parsed.scheme}:// but broker_url is {scheme}://: every node of the "
+                             "cluster is reached the same way (the same TLS files and credentials)")
+        if url in seen:
+            raise ValueError(f"{url!r} is listed twice (or is broker_url itself)")
+        seen.add(str(url))
+    return tuple(str(u) for u in others)
 
 
 def check_client_options(url: str, *, tls: bool, ca_file: object, cert_file: object, key_file: object,

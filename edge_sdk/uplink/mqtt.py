@@ -2,7 +2,7 @@
 
 QoS 1 (MQTT 3.1.1, OASIS 2014, sec. 4.3.2): :meth:`MqttTransport.publish` blocks until the broker's PUBACK. On every
 CONNACK this transport publishes the site's retained ``online`` status (when it has a status topic), resubscribes
-every filter, and once every SUBACK is in it counts as connected and calls the connect listeners (the agent resends
+every filter, and once every SUBACK is in (a refused subscription drops the link: the reconnect tries again) it counts as connected and calls the connect listeners (the agent resends
 its outbox then). So :meth:`connect` returning means that messages published to the subscribed topics from then on
 reach this client. Callbacks run on paho's thread and must not block.
 
@@ -30,6 +30,11 @@ Reconnection: paho's own reconnect loop (a fixed doubling from ``reconnect_delay
 ``uniform(0, min(cap, base * 2**n))`` seconds before attempt ``n`` (n = 0, 1, ... since the last CONNACK): "full
 jitter" (M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015), which spreads the reconnects of
 hundreds of gateways after a broker restart instead of synchronising them.
+
+Failover (docs/brokers.md): with ``failover_urls`` (the site's ``broker_failover_urls``, further nodes of a broker
+cluster) the first attempt after a drop goes to the same node, and every later one to the next node of the list,
+in turn; :meth:`MqttTransport.connect` tries them in order too. The session is clean, so nothing is lost by
+changing node: the outbox re-sends on the CONNACK as after any reconnect.
 
 In-flight window: a :meth:`MqttTransport.publish` that is waiting for its PUBACK when the link drops raises
 :class:`TransportError` at once (within about 50 ms), instead of waiting out its timeout. The message may or may
@@ -136,10 +141,12 @@ class MqttTransport(Transport):
         max_drops: link drops in a row with one message awaiting its PUBACK that make it refused (module
             docstring, "Refused messages"; the site's ``max_chunk_requests``).
         broker_max_packet_bytes: the configured broker limit, bytes, named in the refused-message error.
+        failover_urls: further nodes of the same broker cluster, same scheme as ``url`` (module docstring,
+            "Failover").
 
     Raises:
         ConfigError: bad URL, TLS options with ``mqtt://``, unreadable TLS files, a password without a username,
-            or only one of ``status_topic``/``site_id``.
+            only one of ``status_topic``/``site_id``, or a failover URL of another scheme.
     """
 
     def __init__(self, url: str, *, client_id: str | None = None, keepalive_s: int = 30,
@@ -147,8 +154,19 @@ class MqttTransport(Transport):
                  key_file: str | os.PathLike[str] | None = None, username: str | None = None,
                  password: str | None = None, status_topic: str | None = None, site_id: str | None = None,
                  backoff_base_s: float = 1.0, backoff_cap_s: float = 60.0, rng: random.Random | None = None,
-                 max_drops: int = DEFAULT_MAX_DROPS, broker_max_packet_bytes: int | None = None) -> None:
+                 max_drops: int = DEFAULT_MAX_DROPS, broker_max_packet_bytes: int | None = None,
+                 failover_urls: tuple[str, ...] | list[str] = ()) -> None:
         self._host, self._port, tls = parse_mqtt_url_tls(url)
+        self.brokers: list[tuple[str, int]] = [(self._host, self._port)]
+        """Every node this transport may use, ``(host, port)``, ``url``'s first; :attr:`broker` is the current one."""
+        for other in failover_urls:
+            host, port, other_tls = parse_mqtt_url_tls(other)
+            if other_tls != tls:
+                raise ConfigError(f"failover broker {other!r} and {url!r} differ in TLS", field="broker_failover_urls",
+                                  fix="reach every node of the cluster the same way: all mqtt:// or all mqtts://")
+            self.brokers.append((host, port))
+        self.broker = 0
+        self.failovers = 0  # times a reconnect moved to another node (observability, tests)
         check_client_options(url, tls=tls, ca_file=ca_file, cert_file=cert_file, key_file=key_file,
                              username=username, password=password)
         if (status_topic is None) != (site_id is None):
@@ -200,7 +218,6 @@ class MqttTransport(Transport):
             self._last_failure = f"connection refused by the broker: {reason_code}"
             log.warning("MQTT connect to %s:%s refused: %s", self._host, self._port, reason_code)
             return
-        self._attempt = 0
         self._last_failure = None
         if self._status_topic is not None and self._site_id is not None:
             client.publish(self._status_topic, status_payload(self._site_id, "online"), qos=1, retain=True)
@@ -218,6 +235,13 @@ class MqttTransport(Transport):
 
     def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, reason_codes: object,
                       properties: object) -> None:
+        refused = [str(rc) for rc in (reason_codes or []) if getattr(rc, "is_failure", False)]  # type: ignore[attr-defined]
+        if refused:  # e.g. a NATS node that could not make the subscription's JetStream consumer: not subscribed
+            self._last_failure = f"the broker refused a subscription ({', '.join(refused)})"
+            log.warning("MQTT %s:%s refused a subscription (%s); reconnecting, to the next node if there is one",
+                        self._host, self._port, ", ".join(refused))
+            client.disconnect()
+            return
         with self._lock:
             if mid not in self._awaiting_suback:
                 return
@@ -228,6 +252,7 @@ class MqttTransport(Transport):
 
     def _ready(self) -> None:
         """Connected and every subscription acknowledged: mark connected, then notify listeners."""
+        self._attempt = 0  # only now: a node that accepts the connection but refuses a subscription is failed over
         self._connected.set()
         with self._lock:
             listeners = list(self._listeners)
@@ -281,6 +306,13 @@ class MqttTransport(Transport):
         except AttributeError:  # paho cleared its thread handle between its check and its join: already gone
             pass
 
+    def _use_broker(self, index: int) -> None:
+        """Point the (disconnected) paho client at node ``index`` of :attr:`brokers` (paho's ``connect_async``
+        only records the target; the next ``reconnect`` connects to it)."""
+        self.broker = index % len(self.brokers)
+        self._host, self._port = self.brokers[self.broker]
+        self._client.connect_async(self._host, self._port, keepalive=self._keepalive)
+
     def _supervise(self) -> None:
         """Wait for a dropped link, then reconnect with full-jitter back-off until connected or closed."""
         base, cap = self._backoff
@@ -291,6 +323,9 @@ class MqttTransport(Transport):
             self._link_down.clear()
             self._stop_network_thread()
             while not self._stop.is_set():
+                if self._attempt > 0 and len(self.brokers) > 1:  # the last attempt failed: the next node
+                    self._use_broker(self.broker + 1)
+                    self.failovers += 1
                 delay = full_jitter_delay(self._attempt, base_s=base, cap_s=cap, rng=self._rng)
                 self._attempt += 1
                 self.reconnect_delays.append(delay)
@@ -326,7 +361,16 @@ class MqttTransport(Transport):
             self._last_failure = None
             generation = self._generation
             try:
-                self._client.connect(self._host, self._port, keepalive=self._keepalive)
+                for i in range(len(self.brokers)):  # the first node that accepts the TCP (and TLS) connection
+                    self._use_broker(i)
+                    try:
+                        self._client.connect(self._host, self._port, keepalive=self._keepalive)
+                        break
+                    except OSError as exc:
+                        if i + 1 == len(self.brokers):
+                            raise
+                        log.warning("MQTT broker %s:%s unreachable (%s); trying the next node", self._host,
+                                    self._port, exc)
             except OSError as exc:  # includes ssl.SSLError (e.g. certificate verification failed)
                 hint = (" (fix: set broker_ca_file to the CA that signed the broker's certificate, e.g. the ca.pem "
                         "of `wildfed-coordinator broker-config`, and connect by a host name the certificate lists)"
@@ -507,4 +551,5 @@ def transport_from_config(config: SiteConfig, *, client_id: str | None = None, p
                          ca_file=ca, cert_file=cert, key_file=key, username=username, password=password,
                          status_topic=status_topic(config.federation_id, config.site_id) if presence else None,
                          site_id=config.site_id if presence else None, max_drops=config.max_chunk_requests,
-                         broker_max_packet_bytes=config.broker_max_packet_bytes)
+                         broker_max_packet_bytes=config.broker_max_packet_bytes,
+                         failover_urls=config.broker_failover_urls)

@@ -121,3 +121,16 @@ def test_agent_round_over_real_broker(broker: Broker, tmp_path: Path) -> None:
     assert agent.stats["acks_accepted"] == 1
     agent.close()
     coordinator.transport.close()
+
+
+def test_failover_urls_checked_and_connect_falls_over_to_the_next_node(broker: Broker) -> None:
+    """A failover URL of another scheme is refused naming the field; a dead first node is skipped at connect."""
+    with pytest.raises(ConfigError, match="broker_failover_urls"):
+        MqttTransport("mqtt://127.0.0.1:1", failover_urls=["mqtts://127.0.0.1:2"])
+    dead = free_port()  # nothing listens there
+    t = MqttTransport(f"mqtt://127.0.0.1:{dead}", failover_urls=[f"mqtt://127.0.0.1:{broker.port}"])
+    try:
+        t.connect(timeout_s=5)
+        assert t.brokers[t.broker] == ("127.0.0.1", broker.port) and t.broker == 1
+    finally:
+        t.close()
