@@ -302,6 +302,9 @@ def detect(
     workers: Annotated[Optional[int], typer.Option(min=1, help="batches run at once on threads (default: one per "
                                                                "core on ONNX Runtime CPU without --threads, else 1)")]
     = None,
+    draft: Annotated[bool, typer.Option(help="decode large JPEGs for the detector at 1/2..1/8 in the DCT (long side "
+                                             ">= 640; crops always from the full decode); --no-draft: full decode")]
+    = True,
     input_size: Annotated[Optional[int], typer.Option(min=32, help="backbone input size in px; the size the head "
                                                                    "was trained at (default: --config's "
                                                                    "embedding_input_size, else the backbone's "
@@ -351,7 +354,7 @@ def detect(
             summary = run_detection(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
-                confidence=confidence, utc_offset=utc_offset, publisher=publisher, workers=workers,
+                confidence=confidence, utc_offset=utc_offset, publisher=publisher, workers=workers, draft=draft,
                 model_dir=site.model_dir if site is not None else None,
                 **_detect_backbone(backbone, input_size, site),
                 on_start=lambda n: progress.update(task, total=n),

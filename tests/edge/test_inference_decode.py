@@ -189,3 +189,58 @@ def test_real_photos_give_the_same_boxes_and_species_as_the_full_decode() -> Non
         inter = max(0.0, min(x1 + w1, x2 + w2) - max(x1, x2)) * max(0.0, min(y1 + h1, y2 + h2) - max(y1, y2))
         assert inter / (w1 * h1 + w2 * h2 - inter) >= 0.9, a.file
         assert ta.species_index == tb.species_index, a.file
+
+
+def test_detect_passes_workers_and_draft_and_refuses_zero_workers(tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    import edge_sdk.inference.run as run
+    from edge_sdk.cli import app
+
+    seen = {}
+
+    def fake(paths, **kwargs):
+        seen.update(kwargs)
+        return run.RunSummary()
+
+    monkeypatch.setattr(run, "run_detection", fake)
+    runner = CliRunner()
+    result = runner.invoke(app, ["detect", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "3",
+                                 "--no-draft"])
+    assert result.exit_code == 0, result.output
+    assert seen["workers"] == 3 and seen["draft"] is False
+    runner.invoke(app, ["detect", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert seen["workers"] is None and seen["draft"] is True
+    refused = runner.invoke(app, ["detect", str(tmp_path), "--workers", "0"])
+    assert refused.exit_code == 2 and "workers" in refused.output
+
+
+@pytest.mark.parametrize(("cores", "engine", "threads", "workers", "expected"),
+                         [(2, "ort-cpu", None, None, (2, 1)), (8, "ort-cpu", None, None, (4, 2)),
+                          (1, "ort-cpu", None, None, (1, 1)), (2, "ort-cpu", 2, None, (1, 2)),
+                          (2, "ort-cuda", None, None, (1, 1)), (2, "ort-cpu", None, 3, (3, None))])
+def test_run_detection_picks_one_worker_per_core_on_ort_cpu(tmp_path: Path, monkeypatch, cores, engine, threads,
+                                                            workers, expected) -> None:
+    import edge_sdk.inference.run as run
+
+    opened, built = {}, {}
+
+    kind = engine
+
+    class Fake(_RedSquare):
+        engine = type("E", (), {"name": kind})()
+
+    def fake_open(**kwargs):
+        opened.update(kwargs)
+        return Fake()
+
+    class Pipeline(DetectionPipeline):
+        def __init__(self, *args, **kwargs):
+            built.update(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(run.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(run.YoloxDetector, "open", staticmethod(fake_open))
+    monkeypatch.setattr(run, "DetectionPipeline", Pipeline)
+    run.run_detection([tmp_path], out_dir=tmp_path / "o", deployment_id="d", threads=threads, workers=workers)
+    assert (built["workers"], opened["threads"]) == expected
