@@ -47,23 +47,27 @@ def photos_folder(given: str | None) -> Path:
     return SHARED if (SHARED / "labels.csv").is_file() else COMMITTED
 
 
-def top_box_crop(detector, path: Path) -> tuple[object, bool]:
+def top_box_crop(detector, path: Path, draft: bool = False) -> tuple[object, bool]:
     """``(the crop the gateway classifies, whether the detector found a box)`` for one photo: the square crop
-    (``edge_sdk.inference.classifier.crop``) of the detector's top-scoring box, or the whole photo without one."""
+    (``edge_sdk.inference.classifier.crop``) of the detector's top-scoring box, or the whole photo without one.
+    ``draft``: the detector sees the reduced decode ``detect`` now uses (``edge_sdk.inference.decode``); the crop
+    is cut from the full decode either way."""
     from PIL import Image
 
     from edge_sdk.inference.classifier import crop
+    from edge_sdk.inference.decode import decode_for_detection
 
     with Image.open(path) as im:
         image = im.convert("RGB")
-    boxes = detector.detect([image])[0]
+    seen = decode_for_detection(path.read_bytes(), draft=draft)
+    boxes = detector.detect([seen.image], [seen.size])[0]
     if not boxes:
         return image, False
     b = max(boxes, key=lambda b: b.score)
     return crop(image, (b.x1, b.y1, b.x2, b.y2)), True
 
 
-def crops_and_labels(folder: Path, threads: int | None) -> tuple[list, list[str], int]:
+def crops_and_labels(folder: Path, threads: int | None, draft: bool = False) -> tuple[list, list[str], int]:
     """``(square crops, labels, photos without a detection)`` from the project's detector (top box per photo)."""
     from edge_sdk.inference.detector import YoloxDetector
 
@@ -72,7 +76,7 @@ def crops_and_labels(folder: Path, threads: int | None) -> tuple[list, list[str]
     detector = YoloxDetector.open(prefer="ort", threads=threads, batch_size=1)
     crops, labels, missed = [], [], 0
     for row in rows:
-        image, found = top_box_crop(detector, folder / row["filepath"])
+        image, found = top_box_crop(detector, folder / row["filepath"], draft)
         crops.append(image)
         missed += not found
         labels.append(row["label"])
@@ -125,6 +129,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate of the head")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime / torch threads")
+    parser.add_argument("--draft", action="store_true", help="the detector sees the reduced JPEG decode detect "
+                                                             "uses (edge_sdk.inference.decode); default: full decode")
     args = parser.parse_args()
     if args.threads:
         import torch
@@ -141,7 +147,7 @@ def main() -> int:
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"photos: {folder}")
     t0 = time.perf_counter()
-    crops, labels, missed = crops_and_labels(folder, args.threads)
+    crops, labels, missed = crops_and_labels(folder, args.threads, args.draft)
     names = sorted(set(labels))
     y = np.array([names.index(label) for label in labels])
     print(f"{len(crops)} photos, {len(names)} species; detector found no animal in {missed} (whole photo used)")

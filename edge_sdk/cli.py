@@ -297,7 +297,14 @@ def detect(
     confidence: Annotated[float, typer.Option(min=0.0, max=1.0, help="detection threshold")] = 0.25,
     utc_offset: Annotated[str, typer.Option(help="camera clock zone for EXIF times without one, +HH:MM")]
     = "+00:00",
-    threads: Annotated[Optional[int], typer.Option(min=1, help="ONNX Runtime CPU threads")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="ONNX Runtime CPU threads per session (default: "
+                                                                "cores / workers)")] = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="batches run at once on threads (default: one per "
+                                                               "core on ONNX Runtime CPU without --threads, else 1)")]
+    = None,
+    draft: Annotated[bool, typer.Option(help="decode large JPEGs for the detector at 1/2..1/8 in the DCT (long side "
+                                             ">= 640; crops always from the full decode); --no-draft: full decode")]
+    = True,
     input_size: Annotated[Optional[int], typer.Option(min=32, help="backbone input size in px; the size the head "
                                                                    "was trained at (default: --config's "
                                                                    "embedding_input_size, else the backbone's "
@@ -347,7 +354,7 @@ def detect(
             summary = run_detection(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
-                confidence=confidence, utc_offset=utc_offset, publisher=publisher,
+                confidence=confidence, utc_offset=utc_offset, publisher=publisher, workers=workers, draft=draft,
                 model_dir=site.model_dir if site is not None else None,
                 **_detect_backbone(backbone, input_size, site),
                 on_start=lambda n: progress.update(task, total=n),

@@ -13,7 +13,7 @@ Probabilities are read with the site prior and the confidence threshold (:mod:`e
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,18 +110,35 @@ class PhotoClassifier:
         crops = [crop_square(image, s) for s in squares]  # type: ignore[arg-type]
         return np.asarray(self.embedder.embed_images(crops), dtype=np.float32)  # type: ignore[attr-defined]
 
-    def classify(self, image: object) -> list[ClassifiedBox]:
-        """Detect and classify one decoded RGB photo (``edge_sdk.data.crops.decode_rgb``); boxes most confident
-        first."""
-        width, height = image.width, image.height  # type: ignore[attr-defined]
-        raw = sorted(self.detector.detect([image])[0], key=lambda b: -b.score)  # type: ignore[attr-defined]
+    def classify(self, image: object, *, size: tuple[int, int] | None = None,
+                 full: Callable[[], object] | None = None) -> list[ClassifiedBox]:
+        """Detect and classify one decoded RGB photo; boxes most confident first.
+
+        Args:
+            image: the photo (``edge_sdk.data.crops.decode_rgb``), or the detector's reduced decode of it
+                (``edge_sdk.inference.decode.open_for_detection``: then ``size`` and ``full`` are needed).
+            size: the photo's own ``(width, height)``; None: ``image``'s size.
+            full: returns the full decode (``decode_rgb``), called only when a box is to be classified: crops are
+                always cut from the full pixels, as training cuts them. None: ``image`` is the full decode.
+
+        Raises:
+            ValueError: a reduced ``image`` without ``full``.
+        """
+        own = (image.width, image.height)  # type: ignore[attr-defined]
+        width, height = own if size is None else (int(size[0]), int(size[1]))
+        if (width, height) != own and full is None:
+            raise ValueError(f"classify got a reduced decode ({own[0]}x{own[1]} of a {width}x{height} photo) "
+                             "without `full`, the full decode the crops are cut from")
+        found = (self.detector.detect([image]) if (width, height) == own  # type: ignore[attr-defined]
+                 else self.detector.detect([image], [(width, height)]))  # type: ignore[attr-defined]
+        raw = sorted(found[0], key=lambda b: -b.score)
         boxes = []
         for b in raw:
             bbox = stored_bbox(b.normalised_xywh(width, height))
             boxes.append(ClassifiedBox(bbox, float(b.score), bbox_square(bbox, width, height)))
         if not boxes or self._head is None:
             return boxes
-        emb = self.embed(image, [b.square for b in boxes])
+        emb = self.embed(full() if full is not None else image, [b.square for b in boxes])
         probs = self._head.probabilities_from_embeddings(emb)
         return [ClassifiedBox(b.bbox, b.confidence, b.square, probs[i], self.read(probs[i]))
                 for i, b in enumerate(boxes)]

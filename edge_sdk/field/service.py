@@ -5,7 +5,9 @@ For each complete file (:mod:`edge_sdk.field.incoming`), :meth:`FieldService.pro
 
 1. reads its bytes; the media id is ``shared.camtrap_dp.media_id`` (SHA-256 of the bytes); a media id already in
    the index is a copy of a stored photo: the file is removed and nothing else happens (stored exactly once);
-2. decodes it (a file that does not decode yet is left for the next poll, :meth:`IncomingFolder.defer`); capture time
+2. decodes it for the detector (a large JPEG at 1/2 to 1/8 of its size in the DCT,
+   :mod:`edge_sdk.inference.decode`; a file that does not decode yet is left for the next poll,
+   :meth:`IncomingFolder.defer`); capture time
    from EXIF ``DateTimeOriginal`` (with ``OffsetTimeOriginal`` or ``field.utc_offset``), else the file's
    modification time, and then the media row says so (``timestampSource:mtime`` in ``mediaComments``,
    ``shared.camtrap_dp.mark_timestamp_source``; the detection record's ``timestamp_source``);
@@ -35,11 +37,13 @@ from shared.camtrap_dp import MEDIA_TYPES, mark_timestamp_source, media_id as me
 from shared.protocol import Detection, DetectionRecord
 
 from edge_sdk.config import SiteConfig, global_model_path
+from edge_sdk.data.crops import decode_rgb
 from edge_sdk.field.detection_queue import DetectionQueue
 from edge_sdk.field.incoming import IncomingFolder
 from edge_sdk.field.photos import ClassifiedBox, PhotoClassifier
 from edge_sdk.field.site_package import SitePackage
 from edge_sdk.field.store import FieldStore, PhotoEntry
+from edge_sdk.inference.decode import open_for_detection
 from edge_sdk.inference.detector import CATEGORY
 from edge_sdk.inference.records import parse_utc_offset, read_timestamp
 from edge_sdk.site_paths import detection_queue_path, field_index_path
@@ -170,9 +174,8 @@ class FieldService:
             return None
         try:
             with Image.open(io.BytesIO(data)) as im:
-                im.load()
                 timestamp, source = read_timestamp(path, im, utc_offset=self._zone)
-                image = im.convert("RGB")
+                decoded = open_for_detection(im)  # large JPEGs at 1/2..1/8 in the DCT: the detector's size
         except OSError as exc:  # truncated (still arriving) or not an image
             self.stats.deferred += 1
             log.info("field: %s does not decode yet (%s); read again once it is whole", path, exc)
@@ -182,9 +185,10 @@ class FieldService:
             return None
         rel = path.relative_to(self.incoming.root)
         deployment = self.settings.deployment_id(self.config.site_id, rel.parts[0] if len(rel.parts) > 1 else None)
-        boxes = self.classifier.classify(image)
-        record = self._record(mid, rel.as_posix(), deployment, timestamp, source, image.size, boxes)
-        photo = PhotoEntry(mid, deployment, "", rel.as_posix(), timestamp, source, image.width, image.height,
+        size = decoded.size
+        boxes = self.classifier.classify(decoded.image, size=size, full=lambda: decode_rgb(data))
+        record = self._record(mid, rel.as_posix(), deployment, timestamp, source, size, boxes)
+        photo = PhotoEntry(mid, deployment, "", rel.as_posix(), timestamp, source, size[0], size[1],
                            tuple(_box_json(b, self.classifier.class_names) for b in boxes),
                            boxes[0].probs if boxes and boxes[0].probs is not None else None)
 

@@ -230,9 +230,29 @@ class YoloxDetector:
         raw = np.concatenate(outs) if outs else np.zeros((0, 8400, 5 + NUM_CLASSES), np.float32)
         return raw, list(ratios)
 
-    def detect(self, images: Sequence[Image.Image]) -> list[list[Box]]:
-        """Boxes per image, most confident first (see :func:`postprocess`)."""
+    def detect(self, images: Sequence[Image.Image],
+               sizes: Sequence[tuple[int, int]] | None = None) -> list[list[Box]]:
+        """Boxes per image, most confident first (see :func:`postprocess`).
+
+        Args:
+            images: RGB images, each the photo itself or a reduced decode of it
+                (:func:`edge_sdk.inference.decode.open_for_detection`).
+            sizes: each photo's own ``(width, height)`` when ``images`` are reduced decodes; boxes are then in
+                those pixels (scaled by ``width / image.width`` and ``height / image.height``). None: the images'
+                own sizes.
+
+        Raises:
+            ValueError: ``sizes`` of another length than ``images``.
+        """
+        if sizes is not None and len(sizes) != len(images):
+            raise ValueError(f"sizes must give one (width, height) per image: {len(sizes)} for {len(images)}")
         raw, ratios = self.raw(images)
-        return [postprocess(r, ratio=ratio, width=im.width, height=im.height, confidence=self.confidence,
-                            iou_threshold=self.iou_threshold)
-                for r, ratio, im in zip(raw, ratios, images)]
+        out = []
+        for i, (r, ratio, im) in enumerate(zip(raw, ratios, images)):
+            boxes = postprocess(r, ratio=ratio, width=im.width, height=im.height, confidence=self.confidence,
+                                iou_threshold=self.iou_threshold)
+            if sizes is not None and tuple(sizes[i]) != im.size:
+                sx, sy = sizes[i][0] / im.width, sizes[i][1] / im.height
+                boxes = [Box(b.x1 * sx, b.y1 * sy, b.x2 * sx, b.y2 * sy, b.score, b.class_index) for b in boxes]
+            out.append(boxes)
+        return out

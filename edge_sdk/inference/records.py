@@ -24,7 +24,9 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +39,9 @@ from shared.envelope import MessageKind, seal
 from shared.protocol import Detection, DetectionRecord, encode_detection
 from shared.topics import detection_topic
 
-from edge_sdk.data.crops import bbox_square, crop_square, stored_bbox
+from edge_sdk.data.crops import bbox_square, crop_square, decode_rgb, stored_bbox
 from edge_sdk.inference.classifier import SpeciesClassifier
+from edge_sdk.inference.decode import open_for_detection
 from edge_sdk.inference.detector import CATEGORY, YoloxDetector
 from edge_sdk.uplink.transport import Transport, TransportError
 
@@ -51,6 +54,23 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp")
 TOP_CLASSES = 3  # classifications kept per detection in the MegaDetector file
 _EXIF_IFD, _DATETIME, _DATETIME_ORIGINAL, _OFFSET_ORIGINAL = 0x8769, 306, 36867, 36881
 _OFFSET = re.compile(r"^([+-])(\d{2}):(\d{2})$")
+
+
+def _ordered(fn: Callable, items: Sequence, *, workers: int) -> Iterator:
+    """``fn(item)`` for each item on ``workers`` threads, yielded in input order, at most ``2 * workers`` ahead;
+    pending calls are cancelled when the consumer stops early."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detect") as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def find_images(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
@@ -118,9 +138,11 @@ class _Loaded:
     path: Path
     name: str
     mid: str
-    image: Image.Image | None
+    image: Image.Image | None  # the detector's decode (DCT-reduced for large JPEGs)
     failure: str | None
     timestamp: tuple[str, str]
+    size: tuple[int, int] = (0, 0)  # the photo's own (width, height)
+    data: bytes = b""  # the file's bytes: the full decode for crops, only for photos with boxes
 
 
 class DetectionPipeline:
@@ -131,12 +153,24 @@ class DetectionPipeline:
         classifier: species classifier for the crops, or None (records then carry no species).
         deployment_id: Camtrap DP deployment of the images.
         utc_offset: zone of EXIF times without an offset tag.
+        draft: decode large JPEGs for the detector at 1/2, 1/4 or 1/8 of their size in the DCT
+            (:mod:`edge_sdk.inference.decode`); crops always come from the full decode. False: full decode only.
+        workers: batches processed at once on threads (1: one after the other). Only for engines that take
+            concurrent calls (ONNX Runtime); give each ORT session ``threads`` = cores / workers.
+
+    Raises:
+        ValueError: an empty deployment id, or ``workers`` < 1.
     """
 
     def __init__(self, detector: YoloxDetector, classifier: SpeciesClassifier | None = None, *,
-                 deployment_id: str, utc_offset: _dt.timezone = _dt.timezone.utc) -> None:
+                 deployment_id: str, utc_offset: _dt.timezone = _dt.timezone.utc, draft: bool = True,
+                 workers: int = 1) -> None:
         if not deployment_id:
             raise ValueError("deployment_id must be a non-empty string")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1 (threads running batches at once), got {workers!r}")
+        self.workers = workers
+        self.draft = bool(draft)
         self.detector = detector
         self.classifier = classifier
         self.deployment_id = deployment_id
@@ -153,27 +187,42 @@ class DetectionPipeline:
                            f"Failure image access: {exc}", (now, "run"))
         mid = media_id(data)
         try:
-            with Image.open(path) as im:
+            with Image.open(path) as im:  # by path: an error names the file
                 timestamp = read_timestamp(path, im, utc_offset=self.utc_offset)
-                image = im.convert("RGB")
-            return _Loaded(path, name, mid, image, None, timestamp)
+                decoded = open_for_detection(im, draft=self.draft)
+            return _Loaded(path, name, mid, decoded.image, None, timestamp, decoded.size, data)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             return _Loaded(path, name, mid, None, f"Failure image access: {exc}",
                            read_timestamp(path, None, utc_offset=self.utc_offset))
 
     def run(self, images: Sequence[tuple[Path, str]], *,
             on_record: Callable[[DetectionRecord], None] | None = None) -> Iterator[DetectionRecord]:
-        """Yield one record per ``(path, name)`` in order; ``on_record`` is called after each (progress bars)."""
+        """Yield one record per ``(path, name)`` in order; ``on_record`` is called after each (progress bars).
+
+        With ``workers`` > 1, batches are decoded, detected and classified on that many threads at once (the
+        engines' sessions are shared; ONNX Runtime runs concurrent calls), at most ``2 * workers`` batches ahead of
+        the one yielded."""
         batch = max(1, self.detector.batch_size)
-        for start in range(0, len(images), batch):
-            loaded = [self._load(p, n) for p, n in images[start:start + batch]]
-            good = [item for item in loaded if item.image is not None]
-            boxes = dict(zip((id(i) for i in good), self.detector.detect([i.image for i in good]))) if good else {}
-            for item in loaded:
-                record = self._record(item, boxes.get(id(item), []))
+        chunks = [images[start:start + batch] for start in range(0, len(images), batch)]
+        if self.workers == 1:
+            results: Iterable[list[DetectionRecord]] = map(self._batch, chunks)
+        else:
+            results = _ordered(self._batch, chunks, workers=self.workers)
+        for records in results:
+            for record in records:
                 if on_record is not None:
                     on_record(record)
                 yield record
+
+    def _batch(self, chunk: Sequence[tuple[Path, str]]) -> list[DetectionRecord]:
+        loaded = [self._load(p, n) for p, n in chunk]
+        good = [item for item in loaded if item.image is not None]
+        if any(i.image.size != i.size for i in good):  # reduced decodes: boxes in the photos' own pixels
+            found = self.detector.detect([i.image for i in good], [i.size for i in good])
+        else:
+            found = self.detector.detect([i.image for i in good]) if good else []
+        boxes = dict(zip((id(i) for i in good), found))
+        return [self._record(item, boxes.get(id(item), [])) for item in loaded]
 
     def _record(self, item: _Loaded, boxes: list) -> DetectionRecord:
         timestamp, source = item.timestamp
@@ -182,11 +231,12 @@ class DetectionPipeline:
                       classifier_hash=self.classifier.model_hash if self.classifier is not None else "")
         if item.image is None:
             return DetectionRecord(width=0, height=0, failure=item.failure, **common)
-        image = item.image
+        width, height = item.size
         probs = None
-        bboxes = [stored_bbox(b.normalised_xywh(image.width, image.height)) for b in boxes]
+        bboxes = [stored_bbox(b.normalised_xywh(width, height)) for b in boxes]
         if self.classifier is not None and boxes:
-            probs = self.classifier.probabilities([crop_square(image, bbox_square(bb, image.width, image.height))
+            image = item.image if item.image.size == item.size else decode_rgb(item.data)  # crops: full pixels
+            probs = self.classifier.probabilities([crop_square(image, bbox_square(bb, width, height))
                                                    for bb in bboxes])
         detections, tops = [], []
         for i, b in enumerate(boxes):
@@ -201,7 +251,7 @@ class DetectionPipeline:
                                         species_index=index, species_confidence=conf))
         if tops:
             self.classifications[item.mid] = tops
-        return DetectionRecord(width=image.width, height=image.height, detections=tuple(detections), **common)
+        return DetectionRecord(width=width, height=height, detections=tuple(detections), **common)
 
 
 class DetectionPublisher:

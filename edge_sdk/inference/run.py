@@ -11,6 +11,7 @@ engine, turns every image into a record, optionally publishes each record signed
 from __future__ import annotations
 
 import datetime as _dt
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,10 @@ from edge_sdk.inference.formats import (MEDIA_COLUMNS, OBSERVATION_COLUMNS, medi
                                         observation_rows, write_csv, write_json)
 from edge_sdk.inference.records import DetectionPipeline, DetectionPublisher, find_images, parse_utc_offset
 
-__all__ = ["RunSummary", "run_detection"]
+__all__ = ["MAX_AUTO_WORKERS", "RunSummary", "run_detection"]
+
+#: The most worker threads ``workers=None`` picks (one per core up to this).
+MAX_AUTO_WORKERS = 4
 
 
 @dataclass
@@ -62,7 +66,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
                   on_start: Callable[[int], None] | None = None,
                   on_record: Callable[[DetectionRecord], None] | None = None,
                   input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None,
-                  backbone: str = DEFAULT_BACKBONE, model_dir: str | Path | None = None) -> RunSummary:
+                  backbone: str = DEFAULT_BACKBONE, model_dir: str | Path | None = None,
+                  workers: int | None = None, draft: bool = True) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:
@@ -85,14 +90,26 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
             metadata names another backbone or input size is refused.
         model_dir: the site's graph folder (site.yaml ``model_dir``), where its bundle installed the detector's and
             the backbone's ONNX graphs; searched before the WildFed cache.
+        workers: batches run at once on threads (:class:`DetectionPipeline`). None: one per CPU core (at most
+            :data:`MAX_AUTO_WORKERS`), each ONNX Runtime session on ``cores / workers`` intra-op threads, when the
+            detector is opened here, runs on ONNX Runtime's CPU provider and ``threads`` is not given; otherwise 1. On 2 cores two
+            1-thread workers beat one 2-thread session (docs/results/photos.md).
+        draft: decode large JPEGs for the detector in the DCT at 1/2..1/8 (:mod:`edge_sdk.inference.decode`).
 
     Raises:
         FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched, weights
             trained on another backbone.
-        ValueError: bad ``utc_offset``.
+        ValueError: bad ``utc_offset``; ``workers`` below 1.
     """
     zone = parse_utc_offset(utc_offset)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be an integer >= 1 (threads running batches at once), got {workers!r}")
     images = find_images(paths)
+    cores = os.cpu_count() or 1
+    auto = workers is None and threads is None and prefer != "tensorrt" and detector is None
+    if auto:
+        workers = min(cores, MAX_AUTO_WORKERS)
+        threads = max(1, cores // workers)
     if detector is None:
         detector = YoloxDetector.open(prefer=prefer, batch_size=batch_size, threads=threads, confidence=confidence,
                                       model_dir=model_dir)
@@ -103,7 +120,11 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         classifier = SpeciesClassifier.from_weights(loaded, class_names=class_names,
                                                     prefer=prefer, threads=threads, input_size=input_size,
                                                     backbone=backbone, embedder=embedder, model_dir=model_dir)
-    pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone)
+    concurrent = detector.engine.name == "ort-cpu" and (classifier is None or classifier.engine_name == "ort-cpu")
+    if auto and not concurrent:
+        workers = 1  # TensorRT / CUDA: one caller
+    pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone,
+                                 draft=draft, workers=workers or 1)
     summary = RunSummary(detector_engine=detector.engine.name,
                          classifier_engine=classifier.engine_name if classifier is not None else "")
     if on_start is not None:
