@@ -303,8 +303,9 @@ def detect(
                                                                "core on ONNX Runtime CPU without --threads, else 1)")]
     = None,
     draft: Annotated[bool, typer.Option(help="decode large JPEGs for the detector at 1/2..1/8 in the DCT (long side "
-                                             ">= 640; crops always from the full decode); --no-draft: full decode")]
-    = True,
+                                             ">= 640; crops always from the full decode): faster, boxes move by a "
+                                             "few pixels (docs/inference.md)")]
+    = False,
     input_size: Annotated[Optional[int], typer.Option(min=32, help="backbone input size in px; the size the head "
                                                                    "was trained at (default: --config's "
                                                                    "embedding_input_size, else the backbone's "

@@ -175,7 +175,7 @@ class FieldService:
         try:
             with Image.open(io.BytesIO(data)) as im:
                 timestamp, source = read_timestamp(path, im, utc_offset=self._zone)
-                decoded = open_for_detection(im)  # large JPEGs at 1/2..1/8 in the DCT: the detector's size
+                decoded = open_for_detection(im)  # full decode (the reduced one is detect's --draft)
         except OSError as exc:  # truncated (still arriving) or not an image
             self.stats.deferred += 1
             log.info("field: %s does not decode yet (%s); read again once it is whole", path, exc)
@@ -186,7 +186,8 @@ class FieldService:
         rel = path.relative_to(self.incoming.root)
         deployment = self.settings.deployment_id(self.config.site_id, rel.parts[0] if len(rel.parts) > 1 else None)
         size = decoded.size
-        boxes = self.classifier.classify(decoded.image, size=size, full=lambda: decode_rgb(data))
+        full = None if decoded.image.size == size else (lambda: decode_rgb(data))  # reduced: crops from full pixels
+        boxes = self.classifier.classify(decoded.image, size=size, full=full)
         record = self._record(mid, rel.as_posix(), deployment, timestamp, source, size, boxes)
         photo = PhotoEntry(mid, deployment, "", rel.as_posix(), timestamp, source, size[0], size[1],
                            tuple(_box_json(b, self.classifier.class_names) for b in boxes),

@@ -59,13 +59,14 @@ class DetectorDecode:
     factor: int
 
 
-def open_for_detection(image: Image.Image, *, target: int = INPUT_SIZE, draft: bool = True) -> DetectorDecode:
+def open_for_detection(image: Image.Image, *, target: int = INPUT_SIZE, draft: bool = False) -> DetectorDecode:
     """Decode an opened, not yet loaded ``image`` (``PIL.Image.open``) for the detector.
 
     Args:
         image: as returned by ``Image.open`` (nothing read beyond the header yet); read EXIF before or after.
         target: the detector's input size (long side kept >= this).
-        draft: False decodes at full size (the path before DCT scaling; benchmarks compare the two).
+        draft: decode a large JPEG at 1/2..1/8 in the DCT (opt-in: it cost one ENA24 photo of the leave-one-out
+            count, docs/inference.md); False (default) decodes at full size.
 
     Raises:
         OSError: the image does not decode (truncated, not an image).
@@ -79,7 +80,7 @@ def open_for_detection(image: Image.Image, *, target: int = INPUT_SIZE, draft: b
     return DetectorDecode(rgb, size, applied)
 
 
-def decode_for_detection(data: bytes, *, target: int = INPUT_SIZE, draft: bool = True) -> DetectorDecode:
+def decode_for_detection(data: bytes, *, target: int = INPUT_SIZE, draft: bool = False) -> DetectorDecode:
     """:func:`open_for_detection` of a photo's bytes (raises OSError as it does)."""
     with Image.open(io.BytesIO(data)) as image:
         return open_for_detection(image, target=target, draft=draft)

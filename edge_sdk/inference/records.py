@@ -163,7 +163,7 @@ class DetectionPipeline:
     """
 
     def __init__(self, detector: YoloxDetector, classifier: SpeciesClassifier | None = None, *,
-                 deployment_id: str, utc_offset: _dt.timezone = _dt.timezone.utc, draft: bool = True,
+                 deployment_id: str, utc_offset: _dt.timezone = _dt.timezone.utc, draft: bool = False,
                  workers: int = 1) -> None:
         if not deployment_id:
             raise ValueError("deployment_id must be a non-empty string")

@@ -67,7 +67,7 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
                   on_record: Callable[[DetectionRecord], None] | None = None,
                   input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None,
                   backbone: str = DEFAULT_BACKBONE, model_dir: str | Path | None = None,
-                  workers: int | None = None, draft: bool = True) -> RunSummary:
+                  workers: int | None = None, draft: bool = False) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:

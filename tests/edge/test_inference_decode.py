@@ -55,14 +55,14 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_a_large_jpeg_decodes_reduced_and_keeps_its_own_size() -> None:
-    decoded = decode_for_detection(_jpeg(2048, 1536))
+    decoded = decode_for_detection(_jpeg(2048, 1536), draft=True)
     assert decoded.size == (2048, 1536) and decoded.image.size == (1024, 768) and decoded.factor == 2
     assert decoded.image.mode == "RGB"
-    full = decode_for_detection(_jpeg(2048, 1536), draft=False)
+    full = decode_for_detection(_jpeg(2048, 1536))  # the default: full size
     assert full.image.size == (2048, 1536) and full.factor == 1
     png = io.BytesIO()
     Image.new("RGB", (2048, 1536), (9, 9, 9)).save(png, "PNG")
-    assert decode_for_detection(png.getvalue()).image.size == (2048, 1536)  # only JPEGs draft
+    assert decode_for_detection(png.getvalue(), draft=True).image.size == (2048, 1536)  # only JPEGs draft
 
 
 def test_a_truncated_jpeg_still_fails_to_decode() -> None:
@@ -124,7 +124,7 @@ class _MeanColour:
 
 def test_the_field_loop_crops_from_the_full_decode(tmp_path: Path) -> None:
     data = _jpeg(2048, 1536, square=(400, 300, 800, 700))
-    decoded = decode_for_detection(data)
+    decoded = decode_for_detection(data, draft=True)  # detection on the reduced decode (detect --draft)
     embedder = _MeanColour()
     photos = PhotoClassifier(detector=_RedSquare(), embedder=embedder, model_path=tmp_path / "none",
                              class_names={}, site_classes=set(), threshold=0.5, outside_prior=0.1)
@@ -140,7 +140,7 @@ def test_the_field_loop_crops_from_the_full_decode(tmp_path: Path) -> None:
                                   embedder.embed_images([crop_square(full, box.square)]))
     with pytest.raises(ValueError, match="without `full`"):
         photos.classify(decoded.image, size=decoded.size)
-    blank = decode_for_detection(_jpeg(2048, 1536))
+    blank = decode_for_detection(_jpeg(2048, 1536), draft=True)
     assert photos.classify(blank.image, size=blank.size, full=lambda: pytest.fail("decoded a blank photo")) == []
 
 
@@ -206,11 +206,11 @@ def test_detect_passes_workers_and_draft_and_refuses_zero_workers(tmp_path: Path
     monkeypatch.setattr(run, "run_detection", fake)
     runner = CliRunner()
     result = runner.invoke(app, ["detect", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "3",
-                                 "--no-draft"])
+                                 "--draft"])
     assert result.exit_code == 0, result.output
-    assert seen["workers"] == 3 and seen["draft"] is False
+    assert seen["workers"] == 3 and seen["draft"] is True
     runner.invoke(app, ["detect", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert seen["workers"] is None and seen["draft"] is True
+    assert seen["workers"] is None and seen["draft"] is False  # the full decode unless asked
     refused = runner.invoke(app, ["detect", str(tmp_path), "--workers", "0"])
     assert refused.exit_code == 2 and "workers" in refused.output
 
