@@ -1,0 +1,415 @@
+"""Fleet load test: N light simulated gateways (default 1,000) with real signed updates of the demo's head model,
+one round against the real coordinator, its ingest workers on PostgreSQL and a private Mosquitto; round time,
+coordinator CPU per update beside the essential work, broker and database load, memory.
+
+Run by hand (not part of the tests; needs mosquitto on PATH and PostgreSQL at ``--pg`` with trust auth)::
+
+    .venv/bin/python benchmarks/load_fleet.py [--gateways 1000] [--ingest-workers 2] [--gateway-procs 4]
+                                              [--privacy ccdp] [--categories VU,EN,LC] [--models-by-digest]
+                                              [--pg postgresql+psycopg2://postgres@127.0.0.1:5432/test]
+
+What runs, all on this machine:
+
+- a private mosquitto on a free loopback port (load_200.py's, ``max_queued_messages 0``, plus ``sys_interval 1``
+  so its ``$SYS/broker/...`` counters are read once a second). It inherits this process's open-file limit: N
+  gateways + the coordinator's clients need more than N descriptors, so the soft ``RLIMIT_NOFILE`` is raised
+  (``resource.setrlimit``, up to the hard limit) before anything starts, and the limit is printed;
+- a database of its own on that PostgreSQL server, ``CREATE DATABASE wf_fleet_<random>`` (dropped at the end);
+- ``wildfed-coordinator run`` (load_200.py's wrapper: peak RSS at exit) on a generated config: FedAvg, quorum 1.0,
+  one round, ``ingest_workers: W``, ``privacy: ccdp`` by default (each update reports one DP-SGD event per
+  category of ``--categories``, so the ledger is written as in a camera round) or ``none``;
+- W ``wildfed-coordinator ingest-worker`` processes (W = 0: the coordinator ingests alone);
+- the gateways: paho clients (one connection each) in ``--gateway-procs`` processes (``_gateways.py``), each update
+  the demo's head (``psi.weight`` 10 x 1280 + bias: 12,810 float32 parameters, one MQTT message), sealed before
+  the round and published, all at once, when the coordinator publishes its first task (as in load_200.py).
+
+Printed: the round's phases (coordinator database timestamps); CPU (user + system, psutil, sampled every 0.1 s) of
+the coordinator and of the workers from the first update to the round's close, per update, beside the essential
+work measured in this process on updates of the same shape (``Envelope.from_bytes``, Ed25519 verify, the BLAKE3
+payload digest, ``decode_update``, ``add_weighted``); the broker's ``$SYS`` counters over the round (messages and
+bytes in and out, clients) and its CPU and RSS; rows the round wrote per table (``pg_stat_user_tables``: inserts,
+updates, deletes, so rows written and removed again, such as staging, count too); peak RSS of every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from _federation import MiB, head_template, load_average, print_table, seal_update
+
+_PG_DEFAULT = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+
+
+def raise_open_files(need: int) -> str:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to at least ``need`` (at most the hard limit); children
+    (mosquitto, the gateway processes) inherit it. Returns a line saying what the limit is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise SystemExit(f"open-file limit {soft} < {need} needed (hard limit {hard}): raise it (ulimit -Hn)")
+    return f"open-file limit (soft) {soft}, hard {hard}, needed {need}"
+
+
+def create_database(admin_url: str) -> tuple[str, str]:
+    """``CREATE DATABASE wf_fleet_<random>`` on the server of ``admin_url``; returns (its URL, its name)."""
+    import sqlalchemy as sa
+
+    name = f"wf_fleet_{uuid.uuid4().hex[:10]}"
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return str(sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)), name
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    """Drop the database :func:`create_database` made (after every client of it has gone)."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    engine.dispose()
+
+
+def table_writes(url: str) -> dict[str, tuple[int, int, int, int]]:
+    """Per table of the database: (rows inserted, updated, deleted since the database was made, live rows now),
+    from ``pg_stat_user_tables`` (a backend's counts arrive there when it exits or goes idle)."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT relname, n_tup_ins, n_tup_upd, n_tup_del, n_live_tup "
+                                 "FROM pg_stat_user_tables")).all()
+    engine.dispose()
+    return {r[0]: (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
+
+
+def essential_work(num_classes: int, updates: int, categories: tuple[str, ...]) -> dict[str, float]:
+    """CPU milliseconds per update (``time.process_time``, this process) of the work no coordinator can skip, on
+    ``updates`` signed head-model updates made here: parse, Ed25519 signature, BLAKE3 payload digest, decode,
+    FedAvg accumulate."""
+    from coordinator.strategies.fedavg import add_weighted, new_running_sum
+    from shared.envelope import Envelope, verify_payload, verify_signature
+    from shared.keys import generate_signing_key
+    from shared.protocol import decode_update
+
+    from _federation import update_delta
+
+    template = head_template(num_classes)
+    key = generate_signing_key()
+    raws = [seal_update(key=key, federation_id="essential", site_id=f"s{i}", round=1, model_hash="0" * 64,
+                        delta=update_delta(template, i % 4), num_examples=100 + i, categories=categories)
+            for i in range(updates)]
+    pub = key.public_key()
+    acc = new_running_sum(template)
+    cpu = dict.fromkeys(("Envelope.from_bytes", "verify Ed25519 signature", "BLAKE3 payload digest",
+                         "decode_update", "add_weighted (FedAvg)"), 0.0)
+    for _ in range(2):  # first pass warms up; the second is kept
+        for k in cpu:
+            cpu[k] = 0.0
+        for raw in raws:
+            t0 = time.process_time()
+            env = Envelope.from_bytes(raw)
+            t1 = time.process_time()
+            verify_signature(env.header, env.signature, pub)
+            t2 = time.process_time()
+            verify_payload(env)
+            t3 = time.process_time()
+            report, delta = decode_update(env.payload)
+            t4 = time.process_time()
+            add_weighted(acc, delta, float(report.num_examples))
+            t5 = time.process_time()
+            for k, a, b in zip(cpu, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+                cpu[k] += b - a
+    return {k: v / updates * 1000 for k, v in cpu.items()}
+
+
+class Sampler:
+    """Samples CPU seconds (user + system, all threads) and RSS of named processes every 0.1 s (psutil)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, object] = {}
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.max_rss: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def add(self, name: str, pid: int) -> None:
+        import psutil
+
+        self.procs[name] = psutil.Process(pid)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.1):
+            cpu = {}
+            for name, p in list(self.procs.items()):
+                try:
+                    t = p.cpu_times()
+                    cpu[name] = t.user + t.system
+                    self.max_rss[name] = max(self.max_rss.get(name, 0.0), p.memory_info().rss / MiB)
+                except psutil.Error:
+                    pass
+            self.samples.append((time.time(), cpu))
+
+    def cpu_at(self, t: float, name: str) -> float:
+        """The last sampled CPU seconds of ``name`` at or before ``t`` (0.0 before its first sample)."""
+        return max((c[name] for ts, c in self.samples if ts <= t and name in c), default=0.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def main() -> None:  # noqa: C901 - one linear script
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gateways", type=int, default=1000)
+    parser.add_argument("--ingest-workers", type=int, default=2, help="ingest-worker processes (0: the coordinator "
+                        "ingests alone)")
+    parser.add_argument("--gateway-procs", type=int, default=4, help="processes the gateways are spread over")
+    parser.add_argument("--num-classes", type=int, default=10, help="head rows (the demo's species table: 10)")
+    parser.add_argument("--privacy", choices=("ccdp", "none"), default="ccdp")
+    parser.add_argument("--categories", default="VU,EN,LC", help="IUCN categories each ccdp update reports")
+    parser.add_argument("--models-by-digest", action="store_true", help="transfer.models_by_digest")
+    parser.add_argument("--pg", default=_PG_DEFAULT, help="an existing database on the server to connect to "
+                        "first; the benchmark creates and drops a database of its own beside it")
+    parser.add_argument("--essential-updates", type=int, default=200, help="updates timed in-process")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds the round may take")
+    parser.add_argument("--resend-interval", type=float, default=120.0, help="as load_200.py")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = parser.parse_args()
+    categories = tuple(c for c in args.categories.split(",") if c) if args.privacy == "ccdp" else ()
+
+    import paho.mqtt.client as mqtt
+
+    from coordinator.config import config_from_dict, load_config, save_config
+    from coordinator.registry import SiteRegistry
+    from coordinator.storage import RoundRow, Store
+    from coordinator.transport.mqtt import parse_broker_url
+    from shared.codec import encode_tensors, model_hash
+    from shared.keys import generate_signing_key, public_key_to_pem, save_private_key, save_public_key
+    from shared.topics import task_topic
+
+    from _gateways import broadcast_to, spawn_workers
+    from load_200 import _WRAPPER, _epoch, _private_broker
+
+    limit = raise_open_files(args.gateways + 64 * (args.ingest_workers + 2) + 256)
+    fed = f"fleet{uuid.uuid4().hex[:8]}"
+    tmp = Path(tempfile.mkdtemp(prefix="wildfed-fleet-"))
+    broker_proc, broker_url = _private_broker(tmp, "sys_interval 1\n")
+    db_url, db_name = create_database(args.pg)
+    print(f"load_fleet: {args.gateways} gateways in {args.gateway_procs} processes, head model {args.num_classes} x "
+          f"1280, privacy {args.privacy} {list(categories)}, {args.ingest_workers} ingest workers, broker "
+          f"{broker_url}, database {db_name}; {limit}; {load_average()}", flush=True)
+    children: list[subprocess.Popen] = []
+    sampler = Sampler()
+    try:
+        key = generate_signing_key()
+        save_private_key(key, tmp / "keys" / "coordinator.key")
+        save_public_key(key.public_key(), tmp / "keys" / "coordinator.pub")
+        privacy = {"privacy": "none"} if args.privacy == "none" else {
+            "privacy": "ccdp", "expected_batch_size": 8, "learning_rate": 0.1, "clipping_norm": 1.0,
+            "target_delta": 1e-5, "budget": {"kind": "from_anchor", "category": "VU", "epsilon": 50.0, "gamma": 1.0}}
+        cfg_path = save_config(config_from_dict({
+            "federation_id": fed, "data_dir": "data", "broker_url": broker_url, "database_url": db_url,
+            "rounds": 1, "quorum_fraction": 1.0, "round_deadline_s": args.timeout, "local_steps": 5,
+            "ship_ort_artifacts": False, "seed": 0, "ingest_workers": args.ingest_workers,
+            "signing_key_path": "keys/coordinator.key", "public_key_path": "keys/coordinator.pub",
+            "transfer": {"models_by_digest": args.models_by_digest}, **privacy}), tmp / "coordinator.yaml")
+        cfg = load_config(cfg_path)
+        template = head_template(args.num_classes)
+        h0 = model_hash(template)
+        store = Store(cfg.database_url or "", cfg.data_dir)
+        store.put_model(h0, encode_tensors(template), round=0)
+        registry = SiteRegistry(store)
+        sites = [(f"gw{i:04d}", generate_signing_key()) for i in range(args.gateways)]
+        for i, (site_id, k) in enumerate(sites):
+            meta = {"capacity": 100 + i, **({"categories": list(categories)} if categories else {})}
+            registry.enrol(site_id, public_key_to_pem(k.public_key()), meta)
+        store.dispose()
+
+        t0 = time.time()
+        pipes, procs = spawn_workers(sites, workers=args.gateway_procs, broker_url=broker_url, federation_id=fed,
+                                     coordinator_public_pem=public_key_to_pem(key.public_key()), params=0,
+                                     chunk_size=256 * 1024, timeout_s=args.timeout, head_classes=args.num_classes,
+                                     categories=categories)
+        for pipe in pipes:
+            assert pipe.recv()[0] == "connected"
+        sealed = broadcast_to(pipes, ("seal", 1, h0))
+        total_bytes, total_msgs = sum(s[1] for s in sealed), sum(s[2] for s in sealed)
+        print(f"  {args.gateways} gateways connected and sealed {total_bytes / MiB:.1f} MiB in {total_msgs} messages "
+              f"in {time.time() - t0:.1f} s", flush=True)
+
+        host, port, _ = parse_broker_url(broker_url)
+        opened, watch_ready = threading.Event(), threading.Event()
+        sys_stats: dict[str, str] = {}
+        watch = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{fed}-watch", protocol=mqtt.MQTTv311)
+        watch.message_callback_add(task_topic(fed, sites[0][0]), lambda *a: opened.set())
+        watch.message_callback_add("$SYS/broker/#", lambda c, u, m: sys_stats.__setitem__(
+            m.topic.removeprefix("$SYS/broker/"), m.payload.decode(errors="replace")))
+        watch.on_subscribe = lambda *a: watch_ready.set()
+        watch.on_connect = lambda client, *a: client.subscribe([(task_topic(fed, sites[0][0]), 0),
+                                                                ("$SYS/broker/#", 0)])
+        watch.connect(host, port, keepalive=60)
+        watch.loop_start()
+        if not watch_ready.wait(30):
+            raise SystemExit("could not subscribe to the task topic")
+
+        sampler.add("broker", broker_proc.pid)
+        for p, i in zip(procs, range(len(procs))):
+            sampler.add(f"gateways-{i}", p.pid)
+        env = {**os.environ, "COLUMNS": "160"}
+        for i in range(1, args.ingest_workers + 1):
+            with open(tmp / f"ingest-{i}.out", "w") as out:
+                w = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "ingest-worker", "--config",
+                                      str(cfg_path), "--worker-id", f"ingest-{i}", "--log-level", "WARNING"],
+                                     cwd=tmp, stdout=out, stderr=subprocess.STDOUT, env=env)
+            children.append(w)
+            sampler.add(f"ingest-{i}", w.pid)
+        for i in range(1, args.ingest_workers + 1):
+            log = tmp / f"ingest-{i}.out"
+            deadline = time.time() + 120
+            while "listening" not in log.read_text():
+                if children[i - 1].poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"ingest worker {i} did not start: {log.read_text()[-2000:]}")
+                time.sleep(0.2)
+        time.sleep(1.5)  # a fresh $SYS publication and the workers' table reads flushed to pg_stat
+        writes_before = table_writes(db_url)
+        sampler.start()
+
+        err_path = tmp / "coordinator.stderr"
+        with open(err_path, "w") as err, open(tmp / "coordinator.stdout", "w") as out:
+            proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(cfg_path)], cwd=tmp, stdout=out,
+                                    stderr=err, env=env)
+        children.append(proc)
+        sampler.add("coordinator", proc.pid)
+        t_launch = time.time()
+        if not opened.wait(args.timeout):
+            raise SystemExit(f"the coordinator published no task; see {err_path}")
+        t_trigger = time.time()
+        sys_before = dict(sys_stats)
+        print(f"  round open, first task seen {t_trigger - t_launch:.1f} s after launch; gateways uploading ...",
+              flush=True)
+        results = broadcast_to(pipes, ("updates", args.resend_interval))
+        first = min(r[1]["first_publish"] for r in results)
+        acks = {s: a for r in results for s, a in r[1]["acks"].items()}
+        ok = sum(1 for _, accepted in acks.values() if accepted)
+        resumes = {k: sum(r[1][k] for r in results) for k in ("resume_manifests", "receipts", "chunks_resent")}
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"the coordinator did not finish its round; see {err_path}")
+        time.sleep(1.5)  # the broker's next $SYS publication
+        sys_after = dict(sys_stats)
+        sampler.stop()
+        for w in children[:-1]:
+            w.terminate()
+        for w in children[:-1]:
+            w.wait(timeout=30)
+        broadcast_to(pipes, ("quit",))
+        gateway_rss = dict(sampler.max_rss)
+        for p in procs:
+            p.join(timeout=10)
+        watch.disconnect()
+        watch.loop_stop()
+        time.sleep(0.5)
+        writes_after = table_writes(db_url)
+        store = Store(db_url, cfg.data_dir, create=False)
+        with store.session() as s:
+            row = s.get(RoundRow, 1)
+            status, accepted = row.status, row.num_accepted
+            t_open, t_close = _epoch(row.opened_at), _epoch(row.closed_at) if row.closed_at else float("nan")
+        rejections = store.rejection_counts()
+        store.dispose()
+        vm = {ln.split()[1].rstrip(":"): float(ln.split()[2]) / 1024 for ln in err_path.read_text().splitlines()
+              if ln.startswith("COORDINATOR")}
+
+        n = args.gateways
+        print(f"\nround 1: {status}, {accepted} of {n} updates accepted, {ok} positive ACKs, rejections "
+              f"{rejections or 'none'}; resume manifests {resumes['resume_manifests']}, receipts "
+              f"{resumes['receipts']}, chunks resent {resumes['chunks_resent']}; {load_average()}")
+        last_ack = max((t for t, _ in acks.values()), default=float("nan"))
+        print_table(["phase", "seconds"], [
+            ["round opened -> closed (coordinator DB)", f"{t_close - t_open:.1f}"],
+            ["first update published -> all ACKed", f"{last_ack - first:.1f}"],
+            ["first update published -> round closed", f"{t_close - first:.1f}"],
+            ["updates per second (first update -> closed)", f"{n / (t_close - first):.0f}"],
+        ])
+        print()
+        names = ["coordinator"] + [f"ingest-{i}" for i in range(1, args.ingest_workers + 1)]
+        cpu = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(first, k) for k in names + ["broker"]}
+        cpu_open = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(t_open, k) for k in names + ["broker"]}
+        rows = [[k, f"{cpu[k]:.1f}", f"{cpu[k] / n * 1000:.2f}", f"{cpu_open[k] / n * 1000:.2f}"] for k in cpu]
+        coord_total = sum(cpu[k] for k in names)
+        rows.append(["coordinator + workers", f"{coord_total:.1f}", f"{coord_total / n * 1000:.2f}",
+                     f"{sum(cpu_open[k] for k in names) / n * 1000:.2f}"])
+        ess = essential_work(args.num_classes, min(args.essential_updates, n), categories)
+        for k, v in ess.items():
+            rows.append([f"  essential, in-process: {k}", "", f"{v:.3f}", ""])
+        rows.append(["  essential, sum", "", f"{sum(ess.values()):.3f}", ""])
+        print_table(["CPU (user + system)", "s, first update -> closed", "ms per update", "ms/update from opened"],
+                    rows)
+        print(f"coordinator + workers CPU per update / essential work: {coord_total / n * 1000 / sum(ess.values()):.0f}x")
+        print()
+
+        def delta(key: str) -> str:
+            try:
+                return f"{float(sys_after[key]) - float(sys_before[key]):.0f}"
+            except (KeyError, ValueError):
+                return "n/a"
+
+        print_table(["broker ($SYS, trigger -> 1.5 s after close)", "value"], [
+            ["messages received", delta("messages/received")], ["messages sent", delta("messages/sent")],
+            ["MiB received", f"{float(delta('bytes/received')) / MiB:.1f}" if delta("bytes/received") != "n/a" else "n/a"],
+            ["MiB sent", f"{float(delta('bytes/sent')) / MiB:.1f}" if delta("bytes/sent") != "n/a" else "n/a"],
+            ["clients connected (at trigger)", sys_before.get("clients/connected", "n/a")],
+            ["clients maximum", sys_after.get("clients/maximum", "n/a")],
+        ])
+        print()
+        wrows, tot = [], [0, 0, 0]
+        for table in sorted(writes_after):
+            a, b = writes_after[table], writes_before.get(table, (0, 0, 0, 0))
+            d = [a[j] - b[j] for j in range(3)]
+            if any(d):
+                wrows.append([table, *map(str, d), str(a[3])])
+                tot = [x + y for x, y in zip(tot, d)]
+        wrows.append(["total", *map(str, tot), ""])
+        print_table(["PostgreSQL rows written by the round", "inserted", "updated", "deleted", "live after"], wrows)
+        print()
+        print_table(["peak RSS", "MiB"], [["coordinator (VmHWM at exit)", f"{vm.get('VmHWM', float('nan')):.0f}"]]
+                    + [[k, f"{v:.0f}"] for k, v in gateway_rss.items() if k != "coordinator"])
+    finally:
+        sampler.stop()
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait(timeout=10)
+        broker_proc.terminate()
+        broker_proc.wait(timeout=10)
+        drop_database(args.pg, db_name)
+        if args.keep:
+            print(f"(kept {tmp})")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
