@@ -194,6 +194,9 @@ def main() -> None:  # noqa: C901 - one linear script
     parser.add_argument("--essential-updates", type=int, default=200, help="updates timed in-process")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds the round may take")
     parser.add_argument("--resend-interval", type=float, default=120.0, help="as load_200.py")
+    parser.add_argument("--tally-channels", action="store_true", help="also subscribe to every topic of the "
+                        "federation and count messages and bytes per channel (task, update, ack, model, ...); the "
+                        "broker then sends all of it once more, to this process")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args()
     categories = tuple(c for c in args.categories.split(",") if c) if args.privacy == "ccdp" else ()
@@ -265,9 +268,20 @@ def main() -> None:  # noqa: C901 - one linear script
         watch.message_callback_add(task_topic(fed, sites[0][0]), lambda *a: opened.set())
         watch.message_callback_add("$SYS/broker/#", lambda c, u, m: sys_stats.__setitem__(
             m.topic.removeprefix("$SYS/broker/"), m.payload.decode(errors="replace")))
+        tally: dict[str, list[int]] = {}
+
+        def count(client, userdata, m) -> None:  # noqa: ANN001 - wildfed/v1/<fed>/<site|digest>/<id>/<channel>[/i]
+            parts = m.topic.split("/")
+            channel = parts[5] if len(parts) > 5 else "/".join(parts[3:4])
+            c = tally.setdefault(channel + (" (chunks)" if len(parts) > 6 else ""), [0, 0])
+            c[0] += 1
+            c[1] += len(m.payload)
+
+        watch.message_callback_add(f"wildfed/v1/{fed}/#", count)
+        subs = [(task_topic(fed, sites[0][0]), 0), ("$SYS/broker/#", 0)]
+        subs += [(f"wildfed/v1/{fed}/#", 0)] if args.tally_channels else []
         watch.on_subscribe = lambda *a: watch_ready.set()
-        watch.on_connect = lambda client, *a: client.subscribe([(task_topic(fed, sites[0][0]), 0),
-                                                                ("$SYS/broker/#", 0)])
+        watch.on_connect = lambda client, *a: client.subscribe(subs)
         watch.connect(host, port, keepalive=60)
         watch.loop_start()
         if not watch_ready.wait(30):
@@ -306,6 +320,7 @@ def main() -> None:  # noqa: C901 - one linear script
             raise SystemExit(f"the coordinator published no task; see {err_path}")
         t_trigger = time.time()
         sys_before = dict(sys_stats)
+        tally_before = {k: list(v) for k, v in tally.items()}
         print(f"  round open, first task seen {t_trigger - t_launch:.1f} s after launch; gateways uploading ...",
               flush=True)
         results = broadcast_to(pipes, ("updates", args.resend_interval))
@@ -377,13 +392,21 @@ def main() -> None:  # noqa: C901 - one linear script
                 return "n/a"
 
         print_table(["broker ($SYS, trigger -> 1.5 s after close)", "value"], [
-            ["messages received", delta("messages/received")], ["messages sent", delta("messages/sent")],
+            ["MQTT packets received", delta("messages/received")], ["MQTT packets sent", delta("messages/sent")],
+            ["PUBLISH received", delta("publish/messages/received")],
+            ["PUBLISH sent", delta("publish/messages/sent")],
             ["MiB received", f"{float(delta('bytes/received')) / MiB:.1f}" if delta("bytes/received") != "n/a" else "n/a"],
             ["MiB sent", f"{float(delta('bytes/sent')) / MiB:.1f}" if delta("bytes/sent") != "n/a" else "n/a"],
             ["clients connected (at trigger)", sys_before.get("clients/connected", "n/a")],
             ["clients maximum", sys_after.get("clients/maximum", "n/a")],
         ])
         print()
+        if args.tally_channels:
+            print_table(["channel (this process's subscription; trigger -> close)", "messages", "MiB", "KiB each"],
+                        [[k, str(v[0] - tally_before.get(k, [0, 0])[0]),
+                          f"{(v[1] - tally_before.get(k, [0, 0])[1]) / MiB:.2f}",
+                          f"{v[1] / max(v[0], 1) / 1024:.1f}"] for k, v in sorted(tally.items())])
+            print()
         wrows, tot = [], [0, 0, 0]
         for table in sorted(writes_after):
             a, b = writes_after[table], writes_before.get(table, (0, 0, 0, 0))
