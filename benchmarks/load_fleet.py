@@ -185,6 +185,8 @@ def main() -> None:  # noqa: C901 - one linear script
     parser.add_argument("--ingest-workers", type=int, default=2, help="ingest-worker processes (0: the coordinator "
                         "ingests alone)")
     parser.add_argument("--gateway-procs", type=int, default=4, help="processes the gateways are spread over")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds to run; the detailed tables are round 1's, "
+                        "a per-round table (ledger rows by cohort) follows when more than one")
     parser.add_argument("--num-classes", type=int, default=10, help="head rows (the demo's species table: 10)")
     parser.add_argument("--privacy", choices=("ccdp", "none"), default="ccdp")
     parser.add_argument("--categories", default="VU,EN,LC", help="IUCN categories each ccdp update reports")
@@ -233,7 +235,7 @@ def main() -> None:  # noqa: C901 - one linear script
             "target_delta": 1e-5, "budget": {"kind": "from_anchor", "category": "VU", "epsilon": 50.0, "gamma": 1.0}}
         cfg_path = save_config(config_from_dict({
             "federation_id": fed, "data_dir": "data", "broker_url": broker_url, "database_url": db_url,
-            "rounds": 1, "quorum_fraction": 1.0, "round_deadline_s": args.timeout, "local_steps": 5,
+            "rounds": args.rounds, "quorum_fraction": 1.0, "round_deadline_s": args.timeout, "local_steps": 5,
             "ship_ort_artifacts": False, "seed": 0, "ingest_workers": args.ingest_workers,
             "signing_key_path": "keys/coordinator.key", "public_key_path": "keys/coordinator.pub",
             "transfer": {"models_by_digest": args.models_by_digest}, **privacy}), tmp / "coordinator.yaml")
@@ -263,9 +265,18 @@ def main() -> None:  # noqa: C901 - one linear script
 
         host, port, _ = parse_broker_url(broker_url)
         opened, watch_ready = threading.Event(), threading.Event()
+        task_seen: dict[int, str] = {}  # round -> base model hash, from the first gateway's task header
+
+        def on_task(client, userdata, m) -> None:  # noqa: ANN001
+            from shared.envelope import Envelope
+
+            header = Envelope.from_bytes(bytes(m.payload)).header
+            task_seen.setdefault(header.round, header.base_model_hash)
+            opened.set()
+
         sys_stats: dict[str, str] = {}
         watch = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{fed}-watch", protocol=mqtt.MQTTv311)
-        watch.message_callback_add(task_topic(fed, sites[0][0]), lambda *a: opened.set())
+        watch.message_callback_add(task_topic(fed, sites[0][0]), on_task)
         watch.message_callback_add("$SYS/broker/#", lambda c, u, m: sys_stats.__setitem__(
             m.topic.removeprefix("$SYS/broker/"), m.payload.decode(errors="replace")))
         tally: dict[str, list[int]] = {}
@@ -328,6 +339,18 @@ def main() -> None:  # noqa: C901 - one linear script
         acks = {s: a for r in results for s, a in r[1]["acks"].items()}
         ok = sum(1 for _, accepted in acks.values() if accepted)
         resumes = {k: sum(r[1][k] for r in results) for k in ("resume_manifests", "receipts", "chunks_resent")}
+        firsts = {1: first}
+        for r in range(2, args.rounds + 1):  # later rounds: seal on the round's base model once its task is seen
+            deadline = time.time() + args.timeout
+            while r not in task_seen and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            if r not in task_seen:
+                raise SystemExit(f"no task of round {r}; see {err_path}")
+            broadcast_to(pipes, ("seal", r, task_seen[r]))
+            out_r = broadcast_to(pipes, ("updates", args.resend_interval))
+            firsts[r] = min(x[1]["first_publish"] for x in out_r)
+            print(f"  round {r}: {sum(1 for x in out_r for _, a in x[1]['acks'].values() if a)} positive ACKs",
+                  flush=True)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -353,6 +376,19 @@ def main() -> None:  # noqa: C901 - one linear script
             status, accepted = row.status, row.num_accepted
             t_open, t_close = _epoch(row.opened_at), _epoch(row.closed_at) if row.closed_at else float("nan")
         rejections = store.rejection_counts()
+        per_round = []
+        if args.rounds > 1:
+            import sqlalchemy as sa
+
+            with store.session() as s:
+                for r in range(1, args.rounds + 1):
+                    rr = s.get(RoundRow, r)
+                    led = s.execute(sa.text("SELECT count(*), count(DISTINCT site_id) FROM ledger WHERE round = :r"),
+                                    {"r": r}).one()
+                    cr = s.execute(sa.text("SELECT count(*) FROM cohort_rounds WHERE round = :r"), {"r": r}).one()
+                    per_round.append([str(r), rr.status, str(rr.num_accepted),
+                                      f"{_epoch(rr.closed_at) - firsts[r]:.1f}" if rr.closed_at else "n/a",
+                                      str(led[0]), str(led[1]), str(cr[0])])
         store.dispose()
         vm = {ln.split()[1].rstrip(":"): float(ln.split()[2]) / 1024 for ln in err_path.read_text().splitlines()
               if ln.startswith("COORDINATOR")}
@@ -368,6 +404,9 @@ def main() -> None:  # noqa: C901 - one linear script
             ["first update published -> round closed", f"{t_close - first:.1f}"],
             ["updates per second (first update -> closed)", f"{n / (t_close - first):.0f}"],
         ])
+        if per_round:
+            print_table(["round", "status", "accepted", "first update -> closed, s", "ledger rows",
+                         "ledger streams (site@cohort)", "cohort_rounds rows"], per_round)
         print()
         names = ["coordinator"] + [f"ingest-{i}" for i in range(1, args.ingest_workers + 1)]
         cpu = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(first, k) for k in names + ["broker"]}
@@ -415,7 +454,7 @@ def main() -> None:  # noqa: C901 - one linear script
                 wrows.append([table, *map(str, d), str(a[3])])
                 tot = [x + y for x, y in zip(tot, d)]
         wrows.append(["total", *map(str, tot), ""])
-        print_table(["PostgreSQL rows written by the round", "inserted", "updated", "deleted", "live after"], wrows)
+        print_table([f"PostgreSQL rows written by {args.rounds} round(s)", "inserted", "updated", "deleted", "live after"], wrows)
         print()
         print_table(["peak RSS", "MiB"], [["coordinator (VmHWM at exit)", f"{vm.get('VmHWM', float('nan')):.0f}"]]
                     + [[k, f"{v:.0f}"] for k, v in gateway_rss.items() if k != "coordinator"])
