@@ -70,6 +70,8 @@ def main() -> None:  # noqa: C901 - one linear script
     parser.add_argument("--tally-channels", action="store_true", help="also subscribe to every topic of the "
                         "federation and count messages and bytes per channel (task, update, ack, model, ...); the "
                         "broker then sends all of it once more, to this process")
+    parser.add_argument("--profile-coordinator", metavar="PATH", help="run the coordinator under cProfile and "
+                        "write its stats to PATH (pstats); its CPU figures then include the profiler's overhead")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args()
     categories = tuple(c for c in args.categories.split(",") if c) if args.privacy == "ccdp" else ()
@@ -193,8 +195,11 @@ def main() -> None:  # noqa: C901 - one linear script
 
         err_path = tmp / "coordinator.stderr"
         with open(err_path, "w") as err, open(tmp / "coordinator.stdout", "w") as out:
-            proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(cfg_path)], cwd=tmp, stdout=out,
-                                    stderr=err, env=env)
+            (tmp / "coordinator_main.py").write_text(_WRAPPER)
+            profile = ["-m", "cProfile", "-o", str(Path(args.profile_coordinator).resolve())] \
+                if args.profile_coordinator else []
+            proc = subprocess.Popen([sys.executable, *profile, str(tmp / "coordinator_main.py"), str(cfg_path)],
+                                    cwd=tmp, stdout=out, stderr=err, env=env)
         children.append(proc)
         sampler.add("coordinator", proc.pid)
         t_launch = time.time()
