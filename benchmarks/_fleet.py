@@ -102,10 +102,16 @@ def essential_work(num_classes: int, updates: int, categories: tuple[str, ...]) 
 
 
 class Sampler:
-    """Samples CPU seconds (user + system, all threads) and RSS of named processes every 0.1 s (psutil)."""
+    """Samples CPU seconds (user + system, all threads) and RSS of named processes every 0.1 s (psutil); also
+    ``"machine"`` (every core's busy time: total less idle and iowait) and, per :meth:`add_matching` name, the sum
+    over processes whose command line holds a string (found again every second; one that exits keeps its last
+    sampled CPU time in the sum)."""
 
     def __init__(self) -> None:
         self.procs: dict[str, object] = {}
+        self.matching: dict[str, str] = {}
+        self._found: dict[str, dict[int, object]] = {}
+        self._gone: dict[str, dict[int, float]] = {}
         self.samples: list[tuple[float, dict[str, float]]] = []
         self.max_rss: dict[str, float] = {}
         self._stop = threading.Event()
@@ -116,14 +122,43 @@ class Sampler:
 
         self.procs[name] = psutil.Process(pid)
 
+    def add_matching(self, name: str, needle: str) -> None:
+        """Sample, as ``name``, the CPU of every process whose command line contains ``needle`` (e.g. the
+        PostgreSQL backends of one database: ``postgres: <user> <database> ...``)."""
+        self.matching[name] = needle
+        self._found[name], self._gone[name] = {}, {}
+
+    def _discover(self) -> None:
+        import psutil
+
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            line = " ".join(proc.info.get("cmdline") or ())
+            for name, needle in self.matching.items():
+                if needle in line and proc.pid not in self._found[name]:
+                    self._found[name][proc.pid] = proc
+
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
         import psutil
 
+        last_discovery = 0.0
         while not self._stop.wait(0.1):
+            if self.matching and time.time() - last_discovery > 1.0:
+                self._discover()
+                last_discovery = time.time()
             cpu = {}
+            for name, found in self._found.items():
+                for pid, p in list(found.items()):
+                    try:
+                        t = p.cpu_times()
+                        self._gone[name][pid] = t.user + t.system  # the last value is kept after it exits
+                    except psutil.Error:
+                        del found[pid]
+                cpu[name] = sum(self._gone[name].values())
+            m = psutil.cpu_times()
+            cpu["machine"] = sum(getattr(m, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
             for name, p in list(self.procs.items()):
                 try:
                     t = p.cpu_times()

@@ -172,6 +172,7 @@ def main() -> None:  # noqa: C901 - one linear script
             raise SystemExit("could not subscribe to the task topic")
 
         sampler.add("broker", broker_proc.pid)
+        sampler.add_matching("PostgreSQL backends", db_name)
         for p, i in zip(procs, range(len(procs))):
             sampler.add(f"gateways-{i}", p.pid)
         env = {**os.environ, "COLUMNS": "160"}
@@ -285,19 +286,31 @@ def main() -> None:  # noqa: C901 - one linear script
                          "ledger streams (site@cohort)", "cohort_rounds rows"], per_round)
         print()
         names = ["coordinator"] + [f"ingest-{i}" for i in range(1, args.ingest_workers + 1)]
-        cpu = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(first, k) for k in names + ["broker"]}
-        cpu_open = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(t_open, k) for k in names + ["broker"]}
-        rows = [[k, f"{cpu[k]:.1f}", f"{cpu[k] / n * 1000:.2f}", f"{cpu_open[k] / n * 1000:.2f}"] for k in cpu]
+        gws = [f"gateways-{i}" for i in range(len(procs))]
+        others = ["broker", "PostgreSQL backends", "machine"]
+        cpu = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(first, k) for k in names + gws + others}
+        cpu_open = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(t_open, k) for k in names + gws + others}
+        cpu["gateways (all processes)"] = sum(cpu.pop(k) for k in gws)
+        cpu_open["gateways (all processes)"] = sum(cpu_open.pop(k) for k in gws)
         coord_total = sum(cpu[k] for k in names)
-        rows.append(["coordinator + workers", f"{coord_total:.1f}", f"{coord_total / n * 1000:.2f}",
-                     f"{sum(cpu_open[k] for k in names) / n * 1000:.2f}"])
+        cpu["coordinator + workers"] = coord_total
+        cpu_open["coordinator + workers"] = sum(cpu_open[k] for k in names)
+        order = names + ["coordinator + workers", "broker", "PostgreSQL backends", "gateways (all processes)",
+                         "machine"]
+        rows = [[k if k != "machine" else f"machine ({os.cpu_count()} cores, every process)", f"{cpu[k]:.1f}",
+                 f"{cpu[k] / n * 1000:.2f}", f"{cpu_open[k] / n * 1000:.2f}"] for k in order]
         ess = essential_work(args.num_classes, min(args.essential_updates, n), categories)
         for k, v in ess.items():
             rows.append([f"  essential, in-process: {k}", "", f"{v:.3f}", ""])
         rows.append(["  essential, sum", "", f"{sum(ess.values()):.3f}", ""])
         print_table(["CPU (user + system)", "s, first update -> closed", "ms per update", "ms/update from opened"],
                     rows)
-        print(f"coordinator + workers CPU per update / essential work: {coord_total / n * 1000 / sum(ess.values()):.0f}x")
+        ratio = coord_total / n * 1000 / sum(ess.values())
+        print(f"coordinator + workers CPU per update / essential work: {ratio:.0f}x")
+        launch = sampler.cpu_at(t_close, "coordinator")
+        print(f"coordinator CPU from launch -> round closed (imports, selection and cohort planning, tasks, ingest or "
+              f"merge, close): {launch:.1f} s = {launch / n * 1000:.1f} ms per site; first task seen "
+              f"{t_trigger - t_launch:.1f} s after launch")
         print()
 
         def delta(key: str) -> str:
@@ -306,12 +319,14 @@ def main() -> None:  # noqa: C901 - one linear script
             except (KeyError, ValueError):
                 return "n/a"
 
+        def mib(value: str) -> str:
+            return value if value == "n/a" else f"{float(value) / MiB:.1f}"
+
         print_table(["broker ($SYS, trigger -> 1.5 s after close)", "value"], [
             ["MQTT packets received", delta("messages/received")], ["MQTT packets sent", delta("messages/sent")],
             ["PUBLISH received", delta("publish/messages/received")],
             ["PUBLISH sent", delta("publish/messages/sent")],
-            ["MiB received", f"{float(delta('bytes/received')) / MiB:.1f}" if delta("bytes/received") != "n/a" else "n/a"],
-            ["MiB sent", f"{float(delta('bytes/sent')) / MiB:.1f}" if delta("bytes/sent") != "n/a" else "n/a"],
+            ["MiB received", mib(delta("bytes/received"))], ["MiB sent", mib(delta("bytes/sent"))],
             ["clients connected (at trigger)", sys_before.get("clients/connected", "n/a")],
             ["clients maximum", sys_after.get("clients/maximum", "n/a")],
         ])
@@ -330,7 +345,8 @@ def main() -> None:  # noqa: C901 - one linear script
                 wrows.append([table, *map(str, d), str(a[3])])
                 tot = [x + y for x, y in zip(tot, d)]
         wrows.append(["total", *map(str, tot), ""])
-        print_table([f"PostgreSQL rows written by {args.rounds} round(s)", "inserted", "updated", "deleted", "live after"], wrows)
+        print_table([f"PostgreSQL rows written by {args.rounds} round(s)", "inserted", "updated", "deleted",
+                     "live after"], wrows)
         print()
         print_table(["peak RSS", "MiB"], [["coordinator (VmHWM at exit)", f"{vm.get('VmHWM', float('nan')):.0f}"]]
                     + [[k, f"{v:.0f}"] for k, v in gateway_rss.items() if k != "coordinator"])
