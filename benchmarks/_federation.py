@@ -13,7 +13,7 @@ import numpy as np
 
 from _timing import load_average  # the script's folder, as every benchmark imports it
 
-__all__ = ["model_template", "num_parameters", "num_bytes", "update_delta", "seal_update", "load_average",
+__all__ = ["model_template", "head_template", "dp_event", "num_parameters", "num_bytes", "update_delta", "seal_update", "load_average",
            "peak_rss_mib", "rss_mib", "reset_peak_rss", "print_table", "MiB"]
 
 MiB = float(1 << 20)
@@ -43,6 +43,17 @@ def model_template(parameters: int = 1_000_000, seed: int = 0) -> dict[str, np.n
     return {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
 
 
+def head_template(num_classes: int = 10, seed: int = 0) -> dict[str, np.ndarray]:
+    """The demo's camera model: the linear head on 1280-d backbone embeddings (``shared.models.head``, no adapter),
+    ``psi.weight`` (num_classes, 1280) and ``psi.bias`` (num_classes,), float32 (12,810 parameters for 10
+    classes, the demo's species table), initialised as the head is (uniform)."""
+    from shared.models.head import HeadConfig, initial_weights
+
+    weights = initial_weights(HeadConfig(num_classes=num_classes, adapter_width=0, embedding_dim=1280), seed,
+                              head_init="uniform")
+    return {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+
+
 def num_parameters(tensors: Mapping[str, np.ndarray]) -> int:
     return int(sum(v.size for v in tensors.values()))
 
@@ -57,16 +68,27 @@ def update_delta(template: Mapping[str, np.ndarray], seed: int) -> dict[str, np.
     return {k: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32) for k, v in template.items()}
 
 
+def dp_event():  # noqa: ANN201 - a shared.privacy.events.DPSGDEvent (imported here, where it is needed)
+    """The DP-SGD event a simulated ccdp gateway reports per category: z = 1.2, q = 0.05, 5 steps."""
+    from shared.privacy.events import DPSGDEvent
+
+    return DPSGDEvent(noise_multiplier=1.2, sampling_rate=0.05, steps=5)
+
+
 def seal_update(*, key, federation_id: str, site_id: str, round: int, model_hash: str,  # noqa: ANN001 - Ed25519 key
                 delta: Mapping[str, np.ndarray], num_examples: int, sequence: int = 1,
-                chunk_size: int | None = None) -> bytes:
-    """The wire bytes of a site's signed UPDATE envelope (privacy "none": no DP events), sealed with the piece size
-    of ``chunk_size`` (``shared.transfer.piece_size_for``; None: the default, 256 KiB) as a gateway seals it."""
+                chunk_size: int | None = None, categories: Sequence[str] = ()) -> bytes:
+    """The wire bytes of a site's signed UPDATE envelope, sealed with the piece size of ``chunk_size``
+    (``shared.transfer.piece_size_for``; None: the default, 256 KiB) as a gateway seals it. ``categories``: IUCN
+    codes it reports :func:`dp_event` for (privacy ``ccdp``); empty: no DP events (privacy ``none``)."""
     from shared.envelope import DEFAULT_PIECE_SIZE, MessageKind, seal
     from shared.protocol import UpdateReport, encode_update
     from shared.transfer import piece_size_for
 
-    payload = encode_update(UpdateReport(num_examples=num_examples, local_steps=5), delta)
+    from shared.iucn import IUCNCategory
+
+    events = {IUCNCategory(c): dp_event() for c in categories}
+    payload = encode_update(UpdateReport(num_examples=num_examples, local_steps=5, events=events), delta)
     return seal(private_key=key, federation_id=federation_id, site_id=site_id, round=round,
                 base_model_hash=model_hash, kind=MessageKind.UPDATE, sequence=sequence, payload=payload,
                 piece_size=DEFAULT_PIECE_SIZE if chunk_size is None else piece_size_for(chunk_size)).to_bytes()

@@ -31,9 +31,13 @@ __all__ = ["worker_main"]
 
 
 def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple[str, bytes, int]],  # noqa: ANN001
-                coordinator_public_pem: str, params: int, chunk_size: int, ack_timeout_s: float) -> None:
+                coordinator_public_pem: str, params: int, chunk_size: int, ack_timeout_s: float,
+                head_classes: int = 0, categories: Sequence[str] = ()) -> None:
     """Entry point of a gateway worker process (see the module docstring). ``sites``: (site id, raw Ed25519
-    private key bytes, index of the gateway in the federation: its delta and N_k, so every payload differs)."""
+    private key bytes, index of the gateway in the federation: its delta and N_k, so every payload differs).
+    ``head_classes`` > 0: the model is the demo's head (``shared.models.head``, 1280-d embeddings, that many
+    classes) instead of a ``params``-parameter synthetic one; ``categories``: IUCN codes each update reports a
+    DP-SGD event for (privacy ``ccdp``; empty: privacy ``none``)."""
     import paho.mqtt.client as mqtt
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
@@ -44,13 +48,13 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
     from shared.topics import ack_topic, update_topic
     from shared.transfer import decode_receipt, send
 
-    from _federation import model_template, seal_update, update_delta
+    from _federation import head_template, model_template, seal_update, update_delta
 
     host, port, _ = parse_broker_url(broker_url)
     coord_key = load_pem_public_key(coordinator_public_pem.encode())
     keys = {s: Ed25519PrivateKey.from_private_bytes(raw) for s, raw, _ in sites}
     index = {s: i for s, _, i in sites}
-    template = model_template(params)
+    template = head_template(head_classes) if head_classes > 0 else model_template(params)
     deltas = [update_delta(template, i) for i in range(4)]
     lock = threading.Lock()
     acks: dict[str, tuple[float, bool]] = {}
@@ -148,7 +152,7 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
                 i = index[site_id]  # distinct payloads: the coordinator's content-addressed blobs are all written
                 raw = seal_update(key=key, federation_id=federation_id, site_id=site_id, round=round_,
                                   model_hash=model_hash, delta=deltas[i % 4], num_examples=100 + i, sequence=round_,
-                                  chunk_size=chunk_size)
+                                  chunk_size=chunk_size, categories=categories)
                 out: list[bytes] = []
                 send(lambda t, p, out=out: out.append(bytes(p)), update_topic(federation_id, site_id), raw,
                      private_key=key, chunk_size=chunk_size)
@@ -182,11 +186,13 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
 
 
 def spawn_workers(sites, *, workers: int, broker_url: str, federation_id: str, coordinator_public_pem: str,  # noqa: ANN001
-                  params: int, chunk_size: int, timeout_s: float):
+                  params: int, chunk_size: int, timeout_s: float, head_classes: int = 0,
+                  categories: Sequence[str] = ()):
     """Start ``workers`` gateway processes (spawned, so no paho state is inherited), sites dealt round-robin.
 
     Args:
-        sites: ``[(site id, Ed25519PrivateKey)]``. Other args: as :func:`worker_main`.
+        sites: ``[(site id, Ed25519PrivateKey)]``. Other args: as :func:`worker_main` (``timeout_s``: its
+            ``ack_timeout_s``).
 
     Returns:
         ``(pipes, processes)``: one pipe per worker for :func:`broadcast_to`.
@@ -202,7 +208,8 @@ def spawn_workers(sites, *, workers: int, broker_url: str, federation_id: str, c
                 for i, (s, k) in enumerate(sites) if i % workers == w]
         parent, child = ctx.Pipe()
         p = ctx.Process(target=worker_main, args=(child, broker_url, federation_id, mine, coordinator_public_pem,
-                                                  params, chunk_size, timeout_s), daemon=True)
+                                                  params, chunk_size, timeout_s, head_classes, tuple(categories)),
+                           daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)

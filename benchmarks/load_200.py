@@ -55,9 +55,11 @@ app()
 """
 
 
-def _private_broker(tmp: Path) -> tuple[subprocess.Popen, str]:
+def _private_broker(tmp: Path, extra_conf: str = "") -> tuple[subprocess.Popen, str]:
     """A mosquitto on a free loopback port with no per-client queue limit (the stock default, 1000 queued QoS 1
-    messages per client, drops a coordinator's backlog when N gateways upload at once)."""
+    messages per client, drops a coordinator's backlog when N gateways upload at once); ``extra_conf``: more lines
+    of mosquitto.conf (load_fleet.py adds ``sys_interval 1``). It inherits this process's open-file limit, which
+    caps its connections (``max_connections`` is unlimited by default)."""
     import shutil as _sh
     import socket
 
@@ -66,7 +68,8 @@ def _private_broker(tmp: Path) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     conf = tmp / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 0\n")
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 0\n"
+                    f"{extra_conf}")
     proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(100):
         with socket.socket() as s:
