@@ -56,6 +56,8 @@ Example (``wildfed-coordinator init`` writes this)::
     group_commit: {max_updates: 32, max_delay_s: 0.005, max_bytes: 134217728}   # coordinator.inbound.group_commit
     ingest_workers: 0                     # N >= 1: updates go to N `ingest-worker` processes (shared subscription)
     schedule: {round_interval_s: 86400, max_rounds: null}   # `service`: a round a day, no limit (run: `rounds`)
+    buffered: null                        # intermittent links: {buffer_size: 4, max_staleness: 10, staleness:
+                                          #  polynomial, exponent: 0.5, normalisation: fixed} (docs/transport.md)
 
 Relative paths are resolved against the config file's folder. Privacy-relevant fields are validated here, so a bad
 value fails at load time with a :class:`shared.errors.ConfigError` naming the file, the field and the fix.
@@ -76,8 +78,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from coordinator.config_learning import (FedAvgConfig, RadioConfig, ServerOptimizerConfig, ServerSGDConfig,
-                                         SpeciesEntry, Strategy)
+from coordinator.config_learning import (BufferedConfig, FedAvgConfig, RadioConfig, ServerOptimizerConfig,
+                                         ServerSGDConfig, SpeciesEntry, Strategy)
 from coordinator.config_operations import GroupCommitConfig, ScheduleConfig, TransferConfig, WebConfig
 from coordinator.config_privacy import Budget, BudgetFromAnchor, SecAggConfig
 from shared.broker import DEFAULT_BROKER_MAX_PACKET_BYTES, check_broker_fields, check_chunk_fits
@@ -191,6 +193,8 @@ class CoordinatorConfig(StrictModel):
                                      "(round_interval_s, max_rounds)")
     group_commit: GroupCommitConfig = Field(default_factory=GroupCommitConfig, description="group commit of "
                                             "accepted updates (max_updates, max_delay_s, max_bytes)")
+    buffered: BufferedConfig | None = Field(None, description="buffered rounds for intermittent links (FedBuff): a "
+                                            "round closes at buffer_size updates, stale ones included")
     ingest_workers: int = Field(0, ge=0, description="0: this process ingests updates; N >= 1: N processes run "
                                 "`wildfed-coordinator ingest-worker` on an MQTT shared subscription and this one "
                                 "only opens, finalises (merges their partial sums) and closes rounds")
@@ -286,6 +290,21 @@ class CoordinatorConfig(StrictModel):
                                  "ingest_workers: 0 with NIRA")
             if self.privacy == "global":
                 raise ValueError("privacy global runs secure aggregation in this process: use ingest_workers: 0")
+        return self
+
+    @model_validator(mode="after")
+    def _buffered_consistent(self) -> "CoordinatorConfig":
+        if self.buffered is None:
+            return self
+        if self.privacy not in ("ccdp", "none") or self.model != "head":
+            raise ValueError("buffered rounds are for local DP camera federations (privacy: ccdp, model: head): "
+                             "secure aggregation needs a synchronous cohort (docs/transport.md); remove buffered:")
+        if getattr(self.strategy, "kind", "fedavg") != "fedavg":
+            raise ValueError("buffered rounds fold stale updates into FedAvg's sum: use strategy {kind: fedavg} or "
+                             "remove buffered:")
+        if self.ingest_workers > 0:
+            raise ValueError("buffered rounds store stale updates in this process: use ingest_workers: 0 or remove "
+                             "buffered:")
         return self
 
     # -- derived -------------------------------------------------------------------------------------------------

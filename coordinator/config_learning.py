@@ -1,5 +1,5 @@
 """What the coordinator trains and how: the strategy (``strategy:``), the server optimiser (``server_optimizer:``),
-the species table (``species:``) and the radio-map settings (``radio:``).
+the species table (``species:``), the radio-map settings (``radio:``) and buffered rounds (``buffered:``).
 
 Parts of :class:`coordinator.config.CoordinatorConfig`; the cross-field rules live there.
 """
@@ -14,7 +14,7 @@ from shared.config import StrictModel
 from shared.iucn import IUCNCategory
 
 __all__ = ["FedAvgConfig", "NiraConfig", "Strategy", "ServerSGDConfig", "FedSOFIMConfig", "FedAdamConfig",
-           "ServerOptimizerConfig", "SpeciesEntry", "RadioConfig"]
+           "ServerOptimizerConfig", "SpeciesEntry", "RadioConfig", "BufferedConfig"]
 
 
 class FedAvgConfig(StrictModel):
@@ -155,3 +155,21 @@ class RadioConfig(StrictModel):
     def guaranteed(self) -> bool:
         """Whether the defence states an (eps, delta)."""
         return self.defence in ("uniform", "adaptive")
+
+
+class BufferedConfig(StrictModel):
+    """Buffered rounds (FedBuff, Nguyen et al. 2022; docs/transport.md "Buffered rounds"): a round closes once
+    ``buffer_size`` updates are in (its own, and stale ones: trained for an earlier round, at most ``max_staleness``
+    rounds old when they arrive), or at ``round_deadline_s`` with whatever came (at least one). A stale update t
+    rounds old is weighted by s(t) (``staleness``: polynomial (1 + t)^-exponent, FedBuff's 1/sqrt(1 + t) at 0.5;
+    hinge 1 for t <= knee, else 1 / (exponent (t - knee) + 1); constant 1). ``normalisation``: ``fixed`` divides the
+    weighted sum by buffer_size times the sites' mean declared capacity (the fixed-denominator estimator; the one
+    measured in docs/results/fedbuff.md), ``examples`` by the buffer's summed capacities (FedAvg's weights)."""
+
+    buffer_size: int = Field(4, ge=1, description="K: updates that close a round (its own and stale ones)")
+    max_staleness: int = Field(10, ge=0, description="an update more rounds old than this when it arrives is refused "
+                               "(charged: the coordinator has seen it) and gateways do not train such a task")
+    staleness: Literal["polynomial", "hinge", "constant"] = "polynomial"
+    exponent: float = Field(0.5, ge=0, le=100, description="polynomial: a in (1 + t)^-a; hinge: the slope")
+    knee: int = Field(0, ge=0, description="hinge: the staleness up to which s(t) = 1")
+    normalisation: Literal["fixed", "examples"] = "fixed"

@@ -217,8 +217,9 @@ class CoordinatorService:
             log.warning("service: round %d could not run: %s; next attempt in %s", result.round, _why_skipped(
                 self.coordinator, result), _duration(self.config.schedule.round_interval_s))
         else:
-            log.info("service: round %d %s: %d/%d updates, model %s", result.round, result.status,
-                     len(result.accepted), len(result.selected), result.model_hash[:12])
+            log.info("service: round %d %s: %d/%d updates%s, model %s", result.round, result.status,
+                     len(result.accepted), len(result.selected),
+                     f" + {len(result.stale)} stale" if result.stale else "", result.model_hash[:12])
 
 
 def _why_skipped(coord: Coordinator, result: RoundResult) -> str:

@@ -133,7 +133,8 @@ class TaskPublisher:
                             distributed_noise=distributed_noise, feature_centre=feature_centre,
                             class_reweighting=float(cfg.class_reweighting) if cfg.privacy == "ccdp" else 0.0,
                             prediction_offsets=prediction_offsets, capacity=self._capacity(site_id),
-                            round_duration_s=float(cfg.round_duration_s), cohorts=cohorts)
+                            round_duration_s=float(cfg.round_duration_s), cohorts=cohorts,
+                            max_staleness=cfg.buffered.max_staleness if cfg.buffered is not None else None)
         if self.by_digest():
             assert self.digests is not None
             self.digests.publish(r, model_hash_, weights)  # once per distinct model; retained before any task

@@ -68,6 +68,7 @@ from shared.models.logit_adjustment import adjusted_for_prediction, metadata_off
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
+from coordinator.buffered_rounds import BufferedRounds
 from coordinator.config import CoordinatorConfig
 from coordinator.inbound.context import RoundContext
 from coordinator.inbound.ingest import Ingestor
@@ -104,6 +105,7 @@ class RoundResult:
         halt check) to its close. open_s: seconds from the round's start until its last task was published (0.0
         where no task went out): the part of the gap between rounds that the round's opening takes.
         halted: per site, halted categories at the start of the round.
+        stale: buffered rounds: the stale updates the round folded, as ``"<site>@r<round trained for>"``.
     """
 
     round: int
@@ -114,6 +116,7 @@ class RoundResult:
     duration_s: float
     halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
     open_s: float = 0.0
+    stale: tuple[str, ...] = ()
 
 
 _CRASH_ENV = "WILDFED_TEST_CRASH_AT"
@@ -156,6 +159,8 @@ class RoundManager:
                                                            registry=registry)
         self._tasks = TaskPublisher(config=config, registry=registry, transport=transport, signing_key=signing_key,
                                     artifacts=ArtifactStore(config.data_dir / "ort-artifacts"), store=store)
+        self.buffered = BufferedRounds(config.buffered, store, registry) if config.buffered is not None else None
+        self._templates: dict[str, dict[str, np.ndarray]] = {}  # past rounds' models, by hash (stale updates)
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
@@ -279,8 +284,15 @@ class RoundManager:
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def quorum(self, num_selected: int) -> int:
-        """Accepted updates that close a round early: ``max(1, ceil(quorum_fraction * num_selected))``."""
+        """Accepted updates that close a round early: ``max(1, ceil(quorum_fraction * num_selected))``; buffered
+        rounds: K, stale updates included."""
+        if self.buffered is not None:
+            return self.buffered.buffer_size
         return max(1, math.ceil(self.config.quorum_fraction * num_selected - 1e-9))
+
+    def _in_buffer(self, ctx: RoundContext) -> int:
+        """Updates that count towards ``ctx``'s quorum: its own, and the stale ones waiting (buffered rounds)."""
+        return len(ctx.accepted) + (self.buffered.waiting() if self.buffered is not None else 0)
 
     def run_round(self) -> RoundResult:
         """Run the next round to completion (open, publish, collect, close) and return its outcome."""
@@ -362,12 +374,12 @@ class RoundManager:
                     return have >= need
                 time.sleep(min(left, 0.2))
         with self._ingestor.changed:
-            while len(ctx.accepted) < need:
+            while self._in_buffer(ctx) < need:
                 left = deadline - self._clock()
                 if left <= 0:
                     break
                 self._ingestor.changed.wait(timeout=min(left, 0.5))
-            return len(ctx.accepted) >= need
+            return self._in_buffer(ctx) >= need
 
     def close_round(self, ctx: RoundContext) -> RoundResult:
         """Stop ingest, charge the ledger durably, then aggregate, step and store the model (see module doc)."""
@@ -378,11 +390,16 @@ class RoundManager:
             finalise_from_workers(self._store, ctx, weights)
         else:
             absorb_stored(self._store, ctx)
-        status, new_hash = self._close(ctx, weights, self.quorum(len(ctx.selected)))
+        status, new_hash, stale = self._close(ctx, weights, self._needed(ctx))
         return RoundResult(round=ctx.round, status=status, selected=tuple(sorted(ctx.selected)),
                            accepted=tuple(sorted(ctx.accepted)), model_hash=new_hash,
                            duration_s=self._clock() - t0,
-                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c})
+                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in ctx.halted.items() if c},
+                           stale=stale)
+
+    def _needed(self, ctx: RoundContext) -> int:
+        """Updates a closing round needs for a new model: the quorum; a buffered round closes with any (>= 1)."""
+        return 1 if self.buffered is not None else self.quorum(len(ctx.selected))
 
     def run_global_round(self) -> RoundResult:
         """One Global DP round (:mod:`coordinator.global_dp`): select, send tasks with secagg settings, run secure
@@ -498,9 +515,11 @@ class RoundManager:
         process's open round."""
         self._tasks.resend(self._ingestor.context, site_id, round, receipt)
 
-    def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray], need: int) -> tuple[str, str]:
-        """Check the budgets again, ledger first (durable), then aggregate + step + store. Returns ``(status,
-        model hash after)``."""
+    def _close(self, ctx: RoundContext, weights: Mapping[str, np.ndarray],
+               need: int) -> tuple[str, str, tuple[str, ...]]:
+        """Check the budgets again, ledger first (durable), then aggregate (with the stale updates a buffered round
+        claims: :mod:`coordinator.buffered_rounds`) + step + store. Returns ``(status, model hash after, the stale
+        updates folded as "<site>@r<round>")``."""
         _test_crash_point("after_ingest")
         refused = over_budget_at_close(self._ledger, ctx)
         for acc in ctx.accepted.values():  # every update the coordinator has seen is charged, refused ones too
@@ -511,27 +530,55 @@ class RoundManager:
         _test_crash_point("after_ledger")
         if refused:
             drop_refused(self._store, ctx, weights, refused)
+        stale = self.buffered.fold(ctx) if self.buffered is not None else []
         record = RoundRecord(self._store, ctx.round, ctx.model_hash)
         new_weights: dict[str, np.ndarray] | None = None
-        if len(ctx.accepted) >= need and ctx.strategy.count > 0:
-            avg_delta = ctx.strategy.aggregate()
+        if len(ctx.accepted) + len(stale) >= need and ctx.strategy.count > 0:
+            avg_delta = (ctx.strategy.aggregate() if self.buffered is None
+                         else self.buffered.aggregate(ctx, stale))
             new_weights = ctx.strategy.after_step(self._optimizer.step(weights, avg_delta))
             record.commit_model(new_weights, optimizer=self._optimizer)
             status = "closed"
         else:
             status = "failed"
             log.warning("rounds: round %d failed: %d of %d needed updates", ctx.round, len(ctx.accepted), need)
-        record.close(status, num_accepted=len(ctx.accepted))
+        record.close(status, num_accepted=len(ctx.accepted) + len(stale))
         new_hash = record.model_hash_after
-        log.info("rounds: round %d %s with %d update(s), model %s", ctx.round, status, len(ctx.accepted),
-                 new_hash[:12])
+        log.info("rounds: round %d %s with %d update(s)%s, model %s", ctx.round, status, len(ctx.accepted),
+                 f" and {len(stale)} stale" if stale else "", new_hash[:12])
         shutil.rmtree(self.config.data_dir / "outgoing" / str(ctx.round), ignore_errors=True)
         if new_weights is not None:
             if self.on_new_model is not None:
                 self.on_new_model(ctx.round, new_hash, new_weights)
             for line in ctx.strategy.end_round(ctx.round):
                 log.info("rounds: round %d: %s", ctx.round, line)
-        return status, new_hash
+        return status, new_hash, tuple(f"{f.site_id}@r{f.round}" for f in stale)
+
+    # ---- buffered rounds -----------------------------------------------------------------------------------------
+    def past_context(self, round: int) -> RoundContext:
+        """A :class:`RoundContext` of past round ``round`` for its stale updates (:mod:`coordinator.inbound.stale`):
+        its model hash and template, the tasks' privacy parameters, no halts.
+
+        Raises:
+            LookupError: ``round`` has no round row.
+        """
+        with self._store.session() as s:
+            row = s.get(RoundRow, round)
+            if row is None:
+                raise LookupError(f"no round {round}")
+            base, selected = row.base_model_hash, frozenset(json.loads(row.selected_json))
+        if base not in self._templates:
+            self._templates = {base: decode_tensors(self._store.get_model(base))[0]}  # the newest past model only
+        return RoundContext(round=round, model_hash=base, template=self._templates[base], selected=selected, halted={},
+                            budgets=self.config.budgets(), privacy=self.config.privacy,
+                            local_steps=self._local_steps(), strategy=self._strategy,
+                            count_noise_multiplier=self._count_noise(), num_classes=self.config.num_classes,
+                            expected_events=expected_events(self.config), **self._task_noise_parameters())
+
+    def round_joined_now(self) -> int:
+        """The round a stale update arriving now would join: the open one, else the next to open."""
+        ctx = self._ingestor.context
+        return ctx.round if ctx is not None else self.next_round()
 
     # ---- recovery ----------------------------------------------------------------------------------------------
     def recover(self) -> list[RoundResult]:
@@ -561,9 +608,9 @@ class RoundManager:
                                expected_events=expected_events(self.config), **self._task_noise_parameters())
             for upd, report in fold_stored_updates(self._store, ctx, self._store.updates_for_round(row.round)):
                 ctx.accepted[upd.site_id] = accepted_from_stored(row.round, upd, report)
-            status, h = self._close(ctx, weights, self.quorum(len(selected)))
+            status, h, stale = self._close(ctx, weights, self._needed(ctx))
             log.warning("rounds: recovered round %d left open by a previous run: %s", row.round, status)
             results.append(RoundResult(round=row.round, status=status, selected=tuple(sorted(selected)),
                                        accepted=tuple(sorted(ctx.accepted)), model_hash=h,
-                                       duration_s=self._clock() - t0))
+                                       duration_s=self._clock() - t0, stale=stale))
         return results

@@ -155,6 +155,10 @@ class Coordinator:
                                        transport=self.transport, signing_key=self._key, strategy=strategy,
                                        offsets=self.rounds.prediction_offsets)
         self.rounds.on_new_model = self.releases.release
+        if config.buffered is not None:  # stale updates join the next close (coordinator.inbound.stale)
+            self.ingestor.admit_stale_updates(max_staleness=config.buffered.max_staleness,
+                                              past_context=self.rounds.past_context,
+                                              open_round=self.rounds.round_joined_now)
         self.software = SoftwarePublisher(config=config, store=self.store, registry=self.registry,
                                           transport=self.transport, signing_key=self._key)
         self.fleet = FleetIngestor(federation_id=config.federation_id, store=self.store, registry=self.registry,

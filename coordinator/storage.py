@@ -48,9 +48,9 @@ from shared.errors import ConfigError
 
 from coordinator.schema_upgrade import upgrade_schema
 # The tables (coordinator.tables), importable from here too: some eighty modules name them through the store.
-from coordinator.tables import (Base, CohortRoundRow, CohortRow, DeploymentRow, DetectionRow, DetectionTallyRow,
-                                HaltRow, LedgerRow, ModelVersionRow, PartialSumRow, PlaceRow, RegistryVersionRow,
-                                RejectionRow, RoundRow, SiteHealthRow, SiteKeyRow, SiteRow, StrategyStateRow,
+from coordinator.tables import (Base, BufferedUpdateRow, CohortRoundRow, CohortRow, DeploymentRow, DetectionRow,
+                                DetectionTallyRow, HaltRow, LedgerRow, ModelVersionRow, PartialSumRow, PlaceRow,
+                                RegistryVersionRow, RejectionRow, RoundRow, SiteHealthRow, SiteKeyRow, SiteRow, StrategyStateRow,
                                 TransferRow, UpdateRow, UserRow, WebSessionRow, deployment_key, utcnow)
 
 __all__ = [
@@ -411,9 +411,12 @@ class Store:
         return outcomes
 
     def updates_for_round(self, round: int) -> list[UpdateRow]:
-        """Accepted-update rows of one round, in arrival order."""
+        """Accepted-update rows of one round, in arrival order, without the stale updates a buffered round folds
+        (``buffered_updates``: they count in the round whose buffer took them, :mod:`coordinator.buffered_store`)."""
         with self.session() as s:
-            return list(s.scalars(select(UpdateRow).where(UpdateRow.round == round).order_by(UpdateRow.id)))
+            waiting = select(BufferedUpdateRow.update_id)  # buffered rounds' stale updates: folded elsewhere
+            return list(s.scalars(select(UpdateRow).where(UpdateRow.round == round, UpdateRow.id.not_in(waiting))
+                                  .order_by(UpdateRow.id)))
 
     def count_updates(self) -> int:
         """Total number of accepted updates over all rounds."""

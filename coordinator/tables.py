@@ -11,6 +11,8 @@ Tables (SQLite by default, PostgreSQL by URL):
                 selected sites, accepted count, open/close times
 ``updates``     accepted updates: round, site, envelope sequence, ``num_examples``, the payload's digest (the
                 payload itself is a file in the blob directory named by it); unique per (round, site)
+``buffered_updates`` the updates of buffered rounds that came for an earlier round than the open one (stale, FedBuff):
+                one row per such ``updates`` row, with the round whose aggregate folded it (null while it waits)
 ``rejections``  every rejected message: round (when known), site (when known), reason code, the typed error
                 that caused it, a human-readable detail, time
 ``ledger``      immutable privacy-ledger rows: one DP-SGD event per (site, round, IUCN category)
@@ -53,7 +55,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "SiteRow", "SiteKeyRow", "RoundRow", "StrategyStateRow", "UpdateRow", "RejectionRow", "LedgerRow",
+__all__ = ["Base", "SiteRow", "SiteKeyRow", "RoundRow", "StrategyStateRow", "UpdateRow", "BufferedUpdateRow",
+           "RejectionRow", "LedgerRow",
            "ModelVersionRow", "HaltRow", "CohortRow", "CohortRoundRow", "DetectionRow", "DetectionTallyRow",
            "TransferRow", "PartialSumRow", "SiteHealthRow", "PresenceEventRow", "UserRow", "WebSessionRow", "DeploymentRow", "PlaceRow",
            "RegistryVersionRow", "deployment_key", "utcnow"]
@@ -126,6 +129,16 @@ class UpdateRow(Base):
     num_examples: Mapped[int] = mapped_column(Integer)
     payload_sha256: Mapped[str] = mapped_column(String(64))
     received_at: Mapped[_dt.datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class BufferedUpdateRow(Base):
+    """A stored update that joins a later round's buffer (``buffered:`` rounds, :mod:`coordinator.buffered_store`):
+    ``update_id`` names its ``updates`` row (stored under the round it was trained for, so (round, site) stays
+    unique); ``buffer_round`` is the round whose aggregate folded it, null while it waits for the next close."""
+
+    __tablename__ = "buffered_updates"
+    update_id: Mapped[int] = mapped_column(Integer, ForeignKey("updates.id"), primary_key=True)
+    buffer_round: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class RejectionRow(Base):

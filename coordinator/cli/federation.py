@@ -285,7 +285,8 @@ def _run(config: Path, rounds: int | None) -> None:
             task = progress.add_task("", total=max(0, target - first + 1))
             for res in coord.iter_rounds(target):
                 progress.update(task, advance=1, description=f"round {res.round} {res.status}: "
-                                f"{len(res.accepted)}/{len(res.selected)} updates, model {res.model_hash[:12]}")
+                                f"{len(res.accepted)}/{len(res.selected)} updates"
+                                f"{f' + {len(res.stale)} stale' if res.stale else ''}, model {res.model_hash[:12]}")
     finally:
         coord.close()
     status(config)

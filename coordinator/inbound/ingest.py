@@ -20,7 +20,9 @@ reason code):
  7b   timestamp within the replay window (ReplayWindow)                         ``bad_timestamp``
  8    a round is open and the header's round is it                              ``wrong_round``
       (an update for a *past* round that selected the site is ``late``: its
-      reported events are charged to the ledger, it is never aggregated)      ``late``
+      reported events are charged to the ledger, it is never aggregated;     ``late``
+      in a buffered federation it is a stale update instead, with checks of
+      its own: coordinator.inbound.stale)
  9    the site was selected for this round                                      ``not_selected``
  10   base_model_hash == the round's global model hash                          ``stale_model``
  11   no update from this site was accepted for this round                      ``duplicate``
@@ -91,6 +93,7 @@ from coordinator.inbound.reject import Reject, RejectReason, Rejected
 from coordinator.inbound.replies import SiteReplies
 from coordinator.inbound.site_checks import (MAX_SITE_MESSAGE_BYTES, ReplayWindow, check_site_envelope,
                                              check_site_key, check_timestamp, parse_bytes, verify_site_envelope)
+from coordinator.inbound.stale import StaleUpdates
 from coordinator.inbound.update_checks import (charge_late, charge_refused, check_report, check_round_binding,
                                                check_tensors, decode_checked_update, stored_update)
 from coordinator.ledger import PrivacyLedger
@@ -151,6 +154,17 @@ class Ingestor:
         # (round, site, sequence) of updates whose "stored already?" read was made by precheck() for their manifest
         # in this process: the reassembled update is not read again (the group's transaction checks once more).
         self._prechecked: set[tuple[int, str, int]] = set()
+        #: buffered rounds: the stale updates' path (:meth:`admit_stale_updates`); None: a past round's update is late
+        self.stale: StaleUpdates | None = None
+
+    def admit_stale_updates(self, *, max_staleness: int, past_context: Callable[[int], RoundContext],
+                            open_round: Callable[[], int]) -> None:
+        """Buffered rounds: from now on an update of a past round that selected its site, at most ``max_staleness``
+        rounds old, is admitted for the next close instead of refused as late (:class:`StaleUpdates`; the
+        arguments are its own)."""
+        self.stale = StaleUpdates(store=self._store, ledger=self._ledger, registry=self._registry,
+                                  replies=self._replies, max_staleness=max_staleness, past_context=past_context,
+                                  open_round=open_round)
 
     # ---- round lifecycle ---------------------------------------------------------------------------------------
     def open_round(self, ctx: RoundContext) -> None:
@@ -267,7 +281,12 @@ class Ingestor:
                 self._verify(env, verified_by)
                 verified = True
                 self.check_replay(env)
-                staged = self._admit(topic, env)
+                admitted = self._admit(topic, env)
+                if isinstance(admitted, Accepted):  # a buffered round's stale update: stored and ACKed already
+                    result = admitted
+                    self.counts["buffered"] += 1
+                else:
+                    staged = admitted
             except Reject as rej:
                 result: Accepted | Pending | Rejected = self._refuse(topic, rej, checked, verified)
             if not self.defer_commits:
@@ -364,9 +383,10 @@ class Ingestor:
             self._commits.flush()
         return check_round_binding(h, self._ctx, self._store, read_stored=stored_read and not self.sole_ingest)
 
-    def _admit(self, topic: str, env: Envelope) -> StagedUpdate:
+    def _admit(self, topic: str, env: Envelope) -> StagedUpdate | Accepted:
         """Check an update completely and hand it to the commit group; its finisher (:meth:`_finish`) ACKs and
-        accumulates it once the group is durable.
+        accumulates it once the group is durable. In a buffered federation an update of a past round is a stale
+        update (:mod:`coordinator.inbound.stale`): charged, stored, ACKed here, and returned as :class:`Accepted`.
 
         Raises:
             Reject: any check failed (a late update is charged first).
@@ -375,6 +395,8 @@ class Ingestor:
         key = (h.round, h.site_id, h.sequence)
         ctx = self._check_binding(h, stored_read=key not in self._prechecked)
         self._prechecked.discard(key)
+        if ctx is None and self.stale is not None:
+            return self.stale.admit(env)
         if ctx is None:
             open_r = "none" if self._ctx is None else str(self._ctx.round)
             charge_late(self._store, self._ledger, env)

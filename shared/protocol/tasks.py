@@ -226,6 +226,10 @@ class TrainingTask:
             (hex SHA-256 of the weights). The payload then holds no weight tensor (artifacts still ride in it).
             None (default, left out of the JSON): the weights are in the payload. An older gateway rejects a task
             with this field (unknown field), so the coordinator sends it only when ``transfer.models_by_digest``.
+        max_staleness: buffered rounds only (FedBuff): the coordinator still aggregates this round's update while
+            at most this many newer rounds have opened; a gateway that knows of a round more than this many
+            rounds newer does not train this task (its budget would buy nothing). None (default, left out of the
+            JSON): synchronous rounds. An older gateway rejects a task with this field (unknown field).
     """
 
     federation_id: str
@@ -255,9 +259,12 @@ class TrainingTask:
     round_duration_s: float = 0.0
     cohorts: Mapping[int, tuple[IUCNCategory, ...]] | None = None
     model_digest: str | None = None
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         _positive("round", self.round, integer=True, allow_zero=True)
+        if self.max_staleness is not None:
+            _positive("max_staleness", self.max_staleness, integer=True, allow_zero=True)
         if self.model_digest is not None and (self.model_digest != self.model_hash or self.radio is not None
                                               or not _SHA256_HEX.match(str(self.model_digest))):
             raise PayloadError(f"model_digest {self.model_digest!r} must equal model_hash {self.model_hash!r} (64 "
@@ -386,7 +393,8 @@ class TrainingTask:
                 **({"round_duration_s": self.round_duration_s} if self.round_duration_s else {}),
                 **({"cohorts": {str(c): [x.value for x in h] for c, h in self.cohorts.items()}}
                    if self.cohorts is not None else {}),
-                **({"model_digest": self.model_digest} if self.model_digest is not None else {})}
+                **({"model_digest": self.model_digest} if self.model_digest is not None else {}),
+                **({"max_staleness": self.max_staleness} if self.max_staleness is not None else {})}
 
 
 def encode_task(task: TrainingTask, weights: Mapping[str, np.ndarray],

@@ -31,6 +31,15 @@ def test_task_round_trip():
         np.testing.assert_array_equal(weights[k], W[k])
 
 
+def test_max_staleness_rides_only_in_buffered_tasks():
+    assert "max_staleness" not in task().to_json()  # synchronous rounds: an older gateway reads the task as before
+    back, _ = decode_task(encode_task(task(max_staleness=3), W))
+    assert back.max_staleness == 3 and back.to_json()["max_staleness"] == 3
+    for bad in (-1, 1.5, True):
+        with pytest.raises(PayloadError, match="max_staleness"):
+            task(max_staleness=bad)
+
+
 def test_update_and_ack_round_trip():
     r = UpdateReport(num_examples=120, local_steps=5, events={IUCNCategory.LC: DPSGDEvent(1.5, 0.25, 5)})
     back, delta = decode_update(encode_update(r, W))
