@@ -59,6 +59,7 @@ from edge_sdk.rounds.model_cache import DigestModels, WaitingTask
 from edge_sdk.rounds.radio_round import RadioRound
 from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
+from edge_sdk.rounds.superseded import newer_task_waiting
 from edge_sdk.rounds.tasks import AcceptedTask, accept_task
 from edge_sdk.site_paths import calibration_cache_dir
 from edge_sdk.updates.receiver import SoftwareUpdates
@@ -379,6 +380,7 @@ class EdgeAgent:
 
     def _handle_task_envelope(self, envelope: Envelope) -> bool:
         """A verified, addressed TASK (whole, or reassembled from chunks checked against the signed manifest)."""
+        self.ctx.newest_round_seen = max(self.ctx.newest_round_seen, envelope.header.round)
         accepted = accept_task(self.ctx, envelope)
         if accepted is None:
             return False
@@ -404,8 +406,15 @@ class EdgeAgent:
         return self._train(waiting.envelope, dataclasses.replace(waiting.accepted, weights=weights))
 
     def _train(self, envelope: Envelope, accepted: AcceptedTask) -> bool:
-        """Train an accepted task whose weights are in hand."""
+        """Train an accepted task whose weights are in hand, unless a newer round's task waits in the inbox
+        (:mod:`edge_sdk.rounds.superseded`)."""
         task, weights = accepted.task, accepted.weights
+        with self._inbox.mutex:
+            waiting = list(self._inbox.queue)
+        newer = newer_task_waiting(self.ctx, waiting, task.round)
+        if newer is not None:
+            self.ctx.reject("task", "superseded", f"round {task.round}'s task is not trained: round {newer}'s waits")
+            return False
         self.ctx.pacer.begin(task.round, task.round_duration_s)  # its replies leave at a public time slot
         if self.radio is not None:
             return self.radio.train(task, weights, accepted.artifacts)

@@ -52,6 +52,7 @@ class AgentContext:
         outbox: the persistent outbox (updates, and the agent's durable counters).
         stats: ``Counter`` of what happened (``tasks_trained``, ``rejected:<reason>``, ...).
         pacer: holds each round's outgoing messages until its public time slot (:mod:`edge_sdk.privacy.timing`).
+        newest_round_seen: the newest round of a verified task this process has received (-1 before any).
     """
 
     config: SiteConfig
@@ -61,6 +62,7 @@ class AgentContext:
     outbox: Outbox
     stats: Counter = field(default_factory=Counter)
     pacer: RoundPacer = field(default_factory=RoundPacer)
+    newest_round_seen: int = -1
 
     @property
     def site_id(self) -> str:

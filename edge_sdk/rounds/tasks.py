@@ -3,8 +3,9 @@ trained (durably: a restarted gateway never trains a round twice, which would re
 data), whose payload decodes, whose round and federation match the signed header, whose weights hash to the model
 hash the coordinator signed, whose privacy mode the site allows (``privacy: none`` only with
 ``allow_non_private``; ``privacy: global`` only with ``allow_global_dp``: defaults the coordinator cannot override),
-whose time padding (``round_duration_s``) is at least the site's ``min_round_duration_s``, and whose kind (camera
-or radio) is the site's. A task that names its model by digest (``TrainingTask.model_digest``) carries no weights:
+whose time padding (``round_duration_s``) is at least the site's ``min_round_duration_s``, whose kind (camera
+or radio) is the site's, and, for a buffered round, that is not more than its ``max_staleness`` behind the newest
+task seen (:mod:`edge_sdk.rounds.superseded`). A task that names its model by digest (``TrainingTask.model_digest``) carries no weights:
 it is accepted with empty ``weights`` and its digest as ``model_hash`` (the agent then finds the model,
 :mod:`edge_sdk.rounds.model_cache`, whose hash is checked there).
 """
@@ -21,6 +22,7 @@ from shared.errors import PayloadError
 from shared.protocol import TrainingTask, decode_task_with_artifacts
 
 from edge_sdk.rounds.context import AgentContext
+from edge_sdk.rounds.superseded import too_stale
 
 __all__ = ["AcceptedTask", "accept_task"]
 
@@ -48,6 +50,10 @@ def accept_task(ctx: AgentContext, envelope: Envelope) -> AcceptedTask | None:
         task, weights, artifacts = decode_task_with_artifacts(envelope.payload)
     except PayloadError as exc:
         ctx.reject("task", exc.reason, str(exc))
+        return None
+    if too_stale(task, ctx.newest_round_seen):
+        ctx.reject("task", "too_stale", f"round {task.round} is more than max_staleness {task.max_staleness} rounds "
+                   f"behind round {ctx.newest_round_seen}, whose task came already: its update would not count")
         return None
     if task.round != header.round or task.federation_id != header.federation_id:
         ctx.reject("task", "header_mismatch", "task round/federation differ from the envelope header")

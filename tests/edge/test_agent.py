@@ -454,3 +454,34 @@ def test_waiting_for_an_ack_with_max_rounds_reads_no_payload_per_message(world) 
     assert during_flood == (0, 0)
     assert agent.outbox.payload_reads - reads_before == 1 and len(payload_selects) == 1
     agent.close()
+
+
+def test_only_the_newest_waiting_task_is_trained(world) -> None:
+    # Prepare: the gateway was busy while round 1's and round 2's tasks came, and a forged round 3 task
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    agent.start()
+    coordinator.send(coordinator.task(1))
+    coordinator.send(coordinator.task(2))
+    coordinator.send(coordinator.task(3, key=generate_signing_key()))  # not the coordinator's: supersedes nothing
+    # Execute
+    trained = agent.run(max_rounds=1, idle_timeout_s=10)
+    # Assert: round 1's task was skipped (its update would be late), round 2 trained once, round 3 refused
+    assert trained == 1 and [u.header.round for u in coordinator.updates] == [2]
+    assert agent.stats["rejected:superseded"] == 1 and agent.stats["rejected:bad_signature"] == 1
+    agent.close()
+
+
+def test_a_buffered_task_known_to_be_too_stale_is_not_trained(world) -> None:
+    # Prepare: the gateway has seen round 5's task; buffered tasks of rounds 2 and 3 come, max_staleness 2
+    coordinator, make_agent = world
+    agent, _ = make_agent()
+    agent.start()
+    agent.ctx.newest_round_seen = 5
+    coordinator.send(coordinator.task(2, max_staleness=2))
+    assert agent.run(max_rounds=1, idle_timeout_s=1) == 0
+    assert agent.stats["rejected:too_stale"] == 1 and coordinator.updates == []  # 5 - 2 > 2: no budget spent
+    coordinator.send(coordinator.task(3, max_staleness=2))
+    assert agent.run(max_rounds=1, idle_timeout_s=10) == 1  # 5 - 3 = 2: still aggregated, trained
+    assert [u.header.round for u in coordinator.updates] == [3]
+    agent.close()
