@@ -16,9 +16,8 @@ nothing of it before). :func:`link_advice` turns them into what an operator shou
   the selected sites must stay reachable through every stage of a round (docs/secagg.md), and the noise is
   calibrated for the tolerated dropouts. With sites online a fraction p of the time, about p x n are there when a
   round opens; when that is below t, rounds fail and local DP (``ccdp``) with a long deadline fits better.
-- **Buffered asynchronous aggregation** (FedBuff) beat synchronous rounds in the laboratory only under satellite
-  passes (short windows, long gaps, spread phases); it is not a coordinator mode yet, so the advice names it only as
-  that measurement.
+- **Buffered rounds** (FedBuff, ``buffered:`` in the coordinator config) beat synchronous rounds in the laboratory
+  only under satellite passes (short windows, long gaps, spread phases); the advice names them for such links.
 
 The presence a coordinator did not hear (it was stopped) is missing from these numbers; they describe the links as
 seen from the coordinator, which is what a round sees too.
@@ -130,7 +129,7 @@ def _hours(seconds: float) -> str:
 
 
 def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: float,
-                secagg_threshold: int | None = None) -> list[str]:
+                secagg_threshold: int | None = None, buffered: bool = False) -> list[str]:
     """What to change for these links (module docstring): one line per finding, empty when nothing is known.
 
     Args:
@@ -138,13 +137,15 @@ def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: f
         privacy: the coordinator's privacy mode (``ccdp``, ``none``, ``global``).
         round_deadline_s: the configured deadline of a synchronous round, seconds.
         secagg_threshold: Global DP's threshold t (None: a majority of the sites).
+        buffered: the coordinator runs buffered rounds (a late update counts in a later round: no deadline advice,
+            and FedBuff is not suggested again).
     """
     known = [s for s in stats if s.online_fraction is not None]
     if not known:
         return []
     lines = []
     slow = sorted((s for s in known if s.gap_p90_s > round_deadline_s), key=lambda s: -s.gap_p90_s)
-    if privacy in ("ccdp", "none") and slow:
+    if privacy in ("ccdp", "none") and slow and not buffered:
         worst = slow[0]
         lines.append(f"{len(slow)} of {len(known)} site(s) are offline longer than round_deadline_s "
                      f"({_hours(round_deadline_s)}) at their 90th-percentile gap (longest: {worst.site_id}, "
@@ -160,8 +161,9 @@ def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: f
                          "will fail; local DP (privacy: ccdp) with a deadline covering the gaps fits these links "
                          "(docs/transport.md, \"Stragglers\")")
     satellite_like = [s for s in known if (s.online_fraction or 0) < 0.25 and s.changes >= 8]
-    if satellite_like and len(satellite_like) * 2 >= len(known):
+    if satellite_like and len(satellite_like) * 2 >= len(known) and not buffered:
         lines.append(f"{len(satellite_like)} site(s) are online in short windows (under 25 % of the time, 8 or more "
-                     "changes): the links under which buffered asynchronous aggregation (FedBuff) beat synchronous "
-                     "rounds in the laboratory (docs/results/fedbuff.md); it is not a coordinator mode yet")
+                     "changes): the links under which buffered rounds (FedBuff) beat synchronous rounds in the "
+                     "laboratory (docs/results/fedbuff.md); set buffered: {buffer_size: 4} in the coordinator config "
+                     "(docs/transport.md, \"Buffered rounds\")")
     return lines

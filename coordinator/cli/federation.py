@@ -160,7 +160,7 @@ def _print_links(cfg: CoordinatorConfig, site_ids: list[str]) -> None:
                       f"{st.longest_gap_s / 3600:.1f} h", f"{st.gap_p90_s / 3600:.1f} h")
     console.print(table)
     for line in link_advice(stats, privacy=cfg.privacy, round_deadline_s=cfg.round_deadline_s,
-                            secagg_threshold=cfg.secagg.threshold):
+                            secagg_threshold=cfg.secagg.threshold, buffered=cfg.buffered is not None):
         console.print(f"[yellow]links:[/] {escape(line)}")
 
 
