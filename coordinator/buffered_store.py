@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from coordinator.storage import Store, UpdateOutcome
 from coordinator.tables import BufferedUpdateRow, UpdateRow
 
-__all__ = ["store_waiting", "claim_waiting", "count_waiting"]
+__all__ = ["store_waiting", "claim_waiting", "count_waiting", "buffer_counts"]
 
 
 def store_waiting(store: Store, row: UpdateRow, payload: bytes) -> UpdateOutcome:
@@ -71,3 +71,11 @@ def count_waiting(store: Store) -> int:
     with store.session() as s:
         return int(s.scalar(select(func.count()).select_from(BufferedUpdateRow)
                             .where(BufferedUpdateRow.buffer_round.is_(None))) or 0)
+
+
+def buffer_counts(store: Store) -> tuple[int, int]:
+    """``(waiting, folded)``: stale updates stored and not yet claimed, and those a closed round has folded."""
+    with store.session() as s:
+        total = int(s.scalar(select(func.count()).select_from(BufferedUpdateRow)) or 0)
+    waiting = count_waiting(store)
+    return waiting, total - waiting

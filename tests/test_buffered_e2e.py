@@ -148,6 +148,9 @@ def test_gateways_offline_and_back_and_a_coordinator_killed_mid_buffer(tmp_path:
 
         # Assert: nothing waits; every stored update folded once (closed form per round); charged == stored
         assert waiting(store) == []
+        shown = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--config", str(cfg_path)],
+                               cwd=ROOT, env=subprocess_env(None), capture_output=True, text=True, timeout=120)
+        assert "stale update(s) folded, 0 waiting for the next close" in shown.stdout, shown.stdout[-3000:]
         with store.session() as s:
             claimed = {r.update_id: r.buffer_round for r in s.scalars(select(BufferedUpdateRow))}
             rows = {r.id: (r.site_id, r.round) for r in s.scalars(select(UpdateRow))}

@@ -31,6 +31,7 @@ from shared.errors import ConfigError
 from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key, save_private_key, save_public_key
 
+from coordinator.buffered_store import buffer_counts
 from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_console, friendly, open_state,
                                     warn_plain_http)
 from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
@@ -91,6 +92,7 @@ def status(config: Path = config_option()) -> None:
         left = [site.site_id for site in registry.list()
                 if (known := known_categories(site, ledger)) and known <= ledger.halted(site.site_id)]
         site_ids = [site.site_id for site in registry.list()]
+        buffer = buffer_counts(store) if cfg.buffered is not None else None
     finally:
         store.dispose()
     console.print(f"federation [bold]{escape(cfg.federation_id)}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
@@ -105,6 +107,9 @@ def status(config: Path = config_option()) -> None:
         mode, detail = rep.details.get(r, (None, None))
         table.add_row(str(r), escape(st), str(n), (h or "-")[:12], escape(mode or "-"), escape(detail or ""))
     console.print(table)
+    if buffer is not None:
+        console.print(f"buffered rounds (K={cfg.buffered.buffer_size}, max_staleness {cfg.buffered.max_staleness}): "
+                      f"{buffer[1]} stale update(s) folded, {buffer[0]} waiting for the next close")
     if cfg.strategy.kind == "nira":
         console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
     rej = Table(title="rejections by reason")

@@ -15,6 +15,7 @@ from shared.iucn import IUCNCategory
 from shared.keys import generate_signing_key
 from shared.topics import ack_topic
 
+from coordinator.buffered_store import buffer_counts
 from coordinator.config import config_from_dict
 from coordinator.service import Coordinator
 from coordinator.storage import BufferedUpdateRow
@@ -81,6 +82,7 @@ def test_a_stale_update_is_folded_once_with_its_staleness_weight(tmp_path):
     assert coord.ledger.spent("s1", LC) == pytest.approx(rdp_eps([(1.2, 0.05, 5)] * 3), rel=1e-9)
     with coord.store.session() as s:
         assert [r.buffer_round for r in s.scalars(select(BufferedUpdateRow))] == [2]
+    assert buffer_counts(coord.store) == (0, 1)  # what `status` prints: none waiting, one folded
     assert [t.max_staleness for t in online.tasks] == [1, 1, 1]
     coord.close()
 
