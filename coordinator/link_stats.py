@@ -164,6 +164,6 @@ def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: f
     if satellite_like and len(satellite_like) * 2 >= len(known) and not buffered:
         lines.append(f"{len(satellite_like)} site(s) are online in short windows (under 25 % of the time, 8 or more "
                      "changes): the links under which buffered rounds (FedBuff) beat synchronous rounds in the "
-                     "laboratory (docs/results/fedbuff.md); set buffered: {buffer_size: 4} in the coordinator config "
+                     "laboratory (docs/results/fedbuff.md); set buffered: {buffer_size: 2} in the coordinator config "
                      "(docs/transport.md, \"Buffered rounds\")")
     return lines
