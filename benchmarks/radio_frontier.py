@@ -62,6 +62,32 @@ def load(dirs: list[Path]) -> list[dict]:
     return rows
 
 
+def _group(row: dict) -> tuple:
+    """A row's group: (defence, z_eff) for the defences with an epsilon; steered-uniform, which states none, by its
+    noise multiplier z (the same noise budget as uniform at that z); none and clip-only alone."""
+    if row["level"] is not None:
+        return (row["defence"], row["level"])
+    return (row["defence"], None if row["defence"] != "steered-uniform" else -row["z"])
+
+
+def _level(key: tuple) -> str:
+    lev = key[1]
+    return "-" if lev is None or lev < 0 else f"{lev:g}"
+
+
+def _paired(groups: dict[tuple, list[dict]], key: tuple, base_key: tuple, label: str) -> None:
+    """Print defence - base per seed (RMSE, held-out MSE, other-city MSE): mean [95 % t-interval] (per seed)."""
+    base = {r["seed"]: r for r in groups.get(base_key, [])}
+    pairs = [(r, base[r["seed"]]) for r in groups[key] if r["seed"] in base]
+    if not pairs:
+        return
+    for field, unit in (("rmse_m", "m"), ("val", "dB held-out"), ("val_other", "dB other city")):
+        diff = np.array([a[field] - b[field] for a, b in pairs])
+        half = _t95(len(diff)) * diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else math.nan
+        print(f"  {key[0]} - uniform, {label}: {diff.mean():+.2f} [{diff.mean() - half:+.2f}, "
+              f"{diff.mean() + half:+.2f}] {unit} ({', '.join(f'{x:+.2f}' for x in diff)})")
+
+
 def main() -> None:
     """Parse the options, print the table and the paired differences, draw the plot."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -71,30 +97,31 @@ def main() -> None:
     rows = load(args.dirs)
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["defence"], r["level"]), []).append(r)
+        groups.setdefault(_group(r), []).append(r)
     print("| defence | z | z_eff | eps per site | seeds | template RMSE (m), last attack | sites | held-out MSE (dB) | "
           "other city MSE (dB) | round 0: held-out / other (dB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] is not None, kv[0][1] or 0,
-                                                                     kv[0][0])):
+    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] is not None and kv[0][1] >= 0,
+                                                                     abs(kv[0][1] or 0), kv[0][0])):
         rs.sort(key=lambda r: r["seed"])
-        eps = "none" if lev is None else f"{np.mean([r['epsilon'] for r in rs]):.1f}"
-        z = "-" if lev is None else f"{rs[0]['z']:g}"
-        print(f"| {defence} | {z} | {'-' if lev is None else f'{lev:g}'} | {eps} | {len(rs)} | "
+        guaranteed = lev is not None and lev >= 0
+        eps = f"{np.mean([r['epsilon'] for r in rs]):.1f}" if guaranteed else "none"
+        z = f"{rs[0]['z']:g}" if lev is not None else "-"
+        print(f"| {defence} | {z} | {_level((defence, lev))} | {eps} | {len(rs)} | "
               f"{_ms([r['rmse_m'] for r in rs])} | {sum(r['sites'] for r in rs) / len(rs):.1f} | "
               f"{_ms([r['val'] for r in rs])} | {_ms([r['val_other'] for r in rs])} | "
               f"{_ms([r['val0'] for r in rs])} / {_ms([r['val0_other'] for r in rs])} |")
-    print("\nPaired by seed, defence - uniform at the same epsilon: mean [95 % t-interval] (per seed)")
-    for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
-        base = {r["seed"]: r for r in groups.get(("uniform", lev), [])}
-        pairs = [(r, base[r["seed"]]) for r in rs if r["seed"] in base]
-        if defence == "uniform" or lev is None or not pairs:
+    print("\nPaired by seed, defence - uniform at the same epsilon (steered-uniform: at the same z, the same noise "
+          "budget; it states no epsilon): mean [95 % t-interval] (per seed)")
+    uniform_at_z = {rs[0]["z"]: key for key, rs in groups.items() if key[0] == "uniform"}
+    for key in sorted(groups, key=lambda k: (abs(k[1] or 0), k[0])):
+        defence, lev = key
+        if defence == "uniform" or lev is None:
             continue
-        for key, unit in (("rmse_m", "m"), ("val", "dB held-out"), ("val_other", "dB other city")):
-            diff = np.array([a[key] - b[key] for a, b in pairs])
-            half = _t95(len(diff)) * diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else math.nan
-            print(f"  {defence} - uniform, z_eff {lev:g}: {diff.mean():+.2f} [{diff.mean() - half:+.2f}, "
-                  f"{diff.mean() + half:+.2f}] {unit} ({', '.join(f'{x:+.2f}' for x in diff)})")
+        if lev >= 0:
+            _paired(groups, key, ("uniform", lev), f"z_eff {lev:g}")
+        elif -lev in uniform_at_z:
+            _paired(groups, key, uniform_at_z[-lev], f"z {-lev:g}")
     if args.plot is not None:
         import matplotlib
 
@@ -108,7 +135,8 @@ def main() -> None:
                 y = np.array([r[key] - r[start] for r in rs])   # paired with the seed's round 0: no city spread
                 ax.errorbar(x.mean(), y.mean(), xerr=x.std(ddof=1) if len(x) > 1 else None,
                             yerr=y.std(ddof=1) if len(y) > 1 else None, marker="o", capsize=3,
-                            label=f"{defence}, z_eff {'-' if lev is None else f'{lev:g}'}")
+                            label=f"{defence}, {'z' if lev is not None and lev < 0 else 'z_eff'} "
+                                  f"{_level((defence, lev)) if lev is None or lev >= 0 else f'{-lev:g}'}")
         for ax, title in zip(axes, ("held-out tiles", "other city")):
             ax.set(xlabel="template attacker RMSE (m), higher is more private",
                    ylabel="validation MSE minus round 0's (dB), lower is better", title=title)
