@@ -11,9 +11,12 @@ current model version), and its own updates are ingested as usual. What differs:
   (:func:`coordinator.buffered_store.claim_waiting`) and folded into FedAvg's running sum with the weight
   s(t) n_i, t = this round - their round, n_i their declared capacity (:meth:`BufferedRounds.fold`).
 - **Aggregate** (:meth:`BufferedRounds.aggregate`): ``sum_i s(t_i) n_i delta_i / D``, where the round's own updates
-  have t = 0 (s = 1) and D is ``K * mean declared capacity`` (``normalisation: fixed``, the fixed-denominator
-  estimator, McMahan et al., ICLR 2018, Sec. 2) or ``sum_i n_i`` (``examples``). The staleness weights are not
-  renormalised away (``coordinator.buffered``, "Normalisation"). The server optimizer then steps as in any round.
+  have t = 0 (s = 1) and D is ``max(K, m) * mean declared capacity`` for m updates folded (``normalisation:
+  fixed``, the fixed-denominator estimator, McMahan et al., ICLR 2018, Sec. 2) or ``sum_i n_i`` (``examples``).
+  A round usually folds exactly K; more come in when several updates arrive together (sites share a round's time
+  slot) or between the quorum and the close, and max(K, m) keeps them from enlarging the step. The staleness
+  weights are not renormalised away (``coordinator.buffered``, "Normalisation"). The server optimizer then steps as
+  in any round.
 
 The staleness functions are :class:`coordinator.buffered.StalenessWeight`'s.
 """
@@ -110,8 +113,8 @@ class BufferedRounds:
             raise ValueError("no update was accumulated: nothing to aggregate")
         examples = sum(a.num_examples for a in ctx.accepted.values()) + sum(f.num_examples for f in stale)
         denominator = float(examples)
-        if self.config.normalisation == "fixed":
-            denominator = self.buffer_size * self.reference_weight(examples / acc.count)
+        if self.config.normalisation == "fixed":  # max(K, m): updates that came together beyond K do not enlarge it
+            denominator = max(self.buffer_size, acc.count) * self.reference_weight(examples / acc.count)
         return {k: (v / denominator).astype(acc.dtypes[k]) for k, v in acc.sums.items()}
 
     def reference_weight(self, fallback: float) -> float:

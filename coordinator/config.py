@@ -312,6 +312,18 @@ class CoordinatorConfig(StrictModel):
         """The per-category budget object (shared.iucn.CCDPBudget)."""
         return self.budget.to_budget()
 
+    def planned_updates(self) -> int:
+        """The rounds each site's records are planned for (tasks' ``planned_rounds``): ``rounds``, or in buffered
+        rounds ``buffered.updates_per_site`` when set (a site there trains only the rounds it reaches)."""
+        if self.buffered is not None and self.buffered.updates_per_site is not None:
+            return int(self.buffered.updates_per_site)
+        return int(self.rounds)
+
+    def pending_rounds_cap(self) -> int | None:
+        """The most pending rounds per site the ledger's forecasts count: 1 in buffered rounds (a buffered gateway
+        holds at most one trained, uncharged update: docs/transport.md "Buffered rounds"), else None (all)."""
+        return 1 if self.buffered is not None else None
+
     def budgets(self) -> dict[IUCNCategory, float]:
         """``{category: total epsilon}`` for all six IUCN categories; for radio maps ``{NE: radio.epsilon}`` (a radio
         map has no species; the ledger files its uploads under NE, "Not Evaluated")."""

@@ -173,3 +173,7 @@ class BufferedConfig(StrictModel):
     exponent: float = Field(0.5, ge=0, le=100, description="polynomial: a in (1 + t)^-a; hinge: the slope")
     knee: int = Field(0, ge=0, description="hinge: the staleness up to which s(t) = 1")
     normalisation: Literal["fixed", "examples"] = "fixed"
+    updates_per_site: int | None = Field(None, ge=1, description="updates each site's records are planned for (the "
+                                         "tasks' planned_rounds: each gateway calibrates its noise to spend its "
+                                         "budget over this many updates); null: rounds. A site behind a link misses "
+                                         "rounds, so set it to the updates a site can send during the federation")

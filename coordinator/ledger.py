@@ -46,6 +46,9 @@ Semantics (docs/privacy.md):
   late those updates arrive (and whatever crashed) the spend never passes the budget. A pending round stops
   counting once any event of the site for it is charged. A site that never delivers a round keeps it pending: it
   only halts that site's categories up to one round early per round missed (conservative, never an overrun).
+  Buffered rounds cap the count at one per site (``max_pending``): there a gateway trains only the newest task it
+  holds and only once its previous update was acknowledged (``edge_sdk.agent``), so at most one update it trained
+  can still be charged; the rounds it missed cost it nothing.
 - Rounds left (:meth:`PrivacyLedger.rounds_left`, for ``wildfed-coordinator budget``): the same dry run repeated
   (the same predicted events, every mechanism, the same pending rounds), i.e. how many more rounds the accountant
   allows before the budget is passed (composition through dp-accounting, never a linear extrapolation of epsilon).
@@ -115,6 +118,9 @@ class PrivacyLedger(LedgerForecasts):
         store: where rows live (:class:`coordinator.storage.Store`).
         target_delta: delta at which epsilon is reported (the federation's ``target_delta``), in (0, 1).
         accountant: default accountant name, ``"rdp"`` or ``"pld"`` (shared.privacy.accounting).
+        max_pending: the most pending rounds per site the forecasts count (:meth:`pending_rounds`); None: all.
+            Buffered rounds set 1 (``CoordinatorConfig.pending_rounds_cap``): a buffered gateway has at most one
+            trained update that is not yet charged.
 
     A new ``PrivacyLedger`` on the same database (e.g. after a restart) reports exactly the same spend: what it keeps
     in memory (a running composition per (site, category, accountant), module docstring) is rebuilt from the rows,
@@ -122,8 +128,10 @@ class PrivacyLedger(LedgerForecasts):
     around the running compositions).
     """
 
-    def __init__(self, store: Store, *, target_delta: float, accountant: AccountantName = "rdp") -> None:
+    def __init__(self, store: Store, *, target_delta: float, accountant: AccountantName = "rdp",
+                 max_pending: int | None = None) -> None:
         self._store = store
+        self.max_pending = max_pending
         self.target_delta = float(target_delta)
         self.accountant: AccountantName = accountant
         self._streams: dict[tuple[str, str, str], _Stream] = {}

@@ -28,6 +28,9 @@ class LedgerForecasts:
     close, rounds left, halting. A base of :class:`coordinator.ledger.PrivacyLedger`, whose store, lock, running
     compositions and reads (``events``, ``categories``, ``halted``, ``spent``, ``halt``...) these methods use."""
 
+    #: the most pending rounds counted per site (None: every one); PrivacyLedger sets it
+    max_pending: int | None = None
+
     def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None
                        ) -> dict[str, tuple[int, ...]]:
         """Rounds whose charges can still arrive, per site: the site was selected (its task was sent, or was about
@@ -40,7 +43,8 @@ class LedgerForecasts:
             before_round: only rounds before this one (default: every recorded round, the open one included).
 
         Returns:
-            ``{site: (round, ...)}`` in round order; sites with none are left out.
+            ``{site: (round, ...)}`` in round order, at most ``max_pending`` (the newest) per site when the ledger
+            has that cap (buffered rounds); sites with none are left out.
         """
         with self._store.session() as s:
             q = select(RoundRow.round, RoundRow.selected_json, RoundRow.privacy)
@@ -58,7 +62,10 @@ class LedgerForecasts:
             for sid in json.loads(selected_json or "[]"):
                 if (site_id is None or sid == site_id) and (sid, int(r)) not in charged:
                     out.setdefault(sid, []).append(int(r))
-        return {k: tuple(v) for k, v in out.items()}
+        cap = self.max_pending
+        if cap is not None:  # buffered rounds: the newest `cap` only
+            out = {k: v[len(v) - cap:] if cap > 0 else [] for k, v in out.items()}
+        return {k: tuple(v) for k, v in out.items() if v}
 
     def next_round_events(self, site_id: str, category: IUCNCategory | str,
                           last_sets: Mapping[IUCNCategory, tuple[DPSGDEvent, ...]] | None = None

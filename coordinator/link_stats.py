@@ -35,7 +35,7 @@ from sqlalchemy import select
 from coordinator.storage import Store
 from coordinator.tables import PresenceEventRow
 
-__all__ = ["LinkStats", "link_stats", "fleet_link_stats", "link_advice", "DEFAULT_WINDOW_S"]
+__all__ = ["LinkStats", "link_stats", "fleet_link_stats", "link_advice", "duration_text", "DEFAULT_WINDOW_S"]
 
 #: The window the statistics cover by default (seconds): a week of a gateway's days and nights.
 DEFAULT_WINDOW_S = 7 * 24 * 3600.0
@@ -124,8 +124,11 @@ def fleet_link_stats(store: Store, site_ids: Sequence[str], *, now: _dt.datetime
     return [link_stats(site, by_site[site], now=now, window_s=window_s) for site in site_ids]
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+def duration_text(seconds: float) -> str:
+    """A gap or deadline for people: ``1.3 h``, ``12 min`` or ``45 s``."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: float,
@@ -148,9 +151,9 @@ def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: f
     if privacy in ("ccdp", "none") and slow and not buffered:
         worst = slow[0]
         lines.append(f"{len(slow)} of {len(known)} site(s) are offline longer than round_deadline_s "
-                     f"({_hours(round_deadline_s)}) at their 90th-percentile gap (longest: {worst.site_id}, "
-                     f"{_hours(worst.gap_p90_s)}): their updates arrive after the deadline and their budget is spent "
-                     f"for nothing; raise round_deadline_s above {_hours(worst.gap_p90_s)} (docs/results/fedbuff.md)")
+                     f"({duration_text(round_deadline_s)}) at their 90th-percentile gap (longest: {worst.site_id}, "
+                     f"{duration_text(worst.gap_p90_s)}): their updates arrive after the deadline and their budget is spent "
+                     f"for nothing; raise round_deadline_s above {duration_text(worst.gap_p90_s)} (docs/results/fedbuff.md)")
     if privacy == "global":
         n = len(known)
         t = secagg_threshold if secagg_threshold is not None else n // 2 + 1
@@ -161,7 +164,11 @@ def link_advice(stats: Sequence[LinkStats], *, privacy: str, round_deadline_s: f
                          "will fail; local DP (privacy: ccdp) with a deadline covering the gaps fits these links "
                          "(docs/transport.md, \"Stragglers\")")
     satellite_like = [s for s in known if (s.online_fraction or 0) < 0.25 and s.changes >= 8]
-    if satellite_like and len(satellite_like) * 2 >= len(known) and not buffered:
+    if satellite_like and len(satellite_like) * 2 >= len(known) and buffered:
+        lines.append(f"{len(satellite_like)} site(s) are online in short windows: buffered rounds, which this "
+                     "coordinator runs, are the mode the laboratory measured best for such links "
+                     "(docs/results/fedbuff.md)")
+    elif satellite_like and len(satellite_like) * 2 >= len(known):
         lines.append(f"{len(satellite_like)} site(s) are online in short windows (under 25 % of the time, 8 or more "
                      "changes): the links under which buffered rounds (FedBuff) beat synchronous rounds in the "
                      "laboratory (docs/results/fedbuff.md); set buffered: {buffer_size: 2} in the coordinator config "

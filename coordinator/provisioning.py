@@ -417,7 +417,7 @@ def _federation_plan(config: CoordinatorConfig) -> dict[str, Any] | None:
     ``global``, radio maps)."""
     if config.privacy in ("none", "global") or config.model == "radio_unet":
         return None
-    return {"rounds": config.rounds, "local_steps": config.local_steps,
+    return {"rounds": config.planned_updates(), "local_steps": config.local_steps,
             "expected_batch": config.expected_batch_size, "target_delta": config.target_delta,
             "clipping_norm": config.clipping_norm, "variant": config.ccdp_variant,
             "budgets": {c.value: float(e) for c, e in config.budgets().items()}}

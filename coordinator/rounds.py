@@ -542,7 +542,8 @@ class RoundManager:
         else:
             status = "failed"
             log.warning("rounds: round %d failed: %d of %d needed updates", ctx.round, len(ctx.accepted), need)
-        record.close(status, num_accepted=len(ctx.accepted) + len(stale))
+        record.close(status, num_accepted=len(ctx.accepted) + len(stale),
+                     detail=f"{len(stale)} stale update(s) folded" if stale else None)
         new_hash = record.model_hash_after
         log.info("rounds: round %d %s with %d update(s)%s, model %s", ctx.round, status, len(ctx.accepted),
                  f" and {len(stale)} stale" if stale else "", new_hash[:12])

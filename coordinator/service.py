@@ -130,7 +130,8 @@ class Coordinator:
         self.config = config
         self.store = Store(config.database_url or "", config.data_dir, schema=schema)
         self.registry = SiteRegistry(self.store)
-        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
+        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant,
+                                    max_pending=config.pending_rounds_cap())
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else transport_from_config(config)
         self._key = signing_key if signing_key is not None else load_private_key(config.signing_key_path)

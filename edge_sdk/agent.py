@@ -13,6 +13,10 @@ enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so not
 When idle, unacknowledged updates are resent every ``resend_interval_s`` and stalled downloads are asked for again;
 after every (re)connect the outbox is resent and the open round's task is asked for.
 
+Of several tasks waiting, only the newest is trained (:mod:`edge_sdk.rounds.superseded`); a buffered round's task
+(``max_staleness`` set) that comes while the previous update is still unacknowledged waits until it is (a newer
+task replaces it), so that at most one trained update is ever uncharged (docs/transport.md, "Buffered rounds").
+
 A round's update (and a Global DP round's secure-aggregation replies) leave at the round's public time slot
 (:mod:`edge_sdk.privacy.timing`, the task's ``round_duration_s`` counted from the task's acceptance). The loop does
 not sleep until then: it blocks on its inbox for at most the time left to the next slot and releases what is due
@@ -59,7 +63,7 @@ from edge_sdk.rounds.model_cache import DigestModels, WaitingTask
 from edge_sdk.rounds.radio_round import RadioRound
 from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
-from edge_sdk.rounds.superseded import newer_task_waiting
+from edge_sdk.rounds.superseded import newer_task_waiting, too_stale
 from edge_sdk.rounds.tasks import AcceptedTask, accept_task
 from edge_sdk.site_paths import calibration_cache_dir
 from edge_sdk.updates.receiver import SoftwareUpdates
@@ -139,6 +143,8 @@ class EdgeAgent:
         self.staged: StagedVersion | None = None
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._stop = threading.Event()
+        #: a buffered round's task that waits until the previous update is acknowledged (:meth:`_train`)
+        self._deferred: tuple[Envelope, AcceptedTask] | None = None
         self._started = False
         self._task_topic = task_topic(config.federation_id, config.site_id)
         self._ack_topic = ack_topic(config.federation_id, config.site_id)
@@ -277,6 +283,7 @@ class EdgeAgent:
         while not self._stop.is_set():
             if pacer.run_due():  # what waited for its time slot leaves now (edge_sdk.privacy.timing)
                 last_activity = time.monotonic()
+            trained += int(self._train_deferred())
             if self.health.due():
                 self.health.send("interval")
             if max_rounds is not None and trained >= max_rounds and not pacer.pending() \
@@ -302,6 +309,7 @@ class EdgeAgent:
                     break
                 continue
             last_activity = time.monotonic()
+            trained += int(self._train_deferred())
             if kind == "task":
                 trained += int(self.handle_task_message(payload))
             elif kind == "ack" and kind_of(payload) == MessageKind.RECEIPT:
@@ -319,6 +327,23 @@ class EdgeAgent:
                 self.request_downloads()
                 self.health.send("connected")
         return trained
+
+    def _update_in_flight(self) -> bool:
+        """Whether an update this site trained is not acknowledged yet (waiting for its time slot, or in the
+        outbox)."""
+        return bool(self.ctx.pacer.pending() or self.outbox.count())
+
+    def _train_deferred(self) -> bool:
+        """Train the deferred buffered task once no update is in flight, unless it became too stale meanwhile."""
+        if self._deferred is None or self._update_in_flight():
+            return False
+        envelope, accepted = self._deferred
+        self._deferred = None
+        if too_stale(accepted.task, self.ctx.newest_round_seen) or accepted.task.round <= self.ctx.last_round():
+            self.ctx.reject("task", "too_stale", f"round {accepted.task.round}'s task waited for an ACK and is now "
+                            "too old to count")
+            return False
+        return self._train(envelope, accepted)
 
     def _idle(self) -> bool:
         """Nothing in flight: no reply waiting for its time slot, no secure-aggregation round, an empty outbox."""
@@ -414,6 +439,12 @@ class EdgeAgent:
         newer = newer_task_waiting(self.ctx, waiting, task.round)
         if newer is not None:
             self.ctx.reject("task", "superseded", f"round {task.round}'s task is not trained: round {newer}'s waits")
+            return False
+        if task.max_staleness is not None and self._update_in_flight():
+            # buffered rounds: at most one trained update not yet charged (docs/transport.md, "Buffered rounds")
+            log.info("site %s: round %d's task waits until the previous update is acknowledged", self.config.site_id,
+                     task.round)
+            self._deferred = (envelope, accepted)  # a newer task replaces it
             return False
         self.ctx.pacer.begin(task.round, task.round_duration_s)  # its replies leave at a public time slot
         if self.radio is not None:

@@ -11,7 +11,7 @@ at least that long), and once the gateways have gone quiet one more round folds
 whatever still waits. Asserted from the coordinator's database and model files:
 
 - every stored update is folded into exactly one closed round: each round's new model equals its base plus
-  ``sum s(t) n delta / (K n_bar)`` over the round's own updates (t = 0) and the stale ones it claimed, computed here
+  ``sum s(t) n delta / (max(K, m) n_bar)`` over the round's own updates (t = 0) and the stale ones it claimed, computed here
   from the stored blobs (a double or a missing fold would break the equality);
 - nothing charged is discarded: the (site, round) pairs the ledger charged are exactly the stored updates' pairs,
   and no update was refused as late;
@@ -81,12 +81,14 @@ def waiting(store: Store) -> list[int]:
 
 
 def expected_step(store: Store, round_: int) -> dict[str, np.ndarray]:
-    """``sum s(t) n delta / (K n_bar)`` of the round's own stored updates and the stale ones it claimed."""
+    """``sum s(t) n delta / (max(K, m) n_bar)`` of the round's m folded updates: its own stored ones and the stale
+    ones it claimed."""
     with store.session() as s:
         claimed = set(s.scalars(select(BufferedUpdateRow.update_id).where(BufferedUpdateRow.buffer_round == round_)))
         rows = list(s.scalars(select(UpdateRow)))
         buffered = set(s.scalars(select(BufferedUpdateRow.update_id)))
     step: dict[str, np.ndarray] = {}
+    m = 0
     for row in rows:
         if row.id in claimed:
             scale = 1.0 / math.sqrt(1.0 + round_ - row.round)
@@ -95,9 +97,10 @@ def expected_step(store: Store, round_: int) -> dict[str, np.ndarray]:
         else:
             continue
         report, delta = decode_update(store.get_blob(row.payload_sha256))
+        m += 1
         for name, d in delta.items():
             step[name] = step.get(name, 0.0) + scale * report.num_examples * d.astype(np.float64)
-    return {name: v / (K * CAPACITY) for name, v in step.items()}
+    return {name: v / (max(K, m) * CAPACITY) for name, v in step.items()}
 
 
 def test_gateways_offline_and_back_and_a_coordinator_killed_mid_buffer(tmp_path: Path, mqtt_url: str):  # noqa: F811

@@ -75,7 +75,7 @@ def budget_plan(cfg: CoordinatorConfig, *, capacity: int, records: Mapping[IUCNC
                           fix="give the site's declared capacity (enrolment metadata)")
     budgets = {c: b for c, b in cfg.budgets().items() if c in categories}
     q = min(1.0, cfg.expected_batch_size / capacity)
-    steps = cfg.rounds * cfg.local_steps
+    steps = cfg.planned_updates() * cfg.local_steps
     plan = plan_ccdp(variant=cfg.ccdp_variant, budgets=budgets, active=budgets, target_delta=cfg.target_delta,
                      sampling_rate=q, steps=steps, clipping_norm=float(cfg.clipping_norm),
                      accountant=cfg.accountant)
@@ -87,7 +87,7 @@ def budget_plan(cfg: CoordinatorConfig, *, capacity: int, records: Mapping[IUCNC
                                                       steps=steps, parameters=parameters)}
     interval_days = cfg.schedule.round_interval_s / 86400.0
     return [PlanRow(category=c, budget=budgets[c], sampling_rate=plan.sampling_rates[c],
-                    noise_multiplier=plan.noise_std / plan.clipping_norms[c], rounds=cfg.rounds,
-                    days=cfg.rounds * interval_days, signal=signals[c],
+                    noise_multiplier=plan.noise_std / plan.clipping_norms[c], rounds=cfg.planned_updates(),
+                    days=cfg.planned_updates() * interval_days, signal=signals[c],
                     federation_ratio=signals[c].ratio * math.sqrt(max(1, sites)))
             for c in sorted(budgets, key=lambda c: c.rank)]

@@ -120,7 +120,8 @@ def open_state(config: CoordinatorConfig) -> tuple[Store, SiteRegistry, PrivacyL
         from shared.keys import load_public_key
 
         registry.reserve(load_public_key(config.public_key_path))
-    return store, registry, PrivacyLedger(store, target_delta=config.target_delta, accountant=config.accountant)
+    return store, registry, PrivacyLedger(store, target_delta=config.target_delta, accountant=config.accountant,
+                                          max_pending=config.pending_rounds_cap())
 
 
 def parse_metadata(text: str) -> dict[str, Any]:

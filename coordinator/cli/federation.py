@@ -145,7 +145,7 @@ def status(config: Path = config_option()) -> None:
 def _print_links(cfg: CoordinatorConfig, site_ids: list[str]) -> None:
     """The links table of ``status`` (coordinator/link_stats.py): each site's online fraction and offline gaps over
     the last 7 days, as the coordinator heard its presence, and what to change for them."""
-    from coordinator.link_stats import DEFAULT_WINDOW_S, fleet_link_stats, link_advice
+    from coordinator.link_stats import DEFAULT_WINDOW_S, duration_text, fleet_link_stats, link_advice
     from coordinator.storage import Store, utcnow
 
     store = Store(cfg.database_url, cfg.data_dir)
@@ -162,7 +162,7 @@ def _print_links(cfg: CoordinatorConfig, site_ids: list[str]) -> None:
         table.add_column(col, justify="left" if col == "site" else "right")
     for st in known:
         table.add_row(escape(st.site_id), f"{st.online_fraction:.0%}", str(len(st.gaps_s)),
-                      f"{st.longest_gap_s / 3600:.1f} h", f"{st.gap_p90_s / 3600:.1f} h")
+                      duration_text(st.longest_gap_s), duration_text(st.gap_p90_s))
     console.print(table)
     for line in link_advice(stats, privacy=cfg.privacy, round_deadline_s=cfg.round_deadline_s,
                             secagg_threshold=cfg.secagg.threshold, buffered=cfg.buffered is not None):

@@ -115,8 +115,8 @@ class StaleUpdates:
             raise Reject(RejectReason.DUPLICATE, f"site {h.site_id!r} already has an update stored for round "
                          f"{h.round}")
         self._replies.ack(env, Ack(round=h.round, accepted=True, reason="buffered"))
-        log.info("ingest: buffered the round %d update from %s, %d round(s) old, for round %d's close", h.round,
-                 h.site_id, staleness, joins)
+        log.info("ingest: buffered the round %d update from %s (its round had closed, or was closing) for the next "
+                 "round to close", h.round, h.site_id)
         if os.environ.get(_CRASH_ENV) == CRASH_AFTER_BUFFERED:  # TEST ONLY: killed with the update in the buffer
             os.kill(os.getpid(), signal.SIGKILL)
         return Accepted(site_id=h.site_id, round=h.round, sequence=h.sequence, num_examples=int(report.num_examples),

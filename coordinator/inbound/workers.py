@@ -100,7 +100,8 @@ class IngestWorker:
         self.worker_id = worker_id
         self.store = Store(config.database_url or "", config.data_dir, schema=schema)
         self.registry = SiteRegistry(self.store)
-        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant)
+        self.ledger = PrivacyLedger(self.store, target_delta=config.target_delta, accountant=config.accountant,
+                                    max_pending=config.pending_rounds_cap())
         self._owns_transport = transport is None
         self.transport: Transport = transport if transport is not None else transport_from_config(
             config, client_id=f"wildfed-ingest-{config.federation_id}-{worker_id}", role=worker_id)  # own account

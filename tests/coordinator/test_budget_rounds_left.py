@@ -175,3 +175,22 @@ def test_budget_help_says_what_rounds_left_computes_without_stray_line_breaks() 
         if line and following and not line.startswith("Usage"):
             next_word = following.split()[0]
             assert len(line) + 1 + len(next_word) > 80 - 4, f"stray line break after {line!r}"
+
+
+def test_buffered_rounds_count_at_most_one_pending_round_per_site(tmp_path):
+    # Prepare: as above, but a buffered federation's ledger: rounds 4 and 5 sent to 'ridge', neither charged
+    cfg_path, cfg, store = _fed(tmp_path)
+    budget = cfg.budgets()[LC]
+    ledger = PrivacyLedger(store, target_delta=cfg.target_delta, max_pending=1)
+    for r in (1, 2, 3):
+        ledger.record_round("ridge", r, {LC: STEPS})
+        ledger.record_round("ridge", r, {LC: COUNTS}, mechanism="counts")
+    with store.session() as s:
+        for r in (4, 5):
+            s.add(RoundRow(round=r, status="closed", base_model_hash="0" * 64, selected_json=dumps(["ridge"]),
+                           privacy="ccdp"))
+    # Assert: only the newest pending round counts (a buffered gateway holds at most one uncharged update)
+    assert ledger.pending_rounds("ridge") == {"ridge": (5,)}
+    assert ledger.rounds_left("ridge", LC, budget) == brute_rounds_left(3 + 1, budget)
+    assert PrivacyLedger(store, target_delta=cfg.target_delta, max_pending=0).pending_rounds("ridge") == {}
+    store.dispose()

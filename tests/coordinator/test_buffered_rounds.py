@@ -83,6 +83,7 @@ def test_a_stale_update_is_folded_once_with_its_staleness_weight(tmp_path):
     with coord.store.session() as s:
         assert [r.buffer_round for r in s.scalars(select(BufferedUpdateRow))] == [2]
     assert buffer_counts(coord.store) == (0, 1)  # what `status` prints: none waiting, one folded
+    assert [r.detail for r in coord.store.rounds()] == [None, "1 stale update(s) folded", None]
     assert [t.max_staleness for t in online.tasks] == [1, 1, 1]
     coord.close()
 
@@ -125,3 +126,19 @@ def test_buffered_rounds_refuse_what_they_cannot_serve(tmp_path, overrides, fiel
     data = {"federation_id": "f", "data_dir": str(tmp_path), "buffered": BUFFERED, **overrides}
     with pytest.raises(Exception, match=field):
         config_from_dict(data)
+
+
+def test_more_updates_than_k_in_one_close_divide_by_their_number(tmp_path):
+    # Prepare: every site answers at once (they share the round's time slot): 3 updates in a round with K = 2
+    transport, key = InMemoryTransport(), generate_signing_key()
+    coord, online, offline, silent = federation(tmp_path, transport, key)
+    offline.attach()
+    silent.attach()
+    coord.start()
+    _, r1 = run_one(coord)
+    assert r1.accepted == ("s1", "s2", "s3")
+    _, weights = coord.rounds.current_model()
+    step = (10 * 1.0 + 30 * 4.0 + 20 * 9.0) / (3 * 20.0)  # max(K, m) = 3 updates of mean capacity 20
+    for name, w0 in tiny_weights().items():
+        np.testing.assert_allclose(weights[name], w0 + step, rtol=1e-6)
+    coord.close()

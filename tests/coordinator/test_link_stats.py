@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from shared.topics import status_payload, status_topic
 
 from coordinator.cli import app
-from coordinator.link_stats import LinkStats, fleet_link_stats, link_advice, link_stats
+from coordinator.link_stats import LinkStats, duration_text, fleet_link_stats, link_advice, link_stats
 from coordinator.tables import PresenceEventRow
 from tests.coordinator.test_fleet import FED, fed  # noqa: F401 - the fixture
 
@@ -67,7 +67,9 @@ def test_the_advice_names_the_deadline_global_dp_and_the_satellite_case() -> Non
     assert "(longest: s0, 1.3 h)" in lines[0] and "raise round_deadline_s above 1.3 h" in lines[0]
     assert "FedBuff" in lines[1] and len(lines) == 2
     assert link_advice(sat, privacy="ccdp", round_deadline_s=2 * H)[0].startswith("4 site(s) are online in short")
-    assert link_advice(sat, privacy="ccdp", round_deadline_s=600, buffered=True) == []  # already buffered rounds
+    buffered = link_advice(sat, privacy="ccdp", round_deadline_s=600, buffered=True)  # no deadline advice then
+    assert len(buffered) == 1 and "buffered rounds, which this coordinator runs" in buffered[0]
+    assert [duration_text(s) for s in (45, 600, 4680)] == ["45 s", "10 min", "1.3 h"]
     glob = link_advice(sat, privacy="global", round_deadline_s=2 * H, secagg_threshold=3)
     assert glob[0].startswith("Global DP needs 3 of 4 sites") and "about 0.4 are online" in glob[0]
     steady = [LinkStats(f"t{k}", 24 * H, 0.99, (60.0,), 2) for k in range(4)]

@@ -485,3 +485,25 @@ def test_a_buffered_task_known_to_be_too_stale_is_not_trained(world) -> None:
     assert agent.run(max_rounds=1, idle_timeout_s=10) == 1  # 5 - 3 = 2: still aggregated, trained
     assert [u.header.round for u in coordinator.updates] == [3]
     agent.close()
+
+
+def test_a_buffered_task_waits_until_the_previous_update_is_acknowledged(world) -> None:
+    # Prepare: the coordinator does not ACK yet; buffered tasks of rounds 1 and 2 come one after the other
+    coordinator, make_agent = world
+    coordinator.ack = False
+    agent, _ = make_agent()
+    agent.start()
+    coordinator.send(coordinator.task(1, max_staleness=5))
+    coordinator.send(coordinator.task(2, max_staleness=5))
+    # Execute 1: round 2 supersedes round 1 (both waiting); round 2 trains; round 3 comes while it is unacknowledged
+    assert agent.run(max_rounds=1, idle_timeout_s=1) == 1
+    coordinator.send(coordinator.task(3, max_staleness=5))
+    assert agent.run(max_rounds=2, idle_timeout_s=1) == 0  # round 3 waits: round 2's update is in flight
+    assert [u.header.round for u in coordinator.updates] == [2] and agent.outbox.count() == 1
+    # Execute 2: the ACK of round 2 comes; round 3 trains then
+    coordinator.ack = True
+    sequence = coordinator.updates[0].header.sequence
+    coordinator.transport.publish(ack_topic(FED, SITE), coordinator.sealed_ack(2, sequence=sequence).to_bytes())
+    assert agent.run(max_rounds=1, idle_timeout_s=10) == 1
+    assert [u.header.round for u in coordinator.updates] == [2, 3] and agent.outbox.count() == 0
+    agent.close()

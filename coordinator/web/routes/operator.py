@@ -28,7 +28,8 @@ def budget_rows(ctx: WebContext) -> list[dict[str, Any]]:
     from coordinator.reports import budget_report
 
     config, store = ctx.config, ctx.store
-    ledger = PrivacyLedger(store, target_delta=config.target_delta, accountant=config.accountant)
+    ledger = PrivacyLedger(store, target_delta=config.target_delta, accountant=config.accountant,
+                           max_pending=config.pending_rounds_cap())
     rows = budget_report(config, SiteRegistry(store), ledger, config.accountant)
     return [{"site_id": r.site_id, "category": r.category.value, "budget": r.budget, "spent": r.spent,
              "remaining": r.remaining, "rounds_left": r.rounds_left, "halted": r.halted,
@@ -79,7 +80,8 @@ def budgets_plot(request: Request, ctx: WebContext = Depends(web)) -> Response:
     from coordinator.reports import burn_down_figure
 
     config = ctx.config
-    ledger = PrivacyLedger(ctx.store, target_delta=config.target_delta, accountant=config.accountant)
+    ledger = PrivacyLedger(ctx.store, target_delta=config.target_delta, accountant=config.accountant,
+                           max_pending=config.pending_rounds_cap())
     return Response(svg_of(burn_down_figure(config, ledger, config.accountant)), media_type="image/svg+xml")
 
 
