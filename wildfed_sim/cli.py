@@ -98,7 +98,7 @@ def demo(
     links: str = typer.Option("always-on", help="gateways' links, played over the real broker in compressed time "
                               "(wildfed_sim/demo_links.py): always-on, satellite (10 min every 90), solar-night or "
                               "cellular"),
-    link_minute_s: float = typer.Option(0.5, help="with --links: real seconds per simulated minute"),
+    link_minute_s: float = typer.Option(0.25, help="with --links: real seconds per simulated minute"),
     buffered: int = typer.Option(0, help="0: synchronous rounds; K > 0: buffered rounds (FedBuff) closing at K "
                                  "updates, stale ones folded with a staleness weight (local DP: --privacy ccdp)"),
     max_staleness: int = typer.Option(10, help="with --buffered: the oldest stale update folded, in rounds"),

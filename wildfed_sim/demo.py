@@ -7,6 +7,10 @@
   the same loader a field gateway uses, training with CCDP and uploading signed updates;
 - the coordinator (this process): registry, signed tasks, ingest, privacy ledger, streaming FedAvg.
 
+With ``--links`` other than always-on, each gateway reaches the broker through its own link relay, cut outside the
+link model's windows in compressed time once round 1 opens (:mod:`wildfed_sim.demo_links`); ``--buffered K`` runs
+buffered rounds (FedBuff) instead of synchronous ones.
+
 Data: Animal-MNIST (``animal-mnist==0.4``, 10,000 real 28x28 silhouettes, 10 classes), fetched and verified by
 :mod:`wildfed_sim.animal_mnist`; a stratified held-out test split stays at the coordinator; the rest is
 partitioned into sites by the ecological design of :mod:`wildfed_sim.ecology` (docs/demo-data.md) and
@@ -201,14 +205,14 @@ class DemoSettings:
     nira_distance_threshold: float | None = None
     feature_centre: bool = True
     links: str = "always-on"
-    link_minute_s: float = 0.5
+    link_minute_s: float = 0.25
     buffered: int = 0
     max_staleness: int = 10
 
     def __post_init__(self) -> None:
         if self.privacy is None:  # Global DP with FedAvg; NIRA and buffered rounds need the sites' own updates
             object.__setattr__(self, "privacy", "ccdp" if self.strategy == "nira" or self.buffered else "global")
-        check_link_settings(self)  # links, compression, round mode; round_deadline_s resolved
+        check_link_settings(self)  # links, compression, round mode; the round's deadline and padding resolved
         # None: the tuned defaults of this privacy mode (DP_DEFAULTS / GLOBAL_DP_DEFAULTS / NON_PRIVATE_DEFAULTS)
         defaults = (NON_PRIVATE_DEFAULTS if self.privacy == "none"
                     else GLOBAL_DP_DEFAULTS if self.privacy == "global" else DP_DEFAULTS)

@@ -41,8 +41,8 @@ from wildfed_sim.link_driver import GateGroup, LinkDriver, ProcessGate, RelayGat
 from wildfed_sim.link_models import LINK_MODELS, link_model
 from wildfed_sim.link_relay import LinkRelay
 
-__all__ = ["COVERING_MINUTES", "TRAINING_MINUTES", "HORIZON_MIN", "check_link_settings", "DemoLinks", "update_accounting",
-           "print_links_summary"]
+__all__ = ["COVERING_MINUTES", "TRAINING_MINUTES", "HORIZON_MIN", "check_link_settings", "DemoLinks",
+           "update_accounting", "print_links_summary"]
 
 #: simulated minutes a synchronous round's deadline covers, per link model (module docstring): three satellite
 #: periods (up to one to the pass that brings the task, one from the reply's slot to the pass that carries it, one
@@ -72,7 +72,7 @@ def check_link_settings(settings: Any) -> None:
     if not (isinstance(settings.link_minute_s, (int, float)) and settings.link_minute_s > 0
             and math.isfinite(settings.link_minute_s)):
         raise ConfigError(f"link_minute_s must be positive seconds, got {settings.link_minute_s!r}",
-                          field="link_minute_s", fix="use --link-minute-s 0.5 (a satellite pass: 5 s every 45 s)")
+                          field="link_minute_s", fix="use --link-minute-s 0.25 (a satellite pass: 2.5 s every 22.5 s)")
     if type(settings.buffered) is not int or settings.buffered < 0:
         raise ConfigError(f"buffered must be an integer >= 0, got {settings.buffered!r}", field="buffered",
                           fix="use --buffered 0 (synchronous rounds) or e.g. --buffered 4")

@@ -129,6 +129,10 @@ class LinkRelay:
         for client, upstream in list(self._links):
             client.transport.abort()
             upstream.transport.abort()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One gateway connection: held while offline, then forwarded until either side closes or it is cut."""

@@ -216,6 +216,9 @@ def test_demo_link_settings_defaults_and_checks():
     links = DemoLinks(buffered, "mqtt://127.0.0.1:1883", 2)
     assert links.coordinator_section() == {"buffered": {"buffer_size": 4, "max_staleness": 10}}
     assert links.relays == [] and links.site_url(1) == "mqtt://127.0.0.1:1883"  # always-on: no relay
+    with DemoLinks(sat, "mqtt://127.0.0.1:1883", 2) as relayed:  # one relay per gateway, each its own port
+        urls = {relayed.site_url(0), relayed.site_url(1)}
+        assert len(urls) == 2 and "mqtt://127.0.0.1:1883" not in urls and relayed.coordinator_section() == {}
     for kwargs, name in [({"links": "dial-up"}, "links"), ({"link_minute_s": 0.0}, "link_minute_s"),
                          ({"buffered": -1}, "buffered"), ({"buffered": 4, "privacy": "global"}, "buffered"),
                          ({"buffered": 2, "max_staleness": -1}, "max_staleness"),
@@ -223,3 +226,34 @@ def test_demo_link_settings_defaults_and_checks():
         with pytest.raises(ConfigError) as err:
             DemoSettings(**kwargs)
         assert err.value.field == name
+
+
+def test_update_accounting_follows_every_charged_update(tmp_path):
+    # hand-made database: s1's round-1 update in closed round 1; s2's round-1 update stale, folded by closed round 2;
+    # s3's round-2 update stale and waiting; s4's round-1 update charged and refused as late; s5's round-3 update in
+    # failed round 3 (charged, stored, not aggregated). s1 is charged on two ledger streams (a cohort's and its own).
+    from coordinator.storage import Store
+    from coordinator.tables import BufferedUpdateRow, LedgerRow, RejectionRow, RoundRow, SiteRow, UpdateRow
+    from tests.coordinator.helpers import make_config
+    from wildfed_sim.demo_links import update_accounting
+
+    cfg = make_config(tmp_path)
+    store = Store(cfg.database_url, cfg.data_dir)
+    with store.session() as s:
+        s.add_all([SiteRow(site_id=f"s{i}", public_key_pem="-") for i in range(1, 6)])
+        s.add_all([RoundRow(round=1, status="closed", base_model_hash="a"),
+                   RoundRow(round=2, status="closed", base_model_hash="b"),
+                   RoundRow(round=3, status="failed", base_model_hash="c")])
+        for site, r in [("s1", 1), ("s1@c1", 1), ("s2", 1), ("s3", 2), ("s4", 1), ("s5", 3)]:
+            s.add(LedgerRow(site_id=site, round=r, category="VU", noise_multiplier=1.0, sampling_rate=0.1, steps=1,
+                            event_json="{}"))
+        rows = {(site, r): UpdateRow(round=r, site_id=site, sequence=r, num_examples=3, payload_sha256="0" * 64)
+                for site, r in [("s1", 1), ("s2", 1), ("s3", 2), ("s5", 3)]}
+        s.add_all(rows.values())
+        s.flush()
+        s.add_all([BufferedUpdateRow(update_id=rows[("s2", 1)].id, buffer_round=2),
+                   BufferedUpdateRow(update_id=rows[("s3", 2)].id, buffer_round=None),
+                   RejectionRow(round=1, site_id="s4", reason="late", error_kind="Reject")])
+    assert update_accounting(store) == {"charged": 5, "aggregated": 2, "stale_folded": 1, "waiting": 1,
+                                        "discarded": 2, "late": 1}
+    store.dispose()
