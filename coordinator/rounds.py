@@ -308,7 +308,7 @@ class RoundManager:
         result = self.close_round(ctx)
         return RoundResult(round=result.round, status=result.status, selected=result.selected,
                            accepted=result.accepted, model_hash=result.model_hash, duration_s=self._clock() - t0,
-                           halted=result.halted, open_s=open_s)
+                           halted=result.halted, open_s=open_s, stale=result.stale)
 
     def open_round(self) -> RoundContext | None:
         """Halt, select, let the strategy prepare its bundle, record the round as ``open``, start ingest, publish

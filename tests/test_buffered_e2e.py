@@ -80,9 +80,9 @@ def waiting(store: Store) -> list[int]:
         return list(s.scalars(select(BufferedUpdateRow.update_id).where(BufferedUpdateRow.buffer_round.is_(None))))
 
 
-def expected_step(store: Store, round_: int) -> dict[str, np.ndarray]:
+def expected_step(store: Store, round_: int, k: int = K, capacity: int = CAPACITY) -> dict[str, np.ndarray]:
     """``sum s(t) n delta / (max(K, m) n_bar)`` of the round's m folded updates: its own stored ones and the stale
-    ones it claimed."""
+    ones it claimed (K = ``k``, n_bar = ``capacity``, every site's declared capacity)."""
     with store.session() as s:
         claimed = set(s.scalars(select(BufferedUpdateRow.update_id).where(BufferedUpdateRow.buffer_round == round_)))
         rows = list(s.scalars(select(UpdateRow)))
@@ -100,7 +100,7 @@ def expected_step(store: Store, round_: int) -> dict[str, np.ndarray]:
         m += 1
         for name, d in delta.items():
             step[name] = step.get(name, 0.0) + scale * report.num_examples * d.astype(np.float64)
-    return {name: v / (max(K, m) * CAPACITY) for name, v in step.items()}
+    return {name: v / (max(k, m) * capacity) for name, v in step.items()}
 
 
 def test_gateways_offline_and_back_and_a_coordinator_killed_mid_buffer(tmp_path: Path, mqtt_url: str):  # noqa: F811

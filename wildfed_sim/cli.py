@@ -91,7 +91,17 @@ def demo(
     broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker (default: embedded amqtt)"),
     out: Path | None = typer.Option(None, help="run folder (default runs/demo-<UTC time>)"),
     centralised_epochs: int = typer.Option(0, help="also train on the pooled data for N epochs as a reference"),
-    round_deadline_s: float = typer.Option(300.0, help="seconds a round waits for its sites"),
+    round_deadline_s: float | None = typer.Option(None, help="seconds a round waits for its sites (default 300; "
+                                                  "with --links, what covers the model's gaps in compressed time)"),
+    round_duration_s: float | None = typer.Option(None, help="each reply leaves this long after its task (timing "
+                                                  "padding; default 0; with --links, 20 simulated minutes)"),
+    links: str = typer.Option("always-on", help="gateways' links, played over the real broker in compressed time "
+                              "(wildfed_sim/demo_links.py): always-on, satellite (10 min every 90), solar-night or "
+                              "cellular"),
+    link_minute_s: float = typer.Option(0.25, help="with --links: real seconds per simulated minute"),
+    buffered: int = typer.Option(0, help="0: synchronous rounds; K > 0: buffered rounds (FedBuff) closing at K "
+                                 "updates, stale ones folded with a staleness weight (local DP: --privacy ccdp)"),
+    max_staleness: int = typer.Option(10, help="with --buffered: the oldest stale update folded, in rounds"),
     pretrain_epochs: int = typer.Option(0, help="first pretrain the model (non-private) on the public split, the "
                                         "training images no site holds, for N epochs (0: start from scratch)"),
     strategy: str = typer.Option("fedavg", help="aggregation: fedavg, or nira (ecological clusters, shared phi, "
@@ -120,7 +130,8 @@ def demo(
 
         radio_settings = RadioDemoSettings(sites=6 if sites is None else sites, rounds=rounds, defence=defence,
                                            city=city, seed=seed, broker=broker, out_dir=out,
-                                           round_deadline_s=round_deadline_s)
+                                           round_deadline_s=300.0 if round_deadline_s is None
+                                           else round_deadline_s)
         try:
             run_radio_demo(radio_settings, console=console)
         except KeyboardInterrupt:
@@ -143,7 +154,10 @@ def demo(
                             seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
                             round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
                             strategy=strategy, nira_recluster_every=recluster_every,
-                            nira_embedding_merging=embedding_merging, feature_centre=feature_centre)
+                            nira_embedding_merging=embedding_merging, feature_centre=feature_centre,
+                            round_duration_s=round_duration_s, links=links, link_minute_s=link_minute_s,
+                            buffered=buffered,
+                            max_staleness=max_staleness)
     try:
         run_demo(settings, console=console)
     except KeyboardInterrupt:

@@ -7,6 +7,10 @@
   the same loader a field gateway uses, training with CCDP and uploading signed updates;
 - the coordinator (this process): registry, signed tasks, ingest, privacy ledger, streaming FedAvg.
 
+With ``--links`` other than always-on, each gateway reaches the broker through its own link relay, cut outside the
+link model's windows in compressed time once round 1 opens (:mod:`wildfed_sim.demo_links`); ``--buffered K`` runs
+buffered rounds (FedBuff) instead of synchronous ones.
+
 Data: Animal-MNIST (``animal-mnist==0.4``, 10,000 real 28x28 silhouettes, 10 classes), fetched and verified by
 :mod:`wildfed_sim.animal_mnist`; a stratified held-out test split stays at the coordinator; the rest is
 partitioned into sites by the ecological design of :mod:`wildfed_sim.ecology` (docs/demo-data.md) and
@@ -41,6 +45,7 @@ from shared.keys import generate_signing_key, public_key_to_pem, save_private_ke
 
 from wildfed_sim.common.demo_data import demo_sites, public_images
 from wildfed_sim.common.runs import new_run_dir, sigterm_unwinds
+from wildfed_sim.demo_links import DemoLinks, check_link_settings, print_links_summary
 from wildfed_sim.gateway_processes import spawned_gateways
 
 __all__ = ["DP_DEFAULTS", "GLOBAL_DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings",
@@ -122,7 +127,17 @@ class DemoSettings:
             non-private lr.
         adapter_width: the head model's phi adapter width (1280 -> H, tanh); 0 (default, the better one in the
             tuning runs, docs/demo-data.md) trains the linear head psi alone on the frozen embeddings.
-        round_deadline_s: seconds a round waits for all selected sites.
+        round_deadline_s: seconds a round waits for all selected sites; None (the default): 300, or on
+            intermittent links the model's covering deadline in real seconds (:mod:`wildfed_sim.demo_links`).
+        round_duration_s: each reply leaves this long after its task (coordinator config, docs/privacy.md
+            "Timing"); None (the default): 0, or on intermittent links 20 simulated minutes in real seconds.
+        links: the gateways' link model (:mod:`wildfed_sim.link_models`): ``"always-on"`` (the default: no
+            relay, as before), ``"satellite"``, ``"solar-night"`` or ``"cellular"``, played over the real broker
+            (:mod:`wildfed_sim.demo_links`, :mod:`wildfed_sim.link_driver`). link_minute_s: real seconds per
+            simulated minute of the link model.
+        buffered: 0 (the default): synchronous rounds; K > 0: buffered rounds (FedBuff) that close at K updates,
+            stale ones included (coordinator config ``buffered``; needs ``privacy="ccdp"``, the default then).
+            max_staleness: the oldest stale update folded, in rounds.
         seed: data split, site design, model initialisation (privacy noise stays cryptographically random).
         broker: ``mqtt://host:port`` of a running broker, or None for the embedded one.
         out_dir: run folder; default ``runs/demo-<UTC timestamp>``.
@@ -172,7 +187,8 @@ class DemoSettings:
     clipping_norm: float = 1.0
     adapter_width: int = 0
     target_delta: float = 1e-5
-    round_deadline_s: float = 300.0
+    round_deadline_s: float | None = None
+    round_duration_s: float | None = None
     seed: int = 0
     broker: str | None = None
     out_dir: Path | None = None
@@ -188,10 +204,15 @@ class DemoSettings:
     nira_embedding_merging: bool = True
     nira_distance_threshold: float | None = None
     feature_centre: bool = True
+    links: str = "always-on"
+    link_minute_s: float = 0.25
+    buffered: int = 0
+    max_staleness: int = 10
 
     def __post_init__(self) -> None:
-        if self.privacy is None:  # Global DP with FedAvg; NIRA keeps per-cluster heads, which need local updates
-            object.__setattr__(self, "privacy", "ccdp" if self.strategy == "nira" else "global")
+        if self.privacy is None:  # Global DP with FedAvg; NIRA and buffered rounds need the sites' own updates
+            object.__setattr__(self, "privacy", "ccdp" if self.strategy == "nira" or self.buffered else "global")
+        check_link_settings(self)  # links, compression, round mode; the round's deadline and padding resolved
         # None: the tuned defaults of this privacy mode (DP_DEFAULTS / GLOBAL_DP_DEFAULTS / NON_PRIVATE_DEFAULTS)
         defaults = (NON_PRIVATE_DEFAULTS if self.privacy == "none"
                     else GLOBAL_DP_DEFAULTS if self.privacy == "global" else DP_DEFAULTS)
@@ -312,6 +333,7 @@ class DemoResult:
     final_accuracy_unadjusted: dict[str, float] | None = None
     prediction_offsets: list[float] | None = None
     final_models: dict[str, Any] | None = None
+    links: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -612,10 +634,11 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
     result = DemoResult(run_dir=run_dir)
     with ExitStack() as stack:
         broker_url = _start_broker(settings, stack, run_dir, console)
+        links = stack.enter_context(DemoLinks(settings, broker_url, len(specs)))  # a relay per gateway, or none
         site_configs, site_pems = [], []
-        for spec in specs:
-            path, pem = _write_site_config(settings, run_dir, spec, federation_id, broker_url, coordinator_pub,
-                                           centre_path)
+        for k, spec in enumerate(specs):
+            path, pem = _write_site_config(settings, run_dir, spec, federation_id, links.site_url(k),
+                                           coordinator_pub, centre_path)
             site_configs.append(path)
             site_pems.append(pem)
         # Start the gateways now: each spends seconds importing, loading and embedding its data and connecting,
@@ -631,15 +654,17 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         start_weights = _start_weights(settings, result, train, specs, test, test_features, class_categories,
                                        console)
         config = _coordinator_config(settings, run_dir, coord_dir, federation_id, broker_url, coordinator_pub,
-                                     centre_path, budget)
+                                     centre_path, budget, links.coordinator_section())
         coordinator = _start_coordinator(stack, config, start_weights, gateways, specs, site_pems, run_dir, console)
 
         console.log("waiting for the gateways to connect (each imports its libraries, loads its Camtrap DP "
                     "package and embeds its images; about a minute, longer on a first run or a busy machine)")
         gateways.wait_ready(console)
         budgets = config.budgets()
+        links.start(stack, gateways.procs)  # minute 0 of the link schedules: round 1 opens now
         _run_rounds(settings, coordinator, result, specs, train, test, test_features, class_categories, held,
                     console)
+        links.stop()  # every link up: the final models reach every gateway
         final_weights = _final_results(settings, coordinator, result, specs, train, test, test_features,
                                        class_categories)
         # while broker, coordinator and gateways still run: detections on real photos (wildfed_sim.detections)
@@ -648,6 +673,7 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
         from wildfed_sim.fleet_check import wait_for_final_models
 
         result.final_models = wait_for_final_models(coordinator, console=console)  # released, kept, reported
+        result.links = links.summary(coordinator.store, result.history, [s.site_id for s in specs])
 
     _centralised_reference(settings, result, specs, train, test, test_features, class_categories, console)
     result.elapsed_s = time.monotonic() - t0
@@ -724,9 +750,10 @@ def _budget(settings: DemoSettings) -> Any:
 
 
 def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, federation_id: str, broker_url: str,
-                        coordinator_pub: Path, centre_path: Path | None, budget: Any) -> Any:
+                        coordinator_pub: Path, centre_path: Path | None, budget: Any,
+                        round_mode: dict[str, Any]) -> Any:
     """The coordinator's resolved config for this run, also saved as ``coordinator.yaml`` in ``coord_dir`` (so that
-    the operator commands work on a finished demo)."""
+    the operator commands work on a finished demo); ``round_mode``: ``{"buffered": {...}}`` or empty."""
     from coordinator.config import config_from_dict, save_config
     from wildfed_sim.animal_mnist import SPECIES_TABLE
 
@@ -734,7 +761,8 @@ def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, 
         "federation_id": federation_id, "data_dir": str(coord_dir), "broker_url": broker_url,
         "signing_key_path": str(coord_dir / "keys" / "coordinator.key"),
         "public_key_path": str(coordinator_pub), "rounds": settings.rounds,
-        "round_deadline_s": settings.round_deadline_s, "local_steps": settings.local_steps,
+        "round_deadline_s": settings.round_deadline_s, "round_duration_s": settings.round_duration_s,
+        "local_steps": settings.local_steps,
         "expected_batch_size": settings.expected_batch_size, "learning_rate": settings.learning_rate,
         "clipping_norm": settings.clipping_norm, "target_delta": settings.target_delta,
         "privacy": settings.privacy, "ccdp_variant": settings.ccdp_variant, "global_noise": settings.global_noise,
@@ -748,7 +776,7 @@ def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, 
         **({"secagg": {"threshold": secagg_threshold(settings)}} if settings.privacy == "global" else {}),
         "seed": settings.seed, "strategy": _strategy_config(settings),
         "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
-                    for c, e in enumerate(SPECIES_TABLE)]}).resolved(run_dir)
+                    for c, e in enumerate(SPECIES_TABLE)], **round_mode}).resolved(run_dir)
     # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
     save_config(config, coord_dir / "coordinator.yaml")
     return config
@@ -803,7 +831,7 @@ def _run_rounds(settings: DemoSettings, coordinator: Any, result: DemoResult, sp
                      "selected": list(round_result.selected), "accepted": list(round_result.accepted),
                      "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
                      "per_site": sites_eval["summary"], "gap_s": gap_s,
-                     "open_s": round_result.open_s}
+                     "open_s": round_result.open_s, "stale": list(round_result.stale)}
             if unadjusted is not None:
                 entry["accuracy_unadjusted"] = dict(unadjusted.by_group)
             if settings.strategy == "nira":
@@ -894,6 +922,7 @@ def _print_summary(settings: DemoSettings, result: DemoResult, budgets: Any, hel
                     f"{settings.posthoc_logit_adjustment:g}, the prior from the sites' public metadata (no privacy "
                     f"cost); 'overall as trained' is the same model without it")
     console.log(f"rejected updates by reason: {result.rejections or 'none'}")
+    print_links_summary(result.links, console)
     gaps = [h["gap_s"] for h in result.history if h.get("gap_s") is not None]
     if gaps:
         console.log(f"gaps between rounds (from the end of one round until every task of the next is sent, this "
@@ -915,6 +944,7 @@ def _write_report(settings: DemoSettings, result: DemoResult, design: Any, specs
         "strategy": settings.strategy, "per_site": result.per_site, "nira": result.nira,
         "final_accuracy_unadjusted": result.final_accuracy_unadjusted,
         "prediction_offsets": result.prediction_offsets, "final_models": result.final_models,
+        "links": result.links,
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
     _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy != "none" else {},

@@ -88,6 +88,18 @@ def test_a_stale_update_is_folded_once_with_its_staleness_weight(tmp_path):
     coord.close()
 
 
+def test_run_round_reports_the_stale_updates_it_folded(tmp_path):
+    # run_round (what iter_rounds and the service call) returns the close's stale updates, as close_round does
+    transport, key = InMemoryTransport(), generate_signing_key()
+    coord, online, offline, _ = federation(tmp_path, transport, key)
+    coord.start()
+    ctx1, _ = run_one(coord)
+    offline.send(1, ctx1.model_hash, delta_of(4.0))  # stale, waiting for round 2's close
+    r2 = coord.rounds.run_round()
+    assert (r2.round, r2.status, r2.accepted, r2.stale) == (2, "closed", ("s1",), ("s2@r1",))
+    coord.close()
+
+
 def test_examples_normalisation_divides_by_the_buffer_s_capacities(tmp_path):
     transport, key = InMemoryTransport(), generate_signing_key()
     coord, *_ = federation(tmp_path, transport, key, normalisation="examples")
