@@ -46,6 +46,7 @@ Never set it in production.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -575,6 +576,42 @@ class RoundManager:
                             local_steps=self._local_steps(), strategy=self._strategy,
                             count_noise_multiplier=self._count_noise(), num_classes=self.config.num_classes,
                             expected_events=expected_events(self.config), **self._task_noise_parameters())
+
+    def drain_buffer(self) -> RoundResult | None:
+        """Buffered rounds, at the end of a run: a last round that sends no task and folds what is still coming.
+        The updates that wait, and those of the sites whose newest round is still pending within ``max_staleness``
+        (at most one per site, :meth:`coordinator.ledger.PrivacyLedger.pending_rounds`), are awaited until
+        ``round_deadline_s``; the round then closes with whatever came (``failed`` when nothing did), so that an
+        update charged after the last planned round still reaches the final model.
+
+        Returns:
+            the round's result, or None when nothing is waiting or expected (no round is recorded then).
+        """
+        if self.buffered is None:
+            return None
+        r = self.next_round()
+        window = r - self.buffered.config.max_staleness
+        expected = sum(1 for rounds in self._ledger.pending_rounds(before_round=r).values() if rounds[-1] >= window)
+        waiting = self.buffered.waiting()
+        if expected + waiting == 0:
+            return None
+        t0 = self._clock()
+        base_hash, weights = self.current_model()
+        RoundRecord.open(self._store, round=r, base_model_hash=base_hash, selected=[], privacy=self.config.privacy)
+        self._strategy.begin_round(weights)
+        ctx = RoundContext(round=r, model_hash=base_hash, template=weights, selected=frozenset(), halted={},
+                           budgets=self.config.budgets(), privacy=self.config.privacy, local_steps=self._local_steps(),
+                           strategy=self._strategy, bundle=weights, count_noise_multiplier=self._count_noise(),
+                           num_classes=self.config.num_classes, **self._task_noise_parameters())
+        self._ingestor.open_round(ctx)
+        log.info("rounds: round %d sends no task: it folds %d waiting update(s) and waits for %d in flight", r,
+                 waiting, expected)
+        with self._ingestor.changed:
+            deadline = self._clock() + self.config.round_deadline_s
+            while self._in_buffer(ctx) < expected + waiting and self._clock() < deadline:
+                self._ingestor.changed.wait(timeout=min(0.5, max(0.0, deadline - self._clock())))
+        result = self.close_round(ctx)
+        return dataclasses.replace(result, duration_s=self._clock() - t0)
 
     def round_joined_now(self) -> int:
         """The round a stale update arriving now would join: the open one, else the next to open."""

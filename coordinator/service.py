@@ -308,7 +308,9 @@ class Coordinator:
 
     def iter_rounds(self, rounds: int | None = None) -> Iterator[RoundResult]:
         """Run rounds until ``rounds`` (default ``config.rounds``) rounds exist, yielding each result; stops early
-        when no site can train any more (every site halted)."""
+        when no site can train any more (every site halted). Buffered rounds end with one more round that sends no
+        task and folds the updates still waiting or in flight (:meth:`RoundManager.drain_buffer`), when there are
+        any."""
         self.start()
         target = self.config.rounds if rounds is None else rounds
         while self.rounds.next_round() <= target:
@@ -316,6 +318,9 @@ class Coordinator:
             yield result
             if result.status == "skipped":
                 break
+        drained = self.rounds.drain_buffer()
+        if drained is not None:
+            yield drained
 
     def run(self, rounds: int | None = None,
             on_round: Callable[[RoundResult], None] | None = None) -> list[RoundResult]:

@@ -154,3 +154,20 @@ def test_more_updates_than_k_in_one_close_divide_by_their_number(tmp_path):
     for name, w0 in tiny_weights().items():
         np.testing.assert_allclose(weights[name], w0 + step, rtol=1e-6)
     coord.close()
+
+
+def test_a_run_ends_with_a_round_that_folds_what_came_after_its_last_round(tmp_path):
+    # Prepare: a one-round run; s2 answers round 1 only after it closed, s3 never does
+    transport, key = InMemoryTransport(), generate_signing_key()
+    coord, online, offline, silent = federation(tmp_path, transport, key)
+    rounds = coord.iter_rounds(1)
+    r1 = next(rounds)
+    assert (r1.round, r1.accepted) == (1, ("s1",))
+    offline.send(1, coord.store.rounds()[0].base_model_hash, delta_of(4.0))  # stale: waits
+    # Execute: the run goes on to its last round, which sends no task and waits (its deadline) for s3 too
+    drained = list(rounds)
+    # Assert: one more round, no site selected, s2's update folded once; nothing waits
+    assert [(r.round, r.status, r.selected, r.stale) for r in drained] == [(2, "closed", (), ("s2@r1",))]
+    assert buffer_counts(coord.store) == (0, 1) and online.tasks[-1].round == 1  # no task for round 2
+    assert list(coord.iter_rounds(2)) == []  # nothing waits or is expected any more: no further round
+    coord.close()
