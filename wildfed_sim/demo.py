@@ -837,8 +837,11 @@ def _run_rounds(settings: DemoSettings, coordinator: Any, result: DemoResult, sp
             if settings.strategy == "nira":
                 entry["clusters"] = _nira_state(coordinator)["clusters"]
             result.history.append(entry)
-            info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites, "
+            info = (f"{len(round_result.accepted)}/{len(round_result.selected)} sites"
+                    f"{f' + {len(round_result.stale)} stale' if round_result.stale else ''}, "
                     f"acc {100 * acc.by_group['overall']:.1f}% (CR/EN {100 * acc.by_group['CR/EN']:.1f}%)")
+            if not round_result.selected:  # a buffered run's last round: no task, it folds what came late
+                progress.update(task, total=round_result.round)
             if settings.privacy != "none" and IUCNCategory.CR in held:
                 info += f", eps CR {eps['CR']['spent_max']:.2f}/{eps['CR']['budget']:.2f}"
             progress.update(task, advance=1, info=info)
