@@ -128,13 +128,18 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+        defences = sorted({d for d, _ in groups})
+        colour = {d: plt.get_cmap("tab10")(i) for i, d in enumerate(defences)}  # one colour per defence
+        noise = sorted({abs(lev) for _, lev in groups if lev is not None})
+        marker = {n: m for n, m in zip(noise, "osD^v<>")}  # one marker per noise level (z_eff, or z for steered)
         for (defence, lev), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             x = np.array([r["rmse_m"] for r in rs])
             for ax, key, start in zip(axes, ("val", "val_other"), ("val0", "val0_other")):
                 y = np.array([r[key] - r[start] for r in rs])   # paired with the seed's round 0: no city spread
                 ax.errorbar(x.mean(), y.mean(), xerr=x.std(ddof=1) if len(x) > 1 else None,
-                            yerr=y.std(ddof=1) if len(y) > 1 else None, marker="o", capsize=3,
+                            yerr=y.std(ddof=1) if len(y) > 1 else None, capsize=3, color=colour[defence],
+                            marker=marker.get(abs(lev), "o") if lev is not None else "*", markersize=8,
                             label=f"{defence}, {'z' if lev is not None and lev < 0 else 'z_eff'} "
                                   f"{_level((defence, lev)) if lev is None or lev >= 0 else f'{-lev:g}'}")
         for ax, title in zip(axes, ("held-out tiles", "other city")):
