@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "wildfed_sim"
 
 #: each experiment with the modules that are its own parts (a module belongs to one experiment at most)
 EXPERIMENTS: dict[str, set[str]] = {
-    "demo": {"demo", "demo_observers", "nira"},  # nira runs the live demo once per configuration and seed
+    "demo": {"demo", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
     "radio": {"radiomap", "radio_demo", "radio_attack", "radio_data", "radio_shadows", "radio_tiles"},
     "fedsofim": {"fedsofim"},
     "privacy_utility": {"privacy_utility"},
@@ -29,7 +29,8 @@ EXPERIMENTS: dict[str, set[str]] = {
 }
 #: what every experiment may use: the building blocks (besides wildfed_sim.common)
 BUILDING_BLOCKS = {"animal_mnist", "camtrap_writer", "detections", "ecology", "embedded_broker", "embeddings",
-                   "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models"}
+                   "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models", "link_driver",
+                   "link_relay"}
 ENTRY_POINTS = {"cli", "__init__"}
 
 
