@@ -31,8 +31,8 @@ class LedgerForecasts:
     #: the most pending rounds counted per site (None: every one); PrivacyLedger sets it
     max_pending: int | None = None
 
-    def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None
-                       ) -> dict[str, tuple[int, ...]]:
+    def pending_rounds(self, site_id: str | None = None, *, before_round: int | None = None,
+                       capped: bool = True) -> dict[str, tuple[int, ...]]:
         """Rounds whose charges can still arrive, per site: the site was selected (its task was sent, or was about
         to be: the round row is written before the tasks), the round's privacy mode charges updates (not Global
         DP, not "none"), and no event of the site for that round is in the ledger yet. Its update may still come
@@ -41,6 +41,7 @@ class LedgerForecasts:
         Args:
             site_id: only this site (default: every site with a pending round).
             before_round: only rounds before this one (default: every recorded round, the open one included).
+            capped: apply ``max_pending`` (False: every pending round, e.g. to see which tasks a site may hold).
 
         Returns:
             ``{site: (round, ...)}`` in round order, at most ``max_pending`` (the newest) per site when the ledger
@@ -62,7 +63,7 @@ class LedgerForecasts:
             for sid in json.loads(selected_json or "[]"):
                 if (site_id is None or sid == site_id) and (sid, int(r)) not in charged:
                     out.setdefault(sid, []).append(int(r))
-        cap = self.max_pending
+        cap = self.max_pending if capped else None
         if cap is not None:  # buffered rounds: the newest `cap` only
             out = {k: v[len(v) - cap:] if cap > 0 else [] for k, v in out.items()}
         return {k: tuple(v) for k, v in out.items() if v}

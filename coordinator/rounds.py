@@ -579,8 +579,9 @@ class RoundManager:
 
     def drain_buffer(self) -> RoundResult | None:
         """Buffered rounds, at the end of a run: a last round that sends no task and folds what is still coming.
-        The updates that wait, and those of the sites whose newest round is still pending within ``max_staleness``
-        (at most one per site, :meth:`coordinator.ledger.PrivacyLedger.pending_rounds`), are awaited until
+        The updates that wait, and up to two per site whose rounds are still pending within ``max_staleness``
+        (:meth:`coordinator.ledger.PrivacyLedger.pending_rounds`: the update a gateway has in flight, and the one
+        it trains from the newest task it holds once that is acknowledged), are awaited until
         ``round_deadline_s``; the round then closes with whatever came (``failed`` when nothing did), so that an
         update charged after the last planned round still reaches the final model.
 
@@ -591,7 +592,8 @@ class RoundManager:
             return None
         r = self.next_round()
         window = r - self.buffered.config.max_staleness
-        expected = sum(1 for rounds in self._ledger.pending_rounds(before_round=r).values() if rounds[-1] >= window)
+        pending = self._ledger.pending_rounds(before_round=r, capped=False).values()
+        expected = sum(min(2, sum(1 for x in rounds if x >= window)) for rounds in pending)
         waiting = self.buffered.waiting()
         if expected + waiting == 0:
             return None

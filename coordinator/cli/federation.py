@@ -289,6 +289,8 @@ def _run(config: Path, rounds: int | None) -> None:
                       TextColumn("{task.description}"), console=console) as progress:
             task = progress.add_task("", total=max(0, target - first + 1))
             for res in coord.iter_rounds(target):
+                if not res.selected and res.stale:  # a buffered run's last round: no task, it folds what came late
+                    progress.update(task, total=res.round - first + 1)
                 progress.update(task, advance=1, description=f"round {res.round} {res.status}: "
                                 f"{len(res.accepted)}/{len(res.selected)} updates"
                                 f"{f' + {len(res.stale)} stale' if res.stale else ''}, model {res.model_hash[:12]}")
