@@ -83,9 +83,13 @@ def _paired(groups: dict[tuple, list[dict]], key: tuple, base_key: tuple, label:
         return
     for field, unit in (("rmse_m", "m"), ("val", "dB held-out"), ("val_other", "dB other city")):
         diff = np.array([a[field] - b[field] for a, b in pairs])
-        half = _t95(len(diff)) * diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else math.nan
+        per_seed = ", ".join(f"{x:+.2f}" for x in diff)
+        if len(diff) < 2:
+            print(f"  {key[0]} - uniform, {label}: {diff.mean():+.2f} (one seed: no interval) {unit}")
+            continue
+        half = _t95(len(diff)) * diff.std(ddof=1) / math.sqrt(len(diff))
         print(f"  {key[0]} - uniform, {label}: {diff.mean():+.2f} [{diff.mean() - half:+.2f}, "
-              f"{diff.mean() + half:+.2f}] {unit} ({', '.join(f'{x:+.2f}' for x in diff)})")
+              f"{diff.mean() + half:+.2f}] {unit} ({per_seed})")
 
 
 def main() -> None:

@@ -812,8 +812,8 @@ def radiomap_command(
     adaptive, and grouped-clipping) on per-client tiles; attacker localisation RMSE (m) and validation MSE (dB) on
     held-out tiles of the city and on another city, per round, 3 seeds.
     Writes radiomap.json, .md, .png and the ledger. The default grid (18 runs) takes well over an hour on 2 cores
-    (15 runs took 104 minutes on busy ones; --attacker template searches each active client's tile, about 15 min per
-    attack round and defence on busy cores);
+    (15 runs took 104 minutes on busy ones; --attacker template with the default first-order shadows costs about
+    25 s per attack round on one thread, its round-1 shadows shared by the defences of a seed);
     --rounds 2 --seeds 0 --pretrain-epochs 1 is a quick look (the real cities need `pip install --no-deps
     sionna-rt==2.2.0`; --city procedural needs nothing more)."""
     from rich.console import Console
