@@ -291,9 +291,12 @@ def _run(config: Path, rounds: int | None) -> None:
             for res in coord.iter_rounds(target):
                 if not res.selected and res.stale:  # a buffered run's last round: no task, it folds what came late
                     progress.update(task, total=res.round - first + 1)
-                progress.update(task, advance=1, description=f"round {res.round} {res.status}: "
-                                f"{len(res.accepted)}/{len(res.selected)} updates"
-                                f"{f' + {len(res.stale)} stale' if res.stale else ''}, model {res.model_hash[:12]}")
+                line = (f"round {res.round} {res.status}: {len(res.accepted)}/{len(res.selected)} updates"
+                        f"{f' + {len(res.stale)} stale' if res.stale else ''}, model {res.model_hash[:12]}")
+                progress.update(task, advance=1, description=line)
+                if not console.is_terminal:  # a log file gets a line per round as it closes, not a bar at the end
+                    console.print(escape(line))
+                    console.file.flush()
     finally:
         coord.close()
     status(config)

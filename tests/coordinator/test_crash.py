@@ -115,6 +115,7 @@ def test_sigkill_between_ingest_and_publish_charges_each_spend_once(tmp_path, br
         second = run_coordinator(cfg_path, None)
         assert second.returncode == 0, (second.stdout, second.stderr)
         assert "recovered round 1: closed" in second.stdout
+        assert "round 2 closed: 2/2 updates, model " in second.stdout  # a line per round when not on a terminal
 
         # Assert 2: every spend exactly once, equal to dp-accounting composed directly
         assert [(r.round, r.status) for r in store.rounds()] == [(1, "closed"), (2, "closed")]
