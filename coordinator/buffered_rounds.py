@@ -67,8 +67,7 @@ class BufferedRounds:
         self.config = config
         self._store = store
         self._registry = registry
-        a = float(config.exponent)
-        self.weight = StalenessWeight(kind=config.staleness, a=a, b=float(config.knee))
+        self.weight = StalenessWeight(kind=config.staleness, a=float(config.exponent), b=float(config.knee))
 
     @property
     def buffer_size(self) -> int:

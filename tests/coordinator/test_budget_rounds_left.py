@@ -99,18 +99,24 @@ def test_rounds_left_counts_the_count_releases_exactly_as_the_halt_check(tmp_pat
     store.dispose()
 
 
-def test_rounds_left_counts_rounds_whose_charges_can_still_arrive(tmp_path):
-    # Prepare: 3 charged rounds, then rounds 4 and 5 sent to 'ridge' whose updates have not come (yet)
-    cfg_path, cfg, store = _fed(tmp_path)
-    budget = cfg.budgets()[LC]
-    ledger = PrivacyLedger(store, target_delta=cfg.target_delta)
+def _three_charged_two_pending(store, cfg, *, status: str, max_pending: int | None = None) -> PrivacyLedger:
+    """'ridge' charged for rounds 1-3 (steps and counts); rounds 4 and 5 (``status``) sent to it, not charged."""
+    ledger = PrivacyLedger(store, target_delta=cfg.target_delta, max_pending=max_pending)
     for r in (1, 2, 3):
         ledger.record_round("ridge", r, {LC: STEPS})
         ledger.record_round("ridge", r, {LC: COUNTS}, mechanism="counts")
     with store.session() as s:
         for r in (4, 5):
-            s.add(RoundRow(round=r, status="failed", base_model_hash="0" * 64, selected_json=dumps(["ridge"]),
+            s.add(RoundRow(round=r, status=status, base_model_hash="0" * 64, selected_json=dumps(["ridge"]),
                            privacy="ccdp"))
+    return ledger
+
+
+def test_rounds_left_counts_rounds_whose_charges_can_still_arrive(tmp_path):
+    # Prepare: 3 charged rounds, then rounds 4 and 5 sent to 'ridge' whose updates have not come (yet)
+    cfg_path, cfg, store = _fed(tmp_path)
+    budget = cfg.budgets()[LC]
+    ledger = _three_charged_two_pending(store, cfg, status="failed")
     # Assert: the two pending rounds count as spent, in the report and in the halt check alike
     expected = brute_rounds_left(3 + 2, budget)
     assert rounds_left_shown(cfg_path, "ridge", "LC") == str(expected)
@@ -181,14 +187,7 @@ def test_buffered_rounds_count_at_most_one_pending_round_per_site(tmp_path):
     # Prepare: as above, but a buffered federation's ledger: rounds 4 and 5 sent to 'ridge', neither charged
     cfg_path, cfg, store = _fed(tmp_path)
     budget = cfg.budgets()[LC]
-    ledger = PrivacyLedger(store, target_delta=cfg.target_delta, max_pending=1)
-    for r in (1, 2, 3):
-        ledger.record_round("ridge", r, {LC: STEPS})
-        ledger.record_round("ridge", r, {LC: COUNTS}, mechanism="counts")
-    with store.session() as s:
-        for r in (4, 5):
-            s.add(RoundRow(round=r, status="closed", base_model_hash="0" * 64, selected_json=dumps(["ridge"]),
-                           privacy="ccdp"))
+    ledger = _three_charged_two_pending(store, cfg, status="closed", max_pending=1)
     # Assert: only the newest pending round counts (a buffered gateway holds at most one uncharged update)
     assert ledger.pending_rounds("ridge") == {"ridge": (5,)}
     assert ledger.rounds_left("ridge", LC, budget) == brute_rounds_left(3 + 1, budget)

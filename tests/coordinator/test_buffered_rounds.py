@@ -31,7 +31,9 @@ def delta_of(value: float) -> dict[str, np.ndarray]:
     return {k: np.full_like(v, value) for k, v in tiny_weights().items()}
 
 
-def federation(tmp_path, transport, key, **buffered):
+def federation(tmp_path, transport=None, key=None, **buffered):
+    """A coordinator with 3 enrolled sites: s1 answers every task, s2 only when the test sends for it, s3 never."""
+    transport, key = transport or InMemoryTransport(), key or generate_signing_key()
     cfg = make_config(tmp_path, rounds=3, round_deadline_s=0.5, buffered={**BUFFERED, **buffered})
     coord = Coordinator(cfg, transport=transport, signing_key=key, initial_weights=tiny_weights())
     online = FakeSite("s1", transport, key.public_key(), value=1.0, num_examples=10, events={LC: EVENT}).attach()
@@ -50,8 +52,7 @@ def run_one(coord):
 
 
 def test_a_stale_update_is_folded_once_with_its_staleness_weight(tmp_path):
-    transport, key = InMemoryTransport(), generate_signing_key()
-    coord, online, offline, silent = federation(tmp_path, transport, key)
+    coord, online, offline, silent = federation(tmp_path)
     coord.start()
     mean_capacity = (10 + 30 + 20) / 3  # the enrolled sites' declared capacities: K * 20 = 40 is the denominator
     # round 1: only s1 answers; the deadline closes it with one update: 10 * 1 / 40
@@ -90,8 +91,7 @@ def test_a_stale_update_is_folded_once_with_its_staleness_weight(tmp_path):
 
 def test_run_round_reports_the_stale_updates_it_folded(tmp_path):
     # run_round (what iter_rounds and the service call) returns the close's stale updates, as close_round does
-    transport, key = InMemoryTransport(), generate_signing_key()
-    coord, online, offline, _ = federation(tmp_path, transport, key)
+    coord, online, offline, _ = federation(tmp_path)
     coord.start()
     ctx1, _ = run_one(coord)
     offline.send(1, ctx1.model_hash, delta_of(4.0))  # stale, waiting for round 2's close
@@ -101,8 +101,7 @@ def test_run_round_reports_the_stale_updates_it_folded(tmp_path):
 
 
 def test_examples_normalisation_divides_by_the_buffer_s_capacities(tmp_path):
-    transport, key = InMemoryTransport(), generate_signing_key()
-    coord, *_ = federation(tmp_path, transport, key, normalisation="examples")
+    coord, *_ = federation(tmp_path, normalisation="examples")
     coord.start()
     _, r1 = run_one(coord)
     _, weights = coord.rounds.current_model()
@@ -142,8 +141,7 @@ def test_buffered_rounds_refuse_what_they_cannot_serve(tmp_path, overrides, fiel
 
 def test_more_updates_than_k_in_one_close_divide_by_their_number(tmp_path):
     # Prepare: every site answers at once (they share the round's time slot): 3 updates in a round with K = 2
-    transport, key = InMemoryTransport(), generate_signing_key()
-    coord, online, offline, silent = federation(tmp_path, transport, key)
+    coord, online, offline, silent = federation(tmp_path)
     offline.attach()
     silent.attach()
     coord.start()
@@ -158,8 +156,7 @@ def test_more_updates_than_k_in_one_close_divide_by_their_number(tmp_path):
 
 def test_a_run_ends_with_a_round_that_folds_what_came_after_its_last_round(tmp_path):
     # Prepare: a one-round run; s2 answers round 1 only after it closed, s3 never does
-    transport, key = InMemoryTransport(), generate_signing_key()
-    coord, online, offline, silent = federation(tmp_path, transport, key)
+    coord, online, offline, silent = federation(tmp_path)
     rounds = coord.iter_rounds(1)
     r1 = next(rounds)
     assert (r1.round, r1.accepted) == (1, ("s1",))
