@@ -65,7 +65,6 @@ from shared.codec import decode_tensors, model_hash
 from shared.iucn import IUCNCategory
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
-from shared.models.logit_adjustment import adjusted_for_prediction, metadata_offsets
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
@@ -74,12 +73,13 @@ from coordinator.config import CoordinatorConfig
 from coordinator.inbound.context import RoundContext
 from coordinator.inbound.ingest import Ingestor
 from coordinator.ledger import PrivacyLedger
+from coordinator.model_versions import GlobalModel
 from coordinator.optimizers.base import ServerOptimizer
 from coordinator.radio import expected_events
 from coordinator.registry import SiteRegistry
 from coordinator.round_close import absorb_stored, drop_refused, finalise_from_workers, over_budget_at_close
 from coordinator.round_plan import GlobalRoundPlan
-from coordinator.round_record import RoundRecord, save_optimizer_state, store_model
+from coordinator.round_record import RoundRecord, store_model
 from coordinator.round_tasks import TaskPublisher
 from coordinator.secagg_collector import SecAggCollector
 from coordinator.secagg_round import GlobalRoundOutcome, SecureAggregationRound
@@ -87,7 +87,7 @@ from coordinator.selection import known_categories, select_sites, uses_cohorts
 from coordinator.storage import Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
-from coordinator.tables import ModelVersionRow, RoundRow
+from coordinator.tables import RoundRow
 from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["RoundResult", "RoundManager"]
@@ -165,7 +165,7 @@ class RoundManager:
         self._centre = (load_feature_centre(config.feature_centre, dim=EMBEDDING_DIM)
                         if config.feature_centre is not None else None)
         self._centre_digest = None if self._centre is None else centre_digest(self._centre)  # named in global tasks
-        self._offsets: tuple[int, tuple[float, ...] | None] | None = None  # (round, offsets) of prediction_offsets
+        self.models = GlobalModel(config, store, registry, optimizer)  # current and served model, optimizer state
         self.round_cohorts: dict[str, dict[int, frozenset[IUCNCategory]]] = {}  # planned in select()
         self.on_new_model: Callable[[int, str, Mapping[str, np.ndarray]], object] | None = None
         """``on_new_model(round, model hash, weights)`` once a round's new model is stored and its row closed (before
@@ -182,85 +182,26 @@ class RoundManager:
         (:meth:`coordinator.round_tasks.TaskPublisher.task_artifacts`)."""
         return self._tasks.task_artifacts(model_hash_, weights)
 
-    # ---- model versions ----------------------------------------------------------------------------------------
+    # ---- model versions (coordinator.model_versions) ---------------------------------------------------------------
     def current_model(self) -> tuple[str, dict[str, np.ndarray]]:
-        """``(hash, weights)`` of the current global model: the new model of the last closed round, else the
-        round-0 model.
-
-        Raises:
-            LookupError: no model stored yet (the service stores the initial one at start).
-        """
-        with self._store.session() as s:
-            h = s.scalars(select(RoundRow.new_model_hash).where(RoundRow.status == "closed")
-                          .order_by(RoundRow.round.desc())).first()
-            if h is None:
-                h = s.scalars(select(ModelVersionRow.model_hash).where(ModelVersionRow.round == 0)
-                              .order_by(ModelVersionRow.created_at)).first()
-        if h is None:
-            raise LookupError("no global model stored yet: start the Coordinator (it stores the initial model)")
-        weights, _ = decode_tensors(self._store.get_model(h))
-        return h, weights
+        """:meth:`coordinator.model_versions.GlobalModel.current_model`."""
+        return self.models.current_model()
 
     def prediction_offsets(self, round: int | None = None) -> tuple[float, ...] | None:
-        """The post-hoc logit adjustment of the federation's head (``config.posthoc_logit_adjustment`` = tau > 0): float
-        offsets (K,) ``tau (log pi - mean log pi)``, pi estimated from the enrolled sites' public metadata
-        (:func:`shared.models.logit_adjustment.registry_log_prior`); None when tau is 0, the model is not a head or
-        no site lists a species of the table (logged). Computed once per ``round`` (None: recomputed) from the
-        registry as it is then; public values only, nothing is charged.
-        """
-        cfg = self.config
-        if not cfg.posthoc_logit_adjustment > 0 or cfg.model != "head" or not cfg.species:
-            return None
-        if round is not None and self._offsets is not None and self._offsets[0] == round:
-            return self._offsets[1]
-        metadata = {site.site_id: site.metadata for site in self._registry.list()}
-        index = {e.scientific_name: int(e.class_index) for e in cfg.species}
-        try:
-            offsets: tuple[float, ...] | None = tuple(
-                float(v) for v in metadata_offsets(metadata, index, int(cfg.num_classes),
-                                                   float(cfg.posthoc_logit_adjustment)))
-        except ValueError as exc:
-            log.warning("rounds: no logit adjustment: %s", exc)
-            offsets = None
-        if round is not None:
-            self._offsets = (round, offsets)
-        return offsets
+        """:meth:`coordinator.model_versions.GlobalModel.prediction_offsets`."""
+        return self.models.prediction_offsets(round)
 
     def inference_model(self) -> tuple[str, dict[str, np.ndarray]]:
-        """``(hash, weights)`` of the model to predict with: :meth:`current_model` (its hash: the stored version's)
-        with the logit adjustment of :meth:`prediction_offsets` taken off ``psi.bias`` when there is one, the same
-        model the sites keep for ``detect``.
-
-        Raises:
-            LookupError: no model stored yet.
-        """
-        h, weights = self.current_model()
-        return h, self.served_model(weights)
+        """:meth:`coordinator.model_versions.GlobalModel.inference_model`."""
+        return self.models.inference_model()
 
     def served_model(self, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``weights`` (a global model, e.g. from :meth:`current_model`) as predicted with: ``psi.bias`` less the
-        offsets of :meth:`prediction_offsets` when there are some, else the same tensors (a new dict)."""
-        offsets = self.prediction_offsets()
-        return dict(weights) if offsets is None else adjusted_for_prediction(weights, offsets)
-
-    def save_optimizer_state(self, model_hash_: str) -> None:
-        """Store the server optimizer's state (if any) for the model version ``model_hash_`` (a blob, named in the
-        strategy-state table), so that a restart from that version continues with the same state."""
-        save_optimizer_state(self._store, self._optimizer, model_hash_)
+        """:meth:`coordinator.model_versions.GlobalModel.served_model`."""
+        return self.models.served_model(weights)
 
     def restore_optimizer_state(self) -> bool:
-        """Load the optimizer state stored with the current model version; returns whether there was one."""
-        try:
-            h, _ = self.current_model()
-        except LookupError:
-            return False
-        digest = self._store.get_state(f"optimizer/{h}")
-        if digest is None:
-            return False
-        state, _ = decode_tensors(self._store.get_blob(digest))
-        self._optimizer.load_state_tensors(state)
-        log.info("rounds: server optimizer state restored for model %s", h[:12])
-        return True
+        """:meth:`coordinator.model_versions.GlobalModel.restore_optimizer_state`."""
+        return self.models.restore_optimizer_state()
 
     def next_round(self) -> int:
         """Number of the next round to open (1 + the highest round recorded, so a restart continues)."""

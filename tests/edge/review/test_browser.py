@@ -94,6 +94,7 @@ def test_ranger_corrects_one_event_and_confirms_another(site: Site, server: Uvic
     rows = page.eval_on_selector_all("table#events tr[data-event]", "els => els.map(e => e.dataset.event)")
     assert rows[0] == ev["unsure"] and set(rows) == set(ev.values())
     assert "unexpected at this site" in page.inner_text(f"tr[data-event='{ev['lion']}']")
+    page.wait_for_function("[...document.querySelectorAll('td.thumb img')].every(e => e.complete)")  # loaded
     widths = page.eval_on_selector_all("td.thumb img", "els => els.map(e => e.complete && e.naturalWidth)")
     assert widths == [160] * 5
     page.screenshot(path=str(shots / "events.png"), full_page=True)
