@@ -43,11 +43,12 @@ class TransferConfig(StrictModel):
     spill_above_bytes: int = Field(64 << 20, ge=0, description="an upload announcing more bytes than this is "
                                    "staged on disk from its first chunk, so it resumes after a coordinator restart "
                                    "(smaller ones held in memory start over then)")
-    models_by_digest: bool = Field(False, description="publish each round's model (each NIRA cluster's model) "
+    models_by_digest: bool = Field(True, description="publish each round's model (each NIRA cluster's model) "
                                    "once, signed and retained on wildfed/v1/<fed>/models/<digest>, and send every "
                                    "camera task without weights, naming the digest (coordinator.model_digests, "
-                                   "docs/protocol.md 'Models by digest'); every gateway must run a release that reads "
-                                   "model_digest (an older one rejects such a task): off by default")
+                                   "docs/protocol.md 'Models by digest'); false: every task carries its model, for "
+                                   "gateways whose SDK predates the model_digest field (they refuse such a task, "
+                                   "naming the field)")
     model_retention_rounds: int = Field(3, ge=1, description="a model published by digest is cleared (an empty "
                                         "retained message on its topics) once no task of the last this many rounds "
                                         "named it; a gateway away longer gets the open round's task, whose model is "

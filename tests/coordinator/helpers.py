@@ -34,7 +34,11 @@ def make_config(tmp_path: Path, **overrides: object):
             "clipping_norm": 1.0, "target_delta": 1e-5, "privacy": "ccdp",
             "budget": {"kind": "from_anchor", "category": "VU", "epsilon": 1.0, "gamma": 1.0}, "seed": 0,
             "signing_key_path": str(tmp_path / "k.key"), "public_key_path": str(tmp_path / "k.pub")}
-    data.update(overrides)
+    # FakeSite reads the model from its task, so these federations send tasks that carry their weights
+    # (transfer.models_by_digest false); the default, models by digest, has its own tests
+    # (test_models_by_digest.py) and is what the real gateways' end-to-end tests run
+    transfer = {"models_by_digest": False, **dict(overrides.pop("transfer", None) or {})}
+    data.update(overrides, transfer=transfer)
     return config_from_dict(data).resolved(tmp_path)
 
 
