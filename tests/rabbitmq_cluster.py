@@ -248,8 +248,8 @@ class RabbitCluster:
         self.procs[i] = None
 
     def stop(self) -> None:
-        """Stop every node (SIGTERM to each process group, SIGKILL after 15 s), then epmd; remove the folder when this
-        cluster made it."""
+        """Stop every node (SIGTERM to each process group, SIGKILL after 15 s), then epmd; remove the folder when
+        this cluster made it."""
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

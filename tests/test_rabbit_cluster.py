@@ -45,7 +45,8 @@ SITES = ("s1", "s2")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """Three RabbitMQ nodes with MQTT listeners on free loopback ports (tests/rabbitmq_cluster.py), for the module."""
+    """Three RabbitMQ nodes with MQTT listeners on free loopback ports (tests/rabbitmq_cluster.py), one for the
+    module."""
     with RabbitCluster(tmp_path_factory.mktemp("rabbit")) as running:
         print(f"\nRabbitMQ cluster up in {running.started_s:.1f} s")
         yield running
@@ -60,7 +61,7 @@ def test_rounds_through_a_three_node_rabbitmq_cluster(tmp_path: Path, cluster: R
     from edge_sdk.uplink.mqtt import MqttTransport as EdgeMqtt
     from edge_sdk.uplink.transport import TransportError
 
-    assert all(proc is not None and proc.poll() is None for proc in cluster.procs), "a node is down: kill test ran first?"
+    assert all(p is not None and p.poll() is None for p in cluster.procs), "a node is down (kill test ran first?)"
     # Prepare: coordinator on node 0, s1 on node 1, s2 on node 2, each gateway listing the other nodes
     urls = cluster.urls
     fed = f"frmq{uuid.uuid4().hex[:8]}"
