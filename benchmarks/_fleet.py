@@ -8,9 +8,10 @@ import threading
 import time
 import uuid
 
-from _federation import MiB, head_template, seal_update
+from _federation import MiB, head_template, print_table, seal_update
 
-__all__ = ["raise_open_files", "create_database", "drop_database", "table_writes", "essential_work", "Sampler"]
+__all__ = ["raise_open_files", "create_database", "drop_database", "table_writes", "essential_work", "Sampler",
+           "print_sys_table"]
 
 
 def raise_open_files(need: int) -> str:
@@ -99,6 +100,28 @@ def essential_work(num_classes: int, updates: int, categories: tuple[str, ...]) 
             for k, a, b in zip(cpu, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
                 cpu[k] += b - a
     return {k: v / updates * 1000 for k, v in cpu.items()}
+
+
+def print_sys_table(sys_before: dict[str, str], sys_after: dict[str, str]) -> None:
+    """The broker's ``$SYS/broker/...`` counters (Mosquitto) over the round: differences of two snapshots."""
+
+    def delta(key: str) -> str:
+        try:
+            return f"{float(sys_after[key]) - float(sys_before[key]):.0f}"
+        except (KeyError, ValueError):
+            return "n/a"
+
+    def mib(value: str) -> str:
+        return value if value == "n/a" else f"{float(value) / MiB:.1f}"
+
+    print_table(["broker ($SYS, trigger -> 1.5 s after close)", "value"], [
+        ["MQTT packets received", delta("messages/received")], ["MQTT packets sent", delta("messages/sent")],
+        ["PUBLISH received", delta("publish/messages/received")],
+        ["PUBLISH sent", delta("publish/messages/sent")],
+        ["MiB received", mib(delta("bytes/received"))], ["MiB sent", mib(delta("bytes/sent"))],
+        ["clients connected (at trigger)", sys_before.get("clients/connected", "n/a")],
+        ["clients maximum", sys_after.get("clients/maximum", "n/a")],
+    ])
 
 
 class Sampler:

@@ -17,6 +17,11 @@ gateway's ACK topic) and is driven over a ``multiprocessing`` pipe:
 - ``("quit",)``.
 
 Times are ``time.time()`` (wall clock), comparable across processes.
+
+Broker clusters (load_fleet.py ``--cluster``): with ``broker_urls`` (every node's URL, same order in every worker)
+gateway number i connects to node ``i mod len(broker_urls)``, and a gateway whose connection drops moves to the next
+node in the list (paho's own reconnect loop, which retries the client's host and port; its ``on_connect``
+subscribes again). A publish that finds the client disconnected waits for the reconnection and publishes again.
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ __all__ = ["worker_main"]
 
 def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple[str, bytes, int]],  # noqa: ANN001
                 coordinator_public_pem: str, params: int, chunk_size: int, ack_timeout_s: float,
-                head_classes: int = 0, categories: Sequence[str] = ()) -> None:
+                head_classes: int = 0, categories: Sequence[str] = (),
+                broker_urls: Sequence[str] = ()) -> None:
     """Entry point of a gateway worker process (see the module docstring). ``sites``: (site id, raw Ed25519
     private key bytes, index of the gateway in the federation: its delta and N_k, so every payload differs).
     ``head_classes`` > 0: the model is the demo's head (``shared.models.head``, 1280-d embeddings, that many
     classes) instead of a ``params``-parameter synthetic one; ``categories``: IUCN codes each update reports a
-    DP-SGD event for (privacy ``ccdp``; empty: privacy ``none``)."""
+    DP-SGD event for (privacy ``ccdp``; empty: privacy ``none``); ``broker_urls``: a cluster's nodes, used instead of
+    ``broker_url`` (module docstring)."""
     import paho.mqtt.client as mqtt
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
@@ -50,7 +57,7 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
 
     from _federation import head_template, model_template, seal_update, update_delta
 
-    host, port, _ = parse_broker_url(broker_url)
+    nodes = [parse_broker_url(u)[:2] for u in (broker_urls or (broker_url,))]
     coord_key = load_pem_public_key(coordinator_public_pem.encode())
     keys = {s: Ed25519PrivateKey.from_private_bytes(raw) for s, raw, _ in sites}
     index = {s: i for s, _, i in sites}
@@ -60,6 +67,8 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
     acks: dict[str, tuple[float, bool]] = {}
     all_acked = threading.Event()
     clients: dict[str, mqtt.Client] = {}
+    online: dict[mqtt.Client, threading.Event] = {}  # set while the client is connected
+    moves = {"failovers": 0}
 
     inbox: dict[str, queue.Queue] = {s: queue.Queue() for s in keys}
     inners: dict[str, bytes] = {}
@@ -79,26 +88,46 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
                 all_acked.set()
         inbox[env.header.site_id].put(("ack",))
 
+    def on_disconnect(client, userdata, flags, rc, props, ev) -> None:  # noqa: ANN001
+        ev.clear()
+        if len(nodes) > 1 and rc.is_failure:  # lost, not asked for: the next node; paho's reconnect reads _host/_port
+            k = (nodes.index((client._host, client._port)) + 1) % len(nodes)
+            client._host, client._port = nodes[k]
+            with lock:
+                moves["failovers"] += 1
+
     for site_id in keys:
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{federation_id}-{site_id}",
                         protocol=mqtt.MQTTv311, clean_session=True)
         c.on_message = on_ack
-        connected = threading.Event()
+        connected = online[c] = threading.Event()
         c.on_connect = lambda client, u, f, rc, p, ev=connected, s=site_id: (
-            client.subscribe(ack_topic(federation_id, s), qos=1), ev.set())
+            client.subscribe(ack_topic(federation_id, s), qos=1), ev.set()) if not rc.is_failure else None
+        c.on_disconnect = lambda client, u, f, rc, p, ev=connected: on_disconnect(client, u, f, rc, p, ev)
+        c.reconnect_delay_set(min_delay=1, max_delay=8)
+        host, port = nodes[index[site_id] % len(nodes)]
         c.connect(host, port, keepalive=60)
         c.loop_start()
         if not connected.wait(30):
-            raise RuntimeError(f"gateway {site_id}: no CONNACK")
+            raise RuntimeError(f"gateway {site_id}: no CONNACK from {host}:{port}")
         clients[site_id] = c
     messages: dict[str, list[bytes]] = {}
 
     def publish_all(topic_of, results: dict, resend_interval_s: float | None = None) -> None:  # noqa: ANN001
         def publish(c, topic: str, payload: bytes) -> None:  # noqa: ANN001
-            info = c.publish(topic, payload, qos=1)
-            info.wait_for_publish(timeout=120)
-            if not info.is_published():
-                raise RuntimeError(f"{topic}: no PUBACK")
+            ev = online[c] if len(nodes) > 1 else None
+            for _ in range(20):  # a cluster node may drop the link: wait for the reconnection and publish again
+                if ev is not None and not ev.wait(120):
+                    raise RuntimeError(f"{topic}: not reconnected within 120 s")
+                info = c.publish(topic, payload, qos=1)
+                if info.rc == mqtt.MQTT_ERR_NO_CONN and ev is not None:  # paho may also send the queued copy once
+                    time.sleep(0.5)  # back: a duplicate (load_fleet.py counts the rows stored per site and round)
+                    continue
+                info.wait_for_publish(timeout=120)
+                if not info.is_published():
+                    raise RuntimeError(f"{topic}: no PUBACK")
+                return
+            raise RuntimeError(f"{topic}: not connected at 20 tries")
 
         def one(site_id: str) -> None:
             c, topic = clients[site_id], topic_of(site_id)
@@ -178,7 +207,7 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
             with lock:
                 conn.send(("done", {"first_publish": min(r[0] for r in results.values()),
                                     "last_puback": max(r[1] for r in results.values()),
-                                    "acks": dict(acks), **stats}))
+                                    "acks": dict(acks), **stats, **moves}))
     for c in clients.values():
         c.disconnect()
         c.loop_stop()
@@ -187,12 +216,13 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
 
 def spawn_workers(sites, *, workers: int, broker_url: str, federation_id: str, coordinator_public_pem: str,  # noqa: ANN001
                   params: int, chunk_size: int, timeout_s: float, head_classes: int = 0,
-                  categories: Sequence[str] = ()):
+                  categories: Sequence[str] = (), broker_urls: Sequence[str] = ()):
     """Start ``workers`` gateway processes (spawned, so no paho state is inherited), sites dealt round-robin.
 
     Args:
         sites: ``[(site id, Ed25519PrivateKey)]``. Other args: as :func:`worker_main` (``timeout_s``: its
-            ``ack_timeout_s``).
+            ``ack_timeout_s``; ``broker_urls``: a cluster's nodes, gateways dealt over them round-robin by their
+            index in ``sites``).
 
     Returns:
         ``(pipes, processes)``: one pipe per worker for :func:`broadcast_to`.
@@ -208,7 +238,8 @@ def spawn_workers(sites, *, workers: int, broker_url: str, federation_id: str, c
                 for i, (s, k) in enumerate(sites) if i % workers == w]
         parent, child = ctx.Pipe()
         p = ctx.Process(target=worker_main, args=(child, broker_url, federation_id, mine, coordinator_public_pem,
-                                                  params, chunk_size, timeout_s, head_classes, tuple(categories)),
+                                                  params, chunk_size, timeout_s, head_classes, tuple(categories),
+                                                  tuple(broker_urls)),
                            daemon=True)
         p.start()
         pipes.append(parent)

@@ -7,6 +7,7 @@ Run by hand (not part of the tests; needs mosquitto on PATH and PostgreSQL at ``
     .venv/bin/python benchmarks/load_fleet.py [--gateways 1000] [--ingest-workers 2] [--gateway-procs 4]
                                               [--privacy ccdp] [--categories VU,EN,LC] [--models-by-digest]
                                               [--pg postgresql+psycopg2://postgres@127.0.0.1:5432/test]
+                                              [--cluster rabbitmq [--kill-node-at 0.5]]
 
 What runs, all on this machine:
 
@@ -29,6 +30,12 @@ work measured in this process on updates of the same shape (``Envelope.from_byte
 payload digest, ``decode_update``, ``add_weighted``); the broker's ``$SYS`` counters over the round (messages and
 bytes in and out, clients) and its CPU and RSS; rows the round wrote per table (``pg_stat_user_tables``: inserts,
 updates, deletes, so rows written and removed again, such as staging, count too); peak RSS of every process.
+
+``--cluster rabbitmq`` (``_fleet_rabbit.py``): a three-node RabbitMQ 3.10 cluster (tests/rabbitmq_cluster.py) instead
+of the Mosquitto; the coordinator and this process's watcher on node 0, gateway i on node i mod 3 (a gateway whose
+node goes moves to the next one); ``ingest_workers`` 0 and ``models_by_digest`` false are forced and there are no
+``$SYS`` counters (each node's CPU and RSS instead). ``--kill-node-at F`` SIGKILLs node 2 once F x N updates are
+stored; the printout says whether the round closed and whether each update was stored once.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ import uuid
 from pathlib import Path
 
 from _federation import MiB, head_template, load_average, print_table
-from _fleet import Sampler, create_database, drop_database, essential_work, raise_open_files, table_writes
+from _fleet import (Sampler, create_database, drop_database, essential_work, print_sys_table, raise_open_files,
+                    table_writes)
 
 _PG_DEFAULT = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
@@ -73,7 +81,16 @@ def main() -> None:  # noqa: C901 - one linear script
     parser.add_argument("--profile-coordinator", metavar="PATH", help="run the coordinator under cProfile and "
                         "write its stats to PATH (pstats); its CPU figures then include the profiler's overhead")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--cluster", choices=("rabbitmq",), help="a three-node broker cluster instead of Mosquitto")
+    parser.add_argument("--kill-node-at", type=float, metavar="F", help="with --cluster: SIGKILL node 2 once a "
+                        "fraction F of the round's updates is stored")
     args = parser.parse_args()
+    if args.cluster:
+        import _fleet_rabbit as rabbit
+
+        args.ingest_workers, args.models_by_digest = 0, False
+    elif args.kill_node_at is not None:
+        parser.error("--kill-node-at needs --cluster")
     categories = tuple(c for c in args.categories.split(",") if c) if args.privacy == "ccdp" else ()
 
     import paho.mqtt.client as mqtt
@@ -92,13 +109,19 @@ def main() -> None:  # noqa: C901 - one linear script
     limit = raise_open_files(args.gateways + 64 * (args.ingest_workers + 2) + 256)
     fed = f"fleet{uuid.uuid4().hex[:8]}"
     tmp = Path(tempfile.mkdtemp(prefix="wildfed-fleet-"))
-    broker_proc, broker_url = _private_broker(tmp, "sys_interval 1\n")
+    if args.cluster:
+        cluster, broker_proc = rabbit.start_cluster(tmp / "rabbit"), None
+        broker_url = cluster.urls[0]
+        print(f"{rabbit.FORCED}; nodes up in {cluster.started_s:.1f} s: {' '.join(cluster.urls)}", flush=True)
+    else:
+        cluster, (broker_proc, broker_url) = None, _private_broker(tmp, "sys_interval 1\n")
     db_url, db_name = create_database(args.pg)
     print(f"load_fleet: {args.gateways} gateways in {args.gateway_procs} processes, head model {args.num_classes} x "
           f"1280, privacy {args.privacy} {list(categories)}, {args.ingest_workers} ingest workers, broker "
           f"{broker_url}, database {db_name}; {limit}; {load_average()}", flush=True)
     children: list[subprocess.Popen] = []
     sampler = Sampler()
+    killer = None
     try:
         key = generate_signing_key()
         save_private_key(key, tmp / "keys" / "coordinator.key")
@@ -128,7 +151,7 @@ def main() -> None:  # noqa: C901 - one linear script
         pipes, procs = spawn_workers(sites, workers=args.gateway_procs, broker_url=broker_url, federation_id=fed,
                                      coordinator_public_pem=public_key_to_pem(key.public_key()), params=0,
                                      chunk_size=256 * 1024, timeout_s=args.timeout, head_classes=args.num_classes,
-                                     categories=categories)
+                                     categories=categories, broker_urls=cluster.urls if cluster else ())
         for pipe in pipes:
             assert pipe.recv()[0] == "connected"
         sealed = broadcast_to(pipes, ("seal", 1, h0))
@@ -162,7 +185,7 @@ def main() -> None:  # noqa: C901 - one linear script
             c[1] += len(m.payload)
 
         watch.message_callback_add(f"wildfed/v1/{fed}/#", count)
-        subs = [(task_topic(fed, sites[0][0]), 0), ("$SYS/broker/#", 0)]
+        subs = [(task_topic(fed, sites[0][0]), 0)] + ([] if cluster else [("$SYS/broker/#", 0)])
         subs += [(f"wildfed/v1/{fed}/#", 0)] if args.tally_channels else []
         watch.on_subscribe = lambda *a: watch_ready.set()
         watch.on_connect = lambda client, *a: client.subscribe(subs)
@@ -171,7 +194,9 @@ def main() -> None:  # noqa: C901 - one linear script
         if not watch_ready.wait(30):
             raise SystemExit("could not subscribe to the task topic")
 
-        sampler.add("broker", broker_proc.pid)
+        nodes = [f"RabbitMQ node {i}" for i in range(3)] if cluster else ["broker"]
+        for name, pid in zip(nodes, rabbit.beam_pids(cluster) if cluster else [broker_proc.pid]):
+            sampler.add(name, pid)
         sampler.add_matching("PostgreSQL backends", db_name)
         for p, i in zip(procs, range(len(procs))):
             sampler.add(f"gateways-{i}", p.pid)
@@ -211,11 +236,15 @@ def main() -> None:  # noqa: C901 - one linear script
         tally_before = {k: list(v) for k, v in tally.items()}
         print(f"  round open, first task seen {t_trigger - t_launch:.1f} s after launch; gateways uploading ...",
               flush=True)
+        if args.kill_node_at is not None:
+            killer = rabbit.NodeKiller(cluster, db_url, args.gateways, args.kill_node_at)
+            killer.start()
         results = broadcast_to(pipes, ("updates", args.resend_interval))
         first = min(r[1]["first_publish"] for r in results)
         acks = {s: a for r in results for s, a in r[1]["acks"].items()}
         ok = sum(1 for _, accepted in acks.values() if accepted)
-        resumes = {k: sum(r[1][k] for r in results) for k in ("resume_manifests", "receipts", "chunks_resent")}
+        resumes = {k: sum(r[1].get(k, 0) for r in results)
+                   for k in ("resume_manifests", "receipts", "chunks_resent", "failovers")}
         firsts = {1: first}
         for r in range(2, args.rounds + 1):  # later rounds: seal on the round's base model once its task is seen
             deadline = time.time() + args.timeout
@@ -273,7 +302,15 @@ def main() -> None:  # noqa: C901 - one linear script
         n = args.gateways
         print(f"\nround 1: {status}, {accepted} of {n} updates accepted, {ok} positive ACKs, rejections "
               f"{rejections or 'none'}; resume manifests {resumes['resume_manifests']}, receipts "
-              f"{resumes['receipts']}, chunks resent {resumes['chunks_resent']}; {load_average()}")
+              f"{resumes['receipts']}, chunks resent {resumes['chunks_resent']}, gateway failovers "
+              f"{resumes['failovers']}; {load_average()}")
+        if killer is not None:
+            killer.stop()
+            print("node 2 SIGKILLed: " + (f"{killer.at - first:.1f} s after the first update, {killer.stored_at_kill} "
+                  f"updates stored; round closed {t_close - killer.at:.1f} s after the kill" if killer.at else
+                  "no (threshold not reached)"))
+        if cluster:
+            print("stored once: " + ", ".join(f"{k} {v}" for k, v in rabbit.stored_once(db_url).items()))
         last_ack = max((t for t, _ in acks.values()), default=float("nan"))
         print_table(["phase", "seconds"], [
             ["round opened -> closed (coordinator DB)", f"{t_close - t_open:.1f}"],
@@ -287,7 +324,7 @@ def main() -> None:  # noqa: C901 - one linear script
         print()
         names = ["coordinator"] + [f"ingest-{i}" for i in range(1, args.ingest_workers + 1)]
         gws = [f"gateways-{i}" for i in range(len(procs))]
-        others = ["broker", "PostgreSQL backends", "machine"]
+        others = [*nodes, "PostgreSQL backends", "machine"]
         cpu = {k: sampler.cpu_at(t_close, k) - sampler.cpu_at(first, k) for k in names + gws + others}
         cpu_acked = {k: sampler.cpu_at(last_ack, k) - sampler.cpu_at(first, k) for k in names + gws + others}
         cpu["gateways (all processes)"] = sum(cpu.pop(k) for k in gws)
@@ -295,7 +332,7 @@ def main() -> None:  # noqa: C901 - one linear script
         coord_total = sum(cpu[k] for k in names)
         cpu["coordinator + workers"] = coord_total
         cpu_acked["coordinator + workers"] = sum(cpu_acked[k] for k in names)
-        order = names + ["coordinator + workers", "broker", "PostgreSQL backends", "gateways (all processes)",
+        order = names + ["coordinator + workers", *nodes, "PostgreSQL backends", "gateways (all processes)",
                          "machine"]
         rows = [[k if k != "machine" else f"machine ({os.cpu_count()} cores, every process)", f"{cpu[k]:.1f}",
                  f"{cpu[k] / n * 1000:.2f}", f"{cpu_acked[k]:.1f}", f"{cpu[k] - cpu_acked[k]:.1f}"] for k in order]
@@ -314,23 +351,10 @@ def main() -> None:  # noqa: C901 - one linear script
               f"{t_trigger - t_launch:.1f} s after launch")
         print()
 
-        def delta(key: str) -> str:
-            try:
-                return f"{float(sys_after[key]) - float(sys_before[key]):.0f}"
-            except (KeyError, ValueError):
-                return "n/a"
-
-        def mib(value: str) -> str:
-            return value if value == "n/a" else f"{float(value) / MiB:.1f}"
-
-        print_table(["broker ($SYS, trigger -> 1.5 s after close)", "value"], [
-            ["MQTT packets received", delta("messages/received")], ["MQTT packets sent", delta("messages/sent")],
-            ["PUBLISH received", delta("publish/messages/received")],
-            ["PUBLISH sent", delta("publish/messages/sent")],
-            ["MiB received", mib(delta("bytes/received"))], ["MiB sent", mib(delta("bytes/sent"))],
-            ["clients connected (at trigger)", sys_before.get("clients/connected", "n/a")],
-            ["clients maximum", sys_after.get("clients/maximum", "n/a")],
-        ])
+        if cluster:
+            print("broker: no $SYS on RabbitMQ; its nodes' CPU is in the table above, their peak RSS below")
+        else:
+            print_sys_table(sys_before, sys_after)
         print()
         if args.tally_channels:
             print_table(["channel (this process's subscription; trigger -> close)", "messages", "MiB", "KiB each"],
@@ -357,8 +381,13 @@ def main() -> None:  # noqa: C901 - one linear script
             if c.poll() is None:
                 c.kill()
                 c.wait(timeout=10)
-        broker_proc.terminate()
-        broker_proc.wait(timeout=10)
+        if killer is not None:
+            killer.stop()
+        if cluster:
+            cluster.stop()
+        else:
+            broker_proc.terminate()
+            broker_proc.wait(timeout=10)
         drop_database(args.pg, db_name)
         if args.keep:
             print(f"(kept {tmp})")
