@@ -89,6 +89,10 @@ def demo(
     target_delta: float = typer.Option(1e-5, help="delta of every category's guarantee"),
     seed: int = typer.Option(0, help="data split, site design and model initialisation (noise stays random)"),
     broker: str | None = typer.Option(None, help="mqtt://host:port of a running broker (default: embedded amqtt)"),
+    models_by_digest: bool = typer.Option(True, "--models-by-digest/--no-models-by-digest",
+                                          help="the coordinator's transfer.models_by_digest: tasks name a retained "
+                                          "model by digest; --no-models-by-digest: every task carries its model "
+                                          "(brokers without retained delivery on wildcards, e.g. RabbitMQ 3.10)"),
     out: Path | None = typer.Option(None, help="run folder (default runs/demo-<UTC time>)"),
     centralised_epochs: int = typer.Option(0, help="also train on the pooled data for N epochs as a reference"),
     round_deadline_s: float | None = typer.Option(None, help="seconds a round waits for its sites (default 300; "
@@ -151,7 +155,7 @@ def demo(
                             learning_rate=learning_rate, server_momentum=server_momentum,
                             clipping_norm=clipping_norm, target_delta=target_delta,
                             adapter_width=adapter_width,
-                            seed=seed, broker=broker, out_dir=out, centralised_epochs=centralised_epochs,
+                            seed=seed, broker=broker, models_by_digest=models_by_digest, out_dir=out, centralised_epochs=centralised_epochs,
                             round_deadline_s=round_deadline_s, pretrain_epochs=pretrain_epochs,
                             strategy=strategy, nira_recluster_every=recluster_every,
                             nira_embedding_merging=embedding_merging, feature_centre=feature_centre,

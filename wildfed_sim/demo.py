@@ -140,6 +140,9 @@ class DemoSettings:
             max_staleness: the oldest stale update folded, in rounds.
         seed: data split, site design, model initialisation (privacy noise stays cryptographically random).
         broker: ``mqtt://host:port`` of a running broker, or None for the embedded one.
+        models_by_digest: the coordinator's ``transfer.models_by_digest`` (default True: each round's model is
+            retained once by digest and tasks name it); False: every task carries its model, for brokers that do not
+            deliver retained messages on wildcard filters (RabbitMQ 3.10, docs/brokers.md).
         out_dir: run folder; default ``runs/demo-<UTC timestamp>``.
         centralised_epochs: also train the same model on the pooled training data for this many epochs
             (0 = skip) as the reference a federation is compared with.
@@ -191,6 +194,7 @@ class DemoSettings:
     round_duration_s: float | None = None
     seed: int = 0
     broker: str | None = None
+    models_by_digest: bool = True
     out_dir: Path | None = None
     centralised_epochs: int = 0
     threads_per_site: int = 1
@@ -775,6 +779,7 @@ def _coordinator_config(settings: DemoSettings, run_dir: Path, coord_dir: Path, 
         "server_optimizer": {"kind": "sgd", "momentum": settings.server_momentum},
         **({"secagg": {"threshold": secagg_threshold(settings)}} if settings.privacy == "global" else {}),
         "seed": settings.seed, "strategy": _strategy_config(settings),
+        "transfer": {"models_by_digest": settings.models_by_digest},
         "species": [{"scientific_name": e.scientific_name, "class_index": c, "iucn_category": e.iucn.value}
                     for c, e in enumerate(SPECIES_TABLE)], **round_mode}).resolved(run_dir)
     # the operator commands (status, budget, clusters show) work on a finished demo with --config this file
