@@ -2,7 +2,8 @@
 publishing does not share a GIL with the coordinator or the counting subscriber they are measured against.
 
 A worker holds one paho client per gateway (its own MQTT connection and client id, QoS 1, subscribed to the
-gateway's ACK topic) and is driven over a ``multiprocessing`` pipe:
+gateway's ACK topic; it reports ``("connected", n)`` once every one has its SUBACK) and is driven over a
+``multiprocessing`` pipe:
 
 - ``("seal", round, model_hash)``: make every gateway's signed UPDATE and record the MQTT messages
   ``shared.transfer.send`` publishes for it (one whole envelope, or a signed manifest + 256 KiB chunks); untimed;
@@ -101,15 +102,17 @@ def worker_main(conn, broker_url: str, federation_id: str, sites: Sequence[tuple
                         protocol=mqtt.MQTTv311, clean_session=True)
         c.on_message = on_ack
         connected = online[c] = threading.Event()
+        subscribed = threading.Event()
         c.on_connect = lambda client, u, f, rc, p, ev=connected, s=site_id: (
             client.subscribe(ack_topic(federation_id, s), qos=1), ev.set()) if not rc.is_failure else None
+        c.on_subscribe = lambda *a, ev=subscribed: ev.set()
         c.on_disconnect = lambda client, u, f, rc, p, ev=connected: on_disconnect(client, u, f, rc, p, ev)
         c.reconnect_delay_set(min_delay=1, max_delay=8)
         host, port = nodes[index[site_id] % len(nodes)]
         c.connect(host, port, keepalive=60)
         c.loop_start()
-        if not connected.wait(30):
-            raise RuntimeError(f"gateway {site_id}: no CONNACK from {host}:{port}")
+        if not connected.wait(30) or not subscribed.wait(120):  # its ACK subscription in place before any upload
+            raise RuntimeError(f"gateway {site_id}: no CONNACK or no SUBACK from {host}:{port}")
         clients[site_id] = c
     messages: dict[str, list[bytes]] = {}
 

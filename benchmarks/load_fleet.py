@@ -154,6 +154,7 @@ def main() -> None:  # noqa: C901 - one linear script
                                      categories=categories, broker_urls=cluster.urls if cluster else ())
         for pipe in pipes:
             assert pipe.recv()[0] == "connected"
+        print(f"  {args.gateways} gateways connected and subscribed in {time.time() - t0:.1f} s", flush=True)
         sealed = broadcast_to(pipes, ("seal", 1, h0))
         total_bytes, total_msgs = sum(s[1] for s in sealed), sum(s[2] for s in sealed)
         print(f"  {args.gateways} gateways connected and sealed {total_bytes / MiB:.1f} MiB in {total_msgs} messages "
@@ -191,7 +192,7 @@ def main() -> None:  # noqa: C901 - one linear script
         watch.on_connect = lambda client, *a: client.subscribe(subs)
         watch.connect(host, port, keepalive=60)
         watch.loop_start()
-        if not watch_ready.wait(30):
+        if not watch_ready.wait(120):
             raise SystemExit("could not subscribe to the task topic")
 
         nodes = [f"RabbitMQ node {i}" for i in range(3)] if cluster else ["broker"]
