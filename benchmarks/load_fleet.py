@@ -311,6 +311,9 @@ def main() -> None:  # noqa: C901 - one linear script
                   f"updates stored; round closed {t_close - killer.at:.1f} s after the kill" if killer.at else
                   "no (threshold not reached)"))
         if cluster:
+            lost = [i for i, (s, _) in enumerate(sites) if s not in acks]
+            print(f"gateways without an ACK, by the node they started on: "
+                  f"{[sum(1 for i in lost if i % 3 == k) for k in range(3)]}")
             print("stored once: " + ", ".join(f"{k} {v}" for k, v in rabbit.stored_once(db_url).items()))
         last_ack = max((t for t, _ in acks.values()), default=float("nan"))
         print_table(["phase", "seconds"], [
