@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import wildfed_sim.demo as demo
+from wildfed_sim import demo
 from wildfed_sim.cli import app
 
 
