@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -33,12 +33,28 @@ from coordinator.selection import known_categories
 from coordinator.storage import Store
 from coordinator.transport import Transport, pipelined_publish
 
-if TYPE_CHECKING:
-    from coordinator.rounds import RoundManager
-
-__all__ = ["GlobalRound"]
+__all__ = ["GlobalRound", "RoundsView"]
 
 log = logging.getLogger(__name__)
+
+
+class RoundsView(Protocol):
+    """What a Global DP round reads of the round manager (:class:`coordinator.rounds.RoundManager`)."""
+
+    config: Any
+    on_new_model: Callable[[int, str, Mapping[str, np.ndarray]], object] | None
+
+    def next_round(self) -> int: ...
+
+    def current_model(self) -> tuple[str, dict[str, np.ndarray]]: ...
+
+    def select(self, round: int) -> tuple[list[str], dict[str, frozenset[IUCNCategory]]]: ...
+
+    def task_artifacts(self, model_hash_: str, weights: Mapping[str, np.ndarray]) -> dict[str, bytes]: ...
+
+    def prediction_offsets(self, round: int | None = None) -> tuple[float, ...] | None: ...
+
+    def task_cohorts(self, site_id: str) -> dict[int, tuple[IUCNCategory, ...]] | None: ...
 
 
 class GlobalRound:
@@ -54,7 +70,7 @@ class GlobalRound:
             manager's test-only crash point).
     """
 
-    def __init__(self, rounds: RoundManager, *, registry: SiteRegistry, ledger: PrivacyLedger, store: Store,
+    def __init__(self, rounds: RoundsView, *, registry: SiteRegistry, ledger: PrivacyLedger, store: Store,
                  transport: Transport, signing_key: Ed25519PrivateKey, secagg: SecAggCollector, tasks: TaskPublisher,
                  optimizer: ServerOptimizer, centre: np.ndarray | None, centre_digest: str | None,
                  clock: Callable[[], float], after_charge: Callable[[], None]) -> None:
