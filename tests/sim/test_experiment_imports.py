@@ -31,7 +31,7 @@ EXPERIMENTS: dict[str, set[str]] = {
 BUILDING_BLOCKS = {"animal_mnist", "camtrap_writer", "detections", "ecology", "embedded_broker", "embeddings",
                    "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models", "link_driver",
                    "link_relay"}
-ENTRY_POINTS = {"cli", "__init__"}
+ENTRY_POINTS = {"cli", "cli_experiments", "cli_data", "__init__"}
 
 
 def _module_names() -> set[str]:
