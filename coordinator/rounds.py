@@ -34,8 +34,9 @@ Global DP mode (``privacy: global``) replaces steps 3-5 by secure aggregation an
 The parts, each in a module of its own: selection and halting (:mod:`coordinator.selection`); the tasks
 (:mod:`coordinator.round_tasks`); the round row from open to close and the model version it commits, for both
 lifecycles (:mod:`coordinator.round_record`); the close-time steps that settle which updates count
-(:mod:`coordinator.round_close`, folding stored blobs with :mod:`coordinator.stored_updates`); a Global DP round's
-plan (:mod:`coordinator.round_plan`) and secure-aggregation driver (:mod:`coordinator.secagg_round`).
+(:mod:`coordinator.round_close`, folding stored blobs with :mod:`coordinator.stored_updates`); a Global DP round
+(:mod:`coordinator.global_round`), with its plan (:mod:`coordinator.round_plan`) and secure-aggregation driver
+(:mod:`coordinator.secagg_round`); what a round came to (:mod:`coordinator.round_result`).
 
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
@@ -55,7 +56,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -64,12 +64,13 @@ from sqlalchemy import select
 from shared.codec import decode_tensors, model_hash
 from shared.iucn import IUCNCategory
 from shared.models.backbone import EMBEDDING_DIM
-from shared.models.feature_centre import centre_digest, load_feature_centre, uncentred_gradient
+from shared.models.feature_centre import centre_digest, load_feature_centre
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
 from coordinator.buffered_rounds import BufferedRounds
 from coordinator.config import CoordinatorConfig
+from coordinator.global_round import GlobalRound
 from coordinator.inbound.context import RoundContext
 from coordinator.inbound.ingest import Ingestor
 from coordinator.ledger import PrivacyLedger
@@ -78,46 +79,20 @@ from coordinator.optimizers.base import ServerOptimizer
 from coordinator.radio import expected_events
 from coordinator.registry import SiteRegistry
 from coordinator.round_close import absorb_stored, drop_refused, finalise_from_workers, over_budget_at_close
-from coordinator.round_plan import GlobalRoundPlan
 from coordinator.round_record import RoundRecord, store_model
+from coordinator.round_result import RoundResult
 from coordinator.round_tasks import TaskPublisher
 from coordinator.secagg_collector import SecAggCollector
-from coordinator.secagg_round import GlobalRoundOutcome, SecureAggregationRound
-from coordinator.selection import known_categories, select_sites, uses_cohorts
+from coordinator.selection import select_sites, uses_cohorts
 from coordinator.storage import Store
 from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
 from coordinator.tables import RoundRow
 from coordinator.transport import Transport, pipelined_publish
 
-__all__ = ["RoundResult", "RoundManager"]
+__all__ = ["RoundResult", "RoundManager"]  # RoundResult: coordinator.round_result
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """Outcome of one round.
-
-    Attributes:
-        round: number. status: ``closed`` (new model) / ``failed`` (no quorum) / ``skipped`` (no site selectable).
-        selected: sites offered the round. accepted: sites whose update was aggregated (or charged, if failed).
-        model_hash: the global model after the round. duration_s: wall time, seconds, from the round's start (the
-        halt check) to its close. open_s: seconds from the round's start until its last task was published (0.0
-        where no task went out): the part of the gap between rounds that the round's opening takes.
-        halted: per site, halted categories at the start of the round.
-        stale: buffered rounds: the stale updates the round folded, as ``"<site>@r<round trained for>"``.
-    """
-
-    round: int
-    status: str
-    selected: tuple[str, ...]
-    accepted: tuple[str, ...]
-    model_hash: str
-    duration_s: float
-    halted: Mapping[str, tuple[IUCNCategory, ...]] = field(default_factory=dict)
-    open_s: float = 0.0
-    stale: tuple[str, ...] = ()
 
 
 _CRASH_ENV = "WILDFED_TEST_CRASH_AT"
@@ -296,7 +271,7 @@ class RoundManager:
                 self._tasks.publish(r, site_id, site_hashes[site_id], site_models[site_id],
                                     halted.get(site_id, frozenset()), artifacts,
                                     count_noise_multiplier=self._count_noise(), prediction_offsets=offsets,
-                                    cohorts=self._task_cohorts(site_id))
+                                    cohorts=self.task_cohorts(site_id))
         _test_crash_point("after_publish")
         return ctx
 
@@ -344,86 +319,11 @@ class RoundManager:
         return 1 if self.buffered is not None else self.quorum(len(ctx.selected))
 
     def run_global_round(self) -> RoundResult:
-        """One Global DP round (:mod:`coordinator.global_dp`): select, send tasks with secagg settings, run secure
-        aggregation, charge the survivors before unmasking, add the noise once, step, store."""
-        t0 = self._clock()
-        cfg = self.config
-        r = self.next_round()
-        base_hash, weights = self.current_model()
-        selected, halted = self.select(r)
-        if len(selected) < 2:
-            log.error("rounds: round %d: Global DP needs at least 2 sites for secure aggregation, %d can train",
-                      r, len(selected))
-            return RoundResult(round=r, status="skipped", selected=tuple(selected), accepted=(), model_hash=base_hash,
-                               duration_s=self._clock() - t0)
-        enrolled = {site.site_id: site for site in self._registry.list() if site.site_id in selected}
-        declared = {s: frozenset(known_categories(site, self._ledger)) for s, site in enrolled.items()}
-        plan = GlobalRoundPlan.for_round(cfg, round=r, model_hash=base_hash, weights=weights, selected=selected,
-                                         halted=halted, enrolled=enrolled, declared=declared)
-        record = RoundRecord.open(self._store, round=r, base_model_hash=base_hash, selected=selected,
-                                  privacy="global")
-        self._secagg.open_round(r, base_hash, selected)
-        log.info("rounds: round %d open (Global DP, secure aggregation t=%d of %d), model %s", r,
-                 plan.settings.threshold, len(selected), base_hash[:12])
-        self._publish_global_tasks(plan, selected, weights)
-        open_s = self._clock() - t0
-        outcome = self._run_secure_aggregation(plan)
-        new_weights: dict[str, np.ndarray] | None = None
-        if outcome.status == "closed":
-            assert outcome.noisy_gradient is not None
-            gradient = outcome.noisy_gradient
-            if self._centre is not None:  # the sites summed centred gradients: fold with the public c
-                gradient = uncentred_gradient(gradient, self._centre)
-            step = {k: (-float(cfg.learning_rate) * v).astype(np.float32) for k, v in gradient.items()}
-            new_weights = self._optimizer.step(weights, step)
-            record.commit_model(new_weights, optimizer=self._optimizer)
-        record.close(outcome.status, num_accepted=len(outcome.survivors) if outcome.status == "closed" else 0,
-                     detail=outcome.reason)
-        new_hash = record.model_hash_after
-        log.info("rounds: round %d %s (Global DP), model %s", r, outcome.status, new_hash[:12])
-        if new_weights is not None and self.on_new_model is not None:
-            self.on_new_model(r, new_hash, new_weights)
-        return RoundResult(round=r, status=outcome.status, selected=tuple(sorted(selected)),
-                           accepted=outcome.survivors if outcome.status == "closed" else (), model_hash=new_hash,
-                           duration_s=self._clock() - t0,
-                           halted={s: tuple(sorted(c, key=lambda c: c.rank)) for s, c in halted.items() if c},
-                           open_s=open_s)
-
-    def _publish_global_tasks(self, plan: GlobalRoundPlan, selected: list[str],
-                              weights: Mapping[str, np.ndarray]) -> None:
-        """Send each selected site its Global DP task: the plan's secagg settings and z, the feature centre's
-        digest; sites differ only in their halted categories."""
-        artifacts = self.task_artifacts(plan.model_hash, weights)
-        offsets = self.prediction_offsets(plan.round)
-        self._tasks.begin_round()  # one sealed task per distinct content
-        with pipelined_publish(self._transport):  # the round's tasks: PUBACKs awaited once
-            for site_id in selected:
-                self._tasks.publish(plan.round, site_id, plan.model_hash, weights,
-                                    plan.halted.get(site_id, frozenset()), artifacts, secagg=plan.settings,
-                                    noise_multiplier=plan.noise_multiplier, distributed_noise=plan.distributed,
-                                    feature_centre=self._centre_digest, prediction_offsets=offsets,
-                                    cohorts=self._task_cohorts(site_id))
-
-    def _run_secure_aggregation(self, plan: GlobalRoundPlan) -> GlobalRoundOutcome:
-        """Run the round's secure aggregation (:class:`coordinator.secagg_round.SecureAggregationRound`): each
-        survivor is charged to the ledger durably before the sum is unmasked; a charge that would pass a budget
-        abandons the round first. The collector stops collecting whatever happens."""
-        r, budgets = plan.round, plan.budgets
-
-        def over_budget(site: str, events: Mapping[IUCNCategory, object]) -> str | None:
-            for cat, ev in events.items():
-                if cat in budgets and self._ledger.would_exceed(site, cat, ev, budgets[cat],  # type: ignore[arg-type]
-                                                                round=r):
-                    return f"site {site} category {cat.value} would pass its budget eps={budgets[cat]:.4f}"
-            return None
-
-        try:
-            return SecureAggregationRound(
-                plan, collector=self._secagg, transport=self._transport, signing_key=self._key,
-                charge=lambda site, ev: self._ledger.record_round(site, r, ev), over_budget=over_budget,
-                after_charge=lambda: _test_crash_point("after_ledger"), clock=self._clock).run()
-        finally:
-            self._secagg.close_round()
+        """One Global DP round (:class:`coordinator.global_round.GlobalRound`)."""
+        return GlobalRound(self, registry=self._registry, ledger=self._ledger, store=self._store,
+                           transport=self._transport, signing_key=self._key, secagg=self._secagg, tasks=self._tasks,
+                           optimizer=self._optimizer, centre=self._centre, centre_digest=self._centre_digest,
+                           clock=self._clock, after_charge=lambda: _test_crash_point("after_ledger")).run()
 
     def _count_noise(self) -> float | None:
         """The count release tasks ask for: the strategy's (NIRA with noisy counts); exact counts (0) when the
@@ -447,7 +347,7 @@ class RoundManager:
         radio = self.config.radio if self.config.model == "radio_unet" else None
         return radio.local_epochs if radio is not None else self.config.local_steps
 
-    def _task_cohorts(self, site_id: str) -> dict[int, tuple[IUCNCategory, ...]] | None:
+    def task_cohorts(self, site_id: str) -> dict[int, tuple[IUCNCategory, ...]] | None:
         """The site's cohorts for its task (planned in :meth:`select`), None outside record-level budgets."""
         plan = self.round_cohorts.get(site_id)
         return None if plan is None else {c: tuple(h) for c, h in plan.items()}

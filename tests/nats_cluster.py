@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.support import free_port
+from tests.support import free_port, wait_for_connack
 
 __all__ = ["NATS_SERVER", "NatsCluster", "NatsClusterError"]
 
@@ -131,32 +131,12 @@ class NatsCluster:
         Raises:
             NatsClusterError: the node exited or gave no CONNACK within ``timeout_s``.
         """
-        import paho.mqtt.client as mqtt
-
-        start = time.monotonic()
-        while True:
-            proc = self.procs[i]
-            if proc is None or proc.poll() is not None:
-                raise NatsClusterError(f"nats-server {self.names[i]} is not running: {self._tail(i)}")
-            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wildfed-probe-{self.names[i]}",
-                                 protocol=mqtt.MQTTv311)
-            try:
-                client.connect("127.0.0.1", self.mqtt_ports[i], keepalive=10)
-                client.loop_start()
-                step = time.monotonic() + 2.0
-                while not client.is_connected() and time.monotonic() < step:
-                    time.sleep(0.02)
-                if client.is_connected():
-                    return time.monotonic() - start
-            except OSError:
-                pass
-            finally:
-                client.disconnect()
-                client.loop_stop()
-            if time.monotonic() - start >= timeout_s:
-                raise NatsClusterError(f"nats-server {self.names[i]} gave no MQTT CONNACK on port "
-                                       f"{self.mqtt_ports[i]} within {timeout_s:.0f} s: {self._tail(i)}")
-            time.sleep(0.1)
+        return wait_for_connack(self.mqtt_ports[i], client_id=f"wildfed-probe-{self.names[i]}",
+                                timeout_s=timeout_s,
+                                running=lambda: self.procs[i] is not None and self.procs[i].poll() is None,
+                                failure=lambda what: NatsClusterError(f"nats-server {self.names[i]} {what}: "
+                                                                 f"{self._tail(i)}"),
+                                poll_s=0.1)
 
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (a crash: no goodbye to its clients or routes) and reap it."""

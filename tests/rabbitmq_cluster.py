@@ -39,7 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.support import free_port
+from tests.support import free_port, wait_for_connack
 
 __all__ = ["RABBITMQ_SERVER", "RabbitCluster", "RabbitClusterError"]
 
@@ -212,32 +212,11 @@ class RabbitCluster:
         Raises:
             RabbitClusterError: the node exited or gave no CONNACK within ``timeout_s``.
         """
-        import paho.mqtt.client as mqtt
-
-        start = time.monotonic()
-        while True:
-            proc = self.procs[i]
-            if proc is None or proc.poll() is not None:
-                raise RabbitClusterError(f"rabbitmq-server {self.names[i]} is not running: {self._tail(i)}")
-            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wildfed-probe-{i}",
-                                 protocol=mqtt.MQTTv311)
-            try:
-                client.connect("127.0.0.1", self.mqtt_ports[i], keepalive=10)
-                client.loop_start()
-                step = time.monotonic() + 2.0
-                while not client.is_connected() and time.monotonic() < step:
-                    time.sleep(0.05)
-                if client.is_connected():
-                    return time.monotonic() - start
-            except OSError:
-                pass
-            finally:
-                client.disconnect()
-                client.loop_stop()
-            if time.monotonic() - start >= timeout_s:
-                raise RabbitClusterError(f"rabbitmq-server {self.names[i]} gave no MQTT CONNACK on port "
-                                         f"{self.mqtt_ports[i]} within {timeout_s:.0f} s: {self._tail(i)}")
-            time.sleep(0.25)
+        return wait_for_connack(self.mqtt_ports[i], client_id=f"wildfed-probe-{i}", timeout_s=timeout_s,
+                                running=lambda: self.procs[i] is not None and self.procs[i].poll() is None,
+                                failure=lambda what: RabbitClusterError(f"rabbitmq-server {self.names[i]} {what}: "
+                                                                 f"{self._tail(i)}"),
+                                poll_s=0.25)
 
     def kill(self, i: int) -> None:
         """SIGKILL node ``i``'s process group (a crash: no goodbye to its clients or peers) and reap it."""

@@ -74,3 +74,39 @@ def assert_norm_upper_bounds(reported, exact, *, slack: float = 1e-4, below: flo
     assert reported.shape == exact.shape
     assert np.all(reported >= exact * (1 - below)), (reported - exact).min()
     assert np.all(reported <= exact * (1 + slack) + 1e-30), ((reported - exact) / exact).max()
+
+
+def wait_for_connack(port: int, *, client_id: str, timeout_s: float, running: Callable[[], bool],
+                     failure: Callable[[str], Exception], poll_s: float = 0.1) -> float:
+    """Seconds until 127.0.0.1:``port`` answers an MQTT 3.1.1 CONNECT with a successful CONNACK.
+
+    Args:
+        running: whether the node's process still runs (checked before each try).
+        failure: builds the exception to raise from a message ("not running", "no CONNACK within ...").
+
+    Raises:
+        the exception ``failure`` builds: the node stopped, or gave no CONNACK within ``timeout_s``.
+    """
+    import paho.mqtt.client as mqtt
+
+    start = time.monotonic()
+    while True:
+        if not running():
+            raise failure("is not running")
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311)
+        try:
+            client.connect("127.0.0.1", port, keepalive=10)
+            client.loop_start()
+            step = time.monotonic() + 2.0
+            while not client.is_connected() and time.monotonic() < step:
+                time.sleep(0.02)
+            if client.is_connected():
+                return time.monotonic() - start
+        except OSError:
+            pass
+        finally:
+            client.disconnect()
+            client.loop_stop()
+        if time.monotonic() - start >= timeout_s:
+            raise failure(f"gave no MQTT CONNACK on port {port} within {timeout_s:.0f} s")
+        time.sleep(poll_s)

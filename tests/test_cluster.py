@@ -29,6 +29,7 @@ from shared.transfer import is_chunk
 
 from coordinator.service import Coordinator
 from tests.nats_cluster import NATS_SERVER, NatsCluster
+from tests.cluster_checks import assert_rounds_once
 from tests.support import wait_for
 from tests.test_faults import CHUNK, fedavg_of_stored, gateway_config, ledger_rows, write_site
 
@@ -132,21 +133,7 @@ def test_rounds_through_a_three_node_cluster(tmp_path: Path, cluster: NatsCluste
         assert all(len(connects[s]) == 1 for s in SITES)  # nobody had to move
 
         # Assert 2: both rounds closed with both sites, each update stored once, charged once, aggregated once
-        assert [r.status for r in results] == ["closed", "closed"]
-        assert all(r.accepted == SITES for r in results)
-        assert coord.ingestor.counts["accepted"] == 4
-        for round_ in (1, 2):
-            assert sorted(u.site_id for u in coord.store.updates_for_round(round_)) == list(SITES)
-        rows = ledger_rows(coord.store)
-        assert len(rows) == len(set(rows)) and {(r[1], r[0].split("@")[0]) for r in rows} == \
-            {(r, s) for r in (1, 2) for s in SITES}
-        rounds = coord.store.rounds()
-        for i, result in enumerate(results):
-            before, _ = decode_tensors(coord.store.get_model(rounds[i].base_model_hash))
-            after, _ = decode_tensors(coord.store.get_model(result.model_hash))
-            for name, avg in fedavg_of_stored(coord.store, i + 1).items():
-                np.testing.assert_allclose(after[name], before[name] + avg, rtol=1e-5, atol=1e-6)
-        assert all(a.outbox.pending() == [] and a.stats["tasks_trained"] == 2 for a in agents)
+        assert_rounds_once(coord, agents, results, SITES)
 
         # Assert 3: the retained release of round 2 waits for s2 on its node
         got: list[bytes] = []

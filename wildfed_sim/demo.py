@@ -23,15 +23,9 @@ coordinator's database, blobs and models.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import secrets
-import statistics
-import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -45,299 +39,14 @@ from shared.keys import generate_signing_key, public_key_to_pem, save_private_ke
 
 from wildfed_sim.common.demo_data import demo_sites, public_images
 from wildfed_sim.common.runs import new_run_dir, sigterm_unwinds
-from wildfed_sim.demo_links import DemoLinks, check_link_settings, print_links_summary
+from wildfed_sim.demo_links import DemoLinks
+from wildfed_sim.demo_settings import (DP_DEFAULTS, GLOBAL_DP_DEFAULTS, NON_PRIVATE_DEFAULTS, DemoResult, DemoSettings,
+                                        demo_embedding_cache, header_label, secagg_threshold)
+from wildfed_sim.demo_report import epsilon_by_category, print_summary, print_web_commands, write_report
 from wildfed_sim.gateway_processes import spawned_gateways
 
 __all__ = ["DP_DEFAULTS", "GLOBAL_DP_DEFAULTS", "NON_PRIVATE_DEFAULTS", "demo_embedding_cache", "DemoSettings",
            "DemoResult", "run_demo", "secagg_threshold", "pretrain_on_public_split", "load_weights", "save_weights"]
-
-
-#: Demo defaults under DP (ccdp, global), tuned with the in-process simulation on seeds 101-103 (docs/demo-data.md)
-DP_DEFAULTS: dict[str, Any] = {"local_steps": 1, "expected_batch_size": 1024, "learning_rate": 4.0,
-                               "server_momentum": 0.5}
-#: Demo defaults under Global DP (one step per round; the coordinator's server step): learning rate 12, chosen with
-#: the demo's secure-aggregation threshold (7 of 8 sites, DemoSettings.tolerated_dropouts) on tuning seeds 101, 103,
-#: 104 and 105 (3 noise draws each, 10 rounds): distributed 83.5 % at lr 8 with the majority threshold, 84.8 % at
-#: lr 8, 85.6 % at lr 12 and 85.4 % at lr 16 with threshold 7; the trusted server 86.4 % at lr 8, 86.0 % at lr 12
-#: (one default for both modes: their difference is within the draws' spread)
-GLOBAL_DP_DEFAULTS: dict[str, Any] = {**DP_DEFAULTS, "local_steps": 1, "learning_rate": 12.0}
-#: Demo defaults without privacy (no clipping: the mean gradient's norm is ~20, hence the larger step); same sweep
-NON_PRIVATE_DEFAULTS: dict[str, Any] = {"local_steps": 60, "expected_batch_size": 128, "learning_rate": 10.0,
-                                        "server_momentum": 0.5}
-
-
-def demo_embedding_cache(site_id: str) -> Path:
-    """The persistent embedding cache of demo site ``site_id``: ``<wildfed cache>/embeddings/demo/<site_id>``
-    (records are keyed by mediaID and content hash, so a stale entry is never served)."""
-    from edge_sdk.inference.weights import cache_dir
-
-    return cache_dir() / "embeddings" / "demo" / site_id
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    """Knobs of the demo (CLI flags of ``wildfed demo``).
-
-    Attributes:
-        sites: number of gateway sites K (>= 2). rounds: federated rounds (>= 1).
-        privacy: ``"ccdp"`` (local DP at each gateway), ``"global"`` (secure aggregation, the noise added once per
-            round to the sum, by the sites' shares or the coordinator: ``global_noise``; needs ``local_steps`` 1) or
-            ``"none"`` (non-private reference). None (the default): ``"global"`` with FedAvg, ``"ccdp"`` with NIRA
-            (whose per-cluster heads need the sites' own updates). Global DP with distributed noise is the default
-            because it is the most accurate mode at these budgets in which the coordinator never sees an unnoised
-            sum: the privacy-utility experiment measured it +4.9 points [+3.4, +6.5] over local CCDP with class
-            re-weighting at the same per-category epsilons, level on CR/EN (README "Privacy-utility").
-        gamma: CCDP steepness; budgets are ``from_anchor(anchor_category, anchor_epsilon, gamma)``.
-        ccdp_variant: how CCDP meets each category's budget with one noise draw per step (individualized DP-SGD,
-            :mod:`edge_sdk.privacy.ccdp`): ``"sample"`` (per-category Poisson rates; default) or ``"scale"``
-            (per-category clipping norms). Global DP rounds always sample.
-        global_noise: with ``privacy="global"``: ``"distributed"`` (default: each gateway adds its share of
-            Skellam noise before masking, ``shared.privacy.distributed``) or ``"trusted-server"`` (the coordinator
-            adds the noise to the unmasked sum).
-        tolerated_dropouts: with ``privacy="global"``: how many of the round's sites may drop out and the secure
-            sum still open; the secure-aggregation threshold is ``t = sites - tolerated_dropouts`` (coordinator
-            config ``secagg.threshold``), which must stay a majority (``2t > sites``, Bonawitz et al. 2017).
-            Distributed noise is calibrated so that t surviving shares carry the whole noise, so each site that
-            does not drop adds noise no one needed: None (the default) means 1, or 0 with too few sites (t = 7 of 8 sites: 8/7 of the needed noise
-            variance, where the coordinator's default majority t = 5 gives 8/5). Chosen on tuning seeds 101, 103,
-            104 and 105 (3 noise draws each, 10 rounds): 83.5 % overall with t = 5 at lr 8, 85.6 % with t = 7 at
-            lr 12 (84.8 % at lr 8), against 86.4 % for the trusted server. A round with more dropouts than this is
-            abandoned (the sum cannot be opened), never released with less noise.
-        class_reweighting: with ``privacy="ccdp"``: the exponent p of the post-processing that scales each class
-            row of a site's head delta by ``w_c^-p`` (``TrainingTask.class_reweighting``; 0 = off). 0.5 (square-root
-            re-weighting), chosen on tuning seeds 101, 103, 104 and 105 (2 draws each, CCDP gamma 1 at the demo's
-            defaults): overall 76.2 -> 77.1 %, CR/EN 69.6 -> 77.6 %; p = 1 gave CR/EN 81.6 % at 75.0 % overall.
-        posthoc_logit_adjustment: tau of the coordinator's post-hoc logit adjustment (coordinator config
-            ``posthoc_logit_adjustment``; Menon et al. 2021, sec. 4): the model the demo evaluates, the sites keep for
-            ``detect`` and the end-of-demo detections use predicts ``argmax f_k(x) - tau log pi_k``, pi estimated
-            from the public metadata the sites enrol with (:mod:`shared.models.logit_adjustment`; no privacy
-            cost). None (the default) means 1 (the balanced-error rule) with ``strategy="fedavg"`` and 0 with NIRA
-            (per-cluster heads: not supported). Chosen on tuning seeds 101, 103, 104 and 105 (3 draws each,
-            distributed Global DP at the demo's defaults): tau 0 (as trained) 85.6 % overall, CR/EN 83.1 %; tau
-            0.5 / 1 / 1.5: 86.2 / 86.4 / 86.1 % overall, CR/EN 86.1 / 88.8 / 90.8 %.
-        anchor_category, anchor_epsilon: the category pinned to a budget (default VU = 1.0, the seed's table).
-        local_steps: DP-SGD steps per site per round. expected_batch_size: records per step in expectation.
-        learning_rate: local SGD step; server_momentum: the coordinator's server SGD momentum (FedAvgM, Hsu et
-            al. 2019; 0 = FedAvg; post-processing of the aggregate, so free under DP); clipping_norm: C;
-            target_delta: delta of every guarantee. None (the default) for local_steps, expected_batch_size,
-            learning_rate or server_momentum: the privacy mode's tuned value
-            (:data:`DP_DEFAULTS`, :data:`GLOBAL_DP_DEFAULTS`, :data:`NON_PRIVATE_DEFAULTS`; tuned on seeds
-            101-103, never on seed 0). Under DP each per-example gradient is clipped to C, so the step is about
-            lr * C; without DP the raw mean gradient (norm ~30 on these embeddings) is used, hence the larger
-            non-private lr.
-        adapter_width: the head model's phi adapter width (1280 -> H, tanh); 0 (default, the better one in the
-            tuning runs, docs/demo-data.md) trains the linear head psi alone on the frozen embeddings.
-        round_deadline_s: seconds a round waits for all selected sites; None (the default): 300, or on
-            intermittent links the model's covering deadline in real seconds (:mod:`wildfed_sim.demo_links`).
-        round_duration_s: each reply leaves this long after its task (coordinator config, docs/privacy.md
-            "Timing"); None (the default): 0, or on intermittent links 20 simulated minutes in real seconds.
-        links: the gateways' link model (:mod:`wildfed_sim.link_models`): ``"always-on"`` (the default: no
-            relay, as before), ``"satellite"``, ``"solar-night"`` or ``"cellular"``, played over the real broker
-            (:mod:`wildfed_sim.demo_links`, :mod:`wildfed_sim.link_driver`). link_minute_s: real seconds per
-            simulated minute of the link model.
-        buffered: 0 (the default): synchronous rounds; K > 0: buffered rounds (FedBuff) that close at K updates,
-            stale ones included (coordinator config ``buffered``; needs ``privacy="ccdp"``, the default then).
-            max_staleness: the oldest stale update folded, in rounds.
-        seed: data split, site design, model initialisation (privacy noise stays cryptographically random).
-        broker: ``mqtt://host:port`` of a running broker, or None for the embedded one.
-        models_by_digest: the coordinator's ``transfer.models_by_digest`` (default True: each round's model is
-            retained once by digest and tasks name it); False: every task carries its model, for brokers that do not
-            deliver retained messages on wildcard filters (RabbitMQ 3.10, docs/brokers.md).
-        out_dir: run folder; default ``runs/demo-<UTC timestamp>``.
-        centralised_epochs: also train the same model on the pooled training data for this many epochs
-            (0 = skip) as the reference a federation is compared with.
-        threads_per_site: torch threads of each gateway process.
-        pretrain_epochs: before round 1, train the head model centrally (non-private) for this many epochs on the
-            public split -- the training images that no site holds (:func:`public_split_indices`; about 3,600 of
-            the 8,000 at K=8) -- and start the federation from those weights (DP transfer learning). 0 = start
-            from the seeded random initialisation. pretrain_batch_size, pretrain_learning_rate: its SGD (the demo's
-            lr 0.5 diverges at small batches; 64 / 0.1 reach ~50 % on the held-out split in 5 epochs at K=8).
-        initial_weights_path: start the federation from these weights (a safetensors file of
-            head-model arrays, ``shared.models.head``, e.g. written by :func:`save_weights`) instead; excludes
-            ``pretrain_epochs``.
-        public_per_class: 0 (default) = the public split is what no site holds (not class-balanced: the site
-            design takes every image of some species). N > 0 = reserve N training images of every class as a
-            class-balanced public split *before* the sites are designed on the rest
-            (:func:`design_sites_with_public_split`; this changes the sites a little), and pretrain on it.
-        strategy: ``"fedavg"`` (one global model) or ``"nira"`` (ecological clusters from the sites' public
-            species lists, shared phi, one head per cluster: coordinator/strategies/nira.py). Both are evaluated
-            per site (:func:`~wildfed_sim.evaluation.evaluate_sites`).
-        nira_recluster_every: NIRA re-clusters from the sites' phi-updates every this many rounds (0 = never).
-        nira_embedding_merging: NIRA species-embedding merging on/off.
-        nira_distance_threshold: NIRA's Jaccard-distance cut of the species-list dendrogram (None = 0.7).
-        feature_centre: give every gateway the mean backbone embedding of the public split (the training images
-            no site holds, less duplicates of site images) as its ``feature_centre``
-            (:mod:`shared.models.feature_centre`): local steps train on centred embeddings (Global DP: the
-            coordinator is given the same file and the sites' gradients are centred). On by default
-            (chosen by the tuning sweep, docs/demo-data.md "Tuning"); ``--no-feature-centre`` for the plain head.
-    """
-
-    sites: int = 8
-    rounds: int = 10
-    privacy: str | None = None
-    gamma: float = 1.0
-    ccdp_variant: str = "sample"
-    global_noise: str = "distributed"
-    tolerated_dropouts: int | None = None
-    class_reweighting: float = 0.5
-    posthoc_logit_adjustment: float | None = None
-    anchor_category: str = "VU"
-    anchor_epsilon: float = 1.0
-    local_steps: int | None = None
-    expected_batch_size: int | None = None
-    learning_rate: float | None = None
-    server_momentum: float | None = None
-    clipping_norm: float = 1.0
-    adapter_width: int = 0
-    target_delta: float = 1e-5
-    round_deadline_s: float | None = None
-    round_duration_s: float | None = None
-    seed: int = 0
-    broker: str | None = None
-    models_by_digest: bool = True
-    out_dir: Path | None = None
-    centralised_epochs: int = 0
-    threads_per_site: int = 1
-    pretrain_epochs: int = 0
-    pretrain_batch_size: int = 64
-    pretrain_learning_rate: float = 0.1
-    initial_weights_path: Path | None = None
-    public_per_class: int = 0
-    strategy: str = "fedavg"
-    nira_recluster_every: int = 0
-    nira_embedding_merging: bool = True
-    nira_distance_threshold: float | None = None
-    feature_centre: bool = True
-    links: str = "always-on"
-    link_minute_s: float = 0.25
-    buffered: int = 0
-    max_staleness: int = 10
-
-    def __post_init__(self) -> None:
-        if self.privacy is None:  # Global DP with FedAvg; NIRA and buffered rounds need the sites' own updates
-            object.__setattr__(self, "privacy", "ccdp" if self.strategy == "nira" or self.buffered else "global")
-        check_link_settings(self)  # links, compression, round mode; the round's deadline and padding resolved
-        # None: the tuned defaults of this privacy mode (DP_DEFAULTS / GLOBAL_DP_DEFAULTS / NON_PRIVATE_DEFAULTS)
-        defaults = (NON_PRIVATE_DEFAULTS if self.privacy == "none"
-                    else GLOBAL_DP_DEFAULTS if self.privacy == "global" else DP_DEFAULTS)
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-        if not (0 <= self.server_momentum < 1):
-            raise ConfigError(f"server_momentum must be in [0, 1), got {self.server_momentum}",
-                              field="server_momentum", fix="use 0 (FedAvg) or e.g. 0.5")
-        if type(self.adapter_width) is not int or self.adapter_width < 0:
-            raise ConfigError(f"adapter_width must be an integer >= 0, got {self.adapter_width!r}",
-                              field="adapter_width", fix="use 0 (head only) or e.g. 256")
-        if self.sites < 2:
-            raise ConfigError(f"sites must be >= 2, got {self.sites}", field="sites", fix="use --sites 8")
-        if self.rounds < 1:
-            raise ConfigError(f"rounds must be >= 1, got {self.rounds}", field="rounds", fix="use --rounds 10")
-        if self.posthoc_logit_adjustment is None:
-            object.__setattr__(self, "posthoc_logit_adjustment", 1.0 if self.strategy == "fedavg" else 0.0)
-        if not (math.isfinite(self.posthoc_logit_adjustment) and 0.0 <= self.posthoc_logit_adjustment <= 4.0):
-            raise ConfigError(f"posthoc_logit_adjustment must be in [0, 4], got {self.posthoc_logit_adjustment}",
-                              field="posthoc_logit_adjustment", fix="use 1 (default) or 0 (off)")
-        if self.posthoc_logit_adjustment > 0 and self.strategy != "fedavg":
-            raise ConfigError("the logit adjustment is for one global head (strategy fedavg); NIRA keeps a head "
-                              "per cluster", field="posthoc_logit_adjustment",
-                              fix="use --posthoc-logit-adjustment 0 with --strategy nira")
-        if not (0.0 <= self.class_reweighting <= 1.0):
-            raise ConfigError(f"class_reweighting must be in [0, 1], got {self.class_reweighting}",
-                              field="class_reweighting", fix="use 0 (off), 0.5 (default) or 1")
-        if self.ccdp_variant not in ("sample", "scale"):
-            raise ConfigError(f"ccdp_variant must be 'sample' or 'scale', got {self.ccdp_variant!r}",
-                              field="ccdp_variant", fix="use --ccdp-variant sample or --ccdp-variant scale")
-        if self.global_noise not in ("trusted-server", "distributed"):
-            raise ConfigError(f"global_noise must be 'trusted-server' or 'distributed', got {self.global_noise!r}",
-                              field="global_noise", fix="use --global-noise trusted-server or distributed")
-        most = self.sites - (self.sites // 2 + 1)  # the threshold may not fall below the smallest majority
-        if self.tolerated_dropouts is None:
-            object.__setattr__(self, "tolerated_dropouts", min(1, most))
-        if type(self.tolerated_dropouts) is not int or not 0 <= self.tolerated_dropouts <= most:
-            raise ConfigError(f"must be an integer from 0 to {most} with {self.sites} sites "
-                              f"(the secure-aggregation threshold, sites minus tolerated dropouts, must stay a "
-                              f"majority), got {self.tolerated_dropouts!r}", field="tolerated_dropouts",
-                              fix="use --tolerated-dropouts 1, or at most half the sites less one")
-        if self.privacy not in ("ccdp", "global", "none"):
-            raise ConfigError(f"privacy must be 'ccdp', 'global' or 'none', got {self.privacy!r}", field="privacy",
-                              fix="use --privacy ccdp, --privacy global or --privacy none")
-        if self.privacy == "global" and self.local_steps != 1:
-            raise ConfigError(f"privacy 'global' runs one clipped-gradient step per round (the coordinator adds "
-                              f"the noise to each round's secure sum), got local_steps={self.local_steps}",
-                              field="local_steps", fix="use --local-steps 1 and more --rounds")
-        if self.broker is not None and not self.broker.startswith("mqtt://"):
-            raise ConfigError(f"broker {self.broker!r} is not an mqtt:// URL", field="broker",
-                              fix="pass --broker mqtt://127.0.0.1:1883")
-        # Everything that reaches the coordinator's config or the budget is checked here, before any data is
-        # fetched or any process started.
-        try:
-            IUCNCategory(str(self.anchor_category).upper())
-        except ValueError:
-            raise ConfigError(f"{self.anchor_category!r} is not an IUCN category", field="anchor_category",
-                              fix="use one of " + ", ".join(c.value for c in IUCNCategory)) from None
-        positive = {"anchor_epsilon": (self.anchor_epsilon, "--anchor-epsilon 1.0"),
-                    "learning_rate": (self.learning_rate, "--learning-rate 0.5"),
-                    "clipping_norm": (self.clipping_norm, "--clipping-norm 1.0"),
-                    "round_deadline_s": (self.round_deadline_s, "--round-deadline-s 300"),
-                    "local_steps": (self.local_steps, "--local-steps 1"),
-                    "expected_batch_size": (self.expected_batch_size, "--expected-batch-size 128")}
-        for name, (value, example) in positive.items():
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be positive and finite, got {value}", field=name, fix=f"e.g. {example}")
-        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
-            raise ConfigError(f"gamma must be >= 0, got {self.gamma}", field="gamma",
-                              fix="use 1 (budgets linear in IUCN rank), 2, or 0 (uniform DP)")
-        if not 0 < self.target_delta < 1:
-            raise ConfigError(f"target_delta must be in (0, 1), got {self.target_delta}", field="target_delta",
-                              fix="use a delta well below 1/records, e.g. 1e-5")
-        if self.centralised_epochs < 0:
-            raise ConfigError("centralised_epochs must be >= 0", field="centralised_epochs", fix="use 0 to skip")
-        if self.pretrain_epochs < 0:
-            raise ConfigError("pretrain_epochs must be >= 0", field="pretrain_epochs",
-                              fix="use 0 to start from scratch")
-        if self.pretrain_batch_size < 1 or not (self.pretrain_learning_rate > 0
-                                                and math.isfinite(self.pretrain_learning_rate)):
-            raise ConfigError("pretrain_batch_size must be >= 1 and pretrain_learning_rate positive",
-                              field="pretrain_learning_rate", fix="use 64 and 0.1")
-        if self.public_per_class < 0:
-            raise ConfigError("public_per_class must be >= 0", field="public_per_class",
-                              fix="use 0 (public split = images no site holds) or e.g. 100")
-        if self.initial_weights_path is not None and self.pretrain_epochs > 0:
-            raise ConfigError("initial_weights_path and pretrain_epochs exclude each other", field="pretrain_epochs",
-                              fix="pass one of them")
-        if self.strategy not in ("fedavg", "nira"):
-            raise ConfigError(f"strategy must be 'fedavg' or 'nira', got {self.strategy!r}", field="strategy",
-                              fix="use --strategy fedavg or --strategy nira")
-        if self.strategy == "nira" and self.privacy == "global":
-            raise ConfigError("strategy 'nira' needs each site's update, which secure aggregation (privacy "
-                              "'global') hides", field="strategy", fix="use --privacy ccdp or none with nira")
-        if self.nira_recluster_every < 0:
-            raise ConfigError(f"nira_recluster_every must be >= 0, got {self.nira_recluster_every}",
-                              field="nira_recluster_every", fix="use 0 (never re-cluster) or e.g. 3")
-        if self.nira_distance_threshold is not None and not 0 < self.nira_distance_threshold <= 1:
-            raise ConfigError(f"nira_distance_threshold must be in (0, 1], got {self.nira_distance_threshold}",
-                              field="nira_distance_threshold", fix="use e.g. 0.7, or None for the default")
-
-
-@dataclass
-class DemoResult:
-    """What a demo run produced: the run folder, per-round history and the final numbers."""
-
-    run_dir: Path
-    history: list[dict[str, Any]] = field(default_factory=list)
-    final_accuracy: dict[str, float] = field(default_factory=dict)
-    epsilon: dict[str, dict[str, float]] = field(default_factory=dict)
-    centralised_accuracy: dict[str, float] | None = None
-    rejections: dict[str, int] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-    pretraining: dict[str, Any] | None = None
-    per_site: dict[str, Any] | None = None
-    nira: dict[str, Any] | None = None
-    final_accuracy_unadjusted: dict[str, float] | None = None
-    prediction_offsets: list[float] | None = None
-    final_models: dict[str, Any] | None = None
-    links: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -427,26 +136,6 @@ def _write_site_config(settings: DemoSettings, run_dir: Path, spec: Any, federat
     return path, public_key_to_pem(key.public_key())
 
 
-def _privacy_label(settings: DemoSettings) -> str:
-    """The privacy mode as the demo's header and table name it, e.g. ``privacy global (distributed noise)``."""
-    if settings.privacy == "global":
-        if settings.global_noise == "distributed":
-            return (f"privacy global (distributed noise, threshold {secagg_threshold(settings)} of {settings.sites} "
-                    f"sites)")
-        return f"privacy global ({settings.global_noise} noise)"
-    if settings.privacy == "ccdp":
-        rw = settings.class_reweighting
-        return f"privacy ccdp (local, {settings.ccdp_variant}, class re-weighting {rw:g})" if rw else \
-            f"privacy ccdp (local, {settings.ccdp_variant})"
-    return f"privacy {settings.privacy}"
-
-
-def _header_label(settings: DemoSettings) -> str:
-    """The privacy label plus the logit adjustment when it is on (the demo's header and table title)."""
-    tau = settings.posthoc_logit_adjustment
-    return _privacy_label(settings) + (f", logit adjustment tau {tau:g}" if tau else "")
-
-
 # ------------------------------------------------------------------------------------------ public pretraining
 def pretrain_on_public_split(train: Any, specs: Any, *, epochs: int, batch_size: int, learning_rate: float,
                              seed: int, public_per_class: int = 0, adapter_width: int = 0
@@ -491,13 +180,6 @@ def load_weights(path: Path) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------------------------------ strategies
-def secagg_threshold(settings: DemoSettings) -> int:
-    """Global DP's secure-aggregation threshold t of the demo: ``sites - tolerated_dropouts``, the fewest surviving
-    sites whose shares open the round's sum (and carry its whole distributed noise); a majority by
-    :class:`DemoSettings`' check (Bonawitz et al., CCS 2017, Section 4)."""
-    return int(settings.sites) - int(settings.tolerated_dropouts)
-
-
 def _strategy_config(settings: DemoSettings) -> dict[str, Any]:
     """The coordinator config's ``strategy`` block for the demo's settings."""
     if settings.strategy == "fedavg":
@@ -551,50 +233,6 @@ def _served_and_trained(coordinator: Any) -> tuple[dict[str, np.ndarray], dict[s
     from one read of the current global model."""
     _, trained = coordinator.rounds.current_model()
     return coordinator.rounds.served_model(trained), trained
-
-
-# ------------------------------------------------------------------------------------------ reporting
-def _epsilon_by_category(coordinator: Any) -> dict[str, dict[str, float]]:
-    """Per IUCN category: the largest spend over sites (the worst-off record's epsilon) and the budget."""
-    out: dict[str, dict[str, float]] = {}
-    for row in coordinator.budget_rows():
-        entry = out.setdefault(row.category.value, {"spent_max": 0.0, "budget": row.budget, "halted_sites": 0})
-        entry["spent_max"] = max(entry["spent_max"], row.spent)
-        entry["halted_sites"] += int(row.halted)
-    return out
-
-
-def _plot(history: list[dict[str, Any]], budgets: dict[str, float], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rounds = [h["round"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for group, style in (("overall", "-o"), ("CR/EN", "-s"), ("LC", "-^")):
-        ax1.plot(rounds, [100 * h["accuracy"][group] for h in history], style, label=group)
-    ax1.set_xlabel("round")
-    ax1.set_ylabel("held-out test accuracy (%)")
-    ax1.set_title("Accuracy of the global model")
-    ax1.grid(alpha=0.3)
-    ax1.legend()
-    colours = plt.get_cmap("viridis")
-    for i, cat in enumerate(c.value for c in IUCNCategory):
-        colour = colours(i / 5)
-        ax2.plot(rounds, [h["epsilon"].get(cat, {}).get("spent_max", 0.0) for h in history], "-o",
-                 color=colour, label=cat)
-        if cat in budgets:
-            ax2.axhline(budgets[cat], color=colour, linestyle="--", linewidth=0.8)
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("epsilon spent (max over sites; dashed: budget)")
-    ax2.set_title("Privacy ledger (RDP, delta per config)")
-    ax2.grid(alpha=0.3)
-    ax2.legend(ncol=2, fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -681,9 +319,9 @@ def _run_demo(settings: DemoSettings, *, console: Any = None) -> DemoResult:
 
     _centralised_reference(settings, result, specs, train, test, test_features, class_categories, console)
     result.elapsed_s = time.monotonic() - t0
-    _print_summary(settings, result, budgets, held, console)
-    _write_report(settings, result, design, specs, budgets, run_dir, console)
-    _print_web_commands(coord_dir, console)
+    print_summary(settings, result, budgets, held, console)
+    write_report(settings, result, design, specs, budgets, run_dir, console)
+    print_web_commands(coord_dir, console)
     return result
 
 
@@ -693,7 +331,7 @@ def _open_run_dir(settings: DemoSettings, console: Any) -> Path:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").mkdir(parents=True, exist_ok=True)
     console.rule(f"WildFed demo: {settings.sites} sites, {settings.rounds} round{'s' * (settings.rounds != 1)}, "
-                 f"{_header_label(settings)}, strategy {settings.strategy}")
+                 f"{header_label(settings)}, strategy {settings.strategy}")
     console.log(f"run folder {run_dir}")
     return run_dir
 
@@ -831,7 +469,7 @@ def _run_rounds(settings: DemoSettings, coordinator: Any, result: DemoResult, sp
                                               class_categories, test_features)
             unadjusted = (evaluate(trained, test_features, test.labels, class_categories)
                           if settings.posthoc_logit_adjustment else None)
-            eps = _epsilon_by_category(coordinator)
+            eps = epsilon_by_category(coordinator)
             entry = {"round": round_result.round, "status": round_result.status,
                      "selected": list(round_result.selected), "accepted": list(round_result.accepted),
                      "duration_s": round_result.duration_s, "accuracy": dict(acc.by_group), "epsilon": eps,
@@ -860,7 +498,7 @@ def _final_results(settings: DemoSettings, coordinator: Any, result: DemoResult,
 
     status = coordinator.status()
     result.rejections = dict(status.rejections)
-    result.epsilon = _epsilon_by_category(coordinator)
+    result.epsilon = epsilon_by_category(coordinator)
     final_weights, trained = _served_and_trained(coordinator)
     final, final_sites = _evaluate_model(settings, coordinator, final_weights, specs, train, test,
                                          class_categories, test_features)
@@ -894,88 +532,6 @@ def _centralised_reference(settings: DemoSettings, result: DemoResult, specs: An
                                 learning_rate=NON_PRIVATE_DEFAULTS["learning_rate"], seed=settings.seed,
                                 adapter_width=settings.adapter_width)
     result.centralised_accuracy = dict(evaluate(weights, test_features, test.labels, class_categories).by_group)
-
-
-def _print_summary(settings: DemoSettings, result: DemoResult, budgets: Any, held: set[IUCNCategory],
-                   console: Any) -> None:
-    """The final table (accuracy and epsilon per IUCN category), the rejections and the gaps between rounds."""
-    from rich.table import Table
-
-    table = Table(title=f"WildFed demo: {settings.sites} sites, {len(result.history)} "
-                        f"round{'s' * (len(result.history) != 1)}, {_header_label(settings)}, "
-                        f"strategy {settings.strategy}"
-                        + (" (accuracy: each site's own model on the classes it holds, pooled; per-site macro "
-                           "accuracy and the clusters are in report.json)" if settings.strategy == "nira" else ""))
-    table.add_column("IUCN category")
-    table.add_column("test accuracy", justify="right")
-    table.add_column("epsilon spent (max over sites)", justify="right")
-    table.add_column("budget", justify="right")
-    for cat in IUCNCategory:
-        e = result.epsilon.get(cat.value, {"spent_max": 0.0, "budget": budgets[cat]})
-        spent = (("- (no DP)" if settings.privacy == "none" else f"{e['spent_max']:.3f}") if cat in held
-                 else "- (no site holds it)")
-        acc = result.final_accuracy.get(cat.value, math.nan)
-        table.add_row(cat.value, "n/a" if math.isnan(acc) else f"{100 * acc:.1f}%", spent,
-                      f"{budgets[cat]:.2f}" if settings.privacy != "none" else "-")
-    for group in ("overall", "CR/EN", "VU/NT"):
-        table.add_row(f"[bold]{group}", f"[bold]{100 * result.final_accuracy[group]:.1f}%", "", "")
-    if result.final_accuracy_unadjusted:
-        table.add_row("overall as trained", f"{100 * result.final_accuracy_unadjusted['overall']:.1f}%", "", "")
-    if result.centralised_accuracy:
-        table.add_row("centralised (pooled, non-private)", f"{100 * result.centralised_accuracy['overall']:.1f}%",
-                      "", "")
-    console.print(table)
-    if result.final_accuracy_unadjusted:
-        console.log(f"accuracy is the served model's: the head's logits less tau log(prior), tau "
-                    f"{settings.posthoc_logit_adjustment:g}, the prior from the sites' public metadata (no privacy "
-                    f"cost); 'overall as trained' is the same model without it")
-    console.log(f"rejected updates by reason: {result.rejections or 'none'}")
-    print_links_summary(result.links, console)
-    gaps = [h["gap_s"] for h in result.history if h.get("gap_s") is not None]
-    if gaps:
-        console.log(f"gaps between rounds (from the end of one round until every task of the next is sent, this "
-                    f"demo's evaluation of each round included): median {statistics.median(gaps):.2f} s, "
-                    f"max {max(gaps):.2f} s")
-
-
-def _write_report(settings: DemoSettings, result: DemoResult, design: Any, specs: Any, budgets: Any, run_dir: Path,
-                  console: Any) -> None:
-    """``report.json`` (settings, sites, per-round history, final table) and ``report.png`` in the run folder."""
-    report = {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()},
-        "design": dataclasses.asdict(design),
-        "sites": [{"site_id": s.site_id, "biome": s.biome, "num_images": s.num_images,
-                   "species": list(s.species_names()), "monitoring_months": s.monitoring_months} for s in specs],
-        "history": result.history, "final_accuracy": result.final_accuracy, "epsilon": result.epsilon,
-        "centralised_accuracy": result.centralised_accuracy, "rejections": result.rejections,
-        "pretraining": result.pretraining, "elapsed_s": result.elapsed_s,
-        "strategy": settings.strategy, "per_site": result.per_site, "nira": result.nira,
-        "final_accuracy_unadjusted": result.final_accuracy_unadjusted,
-        "prediction_offsets": result.prediction_offsets, "final_models": result.final_models,
-        "links": result.links,
-    }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=float))
-    _plot(result.history, {c.value: b for c, b in budgets.items()} if settings.privacy != "none" else {},
-          run_dir / "report.png", f"WildFed demo, {settings.sites} sites, privacy {settings.privacy}")
-    console.log(f"report: {run_dir / 'report.json'}, plot: {run_dir / 'report.png'} "
-                f"({result.elapsed_s:.0f} s in all)")
-
-
-def _print_web_commands(coord_dir: Path, console: Any) -> None:
-    """The two commands that open this run's web view (one per line, never wrapped, so each copies whole)."""
-    import shlex
-
-    coord_yaml = shlex.quote(str(coord_dir / "coordinator.yaml"))
-    # the operator's commands of this run are wildfed-coordinator's: the one beside this `wildfed`, when known
-    here = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    exe = shlex.quote(str(here.with_name("wildfed-coordinator")) if here is not None and here.name == "wildfed"
-                      else "wildfed-coordinator")
-    console.log("web view of this run (map of the sites' deployments, budgets, rounds): make an account, serve, "
-                "then open http://127.0.0.1:8080/")
-    # one command per line, never wrapped, so that each can be copied whole
-    console.print(f"{exe} user add me --role operator --config {coord_yaml}", soft_wrap=True, markup=False,
-                  highlight=False)
-    console.print(f"{exe} serve --config {coord_yaml}", soft_wrap=True, markup=False, highlight=False)
 
 
 def end_of_demo_detections(*, run_dir: Path, specs: Any, site_configs: list[Path], coordinator: Any,

@@ -576,16 +576,16 @@ def run_federation(settings: RadioMapSettings, data: ExperimentData, defence: st
                                                           for k, a in sorted(templates_of.items())}})
         if settings.attacker != "template" and (r == 1 or r % settings.attack_every == 0):
             # The attacker runs the gateways' own code on shadow sites of the public tiles.
-            shadows = [_public_site(data, settings.maps_per_client, settings, attack_rng)
-                       for _ in range(settings.shadow_sites)]
-            shadow_updates = [_trainer(settings, defence, s.maps, allocator, noise,
-                                       clients[0].mechanism.clipping_profile).train_round(
-                theta, round_index=r, total_rounds=settings.rounds, rng=attack_rng)[0].update for s in shadows]
-            predict, info = fit_attacker(np.stack(shadow_updates), np.stack([s.centre_px for s in shadows]),
+            sites = [_public_site(data, settings.maps_per_client, settings, attack_rng)
+                     for _ in range(settings.shadow_sites)]
+            site_updates = [_trainer(settings, defence, s.maps, allocator, noise,
+                                     clients[0].mechanism.clipping_profile).train_round(
+                theta, round_index=r, total_rounds=settings.rounds, rng=attack_rng)[0].update for s in sites]
+            predict, info = fit_attacker(np.stack(site_updates), np.stack([s.centre_px for s in sites]),
                                          sensitive)
             truth = np.stack([data.clients[k].centre_px for k in active])
             errors = np.linalg.norm(predict(np.stack(released)) - truth, axis=1) * mpp
-            naive = np.linalg.norm(np.stack([s.centre_px for s in shadows]).mean(axis=0) - truth, axis=1) * mpp
+            naive = np.linalg.norm(np.stack([s.centre_px for s in sites]).mean(axis=0) - truth, axis=1) * mpp
             out["attack"].append({"round": r, "rmse_m": float(np.sqrt(np.mean(errors ** 2))),
                                   "naive_rmse_m": float(np.sqrt(np.mean(naive ** 2))),
                                   "errors_m": errors.tolist(), "naive_errors_m": naive.tolist(), **info})

@@ -29,7 +29,7 @@ def test_a_threshold_that_is_no_majority_is_refused(sites, dropouts):
 
 
 def test_the_header_names_the_threshold():
-    from wildfed_sim.demo import _privacy_label
+    from wildfed_sim.demo_settings import privacy_label
 
-    assert "threshold 7 of 8 sites" in _privacy_label(DemoSettings())
-    assert "threshold" not in _privacy_label(DemoSettings(global_noise="trusted-server"))
+    assert "threshold 7 of 8 sites" in privacy_label(DemoSettings())
+    assert "threshold" not in privacy_label(DemoSettings(global_noise="trusted-server"))

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "wildfed_sim"
 
 #: each experiment with the modules that are its own parts (a module belongs to one experiment at most)
 EXPERIMENTS: dict[str, set[str]] = {
-    "demo": {"demo", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
+    "demo": {"demo", "demo_settings", "demo_report", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
     "radio": {"radiomap", "radio_demo", "radio_attack", "radio_data", "radio_shadows", "radio_tiles"},
     "fedsofim": {"fedsofim"},
     "privacy_utility": {"privacy_utility"},
@@ -31,7 +31,7 @@ EXPERIMENTS: dict[str, set[str]] = {
 BUILDING_BLOCKS = {"animal_mnist", "camtrap_writer", "detections", "ecology", "embedded_broker", "embeddings",
                    "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models", "link_driver",
                    "link_relay"}
-ENTRY_POINTS = {"cli", "__init__"}
+ENTRY_POINTS = {"cli", "cli_experiments", "cli_data", "__init__"}
 
 
 def _module_names() -> set[str]:

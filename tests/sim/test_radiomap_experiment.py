@@ -194,3 +194,15 @@ def test_a_city_without_sionna_rt_is_refused_before_anything_is_written(tmp_path
     with pytest.raises(ConfigError, match="sionna-rt") as err:
         run_radiomap_experiment(settings)
     assert err.value.field == "city" and not out.exists()
+
+
+def test_both_attackers_in_one_run_without_shadows_given(tmp_path, one_torch_thread):
+    """attacker "both" with no shadows passed: run_federation makes its own, and the ridge attacker's shadow sites
+    of a round do not replace the template attacker's shadows for the next attack round (they did: the second
+    template attack then read a list of sites)."""
+    settings = RadioMapSettings(seeds=(0,), **{**SMALL, "rounds": 2, "attack_every": 1, "attacker": "both"})
+    data = prepare_data(settings, 0, cache_dir=tmp_path)
+    out = run_federation(settings, data, "clip-only", 0)
+    assert [a["round"] for a in out["template_attack"]] == [1, 2]
+    assert [a["round"] for a in out["attack"]] == [1, 2]
+    assert all(a["shadows"] == "first-order" for a in out["template_attack"])
