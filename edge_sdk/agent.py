@@ -13,7 +13,8 @@ enqueue; all work happens on the thread that calls :meth:`EdgeAgent.run`, so not
 When idle, unacknowledged updates are resent every ``resend_interval_s`` and stalled downloads are asked for again;
 after every (re)connect the outbox is resent and the open round's task is asked for.
 
-Of several tasks waiting, only the newest is trained (:mod:`edge_sdk.rounds.superseded`); a buffered round's task
+The task handling is :class:`edge_sdk.rounds.dispatch.TaskDispatch`, a base of the agent. Of several tasks
+waiting, only the newest is trained (:mod:`edge_sdk.rounds.superseded`); a buffered round's task
 (``max_staleness`` set) that comes while the previous update is still unacknowledged waits until it is (a newer
 task replaces it), so that at most one trained update is ever uncharged (docs/transport.md, "Buffered rounds").
 
@@ -29,7 +30,6 @@ package and their detection records published.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shared.envelope import Envelope, MessageKind
@@ -47,24 +46,23 @@ from shared.models.feature_centre import load_feature_centre
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.radio import RadioMapSet
 from shared.topics import ack_topic, model_filter, software_filter, task_topic
-from shared.transfer import is_chunk
 
 from edge_sdk.backends.base import TrainingBackend
 from edge_sdk.backends.ort_backend import ArtifactCache
-from edge_sdk.config import SiteConfig, global_model_path, load_site_config
+from edge_sdk.config import SiteConfig, load_site_config
 from edge_sdk.data.camtrap_dp import LocalDataset
-from edge_sdk.global_model import ModelVersion, keep_global_model
 from edge_sdk.privacy.timing import RoundPacer
 from edge_sdk.rounds.backends import BackendChooser
 from edge_sdk.rounds.camera import CameraRound, SiteRecords
 from edge_sdk.rounds.context import AgentContext, kind_of
+from edge_sdk.rounds.dispatch import TaskDispatch
 from edge_sdk.rounds.downloads import TaskDownloads
-from edge_sdk.rounds.model_cache import DigestModels, WaitingTask
+from edge_sdk.rounds.model_cache import DigestModels
 from edge_sdk.rounds.radio_round import RadioRound
 from edge_sdk.rounds.releases import ModelReleases
 from edge_sdk.rounds.secagg_client import SecAggRoundState, SecAggSiteClient
-from edge_sdk.rounds.superseded import newer_task_waiting, too_stale
-from edge_sdk.rounds.tasks import AcceptedTask, accept_task
+from edge_sdk.rounds.superseded import too_stale
+from edge_sdk.rounds.tasks import AcceptedTask
 from edge_sdk.site_paths import calibration_cache_dir
 from edge_sdk.updates.receiver import SoftwareUpdates
 from edge_sdk.updates.stage import StagedVersion
@@ -78,7 +76,7 @@ __all__ = ["EdgeAgent"]
 log = logging.getLogger(__name__)
 
 
-class EdgeAgent:
+class EdgeAgent(TaskDispatch):
     """A site's agent. Build it with :meth:`from_config` (production) or directly (tests).
 
     Args (all keyword-only):
@@ -377,99 +375,6 @@ class EdgeAgent:
         finally:
             if self.field is not None:
                 self.field.close()
-
-    # -- dispatch ------------------------------------------------------------------------------------------
-    def handle_task_message(self, data: bytes) -> bool:
-        """One message from the task topic: a whole TASK, the manifest or a chunk of a chunked one
-        (``shared.transfer``), or a secure-aggregation stage. Returns True if the site trained."""
-        if is_chunk(data):
-            envelope = self.downloads.chunk(data)
-            return envelope is not None and self._handle_task_envelope(envelope)
-        kind = kind_of(data)
-        if kind == MessageKind.MANIFEST:
-            self.downloads.manifest(data)
-            return False
-        if kind == MessageKind.SECAGG:
-            self.secagg.handle(data)
-            return False
-        return self.handle_task(data)
-
-    def handle_task(self, data: bytes) -> bool:
-        """Verify, train and upload for one TASK envelope; returns True if the site trained.
-
-        Every rejection is logged with its reason and counted in :attr:`stats`; nothing here raises for bad
-        input from the wire.
-        """
-        envelope = self.ctx.open(data, MessageKind.TASK, "task")
-        return envelope is not None and self._handle_task_envelope(envelope)
-
-    def _handle_task_envelope(self, envelope: Envelope) -> bool:
-        """A verified, addressed TASK (whole, or reassembled from chunks checked against the signed manifest)."""
-        self.ctx.newest_round_seen = max(self.ctx.newest_round_seen, envelope.header.round)
-        accepted = accept_task(self.ctx, envelope)
-        if accepted is None:
-            return False
-        digest = accepted.task.model_digest
-        if digest is not None:  # the model was published once for every site (edge_sdk.rounds.model_cache)
-            held = self.digests.lookup(digest)
-            if held is None:
-                self.digests.wait(WaitingTask(envelope, accepted))
-                return False
-            accepted = dataclasses.replace(accepted, weights=held)
-        return self._train(envelope, accepted)
-
-    def _digest_message(self, data: bytes) -> bool:
-        """One message from a digest topic: train the waiting task once its model is whole (if it is still new)."""
-        ready = self.digests.handle(data)
-        if ready is None:
-            return False
-        waiting, weights = ready
-        if waiting.accepted.task.round <= self.ctx.last_round():
-            self.ctx.reject("task", "stale_round", f"round {waiting.accepted.task.round}'s model came after a newer "
-                            "round was trained")
-            return False
-        return self._train(waiting.envelope, dataclasses.replace(waiting.accepted, weights=weights))
-
-    def _train(self, envelope: Envelope, accepted: AcceptedTask) -> bool:
-        """Train an accepted task whose weights are in hand, unless a newer round's task waits in the inbox
-        (:mod:`edge_sdk.rounds.superseded`)."""
-        task, weights = accepted.task, accepted.weights
-        with self._inbox.mutex:
-            waiting = list(self._inbox.queue)
-        newer = newer_task_waiting(self.ctx, waiting, task.round)
-        if newer is not None:
-            self.ctx.reject("task", "superseded", f"round {task.round}'s task is not trained: round {newer}'s waits")
-            return False
-        if task.max_staleness is not None and self._update_in_flight():
-            # buffered rounds: at most one trained update not yet charged (docs/transport.md, "Buffered rounds")
-            log.info("site %s: round %d's task waits until the previous update is acknowledged", self.config.site_id,
-                     task.round)
-            self._deferred = (envelope, accepted)  # a newer task replaces it
-            return False
-        self.ctx.pacer.begin(task.round, task.round_duration_s)  # its replies leave at a public time slot
-        if self.radio is not None:
-            return self.radio.train(task, weights, accepted.artifacts)
-        if self.backends.select(task, accepted.artifacts, weights) is None:
-            return False
-        self._keep_model(task, weights, accepted.model_hash, envelope.header.timestamp)
-        if task.privacy == "global":
-            assert self.records is not None
-            return self.secagg.start(task, weights, self.records)
-        assert self.camera is not None
-        return self.camera.train(task, weights)
-
-    def _keep_model(self, task: object, weights: dict[str, np.ndarray], model_hash: str, timestamp: int) -> None:
-        """Keep the task's model for detect and the field loop unless a newer one is kept (a released model of the
-        same round or later: :func:`edge_sdk.global_model.keep_global_model`); a failure here must not cost the
-        round."""
-        try:
-            keep_global_model(global_model_path(self.config), weights,
-                              ModelVersion(task.round, "task", timestamp, model_hash),  # type: ignore[attr-defined]
-                              prediction_offsets=task.prediction_offsets,  # type: ignore[attr-defined]
-                              backbone_id=self.config.backbone_id)
-        except (OSError, ValueError) as exc:
-            log.warning("site %s: could not keep the global model of round %d for detect: %s", self.config.site_id,
-                        task.round, exc)  # type: ignore[attr-defined]
 
     # -- delegates kept as the agent's public surface ----------------------------------------------------------
     def handle_secagg(self, data: bytes) -> bool:
