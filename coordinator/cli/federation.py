@@ -164,9 +164,13 @@ def _print_links(cfg: CoordinatorConfig, site_ids: list[str]) -> None:
         table.add_row(escape(st.site_id), f"{st.online_fraction:.0%}", str(len(st.gaps_s)),
                       duration_text(st.longest_gap_s), duration_text(st.gap_p90_s))
     console.print(table)
-    for line in link_advice(stats, privacy=cfg.privacy, round_deadline_s=cfg.round_deadline_s,
-                            secagg_threshold=cfg.secagg.threshold, buffered=cfg.buffered is not None):
+    advice = link_advice(stats, privacy=cfg.privacy, round_deadline_s=cfg.round_deadline_s,
+                         secagg_threshold=cfg.secagg.threshold, buffered=cfg.buffered is not None)
+    for line in advice:
         console.print(f"[yellow]links:[/] {escape(line)}")
+    if not advice:
+        console.print("links: the round mode in use fits these links, nothing to change (docs/transport.md, "
+                      "\"Intermittent links\")")
 
 
 def _print_detections(counts: DetectionCounts) -> None:

@@ -244,7 +244,7 @@ def user_add(username: str = typer.Argument(..., help="2-64 characters of a-z, 0
 
             password = sys.stdin.readline().rstrip("\r\n")
         else:
-            password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
+            password = _prompt_password()
         account = accounts.create(username, password, role)
     finally:
         store.dispose()
@@ -264,7 +264,7 @@ def user_set_password(username: str = typer.Argument(..., help="an existing acco
             raise AccountError(f"user {username!r} does not exist", field="username",
                                fix="list the accounts with `wildfed-coordinator user list`, or create it with "
                                    "`wildfed-coordinator user add NAME --role ROLE`")
-        password = typer.prompt("new password", hide_input=True, confirmation_prompt=True)
+        password = _prompt_password("new password", fix="run it on a terminal (an ssh session with -t)")
         account = accounts.update(username, password=password)
     finally:
         store.dispose()
@@ -419,3 +419,24 @@ def places_lift(place_ids: list[int] = typer.Argument(..., help="place ids (`pla
             err_console.print(f"[yellow]warning:[/] {escape(', '.join(sorted(still)))} of place {p.place_id} "
                               f"are still shown fuzzed, as neighbours of place "
                               f"{', '.join(map(str, sorted(set(still.values()))))} (fix: lift that place too)")
+
+
+def _prompt_password(label: str = "password",
+                     fix: str = "pipe it in with --password-stdin (its first line is the password)") -> str:
+    """A password asked twice without echo (on the terminal; from standard input where there is none).
+
+    Raises:
+        ConfigError: standard input ended before a password came and is not a terminal (a script, a pipe, no
+            input); ``fix`` says what to do instead.
+    """
+    import sys
+
+    import click
+
+    try:
+        return typer.prompt(label, hide_input=True, confirmation_prompt=True)
+    except (click.exceptions.Abort, typer.Abort):
+        if sys.stdin.isatty():
+            raise  # Ctrl-C or Ctrl-D at the prompt
+        raise ConfigError("no terminal to ask the password on, and no password on standard input", field="password",
+                          fix=fix) from None

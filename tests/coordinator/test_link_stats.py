@@ -94,3 +94,14 @@ def test_the_coordinator_stores_changes_only_and_status_shows_the_links(fed) -> 
     out = CliRunner().invoke(app, ["status", "--config", str(cfg_path)], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "links over the last 7 days" in out.output and "ridge" in out.output
+
+
+def test_status_says_so_when_the_links_need_no_change(fed) -> None:  # noqa: F811
+    """Sites always online: no advice, and status says the round mode fits (rather than saying nothing)."""
+    coord, bus, clock, cfg_path, _ = fed
+    for site in ("ridge", "river"):
+        bus.publish(status_topic(FED, site), status_payload(site, "online"), retain=True)
+    clock.now = clock.now + _dt.timedelta(minutes=120)
+    out = CliRunner().invoke(app, ["status", "--config", str(cfg_path)], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "nothing to change" in " ".join(out.output.split()), out.output

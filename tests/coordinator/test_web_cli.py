@@ -360,3 +360,17 @@ def test_user_add_refuses_a_taken_name_before_asking_for_the_password(tmp_path, 
     AccountStore(Store(c.database_url, c.data_dir), hasher=HASHER).create("olga", "operator-password-1", "operator")
     r = runner.invoke(app, ["user", "add", "olga", "--role", "ranger", "--config", cfg], input="")
     assert r.exit_code == 2 and "exists" in r.output and "password" not in r.output.split("exists")[0].lower()
+
+
+def test_a_password_prompt_without_a_terminal_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no terminal and nothing on standard input, user add and set-password stop with one line naming the
+    fix (user add: --password-stdin), instead of click's bare 'Aborted.'."""
+    monkeypatch.setattr(auth, "PasswordHasher", lambda: CHEAP)
+    runner, config = _federation(tmp_path)
+    res = runner.invoke(app, ["user", "add", "ana", "--role", "ranger", "-c", config], input="")
+    assert res.exit_code == 2 and "--password-stdin" in _flat(res.output), res.output
+    res = runner.invoke(app, ["user", "add", "ana", "--role", "ranger", "--password-stdin", "-c", config],
+                        input="a long ranger password\n")
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["user", "set-password", "ana", "-c", config], input="")
+    assert res.exit_code == 2 and "terminal" in _flat(res.output), res.output
