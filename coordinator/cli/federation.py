@@ -37,6 +37,7 @@ from coordinator.cli.common import (DEFAULT_CONFIG, config_option, console, err_
 from coordinator.config import CoordinatorConfig, config_from_dict, load_config, save_config
 from coordinator.detections import DetectionCounts
 from coordinator.ledger_streams import base_site
+from coordinator.model_digests import STATE_KEY as DIGESTS_KEY
 from coordinator.reports import (ROUNDS_LEFT_CAP, ObserverReport, budget_report, observer_report,
                                  plot_burn_down)
 from coordinator.selection import known_categories
@@ -93,6 +94,7 @@ def status(config: Path = config_option()) -> None:
                 if (known := known_categories(site, ledger)) and known <= ledger.halted(site.site_id)]
         site_ids = [site.site_id for site in registry.list()]
         buffer = buffer_counts(store) if cfg.buffered is not None else None
+        digests = store.get_state(DIGESTS_KEY) or {}  # {digest: {"round", "chunks"}}: retained by digest now
     finally:
         store.dispose()
     console.print(f"federation [bold]{escape(cfg.federation_id)}[/]: {rep.sites} site(s), {len(rep.rounds)} round(s), "
@@ -110,6 +112,11 @@ def status(config: Path = config_option()) -> None:
     if buffer is not None:
         console.print(f"buffered rounds (K={cfg.buffered.buffer_size}, max_staleness {cfg.buffered.max_staleness}): "
                       f"{buffer[1]} stale update(s) folded, {buffer[0]} waiting for the next close")
+    if digests:
+        newest = max(digests.items(), key=lambda kv: int(kv[1]["round"]))
+        console.print(f"models by digest: {len(digests)} retained on the broker, the latest {newest[0][:12]} (named by "
+                      f"round {newest[1]['round']}'s tasks); one is cleared once no task of the last "
+                      f"{cfg.transfer.model_retention_rounds} round(s) named it")
     if cfg.strategy.kind == "nira":
         console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
     rej = Table(title="rejections by reason")

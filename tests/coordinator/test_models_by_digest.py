@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from shared.codec import model_hash
 from shared.envelope import BROADCAST_SITE_ID, Envelope, MessageKind, verify
@@ -24,6 +25,8 @@ from shared.transfer import is_chunk
 
 from edge_sdk.agent import EdgeAgent
 
+from coordinator.cli import app as cli_app
+from coordinator.config import save_config
 from coordinator.model_digests import STATE_KEY
 from coordinator.registry import EnrolmentError
 from coordinator.service import Coordinator
@@ -126,6 +129,12 @@ def test_each_round_publishes_its_model_once_and_gateways_train_on_it(tmp_path: 
     left = {t.split("/")[4] for t in bus.retained if "/models/" in t}
     assert left == {r3}
     assert set(coord.store.get_state(STATE_KEY)) == {r3}
+    # the operator sees what is retained by digest
+    out = CliRunner().invoke(cli_app, ["status", "--config", str(save_config(config, tmp_path / "c.yaml"))],
+                             env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert (f"models by digest: 1 retained on the broker, the latest {r3[:12]} (named by round 3's tasks)"
+            in " ".join(out.output.split())), out.output
     coord.close()
 
 
