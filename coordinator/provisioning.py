@@ -187,7 +187,8 @@ def build_sdk_wheel(cache_dir: Path, *, source_root: Path | None = None) -> Path
 
 def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, profile_file: str, site_id: str,
                        broker_url: str, species: Sequence[Mapping[str, Any]] | None, dataset: str | None,
-                       backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None) -> str:
+                       backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None,
+                       capacity: int | None = None) -> str:
     """The ``site.yaml`` of a bundle: ids, broker, identity and storage paths from the profile (relative to the
     install prefix), privacy defaults from the profile, the federation's model size, the backbone and its input
     size (whose graph the bundle ships, installed under ``model_dir``), and the species table (or an empty one with
@@ -207,7 +208,7 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
         "embedding_input_size": embedding_input_size or get_variant(backbone).default_input_size,
         "model_dir": fmt.MODELS_DIR,
         "num_classes": config.num_classes,
-        "federation_plan": _federation_plan(config),
+        "federation_plan": _federation_plan(config, capacity),
         "allow_non_private": profile.privacy.allow_non_private,
         "allow_seeded_noise": profile.privacy.allow_seeded_noise,
     }
@@ -343,7 +344,8 @@ def provision_site(*, config: CoordinatorConfig, store: Store, site_id: str, pro
         fmt.BundleMember(fmt.PROFILE, profile_text.encode("utf-8")),
         fmt.BundleMember(fmt.SITE_CONFIG, render_site_config(
             config=config, profile=prof, profile_file=fmt.PROFILE, site_id=site_id, broker_url=url,
-            species=species, dataset=dataset, backbone=backbone, embedding_input_size=size).encode("utf-8")),
+            species=species, dataset=dataset, backbone=backbone, embedding_input_size=size,
+            capacity=_declared_capacity(metadata)).encode("utf-8")),
         fmt.BundleMember(fmt.SITE_KEY, site_key_pem, 0o600),
         fmt.BundleMember(fmt.SITE_PUBLIC_KEY, site_pub_pem.encode("ascii")),
         fmt.BundleMember(fmt.COORDINATOR_PUBLIC_KEY, public_key_to_pem(coordinator_pub).encode("ascii")),
@@ -411,16 +413,17 @@ def _graph_members(graphs: Mapping[str, Path], *, backbone: str, input_size: int
     return out
 
 
-def _federation_plan(config: CoordinatorConfig) -> dict[str, Any] | None:
+def _federation_plan(config: CoordinatorConfig, capacity: int | None = None) -> dict[str, Any] | None:
     """The plan the site's learnability report uses before its first round (``edge_sdk.federation_plan``): public
-    values every task carries; None where the gateway's local CCDP plan is not what runs (``privacy: none`` or
-    ``global``, radio maps)."""
+    values every task carries, with the site's declared ``capacity`` (enrolment metadata) when it has one; None where
+    the gateway's local CCDP plan is not what runs (``privacy: none`` or ``global``, radio maps)."""
     if config.privacy in ("none", "global") or config.model == "radio_unet":
         return None
-    return {"rounds": config.planned_updates(), "local_steps": config.local_steps,
+    plan = {"rounds": config.planned_updates(), "local_steps": config.local_steps,
             "expected_batch": config.expected_batch_size, "target_delta": config.target_delta,
             "clipping_norm": config.clipping_norm, "variant": config.ccdp_variant,
             "budgets": {c.value: float(e) for c, e in config.budgets().items()}}
+    return plan if capacity is None else {**plan, "capacity": int(capacity)}
 
 
 def _check_species(config: CoordinatorConfig, species: Sequence[Mapping[str, Any]] | None) -> None:
@@ -452,3 +455,10 @@ def _unenrol(store: Store, site_id: str) -> None:
             s.delete(row)
             mark_keys_changed(s)  # a running coordinator's key cache drops the site
     log.warning("provisioning of %s failed after enrolment; enrolment rolled back", site_id)
+
+
+def _declared_capacity(metadata: Mapping[str, Any] | None) -> int | None:
+    """The ``capacity`` of enrolment metadata as an int >= 1, or None when absent or not such a number (the
+    registry checks the metadata itself)."""
+    value = (metadata or {}).get("capacity")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None

@@ -90,7 +90,7 @@ def category_signals(config: SiteConfig, dataset: LocalDataset) -> tuple[list[Ca
     a = ASSUMED if fp is None else {"rounds": fp.rounds, "local_steps": fp.local_steps,
                                     "expected_batch": fp.expected_batch, "target_delta": fp.target_delta,
                                     "clipping_norm": fp.clipping_norm, "variant": fp.variant}
-    n = max(1, len(dataset))
+    n = fp.capacity if fp is not None and fp.capacity is not None else max(1, len(dataset))  # as the rounds divide
     steps = a["rounds"] * a["local_steps"]
     budgets = (CCDPBudget.from_anchor(IUCNCategory.VU, a["anchor_epsilon"], gamma=a["gamma"]).table() if fp is None
                else {IUCNCategory(code): eps for code, eps in fp.budgets.items()})
@@ -102,9 +102,10 @@ def category_signals(config: SiteConfig, dataset: LocalDataset) -> tuple[list[Ca
                            noise_std=plan.noise_std, steps=steps, parameters=parameters)
     if fp is not None:
         return rows, ("no round trained yet: the coordinator's plan written at provisioning, {rounds} rounds x "
-                      "{local_steps} steps, expected batch {expected_batch}, delta {target_delta:g}, the head only "
-                      "({p} parameters); the report after the first round uses the plan that ran"
-                      ).format(**a, p=parameters)
+                      "{local_steps} steps, expected batch {expected_batch} of {n} ({of}), delta {target_delta:g}, "
+                      "the head only ({p} parameters); the report after the first round uses the plan that ran"
+                      ).format(**a, p=parameters, n=n, of="the declared capacity" if fp.capacity is not None
+                               else "the records held: the site declared no capacity")
     return rows, ("no round trained yet: an assumed plan of {rounds} rounds x {local_steps} step, expected batch "
                   "{expected_batch}, CCDP gamma {gamma:g} with VU at epsilon {anchor_epsilon:g}, delta "
                   "{target_delta:g}, the head only ({p} parameters); your coordinator's plan may differ, and the "

@@ -484,5 +484,6 @@ def test_the_bundles_site_yaml_carries_the_coordinators_plan(fed, sdk_wheel, tmp
     assert site["federation_plan"] == {
         "rounds": cfg.rounds, "local_steps": cfg.local_steps, "expected_batch": cfg.expected_batch_size,
         "target_delta": cfg.target_delta, "clipping_norm": cfg.clipping_norm, "variant": cfg.ccdp_variant,
-        "budgets": {c.value: e for c, e in cfg.budgets().items()}}
+        "budgets": {c.value: e for c, e in cfg.budgets().items()},
+        "capacity": 3}  # the site's declared capacity (its enrolment metadata), by which its rounds' rates divide
     assert site["federation_plan"]["budgets"]["VU"] == 1.0  # the test config's anchor (from_anchor VU 1.0)

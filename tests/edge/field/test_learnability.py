@@ -91,6 +91,17 @@ def test_check_config_uses_the_coordinators_plan_written_at_provisioning(tmp_pat
                          active=site.categories, target_delta=1e-5, sampling_rate=2 / 3, steps=20, clipping_norm=1.0,
                          site_categories=site.categories)
     assert f"sigma={expected.noise_std:.3g}, 20 step(s)" in out
+    assert "expected batch 2 of 3 (the records held: the site declared no capacity)" in out
+    # with the declared capacity the rate is the rounds' expected batch / capacity, not / the records held
+    (tmp_path / "cap.yaml").write_text(yaml.safe_dump(dict(config, federation_plan={**plan, "capacity": 50})))
+    result = CliRunner().invoke(app, ["check-config", str(tmp_path / "cap.yaml")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    by_capacity = plan_ccdp(variant="sample", budgets={Cat(c): e for c, e in plan["budgets"].items()},
+                            active=site.categories, target_delta=1e-5, sampling_rate=2 / 50, steps=20,
+                            clipping_norm=1.0, site_categories=site.categories)
+    assert "expected batch 2 of 50 (the declared capacity)" in out
+    assert f"sigma={by_capacity.noise_std:.3g}, 20 step(s)" in out and by_capacity.noise_std != expected.noise_std
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(dict(config, federation_plan={**plan, "budgets": {"XX": 1}})))
     with pytest.raises(Exception, match="budgets"):
         load_site_config(tmp_path / "bad.yaml")
