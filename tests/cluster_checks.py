@@ -32,3 +32,33 @@ def assert_rounds_once(coord, agents: Sequence, results: Sequence, sites: tuple[
         for name, avg in fedavg_of_stored(coord.store, i + 1).items():
             np.testing.assert_allclose(after[name], before[name] + avg, rtol=1e-5, atol=1e-6)
     assert all(a.outbox.pending() == [] and a.stats["tasks_trained"] == rounds_run for a in agents)
+
+
+def killing_link(cluster, killed: dict, *, kill: bool, node: int = 2, at_chunk: int = 6) -> type:  # noqa: ANN001
+    """The gateway's real paho transport (``edge_sdk.uplink.mqtt.MqttTransport``) as a class whose publish, when
+    ``kill``, SIGKILLs ``cluster`` node ``node`` just before the ``at_chunk``-th update chunk sent while connected to
+    that node (once). ``killed`` is filled in: ``"at"`` the monotonic time of the kill (None before), and
+    ``"publish_errors"`` the publishes that failed (the node died under them)."""
+    import time
+
+    from edge_sdk.uplink.mqtt import MqttTransport
+    from edge_sdk.uplink.transport import TransportError
+    from shared.transfer import is_chunk
+
+    class KillingLink(MqttTransport):
+        chunks = 0
+
+        def publish(self, topic, payload, qos=1, timeout_s=10.0, **kw):  # noqa: ANN001
+            if kill and self.brokers[self.broker][1] == cluster.mqtt_ports[node] and is_chunk(payload) \
+                    and killed["at"] is None:
+                KillingLink.chunks += 1
+                if KillingLink.chunks == at_chunk:
+                    cluster.kill(node)
+                    killed["at"] = time.monotonic()
+            try:
+                super().publish(topic, payload, qos, timeout_s, **kw)
+            except TransportError:
+                killed["publish_errors"] += 1
+                raise
+
+    return KillingLink

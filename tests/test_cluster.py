@@ -25,11 +25,10 @@ from shared.codec import decode_tensors
 from shared.envelope import Envelope, MessageKind
 from shared.keys import generate_signing_key, public_key_to_pem
 from shared.topics import model_topic
-from shared.transfer import is_chunk
 
 from coordinator.service import Coordinator
 from tests.nats_cluster import NATS_SERVER, NatsCluster
-from tests.cluster_checks import assert_rounds_once
+from tests.cluster_checks import assert_rounds_once, killing_link
 from tests.support import wait_for
 from tests.test_faults import CHUNK, fedavg_of_stored, gateway_config, ledger_rows, write_site
 
@@ -63,7 +62,6 @@ def test_rounds_through_a_three_node_cluster(tmp_path: Path, cluster: NatsCluste
     from edge_sdk.config import load_site_config
     from edge_sdk.uplink.mqtt import MqttTransport as EdgeMqtt
     from edge_sdk.uplink.mqtt import transport_from_config
-    from edge_sdk.uplink.transport import TransportError
 
     # Prepare: coordinator on node 0, s1 on node 1, s2 on node 2, each gateway listing the other nodes
     urls = cluster.urls
@@ -73,22 +71,7 @@ def test_rounds_through_a_three_node_cluster(tmp_path: Path, cluster: NatsCluste
     killed = {"at": None, "publish_errors": 0}
     connects: dict[str, list[tuple[float, int]]] = {s: [] for s in SITES}
 
-    class KillingLink(EdgeMqtt):
-        """The gateway's real paho transport; node 2 is SIGKILLed just before s2's 6th chunk (once)."""
-
-        chunks = 0
-
-        def publish(self, topic, payload, qos=1, timeout_s=10.0, **kw):  # noqa: ANN001
-            if kill and self.brokers[0][1] == cluster.mqtt_ports[2] and is_chunk(payload) and killed["at"] is None:
-                KillingLink.chunks += 1
-                if KillingLink.chunks == 6:
-                    cluster.kill(2)
-                    killed["at"] = time.monotonic()
-            try:
-                super().publish(topic, payload, qos, timeout_s, **kw)
-            except TransportError:
-                killed["publish_errors"] += 1
-                raise
+    KillingLink = killing_link(cluster, killed, kill=kill)  # node 2 SIGKILLed before s2's 6th chunk
 
     agents, runners, transports = [], [], {}
     try:
