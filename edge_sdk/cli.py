@@ -92,7 +92,8 @@ def run(
         from edge_sdk.updates.switch import switch_to
 
         switch_to(agent.software, agent.staged, sys.argv[1:])  # does not return
-    console.print(escape(f"stopped; rounds trained: {rounds if rounds is not None else 'interrupted'}; "
+    trained = agent.stats.get("tasks_trained", 0) if rounds is None else rounds  # interrupted: what the stats counted
+    console.print(escape(f"stopped{' (interrupted)' if rounds is None else ''}; rounds trained: {trained}; "
                          f"stats: {dict(agent.stats)}"))
 
 

@@ -127,6 +127,31 @@ def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypat
     assert ready.read_text().strip() == "site-1" and "rounds trained: 0" in result.output
 
 
+def test_cli_run_interrupted_says_so_and_counts_what_was_trained(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C during run: the stop line says interrupted and counts the rounds the agent trained (not a word in
+    place of the number)."""
+    from edge_sdk import agent as agent_module
+    from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
+
+    from .test_agent import make_site
+
+    broker = InMemoryBroker()
+    make_site(tmp_path, InMemoryTransport(broker))
+    original = agent_module.EdgeAgent.from_config.__func__
+    monkeypatch.setattr(agent_module.EdgeAgent, "from_config",
+                        classmethod(lambda cls, cfg, transport=None, **kw: original(
+                            cls, cfg, transport=InMemoryTransport(broker), **kw)))
+
+    def interrupted(self, **kw):  # noqa: ANN001, ANN003
+        self.ctx.stats["tasks_trained"] += 2
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(agent_module.EdgeAgent, "run", interrupted)
+    result = CliRunner().invoke(app, ["run", "--config", str(tmp_path / "site.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "stopped (interrupted); rounds trained: 2;" in " ".join(result.output.split()), result.output
+
+
 def test_cli_errors_keep_square_brackets(tmp_path: Path) -> None:
     """Rich must not take `[north]` in an error for markup and drop it."""
     absent = tmp_path / "site[north]" / "absent.yaml"
