@@ -20,7 +20,7 @@ Commands, one module per group of operator tasks::
                                                       Mosquitto 2.x config, ACL, passwords and TLS material from
                                                       the registry (coordinator/broker_config.py, docs/security.md)
     web.py         serve [--host H] [--port P]        the rangers' web view (FastAPI; docs/web.md)
-                   user add|list|set-role|set-password|disable|enable
+    users.py       user add|list|set-role|set-password|disable|enable (mounted by web.py)
                                                       web-view accounts (Argon2id; coordinator/web/auth.py)
                    import-deployments PATH [--format camtrap-dp|wildlife-insights]   deployments for the map
                    import-detections FILE --site S --deployment D [--images DIR] [--utc-offset +HH:MM]
