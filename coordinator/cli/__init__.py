@@ -2,11 +2,12 @@
 
 Commands, one module per group of operator tasks::
 
+    status.py      status                             rounds, accepted updates, rejections by reason, halts + why,
+                                                      models by digest, links and the round mode they fit
     federation.py  init DIR --federation-id ID        config + coordinator key pair (0600) + database
                    run                                run the configured rounds with a progress bar
                    service [--no-web] [--print-unit]  the long-lived coordinator: ingest at all times, rounds on
                                                       the schedule, the web view (one systemd unit)
-                   status                             rounds, accepted updates, rejections by reason, halts + why
                    budget [--accountant rdp|pld] [--plot FILE]
                                                       site x IUCN category: budget, spent, remaining, rounds left;
                                                       textbook / seed formulas beside them (comparison only)
@@ -47,12 +48,12 @@ from __future__ import annotations
 
 import typer
 
-from coordinator.cli import broker, clusters, federation, fleet, sites, web
+from coordinator.cli import broker, clusters, federation, fleet, sites, status, web
 
 __all__ = ["app"]
 
 app = typer.Typer(name="wildfed-coordinator", help="WildFed coordinator: federated rounds, ledger, registry.",
                   no_args_is_help=True, add_completion=False)
-for _group in (federation, sites, broker, web, fleet):
+for _group in (federation, status, sites, broker, web, fleet):
     app.add_typer(_group.app)  # no name: the group's commands stand at the top level (typer >= 0.15)
 app.add_typer(clusters.app, name="clusters")
