@@ -18,7 +18,7 @@ from shared.privacy.accounting import epsilon_spent
 from shared.privacy.calibration_cache import CalibrationCache, canonical_json
 from shared.privacy.events import DPSGDEvent
 
-from edge_sdk.privacy import ccdp
+from edge_sdk.privacy import ccdp_plan as ccdp
 from edge_sdk.privacy.ccdp import (CALIBRATION_KIND, calibration_environment, calibration_inputs, plan_ccdp)
 
 BUDGETS = {Cat.CR: 0.5, Cat.EN: 0.75, Cat.VU: 1.0, Cat.NT: 1.25, Cat.LC: 1.5, Cat.NE: 2.0}
