@@ -1,5 +1,6 @@
 """One round of local training: Poisson-sampled DP-SGD steps with the CCDP mechanism (or non-private SGD), or, in
-Global DP mode, the clipped gradient sum of one Poisson-sampled batch (:func:`clipped_sum_locally`).
+Global DP mode, the clipped gradient sum of one Poisson-sampled batch (:func:`clipped_sum_locally`, in
+:mod:`edge_sdk.global_dp_site`; the site's prepared records in :mod:`edge_sdk.training_inputs`).
 
 This module wires the pieces and holds no maths of its own: sampling (``edge_sdk.privacy.sampling``), the
 mechanism and its calibration (``edge_sdk.privacy.ccdp``: individualized DP-SGD), and a training backend
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,28 +33,22 @@ from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.events import DPSGDEvent
-from shared.privacy.distributed import distributed_plan, site_sampling_rate
-from shared.privacy.individualized import individual_sampling_rates
-from shared.privacy.sum_rounding import secagg_clipping_norms
 from shared.protocol import TrainingTask, UpdateReport
 
-from edge_sdk.backends.base import TrainingBackend, unflatten
+from edge_sdk.backends.base import TrainingBackend
 from edge_sdk.data.camtrap_dp import LocalDataset
 from shared.models.feature_centre import centred_weights, uncentred_weights
-from edge_sdk.privacy.ccdp import (CCDPMechanism, CCDPPlan, active_categories, clip_factors_from_norms, plan_ccdp,
-                                   rank_table)
-from edge_sdk.privacy.per_example import summation_error_bound
+from edge_sdk.privacy.ccdp import CCDPMechanism, CCDPPlan, plan_ccdp
 from edge_sdk.privacy.randomness import RandomSource
 from edge_sdk.privacy.sampling import sample_at_rates
+from edge_sdk.training_inputs import TrainingInputs, eligibility, model_inputs, prepared_inputs
+from edge_sdk.global_dp_site import MAX_SUMMED_RECORDS, ClippedSum, clipped_sum_locally
 
 __all__ = ["LocalTrainingResult", "model_inputs", "TrainingInputs", "local_step", "train_locally", "ClippedSum",
-           "clipped_sum_locally", "noisy_class_counts", "reweight_class_rows"]
+           "clipped_sum_locally", "noisy_class_counts", "reweight_class_rows", "MAX_SUMMED_RECORDS"]
 
 log = logging.getLogger(__name__)
 
-#: The most records a Global DP site sums in one round; the float64 rounding margin of its clipping norms is proven
-#: for this public bound (about 2.2e-4 C at the demo's settings), so the norms never depend on the site's count.
-MAX_SUMMED_RECORDS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -103,22 +98,6 @@ def noisy_class_counts(labels: np.ndarray, eligible: np.ndarray, *, num_classes:
                         minlength=num_classes)[:num_classes].astype(np.float64)
     noise = noise_std * randomness.standard_normal(num_classes) if noise_std > 0 else np.zeros(num_classes)
     return {int(c): float(v) for c, v in enumerate(exact + noise)}
-
-
-def model_inputs(dataset: LocalDataset) -> np.ndarray:
-    """What the model trains on: ``dataset.features`` (float32 (N, 1280) backbone embeddings, filled by
-    ``edge_sdk.data.embedding.embed_dataset``) when present, else ``dataset.images`` (anything with ``images``,
-    ``labels`` and ``categories`` works, e.g. a benchmark's namespace of embeddings in ``images``).
-
-    Raises:
-        ValueError: the dataset holds neither (embed it first).
-    """
-    features = getattr(dataset, "features", None)
-    inputs = features if features is not None else getattr(dataset, "images", None)
-    if inputs is None:
-        raise ValueError("the dataset holds neither backbone embeddings nor images: embed it first "
-                         "(edge_sdk.data.embedding.embed_dataset)")
-    return inputs
 
 
 def local_step(
@@ -204,99 +183,6 @@ def _logit_offsets(plan: CCDPPlan, class_categories: Mapping[int, IUCNCategory] 
     return offsets.astype(np.float32) if np.any(offsets != 0) else None
 
 
-class TrainingInputs:
-    """A site's records as the training steps read them, prepared once and reused every round: the model inputs
-    (``model_inputs(dataset)``, centred by ``feature_centre`` when one is given:
-    :mod:`shared.models.feature_centre`) and, for embeddings, an upper bound of each input's squared L2 norm, which
-    the per-example gradient norms of the layer reading the input need at every step (computing it once per record
-    instead of once per sampled record per step is what keeps the DP step near the non-private one).
-
-    Attributes:
-        features: float32 (N, E) inputs (centred when ``centre`` is not None), or the dataset's images.
-        labels: int64 (N,). categories: int8 (N,) IUCN ranks.
-        input_sq_norms: float64 (N,) upper bounds of ``||features_i||^2`` (float64 sums raised by the float64
-            summation bound), or None for inputs that are not 2-D float arrays.
-        centre: the float32 (E,) centre used, or None.
-
-    Raises:
-        ConfigError (field ``feature_centre``): a centre whose length is not the inputs' width.
-    """
-
-    def __init__(self, dataset: LocalDataset, feature_centre: np.ndarray | None = None) -> None:
-        x = model_inputs(dataset)
-        self.centre = None if feature_centre is None else np.asarray(feature_centre, dtype=np.float32)
-        if self.centre is not None:
-            if x.ndim != 2 or x.shape[1] != self.centre.shape[0]:
-                raise ConfigError(f"feature_centre has {self.centre.shape[0]} values but the model inputs are "
-                                  f"{x.shape}", field="feature_centre",
-                                  fix="use a centre of the backbone's embedding size")
-            x = x - self.centre
-        self.features = x
-        self.labels = dataset.labels
-        self.categories = dataset.categories
-        self.input_sq_norms = None
-        if x.ndim == 2 and np.issubdtype(x.dtype, np.floating):
-            bound = 1.0 + summation_error_bound(int(x.shape[1]), 2.0 ** -53)
-            self.input_sq_norms = np.einsum("ij,ij->i", x, x, dtype=np.float64) * bound  # float64 accumulation
-        self._n = len(dataset)
-
-    def __len__(self) -> int:
-        return self._n
-
-
-def _eligibility(dataset: LocalDataset, task: TrainingTask, site_categories: Iterable[IUCNCategory],
-                 record_mask: np.ndarray | None = None) -> tuple[tuple[IUCNCategory, ...], np.ndarray, int, float]:
-    """``(active categories, eligible mask bool (N,), N_k, q)`` with q = min(1, B / N_k), or 1 for a
-    distributed-noise Global DP task (:func:`shared.privacy.distributed.site_sampling_rate`).
-
-    ``record_mask`` (bool (N,), or None for all): the records the task's cohorts let train
-    (:mod:`edge_sdk.rounds.cohorts`); the mask is its AND with the active categories'.
-
-    ``N_k`` is the site's declared capacity (``task.capacity``; the dataset's size for a task without one, in
-    in-process simulations); the mask marks the records of active categories, the only ones ever sampled. q and N_k
-    depend only on public values, never on how many records the site or a category holds (docs/privacy.md). A site
-    or an active category with no records still trains (noise only), so whether the site trains is decided by
-    public facts alone (its species table and the halted list).
-
-    Raises:
-        PrivacyBudgetError: every category of the site's species table is halted, or a task without a capacity
-            meets an empty dataset.
-    """
-    active = active_categories(site_categories, task.halted)
-    if not active:
-        raise PrivacyBudgetError(
-            f"round {task.round}: every category is halted (halted {[c.value for c in task.halted]}): "
-            "the site does not train"
-        )
-    n_site = len(dataset) if task.capacity is None else int(task.capacity)
-    if n_site == 0:
-        raise PrivacyBudgetError(f"round {task.round}: the site has no records: the site does not train")
-    eligible = np.isin(dataset.categories.astype(np.int64), np.asarray([c.rank for c in active], dtype=np.int64))
-    if record_mask is not None:
-        record_mask = np.asarray(record_mask)
-        if record_mask.dtype != np.bool_ or record_mask.shape != eligible.shape:
-            raise ValueError(f"record_mask must be bool {eligible.shape}, got {record_mask.dtype} {record_mask.shape}")
-        eligible &= record_mask
-    return active, eligible, n_site, site_sampling_rate(task.expected_batch_size, n_site,
-                                                        distributed=bool(task.distributed_noise))
-
-
-def _training_inputs(dataset: LocalDataset, feature_centre: np.ndarray | None) -> TrainingInputs:
-    """The inputs the steps run on: ``dataset`` itself when it is a prepared :class:`TrainingInputs` (checked to be
-    centred by ``feature_centre``), else prepared here.
-
-    Raises:
-        ConfigError: prepared inputs centred by another centre (field ``feature_centre``).
-    """
-    if isinstance(dataset, TrainingInputs):
-        if feature_centre is not None and (dataset.centre is None
-                                           or not np.array_equal(dataset.centre, feature_centre)):
-            raise ConfigError("the prepared training inputs were centred by another feature centre",
-                              field="feature_centre", fix="prepare TrainingInputs with the same centre")
-        return dataset
-    return TrainingInputs(dataset, feature_centre)
-
-
 def _count_release(task: TrainingTask, dataset: LocalDataset, eligible: np.ndarray, active: Iterable[IUCNCategory],
                    global_weights: Mapping[str, np.ndarray], randomness: RandomSource, num_classes: int | None
                    ) -> tuple[dict[int, float], dict[IUCNCategory, DPSGDEvent]]:
@@ -375,9 +261,9 @@ def train_locally(
         PayloadError: counts asked for and the number of classes unknown.
     """
     site_categories = tuple(site_categories)
-    active, eligible, n_site, q = _eligibility(dataset, task, site_categories, record_mask)
+    active, eligible, n_site, q = eligibility(dataset, task, site_categories, record_mask)
     plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
-    train_on = _training_inputs(dataset, feature_centre)
+    train_on = prepared_inputs(dataset, feature_centre)
     centre = train_on.centre
     if centre is None:
         backend.set_weights(plain)
@@ -430,110 +316,3 @@ def train_locally(
     report = UpdateReport(num_examples=n_site, local_steps=task.local_steps, events=events,
                           species_counts=counts, count_events=count_events)
     return LocalTrainingResult(delta=delta, report=report, plan=plan, sampling_rate=q)
-
-
-@dataclass(frozen=True)
-class ClippedSum:
-    """A site's contribution to a Global DP round (unnoised: it travels only under secure aggregation).
-
-    Attributes:
-        gradient_sum: ``{name: float64 array}``, sum over one Poisson-sampled batch of the per-example gradients,
-            each clipped to L2 norm C less the float64 rounding margin (same names and shapes as the global model;
-            accumulated and kept in float64 until it is quantised: ``shared.privacy.sum_rounding``).
-        num_examples: N_k, the site's declared capacity (``TrainingTask.capacity``; public, unchanged by the data).
-        categories: the active categories (public: species table minus halted ones), IUCN rank order.
-        sampling_rate: q = min(1, B / N_k).
-        batch_size: the realised batch size (stays on the gateway: it is data-dependent).
-        sampling_rates: ``{category: q_c}``, each active category's rate (individualized DP-SGD "Sample" at the
-            task's noise multiplier; the coordinator computes the same values to charge the ledger).
-    """
-
-    gradient_sum: dict[str, np.ndarray]
-    num_examples: int
-    categories: tuple[IUCNCategory, ...]
-    sampling_rate: float
-    batch_size: int
-    sampling_rates: Mapping[IUCNCategory, float] = field(default_factory=dict)
-
-
-def clipped_sum_locally(
-    *,
-    backend: TrainingBackend,
-    dataset: LocalDataset,
-    task: TrainingTask,
-    global_weights: Mapping[str, np.ndarray],
-    site_categories: Iterable[IUCNCategory],
-    randomness: RandomSource,
-    feature_centre: np.ndarray | None = None,
-    record_mask: np.ndarray | None = None,
-) -> ClippedSum:
-    """Global DP mode, the site's part of one DP-SGD step (Abadi et al. 2016, Alg. 1, lines "sample", "compute
-    gradient", "clip gradient"; the "add noise" line runs at the coordinator, once, on the sum over sites, in the
-    clear only after secure aggregation): Poisson-sample a batch, each active category c's records at its rate q_c
-    (individualized DP-SGD "Sample" at the task's ``noise_multiplier``:
-    :func:`shared.privacy.individualized.individual_sampling_rates`, at most q = min(1, B / N_site)), take
-    per-example gradients at ``global_weights``, clip each to L2 norm ``task.clipping_norm`` and sum them. No noise
-    is added here and the model is not stepped.
-
-    Args: as :func:`train_locally`; ``dataset`` may be prepared :class:`TrainingInputs`. ``feature_centre``:
-        float32 (E,), the public centre the task names (``task.feature_centre``): the gradients are taken of the
-        same function on ``x - c`` (:func:`shared.models.feature_centre.centred_weights`), so the sum is in the
-        centred form and the coordinator folds the noisy sum back with
-        :func:`shared.models.feature_centre.uncentred_gradient` (post-processing with a public c). None: plain.
-
-    Raises:
-        PrivacyBudgetError: every category is halted or the site has no records.
-        ConfigError: the weights do not fit the backend's model, or the prepared inputs were centred by another
-            centre than ``feature_centre``.
-    """
-    active, eligible, n_site, q = _eligibility(dataset, task, site_categories, record_mask)
-    if task.noise_multiplier is None:
-        raise PayloadError("a global task must carry the coordinator's noise_multiplier")
-    plain = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
-    if isinstance(dataset, TrainingInputs):
-        same = (dataset.centre is None if feature_centre is None
-                else dataset.centre is not None and np.array_equal(dataset.centre, feature_centre))
-        if not same:
-            raise ConfigError("the prepared training inputs were centred by another feature centre",
-                              field="feature_centre", fix="prepare TrainingInputs with the task's centre")
-        inputs = dataset
-    else:
-        inputs = TrainingInputs(dataset, feature_centre)
-    backend.set_weights(plain if feature_centre is None else centred_weights(plain, feature_centre))
-    norms = {c: float(task.clipping_norm) for c in active}
-    if task.distributed_noise:  # "scale": every category at q, clipped at its C_c (shared.privacy.distributed)
-        assert task.secagg is not None  # a global task carries it (TrainingTask checks)
-        _, planned = distributed_plan(budgets=task.budgets, target_delta=task.target_delta,
-                                      planned_rounds=task.planned_rounds, clipping_norm=task.clipping_norm,
-                                      vector_length=task.secagg.vector_length, scale=task.secagg.scale)
-        rates = {c: q for c in active}
-        norms = {c: planned[c] for c in active}
-    else:  # "sample": one z, each category at its own rate
-        rates = individual_sampling_rates(noise_multiplier=float(task.noise_multiplier), budgets=task.budgets,
-                                          categories=active, target_delta=task.target_delta, max_rate=q,
-                                          steps=task.planned_rounds)
-    assert task.secagg is not None  # a global task carries it (TrainingTask checks)
-    if len(dataset) > MAX_SUMMED_RECORDS:
-        raise ConfigError(f"a Global DP site sums at most {MAX_SUMMED_RECORDS} records (the float64 rounding margin "
-                          f"is proven for that many), this site holds {len(dataset)}", field="dataset",
-                          fix="split the site's records over several sites, or use local CCDP")
-    # the float64 rounding margin for a public bound on the terms summed, never the site's own count: the clipping
-    # norm stays a public constant (shared.privacy.sum_rounding)
-    norms = secagg_clipping_norms(norms, num_records=MAX_SUMMED_RECORDS, clipping_norm=task.clipping_norm,
-                                  vector_length=task.secagg.vector_length, scale=task.secagg.scale,
-                                  max_abs_value=task.secagg.max_abs_value)
-    ranks = dataset.categories.astype(np.int64)
-    rate_table, norm_table = rank_table(rates), rank_table(norms, default=1.0)  # inactive: rate 0, never clipped
-    idx = sample_at_rates(rate_table[ranks], randomness)
-    flat = np.zeros(backend.num_parameters, dtype=np.float64)
-    if idx.size:
-        grads = backend.per_example(inputs.features[idx], dataset.labels[idx])
-        factors = clip_factors_from_norms(grads.norms, norm_table[ranks[idx]])
-        flat = grads.weighted_sum(factors[None, :], dtype=np.float64).reshape(-1)
-    log.info("round %d: global DP: clipped sum of %s at q=%s (C=%s), %s", task.round,
-             "every record (distributed noise credits no subsampling)" if task.distributed_noise else "a Poisson batch",
-             {c.value: round(v, 4) for c, v in rates.items()}, {c.value: round(v, 4) for c, v in norms.items()},
-             "its share of the noise added before masking" if task.distributed_noise else "no local noise")
-    return ClippedSum(gradient_sum=unflatten(flat, backend.parameter_layout, dtype=np.float64),
-                      num_examples=n_site, categories=active, sampling_rate=q, batch_size=int(idx.size),
-                      sampling_rates=rates)
