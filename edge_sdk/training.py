@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,6 @@ from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.events import DPSGDEvent
-from shared.privacy.noise_prefetch import PrefetchedNormals
 from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend
@@ -300,18 +299,9 @@ def train_locally(
                  {c.value: round(v, 4) for c, v in plan.sampling_rates.items()},
                  {c.value: round(v, 4) for c, v in plan.clipping_norms.items()})
 
-    # the steps' noise is drawn one step ahead on a second thread (shared.privacy.noise_prefetch)
-    prefetch = (PrefetchedNormals(randomness, size=backend.num_parameters, count=task.local_steps)
-                if mechanism is not None else None)
-    try:
-        if prefetch is not None:
-            mechanism = replace(mechanism, noise=prefetch)
-        for _ in range(task.local_steps):
-            local_step(backend=backend, dataset=train_on, inclusion_rates=rates, mechanism=mechanism,
-                       randomness=randomness, learning_rate=task.learning_rate)
-    finally:
-        if prefetch is not None:
-            prefetch.close()
+    for _ in range(task.local_steps):
+        local_step(backend=backend, dataset=train_on, inclusion_rates=rates, mechanism=mechanism,
+                   randomness=randomness, learning_rate=task.learning_rate)
 
     end = backend.get_weights()
     if offsets is not None:
