@@ -51,6 +51,9 @@ class BudgetReportRow:
             retire), or of the cohort that spent the most when none trains it; halted means no cohort trains it.
             None for a site without cohorts, and for a category the site never trained. cohort: the cohort the
             figures are of (its first round; 0: the records the site trained before it had cohorts), or None.
+        most_spent: the largest epsilon any of the site's records has spent on the category: the largest spend of
+            any of its cohorts, including those retired or halted on the category (they can have spent more than
+            the oldest one still training it, up to the budget); ``spent`` itself for a site without cohorts.
         COMPARISON ONLY (shared.privacy.comparison; never used for anything): z_textbook with textbook_valid
         (False where the budget is >= 1), and eps_seed_bound, the seed's advanced-composition formula.
     """
@@ -71,6 +74,7 @@ class BudgetReportRow:
     cohorts_active: int | None = None
     cohorts_retired: int | None = None
     cohort: int | None = None
+    most_spent: float = 0.0
 
 
 ROUNDS_LEFT_CAP = 10_000
@@ -102,6 +106,8 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
             nxt = ledger.next_round_events(stream, cat, last_sets)
             dpsgd = ledger.events(stream, cat, mechanism="dpsgd")
             spent = ledger.spent(stream, cat, accountant)
+            most = (max(ledger.spent(c.stream, cat, accountant) for c in states) if counts[0] is not None
+                    else spent)
             stopped = cat in halted if counts[0] is None else counts[0] == 0
             out.append(BudgetReportRow(
                 site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
@@ -116,7 +122,8 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
                 textbook_valid=textbook_formula_valid(budgets[cat]),
-                cohorts_active=counts[0], cohorts_retired=counts[1], cohort=(cohort_of(stream) or 0) if counts[0] is not None else None))
+                cohorts_active=counts[0], cohorts_retired=counts[1], cohort=(cohort_of(stream) or 0) if counts[0] is not None else None,
+                most_spent=max(most, spent)))
     return out
 
 

@@ -85,11 +85,25 @@ BUDGET_HELP = (
     "Records train in cohorts (those that joined in the same round) and retire once they have spent a category's "
     "budget, while new records join a new cohort: for such a site each row is its oldest cohort still training "
     "the category ('of cohort': the round its records joined), with the cohorts training it and those retired; "
-    "'halted' is yes only when no cohort trains the category (a cohort's halts are in `status`). The burn-down plot "
+    "'halted' is yes only when no cohort trains the category (a cohort's halts are in `status`); a line under the "
+    "table gives the most any record has spent where a cohort no longer training the category spent more than the "
+    "row's. The burn-down plot "
     "shows, after each round, the largest spend of any of a site's records.\n\n"
     "Below it, the observers the figures hold against (docs/privacy.md, 'Who the guarantee holds against'); under "
     "distributed noise, the epsilon each observer faces, from one participant to colluding ones.\n\n"
     "Beside it, for comparison only: the textbook Gaussian noise and the seed's bound (docs/privacy.md).")
+
+
+def _print_retired_spend(rows: list) -> None:
+    """One line naming the rows where a cohort that no longer trains the category (retired, or halted on it)
+    spent more than the cohort the row shows (BudgetReportRow's ``most_spent``): there the table's spent is not
+    the most any record of the site has spent."""
+    more = [r for r in rows if r.most_spent > r.spent * (1 + 1e-9) + 1e-12]
+    if more:
+        console.print("records of cohorts no longer training a category have spent more on it than the row's cohort: "
+                      + "; ".join(f"{r.site_id} {r.category.value} {r.most_spent:.4f} "
+                                  f"({r.most_spent / r.budget:.0%} of {r.budget:.4f})" if r.budget > 0 else
+                                  f"{r.site_id} {r.category.value} {r.most_spent:.4f}" for r in more))
 
 
 @app.command(help=BUDGET_HELP)
@@ -129,6 +143,7 @@ def budget(config: Path = config_option(),
                       "-" if r.cohorts_active is None else f"{r.cohorts_active}/{r.cohorts_retired}",
                       "[red]yes[/]" if r.halted else "no")
     console.print(table)
+    _print_retired_spend(rows)
     if observers is not None:
         _print_observers(observers, cfg.target_delta)
     if acc != cfg.accountant:

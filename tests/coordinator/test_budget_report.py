@@ -262,3 +262,19 @@ def test_budget_names_the_observers_and_what_each_faces_under_distributed_noise(
         assert f"{fraction:.3g}x" in row and within in row, row
         printed = float(row.split("│")[-2])  # the CR column (the only category spent)
         assert printed == pytest.approx(eps(4.0e6 * fraction), abs=6e-5), row
+
+
+def test_budget_names_the_rows_where_a_cohort_no_longer_training_spent_more():
+    from types import SimpleNamespace
+
+    from coordinator.cli import federation
+
+    rows = [SimpleNamespace(site_id="s1", category=IUCNCategory.LC, spent=0.5, most_spent=0.75, budget=1.0),
+            SimpleNamespace(site_id="s1", category=IUCNCategory.CR, spent=0.25, most_spent=0.25, budget=0.5)]
+    with federation.console.capture() as captured:
+        federation._print_retired_spend(rows)
+    text = " ".join(captured.get().split())  # independent of the terminal's width
+    assert "s1 LC 0.7500 (75% of 1.0000)" in text and "CR" not in text
+    with federation.console.capture() as captured:
+        federation._print_retired_spend(rows[1:])
+    assert captured.get() == ""

@@ -140,3 +140,10 @@ def test_a_site_charged_before_cohorts_keeps_its_spend_in_cohort_zero(federation
     assert [r for r, _ in coord.ledger.round_events("s1", CR)] == [1, 2, 3, 4]
     assert len(site.history["old-lc"]) == 1 and len(site.history["old-cr"]) == 2  # rounds 3 (and 4) here
     assert direct_epsilon([LC_EVENT] * 2 + site.history["old-lc"]) <= budget
+    # the budget table: LC's row is the oldest cohort still training LC (round 3's, 2 rounds of LC); cohort 0's
+    # records, halted on LC, spent 3 rounds of it: the row names that as the most any record spent
+    (row,) = [x for x in budget_report(coord.config, coord.registry, coord.ledger, "rdp") if x.category == LC]
+    assert row.cohort == 3 and row.spent == pytest.approx(direct_epsilon([LC_EVENT] * 2), rel=1e-9)
+    assert row.most_spent == pytest.approx(direct_epsilon([LC_EVENT] * 3), rel=1e-9)
+    (cr,) = [x for x in budget_report(coord.config, coord.registry, coord.ledger, "rdp") if x.category == CR]
+    assert cr.cohort == 0 and cr.most_spent == cr.spent  # the oldest cohort still training CR spent the most

@@ -34,7 +34,8 @@ def budget_rows(ctx: WebContext) -> list[dict[str, Any]]:
     return [{"site_id": r.site_id, "category": r.category.value, "budget": r.budget, "spent": r.spent,
              "remaining": r.remaining, "rounds_left": r.rounds_left, "halted": r.halted,
              "noise_multiplier": r.z_calibrated, "sampling_rate": r.q_recorded,
-             "cohorts_active": r.cohorts_active, "cohorts_retired": r.cohorts_retired} for r in rows]
+             "cohorts_active": r.cohorts_active, "cohorts_retired": r.cohorts_retired,
+             "most_spent": r.most_spent} for r in rows]
 
 
 def round_rows(ctx: WebContext) -> list[dict[str, Any]]:
