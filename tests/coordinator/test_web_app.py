@@ -230,6 +230,18 @@ def test_operators_see_budgets_and_rounds_others_do_not_even_as_links(clients):
     assert {r["site_id"] for r in rows} == {"site-a", "site-b"} and len(rows) == 2 * 6  # 6 IUCN categories
 
 
+def test_the_budget_page_shows_the_most_a_record_spent_where_it_exceeds_the_rows(clients, monkeypatch):
+    from coordinator.web.routes import operator
+
+    row = {"site_id": "site-a", "category": "LC", "budget": 1.0, "spent": 0.5, "remaining": 0.5, "rounds_left": 2,
+           "halted": False, "noise_multiplier": 1.1, "sampling_rate": 0.1, "cohorts_active": 2,
+           "cohorts_retired": 1}
+    monkeypatch.setattr(operator, "budget_rows", lambda ctx: [{**row, "most_spent": 0.75},
+                                                              {**row, "category": "CR", "most_spent": 0.5}])
+    text = clients["operator"].get("/operator/budgets").text
+    assert text.count("a record: ") == 1 and "a record: 0.750" in text
+
+
 # ---- filters -----------------------------------------------------------------------------------------------------
 def test_filters_select_exactly_the_matching_records(clients, state):
     c = clients["ranger"]
