@@ -42,4 +42,3 @@ class InferenceEngine(ABC):
     @abstractmethod
     def run(self, batch: np.ndarray) -> np.ndarray:
         """Run one float32 batch (B, ...) and return the float32 output (B, ...)."""
-

@@ -42,7 +42,6 @@ class GpuInfo:
     compute_capability: str
 
 
-
 @dataclass(frozen=True)
 class EngineCacheKey:
     """Everything a cached TensorRT engine depends on; an engine is reused only when all fields are equal.
@@ -85,7 +84,6 @@ class EngineBuilder(Protocol):
     def load(self, engine_path: Path, *, max_batch: int) -> InferenceEngine:
         """Deserialise a cached engine."""
         ...
-
 
 
 class EngineCache:
@@ -217,4 +215,3 @@ class EngineCache:
         except EngineError:
             self.evict(name)  # a fresh engine that does not load: no key may vouch for it
             raise
-

@@ -86,6 +86,7 @@ def probe_gpu() -> GpuInfo | None:
 
 # ---- choosing ---------------------------------------------------------------------------------------------------
 
+
 def open_engine(onnx_path: str | Path, *, name: str, prefer: EnginePreference = "auto", max_batch: int = 8,
                 threads: int | None = None, cache_root: str | Path | None = None,
                 builder_factory: Callable[[], EngineBuilder] = TensorRTBuilder,

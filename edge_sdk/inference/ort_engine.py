@@ -35,7 +35,6 @@ def _import_onnxruntime() -> ModuleType:
             del sys.modules["torch"]
 
 
-
 def ort_providers(device: Literal["auto", "cpu", "cuda"] = "auto") -> list[str]:
     """ONNX Runtime execution providers to use: CUDA first where the installed ORT has it (``auto``/``cuda``),
     then CPU."""
@@ -82,4 +81,3 @@ class OrtEngine(InferenceEngine):
         """See :meth:`InferenceEngine.run`."""
         x = np.ascontiguousarray(batch, dtype=np.float32)
         return self._session.run([self._output], {self._input: x})[0]
-

@@ -72,7 +72,6 @@ class TensorRTEngine(InferenceEngine):
         return out.numpy()
 
 
-
 class TensorRTBuilder:
     """The real builder: TensorRT's ONNX parser, an FP16 builder config, one optimisation profile for batches
     1..``max_batch`` of the input's static trailing shape.
@@ -126,4 +125,3 @@ class TensorRTBuilder:
     def load(self, engine_path: Path, *, max_batch: int) -> InferenceEngine:
         """See :class:`EngineBuilder`."""
         return TensorRTEngine(engine_path, max_batch=max_batch)
-

@@ -339,7 +339,6 @@ class MqttTransport(LinkSupervisor, Transport):
         self._connected.clear()
 
 
-
 def transport_from_config(config: SiteConfig, *, client_id: str | None = None, presence: bool = True,
                           role: str | None = None) -> MqttTransport:
     """The gateway's :class:`MqttTransport`, built from its site config: broker URL, TLS files, credentials and the
