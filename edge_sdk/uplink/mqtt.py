@@ -25,25 +25,8 @@ Security (docs/security.md):
   publishes ``online`` retained, and :meth:`MqttTransport.close` publishes ``offline`` itself (a clean DISCONNECT
   discards the will). The will is not signed (the broker sends it), so status is advisory only.
 
-Reconnection: paho's own reconnect loop (a fixed doubling from ``reconnect_delay_set``) is switched off
-(``reconnect_on_failure=False``: paho's network thread ends when the link drops). A supervisor thread then waits
-``uniform(0, min(cap, base * 2**n))`` seconds before attempt ``n`` (n = 0, 1, ... since the last CONNACK): "full
-jitter" (M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015), which spreads the reconnects of
-hundreds of gateways after a broker restart instead of synchronising them.
-
-Failover (docs/brokers.md): with ``failover_urls`` (the site's ``broker_failover_urls``, further nodes of a broker
-cluster) the first attempt after a drop goes to the same node, and every later one to the next node of the list,
-in turn; :meth:`MqttTransport.connect` tries them in order too. The session is clean, so nothing is lost by
-changing node: the outbox re-sends on the CONNACK as after any reconnect.
-
-In-flight window: a :meth:`MqttTransport.publish` that is waiting for its PUBACK when the link drops raises
-:class:`TransportError` at once (within about 50 ms), instead of waiting out its timeout. The message may or may
-not have reached the broker. paho would keep it and send it again (DUP) after the reconnect; this transport
-discards paho's copies of the messages in flight when the link drops instead, because a message the broker
-refuses by closing the connection (over its ``max_packet_size``) would otherwise be sent again on every reconnect,
-and the link would never carry anything else. The gateway's outbox still holds the update and re-sends it (or gives
-it up, edge_sdk.agent) on the next connect, and the coordinator deduplicates by (site, round) and envelope
-sequence, so at-least-once delivery holds and duplicates are harmless.
+Reconnection (full-jitter back-off), failover to further nodes of a broker cluster and the in-flight window
+when the link drops: :mod:`edge_sdk.uplink.mqtt_link`. Broker URLs: :mod:`edge_sdk.uplink.mqtt_settings`.
 
 Refused messages: a message that was in flight each of ``max_drops`` times in a row the link dropped (the site's
 ``max_chunk_requests``) is taken for one the broker refuses by closing the connection, i.e. over its packet limit
@@ -64,9 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
@@ -75,6 +56,8 @@ from shared.broker import (DEFAULT_MAX_DROPS, BrokerCredentials, RefusedMessages
 from shared.errors import ConfigError
 from shared.topics import status_payload, status_topic
 
+from edge_sdk.uplink.mqtt_link import LinkSupervisor, full_jitter_delay
+from edge_sdk.uplink.mqtt_settings import _profile_broker, parse_mqtt_url, parse_mqtt_url_tls
 from edge_sdk.uplink.transport import MessageCallback, MessageRefusedError, Transport, TransportError, topic_matches
 
 if TYPE_CHECKING:
@@ -85,44 +68,8 @@ __all__ = ["MqttTransport", "BrokerCredentials", "parse_mqtt_url", "parse_mqtt_u
 
 log = logging.getLogger(__name__)
 
-_URL_FIX = "use mqtt://host:port, or mqtts://host:port for TLS"
 
-
-def parse_mqtt_url_tls(url: str) -> tuple[str, int, bool]:
-    """``mqtt://host:port`` or ``mqtts://host:port`` -> ``(host, port, tls)``; default ports 1883 / 8883.
-
-    Raises:
-        ConfigError: another scheme or no host.
-    """
-    parsed = urlparse(url)
-    if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
-        raise ConfigError(f"bad broker URL {url!r}", field="broker_url", fix=_URL_FIX)
-    tls = parsed.scheme == "mqtts"
-    return parsed.hostname, parsed.port or (8883 if tls else 1883), tls
-
-
-def parse_mqtt_url(url: str) -> tuple[str, int]:
-    """``mqtt://host:port`` (or ``mqtts://``) -> ``(host, port)``.
-
-    Raises:
-        ConfigError: another scheme or no host.
-    """
-    host, port, _ = parse_mqtt_url_tls(url)
-    return host, port
-
-
-def full_jitter_delay(attempt: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
-    """Seconds to wait before reconnect attempt ``attempt`` (0-based): uniform in ``[0, min(cap_s, base_s * 2**attempt)]``.
-
-    "Full jitter" from M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog (2015).
-    """
-    ceiling = min(cap_s, base_s * (2.0 ** min(attempt, 62)))
-    return rng.uniform(0.0, ceiling)
-
-
-
-
-class MqttTransport(Transport):
+class MqttTransport(LinkSupervisor, Transport):
     """:class:`~edge_sdk.uplink.transport.Transport` over a paho-mqtt 2.x client (MQTT 3.1.1, clean session).
 
     Args:
@@ -136,12 +83,12 @@ class MqttTransport(Transport):
         status_topic: the site's presence topic (shared.topics.status_topic); with ``site_id``, enables the
             last will and the retained ``online``/``offline`` messages.
         site_id: the site the presence messages name.
-        backoff_base_s, backoff_cap_s: full-jitter reconnect delays, seconds (see the module docstring).
+        backoff_base_s, backoff_cap_s: full-jitter reconnect delays, seconds (:mod:`edge_sdk.uplink.mqtt_link`).
         rng: random source of the jitter (default: a fresh ``random.Random``; not security-relevant).
         max_drops: link drops in a row with one message awaiting its PUBACK that make it refused (module
             docstring, "Refused messages"; the site's ``max_chunk_requests``).
         broker_max_packet_bytes: the configured broker limit, bytes, named in the refused-message error.
-        failover_urls: further nodes of the same broker cluster, same scheme as ``url`` (module docstring,
+        failover_urls: further nodes of the same broker cluster, same scheme as ``url`` (:mod:`edge_sdk.uplink.mqtt_link`,
             "Failover").
 
     Raises:
@@ -259,36 +206,6 @@ class MqttTransport(Transport):
         for listener in listeners:
             listener()
 
-    def _discard_in_flight(self) -> None:
-        """Drop paho's copies of the messages it has not seen acknowledged (module docstring, "In-flight window"),
-        so that it does not send them again after the reconnect; their publishers get a TransportError. paho 2.x
-        has no public call for it: this reads its ``_out_messages`` under its ``_out_message_mutex`` and does
-        nothing where a paho version lacks them."""
-        messages = getattr(self._client, "_out_messages", None)
-        mutex = getattr(self._client, "_out_message_mutex", None)
-        if messages is None or mutex is None:
-            return
-        with mutex:
-            dropped = len(messages)
-            messages.clear()
-        if dropped:
-            log.info("MQTT link down: %d unacknowledged message(s) discarded (the outbox re-sends updates)", dropped)
-
-    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason_code: object,
-                       properties: object) -> None:
-        self._discard_in_flight()
-        self._connected.clear()
-        self._generation += 1
-        self.disconnects += 1
-        if self._last_failure is None:
-            self._last_failure = f"link closed ({reason_code})"
-        if self._closing:
-            log.info("MQTT disconnected from %s:%s", self._host, self._port)
-        else:
-            log.warning("MQTT disconnected from %s:%s (%s); reconnecting with jittered back-off", self._host,
-                        self._port, reason_code)
-        self._link_down.set()
-
     def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
         with self._lock:
             callbacks = [cb for f, cb in self._filters if topic_matches(f, message.topic)]
@@ -297,54 +214,6 @@ class MqttTransport(Transport):
                 callback(message.topic, bytes(message.payload))
             except Exception:  # a bad callback must not kill paho's network thread
                 log.exception("message callback failed for %s", message.topic)
-
-    # reconnection (supervisor thread) --------------------------------------------------------------------------
-    def _stop_network_thread(self) -> None:
-        """Make sure paho's network thread has ended (it ends by itself after a drop: reconnect_on_failure=False)."""
-        try:
-            self._client.loop_stop()
-        except AttributeError:  # paho cleared its thread handle between its check and its join: already gone
-            pass
-
-    def _use_broker(self, index: int) -> None:
-        """Point the (disconnected) paho client at node ``index`` of :attr:`brokers` (paho's ``connect_async``
-        only records the target; the next ``reconnect`` connects to it)."""
-        self.broker = index % len(self.brokers)
-        self._host, self._port = self.brokers[self.broker]
-        self._client.connect_async(self._host, self._port, keepalive=self._keepalive)
-
-    def _supervise(self) -> None:
-        """Wait for a dropped link, then reconnect with full-jitter back-off until connected or closed."""
-        base, cap = self._backoff
-        while not self._stop.is_set():
-            self._link_down.wait()
-            if self._stop.is_set():
-                return
-            self._link_down.clear()
-            self._stop_network_thread()
-            while not self._stop.is_set():
-                if self._attempt > 0 and len(self.brokers) > 1:  # the last attempt failed: the next node
-                    self._use_broker(self.broker + 1)
-                    self.failovers += 1
-                delay = full_jitter_delay(self._attempt, base_s=base, cap_s=cap, rng=self._rng)
-                self._attempt += 1
-                self.reconnect_delays.append(delay)
-                log.info("MQTT reconnect attempt %d to %s:%s in %.2f s", self._attempt, self._host, self._port,
-                         delay)
-                if self._stop.wait(delay):
-                    return
-                try:
-                    self._client.reconnect()
-                except OSError as exc:  # includes ssl.SSLError
-                    self._last_failure = f"cannot reach {self._host}:{self._port}: {exc}"
-                    log.warning("MQTT reconnect to %s:%s failed: %s", self._host, self._port, exc)
-                    continue
-                self._client.loop_start()
-                if self._stop.is_set():  # closed while reconnecting: undo
-                    self._client.disconnect()
-                    self._stop_network_thread()
-                    return
-                break
 
     # Transport -----------------------------------------------------------------------------------------------
     def connect(self, timeout_s: float = 10.0) -> None:
@@ -401,7 +270,7 @@ class MqttTransport(Transport):
             MessageRefusedError: this message was dropped before its PUBACK ``max_drops`` times in a row, or one no
                 larger was refused already ("Refused messages" in the module docstring); it is not sent.
             TransportError: not connected, queue full, the link dropped before the PUBACK (see "In-flight window"
-                in the module docstring), or no PUBACK within ``timeout_s``.
+                in :mod:`edge_sdk.uplink.mqtt_link`), or no PUBACK within ``timeout_s``.
         """
         refused = self.refusals.refused(topic, payload)
         if refused is not None:
@@ -468,28 +337,6 @@ class MqttTransport(Transport):
             self._supervisor.join(timeout=5)
             self._supervisor = None
         self._connected.clear()
-
-
-def _profile_broker(config: SiteConfig) -> dict[str, Path | None] | None:
-    """The ``broker`` section of the site's firmware profile when ``profile`` is a file (an installed bundle's
-    ``profile.yaml``), with paths made absolute against the profile's folder; else None."""
-    if not config.profile or not str(config.profile).endswith((".yaml", ".yml")):
-        return None
-    path = Path(config.profile)
-    if not path.is_file():
-        return None
-    from edge_sdk.profiles import load_profile
-
-    broker = getattr(load_profile(path), "broker", None)
-    if broker is None:
-        return None
-
-    def absolute(p: Path | None) -> Path | None:
-        return None if p is None else (p if Path(p).is_absolute() else (path.parent / p).resolve())
-
-    return {"ca_file": absolute(getattr(broker, "ca_file", None)),
-            "client_cert": absolute(getattr(broker, "client_cert", None)),
-            "client_key": absolute(getattr(broker, "client_key", None))}
 
 
 def transport_from_config(config: SiteConfig, *, client_id: str | None = None, presence: bool = True,

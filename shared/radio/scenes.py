@@ -28,23 +28,26 @@ Rules (checked on the four scenes of sionna-rt 2.2.0):
 - **Two ways to cut tiles.** :func:`scene_tiles` draws random crops (they may overlap). :func:`scene_grid` cuts the
   raster into a fixed grid of *disjoint* tiles (no pixel in two tiles), the same every time, so that data splits
   (clients, held-out validation, public tiles) can be disjoint and a ray-traced tile can be cached under its name.
+
+Where the code is: the scene files in :mod:`shared.radio.scene_files` (XML, meshes, ground) and
+:mod:`shared.radio.ply` (PLY reader), rasterisation in :mod:`shared.radio.rasterise`; this module makes the
+footprint raster and cuts it into tiles, and exports all of them as before.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import math
-import re
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from shared.errors import ConfigError
 from shared.radio.city import _check_generator
 from shared.radio.dataset import RadioMapGeometry
+from shared.radio.ply import read_ply
+from shared.radio.rasterise import rasterise_triangles
+from shared.radio.scene_files import _INSTALL_FIX, GROUND_MAX_HEIGHT_M, SCENES, SceneMesh, scene_meshes, scene_path
 
 __all__ = [
     "SCENES",
@@ -59,296 +62,6 @@ __all__ = [
     "SceneTile",
     "scene_grid",
 ]
-
-SCENES = ("munich", "florence", "san_francisco", "etoile")
-GROUND_MAX_HEIGHT_M = 1.0
-_DISTRIBUTION = "sionna-rt"
-_INSTALL_FIX = "pip install --no-deps sionna-rt==2.2.0"
-_GROUND_NAME = re.compile(r"ground|plane|terrain", re.IGNORECASE)
-
-# PLY scalar types -> little-endian numpy dtypes (both the PLY 1.0 names and the sized aliases).
-_PLY_TYPES = {
-    "char": "i1", "int8": "i1", "uchar": "u1", "uint8": "u1",
-    "short": "<i2", "int16": "<i2", "ushort": "<u2", "uint16": "<u2",
-    "int": "<i4", "int32": "<i4", "uint": "<u4", "uint32": "<u4",
-    "float": "<f4", "float32": "<f4", "double": "<f8", "float64": "<f8",
-}
-
-
-def scene_path(scene: str) -> Path:
-    """Path of the Mitsuba XML file of a sionna-rt city scene, found without importing ``sionna``.
-
-    Args:
-        scene: one of :data:`SCENES`.
-
-    Returns:
-        ``.../site-packages/sionna/rt/scenes/<scene>/<scene>.xml`` (an existing file).
-
-    Raises:
-        ConfigError (a ValueError, field ``city``): ``scene`` is not one of :data:`SCENES`, the ``sionna-rt``
-            distribution is not installed, or its scene file is missing (fix: ``pip install --no-deps
-            sionna-rt==2.2.0``).
-
-    Source: the wheel's layout, ``sionna/rt/scenes/<name>/<name>.xml`` (sionna-rt 2.2.0).
-    """
-    if not isinstance(scene, str) or scene not in SCENES:
-        raise ConfigError(f"unknown city scene {scene!r}; known: {', '.join(SCENES)}", field="city",
-                          fix=f"use one of {', '.join(SCENES)}")
-    try:
-        dist = importlib.metadata.distribution(_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"the {_DISTRIBUTION} distribution (which ships the city scenes) is not installed",
-                          field="city", fix=_INSTALL_FIX) from None
-    path = Path(str(dist.locate_file(f"sionna/rt/scenes/{scene}/{scene}.xml")))
-    if not path.is_file():
-        raise ConfigError(f"scene file {path} is missing from {_DISTRIBUTION} {dist.version}", field="city",
-                          fix=_INSTALL_FIX)
-    return path
-
-
-def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read a binary little-endian PLY mesh with numpy only.
-
-    Supported: ``format binary_little_endian 1.0``; an ``element vertex`` with scalar properties including
-    ``x``, ``y``, ``z`` (others such as normals, uv or colours are read and dropped); an ``element face`` with a
-    single list property ``vertex_indices`` (or ``vertex_index``), any integer count and index types. Polygons
-    with more than three corners are split into triangle fans.
-
-    Args:
-        path: the ``.ply`` file.
-
-    Returns:
-        ``(vertices, faces)``: float64 (N, 3) x, y, z in the file's units (metres for sionna-rt scenes), and
-        int64 (M, 3) vertex indices of triangles.
-
-    Raises:
-        ConfigError (a ValueError, source = the file): an ASCII or big-endian file, an unknown element or property
-            type, a missing x/y/z or face list, a truncated file, a face with fewer than 3 corners or an index out
-            of range.
-        OSError: the file cannot be read.
-
-    Source: the PLY format description (Greg Turk, 1994; http://paulbourke.net/dataformats/ply/).
-    """
-    path = Path(path)
-    raw = path.read_bytes()
-
-    def bad(message: str) -> ConfigError:
-        return ConfigError(message, source=path, field="ply", fix="use a binary little-endian PLY mesh")
-
-    end = raw.find(b"end_header")
-    if not raw.startswith(b"ply") or end < 0:
-        raise bad("not a PLY file (no 'ply' magic or no end_header)")
-    body_start = raw.index(b"\n", end) + 1
-    lines = [ln.strip() for ln in raw[:end].decode("ascii", errors="replace").splitlines()[1:]]
-    elements: list[tuple[str, int, list[tuple[str, ...]]]] = []
-    for line in lines:
-        words = line.split()
-        if not words or words[0] in ("comment", "obj_info"):
-            continue
-        if words[0] == "format":
-            if words[1:] != ["binary_little_endian", "1.0"]:
-                raise bad(f"unsupported format {' '.join(words[1:])!r}")
-        elif words[0] == "element" and len(words) == 3 and words[2].isdigit():
-            elements.append((words[1], int(words[2]), []))
-        elif words[0] == "property" and elements:
-            elements[-1][2].append(tuple(words[1:]))
-        else:
-            raise bad(f"unexpected header line {line!r}")
-
-    vertices = faces = None
-    offset = body_start
-    for name, count, props in elements:
-        if name == "vertex":
-            if any(p[0] == "list" or p[0] not in _PLY_TYPES or len(p) != 2 for p in props):
-                raise bad(f"vertex properties must be scalars of known types, got {props}")
-            dtype = np.dtype([(p[1], _PLY_TYPES[p[0]]) for p in props])
-            if not {"x", "y", "z"} <= set(dtype.names or ()):
-                raise bad("vertex element lacks x, y or z")
-            if offset + count * dtype.itemsize > len(raw):
-                raise bad("truncated vertex data")
-            table = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
-            vertices = np.stack([table["x"], table["y"], table["z"]], axis=1).astype(np.float64)
-            offset += count * dtype.itemsize
-        elif name == "face":
-            if (len(props) != 1 or len(props[0]) != 4 or props[0][0] != "list"
-                    or props[0][3] not in ("vertex_indices", "vertex_index")
-                    or props[0][1] not in _PLY_TYPES or props[0][2] not in _PLY_TYPES
-                    or np.dtype(_PLY_TYPES[props[0][2]]).kind not in "iu"
-                    or np.dtype(_PLY_TYPES[props[0][1]]).kind not in "iu"):
-                raise bad(f"face element must have one integer list property vertex_indices, got {props}")
-            faces, offset = _read_faces(raw, offset, count, np.dtype(_PLY_TYPES[props[0][1]]),
-                                        np.dtype(_PLY_TYPES[props[0][2]]), bad)
-        else:
-            raise bad(f"unsupported element {name!r}")
-    if vertices is None or faces is None:
-        raise bad("needs a vertex and a face element")
-    if faces.size and (faces.min() < 0 or faces.max() >= len(vertices)):
-        raise bad("face vertex index out of range")
-    return vertices, faces
-
-
-def _read_faces(raw: bytes, offset: int, count: int, count_type: np.dtype, index_type: np.dtype,
-                bad) -> tuple[np.ndarray, int]:
-    """Face lists from ``raw[offset:]``: int64 (T, 3) triangles and the offset after the face element."""
-    triangle = np.dtype([("n", count_type), ("i", index_type, (3,))])
-    end = offset + count * triangle.itemsize
-    if end <= len(raw):  # fast path: every face a triangle (all sionna-rt meshes)
-        table = np.frombuffer(raw, dtype=triangle, count=count, offset=offset)
-        if np.all(table["n"] == 3):
-            return table["i"].astype(np.int64), end
-    triangles: list[list[int]] = []
-    for _ in range(count):  # general path: read each face's corner count
-        if offset + count_type.itemsize > len(raw):
-            raise bad("truncated face data")
-        corners = int(np.frombuffer(raw, dtype=count_type, count=1, offset=offset)[0])
-        offset += count_type.itemsize
-        if corners < 3:
-            raise bad(f"a face has {corners} corners")
-        if offset + corners * index_type.itemsize > len(raw):
-            raise bad("truncated face data")
-        idx = np.frombuffer(raw, dtype=index_type, count=corners, offset=offset).astype(np.int64)
-        offset += corners * index_type.itemsize
-        triangles.extend([int(idx[0]), int(idx[k]), int(idx[k + 1])] for k in range(1, corners - 1))
-    return np.asarray(triangles, dtype=np.int64).reshape(-1, 3), offset
-
-
-@dataclass(frozen=True, eq=False)
-class SceneMesh:
-    """One ``<shape type="ply">`` of a scene.
-
-    Attributes:
-        shape_id: the shape's ``id`` attribute (e.g. ``"mesh-Altes_Rathaus-itu_marble"``).
-        material: the id of its BSDF (``<ref name="bsdf">``), e.g. ``"marble"``, or ``""``.
-        path: the PLY file.
-        vertices: float64 (N, 3) x, y, z in metres (z up).
-        faces: int64 (M, 3) triangle vertex indices.
-        is_ground: True if the mesh is ground by the module's rule (name/BSDF says ground, plane or terrain, or
-            a flat sheet below 1 m).
-    """
-
-    shape_id: str
-    material: str
-    path: Path
-    vertices: np.ndarray
-    faces: np.ndarray
-    is_ground: bool
-
-    @property
-    def height_m(self) -> float:
-        """z extent (max z - min z) of the mesh in metres; 0.0 for an empty mesh."""
-        return float(np.ptp(self.vertices[:, 2])) if len(self.vertices) else 0.0
-
-
-def scene_meshes(scene: str) -> list[SceneMesh]:
-    """All PLY shapes of a sionna-rt city scene, in XML order, with the ground flagged.
-
-    Args:
-        scene: one of :data:`SCENES`.
-
-    Returns:
-        one :class:`SceneMesh` per ``<shape type="ply">`` (file names are relative to the XML's folder).
-
-    Raises:
-        ConfigError (a ValueError): the scene is unknown or not installed (field ``city``), the XML does not parse
-            or a shape has no file name (source = the XML), or a PLY file is malformed (source = the PLY).
-
-    Source: Mitsuba 3 scene format (``<shape type="ply"><string name="filename" .../><ref name="bsdf" .../>``).
-    """
-    xml_path = scene_path(scene)
-    try:
-        root = ET.parse(xml_path).getroot()
-    except ET.ParseError as exc:
-        raise ConfigError(f"scene XML does not parse: {exc}", source=xml_path, field="city",
-                          fix=_INSTALL_FIX) from None
-    meshes = []
-    for shape in root.iter("shape"):
-        if shape.get("type") != "ply":
-            continue
-        name = shape.find("string[@name='filename']")
-        if name is None or not name.get("value"):
-            raise ConfigError(f"shape {shape.get('id')!r} has no filename", source=xml_path, field="city",
-                              fix=_INSTALL_FIX)
-        ref = shape.find("ref[@name='bsdf']")
-        material = "" if ref is None else ref.get("id", "")
-        path = xml_path.parent / name.get("value")
-        vertices, faces = read_ply(path)
-        shape_id = shape.get("id", "")
-        top = float(vertices[:, 2].max()) if len(vertices) else 0.0
-        height = float(np.ptp(vertices[:, 2])) if len(vertices) else 0.0
-        ground = bool(_GROUND_NAME.search(shape_id) or _GROUND_NAME.search(path.stem)
-                      or _GROUND_NAME.search(material)
-                      or (height < GROUND_MAX_HEIGHT_M and top < GROUND_MAX_HEIGHT_M))
-        meshes.append(SceneMesh(shape_id, material, path, vertices, faces, ground))
-    return meshes
-
-
-def rasterise_triangles(triangles_xy: np.ndarray, origin_xy_m: tuple[float, float], shape: tuple[int, int], *,
-                        metres_per_pixel: float = 4.0, chunk: int = 4_000_000) -> np.ndarray:
-    """Mark the pixels whose centres lie inside (or on the edge of) any of the given 2-D triangles.
-
-    Args:
-        triangles_xy: float (T, 3, 2), the x, y corners of each triangle in metres (either orientation).
-        origin_xy_m: ``(x0, y0)``, the north-west corner of the raster in metres (module docstring).
-        shape: ``(rows, cols)`` of the raster.
-        metres_per_pixel: raster spacing in metres, > 0.
-        chunk: at most this many candidate (triangle, pixel) pairs are tested at once (memory bound).
-
-    Returns:
-        bool (rows, cols): pixel ``(r, c)`` (centre ``x0 + (c + 0.5) m``, ``y0 - (r + 0.5) m``) is True if its
-        centre is inside a triangle. Triangles of projected area below 1e-6 m² (walls) mark nothing.
-
-    Raises:
-        ConfigError (a ValueError): ``triangles_xy`` not of shape (T, 3, 2) or ``metres_per_pixel`` not > 0.
-    """
-    tri = np.asarray(triangles_xy, dtype=np.float64)
-    if tri.ndim != 3 or tri.shape[1:] != (3, 2):
-        raise ConfigError(f"must have shape (T, 3, 2), got {tri.shape}", field="triangles_xy",
-                          fix="pass the x, y corners of each triangle")
-    if not (isinstance(metres_per_pixel, (int, float)) and math.isfinite(metres_per_pixel) and metres_per_pixel > 0):
-        raise ConfigError(f"must be a number > 0, got {metres_per_pixel!r}", field="metres_per_pixel",
-                          fix="use the raster spacing in metres, e.g. 4.0")
-    rows, cols = int(shape[0]), int(shape[1])
-    out = np.zeros((rows, cols), dtype=bool)
-    m = float(metres_per_pixel)
-    # Pixel coordinates: u = column coordinate, v = row coordinate (pixel centres at integer + 0.5).
-    u = (tri[:, :, 0] - origin_xy_m[0]) / m
-    v = (origin_xy_m[1] - tri[:, :, 1]) / m
-    area2 = (u[:, 1] - u[:, 0]) * (v[:, 2] - v[:, 0]) - (u[:, 2] - u[:, 0]) * (v[:, 1] - v[:, 0])
-    keep = np.abs(area2) * m * m >= 2e-6
-    u, v, area2 = u[keep], v[keep], area2[keep]
-    # Orient every triangle counter-clockwise in (u, v) so that "inside" is all edge functions >= 0.
-    flip = area2 < 0
-    u[flip] = u[flip][:, ::-1]
-    v[flip] = v[flip][:, ::-1]
-    c0 = np.clip(np.ceil(u.min(axis=1) - 0.5), 0, cols).astype(np.int64)
-    c1 = np.clip(np.floor(u.max(axis=1) - 0.5), -1, cols - 1).astype(np.int64)
-    r0 = np.clip(np.ceil(v.min(axis=1) - 0.5), 0, rows).astype(np.int64)
-    r1 = np.clip(np.floor(v.max(axis=1) - 0.5), -1, rows - 1).astype(np.int64)
-    width, height = np.maximum(c1 - c0 + 1, 0), np.maximum(r1 - r0 + 1, 0)
-    counts = width * height
-    nonempty = np.flatnonzero(counts)
-    eps = 1e-9
-    cumulative = np.cumsum(counts[nonempty])
-    start = 0
-    while start < nonempty.size:
-        done = int(cumulative[start - 1]) if start else 0
-        stop = max(start + 1, int(np.searchsorted(cumulative, done + chunk, side="right")))
-        idx = nonempty[start:stop]
-        n = counts[idx]
-        owner = np.repeat(np.arange(idx.size), n)
-        local = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        w = width[idx][owner]
-        pc = c0[idx][owner] + local % w
-        pr = r0[idx][owner] + local // w
-        px, py = pc + 0.5, pr + 0.5
-        tu, tv = u[idx][owner], v[idx][owner]
-        inside = np.ones(owner.size, dtype=bool)
-        for a, b in ((0, 1), (1, 2), (2, 0)):
-            edge = (tu[:, b] - tu[:, a]) * (py - tv[:, a]) - (tv[:, b] - tv[:, a]) * (px - tu[:, a])
-            inside &= edge >= -eps
-        out[pr[inside], pc[inside]] = True
-        start = stop
-    return out
 
 
 @functools.lru_cache(maxsize=8)
