@@ -148,6 +148,7 @@ class MqttTransport(LinkSupervisor, Transport):
         self._closing = False
         self._stop = threading.Event()
         self._link_down = threading.Event()
+        self._loop_lock = threading.Lock()  # starting and stopping paho's network thread (LinkSupervisor)
         self._generation = 0  # incremented on every disconnect: publishes in flight compare it
         self._attempt = 0  # reconnect attempts since the last successful CONNACK
         self._last_failure: str | None = None

@@ -49,7 +49,7 @@ class LinkSupervisor:
     """The transport's link-drop handling and reconnect thread, as a base class of
     :class:`edge_sdk.uplink.mqtt.MqttTransport`, which provides what it reads and writes: ``_client`` (the paho
     client), ``_connected``, ``_generation``, ``disconnects``, ``_last_failure``, ``_closing``, ``_link_down``,
-    ``_stop``, ``_backoff``, ``_rng``, ``_attempt``, ``reconnect_delays``, ``brokers``, ``broker``, ``failovers``,
+    ``_stop``, ``_loop_lock`` (a lock around starting and stopping paho's network thread), ``_backoff``, ``_rng``, ``_attempt``, ``reconnect_delays``, ``brokers``, ``broker``, ``failovers``,
     ``_host``, ``_port`` and ``_keepalive``."""
 
     # paho callback (network thread) ----------------------------------------------------------------------------
@@ -86,10 +86,11 @@ class LinkSupervisor:
     # reconnection (supervisor thread) --------------------------------------------------------------------------
     def _stop_network_thread(self) -> None:
         """Make sure paho's network thread has ended (it ends by itself after a drop: reconnect_on_failure=False)."""
-        try:
-            self._client.loop_stop()
-        except AttributeError:  # paho cleared its thread handle between its check and its join: already gone
-            pass
+        with self._loop_lock:  # never while the supervisor is starting a network thread (paho cannot join it yet)
+            try:
+                self._client.loop_stop()
+            except AttributeError:  # paho cleared its thread handle between its check and its join: already gone
+                pass
 
     def _use_broker(self, index: int) -> None:
         """Point the (disconnected) paho client at node ``index`` of :attr:`brokers` (paho's ``connect_async``
@@ -124,9 +125,11 @@ class LinkSupervisor:
                     self._last_failure = f"cannot reach {self._host}:{self._port}: {exc}"
                     log.warning("MQTT reconnect to %s:%s failed: %s", self._host, self._port, exc)
                     continue
-                self._client.loop_start()
-                if self._stop.is_set():  # closed while reconnecting: undo
-                    self._client.disconnect()
-                    self._stop_network_thread()
-                    return
+                # a close() from here on either sees the started thread and joins it, or is seen here: paho's
+                # loop_stop on a thread created but not yet started raises "cannot join thread before it is started"
+                with self._loop_lock:
+                    if self._stop.is_set():  # closed while reconnecting: undo, start nothing
+                        self._client.disconnect()
+                        return
+                    self._client.loop_start()
                 break

@@ -134,3 +134,55 @@ def test_failover_urls_checked_and_connect_falls_over_to_the_next_node(broker: B
         assert t.brokers[t.broker] == ("127.0.0.1", broker.port) and t.broker == 1
     finally:
         t.close()
+
+
+class _StartingClient:
+    """A stand-in for paho's client whose ``loop_start`` holds until released, recording whether ``loop_stop`` ever
+    ran while a network thread was being started (paho then raises "cannot join thread before it is started")."""
+
+    def __init__(self) -> None:
+        self.starting, self.proceed, self.disconnected = threading.Event(), threading.Event(), threading.Event()
+        self.in_start = False
+        self.stopped_during_start = 0
+        self.starts = 0
+
+    def reconnect(self) -> None:
+        pass
+
+    def loop_start(self) -> None:
+        self.in_start = True
+        self.starting.set()
+        self.proceed.wait(30)
+        self.starts += 1
+        self.in_start = False
+
+    def loop_stop(self) -> None:
+        if self.in_start:
+            self.stopped_during_start += 1
+
+    def disconnect(self) -> None:
+        self.disconnected.set()
+
+    def connect_async(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_close_never_stops_the_network_thread_while_the_reconnect_starts_it() -> None:
+    # Prepare: a transport whose link dropped, its supervisor reconnecting at once (no back-off)
+    t = MqttTransport("mqtt://127.0.0.1:1")
+    t._backoff = (0.0, 0.0)
+    fake = _StartingClient()
+    t._client = fake
+    t._started = True
+    t._supervisor = threading.Thread(target=t._supervise, daemon=True)
+    t._supervisor.start()
+    t._link_down.set()
+    assert fake.starting.wait(30)  # the supervisor is inside loop_start
+    # Execute: close() from another thread while the network thread is being started
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    assert fake.disconnected.wait(30)  # close() has disconnected and goes on to stop the network thread
+    fake.proceed.set()
+    closer.join(30)
+    # Assert: close waited for the start to finish before it stopped the thread
+    assert not closer.is_alive() and fake.stopped_during_start == 0 and fake.starts == 1
