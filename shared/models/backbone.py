@@ -39,7 +39,7 @@ Padding is TensorFlow's ``SAME``: for input size ``i``, kernel ``k`` and stride 
 and the larger half after. It depends on the spatial size at each layer, so a model is built for one square
 input size (:func:`build_model`'s ``input_size``) and the ONNX export fixes it too.
 
-Input (:func:`preprocess_image`, :func:`normalise`): float32 (N, 3, S, S), RGB, ``(pixel - 127) / 128`` with pixels
+Input (:func:`preprocess_image`, :func:`normalise`, in :mod:`shared.models.preprocess`): float32 (N, 3, S, S), RGB, ``(pixel - 127) / 128`` with pixels
 in 0..255: the "inception-style" mean 127 and standard deviation 128 that the EfficientNet-Lite ImageNet
 checkpoints were trained with (TensorFlow ``efficientnet_lite_builder.py``, ``MEAN_RGB``/``STDDEV_RGB``; not the
 torchvision mean/std that the ``efficientnet-lite-pytorch`` README copies from its parent package); the same for
@@ -73,10 +73,11 @@ import numpy as np
 from shared.models.backbone_variants import (BACKBONE_NAMES, DEFAULT_BACKBONE, HEAD_CHANNELS, LITE0_STAGES,
                                              STEM_CHANNELS, VARIANTS, BackboneVariant, BackboneWeightsError, Stage,
                                              get_variant, load_state_dict, weights_path)
+from shared.models.preprocess import (MEAN_RGB, PREPROCESS_VERSION, STD_RGB, TRAINING_INPUT_SIZE, normalise,
+                                      preprocess_grayscale, preprocess_image, square_crop)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from PIL import Image
 
 __all__ = ["EMBEDDING_DIM", "NUM_IMAGENET_CLASSES", "TRAINING_INPUT_SIZE", "DEFAULT_INPUT_SIZE", "MEAN_RGB",
            "STD_RGB", "BN_EPS", "STEM_CHANNELS", "HEAD_CHANNELS", "STAGES", "Stage", "BackboneVariant", "VARIANTS",
@@ -88,21 +89,14 @@ __all__ = ["EMBEDDING_DIM", "NUM_IMAGENET_CLASSES", "TRAINING_INPUT_SIZE", "DEFA
 
 EMBEDDING_DIM = HEAD_CHANNELS  # 1280 for every Lite variant (the head convolution is not scaled)
 NUM_IMAGENET_CLASSES = 1000
-#: Lite0's training input size (each variant's is ``BackboneVariant.native_size``).
-TRAINING_INPUT_SIZE = 224
 #: The input size of the default backbone (Lite0), chosen by accuracy against time (see the module docstring).
 DEFAULT_INPUT_SIZE = 128
-MEAN_RGB = (127.0, 127.0, 127.0)
-STD_RGB = (128.0, 128.0, 128.0)
 BN_EPS = 1e-3
 BN_MOMENTUM = 0.01  # torch's convention (1 - TensorFlow's 0.99); irrelevant in eval mode, kept for fidelity
 #: ImageNet-1k class index of "American black bear, black bear, Ursus americanus" (the standard class order).
 IMAGENET_AMERICAN_BLACK_BEAR = 295
 #: ImageNet-1k indices of the bear classes: brown bear, American black bear, ice bear, sloth bear (294-297).
 IMAGENET_BEARS = (294, 295, 296, 297)
-#: Bumped whenever :func:`normalise` / :func:`preprocess_image` change what pixels reach the network, so that
-#: caches keyed by :func:`backbone_id` are invalidated.
-PREPROCESS_VERSION = 1
 #: Safetensors metadata key of a head model (a global model a gateway keeps) that names the :func:`backbone_id` its
 #: head was trained on: a head is meaningful only on the embeddings it was trained on.
 BACKBONE_METADATA_KEY = "backbone_id"
@@ -331,113 +325,6 @@ def parse_backbone_id(value: str) -> tuple[str, int] | None:
     if name in VARIANTS and size.endswith("px") and size[:-2].isdigit():
         return name, int(size[:-2])
     return None
-
-
-# ---- preprocessing (numpy + Pillow; no torch) ----------------------------------------------------------------------
-
-def normalise(pixels: np.ndarray) -> np.ndarray:
-    """Network input from RGB pixels: ``(pixels - 127) / 128``.
-
-    Args:
-        pixels: (N, S, S, 3) or (S, S, 3) channels-last, uint8 or float in 0..255.
-
-    Returns:
-        float32 (N, 3, S, S) (or (3, S, S)), channels first, values in [-0.9921875, 1.0].
-
-    Raises:
-        ValueError: the last axis is not 3 channels.
-    """
-    arr = np.asarray(pixels)
-    if arr.ndim not in (3, 4) or arr.shape[-1] != 3:
-        raise ValueError(f"pixels must be (N, S, S, 3) or (S, S, 3) RGB, got shape {arr.shape}")
-    mean = np.asarray(MEAN_RGB, dtype=np.float32)
-    std = np.asarray(STD_RGB, dtype=np.float32)
-    out = (arr.astype(np.float32) - mean) / std
-    out = np.moveaxis(out, -1, -3)
-    return np.ascontiguousarray(out, dtype=np.float32)
-
-
-def square_crop(box: Sequence[float], width: int, height: int) -> tuple[int, int, int, int]:
-    """The integer pixel square around a detection that the backbone sees.
-
-    Side ``max(w, h)`` of the box, centred on the box, moved (not shrunk) to lie inside the image, and cut by the
-    image only where the side exceeds the image's width or height. Keeping the square (rather than stretching a
-    tight box) preserves the animal's shape and adds some context: on the three ENA24 black-bear photos, with the
-    project's detector's top box, the ImageNet head names class 295 (American black bear) for 2 of these squares
-    against 1 of 3 for the tight boxes centre-cropped (``tests/shared/test_backbone.py`` checks the squares).
-
-    Args:
-        box: ``(x1, y1, x2, y2)`` in image pixels, x1 <= x2 and y1 <= y2.
-        width, height: the image's size in pixels.
-
-    Returns:
-        ``(left, top, right, bottom)`` integers for ``PIL.Image.crop``: 0 <= left < right <= width and
-        0 <= top < bottom <= height.
-
-    Raises:
-        ValueError: a box with non-finite or reversed corners, or an empty image.
-    """
-    x1, y1, x2, y2 = (float(v) for v in box)
-    if width < 1 or height < 1:
-        raise ValueError(f"image size must be positive, got {width}x{height}")
-    if not all(np.isfinite([x1, y1, x2, y2])) or x2 < x1 or y2 < y1:
-        raise ValueError(f"box must be finite (x1, y1, x2, y2) with x1 <= x2, y1 <= y2, got {tuple(box)}")
-    side = max(x2 - x1, y2 - y1, 1.0)
-
-    def axis(lo: float, hi: float, limit: int) -> tuple[int, int]:
-        span = min(int(round(side)), limit)
-        start = int(round((lo + hi) / 2 - span / 2))
-        start = min(max(start, 0), limit - span)
-        return start, start + span
-
-    left, right = axis(x1, x2, int(width))
-    top, bottom = axis(y1, y2, int(height))
-    return left, top, right, bottom
-
-
-def preprocess_image(image: "Image.Image", input_size: int = TRAINING_INPUT_SIZE) -> np.ndarray:
-    """One image (a crop from :func:`square_crop`, or a whole already-cropped image) as network input: RGB,
-    resized to ``input_size`` x ``input_size`` with bicubic resampling (a non-square image is stretched, so crop
-    a square first), :func:`normalise`.
-
-    Returns:
-        float32 (3, input_size, input_size).
-    """
-    from PIL import Image
-
-    size = int(input_size)
-    rgb = image.convert("RGB")
-    if rgb.size != (size, size):
-        rgb = rgb.resize((size, size), Image.Resampling.BICUBIC)
-    return normalise(np.asarray(rgb))
-
-
-def preprocess_grayscale(images: np.ndarray, input_size: int) -> np.ndarray:
-    """Grayscale images (e.g. Animal-MNIST's 28x28 crops) as network input: each image upscaled to
-    ``input_size`` x ``input_size`` with bilinear resampling (Pillow), the channel replicated to RGB,
-    :func:`normalise`.
-
-    Args:
-        images: uint8 (N, H, W) in 0..255.
-
-    Returns:
-        float32 (N, 3, input_size, input_size).
-
-    Raises:
-        ValueError: not a uint8 (N, H, W) array.
-    """
-    from PIL import Image
-
-    arr = np.asarray(images)
-    if arr.ndim != 3 or arr.dtype != np.uint8:
-        raise ValueError(f"images must be uint8 (N, H, W), got {arr.dtype} {arr.shape}")
-    size = int(input_size)
-    out = np.empty((arr.shape[0], 3, size, size), dtype=np.float32)
-    for i, im in enumerate(arr):
-        up = np.asarray(Image.fromarray(im, mode="L").resize((size, size), Image.Resampling.BILINEAR),
-                        dtype=np.float32)
-        out[i] = (up - MEAN_RGB[0]) / STD_RGB[0]
-    return out
 
 
 # ---- running it with torch -------------------------------------------------------------------------------------------
