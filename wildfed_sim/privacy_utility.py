@@ -60,129 +60,18 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from shared.iucn import CCDPBudget, IUCNCategory
+from shared.iucn import IUCNCategory
 
 from wildfed_sim.common.federation import FederationCache
 from wildfed_sim.common.runs import new_run_dir, read_runs
 from wildfed_sim.common.stats import mean_and_sd, paired_interval
+from wildfed_sim.privacy_utility_configs import (COMPARISONS, CONFIGURATIONS, DP_GRID, GLOBAL_GRID,
+                                                 MIXTURE_REFERENCE, MOMENTA, NON_PRIVATE_GRID, Configuration, grid_for)
+from wildfed_sim.privacy_utility_report import markdown_tables, plot_accuracy_by_epsilon
 
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
            "PrivacyUtilitySettings", "PrivacyUtilityResult", "run_privacy_utility", "mixture_prediction",
            "MIXTURE_REFERENCE", "epsilon_by_category", "choose", "markdown_tables"]
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One row of the table.
-
-    Attributes:
-        name, label: identifier and display name.
-        privacy: ``"none"``, ``"ccdp"`` (local DP at each gateway) or ``"global"`` (secure aggregation).
-        gamma: CCDP exponent (0 = uniform DP), with ``epsilon`` the budget of VU (uniform: every category's).
-        variant: individualized DP-SGD ``"sample"`` or ``"scale"`` (local CCDP).
-        global_noise: ``"trusted-server"`` or ``"distributed"`` (Global DP).
-        tolerated_dropouts: distributed Global DP: the secure-aggregation threshold is ``sites - tolerated_dropouts``
-            and the Skellam shares are calibrated for it (None: the coordinator's default threshold
-            ``floor(sites / 2) + 1``, :func:`coordinator.global_dp.secagg_settings`).
-        class_reweighting: local CCDP: the exponent of the class-row re-weighting after training
-            (``TrainingTask.class_reweighting``; 0 = off).
-    """
-
-    name: str
-    label: str
-    privacy: str
-    gamma: float = 0.0
-    epsilon: float = 1.0
-    variant: str = "sample"
-    global_noise: str = "trusted-server"
-    tolerated_dropouts: int | None = None
-    class_reweighting: float = 0.0
-
-    def threshold(self, sites: int) -> int | None:
-        """The secure-aggregation threshold t for ``sites`` sites (None: the coordinator's default)."""
-        return None if self.tolerated_dropouts is None else max(2, int(sites) - int(self.tolerated_dropouts))
-
-    def budgets(self) -> dict[IUCNCategory, float]:
-        """Epsilon per category (:meth:`shared.iucn.CCDPBudget.from_anchor` at VU; uniform for gamma 0)."""
-        return CCDPBudget.from_anchor("VU", self.epsilon, self.gamma).table()
-
-
-CONFIGURATIONS: tuple[Configuration, ...] = (
-    Configuration("none", "no privacy (ceiling)", "none"),
-    Configuration("uniform-eps0.33", "uniform eps 0.33", "ccdp", 0.0, 1 / 3),
-    Configuration("uniform-eps1", "uniform eps 1", "ccdp", 0.0, 1.0),
-    Configuration("uniform-eps2", "uniform eps 2", "ccdp", 0.0, 2.0),
-    # uniform DP at CCDP gamma 1's other budgets (EN, NT, LC): with the three above, the per-category reference
-    # of the mixture prediction (:func:`mixture_prediction`)
-    Configuration("uniform-eps0.67", "uniform eps 0.67", "ccdp", 0.0, 2 / 3),
-    Configuration("uniform-eps1.33", "uniform eps 1.33", "ccdp", 0.0, 4 / 3),
-    Configuration("uniform-eps1.67", "uniform eps 1.67", "ccdp", 0.0, 5 / 3),
-    Configuration("ccdp-g1-sample", "CCDP g1 sample", "ccdp", 1.0, 1.0, "sample"),
-    Configuration("ccdp-g1-scale", "CCDP g1 scale", "ccdp", 1.0, 1.0, "scale"),
-    Configuration("ccdp-g1-sample-rw", "CCDP g1 sample, class re-weighting 0.5", "ccdp", 1.0, 1.0, "sample",
-                  class_reweighting=0.5),
-    Configuration("ccdp-g2-sample", "CCDP g2 sample", "ccdp", 2.0, 1.0, "sample"),
-    Configuration("ccdp-g2-sample-rw", "CCDP g2 sample, class re-weighting 0.5", "ccdp", 2.0, 1.0, "sample",
-                  class_reweighting=0.5),
-    Configuration("ccdp-g2-scale", "CCDP g2 scale", "ccdp", 2.0, 1.0, "scale"),
-    Configuration("global-ccdp-g1-trusted", "Global CCDP g1 trusted", "global", 1.0, 1.0),
-    Configuration("global-ccdp-g1-distributed", "Global CCDP g1 distributed", "global", 1.0, 1.0,
-                  global_noise="distributed"),
-    Configuration("global-uniform-eps0.33-distributed", "Global uniform 0.33 distributed", "global", 0.0, 1 / 3,
-                  global_noise="distributed"),
-    Configuration("global-ccdp-g1-distributed-1dropout", "Global CCDP g1 distributed, 1 dropout tolerated", "global",
-                  1.0, 1.0, global_noise="distributed", tolerated_dropouts=1),
-)
-
-#: CCDP gamma 1's budget per category and the uniform configuration that gives every record that budget (the
-#: mixture prediction's reference)
-MIXTURE_REFERENCE: dict[str, str] = {"CR": "uniform-eps0.33", "EN": "uniform-eps0.67", "VU": "uniform-eps1",
-                                     "NT": "uniform-eps1.33", "LC": "uniform-eps1.67", "NE": "uniform-eps2"}
-
-#: (a, b, what it tests): paired differences a - b reported with 95 % intervals (the experiment's acceptance)
-COMPARISONS: tuple[tuple[str, str, str], ...] = (
-    ("ccdp-g1-sample", "uniform-eps0.33", "CCDP g1 vs CR's protection for all (>= +15 points)"),
-    ("ccdp-g1-sample", "uniform-eps2", "CCDP g1 vs its upper end (within 3 points)"),
-    ("ccdp-g1-sample", "ccdp-g1-scale", "Sample vs Scale (picks the default variant)"),
-    ("ccdp-g2-sample", "ccdp-g2-scale", "Sample vs Scale at gamma 2"),
-    ("global-ccdp-g1-distributed", "global-ccdp-g1-trusted", "distributed vs trusted server (within 2)"),
-    ("global-ccdp-g1-distributed", "ccdp-g1-sample", "distributed Global vs local DP (>= +5)"),
-    ("global-ccdp-g1-distributed", "global-uniform-eps0.33-distributed", "CCDP vs uniform 0.33, distributed"),
-    ("ccdp-g1-sample-rw", "ccdp-g1-sample", "square-root class re-weighting (post-processing) at gamma 1"),
-    ("ccdp-g2-sample-rw", "ccdp-g2-sample", "square-root class re-weighting at gamma 2"),
-    ("ccdp-g1-sample-rw", "uniform-eps0.33", "CCDP g1 re-weighted vs CR's protection for all (>= +15)"),
-    ("ccdp-g1-sample-rw", "uniform-eps2", "CCDP g1 re-weighted vs its upper end (within 3)"),
-    ("global-ccdp-g1-distributed", "ccdp-g1-sample-rw", "distributed Global vs re-weighted local DP (>= +5)"),
-    ("global-ccdp-g1-distributed-1dropout", "global-ccdp-g1-trusted",
-     "distributed calibrated for n - 1 survivors vs trusted server"),
-)
-
-#: the learning rates of every grid: a first run with 2-8 chose 2 or 8 for three configurations, so 1 and 16 were
-#: added for all (the same effort for every configuration)
-LEARNING_RATES = (1.0, 2.0, 4.0, 8.0, 16.0)
-#: (rounds, local_steps, clipping_norm, learning_rate) for local DP; 25 points
-DP_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
-    (r, s, c, lr) for (r, s, c) in ((10, 1, 1.0), (10, 2, 1.0), (10, 1, 0.5), (10, 1, 2.0), (20, 1, 1.0))
-    for lr in LEARNING_RATES)
-#: Global DP: one step per round, so the local-steps axis becomes another clipping norm; 25 points
-GLOBAL_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
-    (r, 1, c, lr) for (r, c) in ((10, 1.0), (10, 0.25), (10, 0.5), (10, 2.0), (20, 1.0)) for lr in LEARNING_RATES)
-#: no privacy (no clipping: the mean gradient's norm is ~20, hence the larger steps); 25 points
-NON_PRIVATE_GRID: tuple[tuple[int, int, float, float], ...] = tuple(
-    (r, s, 1.0, lr) for (r, s) in ((10, 10), (10, 30), (10, 60), (20, 30), (20, 60))
-    for lr in (0.3, 1.0, 3.0, 10.0, 30.0))
-#: stage 2 of the tuning (grid "full"): these server momenta besides the fixed one, at each configuration's best
-#: point of stage 1 (2 more points for every configuration)
-MOMENTA = (0.0, 0.5, 0.8)
-#: a one-point grid (tests and smoke runs: ``--grid tiny``)
-TINY_GRID: tuple[tuple[int, int, float, float], ...] = ((2, 1, 1.0, 4.0),)
-
-
-def grid_for(config: Configuration, grid: str) -> tuple[tuple[int, int, float, float], ...]:
-    """The tuning grid of ``config``: ``grid`` ``"full"`` (the module's grids) or ``"tiny"`` (one point)."""
-    if grid == "tiny":
-        return TINY_GRID if config.privacy != "none" else ((2, 10, 1.0, 3.0),)
-    return {"none": NON_PRIVATE_GRID, "global": GLOBAL_GRID}.get(config.privacy, DP_GRID)
 
 
 @dataclass(frozen=True)
@@ -410,113 +299,6 @@ def _summarise(runs: Sequence[dict[str, Any]], configs: Sequence[Configuration])
     return out
 
 
-def _pct(ms: tuple[float, float]) -> str:
-    return "n/a" if math.isnan(ms[0]) else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
-
-
-def markdown_tables(result: PrivacyUtilityResult, settings: PrivacyUtilitySettings) -> str:
-    """The report: accuracy per configuration (mean ± std over the reported seeds), the epsilon per IUCN category
-    of what ran, the chosen grid points and the paired comparisons with 95 % intervals (percentage points; with one
-    reported seed there is no interval and the std is 0)."""
-    cats = [c.value for c in IUCNCategory]
-    seeds, tuning = ", ".join(map(str, settings.seeds)), ", ".join(map(str, settings.tuning_seeds))
-    lines = [f"Reported seeds {seeds}; tuned on {tuning}"
-             f" (grid {settings.grid}); {settings.sites} sites, B = {settings.expected_batch_size}, server momentum "
-             f"{settings.server_momentum:g}, delta {settings.target_delta:g}. Round 0 (zero head): overall "
-             f"{100 * result.round0.get('overall', math.nan):.1f} %. Accuracy in %, mean ± std over seeds"
-             + (f", of the model as served: post-hoc logit adjustment tau {settings.prediction_tau:g} with the prior "
-                "from the sites' public metadata (each run's unadjusted accuracy is in the json)."
-                if settings.prediction_tau > 0 else ", of the model as trained (no logit adjustment)."), "",
-             "| configuration | overall | CR/EN | " + " | ".join(cats) + " | rounds, steps, C, lr, momentum |",
-             "|---" + "|---:" * (3 + len(cats)) + "|"]
-    for e in result.summary:
-        point = result.chosen.get(e["configuration"], {}).get("point")
-        shown = "" if not point else ", ".join(
-            "-" if (k == 2 and not e["epsilon"]) else f"{p:g}" for k, p in enumerate(point))  # no clipping: no C
-        lines.append(f"| {e['label']} | {_pct(e['overall'])} | {_pct(e['CR/EN'])} | "
-                     + " | ".join(_pct(tuple(e["by_category"][c])) for c in cats) + f" | {shown} |")
-    if result.site_records:
-        lines += ["", "Records per IUCN category held by the sites (all sites together), per reported seed: "
-                  + "; ".join(f"seed {s}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
-                              for s, counts in result.site_records.items()) + "."]
-    lines += ["", "Epsilon per IUCN category of the mechanism that ran (max over sites and seeds; budget in "
-              "brackets):", "", "| configuration | " + " | ".join(cats) + " |", "|---" + "|---:" * len(cats) + "|"]
-    for e in result.summary:
-        if not e["epsilon"]:
-            continue
-        lines.append(f"| {e['label']} | " + " | ".join(
-            f"{e['epsilon'][c]:.3f} ({e['budget'].get(c, math.nan):.3f})" if c in e["budget"] else "-"
-            for c in cats) + " |")
-    lines += ["", "Paired differences a - b over the reported seeds (percentage points; 95 % Student-t interval):",
-              "", "| a - b | what | overall | CR/EN |", "|---|---|---:|---:|"]
-    for comp in result.comparisons:
-        cells = []
-        for group in ("overall", "CR/EN"):
-            ci = comp[group]
-            interval = (f"[{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]" if ci["n"] > 1
-                        else "(one seed: no interval)")
-            cells.append(f"{100 * ci['mean']:+.1f} {interval}")
-        lines.append(f"| {comp['a']} - {comp['b']} | {comp['what']} | {cells[0]} | {cells[1]} |")
-    mix = result.mixture
-    if mix:
-        def ci(d: Mapping[str, float]) -> str:
-            tail = f" [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]" if d["n"] > 1 else ""
-            return f"{100 * d['mean']:+.1f}{tail}"
-        lines += ["", "Mixture prediction: CCDP gamma 1 against, for each category, uniform DP at that category's "
-                  f"budget (paired over seeds {', '.join(map(str, mix['seeds']))}; predicted overall "
-                  f"{100 * mix['predicted_overall']:.1f} %, measured {100 * mix['actual_overall']:.1f} %, "
-                  f"difference {ci(mix['overall'])} points):", "",
-                  "| category | uniform reference | CCDP g1 - reference on the category |", "|---|---|---:|"]
-        for c, d in mix["by_category"].items():
-            lines.append(f"| {c} | {d['reference']} | {ci(d)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(result: PrivacyUtilityResult, path: Path) -> None:
-    """Accuracy of each IUCN category against that category's epsilon: one colour per DP configuration (a line
-    through its categories where the budgets differ), one marker per category; the ceiling and round 0 dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    markers = {"CR": "v", "EN": "s", "VU": "D", "NT": "^", "LC": "o", "NE": "P"}
-    fig, ax = plt.subplots(figsize=(10, 6))
-    shown_configs = [e for e in result.summary if e["epsilon"]]
-    # one colour per configuration: the default cycle repeats after 10, so more need tab20's 20
-    colours = (plt.rcParams["axes.prop_cycle"].by_key()["color"] if len(shown_configs) <= 10
-               else [plt.get_cmap("tab20")(i) for i in range(20)])
-    handles = []
-    for k, e in enumerate(shown_configs):
-        colour = colours[k % len(colours)]
-        shown = [c for c in markers if c in e["epsilon"] and not math.isnan(e["by_category"][c][0])]
-        xs, ys = [e["epsilon"][c] for c in shown], [100 * e["by_category"][c][0] for c in shown]
-        if len(set(round(x, 2) for x in xs)) > 1:  # per-category budgets: a line through the categories
-            ax.plot(xs, ys, color=colour, linewidth=1, alpha=0.7)
-        for c, x, y in zip(shown, xs, ys):
-            ax.scatter([x], [y], color=colour, marker=markers[c], s=36, zorder=3)
-        handles.append(Line2D([], [], color=colour, marker="o", linewidth=1, label=e["label"]))
-    for e in result.summary:
-        if not e["epsilon"]:
-            ax.axhline(100 * e["overall"][0], color="black", linestyle=":", linewidth=1)
-            handles.append(Line2D([], [], color="black", linestyle=":",
-                                  label=f"no privacy, overall {100 * e['overall'][0]:.1f} %"))
-    if "overall" in result.round0:
-        ax.axhline(100 * result.round0["overall"], color="grey", linestyle="--", linewidth=1)
-        handles.append(Line2D([], [], color="grey", linestyle="--", label="round 0 (zero head), overall"))
-    handles += [Line2D([], [], color="black", marker=m, linestyle="", label=c) for c, m in markers.items()]
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon of the category's records (max over sites; log scale)")
-    ax.set_ylabel("held-out accuracy of the category (%)")
-    ax.set_title("Accuracy per IUCN category against its epsilon (mean over the reported seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _site_records(settings: PrivacyUtilitySettings) -> dict[str, dict[str, int]]:
     """``{seed: {category: records held by all sites}}`` of the reported seeds: a category no site holds cannot
     be learned by any configuration (its ceiling is the non-private row's)."""
@@ -615,7 +397,7 @@ def run_privacy_utility(settings: PrivacyUtilitySettings, *, console: Any = None
          "runs": result.runs, "tuning": result.tuning, "elapsed_s": result.elapsed_s}, indent=1))
     md = markdown_tables(result, settings)
     (out_dir / "privacy_utility.md").write_text("# Privacy-utility\n\n" + md)
-    _plot(result, out_dir / "privacy_utility.png")
+    plot_accuracy_by_epsilon(result, out_dir / "privacy_utility.png")
     console.print(md, soft_wrap=True, markup=False, highlight=False)
     console.log(f"written {out_dir / 'privacy_utility.md'}, .json, .png ({result.elapsed_s:.0f} s)")
     return result

@@ -19,7 +19,7 @@ EXPERIMENTS: dict[str, set[str]] = {
     "demo": {"demo", "demo_settings", "demo_report", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
     "radio": {"radiomap", "radio_demo", "radio_attack", "radio_data", "radio_shadows", "radio_tiles"},
     "fedsofim": {"fedsofim"},
-    "privacy_utility": {"privacy_utility"},
+    "privacy_utility": {"privacy_utility", "privacy_utility_configs", "privacy_utility_report"},
     "nira_sim": {"nira_sim", "nira_metadata"},
     "tune_demo": {"tune_demo"},
     "real_photos": {"real_photos_run", "real_photos", "real_photo_sites"},
