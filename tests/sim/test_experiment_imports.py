@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "wildfed_sim"
 EXPERIMENTS: dict[str, set[str]] = {
     "demo": {"demo", "demo_settings", "demo_report", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
     "radio": {"radiomap", "radio_demo", "radio_attack", "radio_data", "radio_shadows", "radio_tiles"},
-    "fedsofim": {"fedsofim"},
+    "fedsofim": {"fedsofim", "fedsofim_head", "fedsofim_pool", "fedsofim_tuning", "fedsofim_report",
+                 "fedsofim_settings"},
     "privacy_utility": {"privacy_utility", "privacy_utility_configs", "privacy_utility_report"},
     "nira_sim": {"nira_sim", "nira_metadata"},
     "tune_demo": {"tune_demo"},

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from wildfed_sim import fedsofim as fs
+from wildfed_sim import fedsofim_tuning as fs_tuning
 from wildfed_sim.common.options import parse_list
 from wildfed_sim.common.stats import mean_std
 from coordinator.ledger import PrivacyLedger
@@ -191,7 +192,8 @@ def test_widening_stops_at_its_limit_and_fixed_axes_never_widen():
     def score(todo):
         return [-abs(math.log10(pt["rho"]) + 7) - (1 - pt.get("mu", 1)) for _, pt in todo]
 
-    grids = {"a": (fs._log_axis("rho", -4, 0, 1), fs.Axis("mu", (0.5, 0.9))), "b": (fs._log_axis("rho", -2, 0, 1),)}
+    grids = {"a": (fs_tuning._log_axis("rho", -4, 0, 1), fs.Axis("mu", (0.5, 0.9))),
+             "b": (fs_tuning._log_axis("rho", -2, 0, 1),)}
     seen = []
     res = fs.tune_grids(lambda todo: (seen.append(sorted({m for m, _ in todo})), score(todo))[1], grids,
                         max_widenings=2)
