@@ -43,7 +43,7 @@ def group_profile(settings, data, theta: np.ndarray, seed: int) -> np.ndarray:
     """The grouped-clipping profile at round 1 as the experiment computes it: 12 public proxy sites drawn from the
     seed's proxy stream, the gateway's :meth:`RadioSiteTrainer.refresh_clipping_profile`."""
     from edge_sdk.radio import RadioSiteTrainer
-    from wildfed_sim.radiomap import _public_site
+    from wildfed_sim.radiomap_run import _public_site
 
     rng = np.random.default_rng([seed, 31])
     proxies = [_public_site(data, settings.proxy_maps, settings, rng) for _ in range(settings.proxy_sites)]
