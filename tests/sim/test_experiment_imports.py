@@ -25,7 +25,7 @@ EXPERIMENTS: dict[str, set[str]] = {
     "nira_sim": {"nira_sim", "nira_metadata"},
     "tune_demo": {"tune_demo"},
     "real_photos": {"real_photos_run", "real_photos", "real_photo_sites"},
-    "audit": {"audit"},
+    "audit": {"audit", "audit_stats", "audit_canaries", "audit_records"},
     "budget_plan": {"budget_plan"},
     "fedbuff": {"fedbuff_sim", "fedbuff_experiment"},
 }
