@@ -55,19 +55,22 @@ import statistics
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shared.errors import ConfigError
-from shared.iucn import IUCNCategory
-
 from wildfed_sim.common.federation import FederationCache
 from wildfed_sim.common.runs import new_run_dir, read_runs
 from wildfed_sim.common.stats import mean_and_sd, paired_interval
+from wildfed_sim.nira_sim_report import markdown_tables, plot_summary, snr_diagnostics
+from wildfed_sim.nira_sim_scoring import fine_tune_head, head_logits, score_sites
+from wildfed_sim.nira_sim_settings import (BASELINES, FINE_TUNE_STEPS, GRID, HEAD_ONLY_GRID, METHODS, METRICS,
+                                           MIN_CLUSTER_RECORDS, NIRA_GRID, TRAININGS, Method, NiraHeadResult,
+                                           NiraHeadSettings, grid_for)
+from wildfed_sim.nira_sim_structures import STRUCTURES, real_structure_federation
 
 __all__ = ["Method", "TRAININGS", "METHODS", "BASELINES", "GRID", "NIRA_GRID", "HEAD_ONLY_GRID", "grid_for",
            "FINE_TUNE_STEPS", "MIN_CLUSTER_RECORDS",
@@ -75,174 +78,9 @@ __all__ = ["Method", "TRAININGS", "METHODS", "BASELINES", "GRID", "NIRA_GRID", "
            "fine_tune_head", "score_sites",
            "run_nira_head_experiment"]
 
-MIN_CLUSTER_RECORDS = 800
-COUNT_NOISE = 100.0  # the coordinator config's default count_noise_multiplier
-#: training name -> the strategy it runs (``None``: FedAvg) as keyword arguments of NIRA
-TRAININGS: dict[str, dict[str, Any] | None] = {
-    "fedavg": None,
-    "nira": {},
-    "nira-head-only": {},
-    "nira-inverse-variance": {"phi_weighting": "inverse_variance"},
-    "nira-clusters": {"phi_weighting": "clusters"},
-    "nira-no-merging": {"embedding_merging": False},
-    "nira-min-records": {"min_cluster_records": MIN_CLUSTER_RECORDS},
-    "nira-recluster": {"recluster_every": 2, "min_rounds_between_moves": 2, "recluster_min_snr": 0.0},
-    "nira-noisy-counts": {"count_noise": COUNT_NOISE},
-}
-LEARNING_RATES = (1.0, 2.0, 4.0, 8.0, 16.0)
-#: (learning rate, adapter width) tried for FedAvg: the head alone or with a 64-wide adapter
-GRID: tuple[tuple[float, int], ...] = tuple((lr, h) for h in (0, 64) for lr in LEARNING_RATES)
-#: NIRA's phi is the adapter: the same number of points, two adapter widths
-NIRA_GRID: tuple[tuple[float, int], ...] = tuple((lr, h) for h in (16, 64) for lr in LEARNING_RATES)
-#: the ablation without phi (per-cluster heads on the frozen embeddings): FedAvg's head-only points
-HEAD_ONLY_GRID: tuple[tuple[float, int], ...] = tuple((lr, 0) for lr in LEARNING_RATES)
 
-
-def grid_for(training: str, grid: Sequence[tuple[float, int]] | None = None) -> tuple[tuple[float, int], ...]:
-    """The tuning grid of ``training``: ``grid`` when given (every training), else :data:`GRID` for FedAvg,
-    :data:`HEAD_ONLY_GRID` for ``nira-head-only`` and :data:`NIRA_GRID` for the other NIRA trainings."""
-    if grid is not None:
-        return tuple(grid)
-    return GRID if training == "fedavg" else HEAD_ONLY_GRID if training == "nira-head-only" else NIRA_GRID
-FINE_TUNE_STEPS: tuple[int, ...] = (25, 100)
-
-
-@dataclass(frozen=True)
-class Method:
-    """One reported method: a training (key of :data:`TRAININGS`) and how each site scores its model
-    (``"plain"``: 10-way argmax; ``"mask"``: argmax over the site's species; ``"fine-tune"``: the site's
-    locally fine-tuned head, plain argmax)."""
-
-    name: str
-    training: str
-    scoring: str
-    label: str
-
-
-METHODS: tuple[Method, ...] = (
-    Method("fedavg", "fedavg", "plain", "FedAvg"),
-    Method("fedavg+mask", "fedavg", "mask", "FedAvg + species mask"),
-    Method("fedavg+fine-tune", "fedavg", "fine-tune", "FedAvg + local fine-tuning"),
-    Method("nira", "nira", "plain", "NIRA (phi by records, merging)"),
-    Method("nira+mask", "nira", "mask", "NIRA + species mask"),
-    Method("nira-head-only", "nira-head-only", "plain", "NIRA without phi (per-cluster heads only)"),
-    Method("nira-inverse-variance", "nira-inverse-variance", "plain", "NIRA, phi by inverse noise variance"),
-    Method("nira-clusters", "nira-clusters", "plain", "NIRA, phi by sites per cluster, C_m/K (seed)"),
-    Method("nira-no-merging", "nira-no-merging", "plain", "NIRA, no embedding merging"),
-    Method("nira-min-records", "nira-min-records", "plain", f"NIRA, clusters >= {MIN_CLUSTER_RECORDS} records"),
-    Method("nira-recluster", "nira-recluster", "plain", "NIRA, re-clustering every 2 rounds"),
-    Method("nira-noisy-counts", "nira-noisy-counts", "plain", "NIRA, merging by noisy counts (charged)"),
-)
-BASELINES = ("fedavg", "fedavg+mask", "fedavg+fine-tune")
-METRICS = ("macro", "site_mean", "rare", "cr_en")
-
-
-# ------------------------------------------------------------------------------------------ scoring
-def _hidden(weights: Mapping[str, np.ndarray], features: np.ndarray) -> np.ndarray:
-    """float64 (N, H): the head model's input to psi (tanh adapter phi when present, else the embeddings)."""
-    x = np.asarray(features, dtype=np.float64)
-    if "phi.0.weight" in weights:
-        return np.tanh(x @ np.asarray(weights["phi.0.weight"], np.float64).T
-                       + np.asarray(weights["phi.0.bias"], np.float64))
-    return x
-
-
-def head_logits(weights: Mapping[str, np.ndarray], features: np.ndarray) -> np.ndarray:
-    """The head model's logits, float64 (N, K), from float32 (N, 1280) embeddings (``shared.models.head``:
-    ``psi(tanh(phi(x)))`` with an adapter, ``psi(x)`` without); the same as the torch model up to float
-    rounding (tested)."""
-    h = _hidden(weights, features)
-    return h @ np.asarray(weights["psi.weight"], np.float64).T + np.asarray(weights["psi.bias"], np.float64)
-
-
-def fine_tune_head(weights: Mapping[str, np.ndarray], features: np.ndarray, labels: np.ndarray, *, steps: int
-                   ) -> dict[str, np.ndarray]:
-    """The site's personalised head: ``steps`` full-batch gradient-descent steps on the mean cross-entropy of its
-    own records, psi only (the adapter stays the federation's), from ``weights``. Never released, so it costs no
-    privacy (the personalised-model baseline of Ditto, Li et al. ICML 2021, without the proximal term).
-
-    The inputs of psi are centred on the site's own mean (a reparametrisation: the bias absorbs it) and the step
-    is 1 / L with ``L = 0.5 * max_i (||h_i - mean||^2 + 1)``, a bound of the largest Hessian eigenvalue of the
-    softmax cross-entropy (Böhning 1992, "Multinomial logistic regression algorithm", the bound (I - 11^T/K) / 2),
-    so the steps descend without tuning.
-
-    Args:
-        weights: the site's model. features: float32 (N, 1280). labels: int (N,). steps: >= 0.
-
-    Returns:
-        A copy of ``weights`` with the fine-tuned ``psi.weight`` (K, H) and ``psi.bias`` (K,), float32.
-    """
-    h = _hidden(weights, features)
-    mu = h.mean(axis=0)
-    hc = h - mu
-    w = np.asarray(weights["psi.weight"], np.float64).copy()
-    b = np.asarray(weights["psi.bias"], np.float64) + w @ mu  # the same logits on centred inputs
-    y = np.asarray(labels, dtype=np.int64)
-    onehot = np.eye(w.shape[0])[y]
-    step = 1.0 / (0.5 * (float(np.max(np.sum(hc * hc, axis=1))) + 1.0))
-    for _ in range(int(steps)):
-        z = hc @ w.T + b
-        p = np.exp(z - z.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        r = (p - onehot) / len(y)
-        w -= step * (r.T @ hc)
-        b -= step * r.sum(axis=0)
-    out = dict(weights)
-    out["psi.weight"] = w.astype(np.float32)
-    out["psi.bias"] = (b - w @ mu).astype(np.float32)
-    return out
-
-
-def _site_summary(per_class: Mapping[int, float], counts: Mapping[int, int], sensitive: set[int]) -> dict[str, float]:
-    from wildfed_sim.evaluation import rare_species
-
-    species = sorted(counts)
-    vals = [per_class[c] for c in species if not math.isnan(per_class[c])]
-    weighted = [(counts[c], per_class[c]) for c in species if not math.isnan(per_class[c])]
-    total = sum(n for n, _ in weighted)
-    rare = [per_class[c] for c in rare_species(counts) if not math.isnan(per_class[c])]
-    cr_en = [per_class[c] for c in species if c in sensitive and not math.isnan(per_class[c])]
-    return {"macro": statistics.fmean(vals) if vals else math.nan,
-            "site_mean": sum(n * a for n, a in weighted) / total if total else math.nan,
-            "rare": statistics.fmean(rare) if rare else math.nan,
-            "cr_en": statistics.fmean(cr_en) if cr_en else math.nan}
-
-
-def score_sites(fed: Any, site_models: Mapping[str, Mapping[str, np.ndarray]], scoring: str,
-                fine_tune_steps: int = 0) -> dict[str, float]:
-    """The federation's metrics (:data:`METRICS`, fractions; mean over sites, sites without a CR/EN species left
-    out of ``cr_en``) for each site's model scored as ``scoring`` (``"plain"``, ``"mask"``, ``"fine-tune"``) on
-    the held-out test images of the classes it holds.
-
-    Raises:
-        ConfigError: an unknown scoring.
-    """
-    if scoring not in ("plain", "mask", "fine-tune"):
-        raise ConfigError(f"unknown scoring {scoring!r}", field="scoring", fix="use plain, mask or fine-tune")
-    labels = np.asarray(fed.test_labels)
-    sensitive = {k for k, c in enumerate(fed.class_categories) if c.is_sensitive}
-    per_site: list[dict[str, float]] = []
-    for site in fed.sites:
-        weights = site_models[site.site_id]
-        if scoring == "fine-tune":
-            weights = fine_tune_head(weights, site.features, site.labels, steps=fine_tune_steps)
-        species = list(site.species) or sorted({int(c) for c in site.labels})
-        rows = np.isin(labels, species)
-        logits = head_logits(weights, fed.test_features[rows])
-        if scoring == "mask":
-            masked = np.full_like(logits, -np.inf)
-            masked[:, species] = logits[:, species]
-            logits = masked
-        pred = logits.argmax(axis=1)
-        y = labels[rows]
-        per_class = {c: float((pred[y == c] == c).mean()) if (y == c).any() else math.nan for c in species}
-        counts = {c: int((site.labels == c).sum()) for c in species}
-        per_site.append(_site_summary(per_class, counts, sensitive))
-    out = {}
-    for m in METRICS:
-        vals = [s[m] for s in per_site if not math.isnan(s[m])]
-        out[m] = statistics.fmean(vals) if vals else math.nan
-    return out
+# ------------------------------------------------------------------------------------------ one run
+_FEDERATION = FederationCache()  # one federation per worker at a time (memory)
 
 
 def _all_scorings(fed: Any, site_models: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, float]]:
@@ -250,97 +88,6 @@ def _all_scorings(fed: Any, site_models: Mapping[str, Mapping[str, np.ndarray]])
     for steps in FINE_TUNE_STEPS:
         out[f"fine-tune:{steps}"] = score_sites(fed, site_models, "fine-tune", steps)
     return out
-
-
-# ------------------------------------------------------------------------------------------ one run
-_FEDERATION = FederationCache()  # one federation per worker at a time (memory)
-
-
-STRUCTURES = ("demo", "wildlife-insights", "serengeti")
-SERENGETI_SITES = 40  # locations drawn per seed (of 223): the replay trains every site in one process
-
-
-def real_structure_federation(seed: int, structure: str, *, data_root: str | Path | None = None) -> Any:
-    """A federation with a real site structure from ``../shared/data``: one site per Wildlife Insights deployment
-    (``"wildlife-insights"``, all 38) or per Snapshot Serengeti camera location (``"serengeti"``,
-    :data:`SERENGETI_SITES` locations drawn uniformly by ``seed``), each holding its own species in its own
-    proportions, with Animal-MNIST images standing in for the photos (which are not in the data).
-
-    Classes: Wildlife Insights, its 10 most recorded species; Serengeti, its 9 most annotated species and the black
-    rhinoceros (CR; 45 annotations at 17 of the 223 locations), so that the CR metric has a species. Class k takes
-    the images of Animal-MNIST class k. Site d gets ``round(n_ds * s_c)`` images of class c (at least one where
-    ``n_ds > 0``), ``n_ds`` its real count and ``s_c = min(1, available_c / sum_d n_ds)`` one scale per class so
-    that the class fits the training images (:func:`wildfed_sim.animal_mnist.split_holdout` of ``seed``); images
-    are drawn without replacement, each site's byte-identical repeats dropped as the demo drops them; sites left
-    without records are dropped. Each class's IUCN category is its species' in the Mammal Diversity Database 2020
-    (``iucn/mdd_2020-09.csv``); a taxon it does not list (birds, the feral pig) is ``NE`` (not evaluated by that
-    source).
-
-    Returns:
-        A :class:`wildfed_sim.demo_sim.SimFederation` whose ``class_names`` are the real scientific names (the
-        sites' public species lists name them).
-
-    Raises:
-        DatasetError: the data files are missing. ConfigError: an unknown ``structure``.
-    """
-    from shared.iucn import IUCNCategory
-    from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
-    from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.demo_sim import SimFederation, SimSite
-    from wildfed_sim.embeddings import embed_grayscale
-    from wildfed_sim import nira_metadata as meta
-
-    root = Path(data_root) if data_root is not None else Path(meta.DEFAULT_DATA_ROOT)
-    rng = np.random.default_rng(seed)
-    if structure == "wildlife-insights":
-        counts, forced, prefix = meta.wildlife_insights_counts(root), (), "wi"
-        scientific = {t: t for per in counts.values() for t in per}
-    elif structure == "serengeti":
-        raw = meta.serengeti_counts(root)
-        scientific = {label: meta.SERENGETI_SCIENTIFIC_NAMES[label] for per in raw.values() for label in per
-                      if label in meta.SERENGETI_SCIENTIFIC_NAMES}  # animals with a binomial (not birds, humans)
-        keep = sorted(rng.choice(sorted(raw), size=min(SERENGETI_SITES, len(raw)), replace=False))
-        counts, forced, prefix = {loc: {lbl: n for lbl, n in raw[loc].items() if lbl in scientific}
-                                  for loc in keep}, ("rhinoceros",), "se"
-    else:
-        raise ConfigError(f"unknown site structure {structure!r}", field="structure",
-                          fix=f"use one of {STRUCTURES[1:]}")
-    totals: dict[str, int] = {}
-    for per in counts.values():
-        for taxon, n in per.items():
-            totals[taxon] = totals.get(taxon, 0) + n
-    ranked = [t for t, _ in sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])) if t not in forced]
-    names = ranked[:10 - len([f for f in forced if f in totals])] + [f for f in forced if f in totals]
-    mdd = meta.load_mdd_categories(root / "iucn" / "mdd_2020-09.csv")
-    categories = tuple(mdd.get(scientific[t]) or IUCNCategory.NE for t in names)
-    train, test = split_holdout(fetch_animal_mnist(), 0.2, seed=seed)
-    pools = {c: list(rng.permutation(np.flatnonzero(train.labels == c))) for c in range(len(names))}
-    scale = {c: min(1.0, len(pools[c]) / totals[t]) for c, t in enumerate(names)}
-    ranks = np.asarray([c.rank for c in categories], dtype=np.int8)
-    sites, held = [], set()
-    for k, (_, per) in enumerate(sorted(counts.items())):
-        idx: list[int] = []
-        for c, t in enumerate(names):
-            n = per.get(t, 0)
-            take = min(len(pools[c]), max(1, round(n * scale[c]))) if n else 0
-            idx += [int(i) for i in pools[c][:take]]
-            del pools[c][:take]
-        if not idx:
-            continue
-        idx_arr = np.sort(np.asarray(idx, dtype=np.int64))
-        idx_arr = idx_arr[distinct_images(train.images[idx_arr])]
-        held.update(int(i) for i in idx_arr)
-        labels = train.labels[idx_arr].astype(np.int64)
-        species = tuple(sorted({int(c) for c in labels}))
-        sites.append(SimSite(f"{prefix}-{k:02d}", embed_grayscale(train.images[idx_arr],
-                                                                   train.source_indices[idx_arr]),
-                             labels, ranks[labels], tuple(sorted({categories[c] for c in species},
-                                                                 key=lambda c: c.rank)), species))
-    public = np.asarray(sorted(set(range(len(train.labels))) - held), dtype=np.int64)
-    public_features = embed_grayscale(train.images[public], train.source_indices[public])
-    return SimFederation(tuple(sites), embed_grayscale(test.images, test.source_indices),
-                         test.labels.astype(np.int64), public_features, categories,
-                         tuple(scientific[t] for t in names))
 
 
 def _federation(seed: int, sites: int, structure: str = "demo") -> Any:
@@ -450,57 +197,6 @@ def _score(row: Mapping[str, Any], method: Method, fine_tune_steps: int | None) 
     return row["scores"][method.scoring]
 
 
-# ------------------------------------------------------------------------------------------ the experiment
-@dataclass
-class NiraHeadSettings:
-    """The experiment's settings (module docstring). The federation's hyper-parameters not in :data:`GRID` are
-    the demo's tuned CCDP defaults (:data:`wildfed_sim.demo.DP_DEFAULTS`)."""
-
-    seeds: tuple[int, ...] = tuple(range(10))
-    tuning_seeds: tuple[int, ...] = (101, 103)
-    methods: tuple[str, ...] = tuple(m.name for m in METHODS)
-    sites: int = 8
-    structure: str = "demo"
-    rounds: int = 10
-    local_steps: int = 1
-    expected_batch_size: int = 1024
-    clipping_norm: float = 1.0
-    server_momentum: float = 0.5
-    target_delta: float = 1e-5
-    grid: tuple[tuple[float, int], ...] | None = None
-    ceiling_epochs: int = 30
-    ceiling_learning_rate: float = 0.5
-    out_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        known = {m.name for m in METHODS}
-        checks = [("seeds", bool(self.seeds), "e.g. --seeds 0,1,2,3,4"),
-                  ("tuning_seeds", bool(self.tuning_seeds) and not set(self.tuning_seeds) & set(self.seeds),
-                   "tuning seeds must be given and must not be reported seeds, e.g. --tuning-seeds 101,103"),
-                  ("methods", bool(self.methods) and set(self.methods) <= known,
-                   f"a subset of {sorted(known)}"),
-                  ("sites", self.sites >= 2, "e.g. --sites 8"),
-                  ("structure", self.structure in STRUCTURES, f"one of {STRUCTURES}"),
-                  ("rounds", self.rounds >= 1, "e.g. --rounds 10"),
-                  ("grid", self.grid is None or bool(self.grid), "at least one (learning rate, adapter width) point")]
-        for name, ok, fix in checks:
-            if not ok:
-                raise ConfigError(f"{name} = {getattr(self, name)!r} is not valid", field=name, fix=fix)
-
-
-@dataclass
-class NiraHeadResult:
-    """What :func:`run_nira_head_experiment` produced (fractions)."""
-
-    out_dir: Path
-    choices: dict[str, dict[str, Any]] = field(default_factory=dict)
-    summary: list[dict[str, Any]] = field(default_factory=list)
-    comparisons: list[dict[str, Any]] = field(default_factory=list)
-    references: list[dict[str, Any]] = field(default_factory=list)
-    diagnostics: dict[str, Any] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-
 def _key(training: str, seed: int, point: Sequence[float]) -> str:
     return json.dumps([training, int(seed), [float(point[0]), int(point[1])]])
 
@@ -517,120 +213,6 @@ def _choose(rows: Sequence[Mapping[str, Any]], method: Method) -> dict[str, Any]
     best = max(candidates, key=lambda p: statistics.fmean(candidates[p]))
     return {"point": [best[0], best[1]], "fine_tune_steps": best[2], "tuning_macro": statistics.fmean(candidates[best]),
             "candidates": len(candidates)}
-
-
-def _pct(ms: Sequence[float]) -> str:
-    return "n/a" if math.isnan(ms[0]) else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
-
-
-def _interval(c: Mapping[str, float]) -> str:
-    if not c.get("n") or math.isnan(c["mean"]):
-        return "n/a"
-    return f"{100 * c['mean']:+.1f} [{100 * c['low']:+.1f}, {100 * c['high']:+.1f}]"
-
-
-def _structure_label(settings: NiraHeadSettings) -> str:
-    if settings.structure == "demo":
-        return f"the demo's design with {settings.sites} sites"
-    if settings.structure == "serengeti":
-        return f"{SERENGETI_SITES} Snapshot Serengeti locations per seed"
-    return "the 38 Wildlife Insights deployments"
-
-
-def markdown_tables(result: NiraHeadResult, settings: NiraHeadSettings) -> str:
-    """The experiment's tables (markdown): the methods, the paired comparisons, the headroom, NIRA's diagnostics."""
-    lines = [f"Reported seeds {', '.join(map(str, settings.seeds))}; tuned on seeds "
-             f"{', '.join(map(str, settings.tuning_seeds))}; CCDP gamma 1 (VU = 1), {_structure_label(settings)}, "
-             f"{settings.rounds} rounds. Accuracies in % (mean ± sd over seeds).", "",
-             "| method | chosen point | macro | site mean | rare | CR/EN | epsilon spent "
-             "(max over sites and seeds) |",
-             "|---|---|---|---|---|---|---|"]
-    for e in result.summary:
-        ch = result.choices[e["method"]]
-        chosen = f"lr {ch['point'][0]:g}, adapter {ch['point'][1]}" + (
-            f", {ch['fine_tune_steps']} fine-tune steps" if ch["fine_tune_steps"] else "")
-        order = {c.value: c.rank for c in IUCNCategory}
-        spent = ", ".join(f"{c} {v:.2f}" for c, v in sorted(e.get("epsilon", {}).items(), key=lambda kv: order[kv[0]]))
-        lines.append(f"| {e['label']} | {chosen} | " + " | ".join(_pct(e[m]) for m in METRICS) + f" | {spent} |")
-    lines += ["", "| headroom | macro | site mean | rare | CR/EN |", "|---|---|---|---|---|"]
-    for name, key, sc in (("round 0", "round0", "plain"), ("non-private ceiling (central)", "ceiling", "plain"),
-                          ("non-private ceiling + mask", "ceiling", "mask")):
-        lines.append(f"| {name} | " + " | ".join(_pct(mean_and_sd([r[key][sc][m] for r in result.references]))
-                                                for m in METRICS) + " |")
-    if len(settings.seeds) < 2:
-        lines += ["", "One reported seed: no spread (± 0.0) and no interval ([-inf, +inf]); report at least five."]
-    lines += ["", f"Paired differences against the best baseline on the tuning seeds "
-              f"(**{result.diagnostics.get('best_baseline')}**), points, 95 % t-interval:", "",
-              "| method | macro | CR/EN | interval above 0 |", "|---|---|---|---|"]
-    for c in result.comparisons:
-        lines.append(f"| {c['method']} | {_interval(c['macro'])} | {_interval(c['cr_en'])} | "
-                     f"{'yes' if c['macro']['low'] > 0 else 'no'} |")
-    d = result.diagnostics
-    if d.get("snr"):
-        lines += ["", "NIRA's similarity SNR per round (median over the reported seeds of the per-round median over "
-                  "site pairs; 0: the updates' squared norms are what the DP noise alone gives, so the similarities "
-                  "are noise; n/a: no phi) and the noise std on phi relative to FedAvg's over the same updates:", "",
-                  "| training | SNR round 1 | SNR last | phi noise / FedAvg's | head noise / FedAvg's | "
-                  "re-cluster moves |", "|---|---|---|---|---|---|"]
-        for training, v in d["snr"].items():
-            lines.append(f"| {training} | {v['first']} | {v['last']} | {v['noise_ratio']} | {v.get('head_ratio')} | "
-                         f"{v['moves']} |")
-    return "\n".join(lines) + "\n"
-
-
-def _median_text(values: Sequence[float | None]) -> str:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return "n/a" if not vals else f"{statistics.median(vals):.3g}"
-
-
-def _snr(d: Mapping[str, Any]) -> float | None:
-    v = d.get("similarity_snr")  # a float, or "inf" (JSON cannot hold inf)
-    return None if v is None else float(v)
-
-
-def _diagnostics(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
-    out = {}
-    for training in sorted({r["training"] for r in rows if r.get("diagnostics")}):
-        mine = [r for r in rows if r["training"] == training]
-        ratios = [d["phi_noise_std"] / d["fedavg_noise_std"] for r in mine for d in r["diagnostics"]
-                  if d.get("phi_noise_std") and d.get("fedavg_noise_std")]
-        heads = []  # each cluster's head noise std over FedAvg's, averaged over the clusters by their records
-        for r in mine:
-            for d in r["diagnostics"]:
-                h, f, n = d.get("head_noise_std") or {}, d.get("fedavg_noise_std"), d.get("cluster_records") or {}
-                if f and h and n and all(v is not None for v in h.values()):
-                    heads.append(sum(n[c] * float(v) for c, v in h.items()) / sum(n.values()) / f)
-        out[training] = {"first": _median_text([_snr(r["diagnostics"][0]) for r in mine if r["diagnostics"]]),
-                         "last": _median_text([_snr(r["diagnostics"][-1]) for r in mine if r["diagnostics"]]),
-                         "noise_ratio": _median_text(ratios), "head_ratio": _median_text(heads),
-                         "moves": str(sum(r.get("moves", 0) for r in mine))}
-    return out
-
-
-def _plot(result: NiraHeadResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [e["label"] for e in result.summary]
-    for i, metric in enumerate(("macro", "cr_en")):
-        means = [100 * e[metric][0] for e in result.summary]
-        sds = [100 * e[metric][1] for e in result.summary]
-        ax.bar(np.arange(len(labels)) + 0.4 * i - 0.2, means, 0.4, yerr=sds, capsize=2,
-               label={"macro": "macro", "cr_en": "CR/EN"}[metric])
-    for name, key in (("round 0", "round0"), ("ceiling", "ceiling")):
-        level = 100 * statistics.fmean(r[key]["plain"]["macro"] for r in result.references)
-        ax.axhline(level, ls="--", lw=1, color="grey")
-        ax.text(len(labels) - 0.5, level, name, fontsize=7, va="bottom", ha="right")
-    ax.set_xticks(np.arange(len(labels)))
-    ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel("accuracy per site (%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None) -> NiraHeadResult:
@@ -702,7 +284,7 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
                                        "cr_en": paired_interval([a for a, _ in cr], [b for _, b in cr]) if cr
                                        else {"n": 0, "mean": math.nan, "low": math.nan, "high": math.nan}})
     result.references = [_reference(s, settings) for s in settings.seeds]
-    result.diagnostics["snr"] = _diagnostics(reported)
+    result.diagnostics["snr"] = snr_diagnostics(reported)
     result.elapsed_s = time.monotonic() - t0
     (out_dir / "nira-head.md").write_text(markdown_tables(result, settings))
     payload = {"settings": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
@@ -710,5 +292,5 @@ def run_nira_head_experiment(settings: NiraHeadSettings, *, console: Any = None)
                "choices": result.choices, "summary": result.summary, "comparisons": result.comparisons,
                "references": result.references, "diagnostics": result.diagnostics, "elapsed_s": result.elapsed_s}
     (out_dir / "nira-head.json").write_text(json.dumps(payload, indent=1, default=str))
-    _plot(result, out_dir / "nira-head.png")
+    plot_summary(result, out_dir / "nira-head.png")
     return result
