@@ -125,7 +125,6 @@ class AuditSettings:
                 "probe_size": self.probe_size}
 
 
-
 # ------------------------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class CategoryAudit:

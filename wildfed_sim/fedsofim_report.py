@@ -221,7 +221,6 @@ def _plot(cells: Sequence[Mapping[str, Any]], methods: Sequence[str], ceiling: M
     plt.close(fig)
 
 
-
 def _caption(settings: FedSofimSettings, result: FedSofimResult) -> str:
     info = next(iter(result.seeds_info.values()), {})
     pub = statistics.fmean(v["public_model_test_accuracy"] for v in result.seeds_info.values()) \
