@@ -218,14 +218,15 @@ def test_duplicate_images_are_refused_and_distinct_images_keeps_one_of_each(tmp_
 
 
 def test_demo_sites_of_animal_mnist_load_exactly_their_image_count(tmp_path: Path, caplog) -> None:
-    """With the real data, through the demo's own preparation (wildfed_sim.demo._prepare_sites: split, site design,
+    """With the real data, through the demo's own preparation (wildfed_sim.demo_prep.prepare_sites: split, site design,
     one package per site): every site's package loads exactly its ``num_images`` records (what the demo enrols as
     ``num_examples``), the gateway merges nothing, and no image is written twice."""
     import logging
 
     from edge_sdk.data.camtrap_dp import load_camtrap_dp
     from wildfed_sim.animal_mnist import default_cache_dir, fetch_animal_mnist
-    from wildfed_sim.demo import DemoSettings, _prepare_sites
+    from wildfed_sim.demo import DemoSettings
+    from wildfed_sim.demo_prep import prepare_sites
 
     if not any(default_cache_dir().glob("animal_mnist-*.whl")):
         pytest.skip("Animal-MNIST is not in the cache (downloaded on the demo's first run)")
@@ -238,7 +239,7 @@ def test_demo_sites_of_animal_mnist_load_exactly_their_image_count(tmp_path: Pat
         def log(self, *_: object) -> None:
             pass
 
-    specs, train, _, _ = _prepare_sites(DemoSettings(sites=3), tmp_path, _Quiet())
+    specs, train, _, _ = prepare_sites(DemoSettings(sites=3), tmp_path, _Quiet())
     table = {e.scientific_name: (e.class_index, e.iucn) for e in SPECIES_TABLE}
     for spec in specs:
         imgs = train.images[spec.indices].reshape(spec.num_images, -1)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "wildfed_sim"
 
 #: each experiment with the modules that are its own parts (a module belongs to one experiment at most)
 EXPERIMENTS: dict[str, set[str]] = {
-    "demo": {"demo", "demo_settings", "demo_report", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
+    "demo": {"demo", "demo_prep", "demo_settings", "demo_report", "demo_observers", "demo_links", "nira"},  # nira runs the live demo once per configuration and seed
     "radio": {"radiomap", "radiomap_settings", "radiomap_data", "radiomap_model", "radiomap_run", "radiomap_report",
               "radio_demo", "radio_attack", "radio_data", "radio_shadows", "radio_tiles"},
     "fedsofim": {"fedsofim", "fedsofim_head", "fedsofim_pool", "fedsofim_tuning", "fedsofim_report",
