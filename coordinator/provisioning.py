@@ -24,8 +24,8 @@ Atomicity (enrolment and bundle succeed or fail together):
 3. enrol the site (if that fails, the temporary file is removed: no bundle);
 4. rename the temporary file onto the output path (if that fails, the enrolment is deleted again: no site).
 
-The SDK wheel is built with ``python -m pip wheel --no-deps --no-build-isolation`` from a copy of the installed
-project source (an editable/checkout install), cached by a hash of that source, or taken from ``--wheel``.
+The SDK wheel is built from the project source (:mod:`coordinator.sdk_wheel`), or taken from ``--wheel``; the
+``site.yaml`` is rendered by :mod:`coordinator.site_config`.
 """
 
 from __future__ import annotations
@@ -33,16 +33,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -51,10 +47,12 @@ from shared.errors import ConfigError
 from shared.keys import generate_signing_key, key_fingerprint, load_private_key, load_public_key, public_key_to_pem
 from shared.models.backbone_variants import DEFAULT_BACKBONE, get_variant
 from shared.models.gateway_graphs import backbone_graph_relpath, detector_graph_relpath, ensure_gateway_graphs
-from shared.profiles import GatewayProfile, check_profile_data, profile_path, read_profile_yaml
+from shared.profiles import check_profile_data, profile_path, read_profile_yaml
 
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import SITE_ID_PATTERN, EnrolmentError, SiteRegistry, mark_keys_changed
+from coordinator.sdk_wheel import build_sdk_wheel, project_source_root
+from coordinator.site_config import render_site_config
 from coordinator.storage import SiteRow, Store
 
 __all__ = ["ProvisionResult", "provision_site", "build_sdk_wheel", "project_source_root", "render_site_config",
@@ -90,8 +88,6 @@ ProtectSystem=full
 WantedBy=multi-user.target
 """
 
-_SOURCE_ITEMS = ("pyproject.toml", "README.md", "shared", "edge_sdk", "coordinator", "wildfed_sim")
-
 
 @dataclass(frozen=True)
 class ProvisionResult:
@@ -116,110 +112,6 @@ class ProvisionResult:
 
         host = urlparse(self.broker_url).hostname or ""
         return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def project_source_root() -> Path | None:
-    """The project checkout this code runs from (``pyproject.toml`` beside the packages), or ``None`` for a wheel
-    install."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "pyproject.toml").is_file() and (root / "edge_sdk").is_dir() else None
-
-
-def _source_digest(root: Path) -> str:
-    digest = hashlib.sha256()
-    for item in _SOURCE_ITEMS:
-        top = root / item
-        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()
-                                                    and "__pycache__" not in p.parts and p.suffix != ".pyc")
-        for f in files:
-            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def build_sdk_wheel(cache_dir: Path, *, source_root: Path | None = None) -> Path:
-    """Build (or reuse) the WildFed wheel from the project source.
-
-    The source (``pyproject.toml``, ``README.md``, ``shared/``, ``edge_sdk/``, ``coordinator/``, ``wildfed_sim/``:
-    the four Python packages, so that every entry point of the wheel imports) is copied to a temporary
-    folder so the checkout is not touched, and built with ``pip wheel --no-deps --no-build-isolation``
-    (no network: the build backend, setuptools, must be installed). The result is cached under
-    ``cache_dir/<source hash>/``.
-
-    Raises:
-        ConfigError: no project source (a wheel install: pass ``--wheel``), or the build failed.
-    """
-    root = source_root or project_source_root()
-    if root is None:
-        raise ConfigError("the WildFed source is not available to build the SDK wheel", field="wheel",
-                          fix="pass --wheel FILE (a wildfed-*.whl), or run the coordinator from a checkout")
-    key = _source_digest(root)[:24]
-    target = Path(cache_dir) / key
-    cached = sorted(target.glob("wildfed-*.whl")) if target.is_dir() else []
-    if cached:
-        return cached[0]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="wildfed-wheel-") as tmp:
-        src, out = Path(tmp) / "src", Path(tmp) / "out"
-        src.mkdir()
-        for item in _SOURCE_ITEMS:
-            path = root / item
-            if path.is_dir():
-                shutil.copytree(path, src / item, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            elif path.is_file():
-                shutil.copy2(path, src / item)
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-               str(src), "-w", str(out)]
-        log.info("building the SDK wheel: %s", " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(out.glob("wildfed-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ConfigError(f"building the SDK wheel failed (pip exit {proc.returncode}): "
-                              f"{(proc.stderr or proc.stdout).strip()[-800:]}", field="wheel",
-                              fix="install setuptools in this environment, or pass --wheel FILE")
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-        shutil.copy2(wheels[0], staging / wheels[0].name)
-        try:
-            os.replace(staging, target)
-        except OSError:  # another process cached the same build first
-            shutil.rmtree(staging, ignore_errors=True)
-    return sorted(target.glob("wildfed-*.whl"))[0]
-
-
-def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, profile_file: str, site_id: str,
-                       broker_url: str, species: Sequence[Mapping[str, Any]] | None, dataset: str | None,
-                       backbone: str = DEFAULT_BACKBONE, embedding_input_size: int | None = None,
-                       capacity: int | None = None) -> str:
-    """The ``site.yaml`` of a bundle: ids, broker, identity and storage paths from the profile (relative to the
-    install prefix), privacy defaults from the profile, the federation's model size, the backbone and its input
-    size (whose graph the bundle ships, installed under ``model_dir``), and the species table (or an empty one with
-    a note to fill it in)."""
-    body: dict[str, Any] = {
-        "federation_id": config.federation_id,
-        "site_id": site_id,
-        "dataset": dataset or (profile.storage.data / "camtrap").as_posix(),
-        "species": [dict(s) for s in species or []],
-        "private_key": profile.identity.private_key.as_posix(),
-        "coordinator_public_key": profile.identity.coordinator_public_key.as_posix(),
-        "broker_url": broker_url,
-        "outbox": profile.storage.outbox.as_posix(),
-        "artifact_cache": profile.storage.artifact_cache.as_posix(),
-        "profile": profile_file,
-        "backbone": backbone,
-        "embedding_input_size": embedding_input_size or get_variant(backbone).default_input_size,
-        "model_dir": fmt.MODELS_DIR,
-        "num_classes": config.num_classes,
-        "federation_plan": _federation_plan(config, capacity),
-        "allow_non_private": profile.privacy.allow_non_private,
-        "allow_seeded_noise": profile.privacy.allow_seeded_noise,
-    }
-    head = (f"# WildFed site config for {site_id} (federation {config.federation_id}), written by "
-            "`wildfed-coordinator provision`.\n"
-            "# Relative paths are relative to this file (the install prefix). Training settings (backend, device,\n"
-            f"# threads, micro-batch) come from {profile_file}; set them here to override.\n")
-    if not species:
-        head += ("# TODO before starting: fill in `species` (scientific_name, class_index, iucn_category per row;\n"
-                 "# class indices are the federation's) and put the site's Camtrap DP package at `dataset`.\n")
-    return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
 
 
 def _check_broker_url(url: str) -> str:
@@ -411,19 +303,6 @@ def _graph_members(graphs: Mapping[str, Path], *, backbone: str, input_size: int
             entry.update(backbone=backbone, input_size=input_size, backbone_id=backbone_id(backbone, input_size))
         out[role] = (fmt.BundleMember(name, data, 0o644), entry)
     return out
-
-
-def _federation_plan(config: CoordinatorConfig, capacity: int | None = None) -> dict[str, Any] | None:
-    """The plan the site's learnability report uses before its first round (``edge_sdk.federation_plan``): public
-    values every task carries, with the site's declared ``capacity`` (enrolment metadata) when it has one; None where
-    the gateway's local CCDP plan is not what runs (``privacy: none`` or ``global``, radio maps)."""
-    if config.privacy in ("none", "global") or config.model == "radio_unet":
-        return None
-    plan = {"rounds": config.planned_updates(), "local_steps": config.local_steps,
-            "expected_batch": config.expected_batch_size, "target_delta": config.target_delta,
-            "clipping_norm": config.clipping_norm, "variant": config.ccdp_variant,
-            "budgets": {c.value: float(e) for c, e in config.budgets().items()}}
-    return plan if capacity is None else {**plan, "capacity": int(capacity)}
 
 
 def _check_species(config: CoordinatorConfig, species: Sequence[Mapping[str, Any]] | None) -> None:

@@ -26,116 +26,33 @@ would let a revoked key verify for up to N seconds, and over SQLite's ``PRAGMA d
 every commit of any table by any other connection, including this process's own pool). A change written to the
 tables by hand (SQL, not this module) does not move the counter: run ``wildfed-coordinator keys`` or restart the
 coordinator after such an edit (docs/security.md).
+
+The records themselves live beside this module and are re-exported here: :class:`Site` and the metadata checks in
+coordinator.site_metadata; :class:`SiteKey`, :func:`read_site_key_file` and the change counter in
+coordinator.site_keys.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
-from cryptography.exceptions import UnsupportedAlgorithm
+from sqlalchemy import select
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from shared.envelope import BROADCAST_SITE_ID, validate_identifier
 from shared.errors import ConfigError, MalformedEnvelopeError
 from shared.keys import key_fingerprint, public_key_from_pem, public_key_to_pem
 
-from coordinator.storage import RegistryVersionRow, SiteKeyRow, SiteRow, Store, dumps, utcnow
+from coordinator.site_keys import (DEFAULT_GRACE_S, SiteKey, mark_keys_changed, naive_utc, parse_site_key,
+                                   read_site_key_file, registry_version)
+from coordinator.site_metadata import SITE_ID_PATTERN, EnrolmentError, Site, validate_metadata
+from coordinator.storage import SiteKeyRow, SiteRow, Store, dumps, utcnow
 
 __all__ = ["Site", "SiteKey", "SiteRegistry", "EnrolmentError", "UnknownSiteError", "KeyRotationError",
            "SITE_ID_PATTERN", "DEFAULT_GRACE_S", "read_site_key_file", "mark_keys_changed", "registry_version"]
-
-#: Default grace period of a rotated-out key, seconds (24 h: a gateway offline for a day can still deliver an
-#: update it signed with its old key before it learned of the rotation).
-DEFAULT_GRACE_S = 24 * 3600.0
-
-#: Site ids travel inside MQTT topics and file names (shared.envelope.validate_identifier): no wildcards, no
-#: slashes, no spaces, at most 64 characters.
-SITE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-
-def mark_keys_changed(session: Any) -> None:
-    """Increment the registry's change counter (``registry_version``) inside ``session``'s transaction: call it in
-    every transaction that adds, removes, rotates or revokes a site key, so every process's key cache notices at its
-    next verification once the transaction commits (module docstring).
-
-    Args:
-        session: an open SQLAlchemy session (its commit publishes the change; a roll-back undoes it).
-    """
-    bumped = session.execute(update(RegistryVersionRow).where(RegistryVersionRow.id == 1)
-                             .values(version=RegistryVersionRow.version + 1)).rowcount
-    if not bumped:  # a database from before the counter: the first change creates it (primary key 1: one row)
-        session.add(RegistryVersionRow(id=1, version=1))
-        session.flush()
-
-
-def registry_version(store: Store) -> int:
-    """The registry's change counter (0 when no key was ever changed through this module); one primary-key read."""
-    with store.engine.connect() as conn:
-        value = conn.execute(_VERSION_QUERY).scalar()
-    return int(value or 0)
-
-
-_VERSION_QUERY = select(RegistryVersionRow.version).where(RegistryVersionRow.id == 1)
-
-
-def _parse_site_key(pem: str, error: type[Exception], what: str, *, fix: str) -> Ed25519PublicKey:
-    """The Ed25519 public key of ``pem``; raises ``error`` (a ConfigError subclass) naming ``what`` when it does not
-    parse."""
-    try:
-        return public_key_from_pem(pem)
-    except (ValueError, TypeError) as exc:
-        raise error(f"{what} does not parse: {getattr(exc, 'message', exc)}", field="public_key",
-                    fix=fix) from exc
-
-def read_site_key_file(path: str | os.PathLike[str]) -> str:
-    """The PEM text of the Ed25519 public key in file ``path``, for :meth:`SiteRegistry.enrol` and
-    :meth:`SiteRegistry.rotate_key`. Accepted: PEM (``-----BEGIN PUBLIC KEY-----``, what ``wildfed-edge keygen``
-    writes; CRLF line ends too), binary DER (SubjectPublicKeyInfo, e.g. ``openssl pkey -pubin -outform DER``) and
-    an OpenSSH one-line key (``ssh-ed25519 AAAA...``); DER and OpenSSH are converted to PEM.
-
-    Raises:
-        ConfigError: missing file, or none of those forms of an Ed25519 key (field ``public_key``; the message
-            names the file, says PEM is expected and how to convert a DER file).
-    """
-    from cryptography.hazmat.primitives import serialization
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("public key file not found", source=path, field="public_key",
-                          fix="pass the .pub file the gateway wrote (`wildfed-edge keygen`)")
-    data = path.read_bytes()
-    text = data.lstrip(b"\xef\xbb\xbf").strip()
-    if text.startswith(b"-----BEGIN"):
-        return text.decode("ascii", errors="replace")  # public_key_from_pem names what is wrong with it
-    loaders = ((serialization.load_der_public_key, "DER"), (serialization.load_ssh_public_key, "OpenSSH"))
-    for loader, _form in loaders:
-        try:
-            key = loader(text if loader is serialization.load_ssh_public_key else data)
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            continue
-        if not isinstance(key, Ed25519PublicKey):
-            raise ConfigError(f"key type {type(key).__name__} is not Ed25519", source=path, field="public_key",
-                              fix="WildFed verifies Ed25519 signatures only: enrol the key `wildfed-edge keygen` "
-                                  "wrote")
-        return public_key_to_pem(key)
-    raise ConfigError(
-        "is not a public key: a PEM file (text starting with -----BEGIN PUBLIC KEY-----) is expected, and it is "
-        "neither PEM nor a DER or OpenSSH Ed25519 public key", source=path, field="public_key",
-        fix=f"pass the .pub file `wildfed-edge keygen` wrote; to convert another DER key file run `openssl pkey "
-            f"-pubin -inform DER -in {path} -out {path}.pem` and pass {path}.pem")
-
-
-class EnrolmentError(ConfigError):
-    """Enrolment refused (duplicate site, bad id, bad key or metadata); the message names the field and the fix."""
 
 
 class UnknownSiteError(ConfigError):
@@ -144,103 +61,6 @@ class UnknownSiteError(ConfigError):
 
 class KeyRotationError(ConfigError):
     """A key rotation or revocation was refused (bad key, key already used or revoked, unknown fingerprint)."""
-
-
-@dataclass(frozen=True)
-class SiteKey:
-    """One key of a site and its validity.
-
-    Attributes:
-        fingerprint: hex SHA-256 of the raw key (shared.keys.key_fingerprint).
-        public_key: the Ed25519 verification key.
-        current: whether it is the site's current key (``sites.public_key_pem``).
-        created_at: when it was recorded (naive UTC; for a key never rotated: the enrolment time).
-        valid_until: end of its grace period after a rotation (naive UTC), or None.
-        revoked_at: when it was revoked (naive UTC), or None.
-    """
-
-    fingerprint: str
-    public_key: Ed25519PublicKey
-    current: bool
-    created_at: _dt.datetime | None
-    valid_until: _dt.datetime | None = None
-    revoked_at: _dt.datetime | None = None
-
-    def valid_at(self, now: _dt.datetime) -> bool:
-        """Whether the key verifies at ``now`` (naive UTC): not revoked, and before ``valid_until`` if set."""
-        if self.revoked_at is not None and self.revoked_at <= now:
-            return False
-        return self.valid_until is None or now < self.valid_until
-
-
-def _naive_utc(moment: _dt.datetime) -> _dt.datetime:
-    """``moment`` as naive UTC (aware times are converted; naive ones are taken as UTC already)."""
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(_dt.timezone.utc).replace(tzinfo=None)
-    return moment
-
-
-@dataclass(frozen=True)
-class Site:
-    """An enrolled site.
-
-    Attributes:
-        site_id: topic-safe identifier (``SITE_ID_PATTERN``).
-        public_key: the site's Ed25519 verification key.
-        metadata: public metadata (JSON object): ``capacity`` (int >= 1: the site's declared capacity, a public
-            constant the operator chooses without looking at the exact record count, docs/privacy.md "No uncharged
-            counts"), ``species`` (list of str), ``biome`` (str), ... .
-    """
-
-    site_id: str
-    public_key: Ed25519PublicKey
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def capacity(self) -> int | None:
-        """The site's declared capacity N_k (public: its sampling rate's denominator and FedAvg weight), or None if
-        not declared. A site enrolled with the older ``num_examples`` key has that value as its capacity (it was
-        released at enrolment already)."""
-        n = self.metadata.get("capacity", self.metadata.get("num_examples"))
-        return int(n) if n is not None else None
-
-    @property
-    def fingerprint(self) -> str:
-        """Hex SHA-256 of the raw public key (shared.keys.key_fingerprint)."""
-        return key_fingerprint(self.public_key)
-
-
-def _validate_metadata(site_id: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
-    meta = dict(metadata)
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as exc:
-        raise EnrolmentError(f"metadata of site {site_id!r} is not JSON-serialisable: {exc}", field="metadata",
-                             fix="pass a JSON object of strings, numbers and lists") from exc
-    if "num_examples" in meta:
-        raise EnrolmentError(f"metadata.num_examples of site {site_id!r}: a site's exact record count would leave it "
-                             "uncharged (it tells neighbouring datasets apart)", field="metadata.num_examples",
-                             fix="declare the site's capacity instead, a round number chosen without counting the "
-                                 'records (e.g. its expected photos a year): --metadata \'{"capacity": 1000}\'')
-    if "capacity" in meta:
-        n = meta["capacity"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise EnrolmentError(f"metadata.capacity of site {site_id!r} is {n!r}", field="metadata.capacity",
-                                 fix="give a positive integer: the site's declared capacity (docs/privacy.md)")
-    if "species" in meta:
-        sp = meta["species"]
-        if not isinstance(sp, list) or not all(isinstance(x, str) for x in sp):
-            raise EnrolmentError(f"metadata.species of site {site_id!r} must be a list of names", field="metadata.species",
-                                 fix='give e.g. ["Loxodonta cyclotis", "Giraffa camelopardalis"]')
-    if "categories" in meta:
-        from shared.iucn import IUCNCategory
-
-        cats = meta["categories"]
-        valid = {c.value for c in IUCNCategory}
-        if not isinstance(cats, list) or not all(isinstance(c, str) and c in valid for c in cats):
-            raise EnrolmentError(f"metadata.categories of site {site_id!r} is {cats!r}", field="metadata.categories",
-                                 fix=f"list IUCN codes from {sorted(valid)}")
-    return meta
 
 
 class SiteRegistry:
@@ -322,10 +142,10 @@ class SiteRegistry:
             raise EnrolmentError(f"site id {site_id!r} is reserved: it addresses the models every site reads "
                                  "(docs/protocol.md, 'Models by digest')", field="site_id",
                                  fix="choose another site id")
-        public_key = _parse_site_key(public_key_pem, EnrolmentError, f"public key of site {site_id!r}",
+        public_key = parse_site_key(public_key_pem, EnrolmentError, f"public key of site {site_id!r}",
                                      fix="pass the site's Ed25519 public key PEM (the .pub file of `wildfed-edge "
                                      "keygen`)")
-        meta = _validate_metadata(site_id, metadata or {})
+        meta = validate_metadata(site_id, metadata or {})
         with self._store.session() as s:
             if s.get(SiteRow, site_id) is not None:
                 raise EnrolmentError(f"site {site_id!r} is already enrolled", field="site_id",
@@ -376,7 +196,7 @@ class SiteRegistry:
 
     # ---- key rotation and revocation ---------------------------------------------------------------------------
     def _now(self, now: _dt.datetime | None) -> _dt.datetime:
-        return _naive_utc(now if now is not None else self._clock())
+        return naive_utc(now if now is not None else self._clock())
 
     @staticmethod
     def _unknown(site_id: str) -> UnknownSiteError:
@@ -476,7 +296,7 @@ class SiteRegistry:
         if not isinstance(grace_s, (int, float)) or not grace_s >= 0 or grace_s == float("inf"):
             raise KeyRotationError(f"grace period {grace_s!r} s is not a finite number >= 0", field="grace_s",
                                    fix="give the hours the old key stays valid, e.g. --grace-hours 24")
-        new_key = _parse_site_key(new_public_key_pem, KeyRotationError, f"new public key of site {site_id!r}",
+        new_key = parse_site_key(new_public_key_pem, KeyRotationError, f"new public key of site {site_id!r}",
                                   fix="pass the site's new Ed25519 public key PEM (.pub)")
         new_fp = key_fingerprint(new_key)
         moment = self._now(now)

@@ -36,7 +36,9 @@ The parts, each in a module of its own: selection and halting (:mod:`coordinator
 lifecycles (:mod:`coordinator.round_record`); the close-time steps that settle which updates count
 (:mod:`coordinator.round_close`, folding stored blobs with :mod:`coordinator.stored_updates`); a Global DP round
 (:mod:`coordinator.global_round`), with its plan (:mod:`coordinator.round_plan`) and secure-aggregation driver
-(:mod:`coordinator.secagg_round`); what a round came to (:mod:`coordinator.round_result`).
+(:mod:`coordinator.secagg_round`); what a round came to (:mod:`coordinator.round_result`); crash recovery
+(:mod:`coordinator.round_recovery`) and the buffered rounds' past contexts and final drain
+(:mod:`coordinator.buffered_drain`), both bases of :class:`RoundManager`.
 
 TEST-ONLY crash hook: with the environment variable ``WILDFED_TEST_CRASH_AT`` set to ``after_ingest`` (updates
 stored, ledger not yet written) or ``after_ledger`` (ledger written, model not yet stored), the process SIGKILLs
@@ -47,8 +49,6 @@ Never set it in production.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import os
@@ -59,15 +59,15 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import select
 
-from shared.codec import decode_tensors, model_hash
+from shared.codec import model_hash
 from shared.iucn import IUCNCategory
 from shared.models.backbone import EMBEDDING_DIM
 from shared.models.feature_centre import centre_digest, load_feature_centre
 from shared.transfer import Receipt
 
 from coordinator.artifacts import ArtifactStore
+from coordinator.buffered_drain import BufferedDrain
 from coordinator.buffered_rounds import BufferedRounds
 from coordinator.config import CoordinatorConfig
 from coordinator.global_round import GlobalRound
@@ -80,14 +80,13 @@ from coordinator.radio import expected_events
 from coordinator.registry import SiteRegistry
 from coordinator.round_close import absorb_stored, drop_refused, finalise_from_workers, over_budget_at_close
 from coordinator.round_record import RoundRecord, store_model
+from coordinator.round_recovery import RoundRecovery
 from coordinator.round_result import RoundResult
 from coordinator.round_tasks import TaskPublisher
 from coordinator.secagg_collector import SecAggCollector
 from coordinator.selection import select_sites, uses_cohorts
 from coordinator.storage import Store
-from coordinator.stored_updates import accepted_from_stored, fold_stored_updates
 from coordinator.strategies.base import Strategy
-from coordinator.tables import RoundRow
 from coordinator.transport import Transport, pipelined_publish
 
 __all__ = ["RoundResult", "RoundManager"]  # RoundResult: coordinator.round_result
@@ -104,7 +103,7 @@ def _test_crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class RoundManager:
+class RoundManager(BufferedDrain, RoundRecovery):
     """Runs rounds (see the module docstring). Built by :class:`coordinator.service.Coordinator`.
 
     Args:
@@ -396,102 +395,3 @@ class RoundManager:
             for line in ctx.strategy.end_round(ctx.round):
                 log.info("rounds: round %d: %s", ctx.round, line)
         return status, new_hash, tuple(f"{f.site_id}@r{f.round}" for f in stale)
-
-    # ---- buffered rounds -----------------------------------------------------------------------------------------
-    def past_context(self, round: int) -> RoundContext:
-        """A :class:`RoundContext` of past round ``round`` for its stale updates (:mod:`coordinator.inbound.stale`):
-        its model hash and template, the tasks' privacy parameters, no halts.
-
-        Raises:
-            LookupError: ``round`` has no round row.
-        """
-        with self._store.session() as s:
-            row = s.get(RoundRow, round)
-            if row is None:
-                raise LookupError(f"no round {round}")
-            base, selected = row.base_model_hash, frozenset(json.loads(row.selected_json))
-        if base not in self._templates:
-            self._templates = {base: decode_tensors(self._store.get_model(base))[0]}  # the newest past model only
-        return RoundContext(round=round, model_hash=base, template=self._templates[base], selected=selected, halted={},
-                            budgets=self.config.budgets(), privacy=self.config.privacy,
-                            local_steps=self._local_steps(), strategy=self._strategy,
-                            count_noise_multiplier=self._count_noise(), num_classes=self.config.num_classes,
-                            expected_events=expected_events(self.config), **self._task_noise_parameters())
-
-    def drain_buffer(self) -> RoundResult | None:
-        """Buffered rounds, at the end of a run: a last round that sends no task and folds what is still coming.
-        The updates that wait, and up to two per site whose rounds are still pending within ``max_staleness``
-        (:meth:`coordinator.ledger.PrivacyLedger.pending_rounds`: the update a gateway has in flight, and the one
-        it trains from the newest task it holds once that is acknowledged), are awaited until
-        ``round_deadline_s``; the round then closes with whatever came (``failed`` when nothing did), so that an
-        update charged after the last planned round still reaches the final model.
-
-        Returns:
-            the round's result, or None when nothing is waiting or expected (no round is recorded then).
-        """
-        if self.buffered is None:
-            return None
-        r = self.next_round()
-        window = r - self.buffered.config.max_staleness
-        pending = self._ledger.pending_rounds(before_round=r, capped=False).values()
-        expected = sum(min(2, sum(1 for x in rounds if x >= window)) for rounds in pending)
-        waiting = self.buffered.waiting()
-        if expected + waiting == 0:
-            return None
-        t0 = self._clock()
-        base_hash, weights = self.current_model()
-        RoundRecord.open(self._store, round=r, base_model_hash=base_hash, selected=[], privacy=self.config.privacy)
-        self._strategy.begin_round(weights)
-        ctx = RoundContext(round=r, model_hash=base_hash, template=weights, selected=frozenset(), halted={},
-                           budgets=self.config.budgets(), privacy=self.config.privacy, local_steps=self._local_steps(),
-                           strategy=self._strategy, bundle=weights, count_noise_multiplier=self._count_noise(),
-                           num_classes=self.config.num_classes, **self._task_noise_parameters())
-        self._ingestor.open_round(ctx)
-        log.info("rounds: round %d sends no task: it folds %d waiting update(s) and waits for %d in flight", r,
-                 waiting, expected)
-        with self._ingestor.changed:
-            deadline = self._clock() + self.config.round_deadline_s
-            while self._in_buffer(ctx) < expected + waiting and self._clock() < deadline:
-                self._ingestor.changed.wait(timeout=min(0.5, max(0.0, deadline - self._clock())))
-        result = self.close_round(ctx)
-        return dataclasses.replace(result, duration_s=self._clock() - t0)
-
-    def round_joined_now(self) -> int:
-        """The round a stale update arriving now would join: the open one, else the next to open."""
-        ctx = self._ingestor.context
-        return ctx.round if ctx is not None else self.next_round()
-
-    # ---- recovery ----------------------------------------------------------------------------------------------
-    def recover(self) -> list[RoundResult]:
-        """Close every round a previous process left ``open``, from its durably stored updates."""
-        results = []
-        with self._store.session() as s:
-            open_rows = list(s.scalars(select(RoundRow).where(RoundRow.status.in_(("open", "closing")))
-                                       .order_by(RoundRow.round)))
-        for row in open_rows:
-            t0 = self._clock()
-            if row.privacy == "global":
-                RoundRecord.attach(row, self._store).close(
-                    "failed", detail=("the coordinator stopped during secure aggregation (its state is in memory "
-                                      "only); spend recorded before unmasking stays charged once; re-run as a new "
-                                      "round"))
-                log.warning("rounds: Global DP round %d left open by a previous run: marked failed", row.round)
-                results.append(RoundResult(round=row.round, status="failed",
-                                           selected=tuple(sorted(json.loads(row.selected_json))), accepted=(),
-                                           model_hash=row.base_model_hash, duration_s=self._clock() - t0))
-                continue
-            weights, _ = decode_tensors(self._store.get_model(row.base_model_hash))
-            selected = frozenset(json.loads(row.selected_json))
-            self._strategy.begin_round(weights)
-            ctx = RoundContext(round=row.round, model_hash=row.base_model_hash, template=weights, selected=selected,
-                               halted={}, budgets=self.config.budgets(), privacy=self.config.privacy,
-                               local_steps=self._local_steps(), strategy=self._strategy, bundle=weights,
-                               expected_events=expected_events(self.config), **self._task_noise_parameters())
-            for upd, report in fold_stored_updates(self._store, ctx, self._store.updates_for_round(row.round)):
-                ctx.accepted[upd.site_id] = accepted_from_stored(row.round, upd, report)
-            status, h, stale = self._close(ctx, weights, self._needed(ctx))
-            log.warning("rounds: recovered round %d left open by a previous run: %s", row.round, status)
-            results.append(RoundResult(round=row.round, status=status, selected=tuple(sorted(selected)),
-                                       accepted=tuple(sorted(ctx.accepted)), model_hash=h,
-                                       duration_s=self._clock() - t0, stale=stale))
-        return results

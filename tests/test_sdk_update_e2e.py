@@ -36,7 +36,8 @@ import pytest
 from shared.keys import generate_signing_key, save_private_key, save_public_key
 
 from coordinator.fleet import fleet_rows
-from coordinator.provisioning import _SOURCE_ITEMS, build_sdk_wheel, provision_site
+from coordinator.provisioning import build_sdk_wheel, provision_site
+from coordinator.sdk_wheel import _SOURCE_ITEMS
 from coordinator.software_delivery import record_release
 from coordinator.storage import Store
 from tests.coordinator.helpers import make_config

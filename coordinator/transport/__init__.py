@@ -10,9 +10,10 @@ tests, with MQTT topic filter semantics (``+`` one level, ``#`` the rest).
 
 The gateway has its own transport (edge_sdk/uplink); the two sides share nothing but the wire.
 
-The rest of the package: :mod:`coordinator.transport.mqtt` (the MQTT client, sessions, TLS, refused messages,
-:func:`~coordinator.transport.mqtt.transport_from_config`) and :mod:`coordinator.transport.handlers` (the
-ingest thread that runs handlers off paho's network thread).
+The rest of the package: :mod:`coordinator.transport.mqtt` (the MQTT client, sessions, TLS,
+:func:`~coordinator.transport.mqtt.transport_from_config`), :mod:`coordinator.transport.mqtt_publish` (how it
+publishes: PUBACK waits, pipelining, refused messages) and :mod:`coordinator.transport.handlers` (the ingest thread
+that runs handlers off paho's network thread).
 """
 
 from __future__ import annotations
