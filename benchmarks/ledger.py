@@ -55,7 +55,7 @@ COUNTS = DPSGDEvent(8.0, 1.0, 1)
 class FullRecomposition(PrivacyLedger):
     """The baseline ledger without a running composition: every question composes the whole stored history afresh."""
 
-    def _epsilon_with(self, site_id, category, extra, accountant):  # type: ignore[override]
+    def _epsilon_with(self, site_id, category, extra, accountant, *, refresh=True):  # type: ignore[override]
         return composed_epsilon((*self.events(site_id, category), *extra), self.target_delta,
                                 accountant or self.accountant)
 
