@@ -31,6 +31,11 @@ count in every row. Timed steps:
   like-for-like comparison with the baseline;
 - ``secure noise draw``: ``SecureRandom.standard_normal(d)`` alone, the part of the DP step whose cost grows with d
   and not with the batch (so the ratio DP / non-private falls towards 1 as the batch grows);
+- with ``--round-steps S`` (default 20; 0: not), ``round: non-private``, ``round: CCDP`` and ``round: CCDP, noise
+  ahead``: rounds of S back-to-back ``local_step`` calls, as ``train_locally`` runs them, the last with the round's
+  noise drawn one step ahead on a second thread (``shared.privacy.noise_prefetch.PrefetchedNormals``, started and
+  closed inside the timed round; ``train_locally`` does this only from ``PREFETCH_MIN_SIZE`` parameters). Timed
+  per round, so the worker's draws fall inside the round they serve (with ``--clock cpu`` its CPU time counts);
 - with ``--previous-noise``, ``CCDP (training step), polar`` and ``polar noise draw``: the same training step and
   draw on the secure source used before the cipher-speed one (``_polar_noise.PolarAes256``: AES-256-CTR from
   ``cryptography``, the polar method in numpy), for a before/after comparison within one run;
@@ -52,6 +57,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 from _timing import interleaved
@@ -107,6 +113,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall clock, or this process's CPU time (with --threads 1: other load left out)")
+    parser.add_argument("--round-steps", type=int, default=20,
+                        help="also time rounds of this many back-to-back local steps (0: not)")
     parser.add_argument("--previous-noise", action="store_true",
                         help="also time the CCDP step and the draw on the previous (polar, AES-256-CTR) source")
     args = parser.parse_args()
@@ -117,6 +125,7 @@ def main() -> None:
     from edge_sdk.privacy.ccdp import CCDPMechanism
     from edge_sdk.privacy.randomness import SecureRandom
     from edge_sdk.training import TrainingInputs, local_step
+    from shared.privacy.noise_prefetch import PrefetchedNormals
     from shared.iucn import IUCNCategory
     from shared.models.kinds import model_spec
     from shared.models.state import load_numpy_state
@@ -184,6 +193,22 @@ def main() -> None:
         backend_fx.apply_gradient(mech.privatize(backend_fx.per_example(x, y), cats), lr)
 
     d = backend_np.num_parameters
+    backend_r = backend()
+
+    def round_of_steps(mechanism: CCDPMechanism | None, ahead: bool) -> Callable[[], None]:
+        """``--round-steps`` back-to-back local steps, as ``train_locally`` runs them (the noise drawn ahead on a
+        second thread when ``ahead``: ``PrefetchedNormals``, started and closed inside the timed round)."""
+        def run() -> None:
+            prefetch = PrefetchedNormals(secure, size=d, count=args.round_steps) if ahead else None
+            mech_r = replace(mechanism, noise=prefetch) if ahead else mechanism
+            try:
+                for _ in range(args.round_steps):
+                    local_step(backend=backend_r, dataset=site, inclusion_rates=rates, mechanism=mech_r,
+                               randomness=secure, learning_rate=lr)
+            finally:
+                if prefetch is not None:
+                    prefetch.close()
+        return run
 
     def noise_draw() -> None:
         secure.standard_normal(d)
@@ -196,6 +221,10 @@ def main() -> None:
         "CCDP (fixed batch)": ccdp_fixed_step,
         "secure noise draw": noise_draw,
     }
+    if args.round_steps:
+        steps["round: non-private"] = round_of_steps(None, False)
+        steps["round: CCDP"] = round_of_steps(mech, False)
+        steps["round: CCDP, noise ahead"] = round_of_steps(mech, True)
     if args.previous_noise:
         from _polar_noise import PolarAes256
 
@@ -265,6 +294,13 @@ def main() -> None:
     print(f"{'CCDP (fixed batch) - noise / non-private':39s}: {(med[fixed] - med[noise]) / med[base]:5.2f}x "
           f"({(low[fixed] - low[noise]) / low[base]:4.2f}x)  the per-example part alone")
     print(f"{'noise draw / non-private':39s}: {ratio(noise, base)}  (d = {d:,} Gaussians per step)")
+    if args.round_steps:
+        rounds = ("round: CCDP", "round: CCDP, noise ahead")
+        print(f"rounds of {args.round_steps} back-to-back steps, per step: non-private "
+              f"{med['round: non-private'] / args.round_steps * 1e3:.3f} ms; " + "; ".join(
+                  f"{name[7:]} {med[name] / args.round_steps * 1e3:.3f} ms" for name in rounds))
+        for name in rounds:
+            print(f"{name + ' / non-private':39s}: {ratio(name, 'round: non-private')}  target <= 1.3x")
     if args.previous_noise:
         print(f"{'CCDP (training step), polar / non-priv.':39s}: {ratio('CCDP (training step), polar', base)}   "
               f"/ same, non-private {ratio('CCDP (training step), polar', 'non-private (training step)')}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from shared.errors import ConfigError, PayloadError, PrivacyBudgetError
 from shared.iucn import IUCNCategory
 from shared.privacy.calibration_cache import CalibrationCache
 from shared.privacy.events import DPSGDEvent
+from shared.privacy.noise_prefetch import PrefetchedNormals, worth_prefetching
 from shared.protocol import TrainingTask, UpdateReport
 
 from edge_sdk.backends.base import TrainingBackend
@@ -299,9 +300,18 @@ def train_locally(
                  {c.value: round(v, 4) for c, v in plan.sampling_rates.items()},
                  {c.value: round(v, 4) for c, v in plan.clipping_norms.items()})
 
-    for _ in range(task.local_steps):
-        local_step(backend=backend, dataset=train_on, inclusion_rates=rates, mechanism=mechanism,
-                   randomness=randomness, learning_rate=task.learning_rate)
+    # a large model's noise is drawn one step ahead on a second thread (shared.privacy.noise_prefetch)
+    prefetch = (PrefetchedNormals(randomness, size=backend.num_parameters, count=task.local_steps)
+                if mechanism is not None and worth_prefetching(backend.num_parameters) else None)
+    try:
+        if prefetch is not None:
+            mechanism = replace(mechanism, noise=prefetch)
+        for _ in range(task.local_steps):
+            local_step(backend=backend, dataset=train_on, inclusion_rates=rates, mechanism=mechanism,
+                       randomness=randomness, learning_rate=task.learning_rate)
+    finally:
+        if prefetch is not None:
+            prefetch.close()
 
     end = backend.get_weights()
     if offsets is not None:

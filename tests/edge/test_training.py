@@ -273,3 +273,46 @@ def test_class_reweighting_is_a_ccdp_task_field_in_zero_one_and_round_trips() ->
             TrainingTask(**base, class_reweighting=bad)
     with pytest.raises(PayloadError, match="only for ccdp"):
         TrainingTask(**{**base, "privacy": "none", "budgets": {}}, class_reweighting=0.5)
+
+
+class WideZeroBackend(FakeBackend):
+    """d parameters whose per-example gradients are all zero: a CCDP step is then its noise alone."""
+
+    def __init__(self, d: int) -> None:
+        self.d = d
+        self.w = np.zeros(d, np.float32)
+
+    @property
+    def parameter_layout(self):
+        return (ParameterSpec("w", (self.d,), 0),)
+
+    def per_example_gradients(self, x, y):
+        return np.zeros((len(y), self.d), np.float32)
+
+
+@pytest.mark.parametrize("d, cpus, ahead", [(70_000, 2, True), (70_000, 1, False), (20_000, 2, False)])
+def test_a_large_models_noise_is_drawn_ahead_and_is_the_steps_gaussian(monkeypatch, d, cpus, ahead) -> None:
+    from scipy import stats
+
+    import edge_sdk.training as training
+    import shared.privacy.noise_prefetch as noise_prefetch
+    from shared.privacy.randomness import SecureRandom
+
+    made = []
+
+    class Recording(noise_prefetch.PrefetchedNormals):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(training, "PrefetchedNormals", Recording)
+    monkeypatch.setattr(noise_prefetch, "_usable_cpus", lambda: cpus)
+    result = train_locally(backend=WideZeroBackend(d), dataset=dataset(), task=task(local_steps=2),
+                           global_weights={"w": np.zeros(d, np.float32)}, site_categories=[Cat.CR, Cat.EN, Cat.LC],
+                           randomness=SecureRandom())
+    # drawn ahead exactly for a model of at least PREFETCH_MIN_SIZE parameters on more than one CPU, and closed
+    assert [m.prefetching for m in made] == ([False] if ahead else [])
+    # two steps of pure noise: delta = -lr * (n1 + n2) * sigma / (q N_site), n1 + n2 ~ N(0, 2)
+    scale = task().learning_rate * result.plan.noise_std / (result.sampling_rate * 6) * np.sqrt(2)
+    z = -result.delta["w"].astype(np.float64) / scale
+    assert stats.kstest(z, "norm").pvalue > 1e-6
