@@ -16,8 +16,8 @@ from wildfed_sim.ecology import (
     SiteDesignError,
     design_sites,
     jaccard,
-    summarize_design,
 )
+from wildfed_sim.ecology_summary import summarize_design
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def demo_sites(seed: int, num_sites: int, *, public_per_class: int = 0) -> tuple
     """
     from wildfed_sim.animal_mnist import fetch_animal_mnist, split_holdout
     from wildfed_sim.camtrap_writer import distinct_images
-    from wildfed_sim.ecology import summarize_design
+    from wildfed_sim.ecology_summary import summarize_design
 
     train, test = split_holdout(fetch_animal_mnist(), 0.2, seed=seed)
     specs, _ = design_sites_with_public_split(train.labels, num_sites, seed=seed, public_per_class=public_per_class)
