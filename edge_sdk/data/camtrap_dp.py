@@ -33,9 +33,6 @@ leaves nothing half-done behind.
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +44,8 @@ from shared.errors import DatasetError
 from shared.iucn import IUCNCategory
 
 from edge_sdk.config import SpeciesEntry
+from edge_sdk.data.camtrap_files import (TABLES, file_sha256, load_grayscale, read_table, resolve_media_file,
+                                         table_paths)
 from edge_sdk.data.observations import Labelled, current_labels
 
 __all__ = ["LocalDataset", "load_camtrap_dp", "normalise_species_table"]
@@ -54,13 +53,6 @@ __all__ = ["LocalDataset", "load_camtrap_dp", "normalise_species_table"]
 #: Skipped and merged rows are reported here, one line each (a log record, not a Python warning: the operator
 #: reads ``check-config`` and ``run`` output, where a warning would print its source file and line).
 logger = logging.getLogger(__name__)
-
-_TABLES = ("deployments", "media", "observations")
-_REQUIRED_COLUMNS = {
-    "deployments": ("deploymentID",),
-    "media": ("mediaID", "deploymentID", "filePath", "fileName"),
-    "observations": ("observationID", "mediaID", "observationLevel", "observationType", "scientificName"),
-}
 
 
 @dataclass(frozen=True)
@@ -160,98 +152,6 @@ def normalise_species_table(
     return table
 
 
-def _table_paths(package_dir: Path) -> dict[str, Path]:
-    """Resolve the three table files, honouring ``datapackage.json`` resource paths when present."""
-    paths = {name: package_dir / f"{name}.csv" for name in _TABLES}
-    descriptor = package_dir / "datapackage.json"
-    if descriptor.is_file():
-        try:
-            meta = json.loads(descriptor.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise DatasetError(
-                f"datapackage.json does not parse: {exc}", source=str(descriptor), fix="fix or remove datapackage.json"
-            ) from exc
-        for resource in meta.get("resources", []) if isinstance(meta, dict) else []:
-            if isinstance(resource, dict) and resource.get("name") in paths and isinstance(resource.get("path"), str):
-                rel = resource["path"]
-                if "://" not in rel:
-                    paths[resource["name"]] = package_dir / rel
-    return paths
-
-
-def _read_table(path: Path, name: str) -> list[dict[str, str]]:
-    if not path.is_file():
-        raise DatasetError(
-            f"Camtrap DP table {name!r} is missing",
-            source=str(path),
-            fix=f"add {path.name} (Camtrap DP 1.0 {name} table) to the package",
-        )
-    try:
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.DictReader(handle)
-            columns = reader.fieldnames or []
-            for column in _REQUIRED_COLUMNS[name]:
-                if column not in columns:
-                    raise DatasetError(
-                        f"column {column!r} is missing",
-                        source=str(path),
-                        field=column,
-                        fix=f"add the Camtrap DP 1.0 column {column!r} to {path.name}",
-                    )
-            return [dict(row) for row in reader]
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise DatasetError(f"cannot read CSV: {exc}", source=str(path), fix="write it as UTF-8 CSV") from exc
-
-
-def _resolve_media_file(package_dir: Path, row: dict[str, str]) -> Path:
-    file_path = (row.get("filePath") or "").strip()
-    if file_path and "://" not in file_path:
-        candidate = package_dir / file_path
-        if candidate.is_file():
-            return candidate
-    return package_dir / "media" / (row.get("fileName") or "").strip()
-
-
-def _file_sha256(path: Path, digests: dict | None = None) -> str:
-    """SHA-256 hex digest of a media file's bytes (streamed: the file is not held in memory). ``digests``: a memo
-    keyed by (path, size, mtime_ns) that a caller keeps across loads (a gateway reloads its package every round)."""
-    try:
-        st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-        if digests is not None and key in digests:
-            return digests[key]
-        hasher = hashlib.sha256()
-        with path.open("rb") as handle:  # streamed in 1 MiB blocks (hashlib.file_digest is Python >= 3.11)
-            while block := handle.read(1 << 20):
-                hasher.update(block)
-        digest = hasher.hexdigest()
-    except OSError as exc:
-        raise DatasetError(
-            f"image cannot be read: {exc}",
-            source=str(path),
-            fix="make the file readable, or remove its rows from media.csv",
-        ) from exc
-    if digests is not None:
-        digests[key] = digest
-    return digest
-
-
-def _load_image(path: Path, image_size: int) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            image.draft("L", (image_size, image_size))  # JPEG: decode at a reduced DCT scale (>= target size)
-            gray = image.convert("L").resize((image_size, image_size), Image.Resampling.BILINEAR)
-            return np.asarray(gray, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise DatasetError(
-            f"image cannot be read: {exc}",
-            source=str(path),
-            fix="replace the file with a readable image (JPEG/PNG) or remove its rows from media.csv",
-        ) from exc
-
-
 def load_camtrap_dp(
     package_dir: str | Path,
     species_table: Mapping[str, SpeciesEntry | tuple[int, IUCNCategory | str]],
@@ -278,7 +178,7 @@ def load_camtrap_dp(
         train_on: ``"verified"`` (human classifications only) or ``"machine"`` (also confident machine ones);
             :mod:`edge_sdk.data.observations`.
         machine_threshold: the probability a machine classification needs with ``train_on="machine"``.
-        digests: a memo of file digests kept by the caller across loads (see :func:`_file_sha256`).
+        digests: a memo of file digests kept by the caller across loads (see :func:`file_sha256`).
 
     Returns:
         LocalDataset with labels int64 (N,), categories int8 (N,), boxes per record, one entry per distinct image,
@@ -306,8 +206,8 @@ def load_camtrap_dp(
             "Camtrap DP package directory not found", source=str(package_dir), fix="point `dataset` at the package"
         )
     table = normalise_species_table(species_table)
-    paths = _table_paths(package_dir)
-    tables: dict[str, list[dict[str, str]]] = {name: _read_table(paths[name], name) for name in _TABLES}
+    paths = table_paths(package_dir)
+    tables: dict[str, list[dict[str, str]]] = {name: read_table(paths[name], name) for name in TABLES}
     media_rows = _media_rows(tables, paths)
     labels_of = _labels(tables["observations"], media_rows, table, paths["observations"], train_on,
                         machine_threshold)
@@ -376,7 +276,7 @@ def _group_by_image(package_dir: Path, media_rows: Mapping[str, dict[str, str]],
         labelled = labels_of.get(media_id)
         if labelled is None:
             continue
-        image_path = _resolve_media_file(package_dir, row)
+        image_path = resolve_media_file(package_dir, row)
         if not image_path.is_file():
             if missing_media == "error":
                 raise DatasetError(
@@ -390,7 +290,7 @@ def _group_by_image(package_dir: Path, media_rows: Mapping[str, dict[str, str]],
         resolved = image_path.resolve()
         digest = by_path.get(resolved)
         if digest is None:
-            digest = _file_sha256(image_path, digests)
+            digest = file_sha256(image_path, digests)
             by_path[resolved] = digest
             if digest not in groups:
                 groups[digest] = {"media_id": media_id, "path": image_path, "names": set(), "boxes": [], "rows": 0,
@@ -430,7 +330,7 @@ def _records(groups: Mapping[str, dict], table: Mapping[str, SpeciesEntry], miss
             continue
         entry = table[next(iter(names))]
         if image_size is not None:
-            images.append(_load_image(group["path"], image_size))
+            images.append(load_grayscale(group["path"], image_size))
         labels.append(entry.class_index)
         ranks.append(entry.iucn_category.rank)
         media_ids.append(group["media_id"])
