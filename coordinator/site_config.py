@@ -27,8 +27,9 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
                        capacity: int | None = None) -> str:
     """The ``site.yaml`` of a bundle: ids, broker, identity and storage paths from the profile (relative to the
     install prefix), privacy defaults from the profile, the federation's model size, the backbone and its input
-    size (whose graph the bundle ships, installed under ``model_dir``), and the species table (or an empty one with
-    a note to fill it in)."""
+    size (whose graph the bundle ships, installed under ``model_dir``), the species table (or an empty one with
+    a note to fill it in), and, where the coordinator config has the federation's species table, every class's
+    scientific name (``class_names``)."""
     body: dict[str, Any] = {
         "federation_id": config.federation_id,
         "site_id": site_id,
@@ -44,6 +45,9 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
         "embedding_input_size": embedding_input_size or get_variant(backbone).default_input_size,
         "model_dir": fmt.MODELS_DIR,
         "num_classes": config.num_classes,
+        # every class of the federation's model by name, so that `detect` and the field loop name a predicted
+        # species the site does not list itself (public: the coordinator's species table)
+        **({"class_names": _class_names(config)} if config.species else {}),
         "federation_plan": _federation_plan(config, capacity),
         "allow_non_private": profile.privacy.allow_non_private,
         "allow_seeded_noise": profile.privacy.allow_seeded_noise,
@@ -56,6 +60,11 @@ def render_site_config(*, config: CoordinatorConfig, profile: GatewayProfile, pr
         head += ("# TODO before starting: fill in `species` (scientific_name, class_index, iucn_category per row;\n"
                  "# class indices are the federation's) and put the site's Camtrap DP package at `dataset`.\n")
     return head + yaml.safe_dump(body, sort_keys=False, allow_unicode=True)
+
+
+def _class_names(config: CoordinatorConfig) -> dict[int, str]:
+    """``{class index: scientific name}`` of the coordinator's species table, in class order."""
+    return {e.class_index: e.scientific_name for e in sorted(config.species or [], key=lambda e: e.class_index)}
 
 
 def _federation_plan(config: CoordinatorConfig, capacity: int | None = None) -> dict[str, Any] | None:

@@ -487,3 +487,26 @@ def test_the_bundles_site_yaml_carries_the_coordinators_plan(fed, sdk_wheel, tmp
         "budgets": {c.value: e for c, e in cfg.budgets().items()},
         "capacity": 3}  # the site's declared capacity (its enrolment metadata), by which its rounds' rates divide
     assert site["federation_plan"]["budgets"]["VU"] == 1.0  # the test config's anchor (from_anchor VU 1.0)
+
+
+def test_the_bundles_site_yaml_names_every_class_of_the_federations_species_table(tmp_path) -> None:
+    import yaml as _yaml
+
+    from coordinator.site_config import render_site_config
+    from edge_sdk.config import SiteConfig
+    from shared.profiles import load_profile
+
+    federation = [*SPECIES, {"scientific_name": "Prionailurus bengalensis", "class_index": 7, "iucn_category": "LC"}]
+    cfg = make_config(tmp_path, num_classes=12, species=federation)
+    text = render_site_config(config=cfg, profile=load_profile("x86-cpu-gateway"), profile_file="profile.yaml",
+                              site_id="site-1", broker_url="mqtt://127.0.0.1:1883", species=SPECIES[:1], dataset=None)
+    site = _yaml.safe_load(text)
+    assert site["class_names"] == {0: "Loxodonta cyclotis", 1: "Equus quagga", 7: "Prionailurus bengalensis"}
+    # the gateway reads it: a class the site does not list is named, the site's own rows on top
+    parsed = SiteConfig.model_validate({**site, "species": SPECIES[:1]})
+    assert parsed.names_by_class[7] == "Prionailurus bengalensis" and parsed.names_by_class[0] == "Loxodonta cyclotis"
+    # without a federation species table there is nothing to name
+    plain = _yaml.safe_load(render_site_config(
+        config=make_config(tmp_path), profile=load_profile("x86-cpu-gateway"), profile_file="profile.yaml",
+        site_id="site-1", broker_url="mqtt://127.0.0.1:1883", species=SPECIES, dataset=None))
+    assert "class_names" not in plain
