@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -357,7 +358,7 @@ def detect(
                 paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
                 confidence=confidence, utc_offset=utc_offset, publisher=publisher, workers=workers, draft=draft,
-                model_dir=site.model_dir if site is not None else None,
+                model_dir=site.model_dir if site is not None else None, prediction=_site_reading(site),
                 **_detect_backbone(backbone, input_size, site),
                 on_start=lambda n: progress.update(task, total=n),
                 on_record=lambda r: progress.update(task, advance=1,
@@ -374,10 +375,30 @@ def detect(
                + (f", classifier {summary.classifier_engine}" if summary.classifier_engine else ""))
     for name, path in summary.files.items():
         typer.echo(f"{name}: {path}")
+    statuses = Counter(d.species_status for r in summary.records for d in r.detections if d.species_status)
+    if statuses and site is not None:
+        typer.echo(f"species: {statuses['confident']} named, {statuses['unexpected']} named but not in the site's "
+                   f"table, {statuses['unknown']} unknown (below the confidence threshold "
+                   f"{site.field.confidence_threshold:g}, field.confidence_threshold in the site config)")
     if publisher is not None:
         typer.echo(f"published: {summary.published}  failed: {summary.publish_failed}")
         if summary.publish_failed:
             raise typer.Exit(code=1)
+
+
+def _site_reading(site: object | None) -> object | None:
+    """How ``detect`` reads a crop's species probabilities with a site config: as the field loop does (the site's
+    species as a prior, ``field.confidence_threshold``, ``field.outside_prior``; below the threshold a detection's
+    species is unknown); None without a config (the top class)."""
+    if site is None:
+        return None
+    from functools import partial
+
+    from edge_sdk.field.predictions import read_prediction
+
+    return partial(read_prediction, site_classes={e.class_index for e in site.species},  # type: ignore[attr-defined]
+                   threshold=site.field.confidence_threshold,  # type: ignore[attr-defined]
+                   outside_prior=site.field.outside_prior)  # type: ignore[attr-defined]
 
 
 app.command("package")(__import__("edge_sdk.cli_package", fromlist=["package"]).package)  # docs/packaging.md

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -157,6 +158,10 @@ class DetectionPipeline:
             (:mod:`edge_sdk.inference.decode`); crops always come from the full decode. False: full decode only.
         workers: batches processed at once on threads (1: one after the other). Only for engines that take
             concurrent calls (ONNX Runtime); give each ORT session ``threads`` = cores / workers.
+        prediction: reads a crop's float (K,) probabilities into a prediction with ``index``, ``confidence``,
+            ``status`` and ``named`` (the field loop's site prior and threshold: a partial of
+            :func:`edge_sdk.field.predictions.read_prediction`); an ``unknown`` one names no species (its best guess
+            stays in ``species_index``). None: the top class, always named, no status.
 
     Raises:
         ValueError: an empty deployment id, or ``workers`` < 1.
@@ -164,7 +169,7 @@ class DetectionPipeline:
 
     def __init__(self, detector: YoloxDetector, classifier: SpeciesClassifier | None = None, *,
                  deployment_id: str, utc_offset: _dt.timezone = _dt.timezone.utc, draft: bool = False,
-                 workers: int = 1) -> None:
+                 workers: int = 1, prediction: Callable[[np.ndarray], Any] | None = None) -> None:
         if not deployment_id:
             raise ValueError("deployment_id must be a non-empty string")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -175,6 +180,7 @@ class DetectionPipeline:
         self.classifier = classifier
         self.deployment_id = deployment_id
         self.utc_offset = utc_offset
+        self.prediction = prediction
         #: per record media id, the top-``TOP_CLASSES`` ``(class index, probability)`` of each detection
         self.classifications: dict[str, list[list[tuple[int, float]]]] = {}
 
@@ -240,15 +246,19 @@ class DetectionPipeline:
                                                    for bb in bboxes])
         detections, tops = [], []
         for i, b in enumerate(boxes):
-            species = index = conf = None
+            species = index = conf = status = None
             if probs is not None:
                 order = np.argsort(-probs[i], kind="stable")
                 index, conf = int(order[0]), float(probs[i, order[0]])
                 species = self.classifier.class_names[index]
                 tops.append([(int(k), float(probs[i, k])) for k in order[:TOP_CLASSES]])
+                if self.prediction is not None:  # the field loop's reading: site prior, threshold, status
+                    read = self.prediction(probs[i])
+                    index, conf, status = read.index, read.confidence, read.status
+                    species = self.classifier.class_names[index] if read.named else None
             detections.append(Detection(category=CATEGORY, confidence=b.score,
                                         bbox=bboxes[i], species=species,
-                                        species_index=index, species_confidence=conf))
+                                        species_index=index, species_confidence=conf, species_status=status))
         if tops:
             self.classifications[item.mid] = tops
         return DetectionRecord(width=width, height=height, detections=tuple(detections), **common)

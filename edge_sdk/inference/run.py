@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
                   on_record: Callable[[DetectionRecord], None] | None = None,
                   input_size: int = DEFAULT_INPUT_SIZE, embedder: Embedder | None = None,
                   backbone: str = DEFAULT_BACKBONE, model_dir: str | Path | None = None,
-                  workers: int | None = None, draft: bool = False) -> RunSummary:
+                  workers: int | None = None, draft: bool = False,
+                  prediction: Callable[[np.ndarray], Any] | None = None) -> RunSummary:
     """Detect (and classify) every image under ``paths`` and write the output files.
 
     Args:
@@ -95,6 +97,8 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
             detector is opened here, runs on ONNX Runtime's CPU provider and ``threads`` is not given; otherwise 1. On 2 cores two
             1-thread workers beat one 2-thread session (docs/results/photos.md).
         draft: decode large JPEGs for the detector in the DCT at 1/2..1/8 (:mod:`edge_sdk.inference.decode`).
+        prediction: how a crop's probabilities are read (:class:`DetectionPipeline`): the site's prior and
+            threshold, so a species below it is ``unknown``; None: the top class.
 
     Raises:
         FileNotFoundError: a path does not exist. ConfigError: bad weights, weights cannot be fetched, weights
@@ -124,7 +128,7 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
     if auto and not concurrent:
         workers = 1  # TensorRT / CUDA: one caller
     pipeline = DetectionPipeline(detector, classifier, deployment_id=deployment_id, utc_offset=zone,
-                                 draft=draft, workers=workers or 1)
+                                 draft=draft, workers=workers or 1, prediction=prediction)
     summary = RunSummary(detector_engine=detector.engine.name,
                          classifier_engine=classifier.engine_name if classifier is not None else "")
     if on_start is not None:

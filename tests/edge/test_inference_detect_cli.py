@@ -137,3 +137,25 @@ def test_detect_refuses_a_kept_model_of_another_backbone_naming_the_fix(tmp_path
     said = " ".join(result.output.split())
     assert "efficientnet-lite2@" in said and "--backbone efficientnet-lite2 --input-size 260" in said
     assert not (tmp_path / "out" / "megadetector.json").exists()
+
+
+def test_detect_with_a_site_config_names_no_species_below_the_sites_confidence_threshold(tmp_path, detector_ready,
+                                                                                      monkeypatch):
+    from edge_sdk.cli import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    # a head with no opinion: every class 1/3 for every crop, below the field loop's threshold of 0.5
+    head = {"psi.weight": np.zeros((3, 1280), np.float32), "psi.bias": np.zeros(3, np.float32)}
+    weights = tmp_path / "global.safetensors"
+    weights.write_bytes(encode_tensors(head))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["detect", str(PHOTOS / "2480.jpg"), "--weights", str(weights), "--out",
+                                      str(out), "--config", str(_site_config(tmp_path)), "--engine", "ort",
+                                      "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    with (out / "observations.csv").open() as fh:
+        animals = [r for r in csv.DictReader(fh) if r["observationType"] == "animal"]
+    assert animals and {r["scientificName"] for r in animals} == {""}  # unknown: no species named
+    assert all(float(r["classificationProbability"]) == pytest.approx(1 / 3, abs=1e-3) for r in animals)
+    text = " ".join(result.output.split())
+    assert f"species: 0 named, 0 named but not in the site's table, {len(animals)} unknown" in text
