@@ -57,9 +57,11 @@ def status(config: Path = config_option()) -> None:
                       f"{buffer[1]} stale update(s) folded, {buffer[0]} waiting for the next close")
     if digests:
         newest = max(digests.items(), key=lambda kv: int(kv[1]["round"]))
-        console.print(f"models by digest: {len(digests)} retained on the broker, the latest {newest[0][:12]} (named by "
-                      f"round {newest[1]['round']}'s tasks); one is cleared once no task of the last "
-                      f"{cfg.transfer.model_retention_rounds} round(s) named it")
+        later = ("" if rep.model_hash in (None, newest[0]) else
+                 f"; the current model {rep.model_hash[:12]} is published so when a round's tasks name it")
+        console.print(f"models by digest: {len(digests)} retained on the broker, the newest {newest[0][:12]} (the "
+                      f"model round {newest[1]['round']}'s tasks trained from){later}; one is cleared once no task of "
+                      f"the last {cfg.transfer.model_retention_rounds} round(s) named it")
     if cfg.strategy.kind == "nira":
         console.print("strategy NIRA: see `wildfed-coordinator clusters show` for the clusters and their changes")
     rej = Table(title="rejections by reason")
