@@ -7,6 +7,7 @@ no event to wait on; each call is bounded by its timeout.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -16,6 +17,11 @@ import pytest
 import yaml
 
 from shared.keys import generate_signing_key, save_private_key, save_public_key
+
+#: the real photos and tables the tests that need them read: ``$WILDFED_SHARED_DATA`` when set, else
+#: ``../shared/data`` beside the checkout; tests that need them skip when it is absent
+SHARED_DATA = Path(os.environ.get("WILDFED_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared"
+                   / "data")
 
 
 def free_port() -> int:

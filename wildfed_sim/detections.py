@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,8 +38,10 @@ __all__ = ["SHARED_DATA", "COMMITTED_ENA24", "demo_photos", "SiteDetections", "D
 
 log = logging.getLogger(__name__)
 
-#: ``../shared/data`` beside the checkout (development machines; a user's fresh clone has none)
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: the real photos and tables: ``$WILDFED_SHARED_DATA`` when set, else ``../shared/data`` beside the checkout
+#: (development machines; a user's fresh clone has none)
+SHARED_DATA = Path(os.environ.get("WILDFED_SHARED_DATA")
+                   or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 #: the downscaled ENA24 subset shipped with the package (see its README for source and licence)
 COMMITTED_ENA24 = Path(__file__).resolve().parent / "assets" / "ena24"
 _SUFFIXES = (".jpg", ".jpeg", ".png")

@@ -45,6 +45,7 @@ from coordinator.strategies.ecological_clustering import (
     plot_similarity_heatmap,
     site_species_lists,
 )
+from wildfed_sim.detections import SHARED_DATA
 
 __all__ = [
     "DEFAULT_DATA_ROOT",
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 #: ``<repository root>/../shared/data``.
-DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEFAULT_DATA_ROOT = SHARED_DATA
 WILDLIFE_INSIGHTS_PROJECTS = ("cajambre", "cristales")
 #: The NIRA seed's range of pairwise Jaccard similarity between sites (docs/nira.md, "Real metadata checks").
 SEED_JACCARD_RANGE = (0.02, 0.78)

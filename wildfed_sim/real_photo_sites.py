@@ -22,11 +22,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from wildfed_sim.detections import SHARED_DATA
 
 __all__ = ["DATA_DIR", "ENA24_NAMES", "CAMTRAPR_NAMES", "CATEGORIES", "SiteSource", "Reserve", "reserve",
            "build_sites"]
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = SHARED_DATA
 """``../shared/data`` beside the repository."""
 
 ENA24_NAMES = {"Virginia Opossum": "Didelphis virginiana", "Eastern Fox Squirrel": "Sciurus niger",

@@ -19,10 +19,11 @@ from coordinator.web.auth import Role
 from coordinator.web.deployments import import_camtrap_dp, import_wildlife_insights, species_table_categories
 from coordinator.web.location_privacy import LocationPolicy, haversine_m
 from coordinator.web.views import Viewer
+from tests.support import SHARED_DATA
 
 SECRET = bytes(range(32))
 SITE = "site-1"
-DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_ROOT = SHARED_DATA
 TABLE = species_table_categories([SimpleNamespace(scientific_name="Panthera onca", iucn_category="NT"),
                                   SimpleNamespace(scientific_name="Tapirus bairdii", iucn_category="EN"),
                                   SimpleNamespace(scientific_name="Anas platyrhynchos", iucn_category="EN")])

@@ -18,9 +18,10 @@ from shared.iucn import IUCNCategory as Cat
 
 from coordinator.web.location_privacy import (EARTH_RADIUS_M, LocationPolicy, coarsen_to_grid, destination_point,
                                               displace, haversine_m, load_or_create_secret, protect)
+from tests.support import SHARED_DATA
 
 SECRET = bytes(range(32))
-DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_ROOT = SHARED_DATA
 
 
 def test_destination_point_closed_forms() -> None:

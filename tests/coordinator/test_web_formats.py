@@ -30,8 +30,9 @@ from coordinator.web.formats import export_camtrap_dp, export_camtrap_dp_zip, im
 from coordinator.web.location_privacy import LocationPolicy, haversine_m
 from coordinator.web.media import exif_capture_time, image_info, strip_metadata
 from coordinator.web.views import Viewer
+from tests.support import SHARED_DATA
 
-DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_ROOT = SHARED_DATA
 MEDIA = DATA_ROOT / "camtrap-dp-example" / "media"
 SECRET = bytes(range(32))
 TABLE = species_table_categories([SimpleNamespace(scientific_name="Tapirus bairdii", iucn_category="EN"),

@@ -28,9 +28,10 @@ from coordinator.storage import Store
 from coordinator.web.auth import AccountStore
 from coordinator.web.deployments import import_camtrap_dp, import_wildlife_insights, species_table_categories
 from coordinator.web.location_privacy import haversine_m
+from tests.support import SHARED_DATA
 
 FED = "wf-web"
-DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_ROOT = SHARED_DATA
 WI_CRISTALES = DATA_ROOT / "wildlife-insights" / "cristales"
 SPECIES = [("Tayassu pecari", "VU"), ("Tapirus terrestris", "VU"), ("Cuniculus paca", "LC"),
            ("Dasypus novemcinctus", "LC"), ("Pecari tajacu", "LC"), ("Panthera onca", "NT")]

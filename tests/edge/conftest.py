@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tests.support import SHARED_DATA
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE_PACKAGE = REPO_ROOT.parent / "shared" / "data" / "camtrap-dp-example"
+EXAMPLE_PACKAGE = SHARED_DATA / "camtrap-dp-example"
 
 DEPLOYMENT_COLUMNS = ["deploymentID", "locationID", "latitude", "longitude", "deploymentStart", "deploymentEnd"]
 MEDIA_COLUMNS = ["mediaID", "deploymentID", "captureMethod", "timestamp", "filePath", "filePublic", "fileName",

@@ -19,9 +19,10 @@ from shared.models import backbone as bb  # noqa: E402
 
 from edge_sdk.inference import embedder as emb  # noqa: E402
 from edge_sdk.inference.engines import OrtEngine  # noqa: E402
+from tests.support import SHARED_DATA  # noqa: E402
 
 SIZE = 96
-ENA24 = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ena24-small"
+ENA24 = SHARED_DATA / "ena24-small"
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ from edge_sdk.inference.embedder import OnnxEmbedder, find_embedder_onnx
 from edge_sdk.inference.engines import OrtEngine
 from edge_sdk.inference.records import DetectionPipeline
 from edge_sdk.inference.run import run_detection
+from tests.support import SHARED_DATA
 
-ENA24 = Path(__file__).resolve().parents[3] / "shared" / "data" / "ena24-small"
+ENA24 = SHARED_DATA / "ena24-small"
 # one photo of each size in the set: 1920x1080 and 2048x1536 decode at 1/2, 2592x1944 at 1/4
 REAL = ("2595.jpg", "2999.jpg", "4451.jpg")
 

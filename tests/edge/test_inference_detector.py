@@ -23,8 +23,9 @@ from edge_sdk.inference.formats import validate_megadetector
 from edge_sdk.inference.records import find_images
 from edge_sdk.inference.run import run_detection
 from edge_sdk.inference.weights import CHECKPOINT_SHA256, WeightsUnavailableError, detector_checkpoint, sha256_file
+from tests.support import SHARED_DATA
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "camtrapr-sample"
+SAMPLE = SHARED_DATA / "camtrapr-sample"
 needs_sample = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"camtrapR sample photos not found at {SAMPLE}")
 
 

@@ -24,9 +24,10 @@ from edge_sdk.data.camtrap_dp import load_camtrap_dp
 from edge_sdk.packaging import validate_package
 
 from .packaging_support import digest, jpeg, no_leftovers, rows, site_config
+from tests.support import SHARED_DATA
 
 REPO = Path(__file__).resolve().parents[2]
-CAMTRAPR = REPO.parent / "shared" / "data" / "camtrapr-sample"
+CAMTRAPR = SHARED_DATA / "camtrapr-sample"
 ENA24 = REPO / "wildfed_sim" / "assets" / "ena24"
 
 CAMTRAPR_MAP = {"PBE": "Prionailurus bengalensis", "VTA": "Viverra tangalunga", "MNE": "Macaca nemestrina",

@@ -24,9 +24,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from shared.models import backbone as bb  # noqa: E402
+from tests.support import SHARED_DATA  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENA24 = REPO_ROOT.parent / "shared" / "data" / "ena24-small"
+ENA24 = SHARED_DATA / "ena24-small"
 needs_ena24 = pytest.mark.skipif(not (ENA24 / "labels.csv").is_file(),
                                  reason=f"ENA24 photos not found at {ENA24} (../shared/data is absent in a fresh "
                                         "clone)")

@@ -15,8 +15,9 @@ from shared.camtrap_dp import (DEPLOYMENTS_COLUMNS, MEDIA_COLUMNS, OBSERVATIONS_
                                parse_datetime, timestamp_source)
 from shared.camtrap_dp_schema import (LOCAL_PACKAGE_PROFILE, TABLES, local_resource, schema_file, table_schema,
                                       write_schema_files)
+from tests.support import SHARED_DATA
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "camtrap-dp-example"
+EXAMPLE = SHARED_DATA / "camtrap-dp-example"
 
 
 def test_schemas_hold_the_standard_columns_keys_and_references() -> None:

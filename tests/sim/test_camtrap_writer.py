@@ -16,8 +16,9 @@ from wildfed_sim import camtrap_writer
 from wildfed_sim.animal_mnist import SPECIES_TABLE
 from wildfed_sim.camtrap_writer import CamtrapWriteError, write_camtrap_dp
 from wildfed_sim.ecology import SiteSpec
+from tests.support import SHARED_DATA
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "camtrap-dp-example"
+EXAMPLE = SHARED_DATA / "camtrap-dp-example"
 START = datetime(2024, 3, 1, 6, 30, tzinfo=timezone.utc)
 
 

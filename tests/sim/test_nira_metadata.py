@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from coordinator.strategies.ecological_clustering import jaccard, jaccard_matrix
+from tests.support import SHARED_DATA
 
-DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_ROOT = SHARED_DATA
 
 
 def _need(path: Path) -> None:
