@@ -16,7 +16,6 @@ import contextlib
 import csv
 import dataclasses
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
