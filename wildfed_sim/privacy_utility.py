@@ -55,7 +55,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from functools import lru_cache
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,8 @@ from wildfed_sim.common.federation import FederationCache
 from wildfed_sim.common.runs import new_run_dir, read_runs
 from wildfed_sim.common.stats import mean_and_sd, paired_interval
 from wildfed_sim.privacy_utility_configs import (COMPARISONS, CONFIGURATIONS, DP_GRID, GLOBAL_GRID,
-                                                 MIXTURE_REFERENCE, MOMENTA, NON_PRIVATE_GRID, Configuration, grid_for)
+                                                 MIXTURE_REFERENCE, MOMENTA, NON_PRIVATE_GRID, Configuration,
+                                                 PrivacyUtilityResult, PrivacyUtilitySettings, grid_for)
 from wildfed_sim.privacy_utility_report import markdown_tables, plot_accuracy_by_epsilon
 
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_GRID", "NON_PRIVATE_GRID",
@@ -74,74 +75,6 @@ __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "DP_GRID", "GLOBAL_
            "MIXTURE_REFERENCE", "epsilon_by_category", "choose", "markdown_tables"]
 
 
-@dataclass(frozen=True)
-class PrivacyUtilitySettings:
-    """Knobs of the experiment (the CLI's flags).
-
-    ``seeds``: reported seeds (at least 1; the protocol asks for 5); ``tuning_seeds``: the seeds the grid is run
-    on (disjoint from ``seeds``); ``configurations``: names from :data:`CONFIGURATIONS`; ``grid``: ``"full"`` or
-    ``"tiny"``; ``processes``: worker processes; ``sites``: sites of the demo design; ``expected_batch_size`` B,
-    ``target_delta``: fixed for every configuration (the demo's); ``server_momentum``: the momentum of the tuning's
-    stage 1 (stage 2 tries :data:`MOMENTA` at each configuration's best point).
-
-    Raises:
-        ConfigError: no seed, repeated seeds, a tuning seed among the reported ones, unknown configuration or grid.
-    """
-
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    tuning_seeds: tuple[int, ...] = (101, 103)
-    configurations: tuple[str, ...] = tuple(c.name for c in CONFIGURATIONS)
-    grid: str = "full"
-    processes: int = 2
-    sites: int = 8
-    expected_batch_size: int = 1024
-    server_momentum: float = 0.5
-    target_delta: float = 1e-5
-    prediction_tau: float = 1.0
-    out_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.prediction_tau) and self.prediction_tau >= 0):
-            raise ConfigError(f"prediction_tau must be a finite number >= 0, got {self.prediction_tau!r}",
-                              field="prediction_tau", fix="use 1 (the balanced-error rule) or 0 (as trained)")
-        for name in ("seeds", "tuning_seeds"):
-            seeds = getattr(self, name)
-            if not seeds:
-                raise ConfigError(f"{name} is empty", field=name, fix="give at least one seed, e.g. 0,1,2,3,4")
-            if len(set(seeds)) != len(seeds):
-                raise ConfigError(f"{name} repeat: {seeds}", field=name, fix="list each seed once")
-        if set(self.seeds) & set(self.tuning_seeds):
-            raise ConfigError(f"seeds {sorted(set(self.seeds) & set(self.tuning_seeds))} are both tuned on and "
-                              "reported", field="tuning_seeds", fix="tune on seeds that are not reported")
-        known = {c.name for c in CONFIGURATIONS}
-        unknown = [c for c in self.configurations if c not in known]
-        if unknown or not self.configurations:
-            raise ConfigError(f"unknown configuration(s) {unknown}", field="configurations",
-                              fix="use some of " + ", ".join(c.name for c in CONFIGURATIONS))
-        if self.grid not in ("full", "tiny"):
-            raise ConfigError(f"unknown grid {self.grid!r}", field="grid", fix="use full or tiny")
-        if self.processes < 1:
-            raise ConfigError("processes must be >= 1", field="processes", fix="use 1 or more")
-
-
-@dataclass
-class PrivacyUtilityResult:
-    """Everything the experiment measured (also in ``privacy_utility.json``)."""
-
-    out_dir: Path
-    tuning: list[dict[str, Any]] = field(default_factory=list)
-    chosen: dict[str, dict[str, Any]] = field(default_factory=dict)
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    summary: list[dict[str, Any]] = field(default_factory=list)
-    comparisons: list[dict[str, Any]] = field(default_factory=list)
-    round0: dict[str, float] = field(default_factory=dict)
-    site_records: dict[str, dict[str, int]] = field(default_factory=dict)
-    test_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    mixture: dict[str, Any] | None = None
-    elapsed_s: float = 0.0
-
-
-# ------------------------------------------------------------------------------------------ statistics
 def epsilon_by_category(events: Mapping[str, Mapping[IUCNCategory, Any]], target_delta: float
                         ) -> dict[str, float]:
     """``{category code: epsilon}``: for each category the largest over sites of the epsilon of the events its

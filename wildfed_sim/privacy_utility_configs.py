@@ -1,16 +1,22 @@
 """The privacy-utility experiment's configurations (:class:`Configuration`: privacy mode, budgets, clipping and
 sampling variants), the paired comparisons it reports, the uniform references of the mixture prediction, and the
-tuning grids every configuration is tuned on with the same effort (:func:`grid_for`).
+tuning grids every configuration is tuned on with the same effort (:func:`grid_for`), and the experiment's
+settings (:class:`PrivacyUtilitySettings`, the CLI's flags) and result (:class:`PrivacyUtilityResult`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from shared.errors import ConfigError
 from shared.iucn import CCDPBudget, IUCNCategory
 
 __all__ = ["Configuration", "CONFIGURATIONS", "COMPARISONS", "MIXTURE_REFERENCE", "DP_GRID", "GLOBAL_GRID",
-           "NON_PRIVATE_GRID", "TINY_GRID", "LEARNING_RATES", "MOMENTA", "grid_for"]
+           "NON_PRIVATE_GRID", "TINY_GRID", "LEARNING_RATES", "MOMENTA", "grid_for", "PrivacyUtilitySettings",
+           "PrivacyUtilityResult"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +131,73 @@ def grid_for(config: Configuration, grid: str) -> tuple[tuple[int, int, float, f
     if grid == "tiny":
         return TINY_GRID if config.privacy != "none" else ((2, 10, 1.0, 3.0),)
     return {"none": NON_PRIVATE_GRID, "global": GLOBAL_GRID}.get(config.privacy, DP_GRID)
+
+
+@dataclass(frozen=True)
+class PrivacyUtilitySettings:
+    """Knobs of the experiment (the CLI's flags).
+
+    ``seeds``: reported seeds (at least 1; the protocol asks for 5); ``tuning_seeds``: the seeds the grid is run
+    on (disjoint from ``seeds``); ``configurations``: names from :data:`CONFIGURATIONS`; ``grid``: ``"full"`` or
+    ``"tiny"``; ``processes``: worker processes; ``sites``: sites of the demo design; ``expected_batch_size`` B,
+    ``target_delta``: fixed for every configuration (the demo's); ``server_momentum``: the momentum of the tuning's
+    stage 1 (stage 2 tries :data:`MOMENTA` at each configuration's best point).
+
+    Raises:
+        ConfigError: no seed, repeated seeds, a tuning seed among the reported ones, unknown configuration or grid.
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    tuning_seeds: tuple[int, ...] = (101, 103)
+    configurations: tuple[str, ...] = tuple(c.name for c in CONFIGURATIONS)
+    grid: str = "full"
+    processes: int = 2
+    sites: int = 8
+    expected_batch_size: int = 1024
+    server_momentum: float = 0.5
+    target_delta: float = 1e-5
+    prediction_tau: float = 1.0
+    out_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.prediction_tau) and self.prediction_tau >= 0):
+            raise ConfigError(f"prediction_tau must be a finite number >= 0, got {self.prediction_tau!r}",
+                              field="prediction_tau", fix="use 1 (the balanced-error rule) or 0 (as trained)")
+        for name in ("seeds", "tuning_seeds"):
+            seeds = getattr(self, name)
+            if not seeds:
+                raise ConfigError(f"{name} is empty", field=name, fix="give at least one seed, e.g. 0,1,2,3,4")
+            if len(set(seeds)) != len(seeds):
+                raise ConfigError(f"{name} repeat: {seeds}", field=name, fix="list each seed once")
+        if set(self.seeds) & set(self.tuning_seeds):
+            raise ConfigError(f"seeds {sorted(set(self.seeds) & set(self.tuning_seeds))} are both tuned on and "
+                              "reported", field="tuning_seeds", fix="tune on seeds that are not reported")
+        known = {c.name for c in CONFIGURATIONS}
+        unknown = [c for c in self.configurations if c not in known]
+        if unknown or not self.configurations:
+            raise ConfigError(f"unknown configuration(s) {unknown}", field="configurations",
+                              fix="use some of " + ", ".join(c.name for c in CONFIGURATIONS))
+        if self.grid not in ("full", "tiny"):
+            raise ConfigError(f"unknown grid {self.grid!r}", field="grid", fix="use full or tiny")
+        if self.processes < 1:
+            raise ConfigError("processes must be >= 1", field="processes", fix="use 1 or more")
+
+
+@dataclass
+class PrivacyUtilityResult:
+    """Everything the experiment measured (also in ``privacy_utility.json``)."""
+
+    out_dir: Path
+    tuning: list[dict[str, Any]] = field(default_factory=list)
+    chosen: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    summary: list[dict[str, Any]] = field(default_factory=list)
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
+    round0: dict[str, float] = field(default_factory=dict)
+    site_records: dict[str, dict[str, int]] = field(default_factory=dict)
+    test_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    mixture: dict[str, Any] | None = None
+    elapsed_s: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------ statistics

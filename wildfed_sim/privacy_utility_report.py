@@ -8,12 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shared.iucn import IUCNCategory
 
-if TYPE_CHECKING:  # the experiment's types; the experiment imports this module
-    from wildfed_sim.privacy_utility import PrivacyUtilityResult, PrivacyUtilitySettings
+from wildfed_sim.privacy_utility_configs import PrivacyUtilityResult, PrivacyUtilitySettings
 
 __all__ = ["markdown_tables", "plot_accuracy_by_epsilon"]
 
