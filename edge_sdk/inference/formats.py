@@ -39,7 +39,7 @@ from typing import Any
 
 from shared.camtrap_dp import (MEDIA_COLUMNS, MEDIA_TYPES, OBSERVATIONS_COLUMNS, TIMESTAMP_SOURCES,
                                mark_timestamp_source)
-from shared.protocol import DetectionRecord
+from shared.protocol import Detection, DetectionRecord
 
 from edge_sdk.inference.detector import CATEGORY, CONFIDENCE_THRESHOLD
 
@@ -192,8 +192,11 @@ def validate_megadetector(results: Mapping[str, Any]) -> list[str]:
 
 
 def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
-                     classification_timestamp: str | None = None) -> list[dict[str, str]]:
-    """Camtrap DP ``observations.csv`` rows (see the module docstring)."""
+                     classification_timestamp: str | None = None,
+                     class_names: Mapping[int, str] | None = None) -> list[dict[str, str]]:
+    """Camtrap DP ``observations.csv`` rows (see the module docstring). A detection whose species is ``unknown``
+    (below the site's confidence threshold) has no ``scientificName``; its comment gives the best guess, named by
+    ``class_names`` (class index -> name) where given."""
     when = classification_timestamp or _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     rows: list[dict[str, str]] = []
     for rec in _first_of_each_media(records):
@@ -214,8 +217,16 @@ def observation_rows(records: Sequence[DetectionRecord], *, classified_by: str,
                          "scientificName": d.species or "", "count": "1", "bboxX": f"{x:.6f}",
                          "bboxY": f"{y:.6f}", "bboxWidth": f"{w:.6f}", "bboxHeight": f"{h:.6f}",
                          "classificationProbability": f"{prob:.3f}",
-                         "observationComments": f"detector confidence {d.confidence:.3f}"})
+                         "observationComments": f"detector confidence {d.confidence:.3f}" + _guess(d, class_names)})
     return rows
+
+
+def _guess(d: Detection, class_names: Mapping[int, str] | None) -> str:
+    """``"; species unknown, best guess NAME"`` for an unknown detection with a guess, else ``""``."""
+    if d.species is not None or d.species_status != "unknown" or d.species_index is None:
+        return ""
+    name = (class_names or {}).get(d.species_index) or f"class {d.species_index}"
+    return f"; species unknown (below the confidence threshold), best guess {name}"
 
 
 def _first_of_each_media(records: Sequence[DetectionRecord]) -> list[DetectionRecord]:

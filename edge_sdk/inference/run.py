@@ -154,6 +154,7 @@ def run_detection(paths: Iterable[str | Path], *, out_dir: str | Path, deploymen
         "megadetector": write_json(out / "megadetector.json", md),
         "observations": write_csv(out / "observations.csv", OBSERVATION_COLUMNS,
                                   observation_rows(summary.records, classified_by=classified_by,
+                                                   class_names=classifier.class_names if classifier else None,
                                                    classification_timestamp=now.isoformat())),
         "media": write_csv(out / "media.csv", MEDIA_COLUMNS, media_rows(summary.records)),
     }

@@ -156,6 +156,9 @@ def test_detect_with_a_site_config_names_no_species_below_the_sites_confidence_t
     with (out / "observations.csv").open() as fh:
         animals = [r for r in csv.DictReader(fh) if r["observationType"] == "animal"]
     assert animals and {r["scientificName"] for r in animals} == {""}  # unknown: no species named
+    # the best guess (ties go to the lowest class index) in the comment, by name
+    assert all(r["observationComments"].endswith("species unknown (below the confidence threshold), best guess "
+                                                 f"{TABLE[0]}") for r in animals)
     assert all(float(r["classificationProbability"]) == pytest.approx(1 / 3, abs=1e-3) for r in animals)
     text = " ".join(result.output.split())
     assert f"species: 0 named, 0 named but not in the site's table, {len(animals)} unknown" in text
