@@ -286,8 +286,11 @@ def detect(
                                                          "if any; otherwise detection only")] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="folder for megadetector.json, observations.csv, "
                                                           "media.csv")] = Path("detections"),
-    deployment: Annotated[Optional[str], typer.Option(help="Camtrap DP deploymentID of the images (default: the "
-                                                            "site id of --config, else 'default')")] = None,
+    deployment: Annotated[Optional[str], typer.Option(help="the images' deployment: with --config its name within "
+                                                            "the site (deploymentID SITE/DEPLOYMENT, as the site's "
+                                                            "package and field loop name it; default the field "
+                                                            "loop's default_deployment), else the deploymentID "
+                                                            "(default 'default')")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="site config: species names for the "
                                                    "classifier classes, site identity and key for --publish")]
     = None,
@@ -355,7 +358,7 @@ def detect(
                       TextColumn("{task.fields[last]}"), console=console) as progress:
             task = progress.add_task("detect", total=None, last="")
             summary = run_detection(
-                paths, out_dir=out, deployment_id=deployment or (site.site_id if site is not None else "default"),
+                paths, out_dir=out, deployment_id=_deployment_id(deployment, site),
                 weights=weights, class_names=class_names, prefer=engine, batch_size=batch_size, threads=threads,
                 confidence=confidence, utc_offset=utc_offset, publisher=publisher, workers=workers, draft=draft,
                 model_dir=site.model_dir if site is not None else None, prediction=_site_reading(site),
@@ -384,6 +387,18 @@ def detect(
         typer.echo(f"published: {summary.published}  failed: {summary.publish_failed}")
         if summary.publish_failed:
             raise typer.Exit(code=1)
+
+
+def _deployment_id(deployment: str | None, site: object | None) -> str:
+    """The Camtrap DP deploymentID of ``detect``'s records: with a site config ``SITE/DEPLOYMENT`` as the site's
+    package (``wildfed-edge package``) and the field loop name it, so the coordinator places the records at the
+    deployment it imported (``deployment`` given whole, with its ``/``, is kept); else ``deployment`` or
+    ``"default"``."""
+    if site is None:
+        return deployment or "default"
+    if deployment and "/" in deployment:
+        return deployment
+    return site.field.deployment_id(site.site_id, deployment)  # type: ignore[attr-defined]
 
 
 def _site_reading(site: object | None) -> object | None:

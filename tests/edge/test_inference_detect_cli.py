@@ -78,7 +78,7 @@ def test_detect_names_species_from_the_site_table_in_both_outputs(tmp_path, dete
         animals = [r for r in csv.DictReader(fh) if r["observationType"] == "animal"]
     assert len(animals) == len(detections)
     assert {r["scientificName"] for r in animals} == {"Ursus americanus"}
-    assert {r["deploymentID"] for r in animals} == {"site-9"}
+    assert {r["deploymentID"] for r in animals} == {"site-9/main"}  # SITE/DEPLOYMENT, as the site's package
     assert all(float(r["classificationProbability"]) == pytest.approx(1.0, abs=1e-3) for r in animals)
 
 
@@ -151,7 +151,7 @@ def test_detect_with_a_site_config_names_no_species_below_the_sites_confidence_t
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["detect", str(PHOTOS / "2480.jpg"), "--weights", str(weights), "--out",
                                       str(out), "--config", str(_site_config(tmp_path)), "--engine", "ort",
-                                      "--threads", "2"])
+                                      "--threads", "2", "--deployment", "cam-1"])
     assert result.exit_code == 0, result.output
     with (out / "observations.csv").open() as fh:
         animals = [r for r in csv.DictReader(fh) if r["observationType"] == "animal"]
@@ -160,5 +160,6 @@ def test_detect_with_a_site_config_names_no_species_below_the_sites_confidence_t
     assert all(r["observationComments"].endswith("species unknown (below the confidence threshold), best guess "
                                                  f"{TABLE[0]}") for r in animals)
     assert all(float(r["classificationProbability"]) == pytest.approx(1 / 3, abs=1e-3) for r in animals)
+    assert {r["deploymentID"] for r in animals} == {"site-9/cam-1"}  # the deployment within the site
     text = " ".join(result.output.split())
     assert f"species: 0 named, 0 named but not in the site's table, {len(animals)} unknown" in text
