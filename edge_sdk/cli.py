@@ -380,9 +380,10 @@ def detect(
         typer.echo(f"{name}: {path}")
     statuses = Counter(d.species_status for r in summary.records for d in r.detections if d.species_status)
     if statuses and site is not None:
-        typer.echo(f"species: {statuses['confident']} named, {statuses['unexpected']} named but not in the site's "
-                   f"table, {statuses['unknown']} unknown (below the confidence threshold "
-                   f"{site.field.confidence_threshold:g}, field.confidence_threshold in the site config)")
+        typer.echo(f"species of {sum(statuses.values())} detections: {statuses['confident']} named from the site's "
+                   f"table, {statuses['unexpected']} named but not in it, {statuses['unknown']} unknown (below the "
+                   f"confidence threshold {site.field.confidence_threshold:g}, field.confidence_threshold in the "
+                   "site config)")
     if publisher is not None:
         typer.echo(f"published: {summary.published}  failed: {summary.publish_failed}")
         if summary.publish_failed:

@@ -58,7 +58,8 @@ def status(config: Path = config_option()) -> None:
     if digests:
         newest = max(digests.items(), key=lambda kv: int(kv[1]["round"]))
         later = ("" if rep.model_hash in (None, newest[0]) else
-                 f"; the current model {rep.model_hash[:12]} is published so when a round's tasks name it")
+                 f"; the current model {rep.model_hash[:12]} went to the gateways as a release, and is published "
+                 "by digest only when a round's tasks train from it")
         console.print(f"models by digest: {len(digests)} retained on the broker, the newest {newest[0][:12]} (the "
                       f"model round {newest[1]['round']}'s tasks trained from){later}; one is cleared once no task of "
                       f"the last {cfg.transfer.model_retention_rounds} round(s) named it")

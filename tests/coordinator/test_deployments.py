@@ -91,7 +91,8 @@ def test_a_camera_without_coordinates_waits_off_the_map(tmp_path: Path) -> None:
 
 def _need(path: Path) -> None:
     if not path.exists():
-        pytest.skip(f"real data not present at {path} (a fresh clone has no ../shared/data)")
+        pytest.skip(f"real data not present at {path}"
+                    " (set WILDFED_SHARED_DATA to the data folder; a fresh clone has no ../shared/data)")
 
 
 def test_real_camtrap_dp_example(tmp_path: Path) -> None:

@@ -104,7 +104,8 @@ def test_secret_is_created_private_and_stable(tmp_path: Path) -> None:
 def test_real_wildlife_insights_deployments_stay_within_the_radius() -> None:
     path = DATA_ROOT / "wildlife-insights" / "cajambre" / "deployments.csv"
     if not path.exists():
-        pytest.skip(f"real data not present at {path} (a fresh clone has no ../shared/data)")
+        pytest.skip(f"real data not present at {path}"
+                    " (set WILDFED_SHARED_DATA to the data folder; a fresh clone has no ../shared/data)")
     with path.open(newline="", encoding="utf-8") as f:
         rows = [r for r in csv.DictReader(f) if r["latitude"] and r["longitude"]]
     assert rows

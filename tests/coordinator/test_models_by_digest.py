@@ -136,7 +136,8 @@ def test_each_round_publishes_its_model_once_and_gateways_train_on_it(tmp_path: 
     final = coord.rounds.current_model()[0]  # round 3's result: no task names it yet
     assert final != r3
     assert (f"models by digest: 1 retained on the broker, the newest {r3[:12]} (the model round 3's tasks trained "
-            f"from); the current model {final[:12]} is published so when a round's tasks name it"
+            f"from); the current model {final[:12]} went to the gateways as a release, and is published by digest "
+            "only when a round's tasks train from it"
             in " ".join(out.output.split())), out.output
     coord.close()
 

@@ -59,7 +59,8 @@ OBSERVATION_TYPES = {"animal", "human", "vehicle", "blank", "unknown", "unclassi
 def _need_media() -> list[Path]:
     files = sorted(MEDIA.glob("*.JPG")) if MEDIA.is_dir() else []
     if len(files) < 2:
-        pytest.skip(f"real data not present at {MEDIA} (a fresh clone has no ../shared/data)")
+        pytest.skip(f"real data not present at {MEDIA}"
+                    " (set WILDFED_SHARED_DATA to the data folder; a fresh clone has no ../shared/data)")
     return files
 
 
@@ -438,7 +439,8 @@ def test_export_pages_through_every_record_and_zips(tmp_path: Path) -> None:
 def test_export_columns_match_the_real_example_package() -> None:
     pkg = DATA_ROOT / "camtrap-dp-example"
     if not pkg.is_dir():
-        pytest.skip(f"real data not present at {pkg} (a fresh clone has no ../shared/data)")
+        pytest.skip(f"real data not present at {pkg}"
+                    " (set WILDFED_SHARED_DATA to the data folder; a fresh clone has no ../shared/data)")
     assert _read(pkg, "deployments.csv")[0] == CAMTRAP_DEPLOYMENTS
     assert _read(pkg, "media.csv")[0] == CAMTRAP_MEDIA
     assert _read(pkg, "observations.csv")[0] == CAMTRAP_OBSERVATIONS

@@ -63,7 +63,8 @@ def test_ort_matches_torch_on_random_input_at_several_batch_sizes(exported, torc
     np.testing.assert_allclose(emb.OnnxEmbedder(engine, SIZE).embed(x[:1]), expected[:1], atol=1e-4)
 
 
-@pytest.mark.skipif(not (ENA24 / "labels.csv").is_file(), reason=f"ENA24 photos not found at {ENA24}")
+@pytest.mark.skipif(not (ENA24 / "labels.csv").is_file(), reason=f"ENA24 photos not found at {ENA24}"
+                                                                 " (set WILDFED_SHARED_DATA to the data folder)")
 def test_ort_matches_torch_on_real_photos(exported, torch_model):
     from PIL import Image
 

@@ -169,7 +169,8 @@ def test_bad_worker_counts_are_refused(tmp_path: Path, workers) -> None:
                       detector=_RedSquare())
 
 
-@pytest.mark.skipif(not all((ENA24 / n).is_file() for n in REAL), reason=f"ENA24 originals not found in {ENA24}")
+@pytest.mark.skipif(not all((ENA24 / n).is_file() for n in REAL),
+                    reason=f"ENA24 originals not found in {ENA24} (set WILDFED_SHARED_DATA to the data folder)")
 def test_real_photos_give_the_same_boxes_and_species_as_the_full_decode() -> None:
     det_path, emb_path = find_detector_onnx(), find_embedder_onnx(128)
     if det_path is None or emb_path is None:

@@ -162,4 +162,5 @@ def test_detect_with_a_site_config_names_no_species_below_the_sites_confidence_t
     assert all(float(r["classificationProbability"]) == pytest.approx(1 / 3, abs=1e-3) for r in animals)
     assert {r["deploymentID"] for r in animals} == {"site-9/cam-1"}  # the deployment within the site
     text = " ".join(result.output.split())
-    assert f"species: 0 named, 0 named but not in the site's table, {len(animals)} unknown" in text
+    assert (f"species of {len(animals)} detections: 0 named from the site's table, 0 named but not in it, "
+            f"{len(animals)} unknown") in text

@@ -26,7 +26,8 @@ from edge_sdk.inference.weights import CHECKPOINT_SHA256, WeightsUnavailableErro
 from tests.support import SHARED_DATA
 
 SAMPLE = SHARED_DATA / "camtrapr-sample"
-needs_sample = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"camtrapR sample photos not found at {SAMPLE}")
+needs_sample = pytest.mark.skipif(not SAMPLE.is_dir(), reason=f"camtrapR sample photos not found at {SAMPLE}"
+                                                              " (set WILDFED_SHARED_DATA to the data folder)")
 
 
 @pytest.fixture(scope="module")

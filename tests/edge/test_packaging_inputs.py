@@ -59,7 +59,7 @@ def _frictionless_errors(package: Path) -> int:
 
 def test_folder_tree_of_species_camtrapr(tmp_path: Path) -> None:
     if not CAMTRAPR.is_dir():
-        pytest.skip(f"camtrapR sample photos not found at {CAMTRAPR}")
+        pytest.skip(f"camtrapR sample photos not found at {CAMTRAPR} (set WILDFED_SHARED_DATA to the data folder)")
     (tmp_path / "map.csv").write_text("code,scientificName\n" + "".join(f"{k},{v}\n" for k, v in CAMTRAPR_MAP.items())
                                       + "UNID,unknown\n")
     (tmp_path / "places.csv").write_text("station,lat,lon\nStationA,5.1,116.2\nStationB,5.2,116.3\n")

@@ -27,8 +27,8 @@ from tests.support import SHARED_DATA  # noqa: E402
 
 ENA24 = SHARED_DATA / "ena24-small"
 needs_ena24 = pytest.mark.skipif(not (ENA24 / "labels.csv").is_file(),
-                                 reason=f"ENA24 photos not found at {ENA24} (../shared/data is absent in a fresh "
-                                        "clone)")
+                                 reason=f"ENA24 photos not found at {ENA24} (set WILDFED_SHARED_DATA to the "
+                                        "data folder; a fresh clone has no ../shared/data)")
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_the_official_example_validates_offline_against_the_local_schemas(tmp_pa
     """The TDWG example (423 media, 549 observations) against our schemas: the only errors are its three media rows
     whose exifData is not JSON (a fact of the example's data, checked here with the json module)."""
     if not EXAMPLE.is_dir():
-        pytest.skip(f"official Camtrap DP example not found at {EXAMPLE}")
+        pytest.skip(f"official Camtrap DP example not found at {EXAMPLE} (set WILDFED_SHARED_DATA to the data folder)")
     from edge_sdk.packaging.validate import validate_package
 
     package = tmp_path / "example"

@@ -54,7 +54,7 @@ def _write(tmp_path: Path, site_data, **kwargs) -> Path:
 def test_headers_match_the_official_example(tmp_path: Path, site_data, table: str) -> None:
     example = EXAMPLE / f"{table}.csv"
     if not example.is_file():
-        pytest.skip(f"official Camtrap DP example not found at {example}")
+        pytest.skip(f"official Camtrap DP example not found at {example} (set WILDFED_SHARED_DATA to the data folder)")
     out = _write(tmp_path, site_data)
     assert _header(out / f"{table}.csv") == _header(example)
 

@@ -23,7 +23,7 @@ DATA_ROOT = SHARED_DATA
 
 def _need(path: Path) -> None:
     if not path.exists():
-        pytest.skip(f"real data not present at {path} (a fresh clone has no ../shared/data; see docs/nira.md)")
+        pytest.skip(f"real data not present at {path} (set WILDFED_SHARED_DATA to the data folder; see docs/nira.md)")
 
 
 def _raw_wi_species(project: str) -> dict[str, set[str]]:
