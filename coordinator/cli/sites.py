@@ -190,5 +190,10 @@ def provision(
         err_console.print(f"[bold yellow]warning:[/] the gateway will connect to {escape(result.broker_url)}, its own "
                           "loopback "
                           "address; pass --broker-url mqtt://<broker host>:1883 for a gateway in the field")
+    if not cfg.species and cfg.model != "radio_unet":
+        err_console.print("[bold yellow]warning:[/] the coordinator config has no species table (`species`), so the "
+                          "bundle cannot name the federation's classes: the gateway names a species only its own "
+                          "table lists, others as class_N; add `species` (class index, scientific name, IUCN "
+                          "category per class) and provision again")
     console.print(escape(f"  on the gateway: wildfed-edge install-bundle {result.bundle_path.name} --prefix "
                          f"/opt/wildfed --coordinator-fingerprint {result.coordinator_fingerprint[:32]}"))

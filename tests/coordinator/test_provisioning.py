@@ -215,6 +215,8 @@ def test_cli_provision(tmp_path, sdk_wheel, graph_cache, monkeypatch) -> None:
     assert result.exit_code == 0, result.output
     assert "provisioned" in result.output and read_bundle(tmp_path / "site-9.tar").manifest["profile"] == \
         "jetson-orin-nano"
+    # init's config has no federation species table: the operator is told what the bundle cannot name
+    assert "the coordinator config has no species table" in " ".join(result.output.split())
     again = runner.invoke(coordinator_app, args)
     assert again.exit_code == 2 and "already enrolled" in again.output
 
