@@ -338,7 +338,7 @@ def plan_budgets(
         table.add_column(col, justify="left" if col == "category" else "right")
     for r in rows:
         table.add_row(r.category.value, f"{r.budget:.3f}", f"{r.sampling_rate:.4g}", f"{r.noise_multiplier:.3f}",
-                      str(r.rounds), f"{r.days:.2f}",
+                      str(r.rounds), f"{r.days:.2f}" if r.days >= 0.1 else f"{r.days * 24:.2g} h",
                       f"{r.signal.ratio:.3g}", f"{r.federation_ratio:.3g}")
     console.print(table)
     console.print("signal/noise: the best case (every clipped gradient of full norm, all aligned) over a record's "

@@ -33,3 +33,18 @@ def test_each_row_spends_its_budget_over_the_rounds_and_the_signal_is_the_closed
                                                                                          * math.sqrt(d)), rel=1e-9)
         assert r.federation_ratio == pytest.approx(2 * r.signal.ratio, rel=1e-12)
     assert rows[-1].sampling_rate == pytest.approx(8 / 80)  # the anchor (NE, the largest budget) runs at B / N_k
+
+
+def test_the_table_gives_a_short_training_life_in_hours(tmp_path):
+    from typer.testing import CliRunner
+
+    from coordinator.config import save_config
+    from wildfed_sim.cli import app
+
+    cfg = CoordinatorConfig(federation_id="plan", rounds=3, local_steps=4, expected_batch_size=8,
+                            schedule={"round_interval_s": 90})
+    path = save_config(cfg, tmp_path / "c.yaml")
+    result = CliRunner().invoke(app, ["plan-budgets", "--config", str(path), "--capacity", "80", "--records", "10",
+                                      "--sites", "2", "--categories", "LC"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"{3 * 90 / 3600:.2g} h" in result.output  # 3 rounds 90 s apart: 0.075 h, where days showed 0.00
