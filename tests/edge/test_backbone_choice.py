@@ -65,7 +65,7 @@ def test_an_unknown_backbone_in_the_site_config_names_the_field_and_the_choices(
     ((LITE1, None), {"backbone": LITE1, "embedding_input_size": 200}, (LITE1, 200)),
 ])
 def test_detect_takes_the_options_then_the_site_config(tmp_path, options, fields, expected):
-    from edge_sdk.cli import _detect_backbone
+    from edge_sdk.cli_detect import _detect_backbone
 
     site = load_site_config(_site(tmp_path, **fields)) if fields is not None else None
     assert _detect_backbone(*options, site) == {"backbone": expected[0], "input_size": expected[1]}
