@@ -174,7 +174,7 @@ class EdgeAgent(TaskDispatch):
 
             SitePackage(config.dataset, site_id=config.site_id).ensure()  # a new site starts with an empty package
         if transport is None:
-            from edge_sdk.uplink.mqtt import transport_from_config
+            from edge_sdk.uplink.site_transport import transport_from_config
 
             transport = transport_from_config(config)  # TLS, credentials, last will (docs/security.md)
         return cls(config=config, transport=transport, signing_key=signing_key, coordinator_key=coordinator_key,

@@ -106,7 +106,7 @@ def detect(
                 weights = kept
                 typer.echo(f"classifier: the latest global model this gateway received ({kept})")
         if publish and site is not None:
-            from edge_sdk.uplink.mqtt import transport_from_config
+            from edge_sdk.uplink.site_transport import transport_from_config
 
             transport = transport_from_config(site, role="detect")  # its own broker account, no presence
             transport.connect()

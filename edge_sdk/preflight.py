@@ -186,7 +186,7 @@ def _keys(cfg: Any, result: Preflight) -> None:
 def _broker(cfg: Any, result: Preflight) -> None:
     """Step 5: the transport ``run`` builds (TLS files, credentials), built and dropped without connecting."""
     try:
-        from edge_sdk.uplink.mqtt import transport_from_config
+        from edge_sdk.uplink.site_transport import transport_from_config
 
         transport_from_config(cfg)
     except ConfigError as exc:

@@ -61,7 +61,7 @@ def test_rounds_through_a_three_node_cluster(tmp_path: Path, cluster: NatsCluste
     from edge_sdk.agent import EdgeAgent
     from edge_sdk.config import load_site_config
     from edge_sdk.uplink.mqtt import MqttTransport as EdgeMqtt
-    from edge_sdk.uplink.mqtt import transport_from_config
+    from edge_sdk.uplink.site_transport import transport_from_config
 
     # Prepare: coordinator on node 0, s1 on node 1, s2 on node 2, each gateway listing the other nodes
     urls = cluster.urls

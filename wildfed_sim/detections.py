@@ -158,7 +158,7 @@ def run_demo_detections(*, coordinator: Any, site_configs: Sequence[str | Path],
     from edge_sdk.inference.embedder import OnnxEmbedder
     from edge_sdk.inference.records import DetectionPublisher
     from edge_sdk.inference.run import run_detection
-    from edge_sdk.uplink.mqtt import transport_from_config
+    from edge_sdk.uplink.site_transport import transport_from_config
 
     t0 = time.monotonic()
     if not site_configs:

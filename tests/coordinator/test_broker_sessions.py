@@ -38,7 +38,7 @@ from coordinator.registry import SiteRegistry
 from coordinator.storage import Store
 from coordinator.transport.mqtt import transport_from_config as coordinator_transport
 from edge_sdk.config import SiteConfig
-from edge_sdk.uplink.mqtt import transport_from_config as site_transport
+from edge_sdk.uplink.site_transport import transport_from_config as site_transport
 from tests.support import free_port
 from edge_sdk.uplink.transport import TransportError
 from tests.coordinator.helpers import make_config

@@ -26,7 +26,8 @@ from coordinator.storage import Store
 from coordinator.transport.mqtt import MqttTransport as CoordinatorTransport
 from coordinator.transport.mqtt import transport_from_config as coordinator_transport_from_config
 from edge_sdk.config import SiteConfig
-from edge_sdk.uplink.mqtt import MqttTransport, full_jitter_delay, transport_from_config
+from edge_sdk.uplink.mqtt import MqttTransport, full_jitter_delay
+from edge_sdk.uplink.site_transport import transport_from_config
 from edge_sdk.uplink.transport import TransportError
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)

@@ -34,7 +34,7 @@ from coordinator.transport.mqtt import MqttTransport as CoordinatorTransport
 from coordinator.transport.mqtt import transport_from_config as coordinator_transport
 from edge_sdk.agent import EdgeAgent
 from edge_sdk.config import load_site_config
-from edge_sdk.uplink.mqtt import transport_from_config
+from edge_sdk.uplink.site_transport import transport_from_config
 from edge_sdk.uplink.transport import MessageRefusedError, TransportError
 from shared.keys import generate_signing_key
 
