@@ -31,9 +31,9 @@ EXPERIMENTS: dict[str, set[str]] = {
     "fedbuff": {"fedbuff_sim", "fedbuff_experiment"},
 }
 #: what every experiment may use: the building blocks (besides wildfed_sim.common)
-BUILDING_BLOCKS = {"animal_mnist", "animal_species", "camtrap_writer", "detections", "ecology", "ecology_summary", "embedded_broker",
-                   "embeddings", "evaluation", "fleet_check", "gateway_processes", "demo_sim", "link_models",
-                   "link_driver", "link_relay"}
+BUILDING_BLOCKS = {"animal_mnist", "animal_species", "camtrap_writer", "detections", "ecology", "ecology_summary",
+                   "site_allocation", "embedded_broker", "embeddings", "evaluation", "fleet_check",
+                   "gateway_processes", "demo_sim", "link_models", "link_driver", "link_relay"}
 ENTRY_POINTS = {"cli", "cli_experiments", "cli_data", "__init__"}
 
 
