@@ -23,7 +23,7 @@ EXPERIMENTS: dict[str, set[str]] = {
                  "fedsofim_settings"},
     "privacy_utility": {"privacy_utility", "privacy_utility_configs", "privacy_utility_report"},
     "nira_sim": {"nira_sim", "nira_sim_settings", "nira_sim_scoring", "nira_sim_structures", "nira_sim_report",
-                 "nira_metadata"},
+                 "nira_metadata", "nira_datasets"},
     "tune_demo": {"tune_demo"},
     "real_photos": {"real_photos_run", "real_photos", "real_photo_sites"},
     "audit": {"audit", "audit_stats", "audit_canaries", "audit_records"},
