@@ -45,6 +45,8 @@ import numpy as np
 from shared.errors import WildFedError
 from shared.iucn import IUCNCategory
 
+from coordinator.strategies.ecological_clustering import pairwise_values
+
 from .animal_mnist import CLASS_NAMES, SPECIES_TABLE
 from .site_allocation import allocate_images
 
@@ -59,7 +61,6 @@ __all__ = [
     "jaccard",
     "jaccard_matrix",
     "lognormal_quantile_sizes",
-    "upper_triangle",
 ]
 
 
@@ -173,11 +174,6 @@ def jaccard_matrix(species_lists: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
-def upper_triangle(matrix: np.ndarray) -> np.ndarray:
-    """Upper-triangle (i < j) entries of a square matrix, as a 1-D array."""
-    return matrix[np.triu_indices(matrix.shape[0], k=1)]
-
-
 def lognormal_quantile_sizes(num_sites: int, *, min_size: int, spread: float) -> np.ndarray:
     """Site sizes at evenly spaced quantiles of a lognormal, smallest ``min_size``, largest ``min_size*spread``.
 
@@ -212,7 +208,7 @@ def _draw_species_lists(biomes: Sequence[Biome], rng: np.random.Generator, num_c
         for biome in biomes:
             keep = [s for s in biome.pool if s in biome.core or rng.random() < 0.5]
             lists.append(tuple(sorted(CLASS_NAMES.index(s) for s in keep)))
-        pair = upper_triangle(jaccard_matrix(lists))
+        pair = pairwise_values(jaccard_matrix(lists))
         score = abs(pair.min() - target[0]) + abs(pair.max() - target[1])
         if len(set(lists)) < len(lists):
             score += 2.0  # two identical lists: only when the biomes leave no choice (many sites per biome)

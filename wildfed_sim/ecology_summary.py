@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wildfed_sim.ecology import SENSITIVE_CLASSES, SiteDesignError, SiteSpec, jaccard_matrix, upper_triangle
+from coordinator.strategies.ecological_clustering import pairwise_values
+from wildfed_sim.ecology import SENSITIVE_CLASSES, SiteDesignError, SiteSpec, jaccard_matrix
 
 __all__ = ["DesignSummary", "summarize_design"]
 
@@ -64,13 +65,13 @@ def summarize_design(sites: Sequence[SiteSpec], *, num_available: int,
     """
     if len(sites) < 2:
         raise SiteDesignError("a design summary needs at least two sites")
-    pair = upper_triangle(jaccard_matrix([s.species for s in sites]))
+    pair = pairwise_values(jaccard_matrix([s.species for s in sites]))
     nonzero = pair[pair > 0]
     if sensitive is None:
         sensitive = SENSITIVE_CLASSES
     public_lists = [tuple(c for c in s.species if c not in set(sensitive)) for s in sites]
     if sensitive and all(public_lists):
-        public = upper_triangle(jaccard_matrix(public_lists))
+        public = pairwise_values(jaccard_matrix(public_lists))
         pub_min, pub_max = float(public.min()), float(public.max())
     else:
         pub_min = pub_max = float("nan")
