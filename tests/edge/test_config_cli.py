@@ -108,7 +108,8 @@ def test_agent_imports_neither_torch_nor_paho_until_needed() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypatch) -> None:
+def _site_on_a_memory_broker(tmp_path: Path, monkeypatch) -> None:
+    """A site under ``tmp_path`` whose agent, when ``run`` builds it, talks to an in-memory broker."""
     from edge_sdk import agent as agent_module
     from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
@@ -120,6 +121,10 @@ def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypat
     monkeypatch.setattr(agent_module.EdgeAgent, "from_config",
                         classmethod(lambda cls, cfg, transport=None, **kw: original(
                             cls, cfg, transport=InMemoryTransport(broker), **kw)))
+
+
+def test_cli_run_writes_ready_file_and_stops_when_idle(tmp_path: Path, monkeypatch) -> None:
+    _site_on_a_memory_broker(tmp_path, monkeypatch)
     ready = tmp_path / "ready" / "site.ready"
     result = CliRunner().invoke(app, ["run", "--config", str(tmp_path / "site.yaml"), "--idle-timeout", "0.2",
                                       "--ready-file", str(ready)])
@@ -131,16 +136,8 @@ def test_cli_run_interrupted_says_so_and_counts_what_was_trained(tmp_path: Path,
     """Ctrl-C during run: the stop line says interrupted and counts the rounds the agent trained (not a word in
     place of the number)."""
     from edge_sdk import agent as agent_module
-    from edge_sdk.uplink.transport import InMemoryBroker, InMemoryTransport
 
-    from .test_agent import make_site
-
-    broker = InMemoryBroker()
-    make_site(tmp_path, InMemoryTransport(broker))
-    original = agent_module.EdgeAgent.from_config.__func__
-    monkeypatch.setattr(agent_module.EdgeAgent, "from_config",
-                        classmethod(lambda cls, cfg, transport=None, **kw: original(
-                            cls, cfg, transport=InMemoryTransport(broker), **kw)))
+    _site_on_a_memory_broker(tmp_path, monkeypatch)
 
     def interrupted(self, **kw):  # noqa: ANN001, ANN003
         self.ctx.stats["tasks_trained"] += 2
