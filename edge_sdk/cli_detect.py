@@ -161,15 +161,11 @@ def _deployment_id(deployment: str | None, site: object | None) -> str:
 
 
 def _site_reading(site: object | None) -> object | None:
-    """How ``detect`` reads a crop's species probabilities with a site config: as the field loop does (the site's
-    species as a prior, ``field.confidence_threshold``, ``field.outside_prior``; below the threshold a detection's
-    species is unknown); None without a config (the top class)."""
+    """How ``detect`` reads a crop's species probabilities with a site config: as the field loop does
+    (:func:`edge_sdk.field.predictions.site_reader`; below the threshold a detection's species is unknown); None
+    without a config (the top class)."""
     if site is None:
         return None
-    from functools import partial
+    from edge_sdk.field.predictions import site_reader
 
-    from edge_sdk.field.predictions import read_prediction
-
-    return partial(read_prediction, site_classes={e.class_index for e in site.species},  # type: ignore[attr-defined]
-                   threshold=site.field.confidence_threshold,  # type: ignore[attr-defined]
-                   outside_prior=site.field.outside_prior)  # type: ignore[attr-defined]
+    return site_reader(site)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ def evaluate(
     from edge_sdk.config import global_model_path, load_site_config
     from edge_sdk.data.camtrap_dp import load_camtrap_dp
     from edge_sdk.data.embedding import embed_dataset
-    from edge_sdk.field.predictions import read_prediction
+    from edge_sdk.field.predictions import site_reader
     from edge_sdk.global_model import KeptModel
     from edge_sdk.inference.classifier import head_logits
     from edge_sdk.site_paths import embedding_cache_dir
@@ -57,7 +57,7 @@ def evaluate(
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     logits = head_logits(model.weights, data.features).astype(np.float64) if len(data) else np.zeros((0, 1))
-    site_classes = {e.class_index for e in cfg.species}
+    read = site_reader(cfg)
     names = cfg.names_by_class
     totals: Counter[int] = Counter(int(y) for y in data.labels)
     argmax_ok: Counter[int] = Counter()
@@ -67,8 +67,7 @@ def evaluate(
         p = np.exp(row - row.max())
         p /= p.sum()
         argmax_ok[int(y)] += int(np.argmax(p) == y)
-        reading = read_prediction(p, site_classes, threshold=cfg.field.confidence_threshold,
-                                  outside_prior=cfg.field.outside_prior)
+        reading = read(p)
         named_ok[int(y)] += int(reading.named and reading.index == y)
         unknown[int(y)] += int(not reading.named)
     what = "held-out package" if package else "the site's own training records: optimistic"

@@ -17,12 +17,18 @@ class, so the threshold is what keeps a guess from being shown as an identificat
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_OUTSIDE_PRIOR", "Prediction", "site_posterior", "read_prediction"]
+if TYPE_CHECKING:
+    from edge_sdk.config import SiteConfig
+
+__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_OUTSIDE_PRIOR", "Prediction", "site_posterior", "read_prediction",
+           "site_reader"]
 
 #: Posterior below which a prediction is ``unknown``.
 DEFAULT_THRESHOLD = 0.5
@@ -116,3 +122,11 @@ def read_prediction(probabilities: np.ndarray, site_classes: Collection[int], *,
     else:
         status = "confident"
     return Prediction(index=index, confidence=confidence, status=status)
+
+
+def site_reader(config: SiteConfig) -> Callable[[np.ndarray], Prediction]:
+    """:func:`read_prediction` with a site config's settings: its species table's classes as the prior,
+    ``field.confidence_threshold`` and ``field.outside_prior`` (what ``detect`` and ``evaluate`` read a crop with,
+    as the field loop does)."""
+    return partial(read_prediction, site_classes={e.class_index for e in config.species},
+                   threshold=config.field.confidence_threshold, outside_prior=config.field.outside_prior)
