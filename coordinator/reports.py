@@ -7,6 +7,7 @@ and seed formulas of :mod:`shared.privacy.comparison` appear beside it for compa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,10 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
         _, last_sets = ledger.last_round_event_sets(site_id)
         pending_rounds = ledger.pending_rounds(site_id).get(site_id, ())
         for cat in IUCNCategory:
-            stream, pending, counts = site_id, len(pending_rounds), (None, None)
+            stream, pending, counts, spends = site_id, len(pending_rounds), (None, None), {}
             if states and cat in trained:
-                stream, active = _reported_stream(ledger, states, cat, accountant)
+                spends = {c.stream: ledger.spent(c.stream, cat, accountant) for c in states}  # each cohort's, once
+                stream, active = _reported_stream(states, cat, spends)
                 first = cohort_of(stream)
                 pending = sum(1 for p in pending_rounds if first is None or p >= first)
                 counts = (active, len(states) - active)
@@ -105,9 +107,7 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
             # the halt check's own prediction: every release of one more round (DP-SGD steps, NIRA's noisy counts)
             nxt = ledger.next_round_events(stream, cat, last_sets)
             dpsgd = ledger.events(stream, cat, mechanism="dpsgd")
-            spent = ledger.spent(stream, cat, accountant)
-            most = (max(ledger.spent(c.stream, cat, accountant) for c in states) if counts[0] is not None
-                    else spent)
+            spent = spends[stream] if stream in spends else ledger.spent(stream, cat, accountant)
             stopped = cat in halted if counts[0] is None else counts[0] == 0
             out.append(BudgetReportRow(
                 site_id=site_id, category=cat, budget=budgets[cat], spent=spent,
@@ -122,19 +122,19 @@ def budget_report(cfg: CoordinatorConfig, registry: SiteRegistry, ledger: Privac
                 eps_seed_bound=seed_advanced_composition_epsilon(events, delta),
                 z_textbook=textbook_gaussian_noise_multiplier(budgets[cat], delta),
                 textbook_valid=textbook_formula_valid(budgets[cat]),
-                cohorts_active=counts[0], cohorts_retired=counts[1], cohort=(cohort_of(stream) or 0) if counts[0] is not None else None,
-                most_spent=max(most, spent)))
+                cohorts_active=counts[0], cohorts_retired=counts[1],
+                cohort=(cohort_of(stream) or 0) if counts[0] is not None else None,
+                most_spent=max([spent, *spends.values()])))
     return out
 
 
-def _reported_stream(ledger: PrivacyLedger, states: list[CohortState], cat: IUCNCategory,
-                     accountant: AccountantName) -> tuple[str, int]:
+def _reported_stream(states: list[CohortState], cat: IUCNCategory, spends: Mapping[str, float]) -> tuple[str, int]:
     """``(stream, active cohorts)`` for a site's row of ``cat``: the oldest cohort still training ``cat``, else the
-    cohort that spent the most on it (BudgetReportRow)."""
+    cohort that spent the most on it (``spends``: each cohort's stream's epsilon; BudgetReportRow)."""
     active = [c for c in states if c.retired_round is None and cat not in c.halted]
     if active:
         return active[0].stream, len(active)
-    return max((c.stream for c in states), key=lambda x: ledger.spent(x, cat, accountant)), 0
+    return max((c.stream for c in states), key=lambda x: spends[x]), 0
 
 
 def observer_mode(cfg: CoordinatorConfig) -> Mode | None:
