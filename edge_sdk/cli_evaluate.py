@@ -37,6 +37,7 @@ def evaluate(
     from edge_sdk.config import global_model_path, load_site_config
     from edge_sdk.data.camtrap_dp import load_camtrap_dp
     from edge_sdk.data.embedding import embed_dataset
+    from edge_sdk.cli_common import error
     from edge_sdk.field.predictions import site_reader
     from edge_sdk.global_model import KeptModel
     from edge_sdk.inference.classifier import head_logits
@@ -54,7 +55,7 @@ def evaluate(
         data = embed_dataset(data, embedding_cache_dir(cfg), input_size=cfg.embedding_input_size,
                              backbone=cfg.backbone, threads=cfg.threads)
     except WildFedError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}")
+        error(exc)
         raise typer.Exit(code=2) from None
     logits = head_logits(model.weights, data.features).astype(np.float64) if len(data) else np.zeros((0, 1))
     read = site_reader(cfg)

@@ -20,15 +20,17 @@ from rich.table import Table
 
 from shared.errors import ConfigError, WildFedError
 
+from edge_sdk import cli_common as _common
+
 __all__ = ["package", "KINDS", "BOX_MODES"]
 
 KINDS = ("folder", "labels", "timelapse", "megadetector")
 BOX_MODES = ("auto", "detect", "none")
-console = Console(stderr=True)
+console = _common.console
 
 
 def _fail(message: object, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {escape(str(message))}")
+    _common.error(message)
     return typer.Exit(code=code)
 
 

@@ -16,21 +16,21 @@ set-password`` (its accounts); docs/review.md.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
 from shared.errors import ConfigError, WildFedError
 
+from edge_sdk import cli_common as _common
+
 __all__ = ["register", "review", "user_app", "LOOPBACK"]
 
-console = Console(stderr=True)
+console = _common.console
 out = Console()
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -44,7 +44,7 @@ user_app = typer.Typer(name="review-user", help="Accounts of the review page (ke
 
 
 def _fail(message: object, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {escape(str(message))}")
+    _common.error(message)
     return typer.Exit(code=code)
 
 
@@ -93,8 +93,7 @@ def review(
     for option, path in (("--tls-cert", tls_cert), ("--tls-key", tls_key)):
         if path is not None and not path.is_file():
             raise _fail(ConfigError(f"{path} is not a file", field=option, fix="point it at a PEM file"))
-    logging.basicConfig(level=log_level.upper(), format="%(message)s", datefmt="[%X]", force=True,
-                        handlers=[RichHandler(console=console, rich_tracebacks=False, show_path=False)])
+    _common.setup_logging(log_level)
     cfg = _config(config)
     if cfg.incoming is None:
         console.print("[yellow]warning:[/] this site config sets no `incoming:` folder, so the field loop makes no "
